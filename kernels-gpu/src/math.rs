@@ -1,0 +1,247 @@
+//! The arithmetic of RoPE as plain functions that compile for the GPU and the host alike.
+//!
+//! Everything here is `core`-only Rust with no intrinsics, so the host's unit tests exercise
+//! exactly the code the kernels run. Nothing here reads memory.
+//!
+//! # The angle and its accuracy
+//! Frequency `i` of a rotary dimension `d` is `inv_freq_i = theta^(-2i/d)`, and the token at
+//! position `p` rotates pair `i` by `angle = p * inv_freq_i`. The kernels compute that angle in
+//! `f64`, reduce it modulo `pi/2` in `f64` (Cody–Waite with a three-part `pi/2`) and evaluate
+//! `sin`/`cos` of the reduced argument with `f64` polynomials, rounding to `f32` once at the end.
+//! The `f64` angle is off by about `2^-52 * |angle|` (under `1e-9` radians up to position
+//! `2^22`) and the reduction adds about `2^-52`, so `cos`/`sin` land within one `f32` unit in
+//! the last place of the exact values; an `f32` angle (`p_f32 * inv_freq_f32`) is off by up to
+//! `ulp(p * inv_freq) / 2`, about `3e-2` radians at position one million.
+
+/// `2^52 * 1.5`: adding and subtracting it rounds an `f64` of magnitude below `2^51` to the
+/// nearest integer (ties to even) without any float-to-int conversion.
+const ROUND_MAGIC: f64 = 6_755_399_441_055_744.0;
+
+/// `pi/2` split into four parts whose sum is within `1e-36` of `pi/2`. The first three carry 21
+/// significant bits each, so `k * PIO2_n` is exact for every `|k| < 2^32`.
+const PIO2_1: f64 = 1.570_796_012_878_418;
+const PIO2_2: f64 = 3.139_164_164_167_596e-7;
+const PIO2_3: f64 = 6.223_369_259_164_557e-14;
+const PIO2_4: f64 = 2.912_732_056_093_356e-20;
+/// `2/pi`, to round `x * 2/pi` to the nearest quadrant count.
+const TWO_OVER_PI: f64 = 0.636_619_772_367_581_382_43;
+
+/// Rotates one pair `(a, b)` by the angle whose cosine and sine are `cos`, `sin`:
+/// `(a cos - b sin, b cos + a sin)`.
+///
+/// The backward pass of RoPE is the same rotation with `-sin` (the transposed rotation).
+#[inline(always)]
+pub fn rotate(a: f32, b: f32, cos: f32, sin: f32) -> (f32, f32) {
+    (a * cos - b * sin, b * cos + a * sin)
+}
+
+/// Rounds `x` to the nearest integer, ties to even, for `|x| < 2^51`.
+#[inline(always)]
+fn round_to_int(x: f64) -> f64 {
+    (x + ROUND_MAGIC) - ROUND_MAGIC
+}
+
+/// `2^x` in `f64`, within about one `f64` ulp, for `-1022 <= x <= 1023`; saturates outside.
+///
+/// `x = n + f` with `n` an integer and `|f| <= 1/2`; `2^f` comes from a degree-13 Taylor series
+/// of `e^(f ln 2)` (truncation error below `1e-18`) and `2^n` is written into the exponent.
+#[inline(always)]
+pub fn exp2_f64(x: f64) -> f64 {
+    let x = if x > 1023.0 {
+        1023.0
+    } else if x < -1022.0 {
+        -1022.0
+    } else {
+        x
+    };
+    let n = round_to_int(x);
+    let t = (x - n) * core::f64::consts::LN_2;
+    // Horner form of sum_{k=0}^{13} t^k / k!.
+    let mut p = 1.0 / 6_227_020_800.0;
+    p = p * t + 1.0 / 479_001_600.0;
+    p = p * t + 1.0 / 39_916_800.0;
+    p = p * t + 1.0 / 3_628_800.0;
+    p = p * t + 1.0 / 362_880.0;
+    p = p * t + 1.0 / 40_320.0;
+    p = p * t + 1.0 / 5_040.0;
+    p = p * t + 1.0 / 720.0;
+    p = p * t + 1.0 / 120.0;
+    p = p * t + 1.0 / 24.0;
+    p = p * t + 1.0 / 6.0;
+    p = p * t + 0.5;
+    p = p * t + 1.0;
+    p = p * t + 1.0;
+    // n is an integer in [-1022, 1023]: the biased exponent n + 1023 is in [1, 2046].
+    let biased = (n as i64 + 1023) as u64;
+    p * f64::from_bits(biased << 52)
+}
+
+/// The inverse frequency of pair `i` for rotary dimension `rotary_dim`:
+/// `theta^(-2i / rotary_dim) = 2^(-(2i / rotary_dim) * log2(theta))`.
+///
+/// `log2_theta` is `log2(theta)`, computed once on the host in `f64`.
+#[inline(always)]
+pub fn inv_freq(i: u32, rotary_dim: u32, log2_theta: f64) -> f64 {
+    exp2_f64(-((2 * i) as f64 / rotary_dim as f64) * log2_theta)
+}
+
+/// `sin(r)` and `cos(r)` for `|r| <= pi/4` (a little beyond is fine), by Taylor series to
+/// degree 17 and 18: truncation error below `1e-19`.
+#[inline(always)]
+fn sincos_reduced(r: f64) -> (f64, f64) {
+    let z = r * r;
+    let mut s = 1.0 / 355_687_428_096_000.0; // 1/17!
+    s = s * z - 1.0 / 1_307_674_368_000.0; // 1/15!
+    s = s * z + 1.0 / 6_227_020_800.0;
+    s = s * z - 1.0 / 39_916_800.0;
+    s = s * z + 1.0 / 362_880.0;
+    s = s * z - 1.0 / 5_040.0;
+    s = s * z + 1.0 / 120.0;
+    s = s * z - 1.0 / 6.0;
+    let sin = r + r * z * s;
+    let mut c = 1.0 / 6_402_373_705_728_000.0; // 1/18!
+    c = c * z - 1.0 / 20_922_789_888_000.0; // 1/16!
+    c = c * z + 1.0 / 87_178_291_200.0;
+    c = c * z - 1.0 / 479_001_600.0;
+    c = c * z + 1.0 / 3_628_800.0;
+    c = c * z - 1.0 / 40_320.0;
+    c = c * z + 1.0 / 720.0;
+    c = c * z - 1.0 / 24.0;
+    c = c * z + 0.5;
+    let cos = 1.0 - z * c;
+    (sin, cos)
+}
+
+/// `(cos(angle), sin(angle))` rounded once to `f32`, for `|angle| < 2^32`.
+///
+/// The angle is reduced to `r = angle - k * pi/2` with `|r| <= pi/4` using a four-part `pi/2`
+/// (the first step is exact, the others add about `2^-53` each), and the quadrant `k mod 4` picks
+/// and signs the series results. Beyond `2^32` the reduction degrades gracefully but is no
+/// longer exact.
+#[inline(always)]
+pub fn cos_sin_f32(angle: f64) -> (f32, f32) {
+    let k = round_to_int(angle * TWO_OVER_PI);
+    let r = (((angle - k * PIO2_1) - k * PIO2_2) - k * PIO2_3) - k * PIO2_4;
+    let (s, c) = sincos_reduced(r);
+    // k is an integer below 2^50 in magnitude, so the cast is exact; `& 3` is k mod 4 in two's
+    // complement for negative k too.
+    let (cos, sin) = match (k as i64) & 3 {
+        0 => (c, s),
+        1 => (-s, c),
+        2 => (-c, -s),
+        _ => (s, -c),
+    };
+    (cos as f32, sin as f32)
+}
+
+/// `(cos, sin)` of `position * inv_freq_i` for pair `i`, rounded once to `f32`.
+///
+/// This is what the kernels compute when sin/cos come from `theta` instead of a table.
+#[inline(always)]
+pub fn rope_cos_sin(position: i64, i: u32, rotary_dim: u32, log2_theta: f64) -> (f32, f32) {
+    cos_sin_f32(position as f64 * inv_freq(i, rotary_dim, log2_theta))
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+
+    /// Distance between two `f32` in units in the last place of `exact`.
+    fn ulps(got: f32, exact: f64) -> f64 {
+        let e = exact as f32;
+        let ulp = if e == 0.0 {
+            f32::MIN_POSITIVE as f64
+        } else {
+            (f32::from_bits(e.abs().to_bits() + 1) - e.abs()) as f64
+        };
+        ((got as f64) - exact).abs() / ulp
+    }
+
+    #[test]
+    fn pio2_parts_sum_to_pi_over_2() {
+        assert_eq!(
+            ((PIO2_4 + PIO2_3) + PIO2_2) + PIO2_1,
+            core::f64::consts::FRAC_PI_2
+        );
+        // The first three parts have at most 21 significant bits (32 trailing zero bits), so
+        // k * PIO2_n is exact for |k| < 2^32.
+        for p in [PIO2_1, PIO2_2, PIO2_3] {
+            assert_eq!(p.to_bits() & ((1 << 32) - 1), 0, "{p}");
+        }
+    }
+
+    #[test]
+    fn exp2_matches_std_within_two_ulp() {
+        let mut x = -60.0f64;
+        while x < 60.0 {
+            let got = exp2_f64(x);
+            let want = x.exp2();
+            assert!(
+                ((got - want) / want).abs() < 4.5e-16,
+                "x={x} got={got} want={want}"
+            );
+            x += 0.013_7;
+        }
+        assert_eq!(exp2_f64(0.0), 1.0);
+        assert_eq!(exp2_f64(-3.0), 0.125);
+    }
+
+    #[test]
+    fn inv_freq_matches_powf() {
+        for &theta in &[10_000.0f64, 500_000.0, 1e7] {
+            for d in [2u32, 64, 128, 256] {
+                for i in 0..d / 2 {
+                    let got = inv_freq(i, d, theta.log2());
+                    let want = theta.powf(-2.0 * i as f64 / d as f64);
+                    assert!(
+                        ((got - want) / want).abs() < 1e-14,
+                        "theta={theta} d={d} i={i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cos_sin_within_one_ulp_over_wide_angles() {
+        // Angles from tiny to 2^31, plus the neighbourhoods of multiples of pi/2.
+        let mut a = 1e-9f64;
+        while a < 2.2e9 {
+            for angle in [a, -a] {
+                let (c, s) = cos_sin_f32(angle);
+                assert!(
+                    ulps(c, angle.cos()) <= 1.0,
+                    "cos({angle}) = {c} vs {}",
+                    angle.cos()
+                );
+                assert!(
+                    ulps(s, angle.sin()) <= 1.0,
+                    "sin({angle}) = {s} vs {}",
+                    angle.sin()
+                );
+            }
+            a *= 1.011;
+        }
+        for k in 1..2000i64 {
+            let angle = k as f64 * core::f64::consts::FRAC_PI_2 * 1.000_000_1;
+            let (c, s) = cos_sin_f32(angle);
+            assert!(((c as f64) - angle.cos()).abs() < 1e-7);
+            assert!(((s as f64) - angle.sin()).abs() < 1e-7);
+        }
+    }
+
+    #[test]
+    fn rotate_is_the_plain_formula() {
+        let (y0, y1) = rotate(1.5, -2.0, 0.6, 0.8);
+        assert_eq!(y0, 1.5 * 0.6 - (-2.0) * 0.8);
+        assert_eq!(y1, -2.0 * 0.6 + 1.5 * 0.8);
+    }
+
+    #[test]
+    fn position_zero_gives_identity_rotation() {
+        for i in 0..64 {
+            assert_eq!(rope_cos_sin(0, i, 128, 10_000f64.log2()), (1.0, 0.0));
+        }
+    }
+}

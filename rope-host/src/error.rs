@@ -1,0 +1,36 @@
+//! The one error type of the library.
+
+/// Everything that can go wrong in `rope-host`.
+///
+/// Validation errors name the argument and the problem, and are returned before anything
+/// touches the GPU, so outputs are unchanged when an error is returned.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The CUDA driver library (`libcuda.so` / `nvcuda.dll`) could not be loaded: no NVIDIA
+    /// driver is installed on this machine.
+    #[error("no CUDA driver: {0}")]
+    NoDriver(&'static str),
+    /// A CUDA driver call failed (no device, out of memory, a failed launch, ...).
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// An argument is invalid; `arg` names it and `problem` says what is wrong.
+    #[error("{arg}: {problem}")]
+    Invalid {
+        /// The argument, as named in the API (for example `"x"` or `"positions"`).
+        arg: &'static str,
+        /// What is wrong with it, with the values involved.
+        problem: String,
+    },
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Shorthand for an [`Error::Invalid`].
+pub(crate) fn invalid(arg: &'static str, problem: impl Into<String>) -> Error {
+    Error::Invalid {
+        arg,
+        problem: problem.into(),
+    }
+}

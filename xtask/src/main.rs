@@ -1,0 +1,41 @@
+//! Project tasks: `cargo xtask ptx [--check]`, `cargo xtask gpu-bundle`.
+//!
+//! - `ptx` builds `kernels-gpu` for `nvptx64-nvidia-cuda` with the pinned nightly
+//!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result and
+//!   writes `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.
+//! - `gpu-bundle` builds every test executable and the demo in release mode and gathers them
+//!   with a runner script in `gpu-bundle/`, to copy to a GPU machine without Rust.
+
+mod bundle;
+mod ptx;
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["ptx"] => ptx::run(false),
+        ["ptx", "--check"] => ptx::run(true),
+        ["gpu-bundle"] => bundle::run(),
+        _ => bail!("usage: cargo xtask ptx [--check] | cargo xtask gpu-bundle"),
+    }
+}
+
+/// The workspace root (the parent of this crate's directory).
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// The `cargo` that runs this task (the pinned toolchain's, through rustup).
+fn cargo() -> std::process::Command {
+    let mut c =
+        std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}

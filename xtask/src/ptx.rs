@@ -1,0 +1,113 @@
+//! `cargo xtask ptx [--check]`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+use kernels_gpu::abi::KernelName;
+
+use crate::{cargo, root};
+
+/// Flags for every crate of the PTX build, `core` included, so they all agree.
+const RUSTFLAGS: &str = "-Zunstable-options -Cpanic=immediate-abort -Ctarget-cpu=sm_80";
+const TARGET: &str = "nvptx64-nvidia-cuda";
+/// The committed PTX, embedded by `rope-host`.
+pub const PTX_PATH: &str = "rope-host/ptx/kernels.ptx";
+
+pub fn run(check: bool) -> Result<()> {
+    let ptx = build()?;
+    let path = root().join(PTX_PATH);
+    if check {
+        let committed =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        ensure!(
+            committed == ptx,
+            "{PTX_PATH} is stale: it does not match kernels-gpu's source; run `cargo xtask ptx` and commit it"
+        );
+        println!("{PTX_PATH} is up to date ({} lines)", ptx.lines().count());
+    } else {
+        fs::write(&path, &ptx).with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {PTX_PATH} ({} lines)", ptx.lines().count());
+    }
+    Ok(())
+}
+
+/// Builds the kernel crate to PTX and returns the checked text.
+fn build() -> Result<String> {
+    let target_dir = root().join("target").join("ptx");
+    let status = cargo()
+        .args([
+            "rustc",
+            "--package",
+            "kernels-gpu",
+            "--lib",
+            "--release",
+            "--target",
+            TARGET,
+        ])
+        .arg("-Zbuild-std=core")
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .args(["--", "--emit=asm"])
+        .env("RUSTFLAGS", RUSTFLAGS)
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .status()
+        .context("running cargo for the PTX build")?;
+    ensure!(status.success(), "the PTX build failed");
+    let deps = target_dir.join(TARGET).join("release").join("deps");
+    let ptx = fs::read_to_string(newest_asm(&deps)?)?;
+    validate(&ptx)?;
+    Ok(ptx)
+}
+
+/// The most recently written `kernels_gpu-*.s` (cargo keeps older ones from other flags).
+fn newest_asm(deps: &Path) -> Result<PathBuf> {
+    let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
+    for entry in fs::read_dir(deps).with_context(|| format!("listing {}", deps.display()))? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if name.starts_with("kernels_gpu-") && name.ends_with(".s") {
+            let modified = fs::metadata(&path)?.modified()?;
+            if best.as_ref().is_none_or(|(t, _)| modified > *t) {
+                best = Some((modified, path));
+            }
+        }
+    }
+    best.map(|(_, p)| p)
+        .context("the PTX build wrote no kernels_gpu-*.s")
+}
+
+/// Rejects PTX that would fail to load or run slowly: unresolved functions, panic machinery,
+/// local memory (arrays the compiler could not keep in registers), missing entry points.
+fn validate(ptx: &str) -> Result<()> {
+    for (needle, why) in [
+        (
+            ".extern",
+            "an unresolved external function (a core call that was not inlined)",
+        ),
+        (
+            "panic",
+            "panic machinery (a check that was not proven away)",
+        ),
+        (
+            ".local",
+            "local memory (an array indexed at run time, or a spill)",
+        ),
+    ] {
+        if let Some(line) = ptx.lines().find(|l| l.contains(needle)) {
+            bail!("the PTX contains {why}: `{}`", line.trim());
+        }
+    }
+    for name in KernelName::ALL {
+        let entry = format!(".visible .entry {}(", name.symbol());
+        ensure!(
+            ptx.contains(&entry),
+            "the PTX lacks the entry point {}",
+            name.symbol()
+        );
+    }
+    Ok(())
+}
