@@ -133,7 +133,7 @@ impl RopeConfigBuilder {
     /// # Errors
     /// [`Error::Invalid`] naming `head_dim` when it is zero or odd.
     pub fn build(self) -> Result<RopeConfig> {
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
                 "head_dim",
                 format!("must be even and at least 2, got {}", self.head_dim),
@@ -402,12 +402,13 @@ fn lanes(req: &Request<'_>) -> Option<u32> {
     while lanes >= 1 {
         let bytes = (lanes * req.elem_size) as u64;
         let shape_ok = if neox {
-            half % lanes == 0
+            half.is_multiple_of(lanes)
         } else {
-            lanes % 2 == 0 && (2 * half) % lanes == 0
+            lanes.is_multiple_of(2) && (2 * half).is_multiple_of(lanes)
         };
-        let addr_ok = req.x.addr % bytes == 0 && req.out.is_none_or(|o| o.addr % bytes == 0);
-        let strides_ok = req.layout.strides.iter().all(|s| s % lanes == 0);
+        let addr_ok = req.x.addr.is_multiple_of(bytes)
+            && req.out.is_none_or(|o| o.addr.is_multiple_of(bytes));
+        let strides_ok = req.layout.strides.iter().all(|s| s.is_multiple_of(lanes));
         if shape_ok && addr_ok && strides_ok {
             return Some(lanes as u32);
         }
@@ -483,7 +484,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
                     format!("ids hold {} elements, {what} needs {want}", ids.len),
                 ));
             }
-            if ids.addr % size != 0 {
+            if !ids.addr.is_multiple_of(size) {
                 return Err(invalid(
                     "positions",
                     format!("ids are not {size}-byte aligned"),
@@ -507,7 +508,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
                     format!("cos has {} elements but sin has {}", cos.len, sin.len),
                 ));
             }
-            if cos.len == 0 || cos.len % half != 0 {
+            if cos.len == 0 || !cos.len.is_multiple_of(half) {
                 return Err(invalid(
                     "sincos",
                     format!(
@@ -517,18 +518,16 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
                 ));
             }
             for (name, b) in [("sincos.cos", cos), ("sincos.sin", sin)] {
-                if b.addr % req.elem_size as u64 != 0 {
+                if !b.addr.is_multiple_of(req.elem_size as u64) {
                     return Err(invalid(name, "is not aligned to its element size"));
                 }
             }
             let rows = (cos.len / half) as u64;
-            if let (Some(max), true) = (max_implicit, tokens > 0) {
-                if max >= rows {
-                    return Err(invalid(
-                        "positions",
-                        format!("position {max} is past the end of a table of {rows} positions"),
-                    ));
-                }
+            if let Some(max) = max_implicit.filter(|&m| tokens > 0 && m >= rows) {
+                return Err(invalid(
+                    "positions",
+                    format!("position {max} is past the end of a table of {rows} positions"),
+                ));
             }
             (SinCosCode::Table, rows, 0.0)
         }
@@ -580,7 +579,7 @@ fn check_buffer(arg: &'static str, b: Buf, span: usize, elem_size: usize) -> Res
             format!("holds {} elements, the layout addresses {span}", b.len),
         ));
     }
-    if b.addr % elem_size as u64 != 0 {
+    if !b.addr.is_multiple_of(elem_size as u64) {
         return Err(invalid(arg, format!("is not aligned to {elem_size} bytes")));
     }
     Ok(())

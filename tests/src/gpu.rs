@@ -1,0 +1,47 @@
+//! Access to the GPU for tests: one shared stream, or a printed skip.
+//!
+//! Without a GPU (no driver, or no device) a GPU test prints `SKIPPED (no GPU)` with the reason
+//! and returns; with `ROPE_REQUIRE_GPU=1` (set by the GPU bundle's runner) it fails instead, so
+//! GPU tests can never pass without running on a GPU.
+
+use std::io::Write;
+use std::sync::{Arc, OnceLock};
+
+use rope_host::cudarc::driver::CudaStream;
+use rope_host::{Rope, open_device};
+
+/// A stream on device 0 and a RoPE handle on it.
+type Device = (Arc<CudaStream>, Arc<Rope>);
+
+/// The shared stream and RoPE handle, or why there is none.
+fn device() -> &'static Result<Device, String> {
+    static DEVICE: OnceLock<Result<Device, String>> = OnceLock::new();
+    DEVICE.get_or_init(|| {
+        let ctx = open_device(0).map_err(|e| e.to_string())?;
+        let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+        let rope = Rope::new(stream.clone()).map_err(|e| e.to_string())?;
+        Ok((stream, Arc::new(rope)))
+    })
+}
+
+/// Whether the environment demands a GPU (`ROPE_REQUIRE_GPU=1`).
+pub fn gpu_required() -> bool {
+    std::env::var("ROPE_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// The GPU stream and RoPE handle for test `name`, or `None` after printing that the test was
+/// skipped.
+///
+/// # Panics
+/// When no GPU is available and [`gpu_required`].
+pub fn gpu_or_skip(name: &str) -> Option<Device> {
+    match device() {
+        Ok((stream, rope)) => Some((stream.clone(), rope.clone())),
+        Err(why) if gpu_required() => panic!("{name}: ROPE_REQUIRE_GPU=1 but no GPU: {why}"),
+        Err(why) => {
+            // Written past libtest's capture, so the skip shows in every run's output.
+            let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {name}: {why}");
+            None
+        }
+    }
+}
