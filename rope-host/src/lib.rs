@@ -36,6 +36,6 @@ pub use cudarc;
 pub use error::{Error, Result};
 pub use module::{PTX, open_device};
 pub use rope::{
-    DType, Direction, IdsShape, Io, Layout, PositionIds, Positions, Rope, RopeConfig,
-    RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, SinCos, kernel_name,
+    DType, Direction, IdsShape, Io, KernelResources, Layout, PositionIds, Positions, Rope,
+    RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, SinCos, kernel_name,
 };

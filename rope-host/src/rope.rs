@@ -585,6 +585,17 @@ fn check_buffer(arg: &'static str, b: Buf, span: usize, elem_size: usize) -> Res
     Ok(())
 }
 
+/// Per-thread resources of one kernel as compiled for the device; see [`Rope::resources`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelResources {
+    /// The kernel's PTX symbol.
+    pub name: &'static str,
+    /// Registers per thread.
+    pub registers: i32,
+    /// Local memory per thread in bytes; non-zero means spills or stack arrays.
+    pub local_bytes: i32,
+}
+
 /// Runs RoPE kernels on one stream. Cheap to create: the module is loaded once per context and
 /// shared by every `Rope` of that context.
 #[derive(Debug)]
@@ -615,6 +626,25 @@ impl Rope {
     /// The stream launches go to.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// What the driver's JIT compiler allotted each kernel on this device: registers per
+    /// thread and local memory (spills) per thread, the resource report of the PTX.
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] when an attribute query fails.
+    pub fn resources(&self) -> Result<Vec<KernelResources>> {
+        KernelName::ALL
+            .iter()
+            .map(|&name| {
+                let f = self.module.function(name);
+                Ok(KernelResources {
+                    name: name.symbol(),
+                    registers: f.num_regs()?,
+                    local_bytes: f.local_size_bytes()?,
+                })
+            })
+            .collect()
     }
 
     /// Validates `op` with `io` and launches the rotation; asynchronous on the stream.

@@ -97,20 +97,24 @@ fn run_broken(dev: &mut DeviceCase, b: Breakage, rope: &rope_host::Rope) -> rope
     };
     let layout = Layout::bshd(c.batch, c.seq, c.heads, c.head_dim);
     let row_offsets: Vec<u32> = vec![0; c.batch + 1];
+    let ids_shape = match &c.positions {
+        PosCase::Ids { shape, .. } => *shape,
+        _ => IdsShape::Shared,
+    };
     let positions = match (b, &dev.ids) {
         (Breakage::TableTooShort, _) => Positions::Offset(5),
         (Breakage::WrongRowOffsetCount, _) => Positions::RowOffsets(&row_offsets),
         (Breakage::WrongIdCount, Some(DeviceIds::I64(ids))) => Positions::Ids {
-            ids: PositionIds::I64(ids.slice(..c.seq - 1)),
-            shape: IdsShape::Shared,
+            ids: PositionIds::I64(ids.slice(..ids.len() - 1)),
+            shape: ids_shape,
         },
         (_, Some(DeviceIds::I64(ids))) => Positions::Ids {
             ids: PositionIds::I64(ids.as_view()),
-            shape: IdsShape::Shared,
+            shape: ids_shape,
         },
         (_, Some(DeviceIds::I32(ids))) => Positions::Ids {
             ids: PositionIds::I32(ids.as_view()),
-            shape: IdsShape::Shared,
+            shape: ids_shape,
         },
         (_, None) => match &c.positions {
             PosCase::RowOffsets(_) => Positions::RowOffsets(&row_offsets[..c.batch]),
