@@ -200,16 +200,12 @@ fn cpu_demo() -> Result<()> {
         let x = case.input();
         let want = case.reference(&x);
         // The CPU stand-in for the kernel: the kernels' math crate, pair by pair.
+        let freqs = rope_host::inv_freq(THETA, case.head_dim as u32);
         let mut got = x.clone();
         for t in 0..case.seq {
             for h in 0..case.heads {
-                for i in 0..case.head_dim / 2 {
-                    let (c, s) = kernels_gpu::math::rope_cos_sin(
-                        100_000 + t as i64,
-                        i as u32,
-                        case.head_dim as u32,
-                        THETA.log2(),
-                    );
+                for (i, &f) in freqs.iter().enumerate() {
+                    let (c, s) = kernels_gpu::math::rope_cos_sin(100_000 + t as i64, f);
                     let (ia, ib) = rope_tests::reference::pair(style, i, case.head_dim);
                     let base = (t * case.heads + h) * case.head_dim;
                     let (y0, y1) = kernels_gpu::math::rotate(x[base + ia], x[base + ib], c, s);

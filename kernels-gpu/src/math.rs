@@ -4,14 +4,15 @@
 //! exactly the code the kernels run. Nothing here reads memory.
 //!
 //! # The angle and its accuracy
-//! Frequency `i` of a rotary dimension `d` is `inv_freq_i = theta^(-2i/d)`, and the token at
-//! position `p` rotates pair `i` by `angle = p * inv_freq_i`. The kernels compute that angle in
-//! `f64`, reduce it modulo `pi/2` in `f64` (Cody–Waite with a three-part `pi/2`) and evaluate
+//! Pair `i` of the token at position `p` rotates by `angle = p * inv_freq_i`, with the
+//! frequencies `inv_freq_i` (for the default family `theta^(-2i/d)`) computed on the host in
+//! `f64`. The kernels compute that angle in `f64`, reduce it modulo `pi/2` in `f64` (Cody–Waite with a three-part `pi/2`) and evaluate
 //! `sin`/`cos` of the reduced argument with `f64` polynomials, rounding to `f32` once at the end.
 //! The `f64` angle is off by about `2^-52 * |angle|` (under `1e-9` radians up to position
 //! `2^22`) and the reduction adds about `2^-52`, so `cos`/`sin` land within one `f32` unit in
-//! the last place of the exact values (within `2^-28` absolute near their zeros); an `f32` angle (`p_f32 * inv_freq_f32`) is off by up to
-//! `ulp(p * inv_freq) / 2`, about `3e-2` radians at position one million.
+//! the last place of the exact values (within `2^-28` absolute near their zeros); an `f32`
+//! angle (`p_f32 * inv_freq_f32`) is off by up to `ulp(p * inv_freq) / 2`, about `3e-2`
+//! radians at position one million.
 
 /// `2^52 * 1.5`: adding and subtracting it rounds an `f64` of magnitude below `2^51` to the
 /// nearest integer (ties to even) without any float-to-int conversion.
@@ -37,44 +38,6 @@ pub fn rotate(a: f32, b: f32, cos: f32, sin: f32) -> (f32, f32) {
 #[inline(always)]
 fn round_to_int(x: f64) -> f64 {
     (x + ROUND_MAGIC) - ROUND_MAGIC
-}
-
-/// `2^x` in `f64`, within about one `f64` ulp, for `-1022 <= x <= 1023`; saturates outside.
-///
-/// `x = n + f` with `n` an integer and `|f| <= 1/2`; `2^f` comes from a degree-13 Taylor series
-/// of `e^(f ln 2)` (truncation error below `1e-18`) and `2^n` is written into the exponent.
-#[inline(always)]
-pub fn exp2_f64(x: f64) -> f64 {
-    let x = x.clamp(-1022.0, 1023.0);
-    let n = round_to_int(x);
-    let t = (x - n) * core::f64::consts::LN_2;
-    // Horner form of sum_{k=0}^{13} t^k / k!.
-    let mut p = 1.0 / 6_227_020_800.0;
-    p = p * t + 1.0 / 479_001_600.0;
-    p = p * t + 1.0 / 39_916_800.0;
-    p = p * t + 1.0 / 3_628_800.0;
-    p = p * t + 1.0 / 362_880.0;
-    p = p * t + 1.0 / 40_320.0;
-    p = p * t + 1.0 / 5_040.0;
-    p = p * t + 1.0 / 720.0;
-    p = p * t + 1.0 / 120.0;
-    p = p * t + 1.0 / 24.0;
-    p = p * t + 1.0 / 6.0;
-    p = p * t + 0.5;
-    p = p * t + 1.0;
-    p = p * t + 1.0;
-    // n is an integer in [-1022, 1023]: the biased exponent n + 1023 is in [1, 2046].
-    let biased = (n as i64 + 1023) as u64;
-    p * f64::from_bits(biased << 52)
-}
-
-/// The inverse frequency of pair `i` for rotary dimension `rotary_dim`:
-/// `theta^(-2i / rotary_dim) = 2^(-(2i / rotary_dim) * log2(theta))`.
-///
-/// `log2_theta` is `log2(theta)`, computed once on the host in `f64`.
-#[inline(always)]
-pub fn inv_freq(i: u32, rotary_dim: u32, log2_theta: f64) -> f64 {
-    exp2_f64(-((2 * i) as f64 / rotary_dim as f64) * log2_theta)
 }
 
 /// `sin(r)` and `cos(r)` for `|r| <= pi/4` (a little beyond is fine), by Taylor series to
@@ -126,12 +89,13 @@ pub fn cos_sin_f32(angle: f64) -> (f32, f32) {
     (cos as f32, sin as f32)
 }
 
-/// `(cos, sin)` of `position * inv_freq_i` for pair `i`, rounded once to `f32`.
+/// `(cos, sin)` of `position * inv_freq`, rounded once to `f32`.
 ///
-/// This is what the kernels compute when sin/cos come from `theta` instead of a table.
+/// This is what the kernels compute when sin/cos do not come from a table; `inv_freq` is the
+/// pair's frequency (for the default family `theta^(-2i / rotary_dim)`, computed on the host).
 #[inline(always)]
-pub fn rope_cos_sin(position: i64, i: u32, rotary_dim: u32, log2_theta: f64) -> (f32, f32) {
-    cos_sin_f32(position as f64 * inv_freq(i, rotary_dim, log2_theta))
+pub fn rope_cos_sin(position: i64, inv_freq: f64) -> (f32, f32) {
+    cos_sin_f32(position as f64 * inv_freq)
 }
 
 #[cfg(test)]
@@ -160,38 +124,6 @@ mod tests {
         // k * PIO2_n is exact for |k| < 2^32.
         for p in [PIO2_1, PIO2_2, PIO2_3] {
             assert_eq!(p.to_bits() & ((1 << 32) - 1), 0, "{p}");
-        }
-    }
-
-    #[test]
-    fn exp2_matches_std_within_two_ulp() {
-        let mut x = -60.0f64;
-        while x < 60.0 {
-            let got = exp2_f64(x);
-            let want = x.exp2();
-            assert!(
-                ((got - want) / want).abs() < 4.5e-16,
-                "x={x} got={got} want={want}"
-            );
-            x += 0.013_7;
-        }
-        assert_eq!(exp2_f64(0.0), 1.0);
-        assert_eq!(exp2_f64(-3.0), 0.125);
-    }
-
-    #[test]
-    fn inv_freq_matches_powf() {
-        for &theta in &[10_000.0f64, 500_000.0, 1e7] {
-            for d in [2u32, 64, 128, 256] {
-                for i in 0..d / 2 {
-                    let got = inv_freq(i, d, theta.log2());
-                    let want = theta.powf(-2.0 * i as f64 / d as f64);
-                    assert!(
-                        ((got - want) / want).abs() < 1e-14,
-                        "theta={theta} d={d} i={i}"
-                    );
-                }
-            }
         }
     }
 
@@ -233,7 +165,10 @@ mod tests {
     #[test]
     fn position_zero_gives_identity_rotation() {
         for i in 0..64 {
-            assert_eq!(rope_cos_sin(0, i, 128, 10_000f64.log2()), (1.0, 0.0));
+            assert_eq!(
+                rope_cos_sin(0, 10_000f64.powf(-(i as f64) / 64.0)),
+                (1.0, 0.0)
+            );
         }
     }
 }

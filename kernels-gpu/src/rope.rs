@@ -22,7 +22,7 @@
 
 use core::num::{NonZeroU32, NonZeroU64};
 
-use crate::abi::{PositionCode, SinCosCode};
+use crate::abi::PositionCode;
 use crate::elem::{self, Elem};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
@@ -48,6 +48,24 @@ impl Pairing for Neox {
     const NEOX: bool = true;
 }
 
+/// Where cos/sin come from; see [`crate::abi::SinCosSource`].
+trait Source {
+    /// `true` for tables, `false` for `cos`/`sin` computed from `inv_freq`.
+    const TABLE: bool;
+}
+
+/// Tables `cos`, `sin` of `[table_positions, half]`.
+struct Table;
+impl Source for Table {
+    const TABLE: bool = true;
+}
+
+/// Computed from `inv_freq` (`half` `f64` values).
+struct Theta;
+impl Source for Theta {
+    const TABLE: bool = false;
+}
+
 /// The kernel arguments, gathered so the generic body takes one value.
 #[derive(Clone, Copy)]
 struct Args<T> {
@@ -62,11 +80,10 @@ struct Args<T> {
     lanes: u32,
     x_strides: [u64; 3],
     out_strides: [u64; 3],
-    sincos: u32,
     cos: *const T,
     sin: *const T,
     table_positions: u64,
-    log2_theta: f64,
+    inv_freq: *const f64,
     positions: u32,
     pos_ptr: *const u8,
     pos_base: i64,
@@ -212,9 +229,9 @@ fn unrolled(count: usize, mut f: impl FnMut(usize)) {
 /// The kernel body for `L` elements per access.
 ///
 /// # Safety
-/// The promises of the entry points (see [`rope_neox_fwd_f32`]).
+/// The promises of the entry points (see [`rope_neox_table_fwd_f32`]).
 #[inline(always)]
-unsafe fn body<T: Elem, P: Pairing, const L: usize>(a: &Args<T>) {
+unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
     let pairs_per_item: u32 = if P::NEOX { L as u32 } else { (L / 2) as u32 };
     let groups = NonZeroU64::from(a.groups);
     let seq = NonZeroU64::from(a.seq);
@@ -223,9 +240,6 @@ unsafe fn body<T: Elem, P: Pairing, const L: usize>(a: &Args<T>) {
     let h0 = (block_idx_y() as u64 * a.heads_per_chunk as u64).min(a.heads as u64) as usize;
     let h1 = (h0 as u64 + a.heads_per_chunk as u64).min(a.heads as u64) as usize;
     let half = a.half as usize;
-    let Some(sincos) = SinCosCode::from_u32(a.sincos) else {
-        trap()
-    };
     let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
     while idx < total {
         let token = idx / groups;
@@ -236,32 +250,31 @@ unsafe fn body<T: Elem, P: Pairing, const L: usize>(a: &Args<T>) {
 
         let mut cos = [0.0f32; L];
         let mut sin = [0.0f32; L];
-        match sincos {
-            SinCosCode::Table => {
-                if pos >= 0 && (pos as u64) < a.table_positions {
-                    let row = pos as usize * half + j0 as usize;
-                    unrolled(pairs_per_item as usize, |k| {
-                        // SAFETY: pos < table_positions and j0 + k < half, so the index is
-                        // below table_positions * half, the tables' promised length.
-                        unsafe {
-                            cos[k] = (*a.cos.add(row + k)).to_f32();
-                            sin[k] = (*a.sin.add(row + k)).to_f32() * a.sin_sign;
-                        }
-                    });
-                } else {
-                    // A position outside the table: documented NaN outputs, never a read
-                    // outside the table.
-                    cos = [f32::NAN; L];
-                    sin = [f32::NAN; L];
-                }
-            }
-            SinCosCode::Theta => {
+        if S::TABLE {
+            if pos >= 0 && (pos as u64) < a.table_positions {
+                let row = pos as usize * half + j0 as usize;
                 unrolled(pairs_per_item as usize, |k| {
-                    let (c, s) = math::rope_cos_sin(pos, j0 + k as u32, 2 * a.half, a.log2_theta);
-                    cos[k] = c;
-                    sin[k] = s * a.sin_sign;
+                    // SAFETY: pos < table_positions and j0 + k < half, so the index is
+                    // below table_positions * half, the tables' promised length.
+                    unsafe {
+                        cos[k] = (*a.cos.add(row + k)).to_f32();
+                        sin[k] = (*a.sin.add(row + k)).to_f32() * a.sin_sign;
+                    }
                 });
+            } else {
+                // A position outside the table: documented NaN outputs, never a read
+                // outside the table.
+                cos = [f32::NAN; L];
+                sin = [f32::NAN; L];
             }
+        } else {
+            unrolled(pairs_per_item as usize, |k| {
+                // SAFETY: j0 + k < half, the promised length of inv_freq.
+                let f = unsafe { *a.inv_freq.add(j0 as usize + k) };
+                let (c, s) = math::rope_cos_sin(pos, f);
+                cos[k] = c;
+                sin[k] = s * a.sin_sign;
+            });
         }
 
         // SAFETY: b < batch, s < seq, so these offsets address the token's first head in x
@@ -306,21 +319,21 @@ unsafe fn body<T: Elem, P: Pairing, const L: usize>(a: &Args<T>) {
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn dispatch<T: Elem, P: Pairing>(a: &Args<T>) {
+unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(a: &Args<T>) {
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match a.lanes {
-            4 => body::<T, P, 4>(a),
-            2 => body::<T, P, 2>(a),
-            1 if P::NEOX => body::<T, P, 1>(a),
+            4 => body::<T, P, S, 4>(a),
+            2 => body::<T, P, S, 2>(a),
+            1 if P::NEOX => body::<T, P, S, 1>(a),
             _ => trap(),
         }
     }
 }
 
-/// Defines one exported entry point per (pairing, direction, dtype).
+/// Defines one exported entry point per (pairing, source, direction, dtype).
 macro_rules! rope_kernel {
-    ($(#[$doc:meta])* $name:ident, $t:ty, $pairing:ty, $sin_sign:expr) => {
+    ($(#[$doc:meta])* $name:ident, $t:ty, $pairing:ty, $source:ty, $sin_sign:expr) => {
         $(#[$doc])*
         ///
         /// # Arguments
@@ -328,15 +341,16 @@ macro_rules! rope_kernel {
         /// `out_stride_*` (last dimension contiguous); `tokens = batch * seq`;
         /// `heads_per_chunk`: heads handled by one `blockIdx.y`; `groups = half /
         /// pairs_per_thread` with `pairs_per_thread = lanes` (NeoX) or `lanes / 2`
-        /// (interleaved); `sincos`: a [`SinCosCode`] with `cos`, `sin`, `table_positions` for
-        /// tables and `log2_theta` for computed sin/cos; `positions`: a [`PositionCode`] with
-        /// `pos_ptr` and `pos_base`.
+        /// (interleaved); `cos`, `sin`, `table_positions` for table kernels and `inv_freq`
+        /// for computed sin/cos (the other pointers are unused and may be null);
+        /// `positions`: a [`PositionCode`] with `pos_ptr` and `pos_base`.
         ///
         /// # Safety
         /// - `x` and `out` address every element of their layout; the element ranges of
         ///   distinct heads do not overlap, and `out` either equals `x` or overlaps it nowhere;
         /// - `x`, `out` and every stride are aligned to `lanes` elements (`half` too for NeoX);
-        /// - for tables, `cos` and `sin` hold `table_positions * half` elements each;
+        /// - for tables, `cos` and `sin` hold `table_positions * half` elements each; for
+        ///   computed sin/cos, `inv_freq` holds `half` `f64`;
         /// - `pos_ptr` holds the array its [`PositionCode`] names;
         /// - the grid has `blockIdx.y * heads_per_chunk < heads` for every block.
         #[unsafe(no_mangle)]
@@ -357,11 +371,10 @@ macro_rules! rope_kernel {
             out_stride_batch: u64,
             out_stride_seq: u64,
             out_stride_head: u64,
-            sincos: u32,
             cos: *const $t,
             sin: *const $t,
             table_positions: u64,
-            log2_theta: f64,
+            inv_freq: *const f64,
             positions: u32,
             pos_ptr: *const u8,
             pos_base: i64,
@@ -378,35 +391,50 @@ macro_rules! rope_kernel {
                 lanes,
                 x_strides: [x_stride_batch, x_stride_seq, x_stride_head],
                 out_strides: [out_stride_batch, out_stride_seq, out_stride_head],
-                sincos,
                 cos,
                 sin,
                 table_positions,
-                log2_theta,
+                inv_freq,
                 positions,
                 pos_ptr,
                 pos_base,
                 sin_sign: $sin_sign,
             };
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe { dispatch::<$t, $pairing>(&args) }
+            unsafe { dispatch::<$t, $pairing, $source>(&args) }
         }
     };
 }
 
 rope_kernel!(
-    /// Forward RoPE, interleaved pairs `(x[2i], x[2i + 1])`, `f32`.
-    rope_interleaved_fwd_f32, f32, Interleaved, 1.0
+    /// Forward RoPE, interleaved pairs `(x[2i], x[2i + 1])`, cos/sin tables, `f32`.
+    rope_interleaved_table_fwd_f32, f32, Interleaved, Table, 1.0
 );
 rope_kernel!(
-    /// Backward RoPE (transposed rotation), interleaved pairs, `f32`.
-    rope_interleaved_bwd_f32, f32, Interleaved, -1.0
+    /// Backward RoPE (transposed rotation), interleaved pairs, cos/sin tables, `f32`.
+    rope_interleaved_table_bwd_f32, f32, Interleaved, Table, -1.0
 );
 rope_kernel!(
-    /// Forward RoPE, NeoX rotate-half pairs `(x[i], x[i + half])`, `f32`.
-    rope_neox_fwd_f32, f32, Neox, 1.0
+    /// Forward RoPE, interleaved pairs, cos/sin computed from `inv_freq`, `f32`.
+    rope_interleaved_theta_fwd_f32, f32, Interleaved, Theta, 1.0
 );
 rope_kernel!(
-    /// Backward RoPE (transposed rotation), NeoX rotate-half pairs, `f32`.
-    rope_neox_bwd_f32, f32, Neox, -1.0
+    /// Backward RoPE, interleaved pairs, cos/sin computed from `inv_freq`, `f32`.
+    rope_interleaved_theta_bwd_f32, f32, Interleaved, Theta, -1.0
+);
+rope_kernel!(
+    /// Forward RoPE, NeoX rotate-half pairs `(x[i], x[i + half])`, cos/sin tables, `f32`.
+    rope_neox_table_fwd_f32, f32, Neox, Table, 1.0
+);
+rope_kernel!(
+    /// Backward RoPE (transposed rotation), NeoX pairs, cos/sin tables, `f32`.
+    rope_neox_table_bwd_f32, f32, Neox, Table, -1.0
+);
+rope_kernel!(
+    /// Forward RoPE, NeoX pairs, cos/sin computed from `inv_freq`, `f32`.
+    rope_neox_theta_fwd_f32, f32, Neox, Theta, 1.0
+);
+rope_kernel!(
+    /// Backward RoPE, NeoX pairs, cos/sin computed from `inv_freq`, `f32`.
+    rope_neox_theta_bwd_f32, f32, Neox, Theta, -1.0
 );

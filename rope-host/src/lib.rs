@@ -29,13 +29,15 @@
 //! ```
 
 mod error;
+mod freq;
 mod module;
 mod rope;
 
 pub use cudarc;
 pub use error::{Error, Result};
+pub use freq::inv_freq;
 pub use module::{PTX, open_device};
 pub use rope::{
     DType, Direction, IdsShape, Io, KernelResources, Layout, PositionIds, Positions, Rope,
-    RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, SinCos, kernel_name,
+    RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, SinCos,
 };

@@ -8,42 +8,17 @@
 //! b cos - a sin)` (the gradient: the transposed rotation). Pairs are `(x[2i], x[2i+1])` for
 //! [`RopeStyle::Interleaved`] and `(x[i], x[i + d/2])` for [`RopeStyle::Neox`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
-    PushKernelArg, sys::CUdevice_attribute,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, sys::CUdevice_attribute,
 };
-use kernels_gpu::abi::{BLOCK_THREADS, KernelName, PositionCode, SinCosCode};
+use kernels_gpu::abi::{BLOCK_THREADS, KernelName, PositionCode, SinCosSource};
+pub use kernels_gpu::abi::{DType, Direction, RopeStyle};
 
 use crate::error::{Result, invalid};
 use crate::module::{Module, module_for};
-
-/// Which elements of a head form a rotated pair.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum RopeStyle {
-    /// GPT-J / RoFormer: pair `i` is `(x[2i], x[2i + 1])`.
-    Interleaved,
-    /// GPT-NeoX / Llama "rotate half": pair `i` is `(x[i], x[i + head_dim/2])`.
-    Neox,
-}
-
-/// Forward rotation, or its gradient.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Direction {
-    /// `y = R(angle) x`.
-    Forward,
-    /// `dx = R(angle)^T dy = R(-angle) dy`, the gradient of the forward pass.
-    Backward,
-}
-
-/// Element types the kernels support.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DType {
-    /// `f32`.
-    F32,
-}
 
 mod sealed {
     pub trait Sealed {}
@@ -58,17 +33,6 @@ pub trait RopeElem: DeviceRepr + Copy + sealed::Sealed {
 
 impl RopeElem for f32 {
     const DTYPE: DType = DType::F32;
-}
-
-/// The kernel for a (style, direction, dtype); exhaustive, so a new enum value cannot be
-/// forgotten.
-pub const fn kernel_name(style: RopeStyle, direction: Direction, dtype: DType) -> KernelName {
-    match (style, direction, dtype) {
-        (RopeStyle::Interleaved, Direction::Forward, DType::F32) => KernelName::InterleavedFwdF32,
-        (RopeStyle::Interleaved, Direction::Backward, DType::F32) => KernelName::InterleavedBwdF32,
-        (RopeStyle::Neox, Direction::Forward, DType::F32) => KernelName::NeoxFwdF32,
-        (RopeStyle::Neox, Direction::Backward, DType::F32) => KernelName::NeoxBwdF32,
-    }
 }
 
 /// The static part of a RoPE operation: head size, pairing and direction.
@@ -351,9 +315,8 @@ pub(crate) struct Plan {
     pub(crate) grid: Option<Grid>,
     pub(crate) lanes: u32,
     pub(crate) groups: u32,
-    pub(crate) sincos: SinCosCode,
+    pub(crate) source: SinCosSource,
     pub(crate) table_positions: u64,
-    pub(crate) log2_theta: f64,
     pub(crate) positions: PositionCode,
     pub(crate) pos_base: i64,
 }
@@ -500,7 +463,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
         }
     };
 
-    let (sincos, table_positions, log2_theta) = match req.sincos {
+    let (source, table_positions) = match req.sincos {
         SinCosReq::Table { cos, sin } => {
             if cos.len != sin.len {
                 return Err(invalid(
@@ -529,7 +492,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
                     format!("position {max} is past the end of a table of {rows} positions"),
                 ));
             }
-            (SinCosCode::Table, rows, 0.0)
+            (SinCosSource::Table, rows)
         }
         SinCosReq::Computed { theta } => {
             if !(theta.is_finite() && theta > 0.0) {
@@ -538,7 +501,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
                     format!("must be finite and positive, got {theta}"),
                 ));
             }
-            (SinCosCode::Theta, 0, theta.log2())
+            (SinCosSource::Theta, 0)
         }
     };
 
@@ -563,9 +526,8 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
         grid,
         lanes,
         groups,
-        sincos,
+        source,
         table_positions,
-        log2_theta,
         positions,
         pos_base,
     })
@@ -596,6 +558,9 @@ pub struct KernelResources {
     pub local_bytes: i32,
 }
 
+/// A cached device frequency vector and its `(theta bits, rotary_dim)` key.
+type FreqEntry = ((u64, u32), Arc<CudaSlice<f64>>);
+
 /// Runs RoPE kernels on one stream. Cheap to create: the module is loaded once per context and
 /// shared by every `Rope` of that context.
 #[derive(Debug)]
@@ -603,6 +568,8 @@ pub struct Rope {
     stream: Arc<CudaStream>,
     module: Arc<Module>,
     sm_count: u32,
+    /// Frequency vectors already on the device, by `(theta bits, rotary_dim)`.
+    inv_freq: Mutex<Vec<FreqEntry>>,
 }
 
 impl Rope {
@@ -620,12 +587,31 @@ impl Rope {
             stream,
             module,
             sm_count,
+            inv_freq: Mutex::new(Vec::new()),
         })
     }
 
     /// The stream launches go to.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The device copy of `inv_freq(theta, rotary_dim)`, uploaded on first use.
+    fn inv_freq(&self, theta: f64, rotary_dim: u32) -> Result<Arc<CudaSlice<f64>>> {
+        let key = (theta.to_bits(), rotary_dim);
+        let mut cache = self
+            .inv_freq
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((_, f)) = cache.iter().find(|(k, _)| *k == key) {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(
+            self.stream
+                .clone_htod(&crate::freq::inv_freq(theta, rotary_dim))?,
+        );
+        cache.push((key, f.clone()));
+        Ok(f)
     }
 
     /// What the driver's JIT compiler allotted each kernel on this device: registers per
@@ -748,10 +734,24 @@ impl Rope {
         let [sb, ss, sh] = l.strides.map(|s| s as u64);
         let tokens = l.batch as u64 * l.seq as u64;
         let (seq, heads, half) = (l.seq as u32, l.heads as u32, op.config.half());
-        let (sincos_code, positions_code) = (plan.sincos as u32, plan.positions as u32);
-        let func =
-            self.module
-                .function(kernel_name(op.config.style, op.config.direction, T::DTYPE));
+        let positions_code = plan.positions as u32;
+        let inv_freq = match op.sincos {
+            SinCos::Computed { theta } => Some(self.inv_freq(theta, op.config.head_dim)?),
+            SinCos::Table { .. } => None,
+        };
+        let (inv_freq_ptr, _gf) = match &inv_freq {
+            Some(f) => {
+                let (p, g) = f.device_ptr(stream);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let func = self.module.function(KernelName {
+            style: op.config.style,
+            source: plan.source,
+            direction: op.config.direction,
+            dtype: T::DTYPE,
+        });
         let mut launch = stream.launch_builder(func);
         launch
             .arg(&x_ptr)
@@ -769,11 +769,10 @@ impl Rope {
             .arg(&sb)
             .arg(&ss)
             .arg(&sh)
-            .arg(&sincos_code)
             .arg(&cos_ptr)
             .arg(&sin_ptr)
             .arg(&plan.table_positions)
-            .arg(&plan.log2_theta)
+            .arg(&inv_freq_ptr)
             .arg(&positions_code)
             .arg(&pos_ptr)
             .arg(&plan.pos_base);
@@ -783,7 +782,7 @@ impl Rope {
         // of every token is in bounds) and do not overlap unless they are the same buffer (in
         // place); x, output and strides are aligned to `lanes` elements for the chosen
         // pairing; seq >= 1 and groups >= 1 (empty tensors returned above); table rows hold
-        // `half` elements and number `table_positions`; ids or row offsets have the length
+        // `half` elements and number `table_positions`, or `inv_freq` holds `half` f64; ids or row offsets have the length
         // their position code names; the grid keeps blockIdx.y * heads_per_chunk < heads.
         // The views borrow their buffers until this call returns, and the guards order later
         // uses after the launch on the stream.

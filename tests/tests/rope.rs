@@ -97,7 +97,10 @@ mod matches_plain_formula {
                 |(p, half, theta)| {
                     let d = 2 * half;
                     for i in [0, half / 3, half / 2, half - 1] {
-                        let (c, s) = kernels_gpu::math::rope_cos_sin(p, i, d, theta.log2());
+                        let (c, s) = kernels_gpu::math::rope_cos_sin(
+                            p,
+                            rope_host::inv_freq(theta, d)[i as usize],
+                        );
                         let angle = p as f64 * theta.powf(-2.0 * i as f64 / d as f64);
                         for (got, want) in [(c, angle.cos()), (s, angle.sin())] {
                             let tol = (f64::from(f32::EPSILON) * want.abs()).max(2f64.powi(-28));
