@@ -27,25 +27,29 @@ use crate::elem::{self, Elem};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
 
-/// Heads whose loads are issued together before their stores.
-const HEADS_UNROLL: usize = 4;
-
 /// Which elements form a pair; see the module documentation.
 trait Pairing {
     /// `true` for rotate-half pairs `(x[i], x[i + half])`, `false` for `(x[2i], x[2i + 1])`.
     const NEOX: bool;
+    /// Heads whose loads are issued together before their stores: enough bytes in flight per
+    /// thread (64 at 16-byte accesses) without the register cost of more address streams
+    /// (NeoX reads two per head; four NeoX heads took 148 registers on sm_90, two take 80).
+    /// Either 2 or 4.
+    const HEADS_UNROLL: usize;
 }
 
 /// GPT-J / RoFormer pairs `(x[2i], x[2i + 1])`.
 struct Interleaved;
 impl Pairing for Interleaved {
     const NEOX: bool = false;
+    const HEADS_UNROLL: usize = 4;
 }
 
 /// GPT-NeoX rotate-half pairs `(x[i], x[i + half])`.
 struct Neox;
 impl Pairing for Neox {
     const NEOX: bool = true;
+    const HEADS_UNROLL: usize = 2;
 }
 
 /// Where cos/sin come from; see [`crate::abi::SinCosSource`].
@@ -288,26 +292,22 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
         };
         let strides = (a.x_strides[2] as usize, a.out_strides[2] as usize);
         let mut h = h0;
-        while h + HEADS_UNROLL <= h1 {
-            // SAFETY: h + HEADS_UNROLL <= h1 <= heads.
+        let (j0, cos, sin) = ((j0 as usize, half), &cos, &sin);
+        while h + P::HEADS_UNROLL <= h1 {
+            // SAFETY: h + HEADS_UNROLL <= h1 <= heads. (A const generic cannot name
+            // `P::HEADS_UNROLL` directly on stable Rust, hence the two arms.)
             unsafe {
-                heads_block::<T, P, L, HEADS_UNROLL>(
-                    xt,
-                    ot,
-                    strides,
-                    h,
-                    (j0 as usize, half),
-                    &cos,
-                    &sin,
-                )
+                if P::HEADS_UNROLL == 4 {
+                    heads_block::<T, P, L, 4>(xt, ot, strides, h, j0, cos, sin)
+                } else {
+                    heads_block::<T, P, L, 2>(xt, ot, strides, h, j0, cos, sin)
+                }
             };
-            h += HEADS_UNROLL;
+            h += P::HEADS_UNROLL;
         }
         while h < h1 {
             // SAFETY: h < h1 <= heads.
-            unsafe {
-                heads_block::<T, P, L, 1>(xt, ot, strides, h, (j0 as usize, half), &cos, &sin)
-            };
+            unsafe { heads_block::<T, P, L, 1>(xt, ot, strides, h, j0, cos, sin) };
             h += 1;
         }
         idx += step;
