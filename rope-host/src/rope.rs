@@ -319,6 +319,8 @@ pub(crate) struct Plan {
     pub(crate) table_positions: u64,
     pub(crate) positions: PositionCode,
     pub(crate) pos_base: i64,
+    /// `batch * seq`.
+    pub(crate) tokens: u64,
 }
 
 /// Chooses the grid: `items = tokens * groups` work items on `blockIdx.x` in blocks of
@@ -408,15 +410,19 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
     check_buffer("x", req.x, span, req.elem_size)?;
     if let Some(out) = req.out {
         check_buffer("output", out, span, req.elem_size)?;
-        let bytes = (span * req.elem_size) as u64;
-        if span > 0 && out.addr < req.x.addr + bytes && req.x.addr < out.addr + bytes {
+        // In u128: neither the byte span nor an address plus it can overflow.
+        let bytes = span as u128 * req.elem_size as u128;
+        let (xa, oa) = (u128::from(req.x.addr), u128::from(out.addr));
+        if span > 0 && oa < xa + bytes && xa < oa + bytes {
             return Err(invalid(
                 "output",
                 "overlaps the input; use Io::InPlace to rotate in place",
             ));
         }
     }
-    let tokens = l.batch as u64 * l.seq as u64;
+    let tokens = (l.batch as u64)
+        .checked_mul(l.seq as u64)
+        .ok_or_else(|| invalid("layout", "batch * seq overflows u64"))?;
 
     // Positions: the largest implicit position, and the kernel code.
     let last = l.seq.saturating_sub(1) as u64;
@@ -434,14 +440,14 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
         }
         PositionsReq::Ids { ids, ty, shape } => {
             let (want, what) = match shape {
-                IdsShape::Shared => (l.seq, "[seq]"),
-                IdsShape::PerRow => (l.batch * l.seq, "[batch, seq]"),
+                IdsShape::Shared => (l.seq as u64, "[seq]"),
+                IdsShape::PerRow => (tokens, "[batch, seq]"),
             };
             let size = match ty {
                 IdType::I32 => 4,
                 IdType::I64 => 8,
             };
-            if ids.len != want {
+            if ids.len as u64 != want {
                 return Err(invalid(
                     "positions",
                     format!("ids hold {} elements, {what} needs {want}", ids.len),
@@ -530,6 +536,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
         table_positions,
         positions,
         pos_base,
+        tokens,
     })
 }
 
@@ -732,7 +739,7 @@ impl Rope {
 
         let l = &op.layout;
         let [sb, ss, sh] = l.strides.map(|s| s as u64);
-        let tokens = l.batch as u64 * l.seq as u64;
+        let tokens = plan.tokens;
         let (seq, heads, half) = (l.seq as u32, l.heads as u32, op.config.half());
         let positions_code = plan.positions as u32;
         let inv_freq = match op.sincos {
@@ -903,5 +910,78 @@ mod tests {
             sin: Buf { addr: 128, len: 20 },
         };
         plan(&r, 1).expect("ten positions fit a ten-row table");
+    }
+
+    mod plan_never_panics {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn buf() -> impl Strategy<Value = Buf> {
+            let addr = prop_oneof![
+                Just(0u64),
+                (0u64..64).prop_map(|a| a * 4),
+                Just(u64::MAX - 15)
+            ];
+            (addr, prop_oneof![0usize..4096, Just(usize::MAX)])
+                .prop_map(|(addr, len)| Buf { addr, len })
+        }
+
+        fn dim() -> impl Strategy<Value = usize> {
+            prop_oneof![
+                Just(0usize),
+                1usize..9,
+                Just(usize::MAX / 3),
+                Just(u32::MAX as usize + 1)
+            ]
+        }
+
+        proptest! {
+            /// Arbitrary, mostly invalid requests: `plan` returns an error or a plan whose
+            /// buffers cover the layout, and never panics (no overflow, no division by zero).
+            #[test]
+            fn plan_errs_or_covers_the_layout(
+                half in prop_oneof![1u32..5, Just(64u32)],
+                neox in any::<bool>(),
+                (batch, seq, heads) in (dim(), dim(), dim()),
+                x in buf(),
+                out in proptest::option::of(buf()),
+                table in proptest::option::of((buf(), buf())),
+                theta in prop_oneof![Just(10_000.0f64), Just(0.0), Just(f64::NAN), -5.0f64..5.0],
+                offsets in proptest::collection::vec(any::<u32>(), 0..4),
+                ids in (buf(), any::<bool>(), any::<bool>()),
+                kind in 0u8..3,
+            ) {
+                let style = if neox { RopeStyle::Neox } else { RopeStyle::Interleaved };
+                let config = RopeConfig::builder(2 * half, style).build().expect("even head_dim");
+                let layout = Layout::bshd(batch, seq, heads, 2 * half as usize);
+                let positions = match kind {
+                    0 => PositionsReq::Offset(offsets.first().copied().unwrap_or(0)),
+                    1 => PositionsReq::RowOffsets(&offsets),
+                    _ => PositionsReq::Ids {
+                        ids: ids.0,
+                        ty: if ids.1 { IdType::I64 } else { IdType::I32 },
+                        shape: if ids.2 { IdsShape::PerRow } else { IdsShape::Shared },
+                    },
+                };
+                let sincos = match table {
+                    Some((cos, sin)) => SinCosReq::Table { cos, sin },
+                    None => SinCosReq::Computed { theta },
+                };
+                let req = Request { config, layout, elem_size: 4, x, out, sincos, positions };
+                match plan(&req, 132) {
+                    Err(Error::Invalid { .. }) => {}
+                    Err(e) => prop_assert!(false, "unexpected error kind: {e}"),
+                    Ok(p) => {
+                        let span = layout.span().expect("a valid plan has a finite span");
+                        prop_assert!(x.len >= span);
+                        prop_assert!(out.is_none_or(|o| o.len >= span));
+                        if let Some(g) = p.grid {
+                            prop_assert!(g.config.grid_dim.1 <= 65_535);
+                            prop_assert!(p.groups >= 1 && seq >= 1);
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -91,10 +91,11 @@ fn executables(args: &[&str]) -> Result<Vec<PathBuf>> {
     let mut found = Vec::new();
     for line in std::io::BufReader::new(stdout).lines() {
         let msg: serde_json::Value = serde_json::from_str(&line?)?;
-        if msg["reason"] == "compiler-artifact" {
-            if let Some(exe) = msg["executable"].as_str() {
-                found.push(PathBuf::from(exe));
-            }
+        if let ("compiler-artifact", Some(exe)) = (
+            msg["reason"].as_str().unwrap_or_default(),
+            msg["executable"].as_str(),
+        ) {
+            found.push(PathBuf::from(exe));
         }
     }
     ensure!(child.wait()?.success(), "cargo {} failed", args.join(" "));
