@@ -862,18 +862,20 @@ mod tests {
     }
 
     #[test]
-    fn rejects_odd_head_dim() {
-        let err = RopeConfig::builder(7, RopeStyle::Neox).build().unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::Invalid {
-                    arg: "head_dim",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+    fn rejects_odd_or_zero_head_dim() {
+        for d in [0, 1, 7, 129] {
+            let err = RopeConfig::builder(d, RopeStyle::Neox).build().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Invalid {
+                        arg: "head_dim",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -210,23 +210,3 @@ fn invalid_descriptions_are_rejected_and_outputs_untouched() {
         })
         .expect("invalid descriptions rejected");
 }
-
-/// An odd or zero head_dim is refused when the configuration is built.
-#[test]
-fn odd_head_dim_is_refused_at_build() {
-    for d in [0, 1, 7, 129] {
-        let err = RopeConfig::builder(d, RopeStyle::Neox)
-            .build()
-            .expect_err("odd head_dim");
-        assert!(
-            matches!(
-                err,
-                Error::Invalid {
-                    arg: "head_dim",
-                    ..
-                }
-            ),
-            "{err}"
-        );
-    }
-}
