@@ -2,9 +2,7 @@
 //! and the device still healthy afterwards.
 
 use proptest::prelude::*;
-use rope_host::{
-    Error, IdsShape, Io, Layout, PositionIds, Positions, RopeConfig, RopeOp, RopeStyle, SinCos,
-};
+use rope_host::{Error, IdsShape, Io, Layout, PositionIds, Positions, RopeConfig, RopeOp, SinCos};
 use rope_tests::case::{Case, DeviceCase, DeviceIds, PosCase, Source};
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
