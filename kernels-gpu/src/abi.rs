@@ -23,12 +23,16 @@ pub enum Direction {
     Backward,
 }
 
-/// Element types the kernels load and store (arithmetic is `f32`).
+/// Element types the kernels load and store (arithmetic is `f32`, rounded once on store).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DType {
-    /// `f32`.
+    /// IEEE binary32.
     F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16 (the top half of an `f32`).
+    BF16,
 }
 
 /// Where a kernel takes cos/sin from; each source has its own kernels, so the table kernels
@@ -60,6 +64,10 @@ pub enum PositionCode {
     IdsI64Shared = 4,
     /// `pos = ids[b * seq + s]`, `pos_ptr` pointing at `batch * seq` `i64`.
     IdsI64PerRow = 5,
+    /// Packed sequences (`batch = 1`, token `t = s`): `pos = t - cu_seqlens[i] + offsets[i]`
+    /// for the sequence `i` holding `t`; `pos_ptr` points at `pos_count + 1` `u32`
+    /// (`cu_seqlens`), `pos_aux` at `pos_count` `u32` offsets or is null (no offsets).
+    Varlen = 6,
 }
 
 impl PositionCode {
@@ -73,6 +81,7 @@ impl PositionCode {
             3 => Some(Self::IdsI32PerRow),
             4 => Some(Self::IdsI64Shared),
             5 => Some(Self::IdsI64PerRow),
+            6 => Some(Self::Varlen),
             _ => None,
         }
     }
@@ -92,46 +101,64 @@ pub struct KernelName {
     pub dtype: DType,
 }
 
-impl KernelName {
-    /// Every kernel, in the order the host loads them.
-    pub const ALL: [KernelName; 8] = {
-        use Direction::*;
-        use RopeStyle::*;
-        use SinCosSource::*;
-        const fn k(style: RopeStyle, source: SinCosSource, direction: Direction) -> KernelName {
-            KernelName {
-                style,
-                source,
-                direction,
-                dtype: DType::F32,
+/// Calls `$m!` with every kernel as `symbol: Style, Source, Direction, DType, storage type;`:
+/// the one list from which the kernel crate defines the entry points and [`KernelName`] its
+/// table, so the two cannot disagree.
+macro_rules! for_each_kernel {
+    ($m:ident) => {
+        $m! {
+            rope_interleaved_table_fwd_f32: Interleaved, Table, Forward, F32, f32;
+            rope_interleaved_table_bwd_f32: Interleaved, Table, Backward, F32, f32;
+            rope_interleaved_theta_fwd_f32: Interleaved, Theta, Forward, F32, f32;
+            rope_interleaved_theta_bwd_f32: Interleaved, Theta, Backward, F32, f32;
+            rope_neox_table_fwd_f32: Neox, Table, Forward, F32, f32;
+            rope_neox_table_bwd_f32: Neox, Table, Backward, F32, f32;
+            rope_neox_theta_fwd_f32: Neox, Theta, Forward, F32, f32;
+            rope_neox_theta_bwd_f32: Neox, Theta, Backward, F32, f32;
+            rope_interleaved_table_fwd_f16: Interleaved, Table, Forward, F16, f16;
+            rope_interleaved_table_bwd_f16: Interleaved, Table, Backward, F16, f16;
+            rope_interleaved_theta_fwd_f16: Interleaved, Theta, Forward, F16, f16;
+            rope_interleaved_theta_bwd_f16: Interleaved, Theta, Backward, F16, f16;
+            rope_neox_table_fwd_f16: Neox, Table, Forward, F16, f16;
+            rope_neox_table_bwd_f16: Neox, Table, Backward, F16, f16;
+            rope_neox_theta_fwd_f16: Neox, Theta, Forward, F16, f16;
+            rope_neox_theta_bwd_f16: Neox, Theta, Backward, F16, f16;
+            rope_interleaved_table_fwd_bf16: Interleaved, Table, Forward, BF16, Bf16;
+            rope_interleaved_table_bwd_bf16: Interleaved, Table, Backward, BF16, Bf16;
+            rope_interleaved_theta_fwd_bf16: Interleaved, Theta, Forward, BF16, Bf16;
+            rope_interleaved_theta_bwd_bf16: Interleaved, Theta, Backward, BF16, Bf16;
+            rope_neox_table_fwd_bf16: Neox, Table, Forward, BF16, Bf16;
+            rope_neox_table_bwd_bf16: Neox, Table, Backward, BF16, Bf16;
+            rope_neox_theta_fwd_bf16: Neox, Theta, Forward, BF16, Bf16;
+            rope_neox_theta_bwd_bf16: Neox, Theta, Backward, BF16, Bf16;
+        }
+    };
+}
+#[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
+pub(crate) use for_each_kernel;
+
+/// Defines [`KernelName::ALL`] and [`KernelName::symbol`] from the kernel list.
+macro_rules! kernel_table {
+    ($($sym:ident: $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*) => {
+        impl KernelName {
+            /// Every kernel, in the order the host loads them.
+            pub const ALL: [KernelName; [$(stringify!($sym)),*].len()] = [$(KernelName {
+                style: RopeStyle::$style,
+                source: SinCosSource::$src,
+                direction: Direction::$dir,
+                dtype: DType::$dt,
+            }),*];
+
+            /// The exported PTX symbol; the match is exhaustive, so an option without a kernel
+            /// does not compile.
+            pub const fn symbol(self) -> &'static str {
+                match (self.style, self.source, self.direction, self.dtype) {
+                    $((RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt) => {
+                        stringify!($sym)
+                    })*
+                }
             }
         }
-        [
-            k(Interleaved, Table, Forward),
-            k(Interleaved, Table, Backward),
-            k(Interleaved, Theta, Forward),
-            k(Interleaved, Theta, Backward),
-            k(Neox, Table, Forward),
-            k(Neox, Table, Backward),
-            k(Neox, Theta, Forward),
-            k(Neox, Theta, Backward),
-        ]
     };
-
-    /// The exported PTX symbol; exhaustive, so a new option cannot be left without a kernel.
-    pub const fn symbol(self) -> &'static str {
-        use Direction::*;
-        use RopeStyle::*;
-        use SinCosSource::*;
-        match (self.style, self.source, self.direction, self.dtype) {
-            (Interleaved, Table, Forward, DType::F32) => "rope_interleaved_table_fwd_f32",
-            (Interleaved, Table, Backward, DType::F32) => "rope_interleaved_table_bwd_f32",
-            (Interleaved, Theta, Forward, DType::F32) => "rope_interleaved_theta_fwd_f32",
-            (Interleaved, Theta, Backward, DType::F32) => "rope_interleaved_theta_bwd_f32",
-            (Neox, Table, Forward, DType::F32) => "rope_neox_table_fwd_f32",
-            (Neox, Table, Backward, DType::F32) => "rope_neox_table_bwd_f32",
-            (Neox, Theta, Forward, DType::F32) => "rope_neox_theta_fwd_f32",
-            (Neox, Theta, Backward, DType::F32) => "rope_neox_theta_bwd_f32",
-        }
-    }
 }
+for_each_kernel!(kernel_table);

@@ -2,15 +2,22 @@
 //!
 //! Arithmetic is always `f32`: an element converts to `f32` on load and rounds once on store.
 
+use crate::math;
+
 /// A storage type of the kernels.
 pub trait Elem: Copy {
+    /// Zero, to initialise arrays.
+    const ZERO: Self;
+    /// Bytes per element.
+    const SIZE: usize = size_of::<Self>();
     /// Widens to `f32` exactly.
     fn to_f32(self) -> f32;
-    /// Rounds an `f32` to this type (identity for `f32`).
+    /// Rounds an `f32` to this type, to nearest even (identity for `f32`).
     fn from_f32(v: f32) -> Self;
 }
 
 impl Elem for f32 {
+    const ZERO: Self = 0.0;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -18,6 +25,36 @@ impl Elem for f32 {
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
         v
+    }
+}
+
+/// IEEE binary16 through the hardware conversions (`cvt.f32.f16`, `cvt.rn.f16.f32`).
+impl Elem for f16 {
+    const ZERO: Self = 0.0;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v as f16
+    }
+}
+
+/// bfloat16 as its bits; conversions in [`math`], shared with the host tests.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Bf16(u16);
+
+impl Elem for Bf16 {
+    const ZERO: Self = Bf16(0);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        math::bf16_to_f32(self.0)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        Bf16(math::f32_to_bf16(v))
     }
 }
 
@@ -30,11 +67,15 @@ struct Align8<A>(A);
 #[repr(C, align(4))]
 #[derive(Clone, Copy)]
 struct Align4<A>(A);
+#[repr(C, align(2))]
+#[derive(Clone, Copy)]
+struct Align2<A>(A);
 
 /// Loads `N` consecutive elements with one access of `N * size_of::<T>()` bytes.
 ///
 /// # Safety
-/// `p` points at `N` readable `T`, aligned to `N * size_of::<T>()` bytes, which is 4, 8 or 16.
+/// `p` points at `N` readable `T`, aligned to `N * size_of::<T>()` bytes, which is 2, 4, 8 or
+/// 16.
 #[inline(always)]
 pub unsafe fn load<T: Elem, const N: usize>(p: *const T) -> [T; N] {
     // SAFETY (all arms): the caller promises `N` readable elements aligned to their total size,
@@ -44,6 +85,7 @@ pub unsafe fn load<T: Elem, const N: usize>(p: *const T) -> [T; N] {
             16 => p.cast::<Align16<[T; N]>>().read().0,
             8 => p.cast::<Align8<[T; N]>>().read().0,
             4 => p.cast::<Align4<[T; N]>>().read().0,
+            2 => p.cast::<Align2<[T; N]>>().read().0,
             _ => p.cast::<[T; N]>().read(),
         }
     }
@@ -52,7 +94,8 @@ pub unsafe fn load<T: Elem, const N: usize>(p: *const T) -> [T; N] {
 /// Stores `N` consecutive elements with one access of `N * size_of::<T>()` bytes.
 ///
 /// # Safety
-/// `p` points at `N` writable `T`, aligned to `N * size_of::<T>()` bytes, which is 4, 8 or 16.
+/// `p` points at `N` writable `T`, aligned to `N * size_of::<T>()` bytes, which is 2, 4, 8 or
+/// 16.
 #[inline(always)]
 pub unsafe fn store<T: Elem, const N: usize>(p: *mut T, v: [T; N]) {
     // SAFETY (all arms): as in `load`, for writes.
@@ -61,6 +104,7 @@ pub unsafe fn store<T: Elem, const N: usize>(p: *mut T, v: [T; N]) {
             16 => p.cast::<Align16<[T; N]>>().write(Align16(v)),
             8 => p.cast::<Align8<[T; N]>>().write(Align8(v)),
             4 => p.cast::<Align4<[T; N]>>().write(Align4(v)),
+            2 => p.cast::<Align2<[T; N]>>().write(Align2(v)),
             _ => p.cast::<[T; N]>().write(v),
         }
     }

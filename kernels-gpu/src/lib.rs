@@ -10,7 +10,7 @@
 //! Moving to another GPU backend (for example rust-cuda's NVVM) means swapping the
 //! `intrinsics` module and nothing else.
 #![no_std]
-#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx))]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, f16))]
 
 pub mod abi;
 pub mod math;

@@ -98,6 +98,25 @@ pub fn rope_cos_sin(position: i64, inv_freq: f64) -> (f32, f32) {
     cos_sin_f32(position as f64 * inv_freq)
 }
 
+/// Widens bfloat16 bits to `f32` (exact: bfloat16 is the top half of an `f32`).
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Rounds an `f32` to bfloat16 bits, to nearest with ties to even; NaN stays a quiet NaN
+/// (of the same sign), infinities stay infinite, and overflow rounds to infinity.
+#[inline(always)]
+pub fn f32_to_bf16(v: f32) -> u16 {
+    let u = v.to_bits();
+    if v.is_nan() {
+        return ((u >> 16) | 0x0040) as u16;
+    }
+    // Adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even; a carry out of
+    // the mantissa correctly bumps the exponent (up to infinity).
+    ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
+}
+
 #[cfg(test)]
 mod tests {
     extern crate std;
@@ -152,6 +171,21 @@ mod tests {
             let (c, s) = cos_sin_f32(angle);
             assert!(((c as f64) - angle.cos()).abs() < 1e-7);
             assert!(((s as f64) - angle.sin()).abs() < 1e-7);
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+        assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (upwards).
+        assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(f32_to_bf16(f32::MAX), 0x7f80);
+        assert_eq!(f32_to_bf16(f32::NEG_INFINITY), 0xff80);
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+        for bits in [0u16, 0x0001, 0x3f80, 0x7f7f, 0x8001, 0xc2f7] {
+            assert_eq!(f32_to_bf16(bf16_to_f32(bits)), bits);
         }
     }
 

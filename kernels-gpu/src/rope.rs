@@ -1,29 +1,33 @@
 //! The RoPE kernel family: forward and backward rotation, interleaved (GPT-J) and rotate-half
-//! (GPT-NeoX) pairing, sin/cos from tables or from `theta`, implicit or explicit positions.
+//! (GPT-NeoX) pairing, sin/cos from tables or from frequencies, implicit, explicit or packed
+//! variable-length positions, partial rotary, and one or two tensors (q and k) per launch.
 //!
 //! # Formula
-//! For pair `i` of a head at position `p`, with `c = cos(p * inv_freq_i)`, `s = sin(...)`:
-//! forward `(a, b) -> (a c - b s, b c + a s)`; backward (the transposed rotation)
-//! `(a, b) -> (a c + b s, b c - a s)`. Interleaved pairs are `(x[2i], x[2i + 1])`; NeoX pairs
-//! are `(x[i], x[i + half])`, where `half = rotary_dim / 2`.
+//! For pair `i < half` (`half = rotary_dim / 2`) of a head at position `p`, with
+//! `c = cos(p * inv_freq_i)`, `s = sin(...)`: forward `(a, b) -> (a c - b s, b c + a s)`;
+//! backward (the transposed rotation) `(a, b) -> (a c + b s, b c - a s)`. Interleaved pairs are
+//! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`. Elements `rotary_dim..head_dim`
+//! pass through unchanged (copied when `out` differs from `x`).
 //!
 //! # Layout
-//! `x` and `out` hold `[batch, seq, heads, head_dim]` elements at element strides
-//! `(stride_batch, stride_seq, stride_head, 1)`; `out` may equal `x` (in place).
+//! Each tensor holds `[batch, seq, heads, head_dim]` elements at element strides
+//! `(stride_batch, stride_seq, stride_head, 1)`; its `out` either equals its `x` (in place) or
+//! overlaps no input. Tensor 1 (k) has its own heads and strides and may have no heads.
 //!
 //! # Thread mapping
-//! A work item is one (token, group of pairs): `groups = half / pairs_per_thread` items per
-//! token, `tokens * groups` in all, walked by a grid-stride loop over `blockIdx.x`, so
-//! consecutive threads touch consecutive addresses of a head. Each item computes or loads the
-//! sin/cos of its pairs once and applies them to the heads
-//! `blockIdx.y * heads_per_chunk .. min(+heads_per_chunk, heads)`, four heads at a time with all
-//! loads issued before the stores. Every access moves `lanes` elements at once (16 bytes for
-//! `f32` when alignment allows).
+//! A work item is one (token, group): groups `0..rot_groups` rotate `pairs_per_item` pairs,
+//! groups `rot_groups..groups` copy `lanes` pass-through elements. The `tokens * groups` items
+//! are walked by a grid-stride loop over `blockIdx.x`, so consecutive threads touch
+//! consecutive addresses of a head. Each rotating item computes or loads the sin/cos of its
+//! pairs once and applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk`
+//! of the concatenation of tensor 0's and tensor 1's heads, several heads at a time with all
+//! loads issued before the stores. Every access moves `lanes` elements at once (16 bytes when
+//! alignment allows).
 
 use core::num::{NonZeroU32, NonZeroU64};
 
-use crate::abi::PositionCode;
-use crate::elem::{self, Elem};
+use crate::abi::{Direction, PositionCode, for_each_kernel};
+use crate::elem::{self, Bf16, Elem};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
 
@@ -32,8 +36,8 @@ trait Pairing {
     /// `true` for rotate-half pairs `(x[i], x[i + half])`, `false` for `(x[2i], x[2i + 1])`.
     const NEOX: bool;
     /// Heads whose loads are issued together before their stores: enough bytes in flight per
-    /// thread (64 at 16-byte accesses) without the register cost of more address streams
-    /// (NeoX reads two per head; four NeoX heads took 148 registers on sm_90, two take 80).
+    /// thread (64 at 16-byte accesses) at a modest register cost (NeoX reads two vectors per
+    /// head; with 16-bit elements four NeoX heads took about 100 registers on sm_90, two 66).
     /// Either 2 or 4.
     const HEADS_UNROLL: usize;
 }
@@ -58,7 +62,7 @@ trait Source {
     const TABLE: bool;
 }
 
-/// Tables `cos`, `sin` of `[table_positions, half]`.
+/// Tables: row `p` of `cos` and of `sin` starts at `p * table_stride`.
 struct Table;
 impl Source for Table {
     const TABLE: bool = true;
@@ -70,26 +74,40 @@ impl Source for Theta {
     const TABLE: bool = false;
 }
 
+/// One rotated tensor: input, output (equal when in place), heads and element strides.
+#[derive(Clone, Copy)]
+struct TensorArgs<T> {
+    x: *const T,
+    out: *mut T,
+    heads: u32,
+    x_strides: [u64; 3],
+    out_strides: [u64; 3],
+}
+
 /// The kernel arguments, gathered so the generic body takes one value.
 #[derive(Clone, Copy)]
 struct Args<T> {
-    x: *const T,
-    out: *mut T,
+    /// Tensor 0 (q) and tensor 1 (k, possibly without heads). Named fields rather than an
+    /// array: a loop over an array of structs would put them in local memory.
+    q: TensorArgs<T>,
+    k: TensorArgs<T>,
     tokens: u64,
     seq: NonZeroU32,
-    heads: u32,
     heads_per_chunk: u32,
     groups: NonZeroU32,
+    rot_groups: u32,
     half: u32,
+    rotary_dim: u32,
     lanes: u32,
-    x_strides: [u64; 3],
-    out_strides: [u64; 3],
     cos: *const T,
     sin: *const T,
+    table_stride: u64,
     table_positions: u64,
     inv_freq: *const f64,
     positions: u32,
     pos_ptr: *const u8,
+    pos_aux: *const u8,
+    pos_count: u32,
     pos_base: i64,
     /// `1.0` forward, `-1.0` backward (the transposed rotation).
     sin_sign: f32,
@@ -98,7 +116,8 @@ struct Args<T> {
 /// The position of token `(b, s)`.
 ///
 /// # Safety
-/// `pos_ptr` points at the array the position code describes (see [`PositionCode`]).
+/// `pos_ptr` (and `pos_aux`) point at the arrays the position code describes (see
+/// [`PositionCode`]).
 #[inline(always)]
 unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
     let seq = a.seq.get() as u64;
@@ -117,15 +136,47 @@ unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
             }
             PositionCode::IdsI64Shared => *a.pos_ptr.cast::<i64>().add(s as usize),
             PositionCode::IdsI64PerRow => *a.pos_ptr.cast::<i64>().add((b * seq + s) as usize),
+            PositionCode::Varlen => varlen_position(a, b * seq + s),
         }
+    }
+}
+
+/// The position of packed token `t`: `t - cu_seqlens[i] (+ offsets[i])` for the sequence `i`
+/// with `cu_seqlens[i] <= t < cu_seqlens[i + 1]`, found by binary search.
+///
+/// # Safety
+/// `pos_ptr` holds `pos_count + 1` `u32` (`pos_count >= 1`); `pos_aux` is null or holds
+/// `pos_count` `u32`. Whatever their values, the search index stays in `0..pos_count`.
+#[inline(always)]
+unsafe fn varlen_position<T>(a: &Args<T>, t: u64) -> i64 {
+    let cu = a.pos_ptr.cast::<u32>();
+    let (mut lo, mut hi) = (0u32, a.pos_count.saturating_sub(1));
+    while lo < hi {
+        let mid = hi - (hi - lo) / 2;
+        // SAFETY: lo < mid <= hi <= pos_count - 1, inside the pos_count + 1 entries.
+        if unsafe { *cu.add(mid as usize) } as u64 <= t {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    // SAFETY: lo <= pos_count - 1, inside both arrays.
+    unsafe {
+        let start = *cu.add(lo as usize) as i64;
+        let offset = if a.pos_aux.is_null() {
+            0
+        } else {
+            *a.pos_aux.cast::<u32>().add(lo as usize) as i64
+        };
+        t as i64 - start + offset
     }
 }
 
 /// Loads one head's `L` elements (interleaved) or `2 L` elements (NeoX) of this work item.
 ///
 /// # Safety
-/// `head` points at a head of `2 * half` elements; `j0` is this item's first pair; the
-/// alignment promised for `lanes` holds.
+/// `head` points at a head of at least `rotary_dim` elements; `j0` is this item's first pair;
+/// the alignment promised for `lanes` holds.
 #[inline(always)]
 unsafe fn load_head<T: Elem, P: Pairing, const L: usize>(
     head: *const T,
@@ -133,8 +184,8 @@ unsafe fn load_head<T: Elem, P: Pairing, const L: usize>(
     half: usize,
 ) -> [[T; L]; 2] {
     // SAFETY: NeoX reads elements j0..j0+L and half+j0..half+j0+L, interleaved reads
-    // 2*j0..2*j0+L; j0 + L <= half (resp. 2*j0 + L <= 2*half) because groups * L covers half
-    // exactly, so every read stays in the head. Alignment is the caller's promise.
+    // 2*j0..2*j0+L; j0 + L <= half (resp. 2*j0 + L <= 2*half) because rot_groups * L covers
+    // the pairs exactly, so every read stays in the head. Alignment is the caller's promise.
     unsafe {
         if P::NEOX {
             [
@@ -142,7 +193,7 @@ unsafe fn load_head<T: Elem, P: Pairing, const L: usize>(
                 elem::load::<T, L>(head.add(half + j0)),
             ]
         } else {
-            [elem::load::<T, L>(head.add(2 * j0)), [T::from_f32(0.0); L]]
+            [elem::load::<T, L>(head.add(2 * j0)), [T::ZERO; L]]
         }
     }
 }
@@ -163,54 +214,79 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
     let mut lo = v[0];
     let mut hi = v[1];
     if P::NEOX {
-        for k in 0..L {
+        unrolled(L, |k| {
             let (y0, y1) = math::rotate(lo[k].to_f32(), hi[k].to_f32(), cos[k], sin[k]);
             lo[k] = T::from_f32(y0);
             hi[k] = T::from_f32(y1);
-        }
+        });
         // SAFETY: the same element ranges `load_head` read, in the output head.
         unsafe {
             elem::store::<T, L>(out_head.add(j0), lo);
             elem::store::<T, L>(out_head.add(half + j0), hi);
         }
     } else {
-        for k in 0..L / 2 {
+        unrolled(L / 2, |k| {
             let (y0, y1) = math::rotate(lo[2 * k].to_f32(), lo[2 * k + 1].to_f32(), cos[k], sin[k]);
             lo[2 * k] = T::from_f32(y0);
             lo[2 * k + 1] = T::from_f32(y1);
-        }
+        });
         // SAFETY: the same element range `load_head` read, in the output head.
         unsafe { elem::store::<T, L>(out_head.add(2 * j0), lo) };
     }
 }
 
-/// Applies this item's rotation to `U` heads starting at `h`: all loads, then all stores.
+/// Applies this item's rotation to the `U` heads `h..h + U` of the concatenated q and k heads:
+/// all loads, then all stores.
 ///
 /// # Safety
-/// `h + U <= heads`, and the promises of [`load_head`] for every head.
+/// `h + U <= q.heads + k.heads`; `tok` holds the token's bases from [`token_bases`]; the
+/// promises of [`load_head`] for every head.
 #[inline(always)]
 unsafe fn heads_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
-    x: *const T,
-    out: *mut T,
-    (x_stride, out_stride): (usize, usize),
+    a: &Args<T>,
+    tok: &TokenBases<T>,
     h: usize,
     (j0, half): (usize, usize),
     cos: &[f32; L],
     sin: &[f32; L],
 ) {
-    let mut v = [[[T::from_f32(0.0); L]; 2]; U];
-    // Index loops over the constant `U` unroll fully, keeping `v` in registers.
-    #[allow(clippy::needless_range_loop)]
-    for u in 0..U {
-        // SAFETY: head h + u < heads exists at this stride; see `load_head`.
-        v[u] = unsafe { load_head::<T, P, L>(x.add((h + u) * x_stride), j0, half) };
-    }
-    #[allow(clippy::needless_range_loop)]
-    for u in 0..U {
-        // SAFETY: head h + u < heads exists at this stride; see `rotate_store_head`.
-        unsafe {
-            rotate_store_head::<T, P, L>(out.add((h + u) * out_stride), j0, half, v[u], cos, sin)
-        };
+    let mut v = [[[T::ZERO; L]; 2]; U];
+    unrolled(U, |u| {
+        // SAFETY: head h + u exists; see `head` and `load_head`.
+        v[u] = unsafe { load_head::<T, P, L>(head(a, tok, h + u).0, j0, half) };
+    });
+    unrolled(U, |u| {
+        // SAFETY: head h + u exists; see `head` and `rotate_store_head`.
+        unsafe { rotate_store_head::<T, P, L>(head(a, tok, h + u).1, j0, half, v[u], cos, sin) };
+    });
+}
+
+/// One token's first head in each tensor's input and output.
+struct TokenBases<T> {
+    q: (*const T, *mut T),
+    k: (*const T, *mut T),
+}
+
+/// Input and output of head `h` of the concatenated q and k heads of the token `tok`.
+/// Computing each head's address afresh (a select and a multiply) keeps loop strength reduction
+/// from holding a 64-bit pointer per access stream.
+///
+/// # Safety
+/// `h < q.heads + k.heads`, `tok` from [`token_bases`].
+#[inline(always)]
+unsafe fn head<T>(a: &Args<T>, tok: &TokenBases<T>, h: usize) -> (*const T, *mut T) {
+    let hq = a.q.heads as usize;
+    let (t, (x, out), h) = if h < hq {
+        (&a.q, tok.q, h)
+    } else {
+        (&a.k, tok.k, h - hq)
+    };
+    // SAFETY: head h of that tensor exists at its head stride.
+    unsafe {
+        (
+            x.add(h * t.x_strides[2] as usize),
+            out.add(h * t.out_strides[2] as usize),
+        )
     }
 }
 
@@ -230,87 +306,170 @@ fn unrolled(count: usize, mut f: impl FnMut(usize)) {
     step!(0 1 2 3 4 5 6 7);
 }
 
+/// The heads that block row `blockIdx.y` handles, in the concatenation of q's and k's heads.
+#[inline(always)]
+fn head_range<T>(a: &Args<T>) -> (usize, usize) {
+    let heads = a.q.heads as u64 + a.k.heads as u64;
+    let first = (block_idx_y() as u64 * a.heads_per_chunk as u64).min(heads);
+    let last = (first + a.heads_per_chunk as u64).min(heads);
+    (first as usize, last as usize)
+}
+
+/// Cos and sin of this item's pairs (`sin` already signed for the direction).
+///
+/// # Safety
+/// The table or `inv_freq` promises of the entry points.
+#[inline(always)]
+unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
+    a: &Args<T>,
+    pos: i64,
+    j0: usize,
+    pairs: usize,
+) -> ([f32; L], [f32; L]) {
+    let mut cos = [0.0f32; L];
+    let mut sin = [0.0f32; L];
+    if S::TABLE {
+        if pos >= 0 && (pos as u64) < a.table_positions {
+            let row = pos as usize * a.table_stride as usize + j0;
+            unrolled(pairs, |k| {
+                // SAFETY: pos < table_positions and j0 + k < half <= table_stride, so the
+                // index is inside the tables' promised rows.
+                unsafe {
+                    cos[k] = (*a.cos.add(row + k)).to_f32();
+                    sin[k] = (*a.sin.add(row + k)).to_f32() * a.sin_sign;
+                }
+            });
+        } else {
+            // A position outside the table: documented NaN outputs, never a read outside it.
+            cos = [f32::NAN; L];
+            sin = [f32::NAN; L];
+        }
+    } else {
+        unrolled(pairs, |k| {
+            // SAFETY: j0 + k < half, the promised length of inv_freq.
+            let f = unsafe { *a.inv_freq.add(j0 + k) };
+            let (c, s) = math::rope_cos_sin(pos, f);
+            cos[k] = c;
+            sin[k] = s * a.sin_sign;
+        });
+    }
+    (cos, sin)
+}
+
 /// The kernel body for `L` elements per access.
 ///
 /// # Safety
 /// The promises of the entry points (see [`rope_neox_table_fwd_f32`]).
 #[inline(always)]
 unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
-    let pairs_per_item: u32 = if P::NEOX { L as u32 } else { (L / 2) as u32 };
+    let pairs = if P::NEOX { L } else { L / 2 };
     let groups = NonZeroU64::from(a.groups);
     let seq = NonZeroU64::from(a.seq);
     let total = a.tokens * groups.get();
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
-    let h0 = (block_idx_y() as u64 * a.heads_per_chunk as u64).min(a.heads as u64) as usize;
-    let h1 = (h0 as u64 + a.heads_per_chunk as u64).min(a.heads as u64) as usize;
+    let heads = head_range(a);
     let half = a.half as usize;
     let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
     while idx < total {
         let token = idx / groups;
-        let j0 = (idx % groups) as u32 * pairs_per_item;
+        let group = (idx % groups) as u32;
         let (b, s) = (token / seq, token % seq);
-        // SAFETY: (b, s) is a token of the batch; the position array is the caller's promise.
-        let pos = unsafe { position(a, b, s) };
-
-        let mut cos = [0.0f32; L];
-        let mut sin = [0.0f32; L];
-        if S::TABLE {
-            if pos >= 0 && (pos as u64) < a.table_positions {
-                let row = pos as usize * half + j0 as usize;
-                unrolled(pairs_per_item as usize, |k| {
-                    // SAFETY: pos < table_positions and j0 + k < half, so the index is
-                    // below table_positions * half, the tables' promised length.
-                    unsafe {
-                        cos[k] = (*a.cos.add(row + k)).to_f32();
-                        sin[k] = (*a.sin.add(row + k)).to_f32() * a.sin_sign;
-                    }
-                });
-            } else {
-                // A position outside the table: documented NaN outputs, never a read
-                // outside the table.
-                cos = [f32::NAN; L];
-                sin = [f32::NAN; L];
-            }
+        if group < a.rot_groups {
+            let j0 = group as usize * pairs;
+            // SAFETY: (b, s) is a token of the batch; the position arrays are promised.
+            let pos = unsafe { position(a, b, s) };
+            // SAFETY: j0 + pairs <= half; the table / inv_freq promises.
+            let (cos, sin) = unsafe { cos_sin::<T, S, L>(a, pos, j0, pairs) };
+            // SAFETY: b < batch, s < seq, and the range's heads exist.
+            unsafe { rotate_heads::<T, P, L>(a, (b, s), heads, (j0, half), &cos, &sin) };
         } else {
-            unrolled(pairs_per_item as usize, |k| {
-                // SAFETY: j0 + k < half, the promised length of inv_freq.
-                let f = unsafe { *a.inv_freq.add(j0 as usize + k) };
-                let (c, s) = math::rope_cos_sin(pos, f);
-                cos[k] = c;
-                sin[k] = s * a.sin_sign;
-            });
-        }
-
-        // SAFETY: b < batch, s < seq, so these offsets address the token's first head in x
-        // and out, whose layouts the caller promises.
-        let (xt, ot) = unsafe {
-            (
-                a.x.add((b * a.x_strides[0] + s * a.x_strides[1]) as usize),
-                a.out
-                    .add((b * a.out_strides[0] + s * a.out_strides[1]) as usize),
-            )
-        };
-        let strides = (a.x_strides[2] as usize, a.out_strides[2] as usize);
-        let mut h = h0;
-        let (j0, cos, sin) = ((j0 as usize, half), &cos, &sin);
-        while h + P::HEADS_UNROLL <= h1 {
-            // SAFETY: h + HEADS_UNROLL <= h1 <= heads. (A const generic cannot name
-            // `P::HEADS_UNROLL` directly on stable Rust, hence the two arms.)
-            unsafe {
-                if P::HEADS_UNROLL == 4 {
-                    heads_block::<T, P, L, 4>(xt, ot, strides, h, j0, cos, sin)
-                } else {
-                    heads_block::<T, P, L, 2>(xt, ot, strides, h, j0, cos, sin)
-                }
-            };
-            h += P::HEADS_UNROLL;
-        }
-        while h < h1 {
-            // SAFETY: h < h1 <= heads.
-            unsafe { heads_block::<T, P, L, 1>(xt, ot, strides, h, j0, cos, sin) };
-            h += 1;
+            let e0 = a.rotary_dim as usize + (group - a.rot_groups) as usize * L;
+            // SAFETY: as above; e0 + L <= head_dim because the pass-through groups cover
+            // rotary_dim..head_dim exactly.
+            unsafe { copy_heads::<T, L>(a, (b, s), heads, e0) };
         }
         idx += step;
+    }
+}
+
+/// The token `(b, s)`'s first head in each tensor's input and output.
+///
+/// # Safety
+/// `b < batch`, `s < seq` of the promised layouts.
+#[inline(always)]
+unsafe fn token_bases<T>(a: &Args<T>, (b, s): (u64, u64)) -> TokenBases<T> {
+    let base = |t: &TensorArgs<T>| {
+        // SAFETY: the offsets address the token inside the layouts the caller promises.
+        unsafe {
+            (
+                t.x.add((b * t.x_strides[0] + s * t.x_strides[1]) as usize),
+                t.out
+                    .add((b * t.out_strides[0] + s * t.out_strides[1]) as usize),
+            )
+        }
+    };
+    TokenBases {
+        q: base(&a.q),
+        k: base(&a.k),
+    }
+}
+
+/// Rotates heads `first..last` (of q's and k's heads together) of token `(b, s)`.
+///
+/// # Safety
+/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`; the promises of [`load_head`].
+#[inline(always)]
+unsafe fn rotate_heads<T: Elem, P: Pairing, const L: usize>(
+    a: &Args<T>,
+    token: (u64, u64),
+    (first, last): (usize, usize),
+    j0: (usize, usize),
+    cos: &[f32; L],
+    sin: &[f32; L],
+) {
+    // SAFETY: the caller's promise on (b, s).
+    let tok = unsafe { token_bases(a, token) };
+    let mut h = first;
+    while h + P::HEADS_UNROLL <= last {
+        // SAFETY: h + HEADS_UNROLL <= last. (A const generic cannot name `P::HEADS_UNROLL`
+        // directly on stable Rust, hence the two arms.)
+        unsafe {
+            if P::HEADS_UNROLL == 4 {
+                heads_block::<T, P, L, 4>(a, &tok, h, j0, cos, sin)
+            } else {
+                heads_block::<T, P, L, 2>(a, &tok, h, j0, cos, sin)
+            }
+        };
+        h += P::HEADS_UNROLL;
+    }
+    while h < last {
+        // SAFETY: h < last.
+        unsafe { heads_block::<T, P, L, 1>(a, &tok, h, j0, cos, sin) };
+        h += 1;
+    }
+}
+
+/// Copies elements `e0..e0 + L` of heads `first..last` (of q's and k's heads together) of
+/// token `(b, s)` from input to output.
+///
+/// # Safety
+/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`, `e0 + L <= head_dim`, aligned to `L`
+/// elements.
+#[inline(always)]
+unsafe fn copy_heads<T: Elem, const L: usize>(
+    a: &Args<T>,
+    token: (u64, u64),
+    (first, last): (usize, usize),
+    e0: usize,
+) {
+    // SAFETY: the caller's promise on (b, s).
+    let tok = unsafe { token_bases(a, token) };
+    for h in first..last {
+        // SAFETY: head h exists, elements e0..e0+L inside it, aligned: the caller's promise.
+        unsafe {
+            let (x, out) = head(a, &tok, h);
+            elem::store::<T, L>(out.add(e0), elem::load::<T, L>(x.add(e0)));
+        }
     }
 }
 
@@ -323,6 +482,7 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(a: &Args<T>) {
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match a.lanes {
+            8 if T::SIZE == 2 => body::<T, P, S, 8>(a),
             4 => body::<T, P, S, 4>(a),
             2 => body::<T, P, S, 2>(a),
             1 if P::NEOX => body::<T, P, S, 1>(a),
@@ -333,108 +493,118 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(a: &Args<T>) {
 
 /// Defines one exported entry point per (pairing, source, direction, dtype).
 macro_rules! rope_kernel {
-    ($(#[$doc:meta])* $name:ident, $t:ty, $pairing:ty, $source:ty, $sin_sign:expr) => {
-        $(#[$doc])*
+    ($($name:ident: $pairing:ident, $source:ident, $dir:ident, $dt:ident, $t:ty;)*) => {$(
+        /// One RoPE entry point; its name says the pairing, the sin/cos source, the direction
+        /// and the element type. See the module documentation for the formula and mapping.
         ///
         /// # Arguments
-        /// `x`, `out`: `[batch, seq, heads, 2 * half]` at element strides `x_stride_*` /
-        /// `out_stride_*` (last dimension contiguous); `tokens = batch * seq`;
-        /// `heads_per_chunk`: heads handled by one `blockIdx.y`; `groups = half /
-        /// pairs_per_thread` with `pairs_per_thread = lanes` (NeoX) or `lanes / 2`
-        /// (interleaved); `cos`, `sin`, `table_positions` for table kernels and `inv_freq`
-        /// for computed sin/cos (the other pointers are unused and may be null);
-        /// `positions`: a [`PositionCode`] with `pos_ptr` and `pos_base`.
+        /// Per tensor `n` in 0 (q) and 1 (k, `heads1 = 0` when absent): `xn`, `outn`,
+        /// `headsn`, element strides `xn_stride_*`, `outn_stride_*` of
+        /// `[batch, seq, heads, head_dim]` (last dimension contiguous). `tokens = batch * seq`;
+        /// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
+        /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item`
+        /// with `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
+        /// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place);
+        /// `cos`, `sin`, `table_stride` (elements per row), `table_positions` for table
+        /// kernels and `inv_freq` for computed sin/cos (the other pointers are unused and may
+        /// be null); `positions`: a [`PositionCode`] with `pos_ptr`, `pos_aux`, `pos_count`,
+        /// `pos_base`.
         ///
         /// # Safety
-        /// - `x` and `out` address every element of their layout; the element ranges of
-        ///   distinct heads do not overlap, and `out` either equals `x` or overlaps it nowhere;
-        /// - `x`, `out` and every stride are aligned to `lanes` elements (`half` too for NeoX);
-        /// - for tables, `cos` and `sin` hold `table_positions * half` elements each; for
-        ///   computed sin/cos, `inv_freq` holds `half` `f64`;
-        /// - `pos_ptr` holds the array its [`PositionCode`] names;
-        /// - the grid has `blockIdx.y * heads_per_chunk < heads` for every block.
+        /// - each `xn`/`outn` addresses every element of its layout; distinct heads'
+        ///   element ranges do not overlap, and `outn` equals `xn` or overlaps no input;
+        /// - every tensor pointer and stride is aligned to `lanes` elements, and `lanes`
+        ///   divides the work as `groups` says;
+        /// - for tables, `cos` and `sin` hold `table_positions` rows of `table_stride >= half`
+        ///   elements; for computed sin/cos, `inv_freq` holds `half` `f64`;
+        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $t,
-            out: *mut $t,
+            x0: *const $t,
+            out0: *mut $t,
+            heads0: u32,
+            x0_stride_batch: u64,
+            x0_stride_seq: u64,
+            x0_stride_head: u64,
+            out0_stride_batch: u64,
+            out0_stride_seq: u64,
+            out0_stride_head: u64,
+            x1: *const $t,
+            out1: *mut $t,
+            heads1: u32,
+            x1_stride_batch: u64,
+            x1_stride_seq: u64,
+            x1_stride_head: u64,
+            out1_stride_batch: u64,
+            out1_stride_seq: u64,
+            out1_stride_head: u64,
             tokens: u64,
             seq: NonZeroU32,
-            heads: u32,
             heads_per_chunk: u32,
             groups: NonZeroU32,
+            rot_groups: u32,
             half: u32,
+            rotary_dim: u32,
             lanes: u32,
-            x_stride_batch: u64,
-            x_stride_seq: u64,
-            x_stride_head: u64,
-            out_stride_batch: u64,
-            out_stride_seq: u64,
-            out_stride_head: u64,
             cos: *const $t,
             sin: *const $t,
+            table_stride: u64,
             table_positions: u64,
             inv_freq: *const f64,
             positions: u32,
             pos_ptr: *const u8,
+            pos_aux: *const u8,
+            pos_count: u32,
             pos_base: i64,
         ) {
             let args = Args {
-                x,
-                out,
+                q: TensorArgs {
+                        x: x0,
+                        out: out0,
+                        heads: heads0,
+                        x_strides: [x0_stride_batch, x0_stride_seq, x0_stride_head],
+                        out_strides: [out0_stride_batch, out0_stride_seq, out0_stride_head],
+                    },
+                k: TensorArgs {
+                        x: x1,
+                        out: out1,
+                        heads: heads1,
+                        x_strides: [x1_stride_batch, x1_stride_seq, x1_stride_head],
+                        out_strides: [out1_stride_batch, out1_stride_seq, out1_stride_head],
+                    },
                 tokens,
                 seq,
-                heads,
                 heads_per_chunk,
                 groups,
+                rot_groups,
                 half,
+                rotary_dim,
                 lanes,
-                x_strides: [x_stride_batch, x_stride_seq, x_stride_head],
-                out_strides: [out_stride_batch, out_stride_seq, out_stride_head],
                 cos,
                 sin,
+                table_stride,
                 table_positions,
                 inv_freq,
                 positions,
                 pos_ptr,
+                pos_aux,
+                pos_count,
                 pos_base,
-                sin_sign: $sin_sign,
+                sin_sign: sin_sign(Direction::$dir),
             };
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
             unsafe { dispatch::<$t, $pairing, $source>(&args) }
         }
-    };
+    )*};
 }
 
-rope_kernel!(
-    /// Forward RoPE, interleaved pairs `(x[2i], x[2i + 1])`, cos/sin tables, `f32`.
-    rope_interleaved_table_fwd_f32, f32, Interleaved, Table, 1.0
-);
-rope_kernel!(
-    /// Backward RoPE (transposed rotation), interleaved pairs, cos/sin tables, `f32`.
-    rope_interleaved_table_bwd_f32, f32, Interleaved, Table, -1.0
-);
-rope_kernel!(
-    /// Forward RoPE, interleaved pairs, cos/sin computed from `inv_freq`, `f32`.
-    rope_interleaved_theta_fwd_f32, f32, Interleaved, Theta, 1.0
-);
-rope_kernel!(
-    /// Backward RoPE, interleaved pairs, cos/sin computed from `inv_freq`, `f32`.
-    rope_interleaved_theta_bwd_f32, f32, Interleaved, Theta, -1.0
-);
-rope_kernel!(
-    /// Forward RoPE, NeoX rotate-half pairs `(x[i], x[i + half])`, cos/sin tables, `f32`.
-    rope_neox_table_fwd_f32, f32, Neox, Table, 1.0
-);
-rope_kernel!(
-    /// Backward RoPE (transposed rotation), NeoX pairs, cos/sin tables, `f32`.
-    rope_neox_table_bwd_f32, f32, Neox, Table, -1.0
-);
-rope_kernel!(
-    /// Forward RoPE, NeoX pairs, cos/sin computed from `inv_freq`, `f32`.
-    rope_neox_theta_fwd_f32, f32, Neox, Theta, 1.0
-);
-rope_kernel!(
-    /// Backward RoPE, NeoX pairs, cos/sin computed from `inv_freq`, `f32`.
-    rope_neox_theta_bwd_f32, f32, Neox, Theta, -1.0
-);
+/// `+1` forward, `-1` backward: the sign of `sin` in the rotation.
+const fn sin_sign(direction: Direction) -> f32 {
+    match direction {
+        Direction::Forward => 1.0,
+        Direction::Backward => -1.0,
+    }
+}
+
+for_each_kernel!(rope_kernel);
