@@ -3,14 +3,15 @@
 //!
 //! Without a GPU it says so, runs the CPU reference path on a small shape, and exits 0.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use ndarray::Array4;
 use rope_host::cudarc::driver::{CudaContext, CudaStream, sys::CUevent_flags};
-use rope_host::{Direction, IdsShape, Rope, RopeStyle, open_device};
-use rope_tests::case::{Case, PosCase, Source, compare};
+use rope_host::half::{bf16, f16};
+use rope_host::{Direction, IdsShape, Layout, Rope, RopeStyle, open_device};
+use rope_tests::case::{
+    Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TableFormat, TestElem, compare, gather,
+};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -29,59 +30,119 @@ fn main() -> Result<()> {
     }
 }
 
-/// One demo variant.
+/// The demo's variants: every style, sin/cos source, position kind and in/out of place in
+/// f32, then bf16 forms users run (fused q+k with GQA, partial rotary, combined cache).
 fn variants() -> Vec<Case> {
     let (batch, seq, heads, head_dim) = SHAPE;
+    let base = Case {
+        style: RopeStyle::Neox,
+        direction: Direction::Forward,
+        dtype: DTypeCase::F32,
+        batch,
+        seq,
+        heads,
+        head_dim,
+        rotary_dim: head_dim,
+        layout: LayoutKind::Bshd,
+        k: KCase::None,
+        source: Source::Theta(THETA),
+        positions: PosCase::Offset(0),
+        in_place: true,
+        seed: 2026,
+    };
+    let table = Source::Table {
+        theta: THETA,
+        max_position: seq,
+        format: TableFormat::Separate,
+    };
+    // Explicit ids equal to the implicit positions.
+    let ids = PosCase::Ids {
+        ids: (0..batch * seq).map(|t| (t % seq) as i64).collect(),
+        wide: true,
+        shape: IdsShape::PerRow,
+    };
     let mut out = Vec::new();
     for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
-        for table in [true, false] {
-            for ids in [false, true] {
+        for source in [table, Source::Theta(THETA)] {
+            for positions in [PosCase::Offset(0), ids.clone()] {
                 for in_place in [true, false] {
-                    // Explicit ids equal the implicit positions, so both kinds share a reference.
-                    let positions = if ids {
-                        PosCase::Ids {
-                            ids: (0..batch * seq).map(|t| (t % seq) as i64).collect(),
-                            wide: true,
-                            shape: IdsShape::PerRow,
-                        }
-                    } else {
-                        PosCase::Offset(0)
-                    };
-                    let source = if table {
-                        Source::Table {
-                            theta: THETA,
-                            max_position: seq,
-                        }
-                    } else {
-                        Source::Theta(THETA)
-                    };
                     out.push(Case {
                         style,
-                        direction: Direction::Forward,
-                        batch,
-                        seq,
-                        heads,
-                        head_dim,
                         source,
-                        positions,
+                        positions: positions.clone(),
                         in_place,
-                        seed: 2026,
+                        ..base.clone()
                     });
                 }
             }
         }
     }
+    let bf16 = Case {
+        dtype: DTypeCase::BF16,
+        ..base
+    };
+    for source in [table, Source::Theta(THETA)] {
+        out.push(Case {
+            source,
+            ..bf16.clone()
+        });
+        out.push(Case {
+            source,
+            k: KCase::Fused {
+                heads: 8,
+                v_heads: 8,
+            },
+            ..bf16.clone()
+        });
+        out.push(Case {
+            source,
+            k: KCase::Separate { heads: 8 },
+            in_place: false,
+            ..bf16.clone()
+        });
+        out.push(Case {
+            source,
+            rotary_dim: 64,
+            ..bf16.clone()
+        });
+    }
+    let cache = Source::Table {
+        theta: THETA,
+        max_position: seq,
+        format: TableFormat::Combined,
+    };
+    out.push(Case {
+        source: cache,
+        ..bf16.clone()
+    });
+    out.push(Case {
+        direction: Direction::Backward,
+        in_place: false,
+        ..bf16
+    });
     out
 }
 
 fn describe(c: &Case) -> String {
+    let k = match c.k {
+        KCase::None => String::new(),
+        KCase::Separate { heads } => format!("+k{heads}"),
+        KCase::Fused { heads, .. } => format!("+k{heads} qkv"),
+    };
+    let partial = if c.rotary_dim < c.head_dim {
+        format!(" r{}", c.rotary_dim)
+    } else {
+        String::new()
+    };
     format!(
-        "{:<11} {:<8} {:<10} {:<8}",
-        match c.style {
-            RopeStyle::Interleaved => "interleaved",
-            RopeStyle::Neox => "neox",
-        },
+        "{:<4} {:<11} {:<9} {:<8} {:<9} {:<3}{}",
+        format!("{:?}", c.dtype).to_lowercase(),
+        format!("{:?}{partial}", c.style).to_lowercase(),
         match c.source {
+            Source::Table {
+                format: TableFormat::Combined,
+                ..
+            } => "cache",
             Source::Table { .. } => "table",
             Source::Theta(_) => "computed",
         },
@@ -89,7 +150,17 @@ fn describe(c: &Case) -> String {
             PosCase::Ids { .. } => "ids i64",
             _ => "implicit",
         },
-        if c.in_place { "inplace" } else { "outplace" },
+        format!(
+            "{}{}",
+            if c.in_place { "inplace" } else { "outplace" },
+            if c.direction == Direction::Backward {
+                " bwd"
+            } else {
+                ""
+            }
+        ),
+        k,
+        "",
     )
 }
 
@@ -116,60 +187,77 @@ fn time_ms(
     Ok(times[TIMED / 2])
 }
 
+/// Checks one variant against the reference and times it against a copy of the bytes it moves.
+fn run_variant<T: TestElem>(
+    case: &Case,
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+) -> Result<(String, bool)> {
+    let mut dev = case.upload::<T>(stream)?;
+    let check = dev.check(rope, stream);
+    let heads = case.heads + case.k_heads();
+    let touched = if case.in_place {
+        case.rotary_dim
+    } else {
+        case.head_dim
+    };
+    let elems = case.batch * case.seq * heads * touched;
+    let bytes = 2.0 * (elems * size_of::<T>()) as f64;
+    let copy_src = stream.alloc_zeros::<T>(elems)?;
+    let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
+    let rope_ms = time_ms(ctx, stream, || Ok(dev.launch(rope)?))?;
+    let copy_ms = time_ms(ctx, stream, || {
+        Ok(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
+    })?;
+    let (ok, verdict) = match &check {
+        Ok(c) => (true, format!("ok, max err {:.2e}", c.max_abs_err)),
+        Err(e) => (false, format!("FAILED: {e}")),
+    };
+    Ok((
+        format!(
+            "{} {:>9.1} {:>8.0} {:>9.1} {:>7.1}%  {verdict}",
+            describe(case),
+            rope_ms * 1e3,
+            bytes / (rope_ms * 1e-3) / 1e9,
+            copy_ms * 1e3,
+            100.0 * copy_ms / rope_ms,
+        ),
+        ok,
+    ))
+}
+
 fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
     let stream = ctx.new_stream()?;
     let rope = Rope::new(stream.clone())?;
     let (batch, seq, heads, head_dim) = SHAPE;
     println!(
-        "device: {}; shape [batch {batch}, seq {seq}, heads {heads}, head_dim {head_dim}] f32, theta {THETA}",
+        "device: {}; shape [batch {batch}, seq {seq}, heads {heads}, head_dim {head_dim}], theta {THETA}",
         ctx.name()?
     );
     for r in rope.resources()? {
-        println!(
-            "{:<26} {:>3} registers, {} bytes local memory",
-            r.name, r.registers, r.local_bytes
-        );
+        if r.name.contains("fwd") {
+            println!(
+                "{:<32} {:>3} registers, {} bytes local memory",
+                r.name, r.registers, r.local_bytes
+            );
+        }
     }
-    let n = batch * seq * heads * head_dim;
-    let bytes = 2.0 * (n * 4) as f64; // one read and one write of the tensor
-    let copy_src = stream.alloc_zeros::<f32>(n)?;
-    let mut copy_dst = stream.alloc_zeros::<f32>(n)?;
-
-    let mut references: HashMap<String, Array4<f64>> = HashMap::new();
     let mut rows = Vec::new();
     let mut failures = 0;
-    let x = variants()[0].input();
     for case in variants() {
-        let key = format!("{:?} {:?}", case.style, case.source);
-        let want = references.entry(key).or_insert_with(|| case.reference(&x));
-        let mut dev = case.upload(&stream)?;
-        dev.launch(&rope)?;
-        let got = dev.result(&stream)?;
-        let check = compare(&case, &x, &got, want.view());
-        let rope_ms = time_ms(&ctx, &stream, || Ok(dev.launch(&rope)?))?;
-        let copy_ms = time_ms(&ctx, &stream, || {
-            Ok(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
-        })?;
-        let verdict = match &check {
-            Ok(c) => format!("ok, max err {:.2e}", c.max_abs_err),
-            Err(e) => {
-                failures += 1;
-                format!("FAILED: {e}")
-            }
+        let (row, ok) = match case.dtype {
+            DTypeCase::F32 => run_variant::<f32>(&case, &ctx, &stream, &rope)?,
+            DTypeCase::F16 => run_variant::<f16>(&case, &ctx, &stream, &rope)?,
+            DTypeCase::BF16 => run_variant::<bf16>(&case, &ctx, &stream, &rope)?,
         };
-        rows.push(format!(
-            "{} {:>9.1} {:>8.0} {:>9.1} {:>7.1}%  {verdict}",
-            describe(&case),
-            rope_ms * 1e3,
-            bytes / (rope_ms * 1e-3) / 1e9,
-            copy_ms * 1e3,
-            100.0 * copy_ms / rope_ms,
-        ));
+        failures += usize::from(!ok);
+        rows.push(row);
     }
     println!();
     println!(
-        "{:<11} {:<8} {:<10} {:<8} {:>9} {:>8} {:>9} {:>8}  check",
-        "style", "sincos", "positions", "io", "rope µs", "GB/s", "copy µs", "vs copy"
+        "{:<4} {:<11} {:<9} {:<8} {:<13} {:>9} {:>8} {:>9} {:>8}  check",
+        "type", "style", "sincos", "position", "io", "rope µs", "GB/s", "copy µs", "vs copy"
     );
     for r in &rows {
         println!("{r}");
@@ -185,20 +273,26 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
 fn cpu_demo() -> Result<()> {
     let mut worst = 0.0f64;
     for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+        let (seq, heads, head_dim) = (64, 4, 128);
         let case = Case {
             style,
-            direction: Direction::Forward,
-            batch: 1,
-            seq: 64,
-            heads: 4,
-            head_dim: 128,
+            seq,
+            heads,
             source: Source::Theta(THETA),
             positions: PosCase::Offset(100_000),
-            in_place: false,
-            seed: 1,
+            ..variants()[0].clone()
         };
-        let x = case.input();
-        let want = case.reference(&x);
+        let layout = Layout::bshd(1, seq, heads, head_dim);
+        let x: Vec<f32> = (0..layout.span().unwrap_or(0))
+            .map(|i| ((i * 7919) % 1000) as f32 / 125.0 - 4.0)
+            .collect();
+        let want = rope_tests::reference::rope(
+            gather(&x, &layout).view(),
+            case.resolved_positions().view(),
+            style,
+            Direction::Forward,
+            &rope_tests::reference::RefSinCos::Theta(THETA),
+        );
         // The CPU stand-in for the kernel: the kernels' math crate, pair by pair.
         let freqs = rope_host::inv_freq(THETA, case.head_dim as u32);
         let mut got = x.clone();
@@ -214,9 +308,15 @@ fn cpu_demo() -> Result<()> {
                 }
             }
         }
-        let cmp = compare(&case, &x, &got, want.view())
-            .map_err(anyhow::Error::msg)
-            .context("CPU check")?;
+        let cmp = compare::<f32>(
+            &case,
+            &gather(&x, &layout),
+            &gather(&got, &layout),
+            &want,
+            heads,
+        )
+        .map_err(anyhow::Error::msg)
+        .context("CPU check")?;
         println!(
             "{style:?}: kernel math on the CPU vs f64 reference, max abs error {:.2e}",
             cmp.max_abs_err

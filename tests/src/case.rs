@@ -1,28 +1,136 @@
 //! One RoPE problem, run on the GPU and by the f64 reference: the unit of the property tests
 //! and of the demo.
 
+use std::fmt::Debug;
 use std::sync::Arc;
 
-use anyhow::Result;
-use ndarray::{Array2, Array4, ArrayView4};
+use anyhow::{Result, ensure};
+use ndarray::{Array2, Array4};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
-use rope_host::cudarc::driver::{CudaSlice, CudaStream};
+use rope_host::cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
+use rope_host::half::{bf16, f16};
 use rope_host::{
-    Direction, IdsShape, Io, Layout, PositionIds, Positions, Rope, RopeConfig, RopeOp, RopeStyle,
-    SinCos,
+    Direction, IdsShape, Io, Layout, PositionIds, Positions, QkIo, Rope, RopeConfig, RopeElem,
+    RopeOp, RopeStyle, SinCos, Tensor, TensorMut,
 };
 
 use crate::reference::{self, RefSinCos};
 
-/// The value written into outputs before a launch; any element still holding it afterwards was
-/// never written. A NaN with a payload the kernels never produce.
-pub const POISON: f32 = f32::from_bits(0x7fc0_dead);
+/// A storage type under test, with what the checks need to know about it.
+pub trait TestElem: RopeElem + ValidAsZeroBits + Debug + Send + Sync + Unpin + 'static {
+    /// `f32`, `f16` or `bf16`.
+    const NAME: &'static str;
+    /// Rounds once to this type, to nearest even.
+    fn from_f64(v: f64) -> Self;
+    /// Widens exactly.
+    fn to_f64(self) -> f64;
+    /// A NaN with a payload the kernels never produce: written into outputs before a launch,
+    /// so an element still holding it afterwards was never written.
+    fn poison() -> Self;
+    /// The raw bits, for exact comparisons (NaN included).
+    fn bits(self) -> u64;
+    /// The spacing of this type's values at `|v|` (one unit in the last place).
+    fn ulp(v: Self) -> f64;
+}
+
+impl TestElem for f32 {
+    const NAME: &'static str = "f32";
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn poison() -> Self {
+        f32::from_bits(0x7fc0_dead)
+    }
+    fn bits(self) -> u64 {
+        u64::from(self.to_bits())
+    }
+    fn ulp(v: Self) -> f64 {
+        let a = v.abs();
+        f64::from(f32::from_bits(a.to_bits() + 1) - a)
+    }
+}
+
+impl TestElem for f16 {
+    const NAME: &'static str = "f16";
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+    fn poison() -> Self {
+        f16::from_bits(0x7e5b)
+    }
+    fn bits(self) -> u64 {
+        u64::from(self.to_bits())
+    }
+    fn ulp(v: Self) -> f64 {
+        let a = v.to_bits() & 0x7fff;
+        f16::from_bits(a + 1).to_f64() - f16::from_bits(a).to_f64()
+    }
+}
+
+impl TestElem for bf16 {
+    const NAME: &'static str = "bf16";
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+    fn poison() -> Self {
+        bf16::from_bits(0x7fd5)
+    }
+    fn bits(self) -> u64 {
+        u64::from(self.to_bits())
+    }
+    fn ulp(v: Self) -> f64 {
+        let a = v.to_bits() & 0x7fff;
+        bf16::from_bits(a + 1).to_f64() - bf16::from_bits(a).to_f64()
+    }
+}
+
+/// The element type of a case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DTypeCase {
+    F32,
+    F16,
+    BF16,
+}
+
+/// How a case lays out its tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutKind {
+    /// Contiguous `[batch, seq, heads, d]`.
+    Bshd,
+    /// Contiguous time-major `[seq, batch, heads, d]`.
+    Sbhd,
+    /// `[batch, seq, heads, d]` with `gaps` extra elements after each head, token and batch
+    /// row, starting `offset` elements into the buffer.
+    Strided { gaps: [usize; 3], offset: usize },
+}
+
+/// The format of sin/cos tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableFormat {
+    /// `cos`, `sin` of `[max_position, rotary_dim / 2]`.
+    Separate,
+    /// `cos_sin_cache [max_position, rotary_dim]`.
+    Combined,
+}
 
 /// Where sin/cos come from in a case.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Source {
-    /// f32 tables of `max_position` rows built from `theta`.
-    Table { theta: f64, max_position: usize },
+    /// Tables of `max_position` rows built from `theta`, rounded once to the element type.
+    Table {
+        theta: f64,
+        max_position: usize,
+        format: TableFormat,
+    },
     /// Computed in the kernel from `theta`.
     Theta(f64),
 }
@@ -40,6 +148,23 @@ pub enum PosCase {
         wide: bool,
         shape: IdsShape,
     },
+    /// Packed sequences (batch 1): `t - cu_seqlens[i] + offsets[i]`.
+    Varlen {
+        cu_seqlens: Vec<u32>,
+        offsets: Option<Vec<u32>>,
+    },
+}
+
+/// The k tensor of a case.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KCase {
+    /// q alone.
+    None,
+    /// A separate k of `heads` heads, in or out of place like q.
+    Separate { heads: usize },
+    /// q, k and v heads in one `[batch, seq, hq + hk + hv, d]` buffer, q and k rotated in
+    /// place; v must stay untouched.
+    Fused { heads: usize, v_heads: usize },
 }
 
 /// A complete RoPE problem with its random input drawn from `seed`.
@@ -47,33 +172,94 @@ pub enum PosCase {
 pub struct Case {
     pub style: RopeStyle,
     pub direction: Direction,
+    pub dtype: DTypeCase,
     pub batch: usize,
     pub seq: usize,
     pub heads: usize,
     pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub layout: LayoutKind,
+    pub k: KCase,
     pub source: Source,
     pub positions: PosCase,
     pub in_place: bool,
     pub seed: u64,
 }
 
+/// The result of comparing a GPU output with the reference.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Comparison {
+    /// Largest `|got - reference|` over finite reference values.
+    pub max_abs_err: f64,
+    /// Largest error as a fraction of its tolerance; `<= 1` passes.
+    pub worst_ratio: f64,
+    /// Elements compared.
+    pub checked: usize,
+}
+
+impl Comparison {
+    /// The worse of two comparisons.
+    pub fn merge(self, o: Comparison) -> Comparison {
+        Comparison {
+            max_abs_err: self.max_abs_err.max(o.max_abs_err),
+            worst_ratio: self.worst_ratio.max(o.worst_ratio),
+            checked: self.checked + o.checked,
+        }
+    }
+}
+
+/// Tolerance of an f32 output element whose pair inputs are `a`, `b`: 8 units of
+/// `2^-24 (|a| + |b|)`. Rounding the products and the sum costs at most 3 such units and
+/// cos/sin within one ulp at most 2 more.
+pub fn f32_tolerance(a: f64, b: f64) -> f64 {
+    8.0 * f64::from(f32::EPSILON) / 2.0 * (a.abs() + b.abs()) + 1e-30
+}
+
 impl Case {
-    /// Elements of the tensor.
-    pub fn len(&self) -> usize {
-        self.batch * self.seq * self.heads * self.head_dim
+    /// The case's configuration.
+    pub fn config(&self) -> rope_host::Result<RopeConfig> {
+        RopeConfig::builder(self.head_dim as u32, self.style)
+            .rotary_dim(self.rotary_dim as u32)
+            .direction(self.direction)
+            .build()
     }
 
-    /// Whether the tensor has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// Heads of k (zero without k).
+    pub fn k_heads(&self) -> usize {
+        match self.k {
+            KCase::None => 0,
+            KCase::Separate { heads } | KCase::Fused { heads, .. } => heads,
+        }
     }
 
-    /// The input, uniform in `[-4, 4)`, drawn from the seed.
-    pub fn input(&self) -> Vec<f32> {
-        let mut rng = StdRng::seed_from_u64(self.seed);
-        (0..self.len())
-            .map(|_| rng.random_range(-4.0f32..4.0))
-            .collect()
+    /// The input layout of a tensor of `heads` heads (q and a separate k).
+    pub fn layout(&self, heads: usize) -> Layout {
+        let (b, s, d) = (self.batch, self.seq, self.head_dim);
+        match self.layout {
+            LayoutKind::Bshd => Layout::bshd(b, s, heads, d),
+            LayoutKind::Sbhd => Layout::sbhd(s, b, heads, d),
+            LayoutKind::Strided {
+                gaps: [gh, gs, gb],
+                offset,
+            } => {
+                let sh = d + gh;
+                let ss = heads * sh + gs;
+                let sb = s * ss + gb;
+                Layout::strided([b, s, heads, d], [sb, ss, sh, 1], offset).expect("unit stride")
+            }
+        }
+    }
+
+    /// The layouts of q and k inside the fused buffer, and that buffer's length.
+    pub fn fused_layouts(&self) -> (Layout, Layout, usize) {
+        let KCase::Fused { heads: hk, v_heads } = self.k else {
+            panic!("not a fused case")
+        };
+        let (b, s, hq, d) = (self.batch, self.seq, self.heads, self.head_dim);
+        let token = (hq + hk + v_heads) * d;
+        let q = Layout::strided([b, s, hq, d], [s * token, token, d, 1], 0).expect("unit stride");
+        let k = Layout::strided([b, s, hk, d], [s * token, token, d, 1], hq * d).expect("unit");
+        (q, k, b * s * token)
     }
 
     /// The position of every token, `[batch, seq]`.
@@ -91,38 +277,51 @@ impl Case {
                 shape: IdsShape::PerRow,
                 ..
             } => ids[b * self.seq + s],
+            PosCase::Varlen {
+                cu_seqlens,
+                offsets,
+            } => {
+                let i = cu_seqlens.partition_point(|&c| c as usize <= s) - 1;
+                let i = i.min(cu_seqlens.len() - 2);
+                s as i64 - cu_seqlens[i] as i64 + offsets.as_ref().map_or(0, |o| o[i] as i64)
+            }
         })
     }
 
-    /// The f32 tables the GPU reads (f64 tables rounded once), `None` for computed sin/cos.
-    pub fn f32_tables(&self) -> Option<(Vec<f32>, Vec<f32>)> {
+    /// Random values in `[-4, 4)` rounded to `T`, from the seed and a stream number.
+    fn random<T: TestElem>(&self, stream: u64, len: usize) -> Vec<T> {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        (0..len)
+            .map(|_| T::from_f64(rng.random_range(-4.0..4.0)))
+            .collect()
+    }
+
+    /// The host tables rounded to `T` (cos, sin of `[max_position, rotary_dim / 2]`).
+    fn tables<T: TestElem>(&self) -> Option<(Vec<T>, Vec<T>)> {
         match self.source {
             Source::Table {
                 theta,
                 max_position,
+                ..
             } => {
-                let (c, s) = reference::tables(theta, self.head_dim, max_position);
+                let (c, s) = reference::tables(theta, self.rotary_dim, max_position);
                 Some((
-                    c.iter().map(|&v| v as f32).collect(),
-                    s.iter().map(|&v| v as f32).collect(),
+                    c.iter().map(|&v| T::from_f64(v)).collect(),
+                    s.iter().map(|&v| T::from_f64(v)).collect(),
                 ))
             }
             Source::Theta(_) => None,
         }
     }
 
-    /// The f64 reference output for input `x`. Table cases use the f32 table values the GPU
-    /// reads, so the comparison measures the kernel, not the table's rounding.
-    pub fn reference(&self, x: &[f32]) -> Array4<f64> {
-        let shape = (self.batch, self.seq, self.heads, self.head_dim);
-        let x64 = Array4::from_shape_vec(shape, x.iter().map(|&v| v as f64).collect())
-            .expect("input length matches the shape");
-        let src = match (&self.source, self.f32_tables()) {
+    /// The reference's sin/cos source: the `T` table values the GPU reads, widened.
+    fn ref_source<T: TestElem>(&self) -> RefSinCos {
+        match (self.source, self.tables::<T>()) {
             (Source::Table { max_position, .. }, Some((c, s))) => {
-                let widen = |t: Vec<f32>| {
+                let widen = |t: Vec<T>| {
                     Array2::from_shape_vec(
-                        (*max_position, self.head_dim / 2),
-                        t.into_iter().map(f64::from).collect(),
+                        (max_position, self.rotary_dim / 2),
+                        t.into_iter().map(T::to_f64).collect(),
                     )
                     .expect("table length matches")
                 };
@@ -131,37 +330,152 @@ impl Case {
                     sin: widen(s),
                 }
             }
-            (Source::Theta(theta), _) => RefSinCos::Theta(*theta),
+            (Source::Theta(theta), _) => RefSinCos::Theta(theta),
             (Source::Table { .. }, None) => unreachable!("table cases have tables"),
-        };
-        reference::rope(
-            x64.view(),
+        }
+    }
+
+    /// The f64 reference of the tensor in `buf` at `layout`.
+    fn reference<T: TestElem>(&self, buf: &[T], layout: &Layout, src: &RefSinCos) -> Array4<f64> {
+        let x = gather(buf, layout);
+        reference::rope_partial(
+            x.view(),
             self.resolved_positions().view(),
             self.style,
             self.direction,
-            &src,
+            src,
+            self.rotary_dim,
         )
     }
+}
 
-    /// The library's configuration for this case.
-    pub fn config(&self) -> rope_host::Result<RopeConfig> {
-        RopeConfig::builder(self.head_dim as u32, self.style)
-            .direction(self.direction)
-            .build()
+/// The `[batch, seq, heads, head_dim]` elements of `buf` at `layout`, widened to f64.
+pub fn gather<T: TestElem>(buf: &[T], l: &Layout) -> Array4<f64> {
+    let [sb, ss, sh] = l.strides();
+    Array4::from_shape_fn(
+        (l.batch(), l.seq(), l.heads(), l.head_dim()),
+        |(b, s, h, e)| buf[l.offset() + b * sb + s * ss + h * sh + e].to_f64(),
+    )
+}
+
+/// Whether each element of a buffer of `len` elements belongs to `layout`.
+fn covered(len: usize, l: &Layout) -> Vec<bool> {
+    let mut c = vec![false; len];
+    let [sb, ss, sh] = l.strides();
+    for b in 0..l.batch() {
+        for s in 0..l.seq() {
+            for h in 0..l.heads() {
+                let base = l.offset() + b * sb + s * ss + h * sh;
+                c[base..base + l.head_dim()]
+                    .iter_mut()
+                    .for_each(|v| *v = true);
+            }
+        }
     }
+    c
+}
 
-    /// Uploads the input (and tables, ids), poisons the output, and returns the device-side
-    /// case ready to launch.
-    pub fn upload(&self, stream: &Arc<CudaStream>) -> Result<DeviceCase> {
-        let x = stream.clone_htod(&self.input())?;
-        let out = if self.in_place {
-            None
-        } else {
-            Some(stream.clone_htod(&vec![POISON; self.len()])?)
+/// Explicit ids on the device.
+#[derive(Debug)]
+pub enum DeviceIds {
+    I32(CudaSlice<i32>),
+    I64(CudaSlice<i64>),
+}
+
+/// Tables on the device.
+#[derive(Debug)]
+pub enum DeviceTables<T> {
+    Separate(CudaSlice<T>, CudaSlice<T>),
+    Combined(CudaSlice<T>),
+}
+
+/// A tensor's buffers on the device: input, and output when out of place.
+#[derive(Debug)]
+pub struct DeviceTensor<T> {
+    pub x: CudaSlice<T>,
+    pub out: Option<CudaSlice<T>>,
+    pub layout: Layout,
+}
+
+/// A case's buffers on the device, with the host inputs they started from.
+#[derive(Debug)]
+pub struct DeviceCase<T> {
+    pub case: Case,
+    /// q (for fused cases: the whole q/k/v buffer).
+    pub q: DeviceTensor<T>,
+    pub k: Option<DeviceTensor<T>>,
+    pub tables: Option<DeviceTables<T>>,
+    pub ids: Option<DeviceIds>,
+    /// The host inputs: q (or the fused buffer) and k.
+    pub q_host: Vec<T>,
+    pub k_host: Vec<T>,
+}
+
+impl Case {
+    /// Uploads random inputs (and tables, ids), poisons out-of-place outputs, and returns the
+    /// device-side case ready to launch.
+    pub fn upload<T: TestElem>(&self, stream: &Arc<CudaStream>) -> Result<DeviceCase<T>> {
+        let contiguous = |heads| Layout::bshd(self.batch, self.seq, heads, self.head_dim);
+        let tensor = |host: &[T], heads: usize, layout: Layout| -> Result<DeviceTensor<T>> {
+            let out = if self.in_place {
+                None
+            } else {
+                Some(
+                    stream
+                        .clone_htod(&vec![T::poison(); contiguous(heads).end().expect("small")])?,
+                )
+            };
+            Ok(DeviceTensor {
+                x: stream.clone_htod(host)?,
+                out,
+                layout,
+            })
         };
-        let tables = match self.f32_tables() {
-            Some((c, s)) => Some((stream.clone_htod(&c)?, stream.clone_htod(&s)?)),
-            None => None,
+        let (q, k, q_host, k_host) = if let KCase::Fused { .. } = self.k {
+            ensure!(self.in_place, "fused q and k are rotated in place");
+            let (ql, _, len) = self.fused_layouts();
+            let host = self.random::<T>(0, len);
+            (tensor(&host, self.heads, ql)?, None, host, Vec::new())
+        } else {
+            let ql = self.layout(self.heads);
+            let q_host = self.random::<T>(0, ql.end().expect("small"));
+            let q = tensor(&q_host, self.heads, ql)?;
+            let (k, k_host) = if let KCase::Separate { heads } = self.k {
+                let kl = self.layout(heads);
+                let k_host = self.random::<T>(1, kl.end().expect("small"));
+                (Some(tensor(&k_host, heads, kl)?), k_host)
+            } else {
+                (None, Vec::new())
+            };
+            (q, k, q_host, k_host)
+        };
+        let tables = match (self.tables::<T>(), self.source) {
+            (
+                Some((c, s)),
+                Source::Table {
+                    format: TableFormat::Separate,
+                    ..
+                },
+            ) => Some(DeviceTables::Separate(
+                stream.clone_htod(&c)?,
+                stream.clone_htod(&s)?,
+            )),
+            (
+                Some((c, s)),
+                Source::Table {
+                    format: TableFormat::Combined,
+                    ..
+                },
+            ) => {
+                let half = self.rotary_dim / 2;
+                let cache: Vec<T> = c
+                    .chunks(half)
+                    .zip(s.chunks(half))
+                    .flat_map(|(c, s)| c.iter().chain(s).copied())
+                    .collect();
+                Some(DeviceTables::Combined(stream.clone_htod(&cache)?))
+            }
+            _ => None,
         };
         let ids = match &self.positions {
             PosCase::Ids {
@@ -177,136 +491,262 @@ impl Case {
         };
         Ok(DeviceCase {
             case: self.clone(),
-            x,
-            out,
+            q,
+            k,
             tables,
             ids,
+            q_host,
+            k_host,
         })
     }
 }
 
-/// Explicit ids on the device.
-#[derive(Debug)]
-pub enum DeviceIds {
-    I32(CudaSlice<i32>),
-    I64(CudaSlice<i64>),
+/// The operation of `c`, borrowing the device tables and ids.
+fn make_op<'a, T: TestElem>(
+    c: &'a Case,
+    tables: &'a Option<DeviceTables<T>>,
+    ids: &'a Option<DeviceIds>,
+) -> rope_host::Result<RopeOp<'a, T>> {
+    let sincos = match (&c.source, tables) {
+        (Source::Theta(theta), _) => SinCos::Computed { theta: *theta },
+        (_, Some(DeviceTables::Separate(cos, sin))) => SinCos::Table {
+            cos: cos.as_view(),
+            sin: sin.as_view(),
+        },
+        (_, Some(DeviceTables::Combined(cache))) => SinCos::CosSinCache(cache.as_view()),
+        (_, None) => unreachable!("uploaded with tables"),
+    };
+    let positions = match (&c.positions, ids) {
+        (PosCase::Offset(o), _) => Positions::Offset(*o),
+        (PosCase::RowOffsets(offsets), _) => Positions::RowOffsets(offsets),
+        (
+            PosCase::Varlen {
+                cu_seqlens,
+                offsets,
+            },
+            _,
+        ) => Positions::Varlen {
+            cu_seqlens,
+            offsets: offsets.as_deref(),
+        },
+        (PosCase::Ids { shape, .. }, Some(DeviceIds::I32(ids))) => Positions::Ids {
+            ids: PositionIds::I32(ids.as_view()),
+            shape: *shape,
+        },
+        (PosCase::Ids { shape, .. }, Some(DeviceIds::I64(ids))) => Positions::Ids {
+            ids: PositionIds::I64(ids.as_view()),
+            shape: *shape,
+        },
+        (PosCase::Ids { .. }, None) => unreachable!("uploaded with ids"),
+    };
+    Ok(RopeOp {
+        config: c.config()?,
+        positions,
+        sincos,
+    })
 }
 
-/// A case's buffers on the device.
-#[derive(Debug)]
-pub struct DeviceCase {
-    pub case: Case,
-    pub x: CudaSlice<f32>,
-    pub out: Option<CudaSlice<f32>>,
-    pub tables: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
-    pub ids: Option<DeviceIds>,
+/// The [`Io`] of a device tensor: in place, or into a contiguous output.
+fn io<'a, T>(t: &'a mut DeviceTensor<T>, c: &Case, heads: usize) -> Io<'a, T> {
+    match &mut t.out {
+        None => Io::InPlace(TensorMut {
+            data: t.x.as_view_mut(),
+            layout: t.layout,
+        }),
+        Some(out) => Io::OutOfPlace {
+            input: Tensor {
+                data: t.x.as_view(),
+                layout: t.layout,
+            },
+            output: TensorMut {
+                data: out.as_view_mut(),
+                layout: Layout::bshd(c.batch, c.seq, heads, c.head_dim),
+            },
+        },
+    }
 }
 
-impl DeviceCase {
+impl<T: TestElem> DeviceCase<T> {
     /// Launches the case once (asynchronously).
     pub fn launch(&mut self, rope: &Rope) -> rope_host::Result<()> {
-        let c = &self.case;
-        let sincos = match (&c.source, &self.tables) {
-            (Source::Theta(theta), _) => SinCos::Computed { theta: *theta },
-            (Source::Table { .. }, Some((cos, sin))) => SinCos::Table {
-                cos: cos.as_view(),
-                sin: sin.as_view(),
-            },
-            (Source::Table { .. }, None) => unreachable!("uploaded with tables"),
-        };
-        let positions = match (&c.positions, &self.ids) {
-            (PosCase::Offset(o), _) => Positions::Offset(*o),
-            (PosCase::RowOffsets(offsets), _) => Positions::RowOffsets(offsets),
-            (PosCase::Ids { shape, .. }, Some(DeviceIds::I32(ids))) => Positions::Ids {
-                ids: PositionIds::I32(ids.as_view()),
-                shape: *shape,
-            },
-            (PosCase::Ids { shape, .. }, Some(DeviceIds::I64(ids))) => Positions::Ids {
-                ids: PositionIds::I64(ids.as_view()),
-                shape: *shape,
-            },
-            (PosCase::Ids { .. }, None) => unreachable!("uploaded with ids"),
-        };
-        let op = RopeOp {
-            config: c.config()?,
-            layout: Layout::bshd(c.batch, c.seq, c.heads, c.head_dim),
-            positions,
-            sincos,
-        };
-        let io = match &mut self.out {
-            None => Io::InPlace(self.x.as_view_mut()),
-            Some(out) => Io::OutOfPlace {
-                input: self.x.as_view(),
-                output: out.as_view_mut(),
-            },
-        };
-        rope.run(&op, io)
+        let DeviceCase {
+            case,
+            q,
+            k,
+            tables,
+            ids,
+            ..
+        } = self;
+        let op = make_op(case, tables, ids)?;
+        match (case.k, k.as_mut()) {
+            (KCase::Fused { .. }, _) => {
+                let (ql, kl, _) = case.fused_layouts();
+                rope.run_qk(
+                    &op,
+                    QkIo::Fused {
+                        data: q.x.as_view_mut(),
+                        q: ql,
+                        k: kl,
+                    },
+                )
+            }
+            (KCase::Separate { heads }, Some(kt)) => rope.run_qk(
+                &op,
+                QkIo::Separate {
+                    q: io(q, case, case.heads),
+                    k: io(kt, case, heads),
+                },
+            ),
+            _ => rope.run(&op, io(q, case, case.heads)),
+        }
     }
 
-    /// The rotated tensor, copied back (synchronizes the stream).
-    pub fn result(&self, stream: &Arc<CudaStream>) -> Result<Vec<f32>> {
-        let v = stream.clone_dtoh(self.out.as_ref().unwrap_or(&self.x))?;
-        Ok(v)
+    /// Runs the case on the GPU and checks every output element against the reference, that
+    /// no element was left unwritten, and that nothing outside the outputs changed.
+    pub fn check(&mut self, rope: &Rope, stream: &Arc<CudaStream>) -> Result<Comparison, String> {
+        self.launch(rope)
+            .map_err(|e| format!("launch failed: {e}"))?;
+        let c = self.case.clone();
+        let src = c.ref_source::<T>();
+        let fetch = |s: &CudaSlice<T>| stream.clone_dtoh(s).map_err(|e| e.to_string());
+        let mut cmp = Comparison::default();
+        if let KCase::Fused { heads: hk, .. } = c.k {
+            let (ql, kl, _) = c.fused_layouts();
+            let after = fetch(&self.q.x)?;
+            for (layout, heads) in [(ql, c.heads), (kl, hk)] {
+                let want = c.reference(&self.q_host, &layout, &src);
+                let x = gather(&self.q_host, &layout);
+                cmp = cmp.merge(compare::<T>(
+                    &c,
+                    &x,
+                    &gather(&after, &layout),
+                    &want,
+                    heads,
+                )?);
+            }
+            untouched(&self.q_host, &after, &[ql, kl], "the fused buffer")?;
+            return Ok(cmp);
+        }
+        let tensors = [(&self.q, &self.q_host, c.heads)];
+        let k = self.k.as_ref().map(|k| (k, &self.k_host, c.k_heads()));
+        for (t, host, heads) in tensors.into_iter().chain(k) {
+            let want = c.reference(host, &t.layout, &src);
+            let x = gather(host, &t.layout);
+            let after_x = fetch(&t.x)?;
+            let got = match &t.out {
+                Some(out) => gather(
+                    &fetch(out)?,
+                    &Layout::bshd(c.batch, c.seq, heads, c.head_dim),
+                ),
+                None => gather(&after_x, &t.layout),
+            };
+            cmp = cmp.merge(compare::<T>(&c, &x, &got, &want, heads)?);
+            let written: &[Layout] = if t.out.is_some() { &[] } else { &[t.layout] };
+            untouched(host, &after_x, written, "the input buffer")?;
+        }
+        Ok(cmp)
     }
 }
 
-/// The result of comparing a GPU output with the reference.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Comparison {
-    /// Largest `|got - reference|` over finite reference values.
-    pub max_abs_err: f64,
-    /// Largest error as a fraction of its tolerance; `<= 1` passes.
-    pub worst_ratio: f64,
-    /// Elements compared.
-    pub checked: usize,
+/// Checks that every element of `after` outside the `written` layouts equals `before`.
+fn untouched<T: TestElem>(
+    before: &[T],
+    after: &[T],
+    written: &[Layout],
+    what: &str,
+) -> Result<(), String> {
+    let mut mask = vec![false; before.len()];
+    for l in written {
+        for (m, c) in mask.iter_mut().zip(covered(before.len(), l)) {
+            *m |= c;
+        }
+    }
+    match (0..before.len()).find(|&i| !mask[i] && before[i].bits() != after[i].bits()) {
+        Some(i) => Err(format!(
+            "{what} changed at element {i}, outside every output"
+        )),
+        None => Ok(()),
+    }
 }
 
-/// Tolerance of an f32 output element whose pair inputs are `a`, `b`: 8 f32 units of
-/// `2^-24 (|a| + |b|)`. Rounding the inputs' products and sum costs at most 3 such units and
-/// cos/sin within one ulp at most 2 more.
-pub fn f32_tolerance(a: f64, b: f64) -> f64 {
-    8.0 * f64::from(f32::EPSILON) / 2.0 * (a.abs() + b.abs()) + 1e-30
-}
-
-/// Compares `got` with `want`. NaN in the reference (a position outside the table) must be
-/// NaN in the output, and no output may hold [`POISON`]. Returns `Err` describing the first
-/// element that fails.
-pub fn compare(
+/// Compares one output tensor with the reference. Rotated elements: f32 within
+/// [`f32_tolerance`], f16/bf16 within one unit in the last place of the reference rounded once
+/// to the type; pass-through elements exactly; NaN in the reference (a position outside the
+/// table) must be NaN; no output may hold the poison value.
+pub fn compare<T: TestElem>(
     case: &Case,
-    x: &[f32],
-    got: &[f32],
-    want: ArrayView4<'_, f64>,
+    x: &Array4<f64>,
+    got: &Array4<f64>,
+    want: &Array4<f64>,
+    heads: usize,
 ) -> Result<Comparison, String> {
-    let d = case.head_dim;
+    let (r, d) = (case.rotary_dim, case.head_dim);
+    let poison = T::poison().to_f64().to_bits();
     let mut cmp = Comparison::default();
-    for (idx, (&g, &w)) in got.iter().zip(want.iter()).enumerate() {
-        if g.to_bits() == POISON.to_bits() {
-            return Err(format!("element {idx} was never written"));
+    for ((idx, &g), &w) in got.indexed_iter().zip(want.iter()) {
+        let (b, s, h, e) = idx;
+        let at = format!("{} element (b {b}, s {s}, h {h}/{heads}, e {e})", T::NAME);
+        if g.to_bits() == poison {
+            return Err(format!("{at} was never written"));
         }
         if w.is_nan() {
             if !g.is_nan() {
                 return Err(format!(
-                    "element {idx}: expected NaN (position outside the table), got {g}"
+                    "{at}: expected NaN (position outside the table), got {g}"
                 ));
             }
             continue;
         }
-        let (head, e) = (idx / d * d, idx % d);
-        let i = match case.style {
-            RopeStyle::Interleaved => e / 2,
-            RopeStyle::Neox => e % (d / 2),
+        let tol = if e >= r {
+            0.0
+        } else if T::NAME == "f32" {
+            let i = match case.style {
+                RopeStyle::Interleaved => e / 2,
+                RopeStyle::Neox => e % (r / 2),
+            };
+            let (ia, ib) = reference::pair(case.style, i, r);
+            f32_tolerance(x[[b, s, h, ia]], x[[b, s, h, ib]])
+        } else {
+            T::ulp(T::from_f64(w))
         };
-        let (ia, ib) = reference::pair(case.style, i, d);
-        let tol = f32_tolerance(x[head + ia] as f64, x[head + ib] as f64);
-        let err = (g as f64 - w).abs();
+        let want_t = if T::NAME == "f32" || e >= r {
+            w
+        } else {
+            T::from_f64(w).to_f64()
+        };
+        let err = (g - want_t).abs();
         if err.is_nan() || err > tol {
             return Err(format!(
-                "element {idx}: got {g}, reference {w}, error {err:.3e} > tolerance {tol:.3e}"
+                "{at}: got {g}, reference {w}, error {err:.3e} > tolerance {tol:.3e} (d {d}, rotary {r})"
             ));
         }
-        cmp.max_abs_err = cmp.max_abs_err.max(err);
-        cmp.worst_ratio = cmp.worst_ratio.max(err / tol);
+        cmp.max_abs_err = cmp.max_abs_err.max((g - w).abs());
+        if tol > 0.0 {
+            cmp.worst_ratio = cmp.worst_ratio.max(err / tol);
+        }
         cmp.checked += 1;
     }
     Ok(cmp)
+}
+
+/// Runs `case` with its element type and checks it ([`DeviceCase::check`]).
+pub fn run_and_check(
+    case: &Case,
+    rope: &Rope,
+    stream: &Arc<CudaStream>,
+) -> Result<Comparison, String> {
+    fn go<T: TestElem>(
+        case: &Case,
+        rope: &Rope,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Comparison, String> {
+        case.upload::<T>(stream)
+            .map_err(|e| e.to_string())?
+            .check(rope, stream)
+    }
+    match case.dtype {
+        DTypeCase::F32 => go::<f32>(case, rope, stream),
+        DTypeCase::F16 => go::<f16>(case, rope, stream),
+        DTypeCase::BF16 => go::<bf16>(case, rope, stream),
+    }
 }

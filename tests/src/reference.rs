@@ -9,7 +9,7 @@ use rope_host::{Direction, RopeStyle};
 /// Where the reference takes cos/sin from.
 #[derive(Clone, Debug)]
 pub enum RefSinCos {
-    /// Tables `[max_position, head_dim/2]`; a position outside them gives NaN outputs, as the
+    /// Tables `[max_position, rotary_dim/2]`; a position outside them gives NaN outputs, as the
     /// kernels document.
     Table {
         /// `cos[p, i]`.
@@ -17,26 +17,26 @@ pub enum RefSinCos {
         /// `sin[p, i]`.
         sin: Array2<f64>,
     },
-    /// `cos`/`sin` of `p * theta^(-2i/head_dim)`, in f64.
+    /// `cos`/`sin` of `p * theta^(-2i/rotary_dim)`, in f64.
     Theta(f64),
 }
 
-/// `theta^(-2i/head_dim)` for `i < head_dim/2`, in f64.
-pub fn inv_freq(theta: f64, head_dim: usize) -> Vec<f64> {
-    (0..head_dim / 2)
-        .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
+/// `theta^(-2i/rotary_dim)` for `i < rotary_dim/2`, in f64.
+pub fn inv_freq(theta: f64, rotary_dim: usize) -> Vec<f64> {
+    (0..rotary_dim / 2)
+        .map(|i| theta.powf(-2.0 * i as f64 / rotary_dim as f64))
         .collect()
 }
 
-/// Tables `[max_position, head_dim/2]` of `cos`/`sin(p * inv_freq_i)`, in f64.
-pub fn tables(theta: f64, head_dim: usize, max_position: usize) -> (Array2<f64>, Array2<f64>) {
-    let f = inv_freq(theta, head_dim);
-    let angle = Array2::from_shape_fn((max_position, head_dim / 2), |(p, i)| p as f64 * f[i]);
+/// Tables `[max_position, rotary_dim/2]` of `cos`/`sin(p * inv_freq_i)`, in f64.
+pub fn tables(theta: f64, rotary_dim: usize, max_position: usize) -> (Array2<f64>, Array2<f64>) {
+    let f = inv_freq(theta, rotary_dim);
+    let angle = Array2::from_shape_fn((max_position, rotary_dim / 2), |(p, i)| p as f64 * f[i]);
     (angle.mapv(f64::cos), angle.mapv(f64::sin))
 }
 
 /// `(cos, sin)` of pair `i` at position `p`, or NaN where a table does not cover `p`.
-fn cos_sin(src: &RefSinCos, p: i64, i: usize, head_dim: usize) -> (f64, f64) {
+fn cos_sin(src: &RefSinCos, p: i64, i: usize, rotary_dim: usize) -> (f64, f64) {
     match src {
         RefSinCos::Table { cos, sin } => {
             if p < 0 || p as usize >= cos.nrows() {
@@ -46,21 +46,21 @@ fn cos_sin(src: &RefSinCos, p: i64, i: usize, head_dim: usize) -> (f64, f64) {
             }
         }
         RefSinCos::Theta(theta) => {
-            let angle = p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64);
+            let angle = p as f64 * theta.powf(-2.0 * i as f64 / rotary_dim as f64);
             (angle.cos(), angle.sin())
         }
     }
 }
 
-/// The element indices `(a, b)` of pair `i` in a head of `head_dim` elements.
-pub fn pair(style: RopeStyle, i: usize, head_dim: usize) -> (usize, usize) {
+/// The element indices `(a, b)` of pair `i` when the first `rotary_dim` elements rotate.
+pub fn pair(style: RopeStyle, i: usize, rotary_dim: usize) -> (usize, usize) {
     match style {
         RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-        RopeStyle::Neox => (i, i + head_dim / 2),
+        RopeStyle::Neox => (i, i + rotary_dim / 2),
     }
 }
 
-/// RoPE of `x` in f64: forward `(a, b) -> (a c - b s, b c + a s)`, backward with `-s`.
+/// RoPE of `x` in f64 with all of each head rotated; see [`rope_partial`].
 pub fn rope(
     x: ArrayView4<'_, f64>,
     positions: ArrayView2<'_, i64>,
@@ -68,19 +68,31 @@ pub fn rope(
     direction: Direction,
     src: &RefSinCos,
 ) -> Array4<f64> {
-    let head_dim = x.len_of(Axis(3));
+    rope_partial(x, positions, style, direction, src, x.len_of(Axis(3)))
+}
+
+/// RoPE of `x` in f64: for pair `i < rotary_dim / 2`, forward `(a, b) -> (a c - b s, b c + a s)`,
+/// backward with `-s`; elements `rotary_dim..head_dim` pass through.
+pub fn rope_partial(
+    x: ArrayView4<'_, f64>,
+    positions: ArrayView2<'_, i64>,
+    style: RopeStyle,
+    direction: Direction,
+    src: &RefSinCos,
+    rotary_dim: usize,
+) -> Array4<f64> {
     let sign = match direction {
         Direction::Forward => 1.0,
         Direction::Backward => -1.0,
     };
     let mut y = x.to_owned();
     for ((b, s, h, i), _) in x
-        .slice(ndarray::s![.., .., .., ..head_dim / 2])
+        .slice(ndarray::s![.., .., .., ..rotary_dim / 2])
         .indexed_iter()
     {
-        let (c, sn) = cos_sin(src, positions[[b, s]], i, head_dim);
+        let (c, sn) = cos_sin(src, positions[[b, s]], i, rotary_dim);
         let sn = sign * sn;
-        let (ia, ib) = pair(style, i, head_dim);
+        let (ia, ib) = pair(style, i, rotary_dim);
         let (a, bb) = (x[[b, s, h, ia]], x[[b, s, h, ib]]);
         y[[b, s, h, ia]] = a * c - bb * sn;
         y[[b, s, h, ib]] = bb * c + a * sn;

@@ -1,60 +1,72 @@
 //! The kernels against the f64 reference on random problems.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use proptest::prelude::*;
-use rope_host::{Direction, IdsShape, RopeStyle};
-use rope_tests::case::{Case, PosCase, Source, compare};
+use rope_host::cudarc::driver::CudaStream;
+use rope_host::{Direction, IdsShape, Rope, RopeStyle};
+use rope_tests::case::{
+    Case, Comparison, DTypeCase, KCase, LayoutKind, PosCase, Source, TableFormat, run_and_check,
+};
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
 
 use super::super::{report, runner};
 
-/// Runs `case` on the GPU and compares it with the reference.
-fn check(
-    case: &Case,
-    stream: &std::sync::Arc<rope_host::cudarc::driver::CudaStream>,
-    rope: &rope_host::Rope,
-) -> Result<rope_tests::case::Comparison, String> {
-    let mut dev = case.upload(stream).map_err(|e| e.to_string())?;
-    dev.launch(rope)
-        .map_err(|e| format!("launch failed: {e}"))?;
-    let got = dev.result(stream).map_err(|e| e.to_string())?;
-    compare(
-        case,
-        &case.input(),
-        &got,
-        case.reference(&case.input()).view(),
-    )
+/// A small f32 case to build variations on.
+fn base(style: RopeStyle) -> Case {
+    Case {
+        style,
+        direction: Direction::Forward,
+        dtype: DTypeCase::F32,
+        batch: 2,
+        seq: 4,
+        heads: 3,
+        head_dim: 8,
+        rotary_dim: 8,
+        layout: LayoutKind::Bshd,
+        k: KCase::None,
+        source: Source::Theta(10_000.0),
+        positions: PosCase::Offset(0),
+        in_place: false,
+        seed: 5,
+    }
 }
 
-/// Every style, direction, sin/cos source, position kind and in/out of place, on random shapes
-/// (head_dim 2, seq 1, one head, 130 heads, odd batches) and fresh random data: every element
-/// within [`rope_tests::case::f32_tolerance`] of the f64 reference, NaN exactly where an id
-/// falls outside the table, no element left unwritten.
+/// Every style, direction, dtype, layout (strided with gaps and offsets included), partial
+/// rotary, q alone or with k (separate with GQA head counts, or fused in one QKV buffer),
+/// sin/cos source and table format, position kind (packed varlen included), in or out of
+/// place, on random shapes and fresh random data. Per dtype: f32 within
+/// [`rope_tests::case::f32_tolerance`] of the f64 reference, f16/bf16 within one ulp of it
+/// rounded once; NaN exactly where an id falls outside the table; every output element
+/// written, nothing else touched.
 #[test]
 fn kernels_match_reference_on_random_cases() {
     let Some((stream, rope)) = gpu_or_skip("kernels_match_reference_on_random_cases") else {
         return;
     };
-    let stats = std::cell::RefCell::new((0usize, 0usize, 0.0f64, 0.0f64));
-    runner(600)
+    let stats = std::cell::RefCell::new(BTreeMap::<String, (usize, Comparison)>::new());
+    runner(1500)
         .run(&strategies::case(), |case| {
-            let cmp = check(&case, &stream, &rope)
+            let cmp = run_and_check(&case, &rope, &stream)
                 .map_err(|e| TestCaseError::fail(format!("{e}\n{case:?}")))?;
             let mut s = stats.borrow_mut();
-            s.0 += 1;
-            s.1 += cmp.checked;
-            s.2 = s.2.max(cmp.max_abs_err);
-            s.3 = s.3.max(cmp.worst_ratio);
+            let entry = s.entry(format!("{:?}", case.dtype)).or_default();
+            entry.0 += 1;
+            entry.1 = entry.1.merge(cmp);
             Ok(())
         })
         .expect("GPU output matches the reference");
-    let (cases, elements, max_err, ratio) = stats.into_inner();
-    report(&format!(
-        "GPU f32 vs f64 reference: {cases} random cases, {elements} elements, max abs error {max_err:.3e}, worst error/tolerance {ratio:.3}"
-    ));
+    for (dtype, (cases, c)) in stats.into_inner() {
+        report(&format!(
+            "GPU {dtype} vs f64 reference: {cases} random cases, {} elements, max abs error {:.3e}, worst error/tolerance {:.3}",
+            c.checked, c.max_abs_err, c.worst_ratio
+        ));
+    }
 }
 
-/// Backward applied to the forward output on the GPU returns the input.
+/// Backward applied to the forward output on the GPU returns the input (f32, to tolerance).
 #[test]
 fn backward_undoes_forward_on_gpu() {
     let Some((stream, rope)) = gpu_or_skip("backward_undoes_forward_on_gpu") else {
@@ -62,36 +74,25 @@ fn backward_undoes_forward_on_gpu() {
     };
     runner(64)
         .run(&strategies::case(), |mut case| {
-            if matches!(case.source, Source::Table { .. }) {
-                // Out-of-table ids give NaN both ways; keep this property to covered positions.
-                case.positions = PosCase::Offset(0);
-            }
+            // Out-of-table ids give NaN both ways; keep to covered positions, q alone, f32.
+            case.positions = PosCase::Offset(0);
+            case.dtype = DTypeCase::F32;
+            case.k = KCase::None;
             case.direction = Direction::Forward;
-            case.in_place = false;
-            let mut fwd = case
-                .upload(&stream)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            fwd.launch(&rope)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            let y = fwd
-                .result(&stream)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            let mut back = Case {
-                direction: Direction::Backward,
-                in_place: true,
-                ..case.clone()
-            }
-            .upload(&stream)
-            .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            stream
-                .memcpy_htod(&y, &mut back.x)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            back.launch(&rope)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            let z = back
-                .result(&stream)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            let x = case.input();
+            case.in_place = true;
+            let fail = |e: String| TestCaseError::fail(format!("{e}\n{case:?}"));
+            let mut dev = case
+                .upload::<f32>(&stream)
+                .map_err(|e| fail(e.to_string()))?;
+            let x = stream
+                .clone_dtoh(&dev.q.x)
+                .map_err(|e| fail(e.to_string()))?;
+            dev.launch(&rope).map_err(|e| fail(e.to_string()))?;
+            dev.case.direction = Direction::Backward;
+            dev.launch(&rope).map_err(|e| fail(e.to_string()))?;
+            let z = stream
+                .clone_dtoh(&dev.q.x)
+                .map_err(|e| fail(e.to_string()))?;
             for (i, (&a, &b)) in x.iter().zip(&z).enumerate() {
                 prop_assert!(
                     (a - b).abs() <= 4e-6 * (1.0 + a.abs()),
@@ -110,37 +111,28 @@ fn ids_outside_the_table_give_nan() {
     let Some((stream, rope)) = gpu_or_skip("ids_outside_the_table_give_nan") else {
         return;
     };
-    for (style, wide) in [(RopeStyle::Neox, false), (RopeStyle::Interleaved, true)] {
+    for (style, wide, format) in [
+        (RopeStyle::Neox, false, TableFormat::Separate),
+        (RopeStyle::Interleaved, true, TableFormat::Combined),
+    ] {
         let far = if wide { 1i64 << 40 } else { i32::MAX as i64 };
         let case = Case {
-            style,
-            direction: Direction::Forward,
-            batch: 2,
-            seq: 4,
-            heads: 3,
-            head_dim: 8,
             source: Source::Table {
                 theta: 10_000.0,
                 max_position: 10,
+                format,
             },
             positions: PosCase::Ids {
                 ids: vec![0, -1, 9, 10, far, 3, -far, 2],
                 wide,
                 shape: IdsShape::PerRow,
             },
-            in_place: false,
-            seed: 5,
+            ..base(style)
         };
-        let cmp = check(&case, &stream, &rope).expect("NaN exactly at the out-of-table ids");
-        assert!(cmp.checked > 0);
-        let nan_tokens = case
-            .reference(&case.input())
-            .iter()
-            .filter(|v| v.is_nan())
-            .count()
-            / (3 * 8);
+        let cmp = check(&case, &stream, &rope);
         assert_eq!(
-            nan_tokens, 4,
+            cmp.checked,
+            4 * 3 * 8,
             "ids -1, 10, {far} and -{far} are outside 0..10"
         );
     }
@@ -159,20 +151,20 @@ fn huge_token_and_head_counts_launch() {
     ] {
         for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
             let case = Case {
-                style,
-                direction: Direction::Forward,
                 batch,
                 seq,
                 heads,
                 head_dim: 2,
-                source: Source::Theta(10_000.0),
-                positions: PosCase::Offset(0),
-                in_place: false,
+                rotary_dim: 2,
                 seed: 9,
+                ..base(style)
             };
-            let cmp = check(&case, &stream, &rope)
-                .unwrap_or_else(|e| panic!("{batch}x{seq}x{heads}: {e}"));
-            assert_eq!(cmp.checked, case.len());
+            let cmp = check(&case, &stream, &rope);
+            assert_eq!(cmp.checked, batch * seq * heads * 2);
         }
     }
+}
+
+fn check(case: &Case, stream: &Arc<CudaStream>, rope: &Rope) -> Comparison {
+    run_and_check(case, rope, stream).unwrap_or_else(|e| panic!("{e}\n{case:?}"))
 }

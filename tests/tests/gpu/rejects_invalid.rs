@@ -2,8 +2,13 @@
 //! and the device still healthy afterwards.
 
 use proptest::prelude::*;
-use rope_host::{Error, IdsShape, Io, Layout, PositionIds, Positions, RopeConfig, RopeOp, SinCos};
-use rope_tests::case::{Case, DeviceCase, DeviceIds, PosCase, Source};
+use rope_host::{
+    Error, IdsShape, Io, Layout, PositionIds, Positions, QkIo, RopeConfig, RopeOp, SinCos, Tensor,
+    TensorMut,
+};
+use rope_tests::case::{
+    Case, DTypeCase, DeviceCase, DeviceTables, KCase, LayoutKind, PosCase, Source, TableFormat,
+};
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
 
@@ -21,18 +26,27 @@ enum Breakage {
     WrongRowOffsetCount,
     WrongIdCount,
     BadTheta(f64),
+    CuSeqlensDecreasing,
+    CuSeqlensWrongEnd,
+    KSeqMismatch,
+    FusedOverlap,
+    OverlappingStrides,
 }
 
 impl Breakage {
     fn arg(self, case: &Case) -> &'static str {
         match self {
-            Self::ShortInput => "x",
-            Self::ShortOutput if case.in_place => "x",
-            Self::ShortOutput => "output",
-            Self::HeadDimMismatch => "layout",
-            Self::TableTooShort | Self::WrongRowOffsetCount | Self::WrongIdCount => "positions",
+            Self::ShortInput | Self::HeadDimMismatch | Self::OverlappingStrides => "q",
+            Self::ShortOutput if case.in_place => "q",
+            Self::ShortOutput => "q.output",
+            Self::TableTooShort
+            | Self::WrongRowOffsetCount
+            | Self::WrongIdCount
+            | Self::CuSeqlensDecreasing
+            | Self::CuSeqlensWrongEnd => "positions",
             Self::TablesDiffer | Self::TableNotWholeRows => "sincos",
             Self::BadTheta(_) => "theta",
+            Self::KSeqMismatch | Self::FusedOverlap => "k",
         }
     }
 }
@@ -54,18 +68,35 @@ fn breakage() -> impl Strategy<Value = Breakage> {
             Just(f64::INFINITY)
         ]
         .prop_map(Breakage::BadTheta),
+        Just(Breakage::CuSeqlensDecreasing),
+        Just(Breakage::CuSeqlensWrongEnd),
+        Just(Breakage::KSeqMismatch),
+        Just(Breakage::FusedOverlap),
+        Just(Breakage::OverlappingStrides),
     ]
 }
 
-/// Shapes the case so that `b` applies to it (a table for table breakages, and so on).
+/// Shapes a random case so that `b` applies to it: f32, q alone in a contiguous layout unless
+/// the breakage is about k, with the sin/cos and positions the breakage needs.
 fn fit(mut case: Case, b: Breakage) -> Case {
+    case.dtype = DTypeCase::F32;
+    case.layout = LayoutKind::Bshd;
+    case.k = KCase::None;
+    case.source = Source::Theta(10_000.0);
+    case.positions = PosCase::Offset(0);
     match b {
         Breakage::TableTooShort | Breakage::TablesDiffer | Breakage::TableNotWholeRows => {
+            let format = TableFormat::Separate;
             case.source = Source::Table {
                 theta: 10_000.0,
                 max_position: case.seq + 4,
+                format,
             };
-            case.positions = PosCase::Offset(0);
+            if case.rotary_dim == 2 {
+                // With one pair per row every length is whole rows.
+                case.head_dim += 2;
+                case.rotary_dim = 4;
+            }
         }
         Breakage::WrongRowOffsetCount => case.positions = PosCase::RowOffsets(vec![0; case.batch]),
         Breakage::WrongIdCount => {
@@ -75,96 +106,157 @@ fn fit(mut case: Case, b: Breakage) -> Case {
                 shape: IdsShape::Shared,
             }
         }
-        Breakage::BadTheta(_) => case.source = Source::Theta(10_000.0),
+        Breakage::CuSeqlensDecreasing | Breakage::CuSeqlensWrongEnd => case.batch = 1,
+        Breakage::KSeqMismatch => case.k = KCase::Separate { heads: 1 },
+        Breakage::FusedOverlap => {
+            case.in_place = true;
+            case.k = KCase::Fused {
+                heads: 1,
+                v_heads: 0,
+            };
+        }
+        Breakage::OverlappingStrides => case.in_place = true,
         _ => {}
-    }
-    if matches!(b, Breakage::TableNotWholeRows) && case.head_dim == 2 {
-        case.head_dim = 4; // with one pair per row every length is whole rows
     }
     case
 }
 
 /// Launches `dev` with breakage `b` applied.
-fn run_broken(dev: &mut DeviceCase, b: Breakage, rope: &rope_host::Rope) -> rope_host::Result<()> {
+fn run_broken(
+    dev: &mut DeviceCase<f32>,
+    b: Breakage,
+    rope: &rope_host::Rope,
+) -> rope_host::Result<()> {
     let c = dev.case.clone();
-    let half = c.head_dim / 2;
-    let config = if let Breakage::HeadDimMismatch = b {
-        RopeConfig::builder(c.head_dim as u32 + 2, c.style).build()?
-    } else {
-        c.config()?
-    };
-    let layout = Layout::bshd(c.batch, c.seq, c.heads, c.head_dim);
+    let half = c.rotary_dim / 2;
+    let config = c.config()?;
+    let mut layout = c.layout(c.heads);
     let row_offsets: Vec<u32> = vec![0; c.batch + 1];
-    let ids_shape = match &c.positions {
-        PosCase::Ids { shape, .. } => *shape,
-        _ => IdsShape::Shared,
+    let total = c.seq as u32;
+    let cu: Vec<u32> = match b {
+        Breakage::CuSeqlensDecreasing => vec![0, total, total.saturating_sub(1), total],
+        _ => vec![0, total + 1],
     };
     let positions = match (b, &dev.ids) {
         (Breakage::TableTooShort, _) => Positions::Offset(5),
         (Breakage::WrongRowOffsetCount, _) => Positions::RowOffsets(&row_offsets),
-        (Breakage::WrongIdCount, Some(DeviceIds::I64(ids))) => Positions::Ids {
+        (Breakage::CuSeqlensDecreasing | Breakage::CuSeqlensWrongEnd, _) => Positions::Varlen {
+            cu_seqlens: &cu,
+            offsets: None,
+        },
+        (Breakage::WrongIdCount, Some(rope_tests::case::DeviceIds::I64(ids))) => Positions::Ids {
             ids: PositionIds::I64(ids.slice(..ids.len() - 1)),
-            shape: ids_shape,
+            shape: IdsShape::Shared,
         },
-        (_, Some(DeviceIds::I64(ids))) => Positions::Ids {
-            ids: PositionIds::I64(ids.as_view()),
-            shape: ids_shape,
-        },
-        (_, Some(DeviceIds::I32(ids))) => Positions::Ids {
-            ids: PositionIds::I32(ids.as_view()),
-            shape: ids_shape,
-        },
-        (_, None) => match &c.positions {
-            PosCase::RowOffsets(_) => Positions::RowOffsets(&row_offsets[..c.batch]),
-            _ => Positions::Offset(0),
-        },
+        _ => Positions::Offset(0),
     };
     let sincos = match (&dev.tables, b) {
         (_, Breakage::BadTheta(theta)) => SinCos::Computed { theta },
-        (Some((cos, sin)), Breakage::TablesDiffer) => SinCos::Table {
+        (Some(DeviceTables::Separate(cos, sin)), Breakage::TablesDiffer) => SinCos::Table {
             cos: cos.as_view(),
             sin: sin.slice(..sin.len() - half),
         },
-        (Some((cos, sin)), Breakage::TableNotWholeRows) => SinCos::Table {
+        (Some(DeviceTables::Separate(cos, sin)), Breakage::TableNotWholeRows) => SinCos::Table {
             cos: cos.slice(..cos.len() - 1),
             sin: sin.slice(..sin.len() - 1),
         },
-        (Some((cos, sin)), _) => SinCos::Table {
+        (Some(DeviceTables::Separate(cos, sin)), _) => SinCos::Table {
             cos: cos.as_view(),
             sin: sin.as_view(),
         },
-        (None, _) => SinCos::Computed { theta: 10_000.0 },
+        _ => SinCos::Computed { theta: 10_000.0 },
     };
     let op = RopeOp {
         config,
-        layout,
         positions,
         sincos,
     };
-    let n = c.len();
-    let io = match (&mut dev.out, b) {
-        (None, Breakage::ShortInput | Breakage::ShortOutput) => {
-            Io::InPlace(dev.x.slice_mut(..n - 1))
-        }
-        (None, _) => Io::InPlace(dev.x.as_view_mut()),
+    if let Breakage::HeadDimMismatch = b {
+        layout = Layout::bshd(c.batch, c.seq, c.heads, c.head_dim + 2);
+    }
+    if let Breakage::OverlappingStrides = b {
+        // Heads one element apart: every head shares all but one element with the next.
+        let token = c.heads + c.head_dim;
+        layout = Layout::strided(
+            [c.batch, c.seq, c.heads + 1, c.head_dim],
+            [c.seq * token, token, 1, 1],
+            0,
+        )?;
+    }
+    if let KCase::Fused { .. } = c.k {
+        let (q, k, _) = c.fused_layouts();
+        // FusedOverlap: k starts inside q's last head.
+        let k = k.with_offset(k.offset() - 1);
+        return rope.run_qk(
+            &op,
+            QkIo::Fused {
+                data: dev.q.x.as_view_mut(),
+                q,
+                k,
+            },
+        );
+    }
+    let n = dev.q.x.len();
+    let out_layout = Layout::bshd(c.batch, c.seq, c.heads, c.head_dim);
+    let q = match (&mut dev.q.out, b) {
+        (None, Breakage::ShortInput | Breakage::ShortOutput) => Io::InPlace(TensorMut {
+            data: dev.q.x.slice_mut(..n - 1),
+            layout,
+        }),
+        (None, _) => Io::InPlace(TensorMut {
+            data: dev.q.x.as_view_mut(),
+            layout,
+        }),
         (Some(out), Breakage::ShortInput) => Io::OutOfPlace {
-            input: dev.x.slice(..n - 1),
-            output: out.as_view_mut(),
+            input: Tensor {
+                data: dev.q.x.slice(..n - 1),
+                layout,
+            },
+            output: TensorMut {
+                data: out.as_view_mut(),
+                layout: out_layout,
+            },
         },
-        (Some(out), Breakage::ShortOutput) => Io::OutOfPlace {
-            input: dev.x.as_view(),
-            output: out.slice_mut(..n - 1),
-        },
+        (Some(out), Breakage::ShortOutput) => {
+            let m = out.len();
+            Io::OutOfPlace {
+                input: Tensor {
+                    data: dev.q.x.as_view(),
+                    layout,
+                },
+                output: TensorMut {
+                    data: out.slice_mut(..m - 1),
+                    layout: out_layout,
+                },
+            }
+        }
         (Some(out), _) => Io::OutOfPlace {
-            input: dev.x.as_view(),
-            output: out.as_view_mut(),
+            input: Tensor {
+                data: dev.q.x.as_view(),
+                layout,
+            },
+            output: TensorMut {
+                data: out.as_view_mut(),
+                layout: out_layout,
+            },
         },
     };
-    rope.run(&op, io)
+    match (b, dev.k.as_mut()) {
+        (Breakage::KSeqMismatch, Some(k)) => {
+            // k claims one token more per row than q.
+            let kl = Layout::bshd(c.batch, c.seq + 1, 1, c.head_dim);
+            let k_io = Io::InPlace(TensorMut {
+                data: k.x.as_view_mut(),
+                layout: kl,
+            });
+            rope.run_qk(&op, QkIo::Separate { q, k: k_io })
+        }
+        _ => rope.run(&op, q),
+    }
 }
 
-/// Random valid problems, each broken one way: the error names the argument, the output holds
-/// exactly what it held before, and a valid launch afterwards succeeds (no GPU fault).
+/// Random valid problems, each broken one way: the error names the argument, the outputs
+/// hold exactly what they held before, and a valid launch afterwards succeeds (no GPU fault).
 #[test]
 fn invalid_descriptions_are_rejected_and_outputs_untouched() {
     let Some((stream, rope)) =
@@ -172,15 +264,25 @@ fn invalid_descriptions_are_rejected_and_outputs_untouched() {
     else {
         return;
     };
-    runner(200)
+    runner(300)
         .run(&(strategies::case(), breakage()), |(case, b)| {
             let case = fit(case, b);
+            let fail = |e: String| TestCaseError::fail(format!("{e}\n{case:?} {b:?}"));
             let mut dev = case
-                .upload(&stream)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            let before = dev
-                .result(&stream)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                .upload::<f32>(&stream)
+                .map_err(|e| fail(e.to_string()))?;
+            let snapshot = |dev: &DeviceCase<f32>| -> Result<Vec<Vec<f32>>, TestCaseError> {
+                let mut bufs = vec![&dev.q.x];
+                bufs.extend(dev.q.out.as_ref());
+                if let Some(k) = &dev.k {
+                    bufs.push(&k.x);
+                    bufs.extend(k.out.as_ref());
+                }
+                bufs.into_iter()
+                    .map(|b| stream.clone_dtoh(b).map_err(|e| fail(e.to_string())))
+                    .collect()
+            };
+            let before = snapshot(&dev)?;
             let err =
                 run_broken(&mut dev, b, &rope).expect_err("a broken description must be rejected");
             match &err {
@@ -189,22 +291,26 @@ fn invalid_descriptions_are_rejected_and_outputs_untouched() {
                 }
                 other => prop_assert!(false, "expected Error::Invalid for {:?}, got {}", b, other),
             }
-            let after = dev
-                .result(&stream)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            prop_assert!(
-                before
-                    .iter()
-                    .zip(&after)
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "output changed"
-            );
-            dev.launch(&rope)
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
-            stream
-                .synchronize()
-                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            let after = snapshot(&dev)?;
+            let same = before
+                .iter()
+                .flatten()
+                .zip(after.iter().flatten())
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            prop_assert!(same, "a buffer changed after a rejected launch");
+            dev.launch(&rope).map_err(|e| fail(e.to_string()))?;
+            stream.synchronize().map_err(|e| fail(e.to_string()))?;
             Ok(())
         })
         .expect("invalid descriptions rejected");
+}
+
+/// A last stride other than 1 is refused when the layout is built.
+#[test]
+fn non_contiguous_heads_are_refused() {
+    let err = Layout::strided([1, 2, 3, 4], [24, 12, 4, 2], 0).expect_err("stride 2");
+    assert!(matches!(err, Error::Invalid { arg: "layout", .. }), "{err}");
+    let _ = RopeConfig::builder(8, rope_host::RopeStyle::Neox)
+        .build()
+        .expect("valid");
 }
