@@ -162,3 +162,51 @@ macro_rules! kernel_table {
     };
 }
 for_each_kernel!(kernel_table);
+
+/// A table-building kernel (`kernels-gpu/src/table.rs`): `rope_table_{dtype}`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TableKernelName {
+    /// Element type of the tables.
+    pub dtype: DType,
+}
+
+/// Calls `$m!` with every table kernel as `symbol: DType, storage type;`.
+macro_rules! for_each_table_kernel {
+    ($m:ident) => {
+        $m! {
+            rope_table_f32: F32, f32;
+            rope_table_f16: F16, f16;
+            rope_table_bf16: BF16, Bf16;
+        }
+    };
+}
+#[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
+pub(crate) use for_each_table_kernel;
+
+/// Defines [`TableKernelName::ALL`] and [`TableKernelName::symbol`] from the kernel list.
+macro_rules! table_kernel_table {
+    ($($sym:ident: $dt:ident, $t:ty;)*) => {
+        impl TableKernelName {
+            /// Every table kernel.
+            pub const ALL: [TableKernelName; [$(stringify!($sym)),*].len()] =
+                [$(TableKernelName { dtype: DType::$dt }),*];
+
+            /// The exported PTX symbol.
+            pub const fn symbol(self) -> &'static str {
+                match self.dtype {
+                    $(DType::$dt => stringify!($sym),)*
+                }
+            }
+        }
+    };
+}
+for_each_table_kernel!(table_kernel_table);
+
+/// Every exported symbol of the PTX module: the RoPE kernels, then the table builders.
+pub fn all_symbols() -> impl Iterator<Item = &'static str> {
+    KernelName::ALL.into_iter().map(KernelName::symbol).chain(
+        TableKernelName::ALL
+            .into_iter()
+            .map(TableKernelName::symbol),
+    )
+}

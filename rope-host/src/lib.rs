@@ -37,6 +37,7 @@ mod freq;
 mod layout;
 mod module;
 mod rope;
+mod table;
 
 pub use cudarc;
 pub use error::{Error, Result};
@@ -47,3 +48,4 @@ pub use rope::{
     DType, Direction, IdsShape, Io, KernelResources, Layout, PositionIds, Positions, QkIo, Rope,
     RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, SinCos, Tensor, TensorMut,
 };
+pub use table::{SinCosTables, TableFormat};

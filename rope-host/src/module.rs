@@ -4,7 +4,6 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
-use kernels_gpu::abi::KernelName;
 
 use crate::error::{Error, Result};
 
@@ -31,26 +30,25 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
 #[derive(Debug)]
 pub(crate) struct Module {
     ctx: Arc<CudaContext>,
-    functions: Vec<(KernelName, CudaFunction)>,
+    functions: Vec<(&'static str, CudaFunction)>,
     _module: Arc<CudaModule>,
 }
 
 impl Module {
-    /// The function of `name`.
-    pub(crate) fn function(&self, name: KernelName) -> &CudaFunction {
+    /// The function exported as `symbol`, one of `kernels_gpu::abi::all_symbols()`.
+    pub(crate) fn function(&self, symbol: &str) -> &CudaFunction {
         &self
             .functions
             .iter()
-            .find(|(n, _)| *n == name)
-            .expect("every KernelName is loaded by Module::load")
+            .find(|(s, _)| *s == symbol)
+            .expect("every symbol of abi::all_symbols is loaded by Module::load")
             .1
     }
 
     fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
         let module = ctx.load_module(Ptx::from_src(PTX))?;
-        let functions = KernelName::ALL
-            .iter()
-            .map(|&name| Ok((name, module.load_function(name.symbol())?)))
+        let functions = kernels_gpu::abi::all_symbols()
+            .map(|symbol| Ok((symbol, module.load_function(symbol)?)))
             .collect::<Result<_>>()?;
         Ok(Self {
             ctx: ctx.clone(),

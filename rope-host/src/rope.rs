@@ -810,9 +810,9 @@ pub struct KernelResources {
 /// shared by every `Rope` of that context.
 #[derive(Debug)]
 pub struct Rope {
-    stream: Arc<CudaStream>,
-    module: Arc<Module>,
-    sm_count: u32,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) module: Arc<Module>,
+    pub(crate) sm_count: u32,
     /// Frequency vectors already on the device, by `(theta bits, rotary_dim)`.
     inv_freq: Mutex<Vec<FreqEntry>>,
 }
@@ -850,7 +850,7 @@ impl Rope {
     }
 
     /// The device copy of `inv_freq(theta, rotary_dim)`, uploaded on first use.
-    fn inv_freq(&self, theta: f64, rotary_dim: u32) -> Result<Arc<CudaSlice<f64>>> {
+    pub(crate) fn inv_freq(&self, theta: f64, rotary_dim: u32) -> Result<Arc<CudaSlice<f64>>> {
         let key = (theta.to_bits(), rotary_dim);
         let mut cache = self
             .inv_freq
@@ -873,12 +873,11 @@ impl Rope {
     /// # Errors
     /// [`crate::Error::Driver`] when an attribute query fails.
     pub fn resources(&self) -> Result<Vec<KernelResources>> {
-        KernelName::ALL
-            .iter()
-            .map(|&name| {
+        kernels_gpu::abi::all_symbols()
+            .map(|name| {
                 let f = self.module.function(name);
                 Ok(KernelResources {
-                    name: name.symbol(),
+                    name,
                     registers: f.num_regs()?,
                     local_bytes: f.local_size_bytes()?,
                 })
@@ -1078,12 +1077,13 @@ impl Rope {
         let seq = q_ptrs.x_layout.seq as u32;
         let (half, rotary_dim) = (op.config.half(), op.config.rotary_dim);
         let positions_code = plan.positions as u32;
-        let func = self.module.function(KernelName {
+        let kernel = KernelName {
             style: op.config.style,
             source: plan.source,
             direction: op.config.direction,
             dtype: T::DTYPE,
-        });
+        };
+        let func = self.module.function(kernel.symbol());
         let mut launch = stream.launch_builder(func);
         launch
             .arg(&q_ptrs.x)

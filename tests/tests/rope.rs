@@ -300,4 +300,5 @@ mod styles_are_a_permutation {
 mod gpu {
     pub mod matches_reference;
     pub mod rejects_invalid;
+    pub mod tables;
 }

@@ -4,7 +4,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
-use kernels_gpu::abi::KernelName;
 
 use crate::{cargo, root};
 
@@ -101,12 +100,11 @@ fn validate(ptx: &str) -> Result<()> {
             bail!("the PTX contains {why}: `{}`", line.trim());
         }
     }
-    for name in KernelName::ALL {
-        let entry = format!(".visible .entry {}(", name.symbol());
+    for symbol in kernels_gpu::abi::all_symbols() {
+        let entry = format!(".visible .entry {symbol}(");
         ensure!(
             ptx.contains(&entry),
-            "the PTX lacks the entry point {}",
-            name.symbol()
+            "the PTX lacks the entry point {symbol}"
         );
     }
     Ok(())

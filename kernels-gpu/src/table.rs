@@ -1,0 +1,76 @@
+//! Builds RoPE cos/sin tables on the GPU with the same arithmetic as the in-kernel sin/cos.
+//!
+//! # Formula and layout
+//! Row `p < positions`, column `i < half`: `cos[p * row_stride + i] = cos(p * inv_freq[i])`,
+//! `sin[p * row_stride + i] = sin(p * inv_freq[i])`, computed by
+//! [`crate::math::rope_cos_sin`] and rounded once to the element type. Separate tables use
+//! `row_stride = half`; vLLM's combined `cos_sin_cache [positions, 2 * half]` uses
+//! `sin = cos + half` and `row_stride = 2 * half`.
+//!
+//! # Thread mapping
+//! One thread per `(p, i)`, `positions * half` in all, walked by a grid-stride loop over
+//! `blockIdx.x`; consecutive threads write consecutive columns of a row.
+
+use core::num::{NonZeroU32, NonZeroU64};
+
+use crate::abi::for_each_table_kernel;
+use crate::elem::{Bf16, Elem};
+use crate::intrinsics::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
+use crate::math;
+
+/// The kernel body.
+///
+/// # Safety
+/// The promises of the entry points.
+#[inline(always)]
+unsafe fn body<T: Elem>(
+    cos: *mut T,
+    sin: *mut T,
+    positions: u64,
+    half: NonZeroU32,
+    row_stride: u64,
+    inv_freq: *const f64,
+) {
+    let half64 = NonZeroU64::from(half);
+    let total = positions * half64.get();
+    let step = grid_dim_x() as u64 * block_dim_x() as u64;
+    let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
+    while idx < total {
+        let (p, i) = (idx / half64, idx % half64);
+        // SAFETY: i < half, the length of inv_freq; p < positions and i < half <= row_stride,
+        // so the offset is inside the promised `positions` rows.
+        unsafe {
+            let (c, s) = math::rope_cos_sin(p as i64, *inv_freq.add(i as usize));
+            let at = (p * row_stride + i) as usize;
+            *cos.add(at) = T::from_f32(c);
+            *sin.add(at) = T::from_f32(s);
+        }
+        idx += step;
+    }
+}
+
+/// Defines one exported table builder per element type.
+macro_rules! table_kernel {
+    ($($name:ident: $dt:ident, $t:ty;)*) => {$(
+        /// Writes the cos/sin tables of `positions` rows; see the module documentation.
+        ///
+        /// # Safety
+        /// `cos` and `sin` each address `positions` rows of `row_stride >= half` elements, the
+        /// `(p, i < half)` elements of `cos` and of `sin` are distinct, and `inv_freq` holds
+        /// `half` `f64`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            cos: *mut $t,
+            sin: *mut $t,
+            positions: u64,
+            half: NonZeroU32,
+            row_stride: u64,
+            inv_freq: *const f64,
+        ) {
+            // SAFETY: the caller's promises are those of `body`.
+            unsafe { body::<$t>(cos, sin, positions, half, row_stride, inv_freq) }
+        }
+    )*};
+}
+
+for_each_table_kernel!(table_kernel);
