@@ -49,3 +49,8 @@ pub use rope::{
     RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, SinCos, Tensor, TensorMut,
 };
 pub use table::{SinCosTables, TableFormat};
+
+/// The README's example compiles as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
