@@ -98,6 +98,40 @@ pub fn rope_cos_sin(position: i64, inv_freq: f64) -> (f32, f32) {
     cos_sin_f32(position as f64 * inv_freq)
 }
 
+/// How the kernels form the angle `position * inv_freq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum AngleMode {
+    /// In `f64` (see the module documentation): cos/sin within one `f32` ulp of the exact
+    /// values at any position below `2^31`.
+    Exact = 0,
+    /// As PyTorch/HF models compute it: `f32(position) * f32(inv_freq)` rounded to `f32`, then
+    /// cos/sin of that `f32` angle (computed exactly and rounded once). Reproduces models trained
+    /// with such tables, including their error at long positions.
+    F32Compat = 1,
+}
+
+impl AngleMode {
+    /// Decodes a kernel argument; unknown codes mean [`AngleMode::Exact`].
+    #[inline(always)]
+    pub fn from_u32(code: u32) -> Self {
+        if code == Self::F32Compat as u32 {
+            Self::F32Compat
+        } else {
+            Self::Exact
+        }
+    }
+}
+
+/// `(cos, sin)` of `position * inv_freq` formed as `mode` says, rounded once to `f32`.
+#[inline(always)]
+pub fn rope_cos_sin_mode(position: i64, inv_freq: f64, mode: AngleMode) -> (f32, f32) {
+    match mode {
+        AngleMode::Exact => rope_cos_sin(position, inv_freq),
+        AngleMode::F32Compat => cos_sin_f32(f64::from(position as f32 * inv_freq as f32)),
+    }
+}
+
 /// Widens bfloat16 bits to `f32` (exact: bfloat16 is the top half of an `f32`).
 #[inline(always)]
 pub fn bf16_to_f32(bits: u16) -> f32 {
@@ -194,6 +228,35 @@ mod tests {
         let (y0, y1) = rotate(1.5, -2.0, 0.6, 0.8);
         assert_eq!(y0, 1.5 * 0.6 - (-2.0) * 0.8);
         assert_eq!(y1, -2.0 * 0.6 + 1.5 * 0.8);
+    }
+
+    #[test]
+    fn reduction_is_exact_near_every_multiple_of_pi_over_2_below_2_pow_22() {
+        // With inv_freq 1 the angle is the position itself: every integer below 2^22, which
+        // includes the integers closest to multiples of pi/2 in that range (the hardest
+        // arguments for the reduction).
+        let mut worst = 0.0f64;
+        for p in 0..(1i64 << 22) {
+            let (c, s) = rope_cos_sin(p, 1.0);
+            let a = p as f64;
+            for (got, want) in [(c, a.cos()), (s, a.sin())] {
+                let err = ((got as f64) - want).abs();
+                let tol = (f64::from(f32::EPSILON) * want.abs()).max(2f64.powi(-28));
+                assert!(err <= tol, "p={p}: {got} vs {want}");
+                worst = worst.max(err);
+            }
+        }
+        assert!(worst < 6e-8, "worst {worst}");
+    }
+
+    #[test]
+    fn f32_compat_reproduces_the_f32_angle() {
+        let f = 10_000f64.powf(-0.25);
+        for p in [0i64, 1, 4095, 131_071, 1_048_575] {
+            let a = p as f32 * f as f32;
+            let (c, s) = rope_cos_sin_mode(p, f, AngleMode::F32Compat);
+            assert_eq!((c, s), ((a as f64).cos() as f32, (a as f64).sin() as f32));
+        }
     }
 
     #[test]

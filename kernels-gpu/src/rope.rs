@@ -104,6 +104,8 @@ struct Args<T> {
     table_stride: u64,
     table_positions: u64,
     inv_freq: *const f64,
+    angle_mode: u32,
+    cs_scale: f32,
     positions: u32,
     pos_ptr: *const u8,
     pos_aux: *const u8,
@@ -345,12 +347,13 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
             sin = [f32::NAN; L];
         }
     } else {
+        let mode = math::AngleMode::from_u32(a.angle_mode);
         unrolled(pairs, |k| {
             // SAFETY: j0 + k < half, the promised length of inv_freq.
             let f = unsafe { *a.inv_freq.add(j0 + k) };
-            let (c, s) = math::rope_cos_sin(pos, f);
-            cos[k] = c;
-            sin[k] = s * a.sin_sign;
+            let (c, s) = math::rope_cos_sin_mode(pos, f, mode);
+            cos[k] = c * a.cs_scale;
+            sin[k] = s * a.cs_scale * a.sin_sign;
         });
     }
     (cos, sin)
@@ -506,8 +509,9 @@ macro_rules! rope_kernel {
         /// with `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
         /// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place);
         /// `cos`, `sin`, `table_stride` (elements per row), `table_positions` for table
-        /// kernels and `inv_freq` for computed sin/cos (the other pointers are unused and may
-        /// be null); `positions`: a [`PositionCode`] with `pos_ptr`, `pos_aux`, `pos_count`,
+        /// kernels and `inv_freq`, `angle_mode` (a [`math::AngleMode`]) and `cs_scale` (the
+        /// attention factor multiplying cos and sin, 1 by default) for computed sin/cos (the
+        /// other pointers are unused and may be null); `positions`: a [`PositionCode`] with `pos_ptr`, `pos_aux`, `pos_count`,
         /// `pos_base`.
         ///
         /// # Safety
@@ -552,6 +556,8 @@ macro_rules! rope_kernel {
             table_stride: u64,
             table_positions: u64,
             inv_freq: *const f64,
+            angle_mode: u32,
+            cs_scale: f32,
             positions: u32,
             pos_ptr: *const u8,
             pos_aux: *const u8,
@@ -586,6 +592,8 @@ macro_rules! rope_kernel {
                 table_stride,
                 table_positions,
                 inv_freq,
+                angle_mode,
+                cs_scale,
                 positions,
                 pos_ptr,
                 pos_aux,

@@ -1,9 +1,10 @@
 //! Builds RoPE cos/sin tables on the GPU with the same arithmetic as the in-kernel sin/cos.
 //!
 //! # Formula and layout
-//! Row `p < positions`, column `i < half`: `cos[p * row_stride + i] = cos(p * inv_freq[i])`,
-//! `sin[p * row_stride + i] = sin(p * inv_freq[i])`, computed by
-//! [`crate::math::rope_cos_sin`] and rounded once to the element type. Separate tables use
+//! Row `p < positions`, column `i < half`:
+//! `cos[p * row_stride + i] = scale * cos(p * inv_freq[i])`,
+//! `sin[p * row_stride + i] = scale * sin(p * inv_freq[i])`, computed by
+//! [`crate::math::rope_cos_sin_mode`] and rounded once to the element type. Separate tables use
 //! `row_stride = half`; vLLM's combined `cos_sin_cache [positions, 2 * half]` uses
 //! `sin = cos + half` and `row_stride = 2 * half`.
 //!
@@ -30,7 +31,10 @@ unsafe fn body<T: Elem>(
     half: NonZeroU32,
     row_stride: u64,
     inv_freq: *const f64,
+    angle_mode: u32,
+    scale: f32,
 ) {
+    let mode = math::AngleMode::from_u32(angle_mode);
     let half64 = NonZeroU64::from(half);
     let total = positions * half64.get();
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
@@ -40,10 +44,10 @@ unsafe fn body<T: Elem>(
         // SAFETY: i < half, the length of inv_freq; p < positions and i < half <= row_stride,
         // so the offset is inside the promised `positions` rows.
         unsafe {
-            let (c, s) = math::rope_cos_sin(p as i64, *inv_freq.add(i as usize));
+            let (c, s) = math::rope_cos_sin_mode(p as i64, *inv_freq.add(i as usize), mode);
             let at = (p * row_stride + i) as usize;
-            *cos.add(at) = T::from_f32(c);
-            *sin.add(at) = T::from_f32(s);
+            *cos.add(at) = T::from_f32(c * scale);
+            *sin.add(at) = T::from_f32(s * scale);
         }
         idx += step;
     }
@@ -66,9 +70,11 @@ macro_rules! table_kernel {
             half: NonZeroU32,
             row_stride: u64,
             inv_freq: *const f64,
+            angle_mode: u32,
+            scale: f32,
         ) {
             // SAFETY: the caller's promises are those of `body`.
-            unsafe { body::<$t>(cos, sin, positions, half, row_stride, inv_freq) }
+            unsafe { body::<$t>(cos, sin, positions, half, row_stride, inv_freq, angle_mode, scale) }
         }
     )*};
 }

@@ -41,7 +41,7 @@ mod table;
 
 pub use cudarc;
 pub use error::{Error, Result};
-pub use freq::inv_freq;
+pub use freq::{AngleMode, Frequencies, FrequencySpec, RopeScaling, Yarn, inv_freq};
 pub use half;
 pub use module::{PTX, open_device};
 pub use rope::{

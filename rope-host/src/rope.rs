@@ -20,6 +20,7 @@ use kernels_gpu::abi::{BLOCK_THREADS, KernelName, PositionCode, SinCosSource};
 pub use kernels_gpu::abi::{DType, Direction, RopeStyle};
 
 use crate::error::{Result, invalid};
+use crate::freq::AngleMode;
 use crate::layout::fused_are_disjoint;
 use crate::module::{Module, module_for};
 
@@ -229,6 +230,9 @@ pub enum SinCos<'a, T> {
         /// The frequency base, finite and positive (commonly 10 000, or 500 000 for Llama 3).
         theta: f64,
     },
+    /// Computed in the kernel from a frequency vector of any scaling family, with its angle
+    /// mode and attention factor ([`crate::Rope::frequencies`]).
+    Frequencies(&'a crate::Frequencies),
 }
 
 /// The shape of an explicit position-id array.
@@ -318,6 +322,7 @@ pub(crate) enum SinCosReq {
     Table { cos: Buf, sin: Buf },
     CosSinCache(Buf),
     Computed { theta: f64 },
+    Frequencies { rotary_dim: u32 },
 }
 
 /// Positions with buffers reduced to [`Buf`].
@@ -670,6 +675,18 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
             }
             (SinCosSource::Theta, 0, 0)
         }
+        SinCosReq::Frequencies { rotary_dim } => {
+            if rotary_dim != cfg.rotary_dim {
+                return Err(invalid(
+                    "sincos",
+                    format!(
+                        "frequencies for rotary_dim {rotary_dim}, the config rotates {}",
+                        cfg.rotary_dim
+                    ),
+                ));
+            }
+            (SinCosSource::Theta, 0, 0)
+        }
     };
     let past_table = max_implicit.filter(|&m| tokens > 0 && m >= table_positions);
     if let (SinCosSource::Table, Some(max)) = (source, past_table) {
@@ -969,6 +986,13 @@ impl Rope {
                 )
             }
             SinCos::Computed { theta } => (SinCosReq::Computed { theta: *theta }, 0, 0),
+            SinCos::Frequencies(f) => (
+                SinCosReq::Frequencies {
+                    rotary_dim: f.rotary_dim,
+                },
+                0,
+                0,
+            ),
         };
         let (positions_req, ids_ptr) = match &op.positions {
             Positions::Offset(o) => (PositionsReq::Offset(*o), 0),
@@ -1031,9 +1055,16 @@ impl Rope {
             Some(a) => Some(self.stream.clone_htod(a)?),
             None => None,
         };
-        let inv_freq = match op.sincos {
+        let cached = match op.sincos {
             SinCos::Computed { theta } => Some(self.inv_freq(theta, op.config.rotary_dim)?),
             _ => None,
+        };
+        let (inv_freq, angle_mode, cs_scale) = match (&op.sincos, &cached) {
+            (SinCos::Frequencies(f), _) => {
+                (Some(&f.inv_freq), f.angle as u32, f.attention_factor as f32)
+            }
+            (_, Some(c)) => (Some(c.as_ref()), AngleMode::Exact as u32, 1.0f32),
+            _ => (None, AngleMode::Exact as u32, 1.0f32),
         };
         let (pos_ptr, pos_aux, inv_freq_ptr, _g1, _g2, _g3);
         (pos_ptr, _g1) = match &main {
@@ -1050,7 +1081,7 @@ impl Rope {
             }
             None => (0, None),
         };
-        (inv_freq_ptr, _g3) = match &inv_freq {
+        (inv_freq_ptr, _g3) = match inv_freq {
             Some(f) => {
                 let (p, g) = f.device_ptr(stream);
                 (p, Some(g))
@@ -1117,6 +1148,8 @@ impl Rope {
             .arg(&plan.table_stride)
             .arg(&plan.table_positions)
             .arg(&inv_freq_ptr)
+            .arg(&angle_mode)
+            .arg(&cs_scale)
             .arg(&positions_code)
             .arg(&pos_ptr)
             .arg(&pos_aux)

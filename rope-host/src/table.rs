@@ -6,6 +6,7 @@ use cudarc::driver::{
 use kernels_gpu::abi::{BLOCK_THREADS, TableKernelName};
 
 use crate::error::{Result, invalid};
+use crate::freq::{AngleMode, Frequencies};
 use crate::rope::{Rope, RopeElem, SinCos};
 
 /// How a table pair is stored.
@@ -73,6 +74,46 @@ impl Rope {
                 format!("must be even and at least 2, got {rotary_dim}"),
             ));
         }
+        let inv_freq = self.inv_freq(theta, rotary_dim)?;
+        self.launch_tables(
+            &inv_freq,
+            rotary_dim,
+            (AngleMode::Exact, 1.0),
+            max_position,
+            format,
+        )
+    }
+
+    /// Builds tables from the frequencies of any scaling family: `scale * cos/sin(angle)` with
+    /// the angle formed as `freqs.angle()` says and `scale = freqs.attention_factor()`.
+    ///
+    /// # Errors
+    /// As [`Rope::build_tables`] for `max_position`.
+    pub fn build_tables_for<T: RopeElem + ValidAsZeroBits>(
+        &self,
+        freqs: &Frequencies,
+        max_position: usize,
+        format: TableFormat,
+    ) -> Result<SinCosTables<T>> {
+        let mode = (freqs.angle, freqs.attention_factor as f32);
+        self.launch_tables(
+            &freqs.inv_freq,
+            freqs.rotary_dim,
+            mode,
+            max_position,
+            format,
+        )
+    }
+
+    /// Allocates the tables and launches the builder.
+    fn launch_tables<T: RopeElem + ValidAsZeroBits>(
+        &self,
+        inv_freq: &CudaSlice<f64>,
+        rotary_dim: u32,
+        (angle, scale): (AngleMode, f32),
+        max_position: usize,
+        format: TableFormat,
+    ) -> Result<SinCosTables<T>> {
         let half = rotary_dim / 2;
         let len = max_position
             .checked_mul(rotary_dim as usize)
@@ -83,7 +124,6 @@ impl Rope {
                     format!("{max_position} rows cannot be built"),
                 )
             })?;
-        let inv_freq = self.inv_freq(theta, rotary_dim)?;
         let stream = &self.stream;
         let mut tables = match format {
             TableFormat::Separate => SinCosTables::Separate {
@@ -116,6 +156,7 @@ impl Rope {
             block_dim: (BLOCK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
+        let angle = angle as u32;
         let func = self
             .module
             .function(TableKernelName { dtype: T::DTYPE }.symbol());
@@ -126,14 +167,17 @@ impl Rope {
             .arg(&positions)
             .arg(&half)
             .arg(&row_stride)
-            .arg(&freq);
+            .arg(&freq)
+            .arg(&angle)
+            .arg(&scale);
         // SAFETY: the arguments match `table_kernel!` in kernels-gpu/src/table.rs in order and
-        // type (pointers as u64, NonZeroU32 as u32: half >= 1 was checked). The tables were just
-        // allocated with `max_position` rows of `row_stride >= half` elements (separate: two
-        // buffers of `half` per row; combined: one buffer of `rotary_dim` per row, sines
-        // starting `half` in, so cos and sin elements are distinct), and `inv_freq` holds
-        // `half` f64. The buffers live in `tables`, returned to the caller; cudarc's drop of a
-        // `CudaSlice` waits on the stream, so they outlive the kernel.
+        // type (pointers as u64, NonZeroU32 as u32: callers checked rotary_dim >= 2, so
+        // half >= 1). The tables were just allocated with `max_position` rows of
+        // `row_stride >= half` elements (separate: two buffers of `half` per row; combined: one
+        // buffer of `rotary_dim` per row, sines starting `half` in, so cos and sin elements are
+        // distinct), and `inv_freq` holds `half` f64. The buffers live in `tables`, returned to
+        // the caller; cudarc's drop of a `CudaSlice` waits on the stream, so they outlive the
+        // kernel.
         unsafe { launch.launch(config) }?;
         // The guards record the writes on the stream; they end before the tables move out.
         drop(guards);
