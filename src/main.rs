@@ -8,9 +8,12 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use rope_host::cudarc::driver::{CudaContext, CudaStream, sys::CUevent_flags};
 use rope_host::half::{bf16, f16};
-use rope_host::{Direction, IdsShape, Layout, Rope, RopeStyle, open_device};
+use rope_host::{
+    AngleMode, Direction, FrequencySpec, IdsShape, Io, Layout, PositionIds, Positions, Rope,
+    RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, Tensor, TensorMut, open_device,
+};
 use rope_tests::case::{
-    Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TableFormat, TestElem, compare, gather,
+    Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
@@ -266,6 +269,88 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
         failures == 0,
         "{failures} variants disagree with the reference"
     );
+    accuracy_table(&stream, &rope)
+}
+
+/// Max abs error of f32 outputs against f64 at long positions, for the accurate in-kernel path,
+/// the usual f32 table `cos(f32(p) * f32(inv_freq))` and the f32-compatible in-kernel mode.
+fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
+    let (seq, heads, d) = (1024usize, 4usize, 128usize);
+    let layout = Layout::shd(seq, heads, d);
+    // x ~ N(0, 1) by Box-Muller over a fixed sequence.
+    let x: Vec<f32> = (0..seq * heads * d)
+        .map(|i| {
+            let u1 = ((i as u64 * 2_654_435_761 % 1_000_003) as f64 + 0.5) / 1_000_003.0;
+            let u2 = ((i as u64 * 40_503 % 999_983) as f64 + 0.5) / 999_983.0;
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect();
+    let input = stream.clone_htod(&x)?;
+    let x64 = gather(&x, &layout);
+    let config = RopeConfig::builder(d as u32, RopeStyle::Neox).build()?;
+    let exact = FrequencySpec::new(THETA, d as u32);
+    let compat = rope.frequencies(&exact.clone().angle(AngleMode::F32Compat))?;
+    println!();
+    println!(
+        "accuracy, NeoX, theta {THETA}, head_dim {d}, x ~ N(0,1): max abs error of f32 outputs vs f64"
+    );
+    println!(
+        "{:>10} {:>14} {:>18} {:>16}",
+        "positions", "in-kernel", "usual f32 table", "f32-compat mode"
+    );
+    for band in [4096usize, 131_072, 1_048_576, 4_194_304] {
+        let ids: Vec<i64> = (0..seq as i64)
+            .map(|s| {
+                if s == 0 {
+                    band as i64 - 1
+                } else {
+                    (s * 2_654_435_761) % band as i64
+                }
+            })
+            .collect();
+        let device_ids = stream.clone_htod(&ids)?;
+        let table = rope.build_tables_for::<f32>(&compat, band, TableFormat::Separate)?;
+        let want = rope_tests::reference::rope(
+            x64.view(),
+            ndarray::Array2::from_shape_vec((1, seq), ids.clone())?.view(),
+            RopeStyle::Neox,
+            Direction::Forward,
+            &rope_tests::reference::RefSinCos::Theta(THETA),
+        );
+        let mut errors = Vec::new();
+        for sincos in [
+            SinCos::Computed { theta: THETA },
+            table.sincos(),
+            SinCos::Frequencies(&compat),
+        ] {
+            let mut out = stream.alloc_zeros::<f32>(x.len())?;
+            let op = RopeOp {
+                config,
+                positions: Positions::Ids {
+                    ids: PositionIds::I64(device_ids.as_view()),
+                    shape: IdsShape::Shared,
+                },
+                sincos,
+            };
+            let io = Io::OutOfPlace {
+                input: Tensor {
+                    data: input.as_view(),
+                    layout,
+                },
+                output: TensorMut {
+                    data: out.as_view_mut(),
+                    layout,
+                },
+            };
+            rope.run(&op, io)?;
+            let got = gather(&stream.clone_dtoh(&out)?, &layout);
+            errors.push((&got - &want).iter().fold(0.0f64, |m, v| m.max(v.abs())));
+        }
+        println!(
+            "{:>10} {:>14.2e} {:>18.2e} {:>16.2e}",
+            band, errors[0], errors[1], errors[2]
+        );
+    }
     Ok(())
 }
 

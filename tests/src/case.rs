@@ -11,7 +11,7 @@ use rope_host::cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
 use rope_host::half::{bf16, f16};
 use rope_host::{
     Direction, IdsShape, Io, Layout, PositionIds, Positions, QkIo, Rope, RopeConfig, RopeElem,
-    RopeOp, RopeStyle, SinCos, Tensor, TensorMut,
+    RopeOp, RopeStyle, SinCos, TableFormat, Tensor, TensorMut,
 };
 
 use crate::reference::{self, RefSinCos};
@@ -111,15 +111,6 @@ pub enum LayoutKind {
     /// `[batch, seq, heads, d]` with `gaps` extra elements after each head, token and batch
     /// row, starting `offset` elements into the buffer.
     Strided { gaps: [usize; 3], offset: usize },
-}
-
-/// The format of sin/cos tables.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TableFormat {
-    /// `cos`, `sin` of `[max_position, rotary_dim / 2]`.
-    Separate,
-    /// `cos_sin_cache [max_position, rotary_dim]`.
-    Combined,
 }
 
 /// Where sin/cos come from in a case.

@@ -19,6 +19,13 @@ pub enum RefSinCos {
     },
     /// `cos`/`sin` of `p * theta^(-2i/rotary_dim)`, in f64.
     Theta(f64),
+    /// `scale * cos`/`sin` of `p * inv_freq[i]`, in f64 (any scaling family).
+    Frequencies {
+        /// One frequency per pair.
+        inv_freq: Vec<f64>,
+        /// The attention factor multiplying cos and sin.
+        scale: f64,
+    },
 }
 
 /// `theta^(-2i/rotary_dim)` for `i < rotary_dim/2`, in f64.
@@ -48,6 +55,10 @@ fn cos_sin(src: &RefSinCos, p: i64, i: usize, rotary_dim: usize) -> (f64, f64) {
         RefSinCos::Theta(theta) => {
             let angle = p as f64 * theta.powf(-2.0 * i as f64 / rotary_dim as f64);
             (angle.cos(), angle.sin())
+        }
+        RefSinCos::Frequencies { inv_freq, scale } => {
+            let angle = p as f64 * inv_freq[i];
+            (scale * angle.cos(), scale * angle.sin())
         }
     }
 }

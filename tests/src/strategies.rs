@@ -3,7 +3,9 @@
 use proptest::prelude::*;
 use rope_host::{Direction, IdsShape, RopeStyle};
 
-use crate::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TableFormat};
+use rope_host::TableFormat;
+
+use crate::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
 
 /// Both pairings.
 pub fn style() -> impl Strategy<Value = RopeStyle> {

@@ -297,7 +297,236 @@ mod styles_are_a_permutation {
     }
 }
 
+mod scaling_families {
+    //! Each family's builder against the published formula written out per frequency, and the
+    //! properties the families are designed to have.
+    use std::f64::consts::PI;
+
+    use rope_host::{FrequencySpec, RopeScaling, Yarn};
+
+    use super::*;
+
+    fn build(theta: f64, d: u32, scaling: RopeScaling) -> (Vec<f64>, f64) {
+        FrequencySpec::new(theta, d)
+            .scaling(scaling)
+            .build()
+            .expect("valid parameters")
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-13 * a.abs().max(b.abs())
+    }
+
+    /// `theta^(-2i/d)`, the default family, written as a reciprocal power.
+    fn default_freq(theta: f64, d: u32, i: usize) -> f64 {
+        1.0 / theta.powf((2 * i) as f64 / d as f64)
+    }
+
+    #[test]
+    fn default_and_linear_follow_their_formulas() {
+        runner(64)
+            .run(
+                &(2.0f64..1e7, 1u32..=128, 0.5f64..64.0),
+                |(theta, half, factor)| {
+                    let d = 2 * half;
+                    let (f, a) = build(theta, d, RopeScaling::Default);
+                    let (g, b) = build(theta, d, RopeScaling::Linear { factor });
+                    prop_assert!(a == 1.0 && b == 1.0);
+                    for i in 0..half as usize {
+                        prop_assert!(close(f[i], default_freq(theta, d, i)));
+                        prop_assert!(close(g[i], default_freq(theta, d, i) / factor));
+                    }
+                    Ok(())
+                },
+            )
+            .expect("default and linear");
+    }
+
+    #[test]
+    fn dynamic_ntk_grows_the_base_only_past_the_original_context() {
+        runner(64)
+            .run(
+                &(
+                    1e3f64..1e6,
+                    2u32..=64,
+                    1.0f64..16.0,
+                    512.0f64..8192.0,
+                    0.1f64..8.0,
+                ),
+                |(theta, half, factor, original, ratio)| {
+                    let d = 2 * half;
+                    let seq_len = original * ratio;
+                    let (f, _) = build(
+                        theta,
+                        d,
+                        RopeScaling::DynamicNtk {
+                            factor,
+                            original_max_position_embeddings: original,
+                            seq_len,
+                        },
+                    );
+                    let base = if seq_len <= original {
+                        theta
+                    } else {
+                        theta
+                            * (factor * seq_len / original - factor + 1.0)
+                                .powf(d as f64 / (d as f64 - 2.0))
+                    };
+                    for (i, &v) in f.iter().enumerate() {
+                        prop_assert!(
+                            close(v, default_freq(base, d, i)),
+                            "i {i}: {v} vs {}",
+                            default_freq(base, d, i)
+                        );
+                    }
+                    Ok(())
+                },
+            )
+            .expect("dynamic NTK");
+    }
+
+    #[test]
+    fn yarn_extrapolates_fast_dimensions_and_interpolates_slow_ones() {
+        runner(64)
+            .run(
+                &(1e4f64..1e6, 16u32..=128, 2.0f64..64.0, 2048.0f64..32768.0),
+                |(theta, half, factor, original)| {
+                    let d = 2 * half;
+                    let (f, attention) =
+                        build(theta, d, RopeScaling::Yarn(Yarn::new(factor, original)));
+                    prop_assert!(close(attention, 0.1 * factor.ln() + 1.0));
+                    // The correction range in dimensions (floor/ceil), as published in the reference
+                    // implementation: dimensions below `low` extrapolate, above `high` interpolate,
+                    // linear in the dimension index between.
+                    let dim_for = |rotations: f64| {
+                        d as f64 * (original / (rotations * 2.0 * PI)).ln() / (2.0 * theta.ln())
+                    };
+                    let low = dim_for(32.0).floor().max(0.0);
+                    let high = dim_for(1.0).ceil().min(d as f64 - 1.0);
+                    for (i, &v) in f.iter().enumerate() {
+                        let base = default_freq(theta, d, i);
+                        let ramp = ((i as f64 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+                        let want = base * (1.0 - ramp) + base / factor * ramp;
+                        prop_assert!(close(v, want), "i {i}: {v} vs {want}");
+                        if (i as f64) <= low {
+                            prop_assert!(close(v, base));
+                        }
+                        if (i as f64) >= high {
+                            prop_assert!(close(v, base / factor));
+                        }
+                    }
+                    Ok(())
+                },
+            )
+            .expect("YaRN");
+        // DeepSeek-style mscale: attention factor is the ratio of the two mscales.
+        let y = Yarn {
+            mscale: Some(0.707),
+            mscale_all_dim: Some(0.707),
+            ..Yarn::new(40.0, 4096.0)
+        };
+        assert_eq!(build(10_000.0, 64, RopeScaling::Yarn(y)).1, 1.0);
+    }
+
+    #[test]
+    fn llama3_keeps_high_frequencies_divides_low_ones_and_blends_between() {
+        let (theta, d) = (500_000.0, 128);
+        let scaling = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
+        let (f, a) = build(theta, d, scaling);
+        assert_eq!(a, 1.0);
+        for (i, &v) in f.iter().enumerate() {
+            let base = default_freq(theta, d, i);
+            let wavelen = 2.0 * PI / base;
+            let want = if wavelen < 8192.0 / 4.0 {
+                base
+            } else if wavelen > 8192.0 {
+                base / 8.0
+            } else {
+                let smooth = (8192.0 / wavelen - 1.0) / (4.0 - 1.0);
+                (1.0 - smooth) * base / 8.0 + smooth * base
+            };
+            assert!(close(v, want), "i {i}: {v} vs {want}");
+            assert!(v <= base * (1.0 + 1e-15) && v >= base / 8.0 * (1.0 - 1e-15));
+        }
+        assert!(close(f[0], 1.0) && close(f[63], default_freq(theta, d, 63) / 8.0));
+    }
+
+    #[test]
+    fn longrope_picks_long_factors_past_the_original_context() {
+        let half = 48usize;
+        let short: Vec<f64> = (0..half).map(|i| 1.0 + i as f64 / 100.0).collect();
+        let long: Vec<f64> = (0..half).map(|i| 1.0 + i as f64 / 4.0).collect();
+        for (seq_len, ext) in [(4096.0, &short), (4097.0, &long), (100_000.0, &long)] {
+            let scaling = RopeScaling::LongRope {
+                short_factor: short.clone(),
+                long_factor: long.clone(),
+                original_max_position_embeddings: 4096.0,
+                max_position_embeddings: 131_072.0,
+                seq_len,
+                attention_factor: None,
+            };
+            let (f, a) = build(10_000.0, 2 * half as u32, scaling);
+            assert!(close(
+                a,
+                (1.0 + (131_072.0f64 / 4096.0).ln() / 4096.0f64.ln()).sqrt()
+            ));
+            for (i, &v) in f.iter().enumerate() {
+                assert!(close(
+                    v,
+                    1.0 / (ext[i] * 10_000f64.powf((2 * i) as f64 / (2 * half) as f64))
+                ));
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_family_parameters_are_rejected() {
+        let bad = [
+            RopeScaling::Linear { factor: 0.0 },
+            RopeScaling::Linear { factor: f64::NAN },
+            RopeScaling::DynamicNtk {
+                factor: 2.0,
+                original_max_position_embeddings: -1.0,
+                seq_len: 10.0,
+            },
+            RopeScaling::Yarn(Yarn::new(-4.0, 4096.0)),
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 4.0,
+                high_freq_factor: 1.0,
+                original_max_position_embeddings: 8192.0,
+            },
+            RopeScaling::LongRope {
+                short_factor: vec![1.0; 3],
+                long_factor: vec![1.0; 32],
+                original_max_position_embeddings: 4096.0,
+                max_position_embeddings: 8192.0,
+                seq_len: 10.0,
+                attention_factor: None,
+            },
+        ];
+        for scaling in bad {
+            let err = FrequencySpec::new(10_000.0, 64)
+                .scaling(scaling.clone())
+                .build()
+                .expect_err("invalid");
+            assert!(
+                matches!(err, rope_host::Error::Invalid { arg: "scaling", .. }),
+                "{scaling:?}: {err}"
+            );
+        }
+        assert!(FrequencySpec::new(0.0, 64).build().is_err());
+        assert!(FrequencySpec::new(10_000.0, 7).build().is_err());
+    }
+}
+
 mod gpu {
+    pub mod accuracy;
     pub mod matches_reference;
     pub mod rejects_invalid;
     pub mod tables;

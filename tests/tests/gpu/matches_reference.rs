@@ -4,10 +4,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use proptest::prelude::*;
+use rope_host::TableFormat;
 use rope_host::cudarc::driver::CudaStream;
 use rope_host::{Direction, IdsShape, Rope, RopeStyle};
 use rope_tests::case::{
-    Case, Comparison, DTypeCase, KCase, LayoutKind, PosCase, Source, TableFormat, run_and_check,
+    Case, Comparison, DTypeCase, KCase, LayoutKind, PosCase, Source, run_and_check,
 };
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;

@@ -2,12 +2,13 @@
 //! and the device still healthy afterwards.
 
 use proptest::prelude::*;
+use rope_host::TableFormat;
 use rope_host::{
     Error, IdsShape, Io, Layout, PositionIds, Positions, QkIo, RopeConfig, RopeOp, SinCos, Tensor,
     TensorMut,
 };
 use rope_tests::case::{
-    Case, DTypeCase, DeviceCase, DeviceTables, KCase, LayoutKind, PosCase, Source, TableFormat,
+    Case, DTypeCase, DeviceCase, DeviceTables, KCase, LayoutKind, PosCase, Source,
 };
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;

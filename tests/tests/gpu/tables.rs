@@ -130,10 +130,7 @@ fn built_tables_reproduce_in_kernel_sin_cos_exactly() {
             tabled.case.source = Source::Table {
                 theta: 500_000.0,
                 max_position: 48,
-                format: match format {
-                    TableFormat::Separate => rope_tests::case::TableFormat::Separate,
-                    TableFormat::Combined => rope_tests::case::TableFormat::Combined,
-                },
+                format,
             };
             let b = run(&mut tabled);
             assert!(
