@@ -2,8 +2,14 @@
 //! names, the codes passed as `u32` arguments, and the limits both sides assume. One
 //! definition, used by both (`rope-host` re-exports the public enums).
 
-/// Threads per block of every RoPE kernel launch.
+/// Threads per block of every kernel launch.
 pub const BLOCK_THREADS: u32 = 256;
+
+/// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once: `cargo xtask ptx`
+/// writes it with `.maxntid` into every entry point (rustc has no launch-bounds attribute), so
+/// ptxas keeps each kernel within 64 registers (2048 resident threads' worth of a 64K register
+/// file, a full SM of these memory-bound kernels).
+pub const MIN_BLOCKS_PER_SM: u32 = 4;
 
 /// Which elements of a head form a rotated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

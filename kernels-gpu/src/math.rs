@@ -123,13 +123,24 @@ impl AngleMode {
     }
 }
 
+/// The angle `position * inv_freq` formed as `mode` says. Both forms are computed and one is
+/// selected, so the kernels share one sin/cos evaluation between the modes (a branch around
+/// two copies of it cost registers).
+#[inline(always)]
+pub fn angle(position: i64, inv_freq: f64, mode: AngleMode) -> f64 {
+    let exact = position as f64 * inv_freq;
+    let f32_angle = f64::from(position as f32 * inv_freq as f32);
+    if mode == AngleMode::F32Compat {
+        f32_angle
+    } else {
+        exact
+    }
+}
+
 /// `(cos, sin)` of `position * inv_freq` formed as `mode` says, rounded once to `f32`.
 #[inline(always)]
 pub fn rope_cos_sin_mode(position: i64, inv_freq: f64, mode: AngleMode) -> (f32, f32) {
-    match mode {
-        AngleMode::Exact => rope_cos_sin(position, inv_freq),
-        AngleMode::F32Compat => cos_sin_f32(f64::from(position as f32 * inv_freq as f32)),
-    }
+    cos_sin_f32(angle(position, inv_freq, mode))
 }
 
 /// Widens bfloat16 bits to `f32` (exact: bfloat16 is the top half of an `f32`).

@@ -348,12 +348,13 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
         }
     } else {
         let mode = math::AngleMode::from_u32(a.angle_mode);
+        let (scale, sin_scale) = (a.cs_scale, a.cs_scale * a.sin_sign);
         unrolled(pairs, |k| {
             // SAFETY: j0 + k < half, the promised length of inv_freq.
             let f = unsafe { *a.inv_freq.add(j0 + k) };
             let (c, s) = math::rope_cos_sin_mode(pos, f, mode);
-            cos[k] = c * a.cs_scale;
-            sin[k] = s * a.cs_scale * a.sin_sign;
+            cos[k] = c * scale;
+            sin[k] = s * sin_scale;
         });
     }
     (cos, sin)

@@ -1,8 +1,9 @@
 //! Project tasks: `cargo xtask ptx [--check]`, `cargo xtask gpu-bundle`.
 //!
 //! - `ptx` builds `kernels-gpu` for `nvptx64-nvidia-cuda` with the pinned nightly
-//!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result and
-//!   writes `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.
+//!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result,
+//!   adds the launch bounds rustc cannot express (`.maxntid`, `.minnctapersm`) and writes
+//!   `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.
 //! - `gpu-bundle` builds every test executable and the demo in release mode and gathers them
 //!   with a runner script in `gpu-bundle/`, to copy to a GPU machine without Rust.
 

@@ -56,7 +56,7 @@ fn build() -> Result<String> {
     let deps = target_dir.join(TARGET).join("release").join("deps");
     let ptx = fs::read_to_string(newest_asm(&deps)?)?;
     validate(&ptx)?;
-    Ok(ptx)
+    Ok(with_launch_bounds(&ptx))
 }
 
 /// The most recently written `kernels_gpu-*.s` (cargo keeps older ones from other flags).
@@ -77,6 +77,27 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
     }
     best.map(|(_, p)| p)
         .context("the PTX build wrote no kernels_gpu-*.s")
+}
+
+/// Adds `.maxntid BLOCK_THREADS, 1, 1` and `.minnctapersm MIN_BLOCKS_PER_SM` to every entry
+/// point, between its parameter list and its body: the launch bounds rustc cannot express.
+fn with_launch_bounds(ptx: &str) -> String {
+    use kernels_gpu::abi::{BLOCK_THREADS, MIN_BLOCKS_PER_SM};
+    let mut out = String::with_capacity(ptx.len() + 4096);
+    let mut in_params = false;
+    for line in ptx.lines() {
+        out.push_str(line);
+        out.push('\n');
+        if line.starts_with(".visible .entry") {
+            in_params = true;
+        } else if in_params && line.trim() == ")" {
+            out.push_str(&format!(
+                ".maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {MIN_BLOCKS_PER_SM}\n"
+            ));
+            in_params = false;
+        }
+    }
+    out
 }
 
 /// Rejects PTX that would fail to load or run slowly: unresolved functions, panic machinery,
