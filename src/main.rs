@@ -9,12 +9,13 @@ use anyhow::{Context, Result};
 use rope_host::cudarc::driver::{CudaContext, CudaStream, sys::CUevent_flags};
 use rope_host::half::{bf16, f16};
 use rope_host::{
-    AngleMode, Direction, FrequencySpec, IdsShape, Io, Layout, PositionIds, Positions, Rope,
-    RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, Tensor, TensorMut, open_device,
+    AngleMode, Direction, FrequencySpec, IdsShape, Layout, Rope, RopeStyle, SinCos, TableFormat,
+    open_device,
 };
 use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
+use rope_tests::gpu::rotate_f32_at;
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -285,9 +286,7 @@ fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
             ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
         })
         .collect();
-    let input = stream.clone_htod(&x)?;
     let x64 = gather(&x, &layout);
-    let config = RopeConfig::builder(d as u32, RopeStyle::Neox).build()?;
     let exact = FrequencySpec::new(THETA, d as u32);
     let compat = rope.frequencies(&exact.clone().angle(AngleMode::F32Compat))?;
     println!();
@@ -308,7 +307,6 @@ fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
                 }
             })
             .collect();
-        let device_ids = stream.clone_htod(&ids)?;
         let table = rope.build_tables_for::<f32>(&compat, band, TableFormat::Separate)?;
         let want = rope_tests::reference::rope(
             x64.view(),
@@ -323,27 +321,16 @@ fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
             table.sincos(),
             SinCos::Frequencies(&compat),
         ] {
-            let mut out = stream.alloc_zeros::<f32>(x.len())?;
-            let op = RopeOp {
-                config,
-                positions: Positions::Ids {
-                    ids: PositionIds::I64(device_ids.as_view()),
-                    shape: IdsShape::Shared,
-                },
+            let out = rotate_f32_at(
+                rope,
+                stream,
+                RopeStyle::Neox,
+                &x,
+                (seq, heads, d),
+                &ids,
                 sincos,
-            };
-            let io = Io::OutOfPlace {
-                input: Tensor {
-                    data: input.as_view(),
-                    layout,
-                },
-                output: TensorMut {
-                    data: out.as_view_mut(),
-                    layout,
-                },
-            };
-            rope.run(&op, io)?;
-            let got = gather(&stream.clone_dtoh(&out)?, &layout);
+            )?;
+            let got = gather(&out, &layout);
             errors.push((&got - &want).iter().fold(0.0f64, |m, v| m.max(v.abs())));
         }
         println!(

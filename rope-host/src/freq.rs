@@ -174,16 +174,6 @@ impl FrequencySpec {
         }
         let base = inv_freq(theta, d);
         let dim = f64::from(d);
-        let positive = |name: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(v)
-            } else {
-                Err(invalid(
-                    "scaling",
-                    format!("{name} must be finite and positive, got {v}"),
-                ))
-            }
-        };
         Ok(match &self.scaling {
             RopeScaling::Default => (base, 1.0),
             RopeScaling::Linear { factor } => {
@@ -294,18 +284,20 @@ impl FrequencySpec {
     }
 }
 
+/// `v` if it is finite and positive, else an error naming the scaling parameter.
+fn positive(name: &str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(invalid(
+            "scaling",
+            format!("{name} must be finite and positive, got {v}"),
+        ))
+    }
+}
+
 /// YaRN's frequencies and attention factor.
 fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
-    let positive = |name: &str, v: f64| {
-        if v.is_finite() && v > 0.0 {
-            Ok(v)
-        } else {
-            Err(invalid(
-                "scaling",
-                format!("{name} must be finite and positive, got {v}"),
-            ))
-        }
-    };
     let factor = positive("factor", y.factor)?;
     let original = positive(
         "original_max_position_embeddings",

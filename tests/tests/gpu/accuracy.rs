@@ -7,8 +7,7 @@ use ndarray::Array4;
 use proptest::prelude::*;
 use rope_host::cudarc::driver::CudaStream;
 use rope_host::{
-    AngleMode, Direction, FrequencySpec, IdsShape, Io, Layout, PositionIds, Positions, Rope,
-    RopeConfig, RopeOp, RopeScaling, RopeStyle, SinCos, Tensor, TensorMut, Yarn,
+    AngleMode, Direction, FrequencySpec, IdsShape, Rope, RopeScaling, RopeStyle, SinCos, Yarn,
 };
 use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, compare, run_and_check,
@@ -69,40 +68,17 @@ fn in_kernel_sin_cos_is_accurate_to_position_2_pow_22() {
         .expect("accurate at long positions");
 }
 
-/// Runs one f32 rotation of `x` (`[1, seq, heads, d]`) at `ids` and returns the output.
+/// Runs one f32 rotation; see [`rope_tests::gpu::rotate_f32_at`].
 fn rotate(
     rope: &Rope,
     stream: &Arc<CudaStream>,
     style: RopeStyle,
     x: &[f32],
-    (seq, heads, d): (usize, usize, usize),
+    dims: (usize, usize, usize),
     ids: &[i64],
     sincos: SinCos<'_, f32>,
 ) -> Vec<f32> {
-    let input = stream.clone_htod(x).expect("upload");
-    let mut out = stream.alloc_zeros::<f32>(x.len()).expect("alloc");
-    let ids = stream.clone_htod(ids).expect("upload");
-    let layout = Layout::shd(seq, heads, d);
-    let op = RopeOp {
-        config: RopeConfig::builder(d as u32, style).build().expect("valid"),
-        positions: Positions::Ids {
-            ids: PositionIds::I64(ids.as_view()),
-            shape: IdsShape::Shared,
-        },
-        sincos,
-    };
-    let io = Io::OutOfPlace {
-        input: Tensor {
-            data: input.as_view(),
-            layout,
-        },
-        output: TensorMut {
-            data: out.as_view_mut(),
-            layout,
-        },
-    };
-    rope.run(&op, io).expect("launch");
-    stream.clone_dtoh(&out).expect("download")
+    rope_tests::gpu::rotate_f32_at(rope, stream, style, x, dims, ids, sincos).expect("rotation")
 }
 
 /// The GPU's output is bit-identical to the kernels' math run on the CPU, in both angle modes
