@@ -34,11 +34,11 @@ fn main() -> Result<()> {
     }
 }
 
-/// The demo's variants: every style, sin/cos source, position kind and in/out of place in
-/// f32, then bf16 forms users run (fused q+k with GQA, partial rotary, combined cache).
-fn variants() -> Vec<Case> {
+/// The demo's shape as an f32 NeoX case with in-kernel sin/cos, in place: the template of
+/// every variant and of the CPU check.
+fn base_case() -> Case {
     let (batch, seq, heads, head_dim) = SHAPE;
-    let base = Case {
+    Case {
         style: RopeStyle::Neox,
         direction: Direction::Forward,
         dtype: DTypeCase::F32,
@@ -53,7 +53,14 @@ fn variants() -> Vec<Case> {
         positions: PosCase::Offset(0),
         in_place: true,
         seed: 2026,
-    };
+    }
+}
+
+/// The demo's variants: every style, sin/cos source, position kind and in/out of place in
+/// f32, then bf16 forms users run (fused q+k with GQA, partial rotary, combined cache).
+fn variants() -> Vec<Case> {
+    let (batch, seq, _, _) = SHAPE;
+    let base = base_case();
     let table = Source::Table {
         theta: THETA,
         max_position: seq,
@@ -352,7 +359,7 @@ fn cpu_demo() -> Result<()> {
             heads,
             source: Source::Theta(THETA),
             positions: PosCase::Offset(100_000),
-            ..variants()[0].clone()
+            ..base_case()
         };
         let layout = Layout::bshd(1, seq, heads, head_dim);
         let x: Vec<f32> = (0..layout.span().unwrap_or(0))
