@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use rope_host::cudarc::driver::{CudaContext, CudaStream, sys::CUevent_flags};
+use rope_host::cudarc::driver::{CudaContext, CudaStream};
 use rope_host::half::{bf16, f16};
 use rope_host::{
     AngleMode, Direction, FrequencySpec, IdsShape, Layout, Rope, RopeStyle, SinCos, TableFormat,
@@ -16,12 +16,15 @@ use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_tests::gpu::rotate_f32_at;
+use rope_tests::timing::{Runs, median_ms};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
 const THETA: f64 = 500_000.0;
-const WARMUP: usize = 5;
-const TIMED: usize = 50;
+const RUNS: Runs = Runs {
+    warmup: 5,
+    timed: 50,
+};
 
 fn main() -> Result<()> {
     match open_device(0) {
@@ -175,29 +178,6 @@ fn describe(c: &Case) -> String {
     )
 }
 
-/// Median of event-timed runs of `f`, in milliseconds.
-fn time_ms(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    mut f: impl FnMut() -> Result<()>,
-) -> Result<f64> {
-    for _ in 0..WARMUP {
-        f()?;
-    }
-    let mut times = Vec::with_capacity(TIMED);
-    for _ in 0..TIMED {
-        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        start.record(stream)?;
-        f()?;
-        end.record(stream)?;
-        end.synchronize()?;
-        times.push(start.elapsed_ms(&end)? as f64);
-    }
-    times.sort_by(f64::total_cmp);
-    Ok(times[TIMED / 2])
-}
-
 /// Checks one variant against the reference and times it against a copy of the bytes it moves.
 fn run_variant<T: TestElem>(
     case: &Case,
@@ -217,9 +197,11 @@ fn run_variant<T: TestElem>(
     let bytes = 2.0 * (elems * size_of::<T>()) as f64;
     let copy_src = stream.alloc_zeros::<T>(elems)?;
     let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
-    let rope_ms = time_ms(ctx, stream, || Ok(dev.launch(rope)?))?;
-    let copy_ms = time_ms(ctx, stream, || {
-        Ok(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
+    let rope_ms = median_ms(ctx, stream, RUNS, None, || {
+        dev.launch(rope).map_err(anyhow::Error::from)
+    })?;
+    let copy_ms = median_ms(ctx, stream, RUNS, None, || {
+        Ok::<_, anyhow::Error>(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
     })?;
     let (ok, verdict) = match &check {
         Ok(c) => (true, format!("ok, max err {:.2e}", c.max_abs_err)),

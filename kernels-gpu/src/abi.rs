@@ -7,9 +7,64 @@ pub const BLOCK_THREADS: u32 = 256;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once: `cargo xtask ptx`
 /// writes it with `.maxntid` into every entry point (rustc has no launch-bounds attribute), so
-/// ptxas keeps each kernel within 64 registers (2048 resident threads' worth of a 64K register
-/// file, a full SM of these memory-bound kernels).
-pub const MIN_BLOCKS_PER_SM: u32 = 4;
+/// ptxas keeps each kernel within 128 registers (a 64K register file over 512 threads). Each
+/// thread holds 128 bytes of loads in flight ([`rows_unroll`]); fewer threads with more data
+/// each spend fewer registers on addresses than more threads with less.
+pub const MIN_BLOCKS_PER_SM: u32 = 2;
+
+/// Bytes of one block's shared scratch for cos/sin: a tile of `tile_tokens` tokens keeps
+/// `tile_tokens * rotary_dim / 2` `(cos, sin)` pairs of `f32` there.
+pub const SCRATCH_SINCOS_BYTES: usize = 16 * 1024;
+
+/// Largest supported `rotary_dim`: one token's `(cos, sin)` pairs must fit the scratch.
+pub const MAX_ROTARY_DIM: u32 = (SCRATCH_SINCOS_BYTES / 8 * 2) as u32;
+
+/// Most tokens in one block's tile.
+pub const MAX_TILE_TOKENS: u32 = 32;
+
+/// Heads (of one token, at one group of pairs) a thread works on at once, all loads issued
+/// before the stores: 8 for interleaved pairs (one 16-byte vector each) and 4 for NeoX (two
+/// vectors each), so 128 bytes in flight per thread at 16-byte accesses.
+pub const fn rows_unroll(style: RopeStyle) -> u32 {
+    match style {
+        RopeStyle::Interleaved => 8,
+        RopeStyle::Neox => 4,
+    }
+}
+
+/// Division by a fixed `u32` without a divide instruction: `n / d` as a 64-bit multiply-high,
+/// an add and a shift (Granlund and Montgomery's round-up method, exact for every `u32` `n`).
+/// The kernels build one per divisor they use per row, so the hot loop has no division.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FastDiv {
+    d: u32,
+    magic: u32,
+    shift: u32,
+}
+
+impl FastDiv {
+    /// Prepares division by `d`: `shift = ceil(log2 d)`,
+    /// `magic = floor(2^32 (2^shift - d) / d) + 1` (0 for `d = 1`).
+    #[inline(always)]
+    pub const fn new(d: core::num::NonZeroU32) -> Self {
+        let d = d.get();
+        let shift = 32 - (d - 1).leading_zeros();
+        let magic = if d == 1 {
+            0
+        } else {
+            (((1u64 << 32) * ((1u64 << shift) - d as u64)) / d as u64 + 1) as u32
+        };
+        Self { d, magic, shift }
+    }
+
+    /// `(n / d, n % d)`.
+    #[inline(always)]
+    pub const fn divmod(self, n: u32) -> (u32, u32) {
+        let high = (n as u64 * self.magic as u64) >> 32;
+        let q = ((high + n as u64) >> self.shift) as u32;
+        (q, n - q * self.d)
+    }
+}
 
 /// Which elements of a head form a rotated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -93,8 +148,21 @@ impl PositionCode {
     }
 }
 
+/// How wide a kernel's memory accesses are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// 16 bytes per access (`lanes = 16 / element size`): every tensor address and stride is
+    /// 16-byte aligned and the pairs (and pass-through elements) split into 16-byte groups.
+    Wide,
+    /// Fewer lanes, chosen at run time (1, 2, or for 16-bit types 4 elements; 1 only for NeoX
+    /// pairs): a separate kernel, so the common wide kernel carries none of these paths'
+    /// registers.
+    Narrow,
+}
+
 /// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example
-/// `rope_neox_theta_fwd_f32`. Every combination exists and has the same parameter list.
+/// `rope_neox_theta_fwd_f32`, with the suffix `_narrow` for [`Access::Narrow`]. Every
+/// combination exists and has the same parameter list.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {
     /// Pairing.
@@ -105,38 +173,41 @@ pub struct KernelName {
     pub direction: Direction,
     /// Element type.
     pub dtype: DType,
+    /// Access width.
+    pub access: Access,
 }
 
-/// Calls `$m!` with every kernel as `symbol: Style, Source, Direction, DType, storage type;`:
+/// Calls `$m!` with every kernel as
+/// `wide symbol, narrow symbol: Style, Source, Direction, DType, storage type;`:
 /// the one list from which the kernel crate defines the entry points and [`KernelName`] its
 /// table, so the two cannot disagree.
 macro_rules! for_each_kernel {
     ($m:ident) => {
         $m! {
-            rope_interleaved_table_fwd_f32: Interleaved, Table, Forward, F32, f32;
-            rope_interleaved_table_bwd_f32: Interleaved, Table, Backward, F32, f32;
-            rope_interleaved_theta_fwd_f32: Interleaved, Theta, Forward, F32, f32;
-            rope_interleaved_theta_bwd_f32: Interleaved, Theta, Backward, F32, f32;
-            rope_neox_table_fwd_f32: Neox, Table, Forward, F32, f32;
-            rope_neox_table_bwd_f32: Neox, Table, Backward, F32, f32;
-            rope_neox_theta_fwd_f32: Neox, Theta, Forward, F32, f32;
-            rope_neox_theta_bwd_f32: Neox, Theta, Backward, F32, f32;
-            rope_interleaved_table_fwd_f16: Interleaved, Table, Forward, F16, f16;
-            rope_interleaved_table_bwd_f16: Interleaved, Table, Backward, F16, f16;
-            rope_interleaved_theta_fwd_f16: Interleaved, Theta, Forward, F16, f16;
-            rope_interleaved_theta_bwd_f16: Interleaved, Theta, Backward, F16, f16;
-            rope_neox_table_fwd_f16: Neox, Table, Forward, F16, f16;
-            rope_neox_table_bwd_f16: Neox, Table, Backward, F16, f16;
-            rope_neox_theta_fwd_f16: Neox, Theta, Forward, F16, f16;
-            rope_neox_theta_bwd_f16: Neox, Theta, Backward, F16, f16;
-            rope_interleaved_table_fwd_bf16: Interleaved, Table, Forward, BF16, Bf16;
-            rope_interleaved_table_bwd_bf16: Interleaved, Table, Backward, BF16, Bf16;
-            rope_interleaved_theta_fwd_bf16: Interleaved, Theta, Forward, BF16, Bf16;
-            rope_interleaved_theta_bwd_bf16: Interleaved, Theta, Backward, BF16, Bf16;
-            rope_neox_table_fwd_bf16: Neox, Table, Forward, BF16, Bf16;
-            rope_neox_table_bwd_bf16: Neox, Table, Backward, BF16, Bf16;
-            rope_neox_theta_fwd_bf16: Neox, Theta, Forward, BF16, Bf16;
-            rope_neox_theta_bwd_bf16: Neox, Theta, Backward, BF16, Bf16;
+            rope_interleaved_table_fwd_f32, rope_interleaved_table_fwd_f32_narrow: Interleaved, Table, Forward, F32, f32;
+            rope_interleaved_table_bwd_f32, rope_interleaved_table_bwd_f32_narrow: Interleaved, Table, Backward, F32, f32;
+            rope_interleaved_theta_fwd_f32, rope_interleaved_theta_fwd_f32_narrow: Interleaved, Theta, Forward, F32, f32;
+            rope_interleaved_theta_bwd_f32, rope_interleaved_theta_bwd_f32_narrow: Interleaved, Theta, Backward, F32, f32;
+            rope_neox_table_fwd_f32, rope_neox_table_fwd_f32_narrow: Neox, Table, Forward, F32, f32;
+            rope_neox_table_bwd_f32, rope_neox_table_bwd_f32_narrow: Neox, Table, Backward, F32, f32;
+            rope_neox_theta_fwd_f32, rope_neox_theta_fwd_f32_narrow: Neox, Theta, Forward, F32, f32;
+            rope_neox_theta_bwd_f32, rope_neox_theta_bwd_f32_narrow: Neox, Theta, Backward, F32, f32;
+            rope_interleaved_table_fwd_f16, rope_interleaved_table_fwd_f16_narrow: Interleaved, Table, Forward, F16, f16;
+            rope_interleaved_table_bwd_f16, rope_interleaved_table_bwd_f16_narrow: Interleaved, Table, Backward, F16, f16;
+            rope_interleaved_theta_fwd_f16, rope_interleaved_theta_fwd_f16_narrow: Interleaved, Theta, Forward, F16, f16;
+            rope_interleaved_theta_bwd_f16, rope_interleaved_theta_bwd_f16_narrow: Interleaved, Theta, Backward, F16, f16;
+            rope_neox_table_fwd_f16, rope_neox_table_fwd_f16_narrow: Neox, Table, Forward, F16, f16;
+            rope_neox_table_bwd_f16, rope_neox_table_bwd_f16_narrow: Neox, Table, Backward, F16, f16;
+            rope_neox_theta_fwd_f16, rope_neox_theta_fwd_f16_narrow: Neox, Theta, Forward, F16, f16;
+            rope_neox_theta_bwd_f16, rope_neox_theta_bwd_f16_narrow: Neox, Theta, Backward, F16, f16;
+            rope_interleaved_table_fwd_bf16, rope_interleaved_table_fwd_bf16_narrow: Interleaved, Table, Forward, BF16, Bf16;
+            rope_interleaved_table_bwd_bf16, rope_interleaved_table_bwd_bf16_narrow: Interleaved, Table, Backward, BF16, Bf16;
+            rope_interleaved_theta_fwd_bf16, rope_interleaved_theta_fwd_bf16_narrow: Interleaved, Theta, Forward, BF16, Bf16;
+            rope_interleaved_theta_bwd_bf16, rope_interleaved_theta_bwd_bf16_narrow: Interleaved, Theta, Backward, BF16, Bf16;
+            rope_neox_table_fwd_bf16, rope_neox_table_fwd_bf16_narrow: Neox, Table, Forward, BF16, Bf16;
+            rope_neox_table_bwd_bf16, rope_neox_table_bwd_bf16_narrow: Neox, Table, Backward, BF16, Bf16;
+            rope_neox_theta_fwd_bf16, rope_neox_theta_fwd_bf16_narrow: Neox, Theta, Forward, BF16, Bf16;
+            rope_neox_theta_bwd_bf16, rope_neox_theta_bwd_bf16_narrow: Neox, Theta, Backward, BF16, Bf16;
         }
     };
 }
@@ -145,23 +216,36 @@ pub(crate) use for_each_kernel;
 
 /// Defines [`KernelName::ALL`] and [`KernelName::symbol`] from the kernel list.
 macro_rules! kernel_table {
-    ($($sym:ident: $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*) => {
+    ($($sym:ident, $narrow:ident: $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*) => {
         impl KernelName {
             /// Every kernel, in the order the host loads them.
-            pub const ALL: [KernelName; [$(stringify!($sym)),*].len()] = [$(KernelName {
-                style: RopeStyle::$style,
-                source: SinCosSource::$src,
-                direction: Direction::$dir,
-                dtype: DType::$dt,
-            }),*];
+            pub const ALL: [KernelName; 2 * [$(stringify!($sym)),*].len()] = [$(
+                KernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    direction: Direction::$dir,
+                    dtype: DType::$dt,
+                    access: Access::Wide,
+                },
+                KernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    direction: Direction::$dir,
+                    dtype: DType::$dt,
+                    access: Access::Narrow,
+                },
+            )*];
 
             /// The exported PTX symbol; the match is exhaustive, so an option without a kernel
             /// does not compile.
             pub const fn symbol(self) -> &'static str {
-                match (self.style, self.source, self.direction, self.dtype) {
-                    $((RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt) => {
-                        stringify!($sym)
-                    })*
+                match (self.style, self.source, self.direction, self.dtype, self.access) {
+                    $(
+                        (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
+                            Access::Wide) => stringify!($sym),
+                        (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
+                            Access::Narrow) => stringify!($narrow),
+                    )*
                 }
             }
         }
@@ -215,4 +299,62 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
             .into_iter()
             .map(TableKernelName::symbol),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::FastDiv;
+    use core::num::NonZeroU32;
+    use std::vec::Vec;
+
+    /// A xorshift stream, enough to spread test values over `u32`.
+    fn xorshift(state: &mut u64) -> u32 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        (*state >> 16) as u32
+    }
+
+    #[test]
+    fn fast_div_matches_division_for_edge_and_random_operands() {
+        let mut st = 0x2545_f491_4f6c_dd1d;
+        let edges = [
+            1u32,
+            2,
+            3,
+            5,
+            7,
+            8,
+            40,
+            64,
+            255,
+            256,
+            4095,
+            1 << 31,
+            (1 << 31) + 1,
+            u32::MAX,
+        ];
+        let mut divisors: Vec<u32> = edges.to_vec();
+        divisors.extend((0..2000).map(|i| match i % 3 {
+            0 => xorshift(&mut st) % 300 + 1,
+            1 => xorshift(&mut st) % 70_000 + 1,
+            _ => xorshift(&mut st).max(1),
+        }));
+        for d in divisors {
+            let f = FastDiv::new(NonZeroU32::new(d).expect("non-zero"));
+            let mut numerators: Vec<u32> = [0, 1, d - 1, d, d.wrapping_add(1), u32::MAX - 1]
+                .into_iter()
+                .chain([
+                    u32::MAX,
+                    u32::MAX / d * d,
+                    (u32::MAX / d * d).wrapping_sub(1),
+                ])
+                .collect();
+            numerators.extend((0..2000).map(|_| xorshift(&mut st)));
+            for n in numerators {
+                assert_eq!(f.divmod(n), (n / d, n % d), "{n} / {d}");
+            }
+        }
+    }
 }

@@ -2,7 +2,7 @@
 //!
 //! Arithmetic is always `f32`: an element converts to `f32` on load and rounds once on store.
 
-use crate::math;
+use crate::{intrinsics, math};
 
 /// A storage type of the kernels.
 pub trait Elem: Copy {
@@ -14,6 +14,12 @@ pub trait Elem: Copy {
     fn to_f32(self) -> f32;
     /// Rounds an `f32` to this type, to nearest even (identity for `f32`).
     fn from_f32(v: f32) -> Self;
+    /// Rounds `N` values as [`Elem::from_f32`] does each (types with a paired conversion
+    /// instruction override it).
+    #[inline(always)]
+    fn from_f32_array<const N: usize>(v: [f32; N]) -> [Self; N] {
+        v.map(Self::from_f32)
+    }
 }
 
 impl Elem for f32 {
@@ -55,6 +61,21 @@ impl Elem for Bf16 {
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
         Bf16(math::f32_to_bf16(v))
+    }
+    /// Two values per `cvt.rn.bf16x2.f32`; the same rounding as [`math::f32_to_bf16`] for
+    /// every non-NaN input.
+    #[inline(always)]
+    fn from_f32_array<const N: usize>(v: [f32; N]) -> [Self; N] {
+        let mut out = [Bf16(0); N];
+        for i in 0..N / 2 {
+            let packed = intrinsics::f32x2_to_bf16x2(v[2 * i], v[2 * i + 1]);
+            out[2 * i] = Bf16(packed as u16);
+            out[2 * i + 1] = Bf16((packed >> 16) as u16);
+        }
+        if N % 2 == 1 {
+            out[N - 1] = Self::from_f32(v[N - 1]);
+        }
+        out
     }
 }
 

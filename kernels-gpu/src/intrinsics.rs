@@ -1,8 +1,9 @@
-//! The only module that touches `core::arch::nvptx`: thread and block indices and `trap`.
-//!
-//! Each wrapper reads a special register; none has preconditions, so they are safe functions.
+//! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
+//! the block barrier, the block's shared scratch, a paired bf16 conversion and `trap`.
 
-use core::arch::nvptx;
+use core::arch::{asm, nvptx};
+
+use crate::abi::SCRATCH_SINCOS_BYTES;
 
 /// `threadIdx.x`.
 #[inline(always)]
@@ -44,4 +45,56 @@ pub fn grid_dim_x() -> u32 {
 pub fn trap() -> ! {
     // SAFETY: `trap` ends the kernel; it has no memory effects a caller relies on.
     unsafe { nvptx::trap() }
+}
+
+/// `__syncthreads()`: waits until every thread of the block arrives, and orders the block's
+/// shared-memory accesses before it ahead of those after it.
+///
+/// # Safety
+/// Every thread of the block must reach the same call the same number of times (a barrier in
+/// divergent code hangs or corrupts the block).
+#[inline(always)]
+pub unsafe fn sync_threads() {
+    // SAFETY: the caller's promise of block-uniform control flow.
+    unsafe { nvptx::_syncthreads() }
+}
+
+/// The block's shared scratch of [`SCRATCH_SINCOS_BYTES`] bytes, 16-byte aligned, as a
+/// generic pointer.
+///
+/// The PTX declares the array inside the calling function, so call this once per entry point
+/// (a second call in the same function would declare the name twice).
+#[inline(always)]
+pub fn shared_scratch() -> *mut u8 {
+    let base: u64;
+    // SAFETY: declares a function-scope `.shared` array and converts its address to a generic
+    // pointer; touches no memory and no other register.
+    unsafe {
+        asm!(
+            ".shared .align 16 .b8 rope_scratch[{size}];",
+            "cvta.shared.u64 {base}, rope_scratch;",
+            size = const SCRATCH_SINCOS_BYTES,
+            base = out(reg64) base,
+            options(nomem, nostack, preserves_flags),
+        )
+    };
+    base as *mut u8
+}
+
+/// Rounds two `f32` to bfloat16, to nearest even, with one `cvt.rn.bf16x2.f32` (sm_80+):
+/// `lo` in bits 0..16 and `hi` in bits 16..32. NaN becomes the canonical bf16 NaN.
+#[inline(always)]
+pub fn f32x2_to_bf16x2(lo: f32, hi: f32) -> u32 {
+    let packed: u32;
+    // SAFETY: a register-only conversion.
+    unsafe {
+        asm!(
+            "cvt.rn.bf16x2.f32 {d}, {hi}, {lo};",
+            d = out(reg32) packed,
+            hi = in(reg32) hi,
+            lo = in(reg32) lo,
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+    packed
 }

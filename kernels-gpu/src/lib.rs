@@ -10,7 +10,10 @@
 //! Moving to another GPU backend (for example rust-cuda's NVVM) means swapping the
 //! `intrinsics` module and nothing else.
 #![no_std]
-#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, stdarch_nvptx, f16))]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(abi_ptx, stdarch_nvptx, f16, asm_experimental_arch)
+)]
 
 pub mod abi;
 pub mod math;

@@ -325,19 +325,6 @@ impl Case {
             (Source::Table { .. }, None) => unreachable!("table cases have tables"),
         }
     }
-
-    /// The f64 reference of the tensor in `buf` at `layout`.
-    fn reference<T: TestElem>(&self, buf: &[T], layout: &Layout, src: &RefSinCos) -> Array4<f64> {
-        let x = gather(buf, layout);
-        reference::rope_partial(
-            x.view(),
-            self.resolved_positions().view(),
-            self.style,
-            self.direction,
-            src,
-            self.rotary_dim,
-        )
-    }
 }
 
 /// The `[batch, seq, heads, head_dim]` elements of `buf` at `layout`, widened to f64.
@@ -597,23 +584,75 @@ impl<T: TestElem> DeviceCase<T> {
     pub fn check(&mut self, rope: &Rope, stream: &Arc<CudaStream>) -> Result<Comparison, String> {
         self.launch(rope)
             .map_err(|e| format!("launch failed: {e}"))?;
+        self.verify(stream, None)
+    }
+
+    /// Checks the outputs as they are now (after any number of launches of this case, which
+    /// for out-of-place cases all write the same values): no element left unwritten (the
+    /// poison), nothing outside the outputs changed, and the tokens `samples` (`(b, s)`) of
+    /// every output against the reference. In-place inputs are restored and rotated once
+    /// first, since each launch rotates them again.
+    pub fn check_sampled(
+        &mut self,
+        rope: &Rope,
+        stream: &Arc<CudaStream>,
+        samples: &[(usize, usize)],
+    ) -> Result<Comparison, String> {
+        if self.case.in_place {
+            stream
+                .memcpy_htod(&self.q_host, &mut self.q.x)
+                .map_err(|e| e.to_string())?;
+            if let Some(k) = self.k.as_mut() {
+                stream
+                    .memcpy_htod(&self.k_host, &mut k.x)
+                    .map_err(|e| e.to_string())?;
+            }
+            self.launch(rope)
+                .map_err(|e| format!("launch failed: {e}"))?;
+        }
+        self.verify(stream, Some(samples))
+    }
+
+    /// Compares the device outputs with the reference at `samples` tokens (all if `None`).
+    fn verify(
+        &self,
+        stream: &Arc<CudaStream>,
+        samples: Option<&[(usize, usize)]>,
+    ) -> Result<Comparison, String> {
         let c = self.case.clone();
         let src = c.ref_source::<T>();
         let fetch = |s: &CudaSlice<T>| stream.clone_dtoh(s).map_err(|e| e.to_string());
+        let positions = c.resolved_positions();
+        // x, the output and the reference at the sampled tokens, as `[tokens, 1, heads, d]`.
+        let triple = |host: &[T], layout: &Layout, got: Array4<f64>| {
+            let x = gather(host, layout);
+            let (x, got, pos) = match samples {
+                None => (x, got, positions.clone()),
+                Some(tokens) => (
+                    pick_tokens(&x, tokens),
+                    pick_tokens(&got, tokens),
+                    Array2::from_shape_fn((tokens.len(), 1), |(i, _)| {
+                        positions[[tokens[i].0, tokens[i].1]]
+                    }),
+                ),
+            };
+            let want = reference::rope_partial(
+                x.view(),
+                pos.view(),
+                c.style,
+                c.direction,
+                &src,
+                c.rotary_dim,
+            );
+            (x, got, want)
+        };
         let mut cmp = Comparison::default();
         if let KCase::Fused { heads: hk, .. } = c.k {
             let (ql, kl, _) = c.fused_layouts();
             let after = fetch(&self.q.x)?;
             for (layout, heads) in [(ql, c.heads), (kl, hk)] {
-                let want = c.reference(&self.q_host, &layout, &src);
-                let x = gather(&self.q_host, &layout);
-                cmp = cmp.merge(compare::<T>(
-                    &c,
-                    &x,
-                    &gather(&after, &layout),
-                    &want,
-                    heads,
-                )?);
+                let (x, got, want) = triple(&self.q_host, &layout, gather(&after, &layout));
+                cmp = cmp.merge(compare::<T>(&c, &x, &got, &want, heads)?);
             }
             untouched(&self.q_host, &after, &[ql, kl], "the fused buffer")?;
             return Ok(cmp);
@@ -621,22 +660,33 @@ impl<T: TestElem> DeviceCase<T> {
         let tensors = [(&self.q, &self.q_host, c.heads)];
         let k = self.k.as_ref().map(|k| (k, &self.k_host, c.k_heads()));
         for (t, host, heads) in tensors.into_iter().chain(k) {
-            let want = c.reference(host, &t.layout, &src);
-            let x = gather(host, &t.layout);
             let after_x = fetch(&t.x)?;
             let got = match &t.out {
-                Some(out) => gather(
-                    &fetch(out)?,
-                    &Layout::bshd(c.batch, c.seq, heads, c.head_dim),
-                ),
+                Some(out) => {
+                    let out = fetch(out)?;
+                    let poison = T::poison().bits();
+                    if let Some(i) = out.iter().position(|v| v.bits() == poison) {
+                        return Err(format!("output element {i} was never written"));
+                    }
+                    gather(&out, &Layout::bshd(c.batch, c.seq, heads, c.head_dim))
+                }
                 None => gather(&after_x, &t.layout),
             };
+            let (x, got, want) = triple(host, &t.layout, got);
             cmp = cmp.merge(compare::<T>(&c, &x, &got, &want, heads)?);
             let written: &[Layout] = if t.out.is_some() { &[] } else { &[t.layout] };
             untouched(host, &after_x, written, "the input buffer")?;
         }
         Ok(cmp)
     }
+}
+
+/// The tokens `(b, s)` of a `[batch, seq, heads, d]` array, as `[tokens, 1, heads, d]`.
+fn pick_tokens(a: &Array4<f64>, tokens: &[(usize, usize)]) -> Array4<f64> {
+    let (_, _, h, d) = a.dim();
+    Array4::from_shape_fn((tokens.len(), 1, h, d), |(i, _, hh, e)| {
+        a[[tokens[i].0, tokens[i].1, hh, e]]
+    })
 }
 
 /// Checks that every element of `after` outside the `written` layouts equals `before`.

@@ -1,4 +1,5 @@
-//! `cargo xtask gpu-bundle`: release test executables, the demo and a runner in one folder.
+//! `cargo xtask gpu-bundle`: release test executables, the demo, the benchmark and a runner in
+//! one folder.
 
 use std::fs;
 use std::io::BufRead;
@@ -48,19 +49,14 @@ pub fn run() -> Result<()> {
     for exe in &tests {
         copy(exe, &out.join("tests"))?;
     }
-    let demo = executables(&[
-        "build",
-        "--release",
-        "--package",
-        "rope-demo",
-        "--bin",
-        "rope-demo",
-    ])?;
-    ensure!(
-        demo.len() == 1,
-        "expected one demo executable, found {demo:?}"
-    );
-    copy(&demo[0], &out)?;
+    let bins = executables(&["build", "--release", "--package", "rope-demo", "--bins"])?;
+    for name in ["rope-demo", "rope-bench"] {
+        let exe = bins
+            .iter()
+            .find(|p| p.file_stem().is_some_and(|s| s == name))
+            .with_context(|| format!("the build produced no {name} executable: {bins:?}"))?;
+        copy(exe, &out)?;
+    }
 
     let runner = out.join("run.sh");
     fs::write(&runner, RUNNER)?;
@@ -72,7 +68,7 @@ pub fn run() -> Result<()> {
         "gpu-bundle is {total} bytes, over the {MAX_BYTES}-byte limit"
     );
     println!(
-        "gpu-bundle/: {} test executables + rope-demo, {:.1} MiB; run gpu-bundle/run.sh on the GPU machine",
+        "gpu-bundle/: {} test executables, rope-demo and rope-bench, {:.1} MiB; on the GPU machine run gpu-bundle/run.sh (tests, demo), gpu-bundle/rope-bench (benchmark)",
         tests.len(),
         total as f64 / (1024.0 * 1024.0)
     );

@@ -1,11 +1,14 @@
-//! Project tasks: `cargo xtask ptx [--check]`, `cargo xtask gpu-bundle`.
+//! Project tasks: `cargo xtask ptx [--check]`, `cargo xtask gpu-bundle`, `cargo xtask bench`.
 //!
 //! - `ptx` builds `kernels-gpu` for `nvptx64-nvidia-cuda` with the pinned nightly
 //!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result,
 //!   adds the launch bounds rustc cannot express (`.maxntid`, `.minnctapersm`) and writes
 //!   `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.
 //! - `gpu-bundle` builds every test executable and the demo in release mode and gathers them
-//!   with a runner script in `gpu-bundle/`, to copy to a GPU machine without Rust.
+//!   with a runner script in `gpu-bundle/`, to copy to a GPU machine without Rust; the bundle
+//!   also holds `rope-bench`.
+//! - `bench [--json PATH]` builds and runs the benchmark (`src/bin/rope-bench.rs`) on this
+//!   machine's GPU.
 
 mod bundle;
 mod ptx;
@@ -21,8 +24,30 @@ fn main() -> Result<()> {
         ["ptx"] => ptx::run(false),
         ["ptx", "--check"] => ptx::run(true),
         ["gpu-bundle"] => bundle::run(),
-        _ => bail!("usage: cargo xtask ptx [--check] | cargo xtask gpu-bundle"),
+        ["bench", rest @ ..] => bench(rest),
+        _ => bail!(
+            "usage: cargo xtask ptx [--check] | cargo xtask gpu-bundle | cargo xtask bench [--json PATH]"
+        ),
     }
+}
+
+/// Builds and runs `rope-bench` in release mode with `args`.
+fn bench(args: &[&str]) -> Result<()> {
+    ptx::run(true)?;
+    let status = cargo()
+        .args([
+            "run",
+            "--release",
+            "--package",
+            "rope-demo",
+            "--bin",
+            "rope-bench",
+            "--",
+        ])
+        .args(args)
+        .status()?;
+    anyhow::ensure!(status.success(), "rope-bench failed");
+    Ok(())
 }
 
 /// The workspace root (the parent of this crate's directory).

@@ -1,0 +1,385 @@
+//! `cargo xtask bench` (or `gpu-bundle/rope-bench` on a GPU machine): the fixed benchmark
+//! cases of the performance issue, each for both pairings and both sin/cos sources, timed
+//! against a device-to-device copy of the same number of bytes in the same run.
+//!
+//! Every number is the median of [`RUNS`] event-timed launches after warm-up, with L2 flushed
+//! (a 256 MiB memset) before each timed launch, for RoPE and copy alike. GB/s counts the bytes
+//! RoPE must read plus write (the rotated elements in place; every element out of place);
+//! "vs copy" is copy time / RoPE time. Inputs are random; out-of-place outputs start poisoned
+//! and, after timing, every output element is checked to be written and 66 tokens of each
+//! output are compared with the f64 reference. Prints a table and writes JSON (`--json PATH`,
+//! default `rope-bench.json`); `--only CASE` (repeatable) runs the named cases alone.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail, ensure};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use rope_host::cudarc::driver::{CudaContext, CudaStream, LaunchConfig};
+use rope_host::cudarc::nvrtc::Ptx;
+use rope_host::half::{bf16, f16};
+use rope_host::{Direction, Rope, RopeStyle, TableFormat, open_device};
+use rope_tests::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
+use rope_tests::timing::{L2Flush, Runs, median_ms};
+
+const THETA: f64 = 500_000.0;
+const RUNS: Runs = Runs {
+    warmup: 10,
+    timed: 100,
+};
+/// Larger than the 50 MiB L2 of an H100/H200, several times over.
+const FLUSH_BYTES: usize = 256 << 20;
+/// Tokens of each output compared with the reference: 64 random ones, the first and the last.
+const SAMPLES: usize = 64;
+
+/// An empty kernel, for the launch-overhead floor of the decode case.
+const EMPTY_PTX: &str = ".version 7.0\n.target sm_80\n.address_size 64\n\
+    .visible .entry rope_bench_empty()\n{\n\tret;\n}\n";
+
+/// One benchmark group: a name and the case (style and source are set per row).
+struct Group {
+    name: &'static str,
+    case: Case,
+}
+
+/// One measured row.
+struct Row {
+    group: &'static str,
+    style: RopeStyle,
+    source: &'static str,
+    direction: Direction,
+    dtype: &'static str,
+    bytes: f64,
+    rope_us: f64,
+    copy_us: f64,
+    max_err: f64,
+}
+
+impl Row {
+    fn gbps(&self) -> f64 {
+        self.bytes / (self.rope_us * 1e-6) / 1e9
+    }
+    fn ratio(&self) -> f64 {
+        self.copy_us / self.rope_us
+    }
+}
+
+fn main() -> Result<()> {
+    let mut json_path = "rope-bench.json".to_string();
+    let mut only: Vec<String> = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        match (flag.as_str(), args.next()) {
+            ("--json", Some(path)) => json_path = path,
+            ("--only", Some(name)) => only.push(name),
+            _ => bail!("usage: rope-bench [--json PATH] [--only CASE]..."),
+        }
+    }
+    let ctx = open_device(0).context("rope-bench needs a GPU")?;
+    let stream = ctx.new_stream()?;
+    let rope = Rope::new(stream.clone())?;
+    let mut flush = L2Flush::new(&stream, FLUSH_BYTES)?;
+    let device = ctx.name()?;
+    let mut driver = 0i32;
+    // SAFETY: writes one int through a valid pointer; the driver is loaded (a context exists).
+    unsafe { rope_host::cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    println!(
+        "device: {device}, driver API {}.{}; median of {} timed runs after {} warm-up, L2 flushed",
+        driver / 1000,
+        driver % 1000 / 10,
+        RUNS.timed,
+        RUNS.warmup
+    );
+
+    let mut rows = Vec::new();
+    for group in groups()
+        .into_iter()
+        .filter(|g| only.is_empty() || only.iter().any(|o| o == g.name))
+    {
+        for (style, source) in [
+            (RopeStyle::Interleaved, "table"),
+            (RopeStyle::Interleaved, "computed"),
+            (RopeStyle::Neox, "table"),
+            (RopeStyle::Neox, "computed"),
+        ] {
+            let mut case = group.case.clone();
+            case.style = style;
+            if source == "table" {
+                case.source = Source::Table {
+                    theta: THETA,
+                    max_position: max_position(&case) + 1,
+                    format: TableFormat::Separate,
+                };
+            }
+            let mut directions = vec![Direction::Forward];
+            if group.name.starts_with("training") {
+                directions.push(Direction::Backward);
+            }
+            for direction in directions {
+                case.direction = direction;
+                let row = match case.dtype {
+                    DTypeCase::F32 => {
+                        measure::<f32>(&group, &case, &ctx, &stream, &rope, &mut flush)
+                    }
+                    DTypeCase::F16 => {
+                        measure::<f16>(&group, &case, &ctx, &stream, &rope, &mut flush)
+                    }
+                    DTypeCase::BF16 => {
+                        measure::<bf16>(&group, &case, &ctx, &stream, &rope, &mut flush)
+                    }
+                }
+                .with_context(|| format!("{} {style:?} {source} {direction:?}", group.name))?;
+                eprintln!(
+                    "{:<9} {:<11} {:<8} {:?}: {:.1} µs, {:.1}% of copy",
+                    row.group,
+                    format!("{:?}", row.style),
+                    row.source,
+                    row.direction,
+                    row.rope_us,
+                    100.0 * row.ratio()
+                );
+                rows.push(row);
+            }
+        }
+    }
+    let empty_us = empty_launch_us(&ctx, &stream)?;
+
+    let json = to_json(&device, driver, &rows, empty_us);
+    std::fs::write(&json_path, json).with_context(|| format!("writing {json_path}"))?;
+    println!("JSON: {json_path}");
+    println!();
+    println!(
+        "{:<9} {:<4} {:<11} {:<8} {:<3} {:>9} {:>7} {:>9} {:>8} {:>9}",
+        "case",
+        "type",
+        "style",
+        "sincos",
+        "dir",
+        "rope µs",
+        "GB/s",
+        "copy µs",
+        "vs copy",
+        "max err"
+    );
+    for r in &rows {
+        println!(
+            "{:<9} {:<4} {:<11} {:<8} {:<3} {:>9.2} {:>7.0} {:>9.2} {:>7.1}% {:>9.2e}",
+            r.group,
+            r.dtype,
+            format!("{:?}", r.style).to_lowercase(),
+            r.source,
+            match r.direction {
+                Direction::Forward => "fwd",
+                Direction::Backward => "bwd",
+            },
+            r.rope_us,
+            r.gbps(),
+            r.copy_us,
+            100.0 * r.ratio(),
+            r.max_err
+        );
+    }
+    println!("empty kernel launch (same run): {empty_us:.2} µs");
+    Ok(())
+}
+
+/// The benchmark's cases (NeoX, computed sin/cos as placeholders; rows vary both).
+fn groups() -> Vec<Group> {
+    let base = Case {
+        style: RopeStyle::Neox,
+        direction: Direction::Forward,
+        dtype: DTypeCase::BF16,
+        batch: 1,
+        seq: 8192,
+        heads: 32,
+        head_dim: 128,
+        rotary_dim: 128,
+        layout: LayoutKind::Bshd,
+        k: KCase::Fused {
+            heads: 8,
+            v_heads: 8,
+        },
+        source: Source::Theta(THETA),
+        positions: PosCase::Offset(0),
+        in_place: true,
+        seed: 5,
+    };
+    let training = Case {
+        batch: 4,
+        seq: 4096,
+        k: KCase::Separate { heads: 32 },
+        in_place: false,
+        ..base.clone()
+    };
+    vec![
+        // Prefill: q (32 heads) and k (8 heads) rotated in place inside one QKV buffer.
+        Group {
+            name: "prefill",
+            case: base.clone(),
+        },
+        // The prefill case in f16 (hardware conversions instead of bf16's bit operations).
+        Group {
+            name: "prefill",
+            case: Case {
+                dtype: DTypeCase::F16,
+                ..base.clone()
+            },
+        },
+        // Training: separate q and k, out of place, forward and backward.
+        Group {
+            name: "training",
+            case: training.clone(),
+        },
+        Group {
+            name: "training",
+            case: Case {
+                dtype: DTypeCase::F32,
+                ..training
+            },
+        },
+        // Partial rotary: the first 64 of 128 elements, in place in the QKV buffer.
+        Group {
+            name: "partial",
+            case: Case {
+                rotary_dim: 64,
+                ..base.clone()
+            },
+        },
+        // Strided: q and k read through views whose tokens are 48 heads apart (as in a
+        // [tokens, 32 + 8 + 8 heads, 128] QKV buffer), written to contiguous outputs.
+        Group {
+            name: "strided",
+            case: Case {
+                layout: LayoutKind::Strided {
+                    gaps: [0, 16 * 128, 0],
+                    offset: 0,
+                },
+                k: KCase::Separate { heads: 8 },
+                in_place: false,
+                ..base.clone()
+            },
+        },
+        // Decode: 64 sequences of one token at positions 1000..1063.
+        Group {
+            name: "decode",
+            case: Case {
+                batch: 64,
+                seq: 1,
+                k: KCase::Separate { heads: 8 },
+                positions: PosCase::RowOffsets((1000..1064).collect()),
+                ..base
+            },
+        },
+    ]
+}
+
+/// The largest position a case uses.
+fn max_position(c: &Case) -> usize {
+    match &c.positions {
+        PosCase::Offset(o) => *o as usize + c.seq - 1,
+        PosCase::RowOffsets(o) => *o.iter().max().unwrap_or(&0) as usize + c.seq - 1,
+        _ => c.resolved_positions().iter().copied().max().unwrap_or(0) as usize,
+    }
+}
+
+/// Times one row against a copy of the same bytes, then checks its outputs.
+fn measure<T: TestElem>(
+    group: &Group,
+    case: &Case,
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+    flush: &mut L2Flush,
+) -> Result<Row> {
+    let mut dev = case.upload::<T>(stream)?;
+    let touched = if case.in_place {
+        case.rotary_dim
+    } else {
+        case.head_dim
+    };
+    let elems = case.batch * case.seq * (case.heads + case.k_heads()) * touched;
+    let bytes = 2.0 * (elems * size_of::<T>()) as f64;
+    let copy_src = stream.clone_htod(&vec![T::from_f64(1.5); elems])?;
+    let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
+    let rope_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
+        dev.launch(rope).map_err(anyhow::Error::from)
+    })?;
+    let copy_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
+        Ok::<_, anyhow::Error>(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
+    })?;
+    let mut rng = StdRng::seed_from_u64(case.seed);
+    let mut samples = vec![(0, 0), (case.batch - 1, case.seq - 1)];
+    samples.extend((0..SAMPLES).map(|_| {
+        (
+            rng.random_range(0..case.batch),
+            rng.random_range(0..case.seq),
+        )
+    }));
+    let cmp = dev
+        .check_sampled(rope, stream, &samples)
+        .map_err(anyhow::Error::msg)?;
+    ensure!(cmp.checked > 0, "no element was checked");
+    Ok(Row {
+        group: group.name,
+        style: case.style,
+        source: match case.source {
+            Source::Table { .. } => "table",
+            Source::Theta(_) => "computed",
+        },
+        direction: case.direction,
+        dtype: T::NAME,
+        bytes,
+        rope_us: rope_ms * 1e3,
+        copy_us: copy_ms * 1e3,
+        max_err: cmp.max_abs_err,
+    })
+}
+
+/// Median time of an empty kernel launch (one thread), event-timed like the rows.
+fn empty_launch_us(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<f64> {
+    let module = ctx.load_module(Ptx::from_src(EMPTY_PTX))?;
+    let func = module.load_function("rope_bench_empty")?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let ms = median_ms(ctx, stream, RUNS, None, || {
+        // SAFETY: the kernel takes no parameters and touches no memory.
+        unsafe { stream.launch_builder(&func).launch(cfg) }
+            .map(drop)
+            .map_err(anyhow::Error::from)
+    })?;
+    Ok(ms * 1e3)
+}
+
+/// The rows as JSON (hand-written: every value is a number or a plain ASCII string).
+fn to_json(device: &str, driver: i32, rows: &[Row], empty_us: f64) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "{{\n  \"device\": {:?},\n  \"driver_api\": {driver},\n  \"runs\": {{\"warmup\": {}, \"timed\": {}}},\n  \"empty_launch_us\": {empty_us:.3},\n  \"rows\": [\n",
+        device, RUNS.warmup, RUNS.timed
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "    {{\"case\": {:?}, \"dtype\": {:?}, \"style\": {:?}, \"sincos\": {:?}, \"direction\": {:?}, \"bytes\": {}, \"rope_us\": {:.3}, \"copy_us\": {:.3}, \"gbps\": {:.1}, \"vs_copy\": {:.4}, \"max_abs_err\": {:e}}}{}",
+            r.group,
+            r.dtype,
+            format!("{:?}", r.style).to_lowercase(),
+            r.source,
+            format!("{:?}", r.direction).to_lowercase(),
+            r.bytes,
+            r.rope_us,
+            r.copy_us,
+            r.gbps(),
+            r.ratio(),
+            r.max_err,
+            if i + 1 < rows.len() { "," } else { "" }
+        );
+    }
+    s.push_str("  ]\n}\n");
+    s
+}

@@ -1,0 +1,65 @@
+//! Event timing shared by the demo and the benchmark: the median of many device-event-timed
+//! runs after warm-up, with an optional step (an L2 flush) run before each timed region.
+
+use std::sync::Arc;
+
+use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError, sys};
+
+/// How many runs to discard and to time.
+#[derive(Clone, Copy, Debug)]
+pub struct Runs {
+    /// Untimed runs first (module load, caches, clocks).
+    pub warmup: usize,
+    /// Timed runs; the median is reported.
+    pub timed: usize,
+}
+
+/// A buffer written before each timed run so that the next run reads its inputs from device
+/// memory rather than from L2 (`bytes` should exceed the L2 size, 50 MiB on an H100/H200).
+pub struct L2Flush {
+    buf: CudaSlice<u8>,
+}
+
+impl L2Flush {
+    /// Allocates the flush buffer.
+    pub fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self, DriverError> {
+        Ok(Self {
+            buf: stream.alloc_zeros::<u8>(bytes)?,
+        })
+    }
+
+    /// Overwrites the buffer (asynchronously, on `stream`).
+    pub fn run(&mut self, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
+        stream.memset_zeros(&mut self.buf)
+    }
+}
+
+/// Median time of `f` in milliseconds over `runs.timed` runs, each bracketed by device
+/// events, after `runs.warmup` untimed runs; `flush` (if any) runs before each timed region.
+pub fn median_ms<E: From<DriverError>>(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    runs: Runs,
+    mut flush: Option<&mut L2Flush>,
+    mut f: impl FnMut() -> Result<(), E>,
+) -> Result<f64, E> {
+    for _ in 0..runs.warmup {
+        f()?;
+    }
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::with_capacity(runs.timed);
+    for _ in 0..runs.timed.max(1) {
+        if let Some(flush) = flush.as_deref_mut() {
+            flush.run(stream)?;
+        }
+        let start = ctx.new_event(flags)?;
+        let end = ctx.new_event(flags)?;
+        start.record(stream)?;
+        f()?;
+        end.record(stream)?;
+        end.synchronize()?;
+        times.push(start.elapsed_ms(&end)? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
