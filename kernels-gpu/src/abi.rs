@@ -7,64 +7,9 @@ pub const BLOCK_THREADS: u32 = 256;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once: `cargo xtask ptx`
 /// writes it with `.maxntid` into every entry point (rustc has no launch-bounds attribute), so
-/// ptxas keeps each kernel within 128 registers (a 64K register file over 512 threads). Each
-/// thread holds 128 bytes of loads in flight ([`rows_unroll`]); fewer threads with more data
-/// each spend fewer registers on addresses than more threads with less.
-pub const MIN_BLOCKS_PER_SM: u32 = 2;
-
-/// Bytes of one block's shared scratch for cos/sin: a tile of `tile_tokens` tokens keeps
-/// `tile_tokens * rotary_dim / 2` `(cos, sin)` pairs of `f32` there.
-pub const SCRATCH_SINCOS_BYTES: usize = 16 * 1024;
-
-/// Largest supported `rotary_dim`: one token's `(cos, sin)` pairs must fit the scratch.
-pub const MAX_ROTARY_DIM: u32 = (SCRATCH_SINCOS_BYTES / 8 * 2) as u32;
-
-/// Most tokens in one block's tile.
-pub const MAX_TILE_TOKENS: u32 = 32;
-
-/// Heads (of one token, at one group of pairs) a thread works on at once, all loads issued
-/// before the stores: 8 for interleaved pairs (one 16-byte vector each) and 4 for NeoX (two
-/// vectors each), so 128 bytes in flight per thread at 16-byte accesses.
-pub const fn rows_unroll(style: RopeStyle) -> u32 {
-    match style {
-        RopeStyle::Interleaved => 8,
-        RopeStyle::Neox => 4,
-    }
-}
-
-/// Division by a fixed `u32` without a divide instruction: `n / d` as a 64-bit multiply-high,
-/// an add and a shift (Granlund and Montgomery's round-up method, exact for every `u32` `n`).
-/// The kernels build one per divisor they use per row, so the hot loop has no division.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FastDiv {
-    d: u32,
-    magic: u32,
-    shift: u32,
-}
-
-impl FastDiv {
-    /// Prepares division by `d`: `shift = ceil(log2 d)`,
-    /// `magic = floor(2^32 (2^shift - d) / d) + 1` (0 for `d = 1`).
-    #[inline(always)]
-    pub const fn new(d: core::num::NonZeroU32) -> Self {
-        let d = d.get();
-        let shift = 32 - (d - 1).leading_zeros();
-        let magic = if d == 1 {
-            0
-        } else {
-            (((1u64 << 32) * ((1u64 << shift) - d as u64)) / d as u64 + 1) as u32
-        };
-        Self { d, magic, shift }
-    }
-
-    /// `(n / d, n % d)`.
-    #[inline(always)]
-    pub const fn divmod(self, n: u32) -> (u32, u32) {
-        let high = (n as u64 * self.magic as u64) >> 32;
-        let q = ((high + n as u64) >> self.shift) as u32;
-        (q, n - q * self.d)
-    }
-}
+/// ptxas keeps each kernel within 64 registers (2048 resident threads' worth of a 64K register
+/// file, a full SM of these memory-bound kernels).
+pub const MIN_BLOCKS_PER_SM: u32 = 4;
 
 /// Which elements of a head form a rotated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -299,62 +244,4 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
             .into_iter()
             .map(TableKernelName::symbol),
     )
-}
-
-#[cfg(test)]
-mod tests {
-    extern crate std;
-    use super::FastDiv;
-    use core::num::NonZeroU32;
-    use std::vec::Vec;
-
-    /// A xorshift stream, enough to spread test values over `u32`.
-    fn xorshift(state: &mut u64) -> u32 {
-        *state ^= *state << 13;
-        *state ^= *state >> 7;
-        *state ^= *state << 17;
-        (*state >> 16) as u32
-    }
-
-    #[test]
-    fn fast_div_matches_division_for_edge_and_random_operands() {
-        let mut st = 0x2545_f491_4f6c_dd1d;
-        let edges = [
-            1u32,
-            2,
-            3,
-            5,
-            7,
-            8,
-            40,
-            64,
-            255,
-            256,
-            4095,
-            1 << 31,
-            (1 << 31) + 1,
-            u32::MAX,
-        ];
-        let mut divisors: Vec<u32> = edges.to_vec();
-        divisors.extend((0..2000).map(|i| match i % 3 {
-            0 => xorshift(&mut st) % 300 + 1,
-            1 => xorshift(&mut st) % 70_000 + 1,
-            _ => xorshift(&mut st).max(1),
-        }));
-        for d in divisors {
-            let f = FastDiv::new(NonZeroU32::new(d).expect("non-zero"));
-            let mut numerators: Vec<u32> = [0, 1, d - 1, d, d.wrapping_add(1), u32::MAX - 1]
-                .into_iter()
-                .chain([
-                    u32::MAX,
-                    u32::MAX / d * d,
-                    (u32::MAX / d * d).wrapping_sub(1),
-                ])
-                .collect();
-            numerators.extend((0..2000).map(|_| xorshift(&mut st)));
-            for n in numerators {
-                assert_eq!(f.divmod(n), (n / d, n % d), "{n} / {d}");
-            }
-        }
-    }
 }

@@ -1,9 +1,7 @@
 //! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
-//! the block barrier, the block's shared scratch, a paired bf16 conversion and `trap`.
+//! a paired bf16 conversion and `trap`.
 
 use core::arch::{asm, nvptx};
-
-use crate::abi::SCRATCH_SINCOS_BYTES;
 
 /// `threadIdx.x`.
 #[inline(always)]
@@ -45,40 +43,6 @@ pub fn grid_dim_x() -> u32 {
 pub fn trap() -> ! {
     // SAFETY: `trap` ends the kernel; it has no memory effects a caller relies on.
     unsafe { nvptx::trap() }
-}
-
-/// `__syncthreads()`: waits until every thread of the block arrives, and orders the block's
-/// shared-memory accesses before it ahead of those after it.
-///
-/// # Safety
-/// Every thread of the block must reach the same call the same number of times (a barrier in
-/// divergent code hangs or corrupts the block).
-#[inline(always)]
-pub unsafe fn sync_threads() {
-    // SAFETY: the caller's promise of block-uniform control flow.
-    unsafe { nvptx::_syncthreads() }
-}
-
-/// The block's shared scratch of [`SCRATCH_SINCOS_BYTES`] bytes, 16-byte aligned, as a
-/// generic pointer.
-///
-/// The PTX declares the array inside the calling function, so call this once per entry point
-/// (a second call in the same function would declare the name twice).
-#[inline(always)]
-pub fn shared_scratch() -> *mut u8 {
-    let base: u64;
-    // SAFETY: declares a function-scope `.shared` array and converts its address to a generic
-    // pointer; touches no memory and no other register.
-    unsafe {
-        asm!(
-            ".shared .align 16 .b8 rope_scratch[{size}];",
-            "cvta.shared.u64 {base}, rope_scratch;",
-            size = const SCRATCH_SINCOS_BYTES,
-            base = out(reg64) base,
-            options(nomem, nostack, preserves_flags),
-        )
-    };
-    base as *mut u8
 }
 
 /// Rounds two `f32` to bfloat16, to nearest even, with one `cvt.rn.bf16x2.f32` (sm_80+):

@@ -15,50 +15,49 @@
 //! overlaps no input. Tensor 1 (k) has its own heads and strides and may have no heads.
 //!
 //! # Thread mapping
-//! A block takes a tile of `tile_tokens` consecutive tokens (tiles walked by a grid-stride loop
-//! over `blockIdx.x`) and the heads `blockIdx.y * heads_per_chunk ..` of the concatenation of
-//! tensor 0's and tensor 1's heads. It first writes the tile's `(cos, sin)` pairs, one per
-//! (token, pair), into shared memory (read from the tables, or computed from `inv_freq`
-//! once per token and frequency however many heads use them), with each token's base offsets;
-//! then a row is one head of one token, and thread `(tx, ty) = (tid % cols, tid / cols)`
-//! takes group `tx` (groups `0..rot_groups` rotate `pairs_per_item` pairs, the rest copy
-//! `lanes` pass-through elements) of rows `ty, ty + rows_step, ...`, several rows at a time with
-//! all loads issued before the stores. Consecutive threads touch consecutive addresses of a
-//! head, and every access moves `lanes` elements at once (16 bytes when alignment allows).
+//! A work item is one (token, group): groups `0..rot_groups` rotate `pairs_per_item` pairs,
+//! groups `rot_groups..groups` copy `lanes` pass-through elements. The `tokens * groups` items
+//! are walked by a grid-stride loop over `blockIdx.x`, so consecutive threads touch
+//! consecutive addresses of a head. Each rotating item computes or loads the sin/cos of its
+//! pairs once and applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk`
+//! of the concatenation of tensor 0's and tensor 1's heads, several heads at a time with all
+//! loads issued before the stores. Every access moves `lanes` elements at once (16 bytes when
+//! alignment allows).
 
 use core::num::{NonZeroU32, NonZeroU64};
 
-use crate::abi::{
-    Direction, FastDiv, MAX_TILE_TOKENS, PositionCode, RopeStyle, SCRATCH_SINCOS_BYTES,
-    for_each_kernel, rows_unroll,
-};
+use crate::abi::{Direction, PositionCode, for_each_kernel};
 use crate::elem::{self, Bf16, Elem};
-use crate::intrinsics::{
-    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, shared_scratch, sync_threads, thread_idx_x,
-    trap,
-};
+use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
+
+/// Whether computed-sin/cos kernels issue a work item's first head loads before the sin/cos
+/// arithmetic.
+const PREFETCH: bool = true;
 
 /// Which elements form a pair; see the module documentation.
 trait Pairing {
     /// `true` for rotate-half pairs `(x[i], x[i + half])`, `false` for `(x[2i], x[2i + 1])`.
     const NEOX: bool;
-    /// Rows whose loads are issued together before their stores ([`rows_unroll`]); 4 or 8.
-    const ROWS_UNROLL: u32;
+    /// Heads whose loads are issued together before their stores: enough bytes in flight per
+    /// thread (64 at 16-byte accesses) at a modest register cost (NeoX reads two vectors per
+    /// head; with 16-bit elements four NeoX heads took about 100 registers on sm_90, two 66).
+    /// Either 2 or 4.
+    const HEADS_UNROLL: usize;
 }
 
 /// GPT-J / RoFormer pairs `(x[2i], x[2i + 1])`.
 struct Interleaved;
 impl Pairing for Interleaved {
     const NEOX: bool = false;
-    const ROWS_UNROLL: u32 = rows_unroll(RopeStyle::Interleaved);
+    const HEADS_UNROLL: usize = 4;
 }
 
 /// GPT-NeoX rotate-half pairs `(x[i], x[i + half])`.
 struct Neox;
 impl Pairing for Neox {
     const NEOX: bool = true;
-    const ROWS_UNROLL: u32 = rows_unroll(RopeStyle::Neox);
+    const HEADS_UNROLL: usize = 2;
 }
 
 /// Where cos/sin come from; see [`crate::abi::SinCosSource`].
@@ -99,8 +98,6 @@ struct Args<T> {
     tokens: u64,
     seq: NonZeroU32,
     heads_per_chunk: u32,
-    tile_tokens: NonZeroU32,
-    cols: NonZeroU32,
     groups: NonZeroU32,
     rot_groups: u32,
     half: u32,
@@ -120,18 +117,6 @@ struct Args<T> {
     pos_base: i64,
     /// `1.0` forward, `-1.0` backward (the transposed rotation).
     sin_sign: f32,
-    /// The block's shared scratch: the tile's `(cos, sin)` pairs, token-major.
-    sincos: *mut CosSin,
-    /// Division by `seq`.
-    seq_div: FastDiv,
-}
-
-/// One pair's cosine and (direction-signed) sine, 8-byte aligned so a pair is one access.
-#[repr(C, align(8))]
-#[derive(Clone, Copy)]
-struct CosSin {
-    cos: f32,
-    sin: f32,
 }
 
 /// The position of token `(b, s)`.
@@ -232,6 +217,7 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
     cos: &[f32; L],
     sin: &[f32; L],
 ) {
+    // Results are rounded in pairs (one `cvt.rn.bf16x2.f32` for bf16).
     let mut lo = [0.0f32; L];
     let mut hi = [0.0f32; L];
     if P::NEOX {
@@ -253,6 +239,93 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
+/// Loads this item's elements of the `U` heads `h..h + U` of the concatenated q and k heads.
+///
+/// # Safety
+/// `h + U <= q.heads + k.heads`; `tok` holds the token's bases from [`token_bases`]; the
+/// promises of [`load_head`] for every head.
+#[inline(always)]
+unsafe fn load_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
+    a: &Args<T>,
+    tok: &TokenBases<T>,
+    h: usize,
+    (j0, half): (usize, usize),
+) -> [[[T; L]; 2]; U] {
+    let mut v = [[[T::ZERO; L]; 2]; U];
+    unrolled(U, |u| {
+        // SAFETY: head h + u exists; see `head` and `load_head`.
+        v[u] = unsafe { load_head::<T, P, L>(head(a, tok, h + u).0, j0, half) };
+    });
+    v
+}
+
+/// Rotates the heads [`load_block`] loaded and stores them.
+///
+/// # Safety
+/// As [`load_block`].
+#[inline(always)]
+unsafe fn store_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
+    a: &Args<T>,
+    tok: &TokenBases<T>,
+    h: usize,
+    (j0, half): (usize, usize),
+    v: &[[[T; L]; 2]; U],
+    (cos, sin): (&[f32; L], &[f32; L]),
+) {
+    unrolled(U, |u| {
+        // SAFETY: head h + u exists; see `head` and `rotate_store_head`.
+        unsafe { rotate_store_head::<T, P, L>(head(a, tok, h + u).1, j0, half, v[u], cos, sin) };
+    });
+}
+
+/// Applies this item's rotation to the `U` heads `h..h + U`: all loads, then all stores.
+///
+/// # Safety
+/// As [`load_block`].
+#[inline(always)]
+unsafe fn heads_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
+    a: &Args<T>,
+    tok: &TokenBases<T>,
+    h: usize,
+    j0: (usize, usize),
+    cs: (&[f32; L], &[f32; L]),
+) {
+    // SAFETY: the caller's promises.
+    unsafe {
+        let v = load_block::<T, P, L, U>(a, tok, h, j0);
+        store_block::<T, P, L, U>(a, tok, h, j0, &v, cs);
+    }
+}
+
+/// One token's first head in each tensor's input and output.
+struct TokenBases<T> {
+    q: (*const T, *mut T),
+    k: (*const T, *mut T),
+}
+
+/// Input and output of head `h` of the concatenated q and k heads of the token `tok`.
+/// Computing each head's address afresh (a select and a multiply) keeps loop strength reduction
+/// from holding a 64-bit pointer per access stream.
+///
+/// # Safety
+/// `h < q.heads + k.heads`, `tok` from [`token_bases`].
+#[inline(always)]
+unsafe fn head<T>(a: &Args<T>, tok: &TokenBases<T>, h: usize) -> (*const T, *mut T) {
+    let hq = a.q.heads as usize;
+    let (t, (x, out), h) = if h < hq {
+        (&a.q, tok.q, h)
+    } else {
+        (&a.k, tok.k, h - hq)
+    };
+    // SAFETY: head h of that tensor exists at its head stride.
+    unsafe {
+        (
+            x.add(h * t.x_strides[2] as usize),
+            out.add(h * t.out_strides[2] as usize),
+        )
+    }
+}
+
 /// Calls `f(0)`, ..., `f(count - 1)` as straight-line code, for `count <= 8`.
 ///
 /// `count` is a constant at every call site, so after inlining each call indexes arrays with a
@@ -269,339 +342,191 @@ fn unrolled(count: usize, mut f: impl FnMut(usize)) {
     step!(0 1 2 3 4 5 6 7);
 }
 
-/// The heads that block row `blockIdx.y` handles, in the concatenation of q's and k's heads:
-/// `(first, count)`.
+/// The heads that block row `blockIdx.y` handles, in the concatenation of q's and k's heads.
 #[inline(always)]
-fn head_range<T>(a: &Args<T>) -> (u32, u32) {
+fn head_range<T>(a: &Args<T>) -> (usize, usize) {
     let heads = a.q.heads as u64 + a.k.heads as u64;
     let first = (block_idx_y() as u64 * a.heads_per_chunk as u64).min(heads);
     let last = (first + a.heads_per_chunk as u64).min(heads);
-    (first as u32, (last - first) as u32)
+    (first as usize, last as usize)
 }
 
-/// Cos and sin of pair `j` at position `pos` (`sin` already signed for the direction).
+/// Cos and sin of this item's pairs (`sin` already signed for the direction).
 ///
 /// # Safety
-/// `j < half`; the table or `inv_freq` promises of the entry points.
+/// The table or `inv_freq` promises of the entry points.
 #[inline(always)]
-unsafe fn cos_sin<T: Elem, S: Source>(a: &Args<T>, pos: i64, j: u32) -> CosSin {
-    if S::TABLE {
-        if pos >= 0 && (pos as u64) < a.table_positions {
-            let i = pos as usize * a.table_stride as usize + j as usize;
-            // SAFETY: pos < table_positions and j < half <= table_stride, so the index is
-            // inside the tables' promised rows.
-            unsafe {
-                CosSin {
-                    cos: (*a.cos.add(i)).to_f32(),
-                    sin: (*a.sin.add(i)).to_f32() * a.sin_sign,
-                }
-            }
-        } else {
-            // A position outside the table: documented NaN outputs, never a read outside it.
-            CosSin {
-                cos: f32::NAN,
-                sin: f32::NAN,
-            }
-        }
-    } else {
-        let mode = math::AngleMode::from_u32(a.angle_mode);
-        // SAFETY: j < half, the promised length of inv_freq.
-        let f = unsafe { *a.inv_freq.add(j as usize) };
-        let (c, s) = math::rope_cos_sin_mode(pos, f, mode);
-        CosSin {
-            cos: c * a.cs_scale,
-            sin: s * (a.cs_scale * a.sin_sign),
-        }
-    }
-}
-
-/// Writes the `(cos, sin)` pairs of tokens `t0..t0 + tt` into the scratch, spread over the
-/// block's threads.
-///
-/// # Safety
-/// The tokens exist; `tt * half` pairs fit the scratch; the promises of [`position`] and
-/// [`cos_sin`].
-#[inline(always)]
-unsafe fn fill_scratch<T: Elem, S: Source>(a: &Args<T>, t0: u64, tt: u32, half: NonZeroU32) {
-    let (tid, threads) = (thread_idx_x(), block_dim_x());
-    for t in 0..tt {
-        let (b, s) = batch_seq(a, t0 + t as u64);
-        // SAFETY: the token exists; the caller's promises.
-        let pos = unsafe { position(a, b, s) };
-        let mut j = tid;
-        while j < half.get() {
-            let i = t as usize * half.get() as usize + j as usize;
-            // SAFETY: j < half; pair i of the tile fits the scratch (the caller's promise).
-            unsafe { a.sincos.add(i).write(cos_sin::<T, S>(a, pos, j)) };
-            j += threads;
-        }
-    }
-}
-
-/// `(b, s)` of token `token = b * seq + s`, with a 32-bit division when the token fits.
-#[inline(always)]
-fn batch_seq<T>(a: &Args<T>, token: u64) -> (u64, u64) {
-    match u32::try_from(token) {
-        Ok(t) => {
-            let (b, s) = a.seq_div.divmod(t);
-            (b as u64, s as u64)
-        }
-        Err(_) => {
-            let seq = NonZeroU64::from(a.seq);
-            (token / seq, token % seq)
-        }
-    }
-}
-
-/// This thread's share of a tile: one token and every `hthreads`-th head of the block's
-/// heads, at one group of pairs.
-#[derive(Clone, Copy)]
-struct Lane<T> {
-    /// The token's index in the tile (its `(cos, sin)` pairs start at `t * half`).
-    t: u32,
-    /// The token's position (table kernels read its row).
+unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
+    a: &Args<T>,
     pos: i64,
-    /// The token's first head in q's input and output and in k's input and output.
-    q: (*const T, *mut T),
-    k: (*const T, *mut T),
-    /// The block's heads are `first..first + count` of q's and k's heads together; this
-    /// thread takes `first + hslot + i * hthreads` for `i = 0, 1, ...` below `count`.
-    first: u32,
-    count: u32,
-    hslot: u32,
-    hthreads: u32,
-}
-
-/// Input and output of head `first + k` (of q's and k's heads together) of the lane's token.
-///
-/// # Safety
-/// `k < count`; the head exists.
-#[inline(always)]
-unsafe fn lane_head<T>(a: &Args<T>, lane: &Lane<T>, k: u32) -> (*const T, *mut T) {
-    let h = (lane.first + k) as usize;
-    let hq = a.q.heads as usize;
-    // Selects values, not a reference to `a.q` or `a.k`: a pointer select would put the
-    // arguments in local memory.
-    let in_q = h < hq;
-    let (x, out) = if in_q { lane.q } else { lane.k };
-    let h = if in_q { h } else { h - hq };
-    let xs = if in_q {
-        a.q.x_strides[2]
-    } else {
-        a.k.x_strides[2]
-    } as usize;
-    let os = if in_q {
-        a.q.out_strides[2]
-    } else {
-        a.k.out_strides[2]
-    } as usize;
-    // SAFETY: head h of the picked tensor exists at its head stride.
-    unsafe { (x.add(h * xs), out.add(h * os)) }
-}
-
-/// The lane's `i`-th head offset within the block's heads, if it is one.
-#[inline(always)]
-fn nth_head<T>(lane: &Lane<T>, i: u32, u: usize) -> Option<u32> {
-    let k = (i as u64 + u as u64) * lane.hthreads as u64 + lane.hslot as u64;
-    (k < lane.count as u64).then_some(k as u32)
-}
-
-/// Loads the lane's heads `i..i + U` (those that exist) at pairs `j0..j0 + pairs`.
-///
-/// # Safety
-/// The lane's token and heads exist; `j0 + pairs <= half`; the promises of [`load_head`].
-#[inline(always)]
-unsafe fn load_rows<T: Elem, P: Pairing, const L: usize, const U: usize>(
-    a: &Args<T>,
-    lane: &Lane<T>,
-    i: u32,
-    (j0, half): (usize, usize),
-) -> [[[T; L]; 2]; U] {
-    let mut v = [[[T::ZERO; L]; 2]; U];
-    unrolled(U, |u| {
-        if let Some(k) = nth_head(lane, i, u) {
-            // SAFETY: k < count; see `lane_head` and `load_head`.
-            v[u] = unsafe { load_head::<T, P, L>(lane_head(a, lane, k).0, j0, half) };
-        }
-    });
-    v
-}
-
-/// The `(cos, sin)` of the lane's token at pairs `j0..j0 + pairs`: read from the tables
-/// (cached; one row per thread and round) or from the scratch the block filled.
-///
-/// # Safety
-/// `j0 + pairs <= half`; the table promises, or the scratch holds the tile's pairs.
-#[inline(always)]
-unsafe fn lane_cos_sin<T: Elem, S: Source, const L: usize>(
-    a: &Args<T>,
-    lane: &Lane<T>,
-    (j0, half): (usize, usize),
+    j0: usize,
     pairs: usize,
 ) -> ([f32; L], [f32; L]) {
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
-    let first = lane.t as usize * half + j0;
-    unrolled(pairs, |k| {
-        let cs = if S::TABLE {
-            // SAFETY: j0 + k < half; the table promises.
-            unsafe { cos_sin::<T, S>(a, lane.pos, (j0 + k) as u32) }
+    if S::TABLE {
+        if pos >= 0 && (pos as u64) < a.table_positions {
+            let row = pos as usize * a.table_stride as usize + j0;
+            unrolled(pairs, |k| {
+                // SAFETY: pos < table_positions and j0 + k < half <= table_stride, so the
+                // index is inside the tables' promised rows.
+                unsafe {
+                    cos[k] = (*a.cos.add(row + k)).to_f32();
+                    sin[k] = (*a.sin.add(row + k)).to_f32() * a.sin_sign;
+                }
+            });
         } else {
-            // SAFETY: pair j0 + k < half of the lane's token, written by `fill_scratch`.
-            unsafe { *a.sincos.add(first + k) }
-        };
-        cos[k] = cs.cos;
-        sin[k] = cs.sin;
-    });
+            // A position outside the table: documented NaN outputs, never a read outside it.
+            cos = [f32::NAN; L];
+            sin = [f32::NAN; L];
+        }
+    } else {
+        let mode = math::AngleMode::from_u32(a.angle_mode);
+        let (scale, sin_scale) = (a.cs_scale, a.cs_scale * a.sin_sign);
+        unrolled(pairs, |k| {
+            // SAFETY: j0 + k < half, the promised length of inv_freq.
+            let f = unsafe { *a.inv_freq.add(j0 + k) };
+            let (c, s) = math::rope_cos_sin_mode(pos, f, mode);
+            cos[k] = c * scale;
+            sin[k] = s * sin_scale;
+        });
+    }
     (cos, sin)
 }
 
-/// Rotates the heads [`load_rows`] loaded by `(cos, sin)` and stores them.
-///
-/// # Safety
-/// As [`load_rows`].
-#[inline(always)]
-unsafe fn store_rows<T: Elem, P: Pairing, const L: usize, const U: usize>(
-    a: &Args<T>,
-    lane: &Lane<T>,
-    i: u32,
-    (j0, half): (usize, usize),
-    v: &[[[T; L]; 2]; U],
-    (cos, sin): (&[f32; L], &[f32; L]),
-) {
-    unrolled(U, |u| {
-        if let Some(k) = nth_head(lane, i, u) {
-            // SAFETY: k < count; see `lane_head` and `rotate_store_head`.
-            unsafe {
-                let out = lane_head(a, lane, k).1;
-                rotate_store_head::<T, P, L>(out, j0, half, v[u], cos, sin);
-            }
-        }
-    });
-}
-
-/// Copies elements `e0..e0 + L` of the lane's heads from input to output.
-///
-/// # Safety
-/// The lane's token and heads exist; `e0 + L <= head_dim`, aligned to `L` elements.
-#[inline(always)]
-unsafe fn copy_rows<T: Elem, const L: usize>(a: &Args<T>, lane: &Lane<T>, e0: usize) {
-    let mut k = lane.hslot;
-    while k < lane.count {
-        // SAFETY: k < count; the caller's promises on e0.
-        unsafe {
-            let (x, out) = lane_head(a, lane, k);
-            elem::store::<T, L>(out.add(e0), elem::load::<T, L>(x.add(e0)));
-        }
-        k = k.saturating_add(lane.hthreads);
-    }
-}
-
-/// The kernel body for `L` elements per access and `U` heads per round.
-///
-/// The block's threads are `(t, hslot, tx)` with `tx` fastest (`cols` groups), then `hslot`
-/// (`hthreads`), then the tile token `t` (`tile_tokens`). Per tile: each thread issues the
-/// loads of its first round (token `t`, heads `hslot, hslot + hthreads, ...`, group `tx`),
-/// then the block writes the tile's `(cos, sin)` pairs to the scratch (so the loads' latency
-/// overlaps the table reads or the sin/cos arithmetic), then after a barrier the rows are
-/// rotated and stored. No division in the per-row work.
+/// The kernel body for `L` elements per access.
 ///
 /// # Safety
 /// The promises of the entry points (see [`rope_neox_table_fwd_f32`]).
 #[inline(always)]
-unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(a: &Args<T>) {
+unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
     let pairs = if P::NEOX { L } else { L / 2 };
-    let (Some(half), tile_tokens) = (NonZeroU32::new(a.half), a.tile_tokens.get()) else {
-        trap()
-    };
-    let (first, count) = head_range(a);
-    if count == 0 {
-        return; // block-uniform: this block row has no heads
-    }
-    let per_token = block_dim_x() / a.cols / tile_tokens;
-    if tile_tokens > MAX_TILE_TOKENS
-        || tile_tokens as usize * half.get() as usize * 8 > SCRATCH_SINCOS_BYTES
-        || per_token == 0
-    {
-        trap()
-    }
-    let tid = thread_idx_x();
-    let (tx, rest) = (tid % a.cols, tid / a.cols);
-    let (t, hslot) = (rest / per_token, rest % per_token);
-    let half_u = half.get() as usize;
-    let tiles = a.tokens.div_ceil(tile_tokens as u64);
-    let mut tile_idx = block_idx_x() as u64;
-    // Block-uniform loop: every thread reaches the same barriers.
-    while tile_idx < tiles {
-        let t0 = tile_idx * tile_tokens as u64;
-        let tt = (a.tokens - t0).min(tile_tokens as u64) as u32;
-        let token = t0 + t as u64;
-        let (b, s) = batch_seq(a, token.min(a.tokens - 1));
-        // (b, s) is clamped to the last token for threads past the tile's end, which touch
-        // no row: their `count` is 0.
-        let lane = Lane {
-            t,
+    let groups = NonZeroU64::from(a.groups);
+    let seq = NonZeroU64::from(a.seq);
+    let total = a.tokens * groups.get();
+    let step = grid_dim_x() as u64 * block_dim_x() as u64;
+    let heads = head_range(a);
+    let half = a.half as usize;
+    let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
+    while idx < total {
+        let token = idx / groups;
+        let group = (idx % groups) as u32;
+        let (b, s) = (token / seq, token % seq);
+        if group < a.rot_groups {
+            let j0 = group as usize * pairs;
             // SAFETY: (b, s) is a token of the batch; the position arrays are promised.
-            pos: if S::TABLE {
-                unsafe { position(a, b, s) }
-            } else {
-                0
-            },
-            q: token_base(&a.q, b, s),
-            k: token_base(&a.k, b, s),
-            first,
-            count: if t < tt { count } else { 0 },
-            hslot,
-            hthreads: per_token,
-        };
-        if !S::TABLE {
-            // SAFETY: tokens t0..t0 + tt exist; the tile fits the scratch (checked above).
-            unsafe { fill_scratch::<T, S>(a, t0, tt, half) };
-            // SAFETY: `S` is the same for the whole block, and every thread runs this loop
-            // the same number of times.
-            unsafe { sync_threads() };
-        }
-        let mut g = tx;
-        while g < a.groups.get() {
-            if g < a.rot_groups {
-                let j0 = (g as usize * pairs, half_u);
-                let mut i = 0;
-                while i * per_token < lane.count {
-                    // SAFETY: the lane's heads exist; g < rot_groups so its pairs are inside
-                    // `half`; the scratch holds this tile's pairs (computed sin/cos). The
-                    // table reads are issued after the loads, so their latencies overlap.
-                    unsafe {
-                        let v = load_rows::<T, P, L, U>(a, &lane, i, j0);
-                        let (cos, sin) = lane_cos_sin::<T, S, L>(a, &lane, j0, pairs);
-                        store_rows::<T, P, L, U>(a, &lane, i, j0, &v, (&cos, &sin));
-                    }
-                    i += U as u32;
-                }
-            } else {
-                let e0 = a.rotary_dim as usize + (g - a.rot_groups) as usize * L;
-                // SAFETY: e0 + L <= head_dim because the pass-through groups cover
-                // rotary_dim..head_dim exactly.
-                unsafe { copy_rows::<T, L>(a, &lane, e0) };
+            let pos = unsafe { position(a, b, s) };
+            let mut first = heads;
+            // With computed sin/cos, the first head's loads go out before the arithmetic so
+            // that its latency overlaps them.
+            let ahead = PREFETCH && !S::TABLE && first.0 < first.1;
+            let mut v = [[[T::ZERO; L]; 2]; 1];
+            // SAFETY: b < batch, s < seq; head first.0 exists.
+            let tok = unsafe { token_bases(a, (b, s)) };
+            if ahead {
+                // SAFETY: as above.
+                v = unsafe { load_block::<T, P, L, 1>(a, &tok, first.0, (j0, half)) };
             }
-            g += a.cols.get();
+            // SAFETY: j0 + pairs <= half; the table / inv_freq promises.
+            let (cos, sin) = unsafe { cos_sin::<T, S, L>(a, pos, j0, pairs) };
+            if ahead {
+                // SAFETY: as above.
+                unsafe {
+                    store_block::<T, P, L, 1>(a, &tok, first.0, (j0, half), &v, (&cos, &sin))
+                };
+                first.0 += 1;
+            }
+            // SAFETY: b < batch, s < seq, and the range's heads exist.
+            unsafe { rotate_heads::<T, P, L>(a, (b, s), first, (j0, half), &cos, &sin) };
+        } else {
+            let e0 = a.rotary_dim as usize + (group - a.rot_groups) as usize * L;
+            // SAFETY: as above; e0 + L <= head_dim because the pass-through groups cover
+            // rotary_dim..head_dim exactly.
+            unsafe { copy_heads::<T, L>(a, (b, s), heads, e0) };
         }
-        if !S::TABLE {
-            // SAFETY: as above; the next tile's scratch writes wait for this tile's reads.
-            unsafe { sync_threads() };
-        }
-        tile_idx += grid_dim_x() as u64;
+        idx += step;
     }
 }
 
-/// The first head of token `(b, s)` in a tensor's input and output (wrapping arithmetic: a
-/// tensor without heads may have null pointers; the heads' accesses are the checked part).
+/// The token `(b, s)`'s first head in each tensor's input and output.
+///
+/// # Safety
+/// `b < batch`, `s < seq` of the promised layouts.
 #[inline(always)]
-fn token_base<T>(t: &TensorArgs<T>, b: u64, s: u64) -> (*const T, *mut T) {
-    let off = |st: &[u64; 3]| (b * st[0] + s * st[1]) as usize;
-    (
-        t.x.wrapping_add(off(&t.x_strides)),
-        t.out.wrapping_add(off(&t.out_strides)),
-    )
+unsafe fn token_bases<T>(a: &Args<T>, (b, s): (u64, u64)) -> TokenBases<T> {
+    let base = |t: &TensorArgs<T>| {
+        // SAFETY: the offsets address the token inside the layouts the caller promises.
+        unsafe {
+            (
+                t.x.add((b * t.x_strides[0] + s * t.x_strides[1]) as usize),
+                t.out
+                    .add((b * t.out_strides[0] + s * t.out_strides[1]) as usize),
+            )
+        }
+    };
+    TokenBases {
+        q: base(&a.q),
+        k: base(&a.k),
+    }
+}
+
+/// Rotates heads `first..last` (of q's and k's heads together) of token `(b, s)`.
+///
+/// # Safety
+/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`; the promises of [`load_head`].
+#[inline(always)]
+unsafe fn rotate_heads<T: Elem, P: Pairing, const L: usize>(
+    a: &Args<T>,
+    token: (u64, u64),
+    (first, last): (usize, usize),
+    j0: (usize, usize),
+    cos: &[f32; L],
+    sin: &[f32; L],
+) {
+    // SAFETY: the caller's promise on (b, s).
+    let tok = unsafe { token_bases(a, token) };
+    let mut h = first;
+    while h + P::HEADS_UNROLL <= last {
+        // SAFETY: h + HEADS_UNROLL <= last. (A const generic cannot name `P::HEADS_UNROLL`
+        // directly on stable Rust, hence the two arms.)
+        unsafe {
+            if P::HEADS_UNROLL == 4 {
+                heads_block::<T, P, L, 4>(a, &tok, h, j0, (cos, sin))
+            } else {
+                heads_block::<T, P, L, 2>(a, &tok, h, j0, (cos, sin))
+            }
+        };
+        h += P::HEADS_UNROLL;
+    }
+    while h < last {
+        // SAFETY: h < last.
+        unsafe { heads_block::<T, P, L, 1>(a, &tok, h, j0, (cos, sin)) };
+        h += 1;
+    }
+}
+
+/// Copies elements `e0..e0 + L` of heads `first..last` (of q's and k's heads together) of
+/// token `(b, s)` from input to output.
+///
+/// # Safety
+/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`, `e0 + L <= head_dim`, aligned to `L`
+/// elements.
+#[inline(always)]
+unsafe fn copy_heads<T: Elem, const L: usize>(
+    a: &Args<T>,
+    token: (u64, u64),
+    (first, last): (usize, usize),
+    e0: usize,
+) {
+    // SAFETY: the caller's promise on (b, s).
+    let tok = unsafe { token_bases(a, token) };
+    for h in first..last {
+        // SAFETY: head h exists, elements e0..e0+L inside it, aligned: the caller's promise.
+        unsafe {
+            let (x, out) = head(a, &tok, h);
+            elem::store::<T, L>(out.add(e0), elem::load::<T, L>(x.add(e0)));
+        }
+    }
 }
 
 /// Picks the monomorphized body for the `lanes` argument: the 16-byte body for the wide
@@ -614,27 +539,11 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const WIDE: bool>(a: &Args<T>
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (WIDE, T::SIZE, a.lanes) {
-            (true, 4, 4) => body_rows::<T, P, S, 4>(a),
-            (true, 2, 8) => body_rows::<T, P, S, 8>(a),
-            (false, 2, 4) => body_rows::<T, P, S, 4>(a),
-            (false, _, 2) => body_rows::<T, P, S, 2>(a),
-            (false, _, 1) if P::NEOX => body_rows::<T, P, S, 1>(a),
-            _ => trap(),
-        }
-    }
-}
-
-/// [`body`] with the pairing's rows per round.
-///
-/// # Safety
-/// The promises of the entry points.
-#[inline(always)]
-unsafe fn body_rows<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
-    // SAFETY: forwarded promises. (A const generic cannot name `P::ROWS_UNROLL` directly.)
-    unsafe {
-        match P::ROWS_UNROLL {
-            8 => body::<T, P, S, L, 8>(a),
-            4 => body::<T, P, S, L, 4>(a),
+            (true, 4, 4) => body::<T, P, S, 4>(a),
+            (true, 2, 8) => body::<T, P, S, 8>(a),
+            (false, 2, 4) => body::<T, P, S, 4>(a),
+            (false, _, 2) => body::<T, P, S, 2>(a),
+            (false, _, 1) if P::NEOX => body::<T, P, S, 1>(a),
             _ => trap(),
         }
     }
@@ -656,18 +565,14 @@ macro_rules! rope_kernel {
         /// `headsn`, element strides `xn_stride_*`, `outn_stride_*` of
         /// `[batch, seq, heads, head_dim]` (last dimension contiguous). `tokens = batch * seq`;
         /// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
-        /// `tile_tokens`: tokens per block tile (at most [`MAX_TILE_TOKENS`], with
-        /// `tile_tokens * half * 8 <= SCRATCH_SINCOS_BYTES` and
-        /// `tile_tokens * heads_per_chunk <= u32::MAX`); `cols`: threads per row of the
-        /// block (`blockDim.x` a multiple of it);
         /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item`
         /// with `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
         /// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place);
         /// `cos`, `sin`, `table_stride` (elements per row), `table_positions` for table
         /// kernels and `inv_freq`, `angle_mode` (a [`math::AngleMode`]) and `cs_scale` (the
         /// attention factor multiplying cos and sin, 1 by default) for computed sin/cos (the
-        /// other pointers are unused and may be null); `positions`: a [`PositionCode`] with
-        /// `pos_ptr`, `pos_aux`, `pos_count`, `pos_base`.
+        /// other pointers are unused and may be null); `positions`: a [`PositionCode`] with `pos_ptr`, `pos_aux`, `pos_count`,
+        /// `pos_base`.
         ///
         /// # Safety
         /// - each `xn`/`outn` addresses every element of its layout; distinct heads'
@@ -701,8 +606,6 @@ macro_rules! rope_kernel {
             tokens: u64,
             seq: NonZeroU32,
             heads_per_chunk: u32,
-            tile_tokens: NonZeroU32,
-            cols: NonZeroU32,
             groups: NonZeroU32,
             rot_groups: u32,
             half: u32,
@@ -739,8 +642,6 @@ macro_rules! rope_kernel {
                 tokens,
                 seq,
                 heads_per_chunk,
-                tile_tokens,
-                cols,
                 groups,
                 rot_groups,
                 half,
@@ -759,8 +660,6 @@ macro_rules! rope_kernel {
                 pos_count,
                 pos_base,
                 sin_sign: sin_sign(Direction::$dir),
-                sincos: shared_scratch().cast::<CosSin>(),
-                seq_div: FastDiv::new(seq),
             };
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
             unsafe { dispatch::<$t, $pairing, $source, $is_wide>(&args) }

@@ -16,10 +16,7 @@ use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg, SyncOnDrop, sys::CUdevice_attribute,
 };
-use kernels_gpu::abi::{
-    Access, BLOCK_THREADS, KernelName, MAX_ROTARY_DIM, MAX_TILE_TOKENS, PositionCode,
-    SCRATCH_SINCOS_BYTES, SinCosSource, rows_unroll,
-};
+use kernels_gpu::abi::{Access, BLOCK_THREADS, KernelName, PositionCode, SinCosSource};
 pub use kernels_gpu::abi::{DType, Direction, RopeStyle};
 
 use crate::error::{Result, invalid};
@@ -145,12 +142,6 @@ impl RopeConfigBuilder {
                     "must be even, at least 2 and at most head_dim {}, got {rotary_dim}",
                     self.head_dim
                 ),
-            ));
-        }
-        if rotary_dim > MAX_ROTARY_DIM {
-            return Err(invalid(
-                "rotary_dim",
-                format!("at most {MAX_ROTARY_DIM} elements are rotated, got {rotary_dim}"),
             ));
         }
         Ok(RopeConfig {
@@ -363,14 +354,11 @@ pub(crate) struct Request<'a> {
     pub(crate) positions: PositionsReq<'a>,
 }
 
-/// The launch shape: grid and block, the heads each `blockIdx.y` handles, the tokens of one
-/// block tile and the threads per row (see the thread mapping in `kernels-gpu/src/rope.rs`).
+/// The grid of a launch and the heads each `blockIdx.y` handles.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Grid {
     pub(crate) config: LaunchConfig,
     pub(crate) heads_per_chunk: u32,
-    pub(crate) tile_tokens: u32,
-    pub(crate) cols: u32,
 }
 
 /// Everything a launch needs except the device pointers; `None` grid for an empty tensor.
@@ -391,62 +379,39 @@ pub(crate) struct Plan {
     pub(crate) tokens: u64,
 }
 
-/// Chooses the launch shape from the problem size.
+/// Chooses the grid: `items = tokens * groups` work items on `blockIdx.x` in blocks of
+/// [`BLOCK_THREADS`], and heads split over `blockIdx.y` only as far as needed to give every
+/// multiprocessor a full complement of threads (so sin/cos are reused across as many heads as
+/// possible). `gridDim.y <= 65535` and `gridDim.x <= 2^31 - 1` always hold: the kernel's
+/// grid-stride loop covers any remainder.
 ///
-/// A block rotates a tile of `tile_tokens` tokens times `heads_per_chunk` heads (rows), each
-/// row split into `groups` column groups of pairs, one thread per group (`cols =
-/// min(groups, 256)` threads per row). A thread takes one token and every `hthreads`-th
-/// head, [`rows_unroll`] heads per round with all their loads in flight at once, so
-/// `hthreads = heads_per_chunk / rows_unroll` (rounded up) and the block has
-/// `cols * hthreads * tile_tokens <= 256` threads. On large problems a block takes as many
-/// rows as one round of 256 threads covers (sin/cos shared by every head of a token); on small
-/// ones fewer, so that there are about two blocks per multiprocessor (decode), splitting the
-/// heads over `blockIdx.y` when one token has more rows than that. `gridDim.y <= 65535` and
-/// `gridDim.x <= 2^31 - 1` always hold: the kernel's loops cover any remainder.
-pub(crate) fn grid(
-    tokens: u64,
-    (groups, half): (u32, u32),
-    heads: u32,
-    style: RopeStyle,
-    sm_count: u32,
-) -> Option<Grid> {
+/// # Errors
+/// [`crate::Error::Invalid`] naming `layout` when `tokens * groups` overflows `u64`.
+pub(crate) fn grid(tokens: u64, groups: u32, heads: u32, sm_count: u32) -> Result<Option<Grid>> {
     const MAX_GRID_X: u64 = i32::MAX as u64;
     const MAX_GRID_Y: u64 = 65_535;
+    const THREADS_PER_SM: u64 = 2048;
     if tokens == 0 || heads == 0 || groups == 0 {
-        return None;
+        return Ok(None);
     }
-    let unroll = rows_unroll(style) as u64;
-    let cols = groups.min(BLOCK_THREADS);
-    let max_step = (BLOCK_THREADS / cols) as u64;
-    let heads = heads as u64;
-    let rows_total = tokens.saturating_mul(heads);
-    let per_block = (rows_total / (2 * sm_count.max(1) as u64)).clamp(1, unroll * max_step);
-    let heads_per_chunk = if heads > per_block {
-        let chunks = heads.div_ceil(per_block).min(MAX_GRID_Y);
-        heads.div_ceil(chunks)
-    } else {
-        heads
-    };
-    let chunks = heads.div_ceil(heads_per_chunk);
-    let hthreads = heads_per_chunk.div_ceil(unroll).min(max_step);
-    let fit = (SCRATCH_SINCOS_BYTES / (8 * half.max(1) as usize)) as u64;
-    let tile = (per_block / heads_per_chunk)
-        .min(max_step / hthreads)
-        .min(MAX_TILE_TOKENS as u64)
-        .min(fit)
-        .min(tokens)
-        .max(1);
-    let blocks_x = tokens.div_ceil(tile).min(MAX_GRID_X);
-    Some(Grid {
+    let items = tokens
+        .checked_mul(groups as u64)
+        .ok_or_else(|| invalid("layout", "batch * seq * head_dim overflows u64"))?;
+    let resident = sm_count.max(1) as u64 * THREADS_PER_SM;
+    let wanted_chunks = resident
+        .div_ceil(items)
+        .clamp(1, (heads as u64).min(MAX_GRID_Y));
+    let heads_per_chunk = (heads as u64).div_ceil(wanted_chunks);
+    let chunks = (heads as u64).div_ceil(heads_per_chunk);
+    let blocks_x = items.div_ceil(BLOCK_THREADS as u64).min(MAX_GRID_X);
+    Ok(Some(Grid {
         config: LaunchConfig {
             grid_dim: (blocks_x as u32, chunks as u32, 1),
-            block_dim: ((cols as u64 * hthreads * tile) as u32, 1, 1),
+            block_dim: (BLOCK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         },
         heads_per_chunk: heads_per_chunk as u32,
-        tile_tokens: tile as u32,
-        cols,
-    })
+    }))
 }
 
 /// A byte range of one buffer region, for overlap checks.
@@ -751,13 +716,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
         0
     };
     let groups = rot_groups + pass_groups;
-    let grid = grid(
-        tokens,
-        (groups, cfg.half()),
-        heads as u32,
-        cfg.style,
-        sm_count,
-    );
+    let grid = grid(tokens, groups, heads as u32, sm_count)?;
     Ok(Plan {
         grid,
         lanes,
@@ -862,6 +821,10 @@ pub struct KernelResources {
     pub registers: i32,
     /// Local memory per thread in bytes; non-zero means spills or stack arrays.
     pub local_bytes: i32,
+    /// Static shared memory per block in bytes.
+    pub shared_bytes: i32,
+    /// Blocks of the launch size that fit one multiprocessor at once.
+    pub blocks_per_sm: u32,
 }
 
 /// Runs RoPE kernels on one stream. Cheap to create: the module is loaded once per context and
@@ -938,6 +901,12 @@ impl Rope {
                     name,
                     registers: f.num_regs()?,
                     local_bytes: f.local_size_bytes()?,
+                    shared_bytes: f.shared_size_bytes()?,
+                    blocks_per_sm: f.occupancy_max_active_blocks_per_multiprocessor(
+                        BLOCK_THREADS,
+                        0,
+                        None,
+                    )?,
                 })
             })
             .collect()
@@ -1184,8 +1153,6 @@ impl Rope {
             .arg(&plan.tokens)
             .arg(&seq)
             .arg(&grid.heads_per_chunk)
-            .arg(&grid.tile_tokens)
-            .arg(&grid.cols)
             .arg(&plan.groups)
             .arg(&plan.rot_groups)
             .arg(&half)
@@ -1278,7 +1245,6 @@ fn tensor_ptrs(x: u64, x_layout: Layout, out: u64, out_layout: Layout, es: usize
 mod tests {
     use super::*;
     use crate::error::Error;
-    use proptest::prelude::*;
 
     fn neox(head_dim: u32) -> RopeConfig {
         RopeConfig::builder(head_dim, RopeStyle::Neox)
@@ -1314,54 +1280,40 @@ mod tests {
         }
     }
 
-    proptest! {
-        /// Whatever the problem, the launch fits the hardware limits and the kernel's
-        /// contract: blocks of whole rows of `cols` threads, at most 256 threads, tiles that fit
-        /// the scratch, `tile_tokens * heads_per_chunk` in `u32`, every head covered.
-        #[test]
-        fn grid_fits_hardware_limits_and_the_kernel_contract(
-            tokens in prop_oneof![1u64..100_000, Just(1u64 << 40)],
-            groups in prop_oneof![1u32..300, Just(8u32), Just(16u32), Just(32u32)],
-            half in 1u32..=MAX_ROTARY_DIM / 2,
-            heads in prop_oneof![1u32..200, Just(100_000u32), Just(u32::MAX)],
-            neox in any::<bool>(),
-            sm_count in 1u32..200,
-        ) {
-            let style = if neox { RopeStyle::Neox } else { RopeStyle::Interleaved };
-            let g = grid(tokens, (groups, half), heads, style, sm_count).expect("non-empty");
+    #[test]
+    fn grid_respects_hardware_limits_for_huge_problems() {
+        for (tokens, groups, heads) in [
+            (1u64 << 20, 16u32, 32u32),
+            (1 << 40, 1, 1),
+            (1, 1, 100_000),
+            (64, 16, 4096),
+        ] {
+            let g = grid(tokens, groups, heads, 132)
+                .expect("no overflow")
+                .expect("non-empty");
             let (x, y, z) = g.config.grid_dim;
-            prop_assert!(x >= 1 && x as u64 <= i32::MAX as u64);
-            prop_assert!((1..=65_535).contains(&y) && z == 1);
-            let threads = g.config.block_dim.0;
-            prop_assert!(threads >= 1 && threads <= BLOCK_THREADS);
-            prop_assert_eq!(threads % (g.cols * g.tile_tokens), 0);
-            prop_assert_eq!(g.cols, groups.min(BLOCK_THREADS));
-            prop_assert!(g.tile_tokens >= 1 && g.tile_tokens <= MAX_TILE_TOKENS);
-            prop_assert!(g.tile_tokens as usize * half as usize * 8 <= SCRATCH_SINCOS_BYTES);
-            prop_assert!(g.tile_tokens as u64 * g.heads_per_chunk as u64 <= u32::MAX as u64);
+            assert!(x >= 1 && x as u64 <= i32::MAX as u64);
+            assert!((1..=65_535).contains(&y) && z == 1);
+            assert!(g.config.block_dim.0 <= 1024);
             // Every head is covered, and no chunk starts past the last head.
-            prop_assert!(y as u64 * g.heads_per_chunk as u64 >= heads as u64);
-            prop_assert!(((y - 1) as u64 * g.heads_per_chunk as u64) < heads as u64);
+            assert!(y as u64 * g.heads_per_chunk as u64 >= heads as u64);
+            assert!(((y - 1) as u64 * g.heads_per_chunk as u64) < heads as u64);
         }
     }
 
     #[test]
-    fn grid_shares_sin_cos_across_all_heads_and_fills_each_thread_when_tokens_fill_the_gpu() {
-        // bf16 NeoX prefill, head_dim 128: 8 groups of 8 pairs, 32 q + 8 k heads.
-        let g = grid(8192, (8, 64), 40, RopeStyle::Neox, 132).expect("non-empty");
-        assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (1, 40));
-        let hthreads = g.config.block_dim.0 / g.cols / g.tile_tokens;
-        assert_eq!(
-            g.heads_per_chunk.div_ceil(hthreads),
-            rows_unroll(RopeStyle::Neox)
-        );
+    fn grid_keeps_all_heads_in_one_chunk_when_tokens_fill_the_gpu() {
+        let g = grid(8192 * 4, 16, 32, 132)
+            .expect("fits")
+            .expect("non-empty");
+        assert_eq!(g.config.grid_dim.1, 1);
+        assert_eq!(g.heads_per_chunk, 32);
     }
 
     #[test]
     fn grid_splits_heads_for_decode() {
-        let g = grid(64, (8, 64), 40, RopeStyle::Neox, 132).expect("non-empty");
+        let g = grid(64, 16, 32, 132).expect("fits").expect("non-empty");
         assert!(g.config.grid_dim.1 > 1);
-        assert!(g.config.grid_dim.0 as u64 * g.config.grid_dim.1 as u64 >= 132);
     }
 
     #[test]
@@ -1502,6 +1454,7 @@ mod tests {
 
     mod plan_never_panics {
         use super::*;
+        use proptest::prelude::*;
 
         fn buf() -> BoxedStrategy<Buf> {
             let addr = prop_oneof![
