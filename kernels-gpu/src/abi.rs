@@ -96,13 +96,25 @@ impl PositionCode {
 /// How wide a kernel's memory accesses are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Access {
-    /// 16 bytes per access (`lanes = 16 / element size`): every tensor address and stride is
-    /// 16-byte aligned and the pairs (and pass-through elements) split into 16-byte groups.
+    /// The preferred width, [`preferred_lanes`] elements per access, when every tensor address
+    /// and stride is aligned to it and the pairs (and pass-through elements) split into groups
+    /// of that many.
     Wide,
-    /// Fewer lanes, chosen at run time (1, 2, or for 16-bit types 4 elements; 1 only for NeoX
-    /// pairs): a separate kernel, so the common wide kernel carries none of these paths'
+    /// Fewer lanes, chosen at run time (1, 2, or for 16-bit interleaved 4 elements; 1 only for
+    /// NeoX pairs): a separate kernel, so the common wide kernel carries none of these paths'
     /// registers.
     Narrow,
+}
+
+/// Elements per access of the [`Access::Wide`] kernels: 16 bytes, except for NeoX pairs of
+/// 16-bit elements, 8 bytes. A work item then rotates at most four pairs per head, so a token
+/// has twice as many items, which is what filled the GPU best on an H200 (NeoX bf16 prefill
+/// 87% of copy against 80% with 16-byte accesses; docs/perf.md v11).
+pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
+    match (style, elem_size) {
+        (RopeStyle::Neox, 2) => 4,
+        _ => (16 / elem_size) as u32,
+    }
 }
 
 /// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example

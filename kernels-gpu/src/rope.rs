@@ -529,8 +529,10 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
     }
 }
 
-/// Picks the monomorphized body for the `lanes` argument: the 16-byte body for the wide
-/// kernels, one of the narrower ones for the `_narrow` kernels.
+/// Picks the monomorphized body for the `lanes` argument: the [preferred] body for the
+/// wide kernels, one of the narrower ones for the `_narrow` kernels.
+///
+/// [preferred]: crate::abi::preferred_lanes
 ///
 /// # Safety
 /// The promises of the entry points.
@@ -538,12 +540,13 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
 unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const WIDE: bool>(a: &Args<T>) {
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
-        match (WIDE, T::SIZE, a.lanes) {
-            (true, 4, 4) => body::<T, P, S, 4>(a),
-            (true, 2, 8) => body::<T, P, S, 8>(a),
-            (false, 2, 4) => body::<T, P, S, 4>(a),
-            (false, _, 2) => body::<T, P, S, 2>(a),
-            (false, _, 1) if P::NEOX => body::<T, P, S, 1>(a),
+        match (WIDE, T::SIZE, a.lanes, P::NEOX) {
+            (true, 4, 4, _) => body::<T, P, S, 4>(a),
+            (true, 2, 8, false) => body::<T, P, S, 8>(a),
+            (true, 2, 4, true) => body::<T, P, S, 4>(a),
+            (false, 2, 4, false) => body::<T, P, S, 4>(a),
+            (false, _, 2, _) => body::<T, P, S, 2>(a),
+            (false, _, 1, true) => body::<T, P, S, 1>(a),
             _ => trap(),
         }
     }

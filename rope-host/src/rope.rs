@@ -16,7 +16,9 @@ use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg, SyncOnDrop, sys::CUdevice_attribute,
 };
-use kernels_gpu::abi::{Access, BLOCK_THREADS, KernelName, PositionCode, SinCosSource};
+use kernels_gpu::abi::{
+    Access, BLOCK_THREADS, KernelName, PositionCode, SinCosSource, preferred_lanes,
+};
 pub use kernels_gpu::abi::{DType, Direction, RopeStyle};
 
 use crate::error::{Result, invalid};
@@ -512,7 +514,7 @@ fn lanes(req: &Request<'_>, pass_through: bool) -> Option<u32> {
         tensors.push((t.x.addr, t.x_layout));
         tensors.extend(t.out.map(|(b, l)| (b.addr, l)));
     }
-    let mut lanes = 16 / es;
+    let mut lanes = preferred_lanes(cfg.style, es) as usize;
     while lanes >= 1 {
         let bytes = (lanes * es) as u64;
         let shape_ok = if neox {
@@ -1123,7 +1125,7 @@ impl Rope {
             source: plan.source,
             direction: op.config.direction,
             dtype: T::DTYPE,
-            access: if plan.lanes as usize * size_of::<T>() == 16 {
+            access: if plan.lanes == preferred_lanes(op.config.style, size_of::<T>()) {
                 Access::Wide
             } else {
                 Access::Narrow
