@@ -21,8 +21,9 @@
 //! consecutive addresses of a head. Each rotating item computes or loads the sin/cos of its
 //! pairs once and applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk`
 //! of the concatenation of tensor 0's and tensor 1's heads, several heads at a time with all
-//! loads issued before the stores. Every access moves `lanes` elements at once (16 bytes when
-//! alignment allows).
+//! loads issued before the stores (with computed sin/cos, the first head's loads go out before
+//! the arithmetic). Every access moves `lanes` elements at once: when alignment allows, the
+//! preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit elements).
 
 use core::num::{NonZeroU32, NonZeroU64};
 
@@ -39,10 +40,10 @@ const PREFETCH: bool = true;
 trait Pairing {
     /// `true` for rotate-half pairs `(x[i], x[i + half])`, `false` for `(x[2i], x[2i + 1])`.
     const NEOX: bool;
-    /// Heads whose loads are issued together before their stores: enough bytes in flight per
-    /// thread (64 at 16-byte accesses) at a modest register cost (NeoX reads two vectors per
-    /// head; with 16-bit elements four NeoX heads took about 100 registers on sm_90, two 66).
-    /// Either 2 or 4.
+    /// Heads whose loads are issued together before their stores: bytes in flight per thread
+    /// at a modest register cost (NeoX reads two vectors per head; four NeoX heads with 16-bit
+    /// elements took about 100 registers on sm_90, and more registers per thread measured
+    /// slower than more threads: docs/perf.md). Either 2 or 4.
     const HEADS_UNROLL: usize;
 }
 
