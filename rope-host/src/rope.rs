@@ -825,7 +825,7 @@ pub struct KernelResources {
     pub local_bytes: i32,
     /// Static shared memory per block in bytes.
     pub shared_bytes: i32,
-    /// Blocks of the launch size that fit one multiprocessor at once.
+    /// Blocks of `BLOCK_THREADS` threads that fit one multiprocessor at once.
     pub blocks_per_sm: u32,
 }
 
@@ -1359,6 +1359,30 @@ mod tests {
         r.q.x.addr += 4;
         let p = plan(&r, 132).expect("valid");
         assert_eq!((p.lanes, p.groups), (1, 3));
+    }
+
+    #[test]
+    fn picks_8_byte_accesses_for_16_bit_neox_and_16_bytes_otherwise() {
+        let interleaved = RopeConfig::builder(128, RopeStyle::Interleaved)
+            .build()
+            .expect("valid");
+        for (cfg, elem_size, lanes) in [
+            (neox(128), 2, 4),
+            (neox(128), 4, 4),
+            (interleaved, 2, 8),
+            (interleaved, 4, 4),
+        ] {
+            let mut r = request(cfg, Layout::bshd(2, 3, 4, 128));
+            r.elem_size = elem_size;
+            let p = plan(&r, 132).expect("valid");
+            assert_eq!(
+                p.lanes,
+                lanes,
+                "{:?}, {elem_size}-byte elements",
+                cfg.style()
+            );
+            assert_eq!(p.lanes, preferred_lanes(cfg.style(), elem_size));
+        }
     }
 
     #[test]
