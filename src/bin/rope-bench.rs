@@ -358,8 +358,9 @@ fn groups() -> Vec<Group> {
                 ..base.clone()
             },
         },
-        // Strided: q and k read through views whose tokens are 48 heads apart (as in a
-        // [tokens, 32 + 8 + 8 heads, 128] QKV buffer), written to contiguous outputs.
+        // Strided: q and k read through strided views (16 heads of gap after each token: q's
+        // tokens 48 heads apart as in a [tokens, 32 + 8 + 8 heads, 128] QKV buffer, k's 24),
+        // written to contiguous outputs.
         Group {
             name: "strided",
             case: Case {
