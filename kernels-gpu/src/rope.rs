@@ -32,8 +32,8 @@ use crate::elem::{self, Bf16, Elem};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
 
-/// Whether computed-sin/cos kernels issue a work item's first head loads before the sin/cos
-/// arithmetic.
+/// Whether computed-sin/cos kernels issue a work item's first block of heads' loads before the
+/// sin/cos arithmetic.
 const PREFETCH: bool = true;
 
 /// Which elements form a pair; see the module documentation.
@@ -395,6 +395,30 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
     (cos, sin)
 }
 
+/// Computed sin/cos with the first `N` heads' loads issued before the arithmetic, so that
+/// their latency overlaps it; then the rest of the heads.
+///
+/// # Safety
+/// `first + N <= last <= q.heads + k.heads`; `tok` from [`token_bases`]; `j0 + pairs <= half`;
+/// the `inv_freq` promises.
+#[inline(always)]
+unsafe fn loads_ahead<T: Elem, P: Pairing, S: Source, const L: usize, const N: usize>(
+    a: &Args<T>,
+    tok: &TokenBases<T>,
+    (first, last): (usize, usize),
+    (j0, half): (usize, usize),
+    pos: i64,
+) {
+    let pairs = if P::NEOX { L } else { L / 2 };
+    // SAFETY: the caller's promises.
+    unsafe {
+        let v = load_block::<T, P, L, N>(a, tok, first, (j0, half));
+        let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
+        store_block::<T, P, L, N>(a, tok, first, (j0, half), &v, (&cos, &sin));
+        rotate_heads::<T, P, L>(a, tok, (first + N, last), (j0, half), &cos, &sin);
+    }
+}
+
 /// The kernel body for `L` elements per access.
 ///
 /// # Safety
@@ -417,28 +441,20 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
             let j0 = group as usize * pairs;
             // SAFETY: (b, s) is a token of the batch; the position arrays are promised.
             let pos = unsafe { position(a, b, s) };
-            let mut first = heads;
-            // With computed sin/cos, the first head's loads go out before the arithmetic so
-            // that its latency overlaps them.
-            let ahead = PREFETCH && !S::TABLE && first.0 < first.1;
-            let mut v = [[[T::ZERO; L]; 2]; 1];
-            // SAFETY: b < batch, s < seq; head first.0 exists.
+            // SAFETY: b < batch, s < seq.
             let tok = unsafe { token_bases(a, (b, s)) };
-            if ahead {
-                // SAFETY: as above.
-                v = unsafe { load_block::<T, P, L, 1>(a, &tok, first.0, (j0, half)) };
+            let n = heads.1 - heads.0;
+            // SAFETY: j0 + pairs <= half; the heads exist; the table / inv_freq promises.
+            unsafe {
+                if PREFETCH && !S::TABLE && n >= 2 {
+                    loads_ahead::<T, P, S, L, 2>(a, &tok, heads, (j0, half), pos)
+                } else if PREFETCH && !S::TABLE && n >= 1 {
+                    loads_ahead::<T, P, S, L, 1>(a, &tok, heads, (j0, half), pos)
+                } else {
+                    let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
+                    rotate_heads::<T, P, L>(a, &tok, heads, (j0, half), &cos, &sin)
+                }
             }
-            // SAFETY: j0 + pairs <= half; the table / inv_freq promises.
-            let (cos, sin) = unsafe { cos_sin::<T, S, L>(a, pos, j0, pairs) };
-            if ahead {
-                // SAFETY: as above.
-                unsafe {
-                    store_block::<T, P, L, 1>(a, &tok, first.0, (j0, half), &v, (&cos, &sin))
-                };
-                first.0 += 1;
-            }
-            // SAFETY: b < batch, s < seq, and the range's heads exist.
-            unsafe { rotate_heads::<T, P, L>(a, (b, s), first, (j0, half), &cos, &sin) };
         } else {
             let e0 = a.rotary_dim as usize + (group - a.rot_groups) as usize * L;
             // SAFETY: as above; e0 + L <= head_dim because the pass-through groups cover
@@ -478,30 +494,28 @@ unsafe fn token_bases<T>(a: &Args<T>, (b, s): (u64, u64)) -> TokenBases<T> {
 #[inline(always)]
 unsafe fn rotate_heads<T: Elem, P: Pairing, const L: usize>(
     a: &Args<T>,
-    token: (u64, u64),
+    tok: &TokenBases<T>,
     (first, last): (usize, usize),
     j0: (usize, usize),
     cos: &[f32; L],
     sin: &[f32; L],
 ) {
-    // SAFETY: the caller's promise on (b, s).
-    let tok = unsafe { token_bases(a, token) };
     let mut h = first;
     while h + P::HEADS_UNROLL <= last {
         // SAFETY: h + HEADS_UNROLL <= last. (A const generic cannot name `P::HEADS_UNROLL`
         // directly on stable Rust, hence the two arms.)
         unsafe {
             if P::HEADS_UNROLL == 4 {
-                heads_block::<T, P, L, 4>(a, &tok, h, j0, (cos, sin))
+                heads_block::<T, P, L, 4>(a, tok, h, j0, (cos, sin))
             } else {
-                heads_block::<T, P, L, 2>(a, &tok, h, j0, (cos, sin))
+                heads_block::<T, P, L, 2>(a, tok, h, j0, (cos, sin))
             }
         };
         h += P::HEADS_UNROLL;
     }
     while h < last {
         // SAFETY: h < last.
-        unsafe { heads_block::<T, P, L, 1>(a, &tok, h, j0, (cos, sin)) };
+        unsafe { heads_block::<T, P, L, 1>(a, tok, h, j0, (cos, sin)) };
         h += 1;
     }
 }
