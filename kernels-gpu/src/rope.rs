@@ -21,9 +21,10 @@
 //! consecutive addresses of a head. Each rotating item computes or loads the sin/cos of its
 //! pairs once and applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk`
 //! of the concatenation of tensor 0's and tensor 1's heads, several heads at a time with all
-//! loads issued before the stores (with computed sin/cos, the first head's loads go out before
-//! the arithmetic). Every access moves `lanes` elements at once: when alignment allows, the
-//! preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit elements).
+//! loads issued before the stores (with computed sin/cos, the first two heads' loads go out
+//! before the arithmetic). Every access moves `lanes` elements at once: when alignment allows,
+//! the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
+//! elements).
 
 use core::num::{NonZeroU32, NonZeroU64};
 
@@ -32,7 +33,7 @@ use crate::elem::{self, Bf16, Elem};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
 
-/// Whether computed-sin/cos kernels issue a work item's first block of heads' loads before the
+/// Whether computed-sin/cos kernels issue a work item's first two heads' loads before the
 /// sin/cos arithmetic.
 const PREFETCH: bool = true;
 
