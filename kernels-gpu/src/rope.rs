@@ -33,10 +33,6 @@ use crate::elem::{self, Bf16, Elem};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
 
-/// Whether computed-sin/cos kernels issue a work item's first two heads' loads before the
-/// sin/cos arithmetic.
-const PREFETCH: bool = true;
-
 /// Which elements form a pair; see the module documentation.
 trait Pairing {
     /// `true` for rotate-half pairs `(x[i], x[i + half])`, `false` for `(x[2i], x[2i + 1])`.
@@ -447,9 +443,9 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
             let n = heads.1 - heads.0;
             // SAFETY: j0 + pairs <= half; the heads exist; the table / inv_freq promises.
             unsafe {
-                if PREFETCH && !S::TABLE && n >= 2 {
+                if !S::TABLE && n >= 2 {
                     loads_ahead::<T, P, S, L, 2>(a, &tok, heads, (j0, half), pos)
-                } else if PREFETCH && !S::TABLE && n >= 1 {
+                } else if !S::TABLE && n >= 1 {
                     loads_ahead::<T, P, S, L, 1>(a, &tok, heads, (j0, half), pos)
                 } else {
                     let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
