@@ -149,14 +149,14 @@ macro_rules! for_each_kernel {
             rope_neox_table_bwd_f32, rope_neox_table_bwd_f32_narrow: Neox, Table, Backward, F32, f32;
             rope_neox_theta_fwd_f32, rope_neox_theta_fwd_f32_narrow: Neox, Theta, Forward, F32, f32;
             rope_neox_theta_bwd_f32, rope_neox_theta_bwd_f32_narrow: Neox, Theta, Backward, F32, f32;
-            rope_interleaved_table_fwd_f16, rope_interleaved_table_fwd_f16_narrow: Interleaved, Table, Forward, F16, f16;
-            rope_interleaved_table_bwd_f16, rope_interleaved_table_bwd_f16_narrow: Interleaved, Table, Backward, F16, f16;
-            rope_interleaved_theta_fwd_f16, rope_interleaved_theta_fwd_f16_narrow: Interleaved, Theta, Forward, F16, f16;
-            rope_interleaved_theta_bwd_f16, rope_interleaved_theta_bwd_f16_narrow: Interleaved, Theta, Backward, F16, f16;
-            rope_neox_table_fwd_f16, rope_neox_table_fwd_f16_narrow: Neox, Table, Forward, F16, f16;
-            rope_neox_table_bwd_f16, rope_neox_table_bwd_f16_narrow: Neox, Table, Backward, F16, f16;
-            rope_neox_theta_fwd_f16, rope_neox_theta_fwd_f16_narrow: Neox, Theta, Forward, F16, f16;
-            rope_neox_theta_bwd_f16, rope_neox_theta_bwd_f16_narrow: Neox, Theta, Backward, F16, f16;
+            rope_interleaved_table_fwd_f16, rope_interleaved_table_fwd_f16_narrow: Interleaved, Table, Forward, F16, Half;
+            rope_interleaved_table_bwd_f16, rope_interleaved_table_bwd_f16_narrow: Interleaved, Table, Backward, F16, Half;
+            rope_interleaved_theta_fwd_f16, rope_interleaved_theta_fwd_f16_narrow: Interleaved, Theta, Forward, F16, Half;
+            rope_interleaved_theta_bwd_f16, rope_interleaved_theta_bwd_f16_narrow: Interleaved, Theta, Backward, F16, Half;
+            rope_neox_table_fwd_f16, rope_neox_table_fwd_f16_narrow: Neox, Table, Forward, F16, Half;
+            rope_neox_table_bwd_f16, rope_neox_table_bwd_f16_narrow: Neox, Table, Backward, F16, Half;
+            rope_neox_theta_fwd_f16, rope_neox_theta_fwd_f16_narrow: Neox, Theta, Forward, F16, Half;
+            rope_neox_theta_bwd_f16, rope_neox_theta_bwd_f16_narrow: Neox, Theta, Backward, F16, Half;
             rope_interleaved_table_fwd_bf16, rope_interleaved_table_fwd_bf16_narrow: Interleaved, Table, Forward, BF16, Bf16;
             rope_interleaved_table_bwd_bf16, rope_interleaved_table_bwd_bf16_narrow: Interleaved, Table, Backward, BF16, Bf16;
             rope_interleaved_theta_fwd_bf16, rope_interleaved_theta_fwd_bf16_narrow: Interleaved, Theta, Forward, BF16, Bf16;
@@ -222,7 +222,7 @@ macro_rules! for_each_table_kernel {
     ($m:ident) => {
         $m! {
             rope_table_f32: F32, f32;
-            rope_table_f16: F16, f16;
+            rope_table_f16: F16, Half;
             rope_table_bf16: BF16, Bf16;
         }
     };

@@ -34,16 +34,28 @@ impl Elem for f32 {
     }
 }
 
-/// IEEE binary16 through the hardware conversions (`cvt.f32.f16`, `cvt.rn.f16.f32`).
-impl Elem for f16 {
-    const ZERO: Self = 0.0;
+/// IEEE binary16 as its bits, so that vectors of them stay packed two to a 32-bit register until
+/// each is widened (a native `f16` vector loads into one register per element, which cost the
+/// computed-sin/cos NeoX kernel its spill-free register budget); conversions are the hardware's
+/// (`cvt.f32.f16` from a 32-bit register, `cvt.rn.f16.f32`, and `cvt.rn.f16x2.f32` for pairs).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Half(u16);
+
+impl Elem for Half {
+    const ZERO: Self = Half(0);
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        self as f32
+        intrinsics::f16_bits_to_f32(self.0 as u32)
     }
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
-        v as f16
+        Half((v as f16).to_bits())
+    }
+    /// Two values per `cvt.rn.f16x2.f32`, the same rounding as [`Elem::from_f32`].
+    #[inline(always)]
+    fn from_f32_array<const N: usize>(v: [f32; N]) -> [Self; N] {
+        round_pairs(v, intrinsics::f32x2_to_f16x2, Half, Self::from_f32)
     }
 }
 
@@ -66,17 +78,30 @@ impl Elem for Bf16 {
     /// every non-NaN input.
     #[inline(always)]
     fn from_f32_array<const N: usize>(v: [f32; N]) -> [Self; N] {
-        let mut out = [Bf16(0); N];
-        for i in 0..N / 2 {
-            let packed = intrinsics::f32x2_to_bf16x2(v[2 * i], v[2 * i + 1]);
-            out[2 * i] = Bf16(packed as u16);
-            out[2 * i + 1] = Bf16((packed >> 16) as u16);
-        }
-        if N % 2 == 1 {
-            out[N - 1] = Self::from_f32(v[N - 1]);
-        }
-        out
+        round_pairs(v, intrinsics::f32x2_to_bf16x2, Bf16, Self::from_f32)
     }
+}
+
+/// Rounds `N` values to a 16-bit type two at a time with `pair` (which packs its first argument
+/// in bits 0..16 and its second in bits 16..32), wrapping the halves with `wrap`, and an odd
+/// last value with `single`.
+#[inline(always)]
+fn round_pairs<E: Elem, const N: usize>(
+    v: [f32; N],
+    pair: impl Fn(f32, f32) -> u32,
+    wrap: impl Fn(u16) -> E,
+    single: impl Fn(f32) -> E,
+) -> [E; N] {
+    let mut out = [E::ZERO; N];
+    for i in 0..N / 2 {
+        let packed = pair(v[2 * i], v[2 * i + 1]);
+        out[2 * i] = wrap(packed as u16);
+        out[2 * i + 1] = wrap((packed >> 16) as u16);
+    }
+    if N % 2 == 1 {
+        out[N - 1] = single(v[N - 1]);
+    }
+    out
 }
 
 #[repr(C, align(16))]

@@ -1,5 +1,5 @@
 //! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
-//! a paired bf16 conversion and `trap`.
+//! paired f16 and bf16 conversions and `trap`.
 
 use core::arch::{asm, nvptx};
 
@@ -61,4 +61,44 @@ pub fn f32x2_to_bf16x2(lo: f32, hi: f32) -> u32 {
         )
     };
     packed
+}
+
+/// Rounds two `f32` to IEEE binary16, to nearest even, with one `cvt.rn.f16x2.f32` (sm_80+):
+/// `lo` in bits 0..16 and `hi` in bits 16..32.
+#[inline(always)]
+pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
+    let packed: u32;
+    // SAFETY: a register-only conversion.
+    unsafe {
+        asm!(
+            "cvt.rn.f16x2.f32 {d}, {hi}, {lo};",
+            d = out(reg32) packed,
+            hi = in(reg32) hi,
+            lo = in(reg32) lo,
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+    packed
+}
+
+/// Widens the IEEE binary16 value in the low 16 bits of `bits` to `f32` (exact). Taking a
+/// 32-bit register keeps vectors of 16-bit elements packed two to a register until each is
+/// converted.
+#[inline(always)]
+pub fn f16_bits_to_f32(bits: u32) -> f32 {
+    let v: f32;
+    // SAFETY: register-only conversions.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .b16 h;",
+            "cvt.u16.u32 h, {b};",
+            "cvt.f32.f16 {v}, h;",
+            "}}",
+            b = in(reg32) bits,
+            v = out(reg32) v,
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+    v
 }

@@ -12,8 +12,12 @@
 #![no_std]
 #![cfg_attr(
     target_arch = "nvptx64",
-    feature(abi_ptx, stdarch_nvptx, f16, asm_experimental_arch)
+    feature(abi_ptx, stdarch_nvptx, f16, asm_experimental_arch, core_float_math)
 )]
+
+// On the host, `math` takes its fused multiply-add from `std`.
+#[cfg(not(target_arch = "nvptx64"))]
+extern crate std;
 
 pub mod abi;
 pub mod math;

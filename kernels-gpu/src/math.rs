@@ -1,29 +1,28 @@
 //! The arithmetic of RoPE as plain functions that compile for the GPU and the host alike.
 //!
-//! Everything here is `core`-only Rust with no intrinsics, so the host's unit tests exercise
+//! Everything here is plain Rust with no intrinsics (`f64` fused multiply-adds are `core`'s on
+//! the GPU and `std`'s on the host, one rounding either way), so the host's unit tests exercise
 //! exactly the code the kernels run. Nothing here reads memory.
 //!
 //! # The angle and its accuracy
 //! Pair `i` of the token at position `p` rotates by `angle = p * inv_freq_i`, with the
 //! frequencies `inv_freq_i` (for the default family `theta^(-2i/d)`) computed on the host in
-//! `f64`. The kernels compute that angle in `f64`, reduce it modulo `pi/2` in `f64` (Cody–Waite with a three-part `pi/2`) and evaluate
-//! `sin`/`cos` of the reduced argument with `f64` polynomials, rounding to `f32` once at the end.
-//! The `f64` angle is off by about `2^-52 * |angle|` (under `1e-9` radians up to position
-//! `2^22`) and the reduction adds about `2^-52`, so `cos`/`sin` land within one `f32` unit in
-//! the last place of the exact values (within `2^-28` absolute near their zeros); an `f32`
-//! angle (`p_f32 * inv_freq_f32`) is off by up to `ulp(p * inv_freq) / 2`, about `3e-2`
-//! radians at position one million.
+//! `f64`. The kernels compute that angle in `f64`, reduce it modulo `pi/2` in `f64` (Cody–Waite
+//! with fused multiply-adds and a two-part `pi/2`) and evaluate `sin`/`cos` of the reduced
+//! argument with `f64` polynomials, rounding to `f32` once at the end. The `f64` angle is off by
+//! about `2^-53 * |angle|` (under `1e-9` radians up to position `2^22`) and the reduction adds
+//! about `2^-53 * |r|`, so `cos`/`sin` land within one `f32` unit in the last place of the exact
+//! values (within `2^-28` absolute near their zeros); an `f32` angle (`p_f32 * inv_freq_f32`) is
+//! off by up to `ulp(p * inv_freq) / 2`, about `3e-2` radians at position one million.
 
 /// `2^52 * 1.5`: adding and subtracting it rounds an `f64` of magnitude below `2^51` to the
 /// nearest integer (ties to even) without any float-to-int conversion.
 const ROUND_MAGIC: f64 = 6_755_399_441_055_744.0;
 
-/// `pi/2` split into four parts whose sum is within `1e-36` of `pi/2`. The first three carry 21
-/// significant bits each, so `k * PIO2_n` is exact for every `|k| < 2^32`.
-const PIO2_1: f64 = 1.570_796_012_878_418;
-const PIO2_2: f64 = 3.139_164_164_167_596e-7;
-const PIO2_3: f64 = 6.223_369_259_164_557e-14;
-const PIO2_4: f64 = 2.912_732_056_093_356e-20;
+/// `pi/2` as the `f64` nearest to it (`FRAC_PI_2`) plus the `f64` nearest to the remainder; the
+/// sum is within `1.5e-33` of `pi/2`.
+const PIO2_HI: f64 = core::f64::consts::FRAC_PI_2;
+const PIO2_LO: f64 = 6.123_233_995_736_766e-17;
 
 /// Rotates one pair `(a, b)` by the angle whose cosine and sine are `cos`, `sin`:
 /// `(a cos - b sin, b cos + a sin)`.
@@ -34,57 +33,67 @@ pub fn rotate(a: f32, b: f32, cos: f32, sin: f32) -> (f32, f32) {
     (a * cos - b * sin, b * cos + a * sin)
 }
 
-/// Rounds `x` to the nearest integer, ties to even, for `|x| < 2^51`.
+/// `a * b + c` with one rounding (a fused multiply-add: `fma.rn.f64` on the GPU).
 #[inline(always)]
-fn round_to_int(x: f64) -> f64 {
-    (x + ROUND_MAGIC) - ROUND_MAGIC
+fn fma(a: f64, b: f64, c: f64) -> f64 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        core::f64::math::mul_add(a, b, c)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        std::primitive::f64::mul_add(a, b, c)
+    }
 }
 
 /// `sin(r)` and `cos(r)` for `|r| <= pi/4` (a little beyond is fine), by Taylor series to
-/// degree 13 and 14: truncation error below `(pi/4)^15 / 15! < 2^-44` and
-/// `(pi/4)^16 / 16! < 2^-48`, far below the `2^-25` that rounding to `f32` allows. (The f64
-/// evaluation is for the `f32` result, not for `f64` accuracy.)
+/// degree 11 and 10: truncation error below `(pi/4)^13 / 13! < 2^-36` and
+/// `(pi/4)^12 / 12! < 2^-32` against values of at least `|r| * 2/pi` and `0.7`, far below the
+/// `2^-25` relative half-ulp of the `f32` result. (The `f64` evaluation is for the `f32` result,
+/// not for `f64` accuracy.)
 #[inline(always)]
 fn sincos_reduced(r: f64) -> (f64, f64) {
     let z = r * r;
-    let mut s = 1.0 / 6_227_020_800.0; // 1/13!
-    s = s * z - 1.0 / 39_916_800.0; // 1/11!
-    s = s * z + 1.0 / 362_880.0;
-    s = s * z - 1.0 / 5_040.0;
-    s = s * z + 1.0 / 120.0;
-    s = s * z - 1.0 / 6.0;
-    let sin = r + r * z * s;
-    let mut c = 1.0 / 87_178_291_200.0; // 1/14!
-    c = c * z - 1.0 / 479_001_600.0; // 1/12!
-    c = c * z + 1.0 / 3_628_800.0;
-    c = c * z - 1.0 / 40_320.0;
-    c = c * z + 1.0 / 720.0;
-    c = c * z - 1.0 / 24.0;
-    c = c * z + 0.5;
-    let cos = 1.0 - z * c;
+    let mut s = -1.0 / 39_916_800.0; // -1/11!
+    s = fma(s, z, 1.0 / 362_880.0);
+    s = fma(s, z, -1.0 / 5_040.0);
+    s = fma(s, z, 1.0 / 120.0);
+    s = fma(s, z, -1.0 / 6.0);
+    let sin = fma(r * z, s, r);
+    let mut c = -1.0 / 3_628_800.0; // -1/10!
+    c = fma(c, z, 1.0 / 40_320.0);
+    c = fma(c, z, -1.0 / 720.0);
+    c = fma(c, z, 1.0 / 24.0);
+    c = fma(c, z, -0.5);
+    let cos = fma(z, c, 1.0);
     (sin, cos)
 }
 
 /// `(cos(angle), sin(angle))` rounded once to `f32`, for `|angle| < 2^32`.
 ///
-/// The angle is reduced to `r = angle - k * pi/2` with `|r| <= pi/4` using a four-part `pi/2`
-/// (the first step is exact, the others add about `2^-53` each), and the quadrant `k mod 4` picks
-/// and signs the series results. Beyond `2^32` the reduction degrades gracefully but is no
-/// longer exact.
+/// `k = round(angle * 2/pi)` comes from one fused multiply-add with [`ROUND_MAGIC`] (whose low
+/// bits then hold `k mod 4`, the quadrant). The reduced argument `r = angle - k * pi/2`,
+/// `|r| <= pi/4`, takes two fused multiply-adds: `angle - k * PIO2_HI` is exact (both are
+/// multiples of `ulp(PIO2_HI) = 2^-52`, or `2^-53` when `|angle| < 1` and `|k| <= 1`, and the
+/// difference is below 1), and subtracting `k * PIO2_LO` rounds once, relative to `r`; what the
+/// two parts miss of `pi/2` adds at most `|k| * 1.5e-33`. The quadrant picks and signs the
+/// series results.
 #[inline(always)]
 pub fn cos_sin_f32(angle: f64) -> (f32, f32) {
-    let k = round_to_int(angle * core::f64::consts::FRAC_2_PI);
-    let r = (((angle - k * PIO2_1) - k * PIO2_2) - k * PIO2_3) - k * PIO2_4;
+    let shifted = fma(angle, core::f64::consts::FRAC_2_PI, ROUND_MAGIC);
+    let k = shifted - ROUND_MAGIC;
+    // `shifted = 1.5 * 2^52 + k` has a unit last place, so its mantissa's low bits are those of
+    // `k + 2^51`, and `2^51` is a multiple of 4: the two lowest bits are `k mod 4`.
+    let quadrant = shifted.to_bits() & 3;
+    let r = fma(-k, PIO2_LO, fma(-k, PIO2_HI, angle));
     let (s, c) = sincos_reduced(r);
-    // k is an integer below 2^50 in magnitude, so the cast is exact; `& 3` is k mod 4 in two's
-    // complement for negative k too.
-    let (cos, sin) = match (k as i64) & 3 {
+    let (s, c) = (s as f32, c as f32);
+    match quadrant {
         0 => (c, s),
         1 => (-s, c),
         2 => (-c, -s),
         _ => (s, -c),
-    };
-    (cos as f32, sin as f32)
+    }
 }
 
 /// `(cos, sin)` of `position * inv_freq`, rounded once to `f32`.
@@ -178,37 +187,48 @@ mod tests {
 
     #[test]
     fn pio2_parts_sum_to_pi_over_2() {
-        assert_eq!(
-            ((PIO2_4 + PIO2_3) + PIO2_2) + PIO2_1,
-            core::f64::consts::FRAC_PI_2
-        );
-        // The first three parts have at most 21 significant bits (32 trailing zero bits), so
-        // k * PIO2_n is exact for |k| < 2^32.
-        for p in [PIO2_1, PIO2_2, PIO2_3] {
-            assert_eq!(p.to_bits() & ((1 << 32) - 1), 0, "{p}");
+        assert_eq!(PIO2_HI + PIO2_LO, core::f64::consts::FRAC_PI_2);
+        // The low part is the f64 nearest to the remainder: half its ulp exceeds what is left.
+        let ulp_lo = f64::from_bits(PIO2_LO.to_bits() + 1) - PIO2_LO;
+        assert!(1.5e-33 < ulp_lo / 2.0);
+    }
+
+    /// The series and reduction errors are far below the final rounding, so cos/sin are correctly
+    /// rounded except within a hair of a tie: at most 0.51 ulp (measured 0.502).
+    const MAX_ULPS: f64 = 0.51;
+
+    fn assert_close(angle: f64) {
+        let (c, s) = cos_sin_f32(angle);
+        for (name, got, want) in [("cos", c, angle.cos()), ("sin", s, angle.sin())] {
+            let u = ulps(got, want);
+            assert!(u <= MAX_ULPS, "{name}({angle}) = {got} vs {want}: {u} ulp");
         }
     }
 
     #[test]
-    fn cos_sin_within_one_ulp_over_wide_angles() {
-        // Angles from tiny to 2^31, plus the neighbourhoods of multiples of pi/2.
+    fn cos_sin_within_0_51_ulp_over_wide_and_random_angles() {
+        // Angles from tiny to 2^31 on a geometric grid.
         let mut a = 1e-9f64;
         while a < 2.2e9 {
-            for angle in [a, -a] {
-                let (c, s) = cos_sin_f32(angle);
-                assert!(
-                    ulps(c, angle.cos()) <= 1.0,
-                    "cos({angle}) = {c} vs {}",
-                    angle.cos()
-                );
-                assert!(
-                    ulps(s, angle.sin()) <= 1.0,
-                    "sin({angle}) = {s} vs {}",
-                    angle.sin()
-                );
-            }
+            assert_close(a);
+            assert_close(-a);
             a *= 1.011;
         }
+        // Two million pseudo-random angles: half uniform in [0, 8), half log-uniform up to 2^22.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for i in 0..2_000_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+            let angle = if i % 2 == 0 {
+                u * 8.0
+            } else {
+                (u * 22.0 * core::f64::consts::LN_2).exp()
+            };
+            assert_close(angle);
+        }
+        // The neighbourhoods of multiples of pi/2, absolute.
         for k in 1..2000i64 {
             let angle = k as f64 * core::f64::consts::FRAC_PI_2 * 1.000_000_1;
             let (c, s) = cos_sin_f32(angle);

@@ -29,7 +29,7 @@
 use core::num::{NonZeroU32, NonZeroU64};
 
 use crate::abi::{Direction, PositionCode, for_each_kernel};
-use crate::elem::{self, Bf16, Elem};
+use crate::elem::{self, Bf16, Elem, Half};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
 
@@ -510,10 +510,14 @@ unsafe fn rotate_heads<T: Elem, P: Pairing, const L: usize>(
         };
         h += P::HEADS_UNROLL;
     }
-    while h < last {
-        // SAFETY: h < last.
+    if P::HEADS_UNROLL > 2 && h + 2 <= last {
+        // SAFETY: h + 2 <= last. A remainder of two or three heads takes two rounds, not three.
+        unsafe { heads_block::<T, P, L, 2>(a, tok, h, j0, (cos, sin)) };
+        h += 2;
+    }
+    if h < last {
+        // SAFETY: h < last, and at most one head is left.
         unsafe { heads_block::<T, P, L, 1>(a, tok, h, j0, (cos, sin)) };
-        h += 1;
     }
 }
 

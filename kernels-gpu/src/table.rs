@@ -15,7 +15,7 @@
 use core::num::{NonZeroU32, NonZeroU64};
 
 use crate::abi::for_each_table_kernel;
-use crate::elem::{Bf16, Elem};
+use crate::elem::{Bf16, Elem, Half};
 use crate::intrinsics::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
 use crate::math;
 
