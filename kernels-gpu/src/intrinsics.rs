@@ -45,41 +45,39 @@ pub fn trap() -> ! {
     unsafe { nvptx::trap() }
 }
 
-/// Rounds two `f32` to bfloat16, to nearest even, with one `cvt.rn.bf16x2.f32` (sm_80+):
-/// `lo` in bits 0..16 and `hi` in bits 16..32. NaN becomes the canonical bf16 NaN.
-#[inline(always)]
-pub fn f32x2_to_bf16x2(lo: f32, hi: f32) -> u32 {
-    let packed: u32;
-    // SAFETY: a register-only conversion.
-    unsafe {
-        asm!(
-            "cvt.rn.bf16x2.f32 {d}, {hi}, {lo};",
-            d = out(reg32) packed,
-            hi = in(reg32) hi,
-            lo = in(reg32) lo,
-            options(pure, nomem, nostack, preserves_flags),
-        )
+/// Defines a function rounding two `f32` to nearest even with one paired `cvt.rn.*x2.f32`
+/// (sm_80+): `lo` in bits 0..16 and `hi` in bits 16..32 of the result.
+macro_rules! paired_round {
+    ($(#[$doc:meta])* $name:ident, $cvt:literal) => {
+        $(#[$doc])*
+        #[inline(always)]
+        pub fn $name(lo: f32, hi: f32) -> u32 {
+            let packed: u32;
+            // SAFETY: a register-only conversion.
+            unsafe {
+                asm!(
+                    concat!($cvt, " {d}, {hi}, {lo};"),
+                    d = out(reg32) packed,
+                    hi = in(reg32) hi,
+                    lo = in(reg32) lo,
+                    options(pure, nomem, nostack, preserves_flags),
+                )
+            };
+            packed
+        }
     };
-    packed
 }
 
-/// Rounds two `f32` to IEEE binary16, to nearest even, with one `cvt.rn.f16x2.f32` (sm_80+):
-/// `lo` in bits 0..16 and `hi` in bits 16..32.
-#[inline(always)]
-pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
-    let packed: u32;
-    // SAFETY: a register-only conversion.
-    unsafe {
-        asm!(
-            "cvt.rn.f16x2.f32 {d}, {hi}, {lo};",
-            d = out(reg32) packed,
-            hi = in(reg32) hi,
-            lo = in(reg32) lo,
-            options(pure, nomem, nostack, preserves_flags),
-        )
-    };
-    packed
-}
+paired_round!(
+    /// Rounds two `f32` to bfloat16 (`cvt.rn.bf16x2.f32`); NaN becomes the canonical bf16 NaN.
+    f32x2_to_bf16x2,
+    "cvt.rn.bf16x2.f32"
+);
+paired_round!(
+    /// Rounds two `f32` to IEEE binary16 (`cvt.rn.f16x2.f32`).
+    f32x2_to_f16x2,
+    "cvt.rn.f16x2.f32"
+);
 
 /// Widens the IEEE binary16 value in the low 16 bits of `bits` to `f32` (exact). Taking a
 /// 32-bit register keeps vectors of 16-bit elements packed two to a register until each is
