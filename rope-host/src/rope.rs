@@ -522,8 +522,11 @@ fn lanes(req: &Request<'_>, pass_through: bool) -> Option<u32> {
         } else {
             lanes.is_multiple_of(2) && rotary.is_multiple_of(lanes)
         } && (!pass_through || (head - rotary).is_multiple_of(lanes));
+        // Wrapping arithmetic: `bytes` is a power of two, so alignment modulo 2^64 is exact
+        // (an empty tensor may carry any address and offset).
         let aligned = tensors.iter().all(|(addr, l)| {
-            (addr + (l.offset * es) as u64).is_multiple_of(bytes)
+            addr.wrapping_add((l.offset as u64).wrapping_mul(es as u64))
+                .is_multiple_of(bytes)
                 && l.strides.iter().all(|s| s.is_multiple_of(lanes))
         });
         if shape_ok && aligned {
