@@ -16,7 +16,7 @@ use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_tests::gpu::rotate_f32_at;
-use rope_tests::timing::{Runs, median_ms};
+use rope_tests::timing::{L2_FLUSH_BYTES, L2Flush, Runs, median_ms};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -184,6 +184,7 @@ fn run_variant<T: TestElem>(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
     rope: &Rope,
+    flush: &mut L2Flush,
 ) -> Result<(String, bool)> {
     let mut dev = case.upload::<T>(stream)?;
     let check = dev.check(rope, stream);
@@ -197,10 +198,10 @@ fn run_variant<T: TestElem>(
     let bytes = 2.0 * (elems * size_of::<T>()) as f64;
     let copy_src = stream.alloc_zeros::<T>(elems)?;
     let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
-    let rope_ms = median_ms(ctx, stream, RUNS, None, || {
+    let rope_ms = median_ms(ctx, stream, RUNS, Some(&mut *flush), || {
         dev.launch(rope).map_err(anyhow::Error::from)
     })?;
-    let copy_ms = median_ms(ctx, stream, RUNS, None, || {
+    let copy_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
         Ok::<_, anyhow::Error>(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
     })?;
     let (ok, verdict) = match &check {
@@ -236,13 +237,19 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
             );
         }
     }
+    println!(
+        "timings: median of {} event-timed launches after {} warm-up, L2 flushed before each \
+         (the rotated tensors would otherwise stay in the 50 MiB L2 from one launch to the next)",
+        RUNS.timed, RUNS.warmup
+    );
+    let mut flush = L2Flush::new(&stream, L2_FLUSH_BYTES)?;
     let mut rows = Vec::new();
     let mut failures = 0;
     for case in variants() {
         let (row, ok) = match case.dtype {
-            DTypeCase::F32 => run_variant::<f32>(&case, &ctx, &stream, &rope)?,
-            DTypeCase::F16 => run_variant::<f16>(&case, &ctx, &stream, &rope)?,
-            DTypeCase::BF16 => run_variant::<bf16>(&case, &ctx, &stream, &rope)?,
+            DTypeCase::F32 => run_variant::<f32>(&case, &ctx, &stream, &rope, &mut flush)?,
+            DTypeCase::F16 => run_variant::<f16>(&case, &ctx, &stream, &rope, &mut flush)?,
+            DTypeCase::BF16 => run_variant::<bf16>(&case, &ctx, &stream, &rope, &mut flush)?,
         };
         failures += usize::from(!ok);
         rows.push(row);

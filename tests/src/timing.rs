@@ -14,6 +14,10 @@ pub struct Runs {
     pub timed: usize,
 }
 
+/// Bytes [`L2Flush`] overwrites in the demo and the benchmark: several times the 50 MiB L2 of
+/// an H100/H200.
+pub const L2_FLUSH_BYTES: usize = 256 << 20;
+
 /// A buffer written before each timed run so that the next run reads its inputs from device
 /// memory rather than from L2 (`bytes` should exceed the L2 size, 50 MiB on an H100/H200).
 pub struct L2Flush {
