@@ -5,10 +5,11 @@
 /// Threads per block of every kernel launch.
 pub const BLOCK_THREADS: u32 = 256;
 
-/// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once: `cargo xtask ptx`
-/// writes it with `.maxntid` into every entry point (rustc has no launch-bounds attribute), so
-/// ptxas keeps each kernel within 64 registers (2048 resident threads' worth of a 64K register
-/// file, a full SM of these memory-bound kernels).
+/// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
+/// [`KernelName::min_blocks_per_sm`] asks for more: `cargo xtask ptx` writes it as
+/// `.minnctapersm` with `.maxntid` into every entry point (rustc has no launch-bounds
+/// attribute), so ptxas keeps each kernel within `65536 / (256 * 4) = 64` registers and 1024
+/// threads stay resident per multiprocessor.
 pub const MIN_BLOCKS_PER_SM: u32 = 4;
 
 /// Which elements of a head form a rotated pair.
@@ -172,6 +173,21 @@ macro_rules! for_each_kernel {
 pub(crate) use for_each_kernel;
 
 /// Defines [`KernelName::ALL`] and [`KernelName::symbol`] from the kernel list.
+impl KernelName {
+    /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
+    /// 5 for the wide NeoX kernels of 16-bit elements, which then fit in 48 registers without
+    /// spilling and keep 1280 threads resident (partial rotary 5-6% faster on an H200, the
+    /// full-width cases unchanged: docs/perf.md v15), [`MIN_BLOCKS_PER_SM`] otherwise. f16
+    /// with computed sin/cos stays at 4: at 48 registers it spilled and ran 3% slower.
+    pub const fn min_blocks_per_sm(self) -> u32 {
+        match (self.style, self.access, self.dtype, self.source) {
+            (RopeStyle::Neox, Access::Wide, DType::BF16, _)
+            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::Table) => 5,
+            _ => MIN_BLOCKS_PER_SM,
+        }
+    }
+}
+
 macro_rules! kernel_table {
     ($($sym:ident, $narrow:ident: $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*) => {
         impl KernelName {

@@ -79,22 +79,33 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
         .context("the PTX build wrote no kernels_gpu-*.s")
 }
 
-/// Adds `.maxntid BLOCK_THREADS, 1, 1` and `.minnctapersm MIN_BLOCKS_PER_SM` to every entry
-/// point, between its parameter list and its body: the launch bounds rustc cannot express.
+/// Adds `.maxntid BLOCK_THREADS, 1, 1` and `.minnctapersm` (the kernel's
+/// [`KernelName::min_blocks_per_sm`], [`MIN_BLOCKS_PER_SM`] for the table builders) to every
+/// entry point, between its parameter list and its body: the launch bounds rustc cannot
+/// express.
+///
+/// [`KernelName::min_blocks_per_sm`]: kernels_gpu::abi::KernelName::min_blocks_per_sm
+/// [`MIN_BLOCKS_PER_SM`]: kernels_gpu::abi::MIN_BLOCKS_PER_SM
 fn with_launch_bounds(ptx: &str) -> String {
-    use kernels_gpu::abi::{BLOCK_THREADS, MIN_BLOCKS_PER_SM};
+    use kernels_gpu::abi::{BLOCK_THREADS, KernelName, MIN_BLOCKS_PER_SM};
     let mut out = String::with_capacity(ptx.len() + 4096);
-    let mut in_params = false;
+    let mut blocks = None;
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
-        if line.starts_with(".visible .entry") {
-            in_params = true;
-        } else if in_params && line.trim() == ")" {
+        if let Some(rest) = line.strip_prefix(".visible .entry ") {
+            let name = rest.split('(').next().unwrap_or_default();
+            blocks = Some(
+                KernelName::ALL
+                    .into_iter()
+                    .find(|k| k.symbol() == name)
+                    .map_or(MIN_BLOCKS_PER_SM, KernelName::min_blocks_per_sm),
+            );
+        } else if let (Some(n), ")") = (blocks, line.trim()) {
             out.push_str(&format!(
-                ".maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {MIN_BLOCKS_PER_SM}\n"
+                ".maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {n}\n"
             ));
-            in_params = false;
+            blocks = None;
         }
     }
     out
