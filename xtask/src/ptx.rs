@@ -141,3 +141,34 @@ fn validate(ptx: &str) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::with_launch_bounds;
+    use kernels_gpu::abi::{KernelName, MIN_BLOCKS_PER_SM, all_symbols};
+
+    /// An entry point as rustc writes it: name, parameter list, body.
+    fn entry(name: &str) -> String {
+        format!(".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n{{\n\tret;\n}}\n")
+    }
+
+    #[test]
+    fn every_entry_gets_the_bounds_its_kernel_name_asks_for() {
+        let ptx: String = all_symbols().map(entry).collect();
+        let out = with_launch_bounds(&ptx);
+        for symbol in all_symbols() {
+            let want = KernelName::ALL
+                .into_iter()
+                .find(|k| k.symbol() == symbol)
+                .map_or(MIN_BLOCKS_PER_SM, KernelName::min_blocks_per_sm);
+            let bounds = format!(
+                "{}\n)\n.maxntid 256, 1, 1\n.minnctapersm {want}\n{{",
+                format_args!("\t.param .u64 {symbol}_param_0")
+            );
+            assert!(out.contains(&bounds), "{symbol}: want {want} blocks");
+        }
+        // The NeoX 16-bit wide kernels are the ones that differ from the default.
+        assert!(out.contains("rope_neox_table_fwd_bf16(\n\t.param .u64 rope_neox_table_fwd_bf16_param_0\n)\n.maxntid 256, 1, 1\n.minnctapersm 5\n"));
+        assert!(out.contains("rope_neox_theta_fwd_f16(\n\t.param .u64 rope_neox_theta_fwd_f16_param_0\n)\n.maxntid 256, 1, 1\n.minnctapersm 4\n"));
+    }
+}
