@@ -172,13 +172,13 @@ macro_rules! for_each_kernel {
 #[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
 pub(crate) use for_each_kernel;
 
-/// Defines [`KernelName::ALL`] and [`KernelName::symbol`] from the kernel list.
 impl KernelName {
     /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
     /// 5 for the wide NeoX kernels of 16-bit elements, which then fit in 48 registers without
-    /// spilling and keep 1280 threads resident (partial rotary 5-6% faster on an H200, the
-    /// full-width cases unchanged: docs/perf.md v15), [`MIN_BLOCKS_PER_SM`] otherwise. f16
-    /// with computed sin/cos stays at 4: at 48 registers it spilled and ran 3% slower.
+    /// spilling and keep 1280 threads resident (on an H200 partial rotary gained 4-5.5 points
+    /// of copy bandwidth, the full-width cases lost 0-1.3: docs/perf.md v15),
+    /// [`MIN_BLOCKS_PER_SM`] otherwise. f16 with computed sin/cos stays at 4: at 48 registers it
+    /// spilled and ran 3% slower.
     pub const fn min_blocks_per_sm(self) -> u32 {
         match (self.style, self.access, self.dtype, self.source) {
             (RopeStyle::Neox, Access::Wide, DType::BF16, _)
@@ -188,6 +188,7 @@ impl KernelName {
     }
 }
 
+/// Defines [`KernelName::ALL`] and [`KernelName::symbol`] from the kernel list.
 macro_rules! kernel_table {
     ($($sym:ident, $narrow:ident: $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*) => {
         impl KernelName {

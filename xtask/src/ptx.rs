@@ -87,20 +87,16 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
 /// [`KernelName::min_blocks_per_sm`]: kernels_gpu::abi::KernelName::min_blocks_per_sm
 /// [`MIN_BLOCKS_PER_SM`]: kernels_gpu::abi::MIN_BLOCKS_PER_SM
 fn with_launch_bounds(ptx: &str) -> String {
-    use kernels_gpu::abi::{BLOCK_THREADS, KernelName, MIN_BLOCKS_PER_SM};
+    use kernels_gpu::abi::BLOCK_THREADS;
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut blocks = None;
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
         if let Some(rest) = line.strip_prefix(".visible .entry ") {
-            let name = rest.split('(').next().unwrap_or_default();
-            blocks = Some(
-                KernelName::ALL
-                    .into_iter()
-                    .find(|k| k.symbol() == name)
-                    .map_or(MIN_BLOCKS_PER_SM, KernelName::min_blocks_per_sm),
-            );
+            blocks = Some(min_blocks_per_sm(
+                rest.split('(').next().unwrap_or_default(),
+            ));
         } else if let (Some(n), ")") = (blocks, line.trim()) {
             out.push_str(&format!(
                 ".maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {n}\n"
@@ -109,6 +105,15 @@ fn with_launch_bounds(ptx: &str) -> String {
         }
     }
     out
+}
+
+/// The `.minnctapersm` of the entry point `symbol`.
+fn min_blocks_per_sm(symbol: &str) -> u32 {
+    use kernels_gpu::abi::{KernelName, MIN_BLOCKS_PER_SM};
+    KernelName::ALL
+        .into_iter()
+        .find(|k| k.symbol() == symbol)
+        .map_or(MIN_BLOCKS_PER_SM, KernelName::min_blocks_per_sm)
 }
 
 /// Rejects PTX that would fail to load or run slowly: unresolved functions, panic machinery,
@@ -144,31 +149,40 @@ fn validate(ptx: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::with_launch_bounds;
-    use kernels_gpu::abi::{KernelName, MIN_BLOCKS_PER_SM, all_symbols};
+    use super::{min_blocks_per_sm, with_launch_bounds};
+    use kernels_gpu::abi::all_symbols;
 
     /// An entry point as rustc writes it: name, parameter list, body.
     fn entry(name: &str) -> String {
         format!(".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n{{\n\tret;\n}}\n")
     }
 
+    /// What `with_launch_bounds` should make of [`entry`] with `blocks` per multiprocessor.
+    fn bounded(name: &str, blocks: u32) -> String {
+        format!(
+            ".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n\
+             .maxntid 256, 1, 1\n.minnctapersm {blocks}\n{{\n\tret;\n}}\n"
+        )
+    }
+
     #[test]
     fn every_entry_gets_the_bounds_its_kernel_name_asks_for() {
         let ptx: String = all_symbols().map(entry).collect();
-        let out = with_launch_bounds(&ptx);
-        for symbol in all_symbols() {
-            let want = KernelName::ALL
-                .into_iter()
-                .find(|k| k.symbol() == symbol)
-                .map_or(MIN_BLOCKS_PER_SM, KernelName::min_blocks_per_sm);
-            let bounds = format!(
-                "{}\n)\n.maxntid 256, 1, 1\n.minnctapersm {want}\n{{",
-                format_args!("\t.param .u64 {symbol}_param_0")
-            );
-            assert!(out.contains(&bounds), "{symbol}: want {want} blocks");
+        let want: String = all_symbols()
+            .map(|s| bounded(s, min_blocks_per_sm(s)))
+            .collect();
+        assert_eq!(with_launch_bounds(&ptx), want);
+        // The wide NeoX 16-bit kernels differ from the default, f16 computed excepted.
+        for (symbol, blocks) in [
+            ("rope_neox_table_fwd_bf16", 5),
+            ("rope_neox_theta_bwd_bf16", 5),
+            ("rope_neox_table_fwd_f16", 5),
+            ("rope_neox_theta_fwd_f16", 4),
+            ("rope_neox_table_fwd_bf16_narrow", 4),
+            ("rope_interleaved_table_fwd_bf16", 4),
+            ("rope_table_bf16", 4),
+        ] {
+            assert_eq!(min_blocks_per_sm(symbol), blocks, "{symbol}");
         }
-        // The NeoX 16-bit wide kernels are the ones that differ from the default.
-        assert!(out.contains("rope_neox_table_fwd_bf16(\n\t.param .u64 rope_neox_table_fwd_bf16_param_0\n)\n.maxntid 256, 1, 1\n.minnctapersm 5\n"));
-        assert!(out.contains("rope_neox_theta_fwd_f16(\n\t.param .u64 rope_neox_theta_fwd_f16_param_0\n)\n.maxntid 256, 1, 1\n.minnctapersm 4\n"));
     }
 }
