@@ -16,7 +16,7 @@ use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_tests::gpu::rotate_f32_at;
-use rope_tests::timing::{L2_FLUSH_BYTES, L2Flush, Runs, median_ms};
+use rope_tests::timing::{L2Flush, Runs, median_ms};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -242,7 +242,7 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
          (the rotated tensors would otherwise stay in the 50 MiB L2 from one launch to the next)",
         RUNS.timed, RUNS.warmup
     );
-    let mut flush = L2Flush::new(&stream, L2_FLUSH_BYTES)?;
+    let mut flush = L2Flush::new(&stream)?;
     let mut rows = Vec::new();
     let mut failures = 0;
     for case in variants() {

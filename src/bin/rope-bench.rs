@@ -21,7 +21,7 @@ use rope_host::cudarc::nvrtc::Ptx;
 use rope_host::half::{bf16, f16};
 use rope_host::{Direction, Rope, RopeStyle, TableFormat, open_device};
 use rope_tests::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
-use rope_tests::timing::{L2_FLUSH_BYTES, L2Flush, Runs, median_ms};
+use rope_tests::timing::{L2Flush, Runs, median_ms};
 
 const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {
@@ -172,7 +172,7 @@ fn main() -> Result<()> {
     let ctx = open_device(0).context("rope-bench needs a GPU")?;
     let stream = ctx.new_stream()?;
     let rope = Rope::new(stream.clone())?;
-    let mut flush = L2Flush::new(&stream, L2_FLUSH_BYTES)?;
+    let mut flush = L2Flush::new(&stream)?;
     let device = ctx.name()?;
     let mut driver = 0i32;
     // SAFETY: writes one int through a valid pointer; the driver is loaded (a context exists).

@@ -14,21 +14,20 @@ pub struct Runs {
     pub timed: usize,
 }
 
-/// Bytes [`L2Flush`] overwrites in the demo and the benchmark: several times the 50 MiB L2 of
-/// an H100/H200.
-pub const L2_FLUSH_BYTES: usize = 256 << 20;
-
 /// A buffer written before each timed run so that the next run reads its inputs from device
-/// memory rather than from L2 (`bytes` should exceed the L2 size, 50 MiB on an H100/H200).
+/// memory rather than from L2.
 pub struct L2Flush {
     buf: CudaSlice<u8>,
 }
 
 impl L2Flush {
+    /// Bytes overwritten: several times the 50 MiB L2 of an H100/H200.
+    pub const BYTES: usize = 256 << 20;
+
     /// Allocates the flush buffer.
-    pub fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self, DriverError> {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self, DriverError> {
         Ok(Self {
-            buf: stream.alloc_zeros::<u8>(bytes)?,
+            buf: stream.alloc_zeros::<u8>(Self::BYTES)?,
         })
     }
 
