@@ -384,9 +384,10 @@ pub(crate) struct Plan {
 /// Chooses the grid: `items = tokens * groups` work items on `blockIdx.x` in blocks of
 /// [`BLOCK_THREADS`], and heads split over `blockIdx.y` only as far as needed to give every
 /// multiprocessor a full complement of threads (so sin/cos are reused across as many heads as
-/// possible), into equal chunks when a divisor of the head count lies between that many
-/// chunks and twice as many: ragged chunks (32 heads as 11, 11, 10) left blocks of unequal
-/// work and cost both sin/cos paths 1-2 points of copy bandwidth on an H200 (docs/perf.md
+/// possible), and into one chunk more when that makes the chunks equal: ragged chunks (32
+/// heads as 11, 11, 10) left blocks of unequal work and cost both sin/cos paths 1-2 points of
+/// copy bandwidth on an H200, while each further chunk costs the in-kernel path one more sin/cos
+/// evaluation per item (32 heads as 8 x 4 instead of 7, 7, 7, 7, 4: 5% slower; docs/perf.md
 /// v17). `gridDim.y <= 65535` and `gridDim.x <= 2^31 - 1` always hold: the kernel's
 /// grid-stride loop covers any remainder.
 ///
@@ -405,9 +406,7 @@ pub(crate) fn grid(tokens: u64, groups: u32, heads: u32, sm_count: u32) -> Resul
     let resident = sm_count.max(1) as u64 * THREADS_PER_SM;
     let max_chunks = (heads as u64).min(MAX_GRID_Y);
     let wanted_chunks = resident.div_ceil(items).clamp(1, max_chunks);
-    // The smallest divisor of the head count from `wanted_chunks` to twice that (at most 65
-    // tried), if any.
-    let equal = (wanted_chunks..=(2 * wanted_chunks).min(max_chunks).min(wanted_chunks + 64))
+    let equal = (wanted_chunks..=(wanted_chunks + 1).min(max_chunks))
         .find(|c| (heads as u64).is_multiple_of(*c));
     let wanted_chunks = equal.unwrap_or(wanted_chunks);
     let heads_per_chunk = (heads as u64).div_ceil(wanted_chunks);
@@ -1324,7 +1323,8 @@ mod tests {
 
     #[test]
     fn grid_splits_heads_into_equal_chunks_when_a_divisor_is_near() {
-        // 8192 tokens of 16 items want 3 chunks on 132 SMs: 32 heads go as 4 x 8, 40 as 4 x 10.
+        // 8192 tokens of 16 items want 3 chunks on 132 SMs: 32 heads go as 4 x 8, 40 as
+        // 4 x 10, 48 as 3 x 16.
         for (heads, chunks, per_chunk) in [(32, 4, 8), (40, 4, 10), (48, 3, 16)] {
             let g = grid(8192, 16, heads, 132)
                 .expect("fits")
@@ -1334,9 +1334,12 @@ mod tests {
                 (chunks, per_chunk)
             );
         }
-        // 37 heads (prime) have no divisor in 3..=6: ragged chunks of 13, 13, 11.
+        // 37 heads (prime) have no divisor in 3..=4: ragged chunks of 13, 13, 11.
         let g = grid(8192, 16, 37, 132).expect("fits").expect("non-empty");
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (3, 13));
+        // 8 items per token want 5 chunks: 32 heads stay 7, 7, 7, 7, 4 rather than 8 x 4.
+        let g = grid(8192, 8, 32, 132).expect("fits").expect("non-empty");
+        assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (5, 7));
     }
 
     #[test]
