@@ -42,6 +42,16 @@ pub enum DType {
     BF16,
 }
 
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+        }
+    }
+}
+
 /// Where a kernel takes cos/sin from; each source has its own kernels, so the table kernels
 /// carry none of the registers of the in-kernel sin/cos.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

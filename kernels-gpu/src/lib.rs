@@ -5,7 +5,8 @@
 //! - on `nvptx64` it exports the `extern "ptx-kernel"` entry points of `rope` and `table` (one
 //!   file per kernel family), built on the few device intrinsics gathered in `intrinsics`;
 //! - everywhere, including stable Rust on the host, it exposes the pure arithmetic in [`math`]
-//!   and the launch contract in [`abi`], so the host library and the CPU tests share them.
+//!   and [`divide`] and the launch contract in [`abi`], so the host library and the CPU tests
+//!   share them.
 //!
 //! Moving to another GPU backend (for example rust-cuda's NVVM) means swapping the
 //! `intrinsics` module and nothing else.
@@ -20,6 +21,7 @@
 extern crate std;
 
 pub mod abi;
+pub mod divide;
 pub mod math;
 
 #[cfg(target_arch = "nvptx64")]

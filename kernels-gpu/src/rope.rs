@@ -18,7 +18,9 @@
 //! A work item is one (token, group): groups `0..rot_groups` rotate `pairs_per_item` pairs,
 //! groups `rot_groups..groups` copy `lanes` pass-through elements. The `tokens * groups` items
 //! are walked by a grid-stride loop over `blockIdx.x`, so consecutive threads touch
-//! consecutive addresses of a head. Each rotating item computes or loads the sin/cos of its
+//! consecutive addresses of a head; an item's index splits into token and group, and the token
+//! into batch row and sequence index, by multiply-high with the host's magic numbers
+//! ([`crate::divide`]) rather than by division instructions. Each rotating item computes or loads the sin/cos of its
 //! pairs once and applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk`
 //! of the concatenation of tensor 0's and tensor 1's heads, several heads at a time with all
 //! loads issued before the stores (with computed sin/cos, the first two heads' loads go out
@@ -26,9 +28,10 @@
 //! the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
 //! elements).
 
-use core::num::{NonZeroU32, NonZeroU64};
+use core::num::NonZeroU32;
 
 use crate::abi::{Direction, PositionCode, for_each_kernel};
+use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
 use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
 use crate::math;
@@ -94,9 +97,9 @@ struct Args<T> {
     q: TensorArgs<T>,
     k: TensorArgs<T>,
     tokens: u64,
-    seq: NonZeroU32,
+    seq: Divisor,
     heads_per_chunk: u32,
-    groups: NonZeroU32,
+    groups: Divisor,
     rot_groups: u32,
     half: u32,
     rotary_dim: u32,
@@ -124,7 +127,7 @@ struct Args<T> {
 /// [`PositionCode`]).
 #[inline(always)]
 unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
-    let seq = a.seq.get() as u64;
+    let seq = a.seq.divisor.get() as u64;
     let Some(code) = PositionCode::from_u32(a.positions) else {
         trap()
     };
@@ -423,17 +426,15 @@ unsafe fn loads_ahead<T: Elem, P: Pairing, S: Source, const L: usize, const N: u
 #[inline(always)]
 unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
     let pairs = if P::NEOX { L } else { L / 2 };
-    let groups = NonZeroU64::from(a.groups);
-    let seq = NonZeroU64::from(a.seq);
-    let total = a.tokens * groups.get();
+    let total = a.tokens * a.groups.divisor.get() as u64;
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
     let heads = head_range(a);
     let half = a.half as usize;
     let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
     while idx < total {
-        let token = idx / groups;
-        let group = (idx % groups) as u32;
-        let (b, s) = (token / seq, token % seq);
+        let (token, group) = a.groups.div_rem(idx);
+        let group = group as u32;
+        let (b, s) = a.seq.div_rem(token);
         if group < a.rot_groups {
             let j0 = group as usize * pairs;
             // SAFETY: (b, s) is a token of the batch; the position arrays are promised.
@@ -583,6 +584,9 @@ macro_rules! rope_kernel {
         /// Per tensor `n` in 0 (q) and 1 (k, `heads1 = 0` when absent): `xn`, `outn`,
         /// `headsn`, element strides `xn_stride_*`, `outn_stride_*` of
         /// `[batch, seq, heads, head_dim]` (last dimension contiguous). `tokens = batch * seq`;
+        /// `seq` and `groups` with the magic numbers and shifts of their
+        /// [`Divisor`](crate::divide::Divisor)s (`seq_magic`, `seq_shift`, `groups_magic`,
+        /// `groups_shift`);
         /// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
         /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item`
         /// with `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
@@ -601,6 +605,8 @@ macro_rules! rope_kernel {
         /// - for tables, `cos` and `sin` hold `table_positions` rows of `table_stride >= half`
         ///   elements; for computed sin/cos, `inv_freq` holds `half` `f64`;
         /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names.
+        /// - `seq_magic`, `seq_shift`, `groups_magic` and `groups_shift` are those
+        ///   [`Divisor::new`] computes for `seq` and `groups`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
@@ -624,8 +630,12 @@ macro_rules! rope_kernel {
             out1_stride_head: u64,
             tokens: u64,
             seq: NonZeroU32,
+            seq_magic: u32,
+            seq_shift: u32,
             heads_per_chunk: u32,
             groups: NonZeroU32,
+            groups_magic: u32,
+            groups_shift: u32,
             rot_groups: u32,
             half: u32,
             rotary_dim: u32,
@@ -659,9 +669,17 @@ macro_rules! rope_kernel {
                         out_strides: [out1_stride_batch, out1_stride_seq, out1_stride_head],
                     },
                 tokens,
-                seq,
+                seq: Divisor {
+                    divisor: seq,
+                    magic: seq_magic,
+                    shift: seq_shift,
+                },
                 heads_per_chunk,
-                groups,
+                groups: Divisor {
+                    divisor: groups,
+                    magic: groups_magic,
+                    shift: groups_shift,
+                },
                 rot_groups,
                 half,
                 rotary_dim,

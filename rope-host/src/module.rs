@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
+use kernels_gpu::abi::BLOCK_THREADS;
 
 use crate::error::{Error, Result};
 
@@ -30,25 +31,53 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>> {
 #[derive(Debug)]
 pub(crate) struct Module {
     ctx: Arc<CudaContext>,
-    functions: Vec<(&'static str, CudaFunction)>,
+    functions: Vec<Loaded>,
     _module: Arc<CudaModule>,
 }
 
+/// One kernel function and how many blocks of it one multiprocessor holds.
+#[derive(Debug)]
+struct Loaded {
+    symbol: &'static str,
+    function: CudaFunction,
+    /// Blocks of `BLOCK_THREADS` threads resident per multiprocessor (at least 1), from the
+    /// driver's occupancy calculation for the registers the JIT compiler gave the kernel.
+    blocks_per_sm: u32,
+}
+
 impl Module {
+    fn loaded(&self, symbol: &str) -> &Loaded {
+        self.functions
+            .iter()
+            .find(|l| l.symbol == symbol)
+            .expect("every symbol of abi::all_symbols is loaded by Module::load")
+    }
+
     /// The function exported as `symbol`, one of `kernels_gpu::abi::all_symbols()`.
     pub(crate) fn function(&self, symbol: &str) -> &CudaFunction {
-        &self
-            .functions
-            .iter()
-            .find(|(s, _)| *s == symbol)
-            .expect("every symbol of abi::all_symbols is loaded by Module::load")
-            .1
+        &self.loaded(symbol).function
+    }
+
+    /// Blocks of `BLOCK_THREADS` threads of the kernel `symbol` that one multiprocessor of
+    /// this device holds at once (at least 1).
+    pub(crate) fn blocks_per_sm(&self, symbol: &str) -> u32 {
+        self.loaded(symbol).blocks_per_sm
     }
 
     fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
         let module = ctx.load_module(Ptx::from_src(PTX))?;
         let functions = kernels_gpu::abi::all_symbols()
-            .map(|symbol| Ok((symbol, module.load_function(symbol)?)))
+            .map(|symbol| {
+                let function = module.load_function(symbol)?;
+                let blocks_per_sm = function
+                    .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)?
+                    .max(1);
+                Ok(Loaded {
+                    symbol,
+                    function,
+                    blocks_per_sm,
+                })
+            })
             .collect::<Result<_>>()?;
         Ok(Self {
             ctx: ctx.clone(),

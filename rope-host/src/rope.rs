@@ -9,6 +9,7 @@
 //! [`RopeStyle::Interleaved`] and `(x[i], x[i + r/2])` for [`RopeStyle::Neox`]; elements
 //! `r..head_dim` pass through unchanged.
 
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 
 pub use crate::layout::Layout;
@@ -20,6 +21,7 @@ use kernels_gpu::abi::{
     Access, BLOCK_THREADS, KernelName, PositionCode, SinCosSource, preferred_lanes,
 };
 pub use kernels_gpu::abi::{DType, Direction, RopeStyle};
+use kernels_gpu::divide::Divisor;
 
 use crate::error::{Result, invalid};
 use crate::freq::AngleMode;
@@ -347,7 +349,7 @@ pub(crate) enum PositionsReq<'a> {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Request<'a> {
     pub(crate) config: RopeConfig,
-    pub(crate) elem_size: usize,
+    pub(crate) dtype: DType,
     pub(crate) q: TensorReq,
     pub(crate) k: Option<TensorReq>,
     /// q and k are in place in the same buffer (`QkIo::Fused`).
@@ -356,21 +358,23 @@ pub(crate) struct Request<'a> {
     pub(crate) positions: PositionsReq<'a>,
 }
 
-/// The grid of a launch and the heads each `blockIdx.y` handles.
+/// The grid of a launch, the heads each `blockIdx.y` handles and the divisors that split a
+/// work item's index into token and group, and a token into batch row and sequence index.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Grid {
     pub(crate) config: LaunchConfig,
     pub(crate) heads_per_chunk: u32,
+    pub(crate) seq: Divisor,
+    pub(crate) groups: Divisor,
 }
 
 /// Everything a launch needs except the device pointers; `None` grid for an empty tensor.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Plan {
+    pub(crate) kernel: KernelName,
     pub(crate) grid: Option<Grid>,
     pub(crate) lanes: u32,
-    pub(crate) groups: u32,
     pub(crate) rot_groups: u32,
-    pub(crate) source: SinCosSource,
     /// Elements per table row and rows (tables only).
     pub(crate) table_stride: u64,
     pub(crate) table_positions: u64,
@@ -381,37 +385,77 @@ pub(crate) struct Plan {
     pub(crate) tokens: u64,
 }
 
+/// What the launch planner needs to know of the device.
+pub(crate) struct Gpu<'a> {
+    /// Streaming multiprocessors.
+    pub(crate) sm_count: u32,
+    /// Blocks of [`BLOCK_THREADS`] threads of a kernel that one multiprocessor holds at once
+    /// (the driver's occupancy calculation for that kernel's registers).
+    pub(crate) blocks_per_sm: &'a dyn Fn(KernelName) -> u32,
+}
+
 /// Chooses the grid: `items = tokens * groups` work items on `blockIdx.x` in blocks of
 /// [`BLOCK_THREADS`], and heads split over `blockIdx.y` only as far as needed to give every
 /// multiprocessor a full complement of threads (so sin/cos are reused across as many heads as
-/// possible), and into one chunk more when that makes the chunks equal: ragged chunks (32
-/// heads as 11, 11, 10) left blocks of unequal work and cost both sin/cos paths 1-2 points of
-/// copy bandwidth on an H200, while each further chunk costs the in-kernel path one more sin/cos
-/// evaluation per item (32 heads as 8 x 4 instead of 7, 7, 7, 7, 4: 5% slower; docs/perf.md
-/// v17). `gridDim.y <= 65535` and `gridDim.x <= 2^31 - 1` always hold: the kernel's
-/// grid-stride loop covers any remainder.
+/// possible), or up to two chunks further when that splits the heads equally, taking of those
+/// equal splits the one whose last wave of blocks (`sm_count * blocks_per_sm` blocks run at
+/// once) is fullest, fewer chunks on a tie.
+///
+/// Measured on an H200 (docs/perf.md v17, v18): ragged chunks (32 heads as 11, 11, 10) leave
+/// blocks of unequal work and cost both sin/cos paths 1-2 points of copy bandwidth; a last wave
+/// that is mostly empty costs up to 8 (the 40 heads of the prefill case as 5 x 8 instead of
+/// 4 x 10: 2560 blocks for 660 slots rather than 2048, +1.3 points for both paths); and each
+/// further chunk costs the in-kernel path one more sin/cos evaluation per item, which is why the
+/// search stops two chunks out (32 heads as 8 x 4 instead of 7, 7, 7, 7, 4: 5% slower).
+/// `gridDim.y <= 65535` and `gridDim.x <= 2^31 - 1` always hold: the kernel's grid-stride loop
+/// covers any remainder.
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming `layout` when `tokens * groups` overflows `u64`.
-pub(crate) fn grid(tokens: u64, groups: u32, heads: u32, sm_count: u32) -> Result<Option<Grid>> {
+pub(crate) fn grid(
+    tokens: u64,
+    seq: u32,
+    groups: u32,
+    heads: u32,
+    sm_count: u32,
+    blocks_per_sm: u32,
+) -> Result<Option<Grid>> {
     const MAX_GRID_X: u64 = i32::MAX as u64;
     const MAX_GRID_Y: u64 = 65_535;
     const THREADS_PER_SM: u64 = 2048;
-    if tokens == 0 || heads == 0 || groups == 0 {
+    let (Some(seq), Some(groups_nz)) = (NonZeroU32::new(seq), NonZeroU32::new(groups)) else {
+        return Ok(None);
+    };
+    if tokens == 0 || heads == 0 {
         return Ok(None);
     }
     let items = tokens
         .checked_mul(groups as u64)
         .ok_or_else(|| invalid("layout", "batch * seq * head_dim overflows u64"))?;
-    let resident = sm_count.max(1) as u64 * THREADS_PER_SM;
-    let max_chunks = (heads as u64).min(MAX_GRID_Y);
-    let wanted_chunks = resident.div_ceil(items).clamp(1, max_chunks);
-    let equal = (wanted_chunks..=(wanted_chunks + 1).min(max_chunks))
-        .find(|c| (heads as u64).is_multiple_of(*c));
-    let wanted_chunks = equal.unwrap_or(wanted_chunks);
-    let heads_per_chunk = (heads as u64).div_ceil(wanted_chunks);
-    let chunks = (heads as u64).div_ceil(heads_per_chunk);
+    let heads = heads as u64;
     let blocks_x = items.div_ceil(BLOCK_THREADS as u64).min(MAX_GRID_X);
+    let resident = sm_count.max(1) as u64 * THREADS_PER_SM;
+    let max_chunks = heads.min(MAX_GRID_Y);
+    let wanted = resident.div_ceil(items).clamp(1, max_chunks);
+    let slots = sm_count.max(1) as u64 * blocks_per_sm.max(1) as u64;
+    // (blocks, the slots of the waves they occupy): the first over the second is how full the
+    // waves are. Both stay below 2^48, so the cross products fit in u128.
+    let fill = |chunks: u64| {
+        let blocks = blocks_x * chunks;
+        (blocks as u128, (blocks.div_ceil(slots) * slots) as u128)
+    };
+    let mut equal: Option<u64> = None;
+    for c in (wanted..=(wanted + 2).min(max_chunks)).filter(|c| heads.is_multiple_of(*c)) {
+        let (blocks, room) = fill(c);
+        if equal.is_none_or(|best| {
+            let (best_blocks, best_room) = fill(best);
+            blocks * best_room > best_blocks * room
+        }) {
+            equal = Some(c);
+        }
+    }
+    let heads_per_chunk = heads.div_ceil(equal.unwrap_or(wanted));
+    let chunks = heads.div_ceil(heads_per_chunk);
     Ok(Some(Grid {
         config: LaunchConfig {
             grid_dim: (blocks_x as u32, chunks as u32, 1),
@@ -419,6 +463,8 @@ pub(crate) fn grid(tokens: u64, groups: u32, heads: u32, sm_count: u32) -> Resul
             shared_mem_bytes: 0,
         },
         heads_per_chunk: heads_per_chunk as u32,
+        seq: Divisor::new(seq),
+        groups: Divisor::new(groups_nz),
     }))
 }
 
@@ -514,7 +560,7 @@ fn lanes(req: &Request<'_>, pass_through: bool) -> Option<u32> {
         cfg.head_dim as usize,
     );
     let neox = cfg.style == RopeStyle::Neox;
-    let es = req.elem_size;
+    let es = req.dtype.size();
     let mut tensors: Vec<(u64, Layout)> = Vec::new();
     for t in [Some(req.q), req.k].into_iter().flatten() {
         tensors.push((t.x.addr, t.x_layout));
@@ -547,13 +593,13 @@ fn lanes(req: &Request<'_>, pass_through: bool) -> Option<u32> {
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming the first offending argument.
-pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
+pub(crate) fn plan(req: &Request<'_>, gpu: &Gpu<'_>) -> Result<Plan> {
     let cfg = &req.config;
     let half = cfg.half() as usize;
     let q = &req.q.x_layout;
 
     // Tensors: shapes, buffers, alignment, self-overlap, then overlap between them.
-    let mut regions = check_tensor(("q", "q.output"), &req.q, cfg, req.elem_size)?;
+    let mut regions = check_tensor(("q", "q.output"), &req.q, cfg, req.dtype.size())?;
     if let Some(k) = &req.k {
         let l = &k.x_layout;
         if (l.batch, l.seq) != (q.batch, q.seq) {
@@ -566,7 +612,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
                 ),
             ));
         }
-        let mut kr = check_tensor(("k", "k.output"), k, cfg, req.elem_size)?;
+        let mut kr = check_tensor(("k", "k.output"), k, cfg, req.dtype.size())?;
         kr.iter_mut().for_each(|r| r.owner.0 = 1);
         regions.extend(kr);
         if req.fused && !fused_are_disjoint(q, l) {
@@ -664,7 +710,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
             }
             let rows = table_rows(cos.len, half, "[max_position, rotary_dim / 2]")?;
             for (name, b) in [("sincos.cos", cos), ("sincos.sin", sin)] {
-                if !b.addr.is_multiple_of(req.elem_size as u64) {
+                if !b.addr.is_multiple_of(req.dtype.size() as u64) {
                     return Err(invalid(name, "is not aligned to its element size"));
                 }
             }
@@ -672,7 +718,7 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
         }
         SinCosReq::CosSinCache(cache) => {
             let rows = table_rows(cache.len, 2 * half, "[max_position, rotary_dim]")?;
-            if !cache.addr.is_multiple_of(req.elem_size as u64) {
+            if !cache.addr.is_multiple_of(req.dtype.size() as u64) {
                 return Err(invalid("sincos", "is not aligned to its element size"));
             }
             (SinCosSource::Table, 2 * half as u64, rows)
@@ -727,13 +773,31 @@ pub(crate) fn plan(req: &Request<'_>, sm_count: u32) -> Result<Plan> {
         0
     };
     let groups = rot_groups + pass_groups;
-    let grid = grid(tokens, groups, heads as u32, sm_count)?;
+    let kernel = KernelName {
+        style: cfg.style,
+        source,
+        direction: cfg.direction,
+        dtype: req.dtype,
+        access: if lanes == preferred_lanes(cfg.style, req.dtype.size()) {
+            Access::Wide
+        } else {
+            Access::Narrow
+        },
+    };
+    let blocks_per_sm = (gpu.blocks_per_sm)(kernel);
+    let grid = grid(
+        tokens,
+        q.seq as u32,
+        groups,
+        heads as u32,
+        gpu.sm_count,
+        blocks_per_sm,
+    )?;
     Ok(Plan {
+        kernel,
         grid,
         lanes,
-        groups,
         rot_groups,
-        source,
         table_stride,
         table_positions,
         positions,
@@ -913,11 +977,7 @@ impl Rope {
                     registers: f.num_regs()?,
                     local_bytes: f.local_size_bytes()?,
                     shared_bytes: f.shared_size_bytes()?,
-                    blocks_per_sm: f.occupancy_max_active_blocks_per_multiprocessor(
-                        BLOCK_THREADS,
-                        0,
-                        None,
-                    )?,
+                    blocks_per_sm: self.module.blocks_per_sm(name),
                 })
             })
             .collect()
@@ -1046,14 +1106,18 @@ impl Rope {
         };
         let req = Request {
             config: op.config,
-            elem_size: size_of::<T>(),
+            dtype: T::DTYPE,
             q: q.0,
             k: k.as_ref().map(|k| k.0),
             fused,
             sincos: sincos_req,
             positions: positions_req,
         };
-        let plan = plan(&req, self.sm_count)?;
+        let gpu = Gpu {
+            sm_count: self.sm_count,
+            blocks_per_sm: &|k| self.module.blocks_per_sm(k.symbol()),
+        };
+        let plan = plan(&req, &gpu)?;
         let Some(grid) = plan.grid else {
             return Ok(()); // An empty tensor: nothing to rotate.
         };
@@ -1126,21 +1190,10 @@ impl Rope {
             strides(&k_ptrs.out_layout),
         );
         let (q_heads, k_heads) = (q_ptrs.x_layout.heads as u32, k_ptrs.x_layout.heads as u32);
-        let seq = q_ptrs.x_layout.seq as u32;
         let (half, rotary_dim) = (op.config.half(), op.config.rotary_dim);
         let positions_code = plan.positions as u32;
-        let kernel = KernelName {
-            style: op.config.style,
-            source: plan.source,
-            direction: op.config.direction,
-            dtype: T::DTYPE,
-            access: if plan.lanes == preferred_lanes(op.config.style, size_of::<T>()) {
-                Access::Wide
-            } else {
-                Access::Narrow
-            },
-        };
-        let func = self.module.function(kernel.symbol());
+        let (seq, groups) = (grid.seq.divisor.get(), grid.groups.divisor.get());
+        let func = self.module.function(plan.kernel.symbol());
         let mut launch = stream.launch_builder(func);
         launch
             .arg(&q_ptrs.x)
@@ -1163,8 +1216,12 @@ impl Rope {
             .arg(&ko[2])
             .arg(&plan.tokens)
             .arg(&seq)
+            .arg(&grid.seq.magic)
+            .arg(&grid.seq.shift)
             .arg(&grid.heads_per_chunk)
-            .arg(&plan.groups)
+            .arg(&groups)
+            .arg(&grid.groups.magic)
+            .arg(&grid.groups.shift)
             .arg(&plan.rot_groups)
             .arg(&half)
             .arg(&rotary_dim)
@@ -1188,7 +1245,7 @@ impl Rope {
         // written regions overlap no other tensor (fused q and k: disjoint element sets);
         // pointers and strides are aligned to `lanes` elements and `lanes` divides the pairs
         // and pass-through elements as `groups` counts them; seq >= 1 and groups >= 1 (empty
-        // tensors returned above); tables hold `table_positions` rows of `table_stride >= half`
+        // tensors returned above), their magic numbers and shifts from `Divisor::new`; tables hold `table_positions` rows of `table_stride >= half`
         // elements, or `inv_freq` holds `half` f64; ids, row offsets or cu_seqlens/offsets
         // have the lengths their position code names; the grid keeps
         // blockIdx.y * heads_per_chunk < q.heads + k.heads. The views borrow their buffers
@@ -1275,7 +1332,7 @@ mod tests {
     fn request(config: RopeConfig, layout: Layout) -> Request<'static> {
         Request {
             config,
-            elem_size: 4,
+            dtype: DType::F32,
             q: tensor(layout, 1 << 20),
             k: None,
             fused: false,
@@ -1284,11 +1341,38 @@ mod tests {
         }
     }
 
+    /// The blocks per multiprocessor the launch bounds promise, standing in for the driver's
+    /// occupancy calculation.
+    fn launch_bounds(k: KernelName) -> u32 {
+        k.min_blocks_per_sm()
+    }
+
+    /// A device of `sm_count` multiprocessors where every kernel runs at its launch bounds.
+    fn gpu(sm_count: u32) -> Gpu<'static> {
+        Gpu {
+            sm_count,
+            blocks_per_sm: &launch_bounds,
+        }
+    }
+
+    /// Work-item groups per token of a non-empty plan.
+    fn groups(p: &Plan) -> u32 {
+        p.grid.expect("non-empty").groups.divisor.get()
+    }
+
     fn invalid_arg(r: Result<Plan>) -> &'static str {
         match r {
             Err(Error::Invalid { arg, .. }) => arg,
             other => panic!("expected Error::Invalid, got {other:?}"),
         }
+    }
+
+    /// The grid of `tokens` tokens (one sequence row each) on an H200: 132 multiprocessors
+    /// holding `blocks_per_sm` blocks each.
+    fn h200_grid(tokens: u64, groups: u32, heads: u32, blocks_per_sm: u32) -> Grid {
+        grid(tokens, 1, groups, heads, 132, blocks_per_sm)
+            .expect("no overflow")
+            .expect("non-empty")
     }
 
     #[test]
@@ -1299,9 +1383,7 @@ mod tests {
             (1, 1, 100_000),
             (64, 16, 4096),
         ] {
-            let g = grid(tokens, groups, heads, 132)
-                .expect("no overflow")
-                .expect("non-empty");
+            let g = h200_grid(tokens, groups, heads, 4);
             let (x, y, z) = g.config.grid_dim;
             assert!(x >= 1 && x as u64 <= i32::MAX as u64);
             assert!((1..=65_535).contains(&y) && z == 1);
@@ -1309,42 +1391,57 @@ mod tests {
             // Every head is covered, and no chunk starts past the last head.
             assert!(y as u64 * g.heads_per_chunk as u64 >= heads as u64);
             assert!(((y - 1) as u64 * g.heads_per_chunk as u64) < heads as u64);
+            assert_eq!(g.groups.divisor.get(), groups);
         }
     }
 
     #[test]
+    fn grid_is_empty_without_tokens_heads_or_groups() {
+        for (tokens, seq, groups, heads) in [(0, 1, 16, 32), (64, 0, 16, 32), (64, 64, 0, 32)] {
+            assert!(
+                grid(tokens, seq, groups, heads, 132, 4)
+                    .expect("fits")
+                    .is_none()
+            );
+        }
+        assert!(grid(64, 64, 16, 0, 132, 4).expect("fits").is_none());
+    }
+
+    #[test]
     fn grid_keeps_all_heads_in_one_chunk_when_tokens_fill_the_gpu() {
-        let g = grid(8192 * 4, 16, 32, 132)
-            .expect("fits")
-            .expect("non-empty");
+        let g = h200_grid(8192 * 4, 16, 32, 4);
         assert_eq!(g.config.grid_dim.1, 1);
         assert_eq!(g.heads_per_chunk, 32);
     }
 
     #[test]
-    fn grid_splits_heads_into_equal_chunks_when_a_divisor_is_near() {
-        // 8192 tokens of 16 items want 3 chunks on 132 SMs: 32 heads go as 4 x 8, 40 as
-        // 4 x 10, 48 as 3 x 16.
-        for (heads, chunks, per_chunk) in [(32, 4, 8), (40, 4, 10), (48, 3, 16)] {
-            let g = grid(8192, 16, heads, 132)
-                .expect("fits")
-                .expect("non-empty");
+    fn grid_splits_heads_equally_with_the_fullest_last_wave() {
+        // 8192 tokens of 16 items (512 blocks) want 3 chunks. With 5 blocks per SM (660 run at
+        // once): 32 heads go as 4 x 8, their only equal split in 3..=5; 40 heads as 5 x 8,
+        // whose 2560 blocks fill 4 waves to 97%, where 4 x 10 fills them to 78%; 48 heads as
+        // 3 x 16, which fills its waves as well as 4 x 12 does, with fewer chunks.
+        for (heads, chunks, per_chunk) in [(32, 4, 8), (40, 5, 8), (48, 3, 16)] {
+            let g = h200_grid(8192, 16, heads, 5);
             assert_eq!(
                 (g.config.grid_dim.1, g.heads_per_chunk),
-                (chunks, per_chunk)
+                (chunks, per_chunk),
+                "{heads} heads"
             );
         }
-        // 37 heads (prime) have no divisor in 3..=4: ragged chunks of 13, 13, 11.
-        let g = grid(8192, 16, 37, 132).expect("fits").expect("non-empty");
+        // With 4 blocks per SM (528 at once) 4 x 10 and 5 x 8 fill their waves equally: 4 x 10.
+        let g = h200_grid(8192, 16, 40, 4);
+        assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (4, 10));
+        // 37 heads (prime) have no divisor in 3..=5: ragged chunks of 13, 13, 11.
+        let g = h200_grid(8192, 16, 37, 5);
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (3, 13));
         // 8 items per token want 5 chunks: 32 heads stay 7, 7, 7, 7, 4 rather than 8 x 4.
-        let g = grid(8192, 8, 32, 132).expect("fits").expect("non-empty");
+        let g = h200_grid(8192, 8, 32, 5);
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (5, 7));
     }
 
     #[test]
     fn grid_splits_heads_for_decode() {
-        let g = grid(64, 16, 32, 132).expect("fits").expect("non-empty");
+        let g = h200_grid(64, 16, 32, 4);
         assert!(g.config.grid_dim.1 > 1);
     }
 
@@ -1383,12 +1480,12 @@ mod tests {
 
     #[test]
     fn picks_16_byte_accesses_when_aligned() {
-        let p = plan(&request(neox(128), Layout::bshd(2, 3, 4, 128)), 132).expect("valid");
-        assert_eq!((p.lanes, p.groups), (4, 16));
+        let p = plan(&request(neox(128), Layout::bshd(2, 3, 4, 128)), &gpu(132)).expect("valid");
+        assert_eq!((p.lanes, groups(&p)), (4, 16));
         let mut r = request(neox(6), Layout::bshd(2, 3, 4, 6));
         r.q.x.addr += 4;
-        let p = plan(&r, 132).expect("valid");
-        assert_eq!((p.lanes, p.groups), (1, 3));
+        let p = plan(&r, &gpu(132)).expect("valid");
+        assert_eq!((p.lanes, groups(&p)), (1, 3));
     }
 
     #[test]
@@ -1396,15 +1493,16 @@ mod tests {
         let interleaved = RopeConfig::builder(128, RopeStyle::Interleaved)
             .build()
             .expect("valid");
-        for (cfg, elem_size, lanes) in [
-            (neox(128), 2, 4),
-            (neox(128), 4, 4),
-            (interleaved, 2, 8),
-            (interleaved, 4, 4),
+        for (cfg, dtype, lanes) in [
+            (neox(128), DType::BF16, 4),
+            (neox(128), DType::F32, 4),
+            (interleaved, DType::F16, 8),
+            (interleaved, DType::F32, 4),
         ] {
+            let elem_size = dtype.size();
             let mut r = request(cfg, Layout::bshd(2, 3, 4, 128));
-            r.elem_size = elem_size;
-            let p = plan(&r, 132).expect("valid");
+            r.dtype = dtype;
+            let p = plan(&r, &gpu(132)).expect("valid");
             assert_eq!(
                 p.lanes,
                 lanes,
@@ -1422,8 +1520,8 @@ mod tests {
             .build()
             .expect("valid");
         let layout = Layout::bshd(1, 2, 3, 128);
-        let p = plan(&request(cfg, layout), 132).expect("valid");
-        assert_eq!((p.rot_groups, p.groups), (8, 8));
+        let p = plan(&request(cfg, layout), &gpu(132)).expect("valid");
+        assert_eq!((p.rot_groups, groups(&p)), (8, 8));
         let mut r = request(cfg, layout);
         r.q.out = Some((
             Buf {
@@ -1432,8 +1530,8 @@ mod tests {
             },
             layout,
         ));
-        let p = plan(&r, 132).expect("valid");
-        assert_eq!((p.rot_groups, p.groups), (8, 24));
+        let p = plan(&r, &gpu(132)).expect("valid");
+        assert_eq!((p.rot_groups, groups(&p)), (8, 24));
     }
 
     #[test]
@@ -1443,16 +1541,16 @@ mod tests {
             cos: Buf { addr: 0, len: 18 },
             sin: Buf { addr: 64, len: 18 },
         };
-        assert_eq!(invalid_arg(plan(&r, 1)), "positions");
+        assert_eq!(invalid_arg(plan(&r, &gpu(1))), "positions");
         r.sincos = SinCosReq::Table {
             cos: Buf { addr: 0, len: 20 },
             sin: Buf { addr: 128, len: 20 },
         };
-        plan(&r, 1).expect("ten positions fit a ten-row table");
+        plan(&r, &gpu(1)).expect("ten positions fit a ten-row table");
         r.sincos = SinCosReq::CosSinCache(Buf { addr: 0, len: 40 });
-        plan(&r, 1).expect("ten rows of rotary_dim");
+        plan(&r, &gpu(1)).expect("ten rows of rotary_dim");
         r.sincos = SinCosReq::CosSinCache(Buf { addr: 0, len: 36 });
-        assert_eq!(invalid_arg(plan(&r, 1)), "positions");
+        assert_eq!(invalid_arg(plan(&r, &gpu(1))), "positions");
     }
 
     #[test]
@@ -1471,7 +1569,7 @@ mod tests {
                 cu_seqlens: cu,
                 offsets: None,
             };
-            assert_eq!(plan(&r, 1).is_ok(), ok, "{cu:?}");
+            assert_eq!(plan(&r, &gpu(1)).is_ok(), ok, "{cu:?}");
         }
         let offsets = [3u32, 0];
         r.positions = PositionsReq::Varlen {
@@ -1483,12 +1581,12 @@ mod tests {
             cos: Buf { addr: 0, len: 28 },
             sin: Buf { addr: 128, len: 28 },
         };
-        plan(&r, 1).expect("positions up to 6 fit 7 rows");
+        plan(&r, &gpu(1)).expect("positions up to 6 fit 7 rows");
         r.sincos = SinCosReq::Table {
             cos: Buf { addr: 0, len: 24 },
             sin: Buf { addr: 128, len: 24 },
         };
-        assert_eq!(invalid_arg(plan(&r, 1)), "positions");
+        assert_eq!(invalid_arg(plan(&r, &gpu(1))), "positions");
     }
 
     #[test]
@@ -1502,10 +1600,10 @@ mod tests {
             },
             layout,
         ));
-        assert_eq!(invalid_arg(plan(&r, 1)), "q.output");
+        assert_eq!(invalid_arg(plan(&r, &gpu(1))), "q.output");
         let self_overlapping = Layout::strided([1, 4, 2, 8], [64, 8, 4, 1], 0).expect("valid");
         let r = request(neox(8), self_overlapping);
-        assert_eq!(invalid_arg(plan(&r, 1)), "q");
+        assert_eq!(invalid_arg(plan(&r, &gpu(1))), "q");
     }
 
     mod plan_never_panics {
@@ -1599,8 +1697,8 @@ mod tests {
                     None => SinCosReq::Computed { theta },
                 };
                 let (q, k) = (fix(q), k.map(fix));
-                let req = Request { config, elem_size: 4, q, k, fused, sincos, positions };
-                match plan(&req, 132) {
+                let req = Request { config, dtype: DType::F32, q, k, fused, sincos, positions };
+                match plan(&req, &gpu(132)) {
                     Err(Error::Invalid { .. }) => {}
                     Err(e) => prop_assert!(false, "unexpected error kind: {e}"),
                     Ok(p) => {
@@ -1613,7 +1711,7 @@ mod tests {
                         }
                         if let Some(g) = p.grid {
                             prop_assert!(g.config.grid_dim.1 <= 65_535);
-                            prop_assert!(p.groups >= 1 && p.rot_groups >= 1);
+                            prop_assert!(g.groups.divisor.get() >= 1 && p.rot_groups >= 1);
                         }
                     }
                 }
