@@ -9,10 +9,9 @@
 //! shift, and falls back to a plain division for indices of `2^32` and above.
 //!
 //! # The magic number
-//! For a divisor `1 <= d < 2^32` let `l = ceil(log2 d)` and `M = ceil(2^(32 + l) / d)`, so
-//! `2^32 <= M <= 2^33` with `M = 2^33` impossible (it needs `d = 2^(l - 1)`, which has a smaller
-//! `l`); the kernel argument is `magic = M - 2^32 < 2^32`. With `e = M d - 2^(32 + l)`,
-//! `0 <= e < d <= 2^l`:
+//! For a divisor `1 <= d < 2^32` let `l = ceil(log2 d)` and `M = ceil(2^(32 + l) / d)`. As
+//! `2^(l - 1) < d <= 2^l` (or `d = 1`, `l = 0`), `2^32 <= M < 2^33`, and the kernel argument is
+//! `magic = M - 2^32 < 2^32`. With `e = M d - 2^(32 + l)`, `0 <= e < d <= 2^l`,
 //! `n M / 2^(32 + l) = n / d + n e / (d 2^(32 + l))`, and for `n < 2^32` the last term is below
 //! `1 / d`, the least distance from `n / d` up to the next integer. So
 //! `n / d = floor(n M / 2^(32 + l)) = (n + (n magic >> 32)) >> l`, with every intermediate

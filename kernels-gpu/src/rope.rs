@@ -15,18 +15,17 @@
 //! overlaps no input. Tensor 1 (k) has its own heads and strides and may have no heads.
 //!
 //! # Thread mapping
-//! A work item is one (token, group): groups `0..rot_groups` rotate `pairs_per_item` pairs,
-//! groups `rot_groups..groups` copy `lanes` pass-through elements. The `tokens * groups` items
-//! are walked by a grid-stride loop over `blockIdx.x`, so consecutive threads touch
-//! consecutive addresses of a head; an item's index splits into token and group, and the token
-//! into batch row and sequence index, by multiply-high with the host's magic numbers
-//! ([`crate::divide`]) rather than by division instructions. Each rotating item computes or loads the sin/cos of its
-//! pairs once and applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk`
-//! of the concatenation of tensor 0's and tensor 1's heads, several heads at a time with all
-//! loads issued before the stores (with computed sin/cos, the first two heads' loads go out
-//! before the arithmetic). Every access moves `lanes` elements at once: when alignment allows,
-//! the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
-//! elements).
+//! A work item is one (token, group): groups `0..rot_groups` rotate `pairs_per_item` pairs, groups
+//! `rot_groups..groups` copy `lanes` pass-through elements. The `tokens * groups` items are walked
+//! by a grid-stride loop over `blockIdx.x`, so consecutive threads touch consecutive addresses of a
+//! head; an item's index splits into token and group, and the token into batch row and sequence
+//! index, by multiply-high with the host's magic numbers ([`crate::divide`]) rather than by
+//! division instructions. Each rotating item computes or loads the sin/cos of its pairs once and
+//! applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk` of the
+//! concatenation of tensor 0's and tensor 1's heads, several heads at a time with all loads issued
+//! before the stores (with computed sin/cos, the first two heads' loads go out before the
+//! arithmetic). Every access moves `lanes` elements at once: when alignment allows, the preferred
+//! width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit elements).
 
 use core::num::NonZeroU32;
 

@@ -1238,18 +1238,18 @@ impl Rope {
             .arg(&pos_aux)
             .arg(&plan.pos_count)
             .arg(&plan.pos_base);
-        // SAFETY: the arguments match, in order and type, the parameters of the
-        // `rope_kernel!` entry points in kernels-gpu/src/rope.rs (pointers as u64, NonZeroU32
-        // as u32). `plan` proved: each tensor's buffer holds its layout's end, so every head of
-        // every token is in bounds; written layouts never map two elements to one address, and
-        // written regions overlap no other tensor (fused q and k: disjoint element sets);
-        // pointers and strides are aligned to `lanes` elements and `lanes` divides the pairs
-        // and pass-through elements as `groups` counts them; seq >= 1 and groups >= 1 (empty
-        // tensors returned above), their magic numbers and shifts from `Divisor::new`; tables hold `table_positions` rows of `table_stride >= half`
-        // elements, or `inv_freq` holds `half` f64; ids, row offsets or cu_seqlens/offsets
-        // have the lengths their position code names; the grid keeps
-        // blockIdx.y * heads_per_chunk < q.heads + k.heads. The views borrow their buffers
-        // until this call returns, and the guards order later uses after the launch.
+        // SAFETY: the arguments match, in order and type, the parameters of the `rope_kernel!`
+        // entry points in kernels-gpu/src/rope.rs (pointers as u64, NonZeroU32 as u32). `plan`
+        // proved: each tensor's buffer holds its layout's end, so every head of every token is in
+        // bounds; written layouts never map two elements to one address, and written regions
+        // overlap no other tensor (fused q and k: disjoint element sets); pointers and strides are
+        // aligned to `lanes` elements and `lanes` divides the pairs and pass-through elements as
+        // `groups` counts them; seq >= 1 and groups >= 1 (empty tensors returned above), their
+        // magic numbers and shifts from `Divisor::new`; tables hold `table_positions` rows of
+        // `table_stride >= half` elements, or `inv_freq` holds `half` f64; ids, row offsets or
+        // cu_seqlens/offsets have the lengths their position code names; the grid keeps
+        // blockIdx.y * heads_per_chunk < q.heads + k.heads. The views borrow their buffers until
+        // this call returns, and the guards order later uses after the launch.
         unsafe { launch.launch(grid.config) }?;
         Ok(())
     }
