@@ -2,15 +2,17 @@
 //! names, the codes passed as `u32` arguments, and the limits both sides assume. One
 //! definition, used by both (`rope-host` re-exports the public enums).
 
-/// Threads per block of every kernel launch.
-pub const BLOCK_THREADS: u32 = 256;
+/// Threads per block of every kernel launch. 128 rather than 256: the last blocks of a launch
+/// then hold half the work, so fewer multiprocessors sit idle while they finish (on an H200 the
+/// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth: docs/perf.md v19).
+pub const BLOCK_THREADS: u32 = 128;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
 /// [`KernelName::min_blocks_per_sm`] asks for more: `cargo xtask ptx` writes it as
 /// `.minnctapersm` with `.maxntid` into every entry point (rustc has no launch-bounds
-/// attribute), so ptxas keeps each kernel within `65536 / (256 * 4) = 64` registers and 1024
-/// threads stay resident per multiprocessor.
-pub const MIN_BLOCKS_PER_SM: u32 = 4;
+/// attribute), so ptxas keeps each kernel within `65536 / 1024 = 64` registers and 1024 threads
+/// stay resident per multiprocessor.
+pub const MIN_BLOCKS_PER_SM: u32 = 1024 / BLOCK_THREADS;
 
 /// Which elements of a head form a rotated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -184,15 +186,17 @@ pub(crate) use for_each_kernel;
 
 impl KernelName {
     /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
-    /// 5 for the wide NeoX kernels of 16-bit elements, which then fit in 48 registers without
-    /// spilling and keep 1280 threads resident (on an H200 partial rotary gained 4-5.5 points
-    /// of copy bandwidth, the full-width cases lost 0-1.3: docs/perf.md v15),
-    /// [`MIN_BLOCKS_PER_SM`] otherwise. f16 with computed sin/cos stays at 4: at 48 registers it
-    /// spilled and ran 3% slower.
+    /// 1280 threads' worth for the wide NeoX kernels of 16-bit elements, which then fit in 48
+    /// registers without spilling (on an H200 partial rotary gained 4-5.5 points of copy
+    /// bandwidth, the full-width cases lost 0-1.3: docs/perf.md v15), [`MIN_BLOCKS_PER_SM`]
+    /// (1024 threads) otherwise. f16 with computed sin/cos stays at 1024 threads: at 48
+    /// registers it spilled and ran 3% slower.
     pub const fn min_blocks_per_sm(self) -> u32 {
         match (self.style, self.access, self.dtype, self.source) {
             (RopeStyle::Neox, Access::Wide, DType::BF16, _)
-            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::Table) => 5,
+            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::Table) => {
+                1280 / BLOCK_THREADS
+            }
             _ => MIN_BLOCKS_PER_SM,
         }
     }

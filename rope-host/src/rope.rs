@@ -404,7 +404,7 @@ pub(crate) struct Gpu<'a> {
 /// Measured on an H200 (docs/perf.md v17, v18): ragged chunks (32 heads as 11, 11, 10) leave
 /// blocks of unequal work and cost both sin/cos paths 1-2 points of copy bandwidth; a last wave
 /// that is mostly empty costs up to 8 (the 40 heads of the prefill case as 5 x 8 instead of
-/// 4 x 10: 2560 blocks for 660 slots rather than 2048, +1.3 points for both paths); and each
+/// 4 x 10, which fills four waves to 97% rather than 78%: +1.3 points for both paths); and each
 /// further chunk costs the in-kernel path one more sin/cos evaluation per item, which is why the
 /// search stops two chunks out (32 heads as 8 x 4 instead of 7, 7, 7, 7, 4: 5% slower).
 /// `gridDim.y <= 65535` and `gridDim.x <= 2^31 - 1` always hold: the kernel's grid-stride loop
@@ -1383,7 +1383,7 @@ mod tests {
             (1, 1, 100_000),
             (64, 16, 4096),
         ] {
-            let g = h200_grid(tokens, groups, heads, 4);
+            let g = h200_grid(tokens, groups, heads, 8);
             let (x, y, z) = g.config.grid_dim;
             assert!(x >= 1 && x as u64 <= i32::MAX as u64);
             assert!((1..=65_535).contains(&y) && z == 1);
@@ -1399,49 +1399,49 @@ mod tests {
     fn grid_is_empty_without_tokens_heads_or_groups() {
         for (tokens, seq, groups, heads) in [(0, 1, 16, 32), (64, 0, 16, 32), (64, 64, 0, 32)] {
             assert!(
-                grid(tokens, seq, groups, heads, 132, 4)
+                grid(tokens, seq, groups, heads, 132, 8)
                     .expect("fits")
                     .is_none()
             );
         }
-        assert!(grid(64, 64, 16, 0, 132, 4).expect("fits").is_none());
+        assert!(grid(64, 64, 16, 0, 132, 8).expect("fits").is_none());
     }
 
     #[test]
     fn grid_keeps_all_heads_in_one_chunk_when_tokens_fill_the_gpu() {
-        let g = h200_grid(8192 * 4, 16, 32, 4);
+        let g = h200_grid(8192 * 4, 16, 32, 8);
         assert_eq!(g.config.grid_dim.1, 1);
         assert_eq!(g.heads_per_chunk, 32);
     }
 
     #[test]
     fn grid_splits_heads_equally_with_the_fullest_last_wave() {
-        // 8192 tokens of 16 items (512 blocks) want 3 chunks. With 5 blocks per SM (660 run at
-        // once): 32 heads go as 4 x 8, their only equal split in 3..=5; 40 heads as 5 x 8,
-        // whose 2560 blocks fill 4 waves to 97%, where 4 x 10 fills them to 78%; 48 heads as
-        // 3 x 16, which fills its waves as well as 4 x 12 does, with fewer chunks.
+        // 8192 tokens of 16 items (1024 blocks of 128) want 3 chunks. With 10 blocks per SM
+        // (1320 run at once): 32 heads go as 4 x 8, their only equal split in 3..=5; 40 heads as
+        // 5 x 8, whose 5120 blocks fill 4 waves to 97%, where 4 x 10 fills them to 78%; 48 heads
+        // as 3 x 16, which fills its waves as well as 4 x 12 does, with fewer chunks.
         for (heads, chunks, per_chunk) in [(32, 4, 8), (40, 5, 8), (48, 3, 16)] {
-            let g = h200_grid(8192, 16, heads, 5);
+            let g = h200_grid(8192, 16, heads, 10);
             assert_eq!(
                 (g.config.grid_dim.1, g.heads_per_chunk),
                 (chunks, per_chunk),
                 "{heads} heads"
             );
         }
-        // With 4 blocks per SM (528 at once) 4 x 10 and 5 x 8 fill their waves equally: 4 x 10.
-        let g = h200_grid(8192, 16, 40, 4);
+        // With 8 blocks per SM (1056 at once) 4 x 10 and 5 x 8 fill their waves equally: 4 x 10.
+        let g = h200_grid(8192, 16, 40, 8);
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (4, 10));
         // 37 heads (prime) have no divisor in 3..=5: ragged chunks of 13, 13, 11.
-        let g = h200_grid(8192, 16, 37, 5);
+        let g = h200_grid(8192, 16, 37, 10);
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (3, 13));
         // 8 items per token want 5 chunks: 32 heads stay 7, 7, 7, 7, 4 rather than 8 x 4.
-        let g = h200_grid(8192, 8, 32, 5);
+        let g = h200_grid(8192, 8, 32, 10);
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (5, 7));
     }
 
     #[test]
     fn grid_splits_heads_for_decode() {
-        let g = h200_grid(64, 16, 32, 4);
+        let g = h200_grid(64, 16, 32, 8);
         assert!(g.config.grid_dim.1 > 1);
     }
 

@@ -150,7 +150,7 @@ fn validate(ptx: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::{min_blocks_per_sm, with_launch_bounds};
-    use kernels_gpu::abi::all_symbols;
+    use kernels_gpu::abi::{BLOCK_THREADS, all_symbols};
 
     /// An entry point as rustc writes it: name, parameter list, body.
     fn entry(name: &str) -> String {
@@ -161,7 +161,7 @@ mod tests {
     fn bounded(name: &str, blocks: u32) -> String {
         format!(
             ".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n\
-             .maxntid 256, 1, 1\n.minnctapersm {blocks}\n{{\n\tret;\n}}\n"
+             .maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {blocks}\n{{\n\tret;\n}}\n"
         )
     }
 
@@ -172,17 +172,22 @@ mod tests {
             .map(|s| bounded(s, min_blocks_per_sm(s)))
             .collect();
         assert_eq!(with_launch_bounds(&ptx), want);
-        // The wide NeoX 16-bit kernels differ from the default, f16 computed excepted.
-        for (symbol, blocks) in [
-            ("rope_neox_table_fwd_bf16", 5),
-            ("rope_neox_theta_bwd_bf16", 5),
-            ("rope_neox_table_fwd_f16", 5),
-            ("rope_neox_theta_fwd_f16", 4),
-            ("rope_neox_table_fwd_bf16_narrow", 4),
-            ("rope_interleaved_table_fwd_bf16", 4),
-            ("rope_table_bf16", 4),
+        // The wide NeoX 16-bit kernels keep 1280 threads resident, f16 computed excepted; the
+        // others 1024.
+        for (symbol, threads) in [
+            ("rope_neox_table_fwd_bf16", 1280),
+            ("rope_neox_theta_bwd_bf16", 1280),
+            ("rope_neox_table_fwd_f16", 1280),
+            ("rope_neox_theta_fwd_f16", 1024),
+            ("rope_neox_table_fwd_bf16_narrow", 1024),
+            ("rope_interleaved_table_fwd_bf16", 1024),
+            ("rope_table_bf16", 1024),
         ] {
-            assert_eq!(min_blocks_per_sm(symbol), blocks, "{symbol}");
+            assert_eq!(
+                min_blocks_per_sm(symbol) * BLOCK_THREADS,
+                threads,
+                "{symbol}"
+            );
         }
     }
 }
