@@ -16,7 +16,7 @@ use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_tests::gpu::rotate_f32_at;
-use rope_tests::timing::{L2Flush, Runs, median_ms};
+use rope_tests::timing::{L2Flush, Runs, median_ms, paired_ms};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -24,6 +24,11 @@ const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {
     warmup: 5,
     timed: 50,
+};
+/// Pairs for the head-to-head of the in-kernel path against the table.
+const PAIRS: Runs = Runs {
+    warmup: 5,
+    timed: 100,
 };
 
 fn main() -> Result<()> {
@@ -64,11 +69,7 @@ fn base_case() -> Case {
 fn variants() -> Vec<Case> {
     let (batch, seq, _, _) = SHAPE;
     let base = base_case();
-    let table = Source::Table {
-        theta: THETA,
-        max_position: seq,
-        format: TableFormat::Separate,
-    };
+    let table = table_source();
     // Explicit ids equal to the implicit positions.
     let ids = PosCase::Ids {
         ids: (0..batch * seq).map(|t| (t % seq) as i64).collect(),
@@ -135,6 +136,15 @@ fn variants() -> Vec<Case> {
         ..bf16
     });
     out
+}
+
+/// Separate cos and sin tables covering the demo's positions.
+fn table_source() -> Source {
+    Source::Table {
+        theta: THETA,
+        max_position: SHAPE.1,
+        format: TableFormat::Separate,
+    }
 }
 
 fn describe(c: &Case) -> String {
@@ -266,7 +276,76 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
         failures == 0,
         "{failures} variants disagree with the reference"
     );
+    head_to_head(&ctx, &stream, &rope, &mut flush)?;
     accuracy_table(&stream, &rope)
+}
+
+/// Every in-kernel variant against the same variant reading tables, on the same buffers and
+/// launched alternately ([`paired_ms`]). The table above times each variant on buffers of its
+/// own; where the buffers lie in device memory moves a launch's time by up to 4% on an H200
+/// (docs/perf.md v19), so rows of that table differ by placement as well as by kernel.
+fn head_to_head(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+    flush: &mut L2Flush,
+) -> Result<()> {
+    println!();
+    println!(
+        "in-kernel sin/cos against the table on the same buffers: {} pairs of launches timed \
+         back to back after {} warm-up pairs, L2 flushed before each; ratio = computed / table",
+        PAIRS.timed, PAIRS.warmup
+    );
+    println!(
+        "{:<4} {:<11} {:<8} {:<13} {:>9} {:>12} {:>7}  quartiles",
+        "type", "style", "position", "io", "table µs", "computed µs", "ratio"
+    );
+    for computed in variants()
+        .into_iter()
+        .filter(|c| matches!(c.source, Source::Theta(_)))
+    {
+        let sources = [table_source(), computed.source];
+        let table = Case {
+            source: sources[0],
+            ..computed.clone()
+        };
+        let pairs = match computed.dtype {
+            DTypeCase::F32 => time_pair::<f32>(&table, sources, ctx, stream, rope, flush)?,
+            DTypeCase::F16 => time_pair::<f16>(&table, sources, ctx, stream, rope, flush)?,
+            DTypeCase::BF16 => time_pair::<bf16>(&table, sources, ctx, stream, rope, flush)?,
+        };
+        let quartiles = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            (v[v.len() / 4], v[v.len() / 2], v[v.len() * 3 / 4])
+        };
+        let (_, table_ms, _) = quartiles(pairs.iter().map(|p| p[0]).collect());
+        let (_, computed_ms, _) = quartiles(pairs.iter().map(|p| p[1]).collect());
+        let (q1, ratio, q3) = quartiles(pairs.iter().map(|p| p[1] / p[0]).collect());
+        let row = describe(&computed).replacen("computed  ", "", 1);
+        println!(
+            "{row} {:>9.1} {:>12.1} {ratio:>7.3}  {q1:.3}-{q3:.3}",
+            table_ms * 1e3,
+            computed_ms * 1e3,
+        );
+    }
+    Ok(())
+}
+
+/// Uploads `table` (a case reading tables) and times it alternately with each of `sources`
+/// on the same buffers; milliseconds per pair, in the order of `sources`.
+fn time_pair<T: TestElem>(
+    table: &Case,
+    sources: [Source; 2],
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+    flush: &mut L2Flush,
+) -> Result<Vec<[f64; 2]>> {
+    let mut dev = table.upload::<T>(stream)?;
+    paired_ms(ctx, stream, PAIRS, Some(flush), |side| {
+        dev.case.source = sources[side];
+        dev.launch(rope).map_err(anyhow::Error::from)
+    })
 }
 
 /// Max abs error of f32 outputs against f64 at long positions, for the accurate in-kernel path,

@@ -3,7 +3,10 @@
 //! against a device-to-device copy of the same number of bytes in the same run.
 //!
 //! Every number is the median of [`RUNS`] event-timed launches after warm-up, with L2 flushed
-//! (a 256 MiB memset) before each timed launch, for RoPE and copy alike. GB/s counts the bytes
+//! (a 256 MiB memset) before each timed launch, for RoPE and copy alike. The table and computed
+//! rows of a case run on the same buffers, launched alternately: where buffers lie in device
+//! memory moves a launch's time by up to 4% on an H200 (docs/perf.md v19), which separate
+//! uploads would mix into the comparison of the two sources. GB/s counts the bytes
 //! RoPE must read plus write (the rotated elements in place; every element out of place);
 //! "vs copy" is copy time / RoPE time. Inputs are random; out-of-place outputs start poisoned
 //! and, after timing, every output element is checked to be written and 66 tokens of each
@@ -21,7 +24,7 @@ use rope_host::cudarc::nvrtc::Ptx;
 use rope_host::half::{bf16, f16};
 use rope_host::{Direction, Rope, RopeStyle, TableFormat, open_device};
 use rope_tests::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
-use rope_tests::timing::{L2Flush, Runs, median_ms};
+use rope_tests::timing::{L2Flush, Runs, median_ms, paired_ms};
 
 const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {
@@ -198,28 +201,21 @@ fn main() -> Result<()> {
         .into_iter()
         .filter(|g| only.is_empty() || only.iter().any(|o| o == g.name))
     {
-        for (style, source) in [
-            (RopeStyle::Interleaved, "table"),
-            (RopeStyle::Interleaved, "computed"),
-            (RopeStyle::Neox, "table"),
-            (RopeStyle::Neox, "computed"),
-        ] {
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
             let mut case = group.case.clone();
             case.style = style;
-            if source == "table" {
-                case.source = Source::Table {
-                    theta: THETA,
-                    max_position: max_position(&case) + 1,
-                    format: TableFormat::Separate,
-                };
-            }
+            case.source = Source::Table {
+                theta: THETA,
+                max_position: max_position(&case) + 1,
+                format: TableFormat::Separate,
+            };
             let mut directions = vec![Direction::Forward];
             if group.name.starts_with("training") {
                 directions.push(Direction::Backward);
             }
             for direction in directions {
                 case.direction = direction;
-                let row = match case.dtype {
+                let pair = match case.dtype {
                     DTypeCase::F32 => {
                         measure::<f32>(&group, &case, &ctx, &stream, &rope, &mut flush)
                     }
@@ -230,17 +226,19 @@ fn main() -> Result<()> {
                         measure::<bf16>(&group, &case, &ctx, &stream, &rope, &mut flush)
                     }
                 }
-                .with_context(|| format!("{} {style:?} {source} {direction:?}", group.name))?;
-                eprintln!(
-                    "{:<9} {:<11} {:<8} {:?}: {:.1} µs, {:.1}% of copy",
-                    row.group,
-                    format!("{:?}", row.style),
-                    row.source,
-                    row.direction,
-                    row.rope_us,
-                    100.0 * row.ratio()
-                );
-                rows.push(row);
+                .with_context(|| format!("{} {style:?} {direction:?}", group.name))?;
+                for row in pair {
+                    eprintln!(
+                        "{:<9} {:<11} {:<8} {:?}: {:.1} µs, {:.1}% of copy",
+                        row.group,
+                        format!("{:?}", row.style),
+                        row.source,
+                        row.direction,
+                        row.rope_us,
+                        100.0 * row.ratio()
+                    );
+                    rows.push(row);
+                }
             }
         }
     }
@@ -348,6 +346,23 @@ fn groups() -> Vec<Group> {
                 ..training
             },
         },
+        // The demo's q-only shapes: 32 heads rotated in place with no k, the first 64 of 128
+        // elements and all of them.
+        Group {
+            name: "demopart",
+            case: Case {
+                rotary_dim: 64,
+                k: KCase::None,
+                ..base.clone()
+            },
+        },
+        Group {
+            name: "demofull",
+            case: Case {
+                k: KCase::None,
+                ..base.clone()
+            },
+        },
         // Partial rotary: the first 64 of 128 elements, in place in the QKV buffer.
         Group {
             name: "partial",
@@ -394,7 +409,9 @@ fn max_position(c: &Case) -> usize {
     }
 }
 
-/// Times one row against a copy of the same bytes, then checks its outputs.
+/// Times `case` (which reads tables) and the same case with in-kernel sin/cos on the same
+/// buffers, launched alternately, and a copy of the same bytes; then checks the outputs of
+/// each. Returns the table row and the computed row.
 fn measure<T: TestElem>(
     group: &Group,
     case: &Case,
@@ -402,7 +419,8 @@ fn measure<T: TestElem>(
     stream: &Arc<CudaStream>,
     rope: &Rope,
     flush: &mut L2Flush,
-) -> Result<Row> {
+) -> Result<[Row; 2]> {
+    let sources = [case.source, Source::Theta(THETA)];
     let mut dev = case.upload::<T>(stream)?;
     let touched = if case.in_place {
         case.rotary_dim
@@ -413,7 +431,8 @@ fn measure<T: TestElem>(
     let bytes = 2.0 * (elems * size_of::<T>()) as f64;
     let copy_src = stream.clone_htod(&vec![T::from_f64(1.5); elems])?;
     let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
-    let rope_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
+    let pairs = paired_ms(ctx, stream, RUNS, Some(&mut *flush), |side| {
+        dev.case.source = sources[side];
         dev.launch(rope).map_err(anyhow::Error::from)
     })?;
     let copy_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
@@ -427,24 +446,29 @@ fn measure<T: TestElem>(
             rng.random_range(0..case.seq),
         )
     }));
-    let cmp = dev
-        .check_sampled(rope, stream, &samples)
-        .map_err(anyhow::Error::msg)?;
-    ensure!(cmp.checked > 0, "no element was checked");
-    Ok(Row {
-        group: group.name,
-        style: case.style,
-        source: match case.source {
-            Source::Table { .. } => "table",
-            Source::Theta(_) => "computed",
-        },
-        direction: case.direction,
-        dtype: T::NAME,
-        bytes,
-        rope_us: rope_ms * 1e3,
-        copy_us: copy_ms * 1e3,
-        max_err: cmp.max_abs_err,
-    })
+    let mut row = |side: usize| -> Result<Row> {
+        dev.case.source = sources[side];
+        // Out of place, the outputs hold whichever source ran last: run this one first.
+        dev.launch(rope)?;
+        let cmp = dev
+            .check_sampled(rope, stream, &samples)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(cmp.checked > 0, "no element was checked");
+        let mut times: Vec<f64> = pairs.iter().map(|p| p[side]).collect();
+        times.sort_by(f64::total_cmp);
+        Ok(Row {
+            group: group.name,
+            style: case.style,
+            source: ["table", "computed"][side],
+            direction: case.direction,
+            dtype: T::NAME,
+            bytes,
+            rope_us: times[times.len() / 2] * 1e3,
+            copy_us: copy_ms * 1e3,
+            max_err: cmp.max_abs_err,
+        })
+    };
+    Ok([row(0)?, row(1)?])
 }
 
 /// One plain copy kernel's median time next to the driver's copy of the same bytes.

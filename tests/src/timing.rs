@@ -1,5 +1,7 @@
 //! Event timing shared by the demo and the benchmark: the median of many device-event-timed
-//! runs after warm-up, with an optional step (an L2 flush) run before each timed region.
+//! runs after warm-up, with an optional step (an L2 flush) run before each timed region, and
+//! the same for two functions timed alternately, for comparisons that clock drift between two
+//! separate measurements would blur.
 
 use std::sync::Arc;
 
@@ -49,20 +51,56 @@ pub fn median_ms<E: From<DriverError>>(
     for _ in 0..runs.warmup {
         f()?;
     }
-    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut times = Vec::with_capacity(runs.timed);
     for _ in 0..runs.timed.max(1) {
-        if let Some(flush) = flush.as_deref_mut() {
-            flush.run(stream)?;
-        }
-        let start = ctx.new_event(flags)?;
-        let end = ctx.new_event(flags)?;
-        start.record(stream)?;
-        f()?;
-        end.record(stream)?;
-        end.synchronize()?;
-        times.push(start.elapsed_ms(&end)? as f64);
+        times.push(timed_ms(ctx, stream, flush.as_deref_mut(), &mut f)?);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
+}
+
+/// Times of `f(0)` and `f(1)` in milliseconds, run alternately: `runs.timed` pairs after
+/// `runs.warmup` untimed pairs, `f(0)` first in even pairs and `f(1)` first in odd ones,
+/// `flush` (if any) before each timed region. Pair `i` holds the two times taken back to back,
+/// so their ratio compares the two under the same clocks and temperature.
+pub fn paired_ms<E: From<DriverError>>(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    runs: Runs,
+    mut flush: Option<&mut L2Flush>,
+    mut f: impl FnMut(usize) -> Result<(), E>,
+) -> Result<Vec<[f64; 2]>, E> {
+    for _ in 0..runs.warmup {
+        f(0)?;
+        f(1)?;
+    }
+    let mut pairs = Vec::with_capacity(runs.timed);
+    for i in 0..runs.timed.max(1) {
+        let mut pair = [0.0; 2];
+        for side in [i % 2, 1 - i % 2] {
+            pair[side] = timed_ms(ctx, stream, flush.as_deref_mut(), || f(side))?;
+        }
+        pairs.push(pair);
+    }
+    Ok(pairs)
+}
+
+/// One run of `f` bracketed by device events, in milliseconds, after `flush` (if any).
+fn timed_ms<E: From<DriverError>>(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    flush: Option<&mut L2Flush>,
+    mut f: impl FnMut() -> Result<(), E>,
+) -> Result<f64, E> {
+    if let Some(flush) = flush {
+        flush.run(stream)?;
+    }
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = ctx.new_event(flags)?;
+    let end = ctx.new_event(flags)?;
+    start.record(stream)?;
+    f()?;
+    end.record(stream)?;
+    end.synchronize()?;
+    Ok(start.elapsed_ms(&end)? as f64)
 }
