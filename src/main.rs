@@ -321,6 +321,7 @@ fn head_to_head(
         let (_, table_ms, _) = quartiles(pairs.iter().map(|p| p[0]).collect());
         let (_, computed_ms, _) = quartiles(pairs.iter().map(|p| p[1]).collect());
         let (q1, ratio, q3) = quartiles(pairs.iter().map(|p| p[1] / p[0]).collect());
+        // The variant's description without its sin/cos column, which names one side only.
         let row = describe(&computed).replacen("computed  ", "", 1);
         println!(
             "{row} {:>9.1} {:>12.1} {ratio:>7.3}  {q1:.3}-{q3:.3}",
@@ -331,8 +332,8 @@ fn head_to_head(
     Ok(())
 }
 
-/// Uploads `table` (a case reading tables) and times it alternately with each of `sources`
-/// on the same buffers; milliseconds per pair, in the order of `sources`.
+/// Uploads `table` (a case reading tables) and times it with each of `sources` in turn on
+/// those buffers, alternately; milliseconds per pair, in the order of `sources`.
 fn time_pair<T: TestElem>(
     table: &Case,
     sources: [Source; 2],

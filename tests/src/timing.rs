@@ -1,7 +1,7 @@
 //! Event timing shared by the demo and the benchmark: the median of many device-event-timed
-//! runs after warm-up, with an optional step (an L2 flush) run before each timed region, and
-//! the same for two functions timed alternately, for comparisons that clock drift between two
-//! separate measurements would blur.
+//! runs after warm-up, with an optional step (an L2 flush) run before each timed region; and two
+//! functions timed alternately, so that their comparison sees the same clocks (callers that also
+//! give both the same buffers take buffer placement out of it too).
 
 use std::sync::Arc;
 
