@@ -16,7 +16,7 @@ use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_tests::gpu::rotate_f32_at;
-use rope_tests::timing::{L2Flush, Runs, median_ms, paired_ms};
+use rope_tests::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -314,13 +314,9 @@ fn head_to_head(
             DTypeCase::F16 => time_pair::<f16>(&table, sources, ctx, stream, rope, flush)?,
             DTypeCase::BF16 => time_pair::<bf16>(&table, sources, ctx, stream, rope, flush)?,
         };
-        let quartiles = |mut v: Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            (v[v.len() / 4], v[v.len() / 2], v[v.len() * 3 / 4])
-        };
-        let (_, table_ms, _) = quartiles(pairs.iter().map(|p| p[0]).collect());
-        let (_, computed_ms, _) = quartiles(pairs.iter().map(|p| p[1]).collect());
-        let (q1, ratio, q3) = quartiles(pairs.iter().map(|p| p[1] / p[0]).collect());
+        let [_, table_ms, _] = quartiles(pairs.iter().map(|p| p[0]).collect());
+        let [_, computed_ms, _] = quartiles(pairs.iter().map(|p| p[1]).collect());
+        let [q1, ratio, q3] = quartiles(pairs.iter().map(|p| p[1] / p[0]).collect());
         // The variant's description without its sin/cos column, which names one side only.
         let row = describe(&computed).replacen("computed  ", "", 1);
         println!(

@@ -55,8 +55,14 @@ pub fn median_ms<E: From<DriverError>>(
     for _ in 0..runs.timed.max(1) {
         times.push(timed_ms(ctx, stream, flush.as_deref_mut(), &mut f)?);
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(quartiles(times)[1])
+}
+
+/// The lower quartile, median and upper quartile of `values` (non-empty).
+pub fn quartiles(mut values: Vec<f64>) -> [f64; 3] {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    [values[n / 4], values[n / 2], values[n * 3 / 4]]
 }
 
 /// Times of `f(0)` and `f(1)` in milliseconds, run alternately: `runs.timed` pairs after
