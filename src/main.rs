@@ -16,7 +16,7 @@ use rope_tests::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_tests::gpu::rotate_f32_at;
-use rope_tests::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
+use rope_tests::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -25,15 +25,23 @@ const RUNS: Runs = Runs {
     warmup: 5,
     timed: 50,
 };
-/// Pairs for the head-to-head of the in-kernel path against the table.
+/// Pairs for the head-to-head of the in-kernel path against the table: on an H200 the 95%
+/// interval of the median ratio then spans about +-0.2% (f32) to +-2% (the short r64 launch).
 const PAIRS: Runs = Runs {
-    warmup: 5,
-    timed: 100,
+    warmup: 10,
+    timed: 1000,
 };
 
+/// `rope-demo`: every variant, then the head-to-head and the accuracy table;
+/// `rope-demo --head-to-head`: the head-to-head alone (no checks, for repeated runs).
 fn main() -> Result<()> {
+    let head_to_head_only = match std::env::args().nth(1).as_deref() {
+        None => false,
+        Some("--head-to-head") => true,
+        Some(_) => anyhow::bail!("usage: rope-demo [--head-to-head]"),
+    };
     match open_device(0) {
-        Ok(ctx) => gpu_demo(ctx),
+        Ok(ctx) => gpu_demo(ctx, head_to_head_only),
         Err(e) => {
             println!("no GPU: {e}");
             println!("running the CPU reference path only");
@@ -231,7 +239,7 @@ fn run_variant<T: TestElem>(
     ))
 }
 
-fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
+fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
     let stream = ctx.new_stream()?;
     let rope = Rope::new(stream.clone())?;
     let (batch, seq, heads, head_dim) = SHAPE;
@@ -239,6 +247,10 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
         "device: {}; shape [batch {batch}, seq {seq}, heads {heads}, head_dim {head_dim}], theta {THETA}",
         ctx.name()?
     );
+    let mut flush = L2Flush::new(&stream)?;
+    if head_to_head_only {
+        return head_to_head(&ctx, &stream, &rope, &mut flush);
+    }
     for r in rope.resources()? {
         if r.name.contains("fwd") {
             println!(
@@ -252,7 +264,6 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
          (the rotated tensors would otherwise stay in the 50 MiB L2 from one launch to the next)",
         RUNS.timed, RUNS.warmup
     );
-    let mut flush = L2Flush::new(&stream)?;
     let mut rows = Vec::new();
     let mut failures = 0;
     for case in variants() {
@@ -284,6 +295,10 @@ fn gpu_demo(ctx: Arc<CudaContext>) -> Result<()> {
 /// launched alternately ([`paired_ms`]). The table above times each variant on buffers of its
 /// own; where the buffers lie in device memory moves a launch's time by up to 4% on an H200
 /// (docs/perf.md v19), so rows of that table differ by placement as well as by kernel.
+///
+/// Each row gives the median ratio computed / table over the pairs with its 95% interval
+/// ([`median_interval`]) and a verdict: "faster" when the interval lies below 1, "slower" when
+/// it lies above 1, "level" when it holds 1 (no difference the pairs can resolve).
 fn head_to_head(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
@@ -293,12 +308,21 @@ fn head_to_head(
     println!();
     println!(
         "in-kernel sin/cos against the table on the same buffers: {} pairs of launches timed \
-         back to back after {} warm-up pairs, L2 flushed before each; ratio = computed / table",
+         back to back after {} warm-up pairs, L2 flushed before each; ratio = computed / table \
+         per pair, median with its 95% interval",
         PAIRS.timed, PAIRS.warmup
     );
     println!(
-        "{:<4} {:<11} {:<8} {:<13} {:>9} {:>12} {:>7}  quartiles",
-        "type", "style", "position", "io", "table µs", "computed µs", "ratio"
+        "{:<4} {:<11} {:<8} {:<13} {:>9} {:>12} {:>7}  {:<13} {:<13} verdict",
+        "type",
+        "style",
+        "position",
+        "io",
+        "table µs",
+        "computed µs",
+        "ratio",
+        "95% interval",
+        "quartiles"
     );
     for computed in variants()
         .into_iter()
@@ -316,11 +340,20 @@ fn head_to_head(
         };
         let [_, table_ms, _] = quartiles(pairs.iter().map(|p| p[0]).collect());
         let [_, computed_ms, _] = quartiles(pairs.iter().map(|p| p[1]).collect());
-        let [q1, ratio, q3] = quartiles(pairs.iter().map(|p| p[1] / p[0]).collect());
+        let ratios: Vec<f64> = pairs.iter().map(|p| p[1] / p[0]).collect();
+        let [q1, _, q3] = quartiles(ratios.clone());
+        let [lo, ratio, hi] = median_interval(ratios);
+        let verdict = if hi < 1.0 {
+            "faster"
+        } else if lo > 1.0 {
+            "slower"
+        } else {
+            "level"
+        };
         // The variant's description without its sin/cos column, which names one side only.
         let row = describe(&computed).replacen("computed  ", "", 1);
         println!(
-            "{row} {:>9.1} {:>12.1} {ratio:>7.3}  {q1:.3}-{q3:.3}",
+            "{row} {:>9.1} {:>12.1} {ratio:>7.4}  {lo:.4}-{hi:.4} {q1:.3}-{q3:.3}   {verdict}",
             table_ms * 1e3,
             computed_ms * 1e3,
         );

@@ -65,6 +65,25 @@ pub fn quartiles(mut values: Vec<f64>) -> [f64; 3] {
     [values[n / 4], values[n / 2], values[n * 3 / 4]]
 }
 
+/// The median of `values` (non-empty) with a distribution-free 95% confidence interval for the
+/// median of the population they were drawn from: `[lower, median, upper]`.
+///
+/// Of `n` independent draws, the number below the population median is Binomial(`n`, 1/2), so
+/// the order statistics of ranks `n/2 - 0.98 sqrt(n)` and `1 + n/2 + 0.98 sqrt(n)` (1-based,
+/// rounded; the normal approximation, `1.96 / 2 = 0.98`) bracket it with about 95% probability
+/// whatever the distribution. With fewer than 6 values the interval is the whole range.
+pub fn median_interval(mut values: Vec<f64>) -> [f64; 3] {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let half_width = 0.98 * (n as f64).sqrt();
+    let rank = |r: f64| (r.round().max(1.0) as usize).min(n) - 1;
+    [
+        values[rank(n as f64 / 2.0 - half_width)],
+        values[n / 2],
+        values[rank(1.0 + n as f64 / 2.0 + half_width)],
+    ]
+}
+
 /// Times of `f(0)` and `f(1)` in milliseconds, run alternately: `runs.timed` pairs after
 /// `runs.warmup` untimed pairs, `f(0)` first in even pairs and `f(1)` first in odd ones,
 /// `flush` (if any) before each timed region. Pair `i` holds the two times taken back to back,
@@ -109,4 +128,40 @@ fn timed_ms<E: From<DriverError>>(
     end.record(stream)?;
     end.synchronize()?;
     Ok(start.elapsed_ms(&end)? as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_interval_takes_the_textbook_ranks() {
+        // n = 100: the 40th and 61st smallest values (Conover's table), in any input order.
+        let values: Vec<f64> = (1..=100).rev().map(f64::from).collect();
+        assert_eq!(median_interval(values), [40.0, 51.0, 61.0]);
+        // Tiny samples: the whole range.
+        assert_eq!(median_interval(vec![3.0, 1.0, 2.0]), [1.0, 2.0, 3.0]);
+        assert_eq!(median_interval(vec![7.0]), [7.0, 7.0, 7.0]);
+    }
+
+    #[test]
+    fn median_interval_covers_the_median_about_95_percent_of_the_time() {
+        // Skewed draws (exponential, median ln 2) from a fixed xorshift sequence.
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut uniform = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        let trials = 2000;
+        let mut covered = 0;
+        for _ in 0..trials {
+            let draws = (0..200).map(|_| -uniform().ln()).collect();
+            let [lo, _, hi] = median_interval(draws);
+            covered += usize::from(lo <= std::f64::consts::LN_2 && std::f64::consts::LN_2 <= hi);
+        }
+        let rate = covered as f64 / trials as f64;
+        assert!((0.93..=0.975).contains(&rate), "coverage {rate}");
+    }
 }
