@@ -1,5 +1,5 @@
 //! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
-//! paired f16 and bf16 conversions and `trap`.
+//! paired f16 and bf16 conversions, the L2 prefetch and `trap`.
 
 use core::arch::{asm, nvptx};
 
@@ -99,4 +99,19 @@ pub fn f16_bits_to_f32(bits: u32) -> f32 {
         )
     };
     v
+}
+
+/// Asks for the cache line holding `ptr` to be brought into L2 (`prefetch.global.L2`): no
+/// register receives it, so the request stays in flight through arithmetic that follows it.
+#[inline(always)]
+pub fn prefetch_l2<T>(ptr: *const T) {
+    // SAFETY: a prefetch is a hint without architectural effect; it does not fault on any
+    // address, and the callers pass addresses they are about to load anyway.
+    unsafe {
+        asm!(
+            "prefetch.global.L2 [{p}];",
+            p = in(reg64) ptr,
+            options(nostack, preserves_flags, readonly),
+        )
+    };
 }

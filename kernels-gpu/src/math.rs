@@ -84,16 +84,17 @@ pub fn cos_sin_f32(angle: f64) -> (f32, f32) {
     let k = shifted - ROUND_MAGIC;
     // `shifted = 1.5 * 2^52 + k` has a unit last place, so its mantissa's low bits are those of
     // `k + 2^51`, and `2^51` is a multiple of 4: the two lowest bits are `k mod 4`.
-    let quadrant = shifted.to_bits() & 3;
+    let quadrant = shifted.to_bits() as u32 & 3;
     let r = fma(-k, PIO2_LO, fma(-k, PIO2_HI, angle));
     let (s, c) = sincos_reduced(r);
     let (s, c) = (s as f32, c as f32);
-    match quadrant {
-        0 => (c, s),
-        1 => (-s, c),
-        2 => (-c, -s),
-        _ => (s, -c),
-    }
+    // By quadrant 0, 1, 2, 3: cos is c, -s, -c, s and sin is s, c, -s, -c. Odd quadrants swap
+    // the two; the sign flips for cos in quadrants 1 and 2 and for sin in 2 and 3. Selects and
+    // sign-bit flips rather than a `match`: the threads of a warp sit in different quadrants, and
+    // a `match` compiles to an indirect branch that they would take one quadrant at a time.
+    let (cos, sin) = if quadrant & 1 == 1 { (s, c) } else { (c, s) };
+    let flip = |v: f32, bit: u32| f32::from_bits(v.to_bits() ^ (bit << 30));
+    (flip(cos, (quadrant + 1) & 2), flip(sin, quadrant & 2))
 }
 
 /// `(cos, sin)` of `position * inv_freq`, rounded once to `f32`.

@@ -23,16 +23,19 @@
 //! division instructions. Each rotating item computes or loads the sin/cos of its pairs once and
 //! applies them to the heads `blockIdx.y * heads_per_chunk .. +heads_per_chunk` of the
 //! concatenation of tensor 0's and tensor 1's heads, several heads at a time with all loads issued
-//! before the stores (with computed sin/cos, the first two heads' loads go out before the
-//! arithmetic). Every access moves `lanes` elements at once: when alignment allows, the preferred
-//! width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit elements).
+//! before the stores (with computed sin/cos in place, the first heads' elements are prefetched
+//! into L2 before the arithmetic). Every access moves `lanes` elements at once: when alignment
+//! allows, the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
+//! elements).
 
 use core::num::NonZeroU32;
 
 use crate::abi::{Direction, PositionCode, for_each_kernel};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
-use crate::intrinsics::{block_dim_x, block_idx_x, block_idx_y, grid_dim_x, thread_idx_x, trap};
+use crate::intrinsics::{
+    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, prefetch_l2, thread_idx_x, trap,
+};
 use crate::math;
 
 /// Which elements form a pair; see the module documentation.
@@ -394,29 +397,55 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
     (cos, sin)
 }
 
-/// Computed sin/cos with the first `N` heads' loads issued before the arithmetic, so that
-/// their latency overlaps it; then the rest of the heads.
+/// Computed sin/cos. In place, this item's elements of its first heads, up to
+/// [`PREFETCH_BYTES`], are first requested into L2 ([`prefetch_l2`]), so that the memory system
+/// fetches them while the `f64` arithmetic runs; then the heads are rotated, their loads mostly
+/// hitting L2. A prefetch holds no register, where a load issued ahead of the arithmetic holds
+/// its result through it (at the 48-register limit ptxas moved such loads after the
+/// arithmetic). Out of place, where the outputs take L2 lines of their own, prefetching
+/// measured slower than none, so there the arithmetic simply comes first (docs/perf.md v20).
 ///
 /// # Safety
-/// `first + N <= last <= q.heads + k.heads`; `tok` from [`token_bases`]; `j0 + pairs <= half`;
-/// the `inv_freq` promises.
+/// `last <= q.heads + k.heads`; `tok` from [`token_bases`]; `j0 + pairs <= half`; the
+/// `inv_freq` promises.
 #[inline(always)]
-unsafe fn loads_ahead<T: Elem, P: Pairing, S: Source, const L: usize, const N: usize>(
+unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
     a: &Args<T>,
     tok: &TokenBases<T>,
     (first, last): (usize, usize),
     (j0, half): (usize, usize),
     pos: i64,
+    in_place: bool,
 ) {
     let pairs = if P::NEOX { L } else { L / 2 };
+    let head_bytes = L * size_of::<T>() * if P::NEOX { 2 } else { 1 };
+    let ahead = if in_place {
+        PREFETCH_BYTES / head_bytes
+    } else {
+        0
+    };
+    for h in first..last.min(first + ahead) {
+        // SAFETY: head h exists.
+        let x = unsafe { head(a, tok, h).0 };
+        // The addresses `load_head` reads next (a prefetch of any address is harmless).
+        if P::NEOX {
+            prefetch_l2(x.wrapping_add(j0));
+            prefetch_l2(x.wrapping_add(half + j0));
+        } else {
+            prefetch_l2(x.wrapping_add(2 * j0));
+        }
+    }
     // SAFETY: the caller's promises.
     unsafe {
-        let v = load_block::<T, P, L, N>(a, tok, first, (j0, half));
         let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
-        store_block::<T, P, L, N>(a, tok, first, (j0, half), &v, (&cos, &sin));
-        rotate_heads::<T, P, L>(a, tok, (first + N, last), (j0, half), &cos, &sin);
+        rotate_heads::<T, P, L>(a, tok, (first, last), (j0, half), &cos, &sin);
     }
 }
+
+/// Bytes per thread that [`prefetch_then_rotate`] requests ahead of the arithmetic: 8 heads of
+/// 16-bit NeoX pairs or interleaved elements, 4 of `f32` NeoX pairs. With every thread of an
+/// H200 resident that is at most 21 MiB in flight, well inside its 50 MiB L2.
+const PREFETCH_BYTES: usize = 128;
 
 /// The kernel body for `L` elements per access.
 ///
@@ -429,6 +458,9 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
     let heads = head_range(a);
     let half = a.half as usize;
+    // Every tensor rotated in place (outputs of distinct tensors never overlap inputs).
+    let in_place =
+        a.q.x == a.q.out.cast_const() && (a.k.heads == 0 || a.k.x == a.k.out.cast_const());
     let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
     while idx < total {
         let (token, group) = a.groups.div_rem(idx);
@@ -440,16 +472,13 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
             let pos = unsafe { position(a, b, s) };
             // SAFETY: b < batch, s < seq.
             let tok = unsafe { token_bases(a, (b, s)) };
-            let n = heads.1 - heads.0;
             // SAFETY: j0 + pairs <= half; the heads exist; the table / inv_freq promises.
             unsafe {
-                if !S::TABLE && n >= 2 {
-                    loads_ahead::<T, P, S, L, 2>(a, &tok, heads, (j0, half), pos)
-                } else if !S::TABLE && n >= 1 {
-                    loads_ahead::<T, P, S, L, 1>(a, &tok, heads, (j0, half), pos)
-                } else {
+                if S::TABLE {
                     let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
                     rotate_heads::<T, P, L>(a, &tok, heads, (j0, half), &cos, &sin)
+                } else {
+                    prefetch_then_rotate::<T, P, S, L>(a, &tok, heads, (j0, half), pos, in_place)
                 }
             }
         } else {
