@@ -181,6 +181,18 @@ unsafe fn varlen_position<T>(a: &Args<T>, t: u64) -> i64 {
     }
 }
 
+/// Where this work item's vectors start in a head, in elements: `(j0, half + j0)` for NeoX
+/// (the second is the pairs' partners), `(2 j0, _)` interleaved (one vector holds the pairs).
+/// Loads, stores and prefetches all address a head through this.
+#[inline(always)]
+fn vector_offsets<P: Pairing>(j0: usize, half: usize) -> (usize, usize) {
+    if P::NEOX {
+        (j0, half + j0)
+    } else {
+        (2 * j0, 0)
+    }
+}
+
 /// Loads one head's `L` elements (interleaved) or `2 L` elements (NeoX) of this work item.
 ///
 /// # Safety
@@ -192,17 +204,18 @@ unsafe fn load_head<T: Elem, P: Pairing, const L: usize>(
     j0: usize,
     half: usize,
 ) -> [[T; L]; 2] {
+    let (first, second) = vector_offsets::<P>(j0, half);
     // SAFETY: NeoX reads elements j0..j0+L and half+j0..half+j0+L, interleaved reads
     // 2*j0..2*j0+L; j0 + L <= half (resp. 2*j0 + L <= 2*half) because rot_groups * L covers
     // the pairs exactly, so every read stays in the head. Alignment is the caller's promise.
     unsafe {
         if P::NEOX {
             [
-                elem::load::<T, L>(head.add(j0)),
-                elem::load::<T, L>(head.add(half + j0)),
+                elem::load::<T, L>(head.add(first)),
+                elem::load::<T, L>(head.add(second)),
             ]
         } else {
-            [elem::load::<T, L>(head.add(2 * j0)), [T::ZERO; L]]
+            [elem::load::<T, L>(head.add(first)), [T::ZERO; L]]
         }
     }
 }
@@ -220,6 +233,7 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
     cos: &[f32; L],
     sin: &[f32; L],
 ) {
+    let (first, second) = vector_offsets::<P>(j0, half);
     // Results are rounded in pairs (one `cvt.rn.bf16x2.f32` for bf16).
     let mut lo = [0.0f32; L];
     let mut hi = [0.0f32; L];
@@ -229,8 +243,8 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
         });
         // SAFETY: the same element ranges `load_head` read, in the output head.
         unsafe {
-            elem::store::<T, L>(out_head.add(j0), T::from_f32_array(lo));
-            elem::store::<T, L>(out_head.add(half + j0), T::from_f32_array(hi));
+            elem::store::<T, L>(out_head.add(first), T::from_f32_array(lo));
+            elem::store::<T, L>(out_head.add(second), T::from_f32_array(hi));
         }
     } else {
         unrolled(L / 2, |k| {
@@ -238,7 +252,7 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
             (lo[2 * k], lo[2 * k + 1]) = math::rotate(x0, x1, cos[k], sin[k]);
         });
         // SAFETY: the same element range `load_head` read, in the output head.
-        unsafe { elem::store::<T, L>(out_head.add(2 * j0), T::from_f32_array(lo)) };
+        unsafe { elem::store::<T, L>(out_head.add(first), T::from_f32_array(lo)) };
     }
 }
 
@@ -428,11 +442,10 @@ unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
         // SAFETY: head h exists.
         let x = unsafe { head(a, tok, h).0 };
         // The addresses `load_head` reads next (a prefetch of any address is harmless).
+        let (first, second) = vector_offsets::<P>(j0, half);
+        prefetch_l2(x.wrapping_add(first));
         if P::NEOX {
-            prefetch_l2(x.wrapping_add(j0));
-            prefetch_l2(x.wrapping_add(half + j0));
-        } else {
-            prefetch_l2(x.wrapping_add(2 * j0));
+            prefetch_l2(x.wrapping_add(second));
         }
     }
     // SAFETY: the caller's promises.
