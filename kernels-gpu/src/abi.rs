@@ -184,6 +184,133 @@ macro_rules! for_each_kernel {
 #[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
 pub(crate) use for_each_kernel;
 
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of every RoPE kernel entry point, in
+/// launch order, as `name: kind` pairs. This list is the one definition of the RoPE kernels'
+/// ABI: the kernel crate generates each entry point's signature and its parameter struct from
+/// it, and `rope-host` the host struct whose fields it pushes onto a launch in the same order,
+/// so the two sides cannot disagree on order or type.
+///
+/// Kinds, with their device and host types: `elem_ptr` (`*const T` / `u64`), `elem_ptr_mut`
+/// (`*mut T` / `u64`), `f64_ptr` (`*const f64` / `u64`), `byte_ptr` (`*const u8` / `u64`),
+/// `nonzero_u32` (`NonZeroU32` / `u32`), and the scalars `u32`, `u64`, `i64`, `f32` as
+/// themselves. `T` is the kernel's element type.
+///
+/// Parameters, per tensor `n` in 0 (q) and 1 (k, `heads1 = 0` when absent): `xn`, `outn`,
+/// `headsn` and the element strides `xn_stride_*`, `outn_stride_*` of
+/// `[batch, seq, heads, head_dim]` (last dimension contiguous). `tokens = batch * seq`; `seq`
+/// and `groups` with the magic numbers and shifts of their [`crate::divide::Divisor`]s;
+/// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
+/// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item` with
+/// `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
+/// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place); `cos`, `sin`,
+/// `table_stride` (elements per row) and `table_positions` for table kernels; `inv_freq`,
+/// `angle_mode` (a [`crate::math::AngleMode`] code) and `cs_scale` (the attention factor
+/// multiplying cos and sin) for computed sin/cos (the other source's pointers are unused and
+/// may be null); `positions`, a [`PositionCode`], with `pos_ptr`, `pos_aux`, `pos_count` and
+/// `pos_base`.
+#[macro_export]
+macro_rules! rope_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $m! {
+            { $($pass)* }
+            x0: elem_ptr,
+            out0: elem_ptr_mut,
+            heads0: u32,
+            x0_stride_batch: u64,
+            x0_stride_seq: u64,
+            x0_stride_head: u64,
+            out0_stride_batch: u64,
+            out0_stride_seq: u64,
+            out0_stride_head: u64,
+            x1: elem_ptr,
+            out1: elem_ptr_mut,
+            heads1: u32,
+            x1_stride_batch: u64,
+            x1_stride_seq: u64,
+            x1_stride_head: u64,
+            out1_stride_batch: u64,
+            out1_stride_seq: u64,
+            out1_stride_head: u64,
+            tokens: u64,
+            seq: nonzero_u32,
+            seq_magic: u32,
+            seq_shift: u32,
+            heads_per_chunk: u32,
+            groups: nonzero_u32,
+            groups_magic: u32,
+            groups_shift: u32,
+            rot_groups: u32,
+            half: u32,
+            rotary_dim: u32,
+            lanes: u32,
+            cos: elem_ptr,
+            sin: elem_ptr,
+            table_stride: u64,
+            table_positions: u64,
+            inv_freq: f64_ptr,
+            angle_mode: u32,
+            cs_scale: f32,
+            positions: u32,
+            pos_ptr: byte_ptr,
+            pos_aux: byte_ptr,
+            pos_count: u32,
+            pos_base: i64,
+        }
+    };
+}
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of every table-building entry point
+/// (`kernels-gpu/src/table.rs`), as [`rope_kernel_params!`] does for the RoPE kernels.
+///
+/// `cos` and `sin` receive `positions` rows of `row_stride >= half` elements; `inv_freq` holds
+/// `half` `f64`; `angle_mode` is a [`crate::math::AngleMode`] code and `scale` multiplies both.
+#[macro_export]
+macro_rules! table_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $m! {
+            { $($pass)* }
+            cos: elem_ptr_mut,
+            sin: elem_ptr_mut,
+            positions: u64,
+            half: nonzero_u32,
+            row_stride: u64,
+            inv_freq: f64_ptr,
+            angle_mode: u32,
+            scale: f32,
+        }
+    };
+}
+
+/// The device type of a parameter kind of [`rope_kernel_params!`] for element type `$t`.
+#[macro_export]
+macro_rules! device_param_type {
+    (elem_ptr, $t:ty) => { *const $t };
+    (elem_ptr_mut, $t:ty) => { *mut $t };
+    (f64_ptr, $t:ty) => { *const f64 };
+    (byte_ptr, $t:ty) => { *const u8 };
+    (nonzero_u32, $t:ty) => { ::core::num::NonZeroU32 };
+    (u32, $t:ty) => { u32 };
+    (u64, $t:ty) => { u64 };
+    (i64, $t:ty) => { i64 };
+    (f32, $t:ty) => { f32 };
+}
+
+/// The host type of a parameter kind of [`rope_kernel_params!`]: device pointers as `u64`
+/// (`CUdeviceptr`), `NonZeroU32` as `u32`, scalars as themselves. Each has the size and
+/// alignment of its device type, so the launch copies it bit for bit.
+#[macro_export]
+macro_rules! host_param_type {
+    (elem_ptr) => { u64 };
+    (elem_ptr_mut) => { u64 };
+    (f64_ptr) => { u64 };
+    (byte_ptr) => { u64 };
+    (nonzero_u32) => { u32 };
+    (u32) => { u32 };
+    (u64) => { u64 };
+    (i64) => { i64 };
+    (f32) => { f32 };
+}
+
 impl KernelName {
     /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
     /// 1280 threads' worth for the wide NeoX kernels of 16-bit elements, which then fit in 48

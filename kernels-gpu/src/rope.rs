@@ -28,8 +28,6 @@
 //! allows, the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
 //! elements).
 
-use core::num::NonZeroU32;
-
 use crate::abi::{Direction, PositionCode, for_each_kernel};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
@@ -610,33 +608,88 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const WIDE: bool>(a: &Args<T>
     }
 }
 
-/// Defines one exported entry point per (pairing, source, direction, dtype).
+/// The entry points' parameters, one field per entry of [`crate::rope_kernel_params!`].
+macro_rules! params_struct {
+    ({} $($param:ident: $kind:ident,)*) => {
+        /// The parameters of every RoPE entry point, as `crate::rope_kernel_params!` lists
+        /// them.
+        struct Params<T> {
+            $($param: crate::device_param_type!($kind, T),)*
+        }
+    };
+}
+crate::rope_kernel_params!(params_struct {});
+
+impl<T> Args<T> {
+    /// Gathers the entry point's parameters for the generic body.
+    #[inline(always)]
+    fn new(p: Params<T>, direction: Direction) -> Self {
+        Args {
+            q: TensorArgs {
+                x: p.x0,
+                out: p.out0,
+                heads: p.heads0,
+                x_strides: [p.x0_stride_batch, p.x0_stride_seq, p.x0_stride_head],
+                out_strides: [p.out0_stride_batch, p.out0_stride_seq, p.out0_stride_head],
+            },
+            k: TensorArgs {
+                x: p.x1,
+                out: p.out1,
+                heads: p.heads1,
+                x_strides: [p.x1_stride_batch, p.x1_stride_seq, p.x1_stride_head],
+                out_strides: [p.out1_stride_batch, p.out1_stride_seq, p.out1_stride_head],
+            },
+            tokens: p.tokens,
+            seq: Divisor {
+                divisor: p.seq,
+                magic: p.seq_magic,
+                shift: p.seq_shift,
+            },
+            heads_per_chunk: p.heads_per_chunk,
+            groups: Divisor {
+                divisor: p.groups,
+                magic: p.groups_magic,
+                shift: p.groups_shift,
+            },
+            rot_groups: p.rot_groups,
+            half: p.half,
+            rotary_dim: p.rotary_dim,
+            lanes: p.lanes,
+            cos: p.cos,
+            sin: p.sin,
+            table_stride: p.table_stride,
+            table_positions: p.table_positions,
+            inv_freq: p.inv_freq,
+            angle_mode: p.angle_mode,
+            cs_scale: p.cs_scale,
+            positions: p.positions,
+            pos_ptr: p.pos_ptr,
+            pos_aux: p.pos_aux,
+            pos_count: p.pos_count,
+            pos_base: p.pos_base,
+            sin_sign: sin_sign(direction),
+        }
+    }
+}
+
+/// Defines one exported entry point per (pairing, source, direction, dtype), wide and narrow.
 macro_rules! rope_kernel {
     ($($wide:ident, $narrow:ident: $pairing:ident, $source:ident, $dir:ident, $dt:ident, $t:ty;)*) => {$(
-        rope_kernel!(@entry $wide, true: $pairing, $source, $dir, $dt, $t);
-        rope_kernel!(@entry $narrow, false: $pairing, $source, $dir, $dt, $t);
+        crate::rope_kernel_params!(rope_entry { $wide, true: $pairing, $source, $dir, $t });
+        crate::rope_kernel_params!(rope_entry { $narrow, false: $pairing, $source, $dir, $t });
     )*};
-    (@entry $name:ident, $is_wide:literal: $pairing:ident, $source:ident, $dir:ident, $dt:ident, $t:ty) => {
+}
+
+/// One entry point with the parameter list of [`crate::rope_kernel_params!`].
+macro_rules! rope_entry {
+    (
+        { $name:ident, $is_wide:literal: $pairing:ident, $source:ident, $dir:ident, $t:ty }
+        $($param:ident: $kind:ident,)*
+    ) => {
         /// One RoPE entry point; its name says the pairing, the sin/cos source, the direction,
-        /// the element type and (`_narrow`) whether accesses are narrower than 16 bytes. See
-        /// the module documentation for the formula and mapping.
-        ///
-        /// # Arguments
-        /// Per tensor `n` in 0 (q) and 1 (k, `heads1 = 0` when absent): `xn`, `outn`,
-        /// `headsn`, element strides `xn_stride_*`, `outn_stride_*` of
-        /// `[batch, seq, heads, head_dim]` (last dimension contiguous). `tokens = batch * seq`;
-        /// `seq` and `groups` with the magic numbers and shifts of their
-        /// [`Divisor`](crate::divide::Divisor)s (`seq_magic`, `seq_shift`, `groups_magic`,
-        /// `groups_shift`);
-        /// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
-        /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item`
-        /// with `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
-        /// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place);
-        /// `cos`, `sin`, `table_stride` (elements per row), `table_positions` for table
-        /// kernels and `inv_freq`, `angle_mode` (a [`math::AngleMode`]) and `cs_scale` (the
-        /// attention factor multiplying cos and sin, 1 by default) for computed sin/cos (the
-        /// other pointers are unused and may be null); `positions`: a [`PositionCode`] with `pos_ptr`, `pos_aux`, `pos_count`,
-        /// `pos_base`.
+        /// the element type and (`_narrow`) whether accesses are narrower than the preferred
+        /// width. See the module documentation for the formula and mapping, and
+        /// `rope_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
         /// - each `xn`/`outn` addresses every element of its layout; distinct heads'
@@ -645,100 +698,15 @@ macro_rules! rope_kernel {
         ///   divides the work as `groups` says;
         /// - for tables, `cos` and `sin` hold `table_positions` rows of `table_stride >= half`
         ///   elements; for computed sin/cos, `inv_freq` holds `half` `f64`;
-        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names.
+        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names;
         /// - `seq_magic`, `seq_shift`, `groups_magic` and `groups_shift` are those
         ///   [`Divisor::new`] computes for `seq` and `groups`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
-            x0: *const $t,
-            out0: *mut $t,
-            heads0: u32,
-            x0_stride_batch: u64,
-            x0_stride_seq: u64,
-            x0_stride_head: u64,
-            out0_stride_batch: u64,
-            out0_stride_seq: u64,
-            out0_stride_head: u64,
-            x1: *const $t,
-            out1: *mut $t,
-            heads1: u32,
-            x1_stride_batch: u64,
-            x1_stride_seq: u64,
-            x1_stride_head: u64,
-            out1_stride_batch: u64,
-            out1_stride_seq: u64,
-            out1_stride_head: u64,
-            tokens: u64,
-            seq: NonZeroU32,
-            seq_magic: u32,
-            seq_shift: u32,
-            heads_per_chunk: u32,
-            groups: NonZeroU32,
-            groups_magic: u32,
-            groups_shift: u32,
-            rot_groups: u32,
-            half: u32,
-            rotary_dim: u32,
-            lanes: u32,
-            cos: *const $t,
-            sin: *const $t,
-            table_stride: u64,
-            table_positions: u64,
-            inv_freq: *const f64,
-            angle_mode: u32,
-            cs_scale: f32,
-            positions: u32,
-            pos_ptr: *const u8,
-            pos_aux: *const u8,
-            pos_count: u32,
-            pos_base: i64,
+            $($param: crate::device_param_type!($kind, $t),)*
         ) {
-            let args = Args {
-                q: TensorArgs {
-                        x: x0,
-                        out: out0,
-                        heads: heads0,
-                        x_strides: [x0_stride_batch, x0_stride_seq, x0_stride_head],
-                        out_strides: [out0_stride_batch, out0_stride_seq, out0_stride_head],
-                    },
-                k: TensorArgs {
-                        x: x1,
-                        out: out1,
-                        heads: heads1,
-                        x_strides: [x1_stride_batch, x1_stride_seq, x1_stride_head],
-                        out_strides: [out1_stride_batch, out1_stride_seq, out1_stride_head],
-                    },
-                tokens,
-                seq: Divisor {
-                    divisor: seq,
-                    magic: seq_magic,
-                    shift: seq_shift,
-                },
-                heads_per_chunk,
-                groups: Divisor {
-                    divisor: groups,
-                    magic: groups_magic,
-                    shift: groups_shift,
-                },
-                rot_groups,
-                half,
-                rotary_dim,
-                lanes,
-                cos,
-                sin,
-                table_stride,
-                table_positions,
-                inv_freq,
-                angle_mode,
-                cs_scale,
-                positions,
-                pos_ptr,
-                pos_aux,
-                pos_count,
-                pos_base,
-                sin_sign: sin_sign(Direction::$dir),
-            };
+            let args = Args::new(Params::<$t> { $($param,)* }, Direction::$dir);
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
             unsafe { dispatch::<$t, $pairing, $source, $is_wide>(&args) }
         }

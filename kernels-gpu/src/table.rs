@@ -12,42 +12,44 @@
 //! One thread per `(p, i)`, `positions * half` in all, walked by a grid-stride loop over
 //! `blockIdx.x`; consecutive threads write consecutive columns of a row.
 
-use core::num::{NonZeroU32, NonZeroU64};
+use core::num::NonZeroU64;
 
 use crate::abi::for_each_table_kernel;
 use crate::elem::{Bf16, Elem, Half};
 use crate::intrinsics::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
 use crate::math;
 
+/// The parameters of every table entry point, as `crate::table_kernel_params!` lists them.
+macro_rules! params_struct {
+    ({} $($param:ident: $kind:ident,)*) => {
+        /// The parameters of every table entry point.
+        struct Params<T> {
+            $($param: crate::device_param_type!($kind, T),)*
+        }
+    };
+}
+crate::table_kernel_params!(params_struct {});
+
 /// The kernel body.
 ///
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn body<T: Elem>(
-    cos: *mut T,
-    sin: *mut T,
-    positions: u64,
-    half: NonZeroU32,
-    row_stride: u64,
-    inv_freq: *const f64,
-    angle_mode: u32,
-    scale: f32,
-) {
-    let mode = math::AngleMode::from_u32(angle_mode);
-    let half64 = NonZeroU64::from(half);
-    let total = positions * half64.get();
+unsafe fn body<T: Elem>(p: Params<T>) {
+    let mode = math::AngleMode::from_u32(p.angle_mode);
+    let half64 = NonZeroU64::from(p.half);
+    let total = p.positions * half64.get();
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
     let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
     while idx < total {
-        let (p, i) = (idx / half64, idx % half64);
-        // SAFETY: i < half, the length of inv_freq; p < positions and i < half <= row_stride,
+        let (pos, i) = (idx / half64, idx % half64);
+        // SAFETY: i < half, the length of inv_freq; pos < positions and i < half <= row_stride,
         // so the offset is inside the promised `positions` rows.
         unsafe {
-            let (c, s) = math::rope_cos_sin_mode(p as i64, *inv_freq.add(i as usize), mode);
-            let at = (p * row_stride + i) as usize;
-            *cos.add(at) = T::from_f32(c * scale);
-            *sin.add(at) = T::from_f32(s * scale);
+            let (c, s) = math::rope_cos_sin_mode(pos as i64, *p.inv_freq.add(i as usize), mode);
+            let at = (pos * p.row_stride + i) as usize;
+            *p.cos.add(at) = T::from_f32(c * p.scale);
+            *p.sin.add(at) = T::from_f32(s * p.scale);
         }
         idx += step;
     }
@@ -56,6 +58,13 @@ unsafe fn body<T: Elem>(
 /// Defines one exported table builder per element type.
 macro_rules! table_kernel {
     ($($name:ident: $dt:ident, $t:ty;)*) => {$(
+        crate::table_kernel_params!(table_entry { $name, $t });
+    )*};
+}
+
+/// One table builder with the parameter list of [`crate::table_kernel_params!`].
+macro_rules! table_entry {
+    ({ $name:ident, $t:ty } $($param:ident: $kind:ident,)*) => {
         /// Writes the cos/sin tables of `positions` rows; see the module documentation.
         ///
         /// # Safety
@@ -63,20 +72,11 @@ macro_rules! table_kernel {
         /// `(p, i < half)` elements of `cos` and of `sin` are distinct, and `inv_freq` holds
         /// `half` `f64`.
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            cos: *mut $t,
-            sin: *mut $t,
-            positions: u64,
-            half: NonZeroU32,
-            row_stride: u64,
-            inv_freq: *const f64,
-            angle_mode: u32,
-            scale: f32,
-        ) {
+        pub unsafe extern "ptx-kernel" fn $name($($param: crate::device_param_type!($kind, $t),)*) {
             // SAFETY: the caller's promises are those of `body`.
-            unsafe { body::<$t>(cos, sin, positions, half, row_stride, inv_freq, angle_mode, scale) }
+            unsafe { body::<$t>(Params { $($param,)* }) }
         }
-    )*};
+    };
 }
 
 for_each_table_kernel!(table_kernel);
