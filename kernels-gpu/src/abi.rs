@@ -300,15 +300,33 @@ macro_rules! device_param_type {
 /// alignment of its device type, so the launch copies it bit for bit.
 #[macro_export]
 macro_rules! host_param_type {
-    (elem_ptr) => { u64 };
-    (elem_ptr_mut) => { u64 };
-    (f64_ptr) => { u64 };
-    (byte_ptr) => { u64 };
-    (nonzero_u32) => { u32 };
-    (u32) => { u32 };
-    (u64) => { u64 };
-    (i64) => { i64 };
-    (f32) => { f32 };
+    (elem_ptr) => {
+        u64
+    };
+    (elem_ptr_mut) => {
+        u64
+    };
+    (f64_ptr) => {
+        u64
+    };
+    (byte_ptr) => {
+        u64
+    };
+    (nonzero_u32) => {
+        u32
+    };
+    (u32) => {
+        u32
+    };
+    (u64) => {
+        u64
+    };
+    (i64) => {
+        i64
+    };
+    (f32) => {
+        f32
+    };
 }
 
 impl KernelName {

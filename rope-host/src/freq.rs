@@ -12,7 +12,6 @@ use cudarc::driver::CudaSlice;
 pub use kernels_gpu::math::AngleMode;
 
 use crate::error::{Result, invalid};
-use crate::rope::Rope;
 
 /// The default RoPE frequencies for `rotary_dim` rotated features:
 /// `inv_freq[i] = theta^(-2i / rotary_dim)` for `i < rotary_dim / 2`, in `f64`.
@@ -346,7 +345,7 @@ fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
 }
 
 /// A frequency vector on the device, ready for [`crate::SinCos::Frequencies`] and
-/// [`Rope::build_tables_for`]; made by [`Rope::frequencies`].
+/// [`crate::Rope::build_tables_for`]; made by [`crate::Rope::frequencies`].
 #[derive(Debug)]
 pub struct Frequencies {
     pub(crate) inv_freq: CudaSlice<f64>,
@@ -367,21 +366,5 @@ impl Frequencies {
     /// How the kernels form angles from these frequencies.
     pub fn angle(&self) -> AngleMode {
         self.angle
-    }
-}
-
-impl Rope {
-    /// Computes `spec`'s frequencies in `f64` and uploads them.
-    ///
-    /// # Errors
-    /// As [`FrequencySpec::build`]; [`crate::Error::Driver`] when the upload fails.
-    pub fn frequencies(&self, spec: &FrequencySpec) -> Result<Frequencies> {
-        let (inv_freq, attention_factor) = spec.build()?;
-        Ok(Frequencies {
-            inv_freq: self.stream.clone_htod(&inv_freq)?,
-            rotary_dim: spec.rotary_dim,
-            attention_factor,
-            angle: spec.angle,
-        })
     }
 }

@@ -157,7 +157,8 @@ impl Layout {
     /// Whether no two `(b, s, h, e)` share an element: with the dimensions sorted by stride,
     /// each stride reaches past everything the inner dimensions cover.
     pub(crate) fn is_non_overlapping(&self) -> bool {
-        footprint_is_disjoint(self, self.head_dim, self.heads, self.strides[2])
+        // An empty tensor has no elements, so no two of them can meet, whatever its strides.
+        self.is_empty() || footprint_is_disjoint(self, self.head_dim, self.heads, self.strides[2])
     }
 }
 

@@ -31,24 +31,36 @@
 //! stream.synchronize()?;
 //! # Ok::<(), rope_host::Error>(())
 //! ```
+#![warn(missing_docs)]
 
+mod bind;
 mod error;
 mod freq;
+mod handle;
+mod kernel_args;
 mod layout;
 mod module;
+mod op;
+mod plan;
+mod positions;
 mod rope;
+mod sincos;
 mod table;
 
 pub use cudarc;
 pub use error::{Error, Result};
 pub use freq::{AngleMode, Frequencies, FrequencySpec, RopeScaling, Yarn, inv_freq};
 pub use half;
+pub use handle::{KernelResources, Rope};
+pub use layout::Layout;
 pub use module::{PTX, open_device};
-pub use rope::{
-    DType, Direction, IdsShape, Io, KernelResources, Layout, PositionIds, Positions, QkIo, Rope,
-    RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, SinCos, Tensor, TensorMut,
+pub use op::{
+    DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
+    TensorMut,
 };
-pub use table::{SinCosTables, TableFormat};
+pub use positions::{IdsShape, PositionIds, Positions};
+pub use sincos::{SinCos, TableShape};
+pub use table::{SinCosTables, TableData, TableFormat};
 
 /// The README's example compiles as a doctest.
 #[cfg(doctest)]

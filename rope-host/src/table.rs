@@ -1,13 +1,16 @@
 //! Cos/sin tables built on the GPU. Mirrors `kernels-gpu/src/table.rs`.
 
 use cudarc::driver::{
-    CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop, ValidAsZeroBits,
 };
 use kernels_gpu::abi::{BLOCK_THREADS, TableKernelName};
 
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies};
-use crate::rope::{Rope, RopeElem, SinCos};
+use crate::handle::Rope;
+use crate::kernel_args::TableArgs;
+use crate::op::RopeElem;
+use crate::sincos::{SinCos, TableShape};
 
 /// How a table pair is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -19,9 +22,9 @@ pub enum TableFormat {
     Combined,
 }
 
-/// Tables built by [`Rope::build_tables`], owned on the device.
+/// The device buffers of [`SinCosTables`].
 #[derive(Debug)]
-pub enum SinCosTables<T> {
+pub enum TableData<T> {
     /// `cos`, `sin` of `[max_position, rotary_dim / 2]`.
     Separate {
         /// Cosines.
@@ -33,15 +36,43 @@ pub enum SinCosTables<T> {
     Combined(CudaSlice<T>),
 }
 
+/// Tables built by [`Rope::build_tables`], owned on the device, with the shape they were built
+/// for.
+#[derive(Debug)]
+pub struct SinCosTables<T> {
+    data: TableData<T>,
+    shape: TableShape,
+}
+
 impl<T> SinCosTables<T> {
+    /// Rows and rotary width.
+    pub fn shape(&self) -> TableShape {
+        self.shape
+    }
+
+    /// The device buffers.
+    pub fn data(&self) -> &TableData<T> {
+        &self.data
+    }
+
+    /// The device buffers, taken out.
+    pub fn into_data(self) -> TableData<T> {
+        self.data
+    }
+
     /// The tables as the sin/cos source of a [`crate::RopeOp`].
     pub fn sincos(&self) -> SinCos<'_, T> {
-        match self {
-            Self::Separate { cos, sin } => SinCos::Table {
+        let shape = self.shape;
+        match &self.data {
+            TableData::Separate { cos, sin } => SinCos::Table {
                 cos: cos.as_view(),
                 sin: sin.as_view(),
+                shape,
             },
-            Self::Combined(cache) => SinCos::CosSinCache(cache.as_view()),
+            TableData::Combined(cache) => SinCos::CosSinCache {
+                cache: cache.as_view(),
+                shape,
+            },
         }
     }
 }
@@ -74,14 +105,12 @@ impl Rope {
                 format!("must be even and at least 2, got {rotary_dim}"),
             ));
         }
-        let inv_freq = self.inv_freq(theta, rotary_dim)?;
-        self.launch_tables(
-            &inv_freq,
-            rotary_dim,
-            (AngleMode::Exact, 1.0),
+        let (inv_freq, _) = self.inv_freq(theta, rotary_dim)?;
+        let shape = TableShape {
             max_position,
-            format,
-        )
+            rotary_dim,
+        };
+        self.launch_tables(&inv_freq, shape, (AngleMode::Exact, 1.0), format)
     }
 
     /// Builds tables from the frequencies of any scaling family: `scale * cos/sin(angle)` with
@@ -96,24 +125,25 @@ impl Rope {
         format: TableFormat,
     ) -> Result<SinCosTables<T>> {
         let mode = (freqs.angle, freqs.attention_factor as f32);
-        self.launch_tables(
-            &freqs.inv_freq,
-            freqs.rotary_dim,
-            mode,
+        let shape = TableShape {
             max_position,
-            format,
-        )
+            rotary_dim: freqs.rotary_dim,
+        };
+        self.launch_tables(&freqs.inv_freq, shape, mode, format)
     }
 
     /// Allocates the tables and launches the builder.
     fn launch_tables<T: RopeElem + ValidAsZeroBits>(
         &self,
         inv_freq: &CudaSlice<f64>,
-        rotary_dim: u32,
+        shape: TableShape,
         (angle, scale): (AngleMode, f32),
-        max_position: usize,
         format: TableFormat,
     ) -> Result<SinCosTables<T>> {
+        let TableShape {
+            max_position,
+            rotary_dim,
+        } = shape;
         let half = rotary_dim / 2;
         let len = max_position
             .checked_mul(rotary_dim as usize)
@@ -125,26 +155,30 @@ impl Rope {
                 )
             })?;
         let stream = &self.stream;
-        let mut tables = match format {
-            TableFormat::Separate => SinCosTables::Separate {
+        let mut data = match format {
+            TableFormat::Separate => TableData::Separate {
                 cos: stream.alloc_zeros::<T>(len / 2)?,
                 sin: stream.alloc_zeros::<T>(len / 2)?,
             },
-            TableFormat::Combined => SinCosTables::Combined(stream.alloc_zeros::<T>(len)?),
+            TableFormat::Combined => TableData::Combined(stream.alloc_zeros::<T>(len)?),
         };
         let es = size_of::<T>() as u64;
-        let (cos, sin, row_stride, guards) = match &mut tables {
-            SinCosTables::Separate { cos, sin } => {
+        let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
+        let (cos, sin, row_stride) = match &mut data {
+            TableData::Separate { cos, sin } => {
                 let (pc, gc) = cos.device_ptr_mut(stream);
                 let (ps, gs) = sin.device_ptr_mut(stream);
-                (pc, ps, half as u64, vec![gc, gs])
+                guards.extend([gc, gs]);
+                (pc, ps, half as u64)
             }
-            SinCosTables::Combined(cache) => {
+            TableData::Combined(cache) => {
                 let (p, g) = cache.device_ptr_mut(stream);
-                (p, p + half as u64 * es, rotary_dim as u64, vec![g])
+                guards.push(g);
+                (p, p + half as u64 * es, rotary_dim as u64)
             }
         };
-        let (freq, _gf) = inv_freq.device_ptr(stream);
+        let (inv_freq, g) = inv_freq.device_ptr(stream);
+        guards.push(g);
         let positions = max_position as u64;
         let items = positions * half as u64;
         let config = LaunchConfig {
@@ -156,31 +190,32 @@ impl Rope {
             block_dim: (BLOCK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let angle = angle as u32;
+        let args = TableArgs {
+            cos,
+            sin,
+            positions,
+            half,
+            row_stride,
+            inv_freq,
+            angle_mode: angle as u32,
+            scale,
+        };
         let func = self
             .module
             .function(TableKernelName { dtype: T::DTYPE }.symbol());
         let mut launch = stream.launch_builder(func);
-        launch
-            .arg(&cos)
-            .arg(&sin)
-            .arg(&positions)
-            .arg(&half)
-            .arg(&row_stride)
-            .arg(&freq)
-            .arg(&angle)
-            .arg(&scale);
-        // SAFETY: the arguments match `table_kernel!` in kernels-gpu/src/table.rs in order and
-        // type (pointers as u64, NonZeroU32 as u32: callers checked rotary_dim >= 2, so
-        // half >= 1). The tables were just allocated with `max_position` rows of
-        // `row_stride >= half` elements (separate: two buffers of `half` per row; combined: one
-        // buffer of `rotary_dim` per row, sines starting `half` in, so cos and sin elements are
-        // distinct), and `inv_freq` holds `half` f64. The buffers live in `tables`, returned to
-        // the caller; cudarc's drop of a `CudaSlice` waits on the stream, so they outlive the
-        // kernel.
+        args.push(&mut launch);
+        // SAFETY: `TableArgs` and the entry points' parameters come from the one list in
+        // `kernels_gpu::table_kernel_params!`, so they agree in order and type (callers checked
+        // rotary_dim >= 2, so the `NonZeroU32` half is >= 1). The tables were just allocated with
+        // `max_position` rows of `row_stride >= half` elements (separate: two buffers of `half`
+        // per row; combined: one buffer of `rotary_dim` per row, sines starting `half` in, so
+        // cos and sin elements are distinct), and `inv_freq` holds `half` f64. The buffers live
+        // in `data`, returned to the caller; cudarc's drop of a `CudaSlice` waits on the stream,
+        // so they outlive the kernel.
         unsafe { launch.launch(config) }?;
         // The guards record the writes on the stream; they end before the tables move out.
         drop(guards);
-        Ok(tables)
+        Ok(SinCosTables { data, shape })
     }
 }

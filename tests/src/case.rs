@@ -11,7 +11,7 @@ use rope_host::cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
 use rope_host::half::{bf16, f16};
 use rope_host::{
     Direction, IdsShape, Io, Layout, PositionIds, Positions, QkIo, Rope, RopeConfig, RopeElem,
-    RopeOp, RopeStyle, SinCos, TableFormat, Tensor, TensorMut,
+    RopeOp, RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
 };
 
 use crate::reference::{self, RefSinCos};
@@ -485,13 +485,25 @@ fn make_op<'a, T: TestElem>(
     tables: &'a Option<DeviceTables<T>>,
     ids: &'a Option<DeviceIds>,
 ) -> rope_host::Result<RopeOp<'a, T>> {
+    let shape = |max_position| TableShape {
+        max_position,
+        rotary_dim: c.rotary_dim as u32,
+    };
     let sincos = match (&c.source, tables) {
         (Source::Theta(theta), _) => SinCos::Computed { theta: *theta },
-        (_, Some(DeviceTables::Separate(cos, sin))) => SinCos::Table {
-            cos: cos.as_view(),
-            sin: sin.as_view(),
-        },
-        (_, Some(DeviceTables::Combined(cache))) => SinCos::CosSinCache(cache.as_view()),
+        (Source::Table { max_position, .. }, Some(DeviceTables::Separate(cos, sin))) => {
+            SinCos::Table {
+                cos: cos.as_view(),
+                sin: sin.as_view(),
+                shape: shape(*max_position),
+            }
+        }
+        (Source::Table { max_position, .. }, Some(DeviceTables::Combined(cache))) => {
+            SinCos::CosSinCache {
+                cache: cache.as_view(),
+                shape: shape(*max_position),
+            }
+        }
         (_, None) => unreachable!("uploaded with tables"),
     };
     let positions = match (&c.positions, ids) {

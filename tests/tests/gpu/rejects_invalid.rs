@@ -4,8 +4,8 @@
 use proptest::prelude::*;
 use rope_host::TableFormat;
 use rope_host::{
-    Error, IdsShape, Io, Layout, PositionIds, Positions, QkIo, RopeConfig, RopeOp, SinCos, Tensor,
-    TensorMut,
+    Error, IdsShape, Io, Layout, PositionIds, Positions, QkIo, RopeConfig, RopeOp, SinCos,
+    TableShape, Tensor, TensorMut,
 };
 use rope_tests::case::{
     Case, DTypeCase, DeviceCase, DeviceTables, KCase, LayoutKind, PosCase, Source,
@@ -24,6 +24,7 @@ enum Breakage {
     TableTooShort,
     TablesDiffer,
     TableNotWholeRows,
+    TableWrongWidth,
     WrongRowOffsetCount,
     WrongIdCount,
     BadTheta(f64),
@@ -45,7 +46,9 @@ impl Breakage {
             | Self::WrongIdCount
             | Self::CuSeqlensDecreasing
             | Self::CuSeqlensWrongEnd => "positions",
-            Self::TablesDiffer | Self::TableNotWholeRows => "sincos",
+            Self::TablesDiffer => "sincos.sin",
+            Self::TableNotWholeRows => "sincos.cos",
+            Self::TableWrongWidth => "sincos",
             Self::BadTheta(_) => "theta",
             Self::KSeqMismatch | Self::FusedOverlap => "k",
         }
@@ -60,6 +63,7 @@ fn breakage() -> impl Strategy<Value = Breakage> {
         Just(Breakage::TableTooShort),
         Just(Breakage::TablesDiffer),
         Just(Breakage::TableNotWholeRows),
+        Just(Breakage::TableWrongWidth),
         Just(Breakage::WrongRowOffsetCount),
         Just(Breakage::WrongIdCount),
         prop_oneof![
@@ -86,7 +90,10 @@ fn fit(mut case: Case, b: Breakage) -> Case {
     case.source = Source::Theta(10_000.0);
     case.positions = PosCase::Offset(0);
     match b {
-        Breakage::TableTooShort | Breakage::TablesDiffer | Breakage::TableNotWholeRows => {
+        Breakage::TableTooShort
+        | Breakage::TablesDiffer
+        | Breakage::TableNotWholeRows
+        | Breakage::TableWrongWidth => {
             let format = TableFormat::Separate;
             case.source = Source::Table {
                 theta: 10_000.0,
@@ -151,19 +158,34 @@ fn run_broken(
         },
         _ => Positions::Offset(0),
     };
+    let max_position = match c.source {
+        Source::Table { max_position, .. } => max_position,
+        Source::Theta(_) => 0,
+    };
+    let shape = TableShape {
+        max_position,
+        rotary_dim: if let Breakage::TableWrongWidth = b {
+            c.rotary_dim as u32 / 2
+        } else {
+            c.rotary_dim as u32
+        },
+    };
     let sincos = match (&dev.tables, b) {
         (_, Breakage::BadTheta(theta)) => SinCos::Computed { theta },
         (Some(DeviceTables::Separate(cos, sin)), Breakage::TablesDiffer) => SinCos::Table {
             cos: cos.as_view(),
             sin: sin.slice(..sin.len() - half),
+            shape,
         },
         (Some(DeviceTables::Separate(cos, sin)), Breakage::TableNotWholeRows) => SinCos::Table {
             cos: cos.slice(..cos.len() - 1),
             sin: sin.slice(..sin.len() - 1),
+            shape,
         },
         (Some(DeviceTables::Separate(cos, sin)), _) => SinCos::Table {
             cos: cos.as_view(),
             sin: sin.as_view(),
+            shape,
         },
         _ => SinCos::Computed { theta: 10_000.0 },
     };
@@ -314,4 +336,93 @@ fn non_contiguous_heads_are_refused() {
     let _ = RopeConfig::builder(8, rope_host::RopeStyle::Neox)
         .build()
         .expect("valid");
+}
+
+/// A buffer from another CUDA context than the `Rope`'s is refused with the argument named,
+/// whichever argument it is, and the launch's other buffers are untouched.
+#[test]
+fn buffers_from_another_context_are_refused() {
+    use rope_host::cudarc::driver::{CudaContext, CudaViewMut};
+    let Some((stream, rope)) = gpu_or_skip("buffers_from_another_context_are_refused") else {
+        return;
+    };
+    let other = CudaContext::new_non_primary(stream.context().ordinal(), 0)
+        .expect("a second context on the same device");
+    let theirs = other.default_stream();
+    let layout = Layout::bshd(1, 4, 2, 8);
+    let config = RopeConfig::builder(8, rope_host::RopeStyle::Neox)
+        .build()
+        .expect("valid");
+    let op = |positions, sincos| RopeOp {
+        config,
+        positions,
+        sincos,
+    };
+    let computed = || SinCos::Computed { theta: 10_000.0 };
+    let arg = |r: rope_host::Result<()>| match r {
+        Err(Error::Invalid { arg, .. }) => arg,
+        other => panic!("expected Error::Invalid, got {other:?}"),
+    };
+    let ones = vec![1.0f32; 64];
+    let mut ours = stream.clone_htod(&ones).expect("upload");
+    let mut foreign = theirs.clone_htod(&ones).expect("upload");
+    fn in_place(data: CudaViewMut<'_, f32>) -> Io<'_, f32> {
+        let layout = Layout::bshd(1, 4, 2, 8);
+        Io::InPlace(TensorMut { data, layout })
+    }
+
+    let r = rope.run(
+        &op(Positions::Offset(0), computed()),
+        in_place(foreign.as_view_mut()),
+    );
+    assert_eq!(arg(r), "q");
+    let io = Io::OutOfPlace {
+        input: Tensor {
+            data: ours.as_view(),
+            layout,
+        },
+        output: TensorMut {
+            data: foreign.as_view_mut(),
+            layout,
+        },
+    };
+    assert_eq!(
+        arg(rope.run(&op(Positions::Offset(0), computed()), io)),
+        "q.output"
+    );
+
+    let ids = theirs.clone_htod(&[0i64, 1, 2, 3]).expect("upload");
+    let positions = Positions::Ids {
+        ids: PositionIds::I64(ids.as_view()),
+        shape: IdsShape::Shared,
+    };
+    let r = rope.run(&op(positions, computed()), in_place(ours.as_view_mut()));
+    assert_eq!(arg(r), "positions");
+
+    let table = theirs.clone_htod(&[1.0f32; 64]).expect("upload");
+    let sincos = SinCos::CosSinCache {
+        cache: table.as_view(),
+        shape: TableShape {
+            max_position: 8,
+            rotary_dim: 8,
+        },
+    };
+    let r = rope.run(
+        &op(Positions::Offset(0), sincos),
+        in_place(ours.as_view_mut()),
+    );
+    assert_eq!(arg(r), "sincos");
+
+    let frequencies = rope_host::Rope::new(theirs.clone())
+        .expect("a handle in the other context")
+        .frequencies(&rope_host::FrequencySpec::new(10_000.0, 8))
+        .expect("valid");
+    let r = rope.run(
+        &op(Positions::Offset(0), SinCos::Frequencies(&frequencies)),
+        in_place(ours.as_view_mut()),
+    );
+    assert_eq!(arg(r), "sincos");
+
+    // Nothing was launched: our buffer still holds its ones.
+    assert_eq!(stream.clone_dtoh(&ours).expect("download"), ones);
 }

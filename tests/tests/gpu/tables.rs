@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 use rope_host::half::{bf16, f16};
-use rope_host::{Direction, RopeStyle, SinCosTables, TableFormat};
+use rope_host::{Direction, RopeStyle, SinCosTables, TableData, TableFormat};
 use rope_tests::case::{
     Case, DTypeCase, DeviceTables, KCase, LayoutKind, PosCase, Source, TestElem,
 };
@@ -16,12 +16,12 @@ fn download<T: TestElem>(
     stream: &std::sync::Arc<rope_host::cudarc::driver::CudaStream>,
     half: usize,
 ) -> (Vec<T>, Vec<T>) {
-    match t {
-        SinCosTables::Separate { cos, sin } => (
+    match t.data() {
+        TableData::Separate { cos, sin } => (
             stream.clone_dtoh(cos).expect("download"),
             stream.clone_dtoh(sin).expect("download"),
         ),
-        SinCosTables::Combined(cache) => {
+        TableData::Combined(cache) => {
             let all = stream.clone_dtoh(cache).expect("download");
             let rows = all.chunks(2 * half);
             (
@@ -123,9 +123,9 @@ fn built_tables_reproduce_in_kernel_sin_cos_exactly() {
             let built = rope
                 .build_tables::<f32>(500_000.0, 48, 48, format)
                 .expect("valid");
-            tabled.tables = Some(match built {
-                SinCosTables::Separate { cos, sin } => DeviceTables::Separate(cos, sin),
-                SinCosTables::Combined(cache) => DeviceTables::Combined(cache),
+            tabled.tables = Some(match built.into_data() {
+                TableData::Separate { cos, sin } => DeviceTables::Separate(cos, sin),
+                TableData::Combined(cache) => DeviceTables::Combined(cache),
             });
             tabled.case.source = Source::Table {
                 theta: 500_000.0,

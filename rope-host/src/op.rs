@@ -1,0 +1,248 @@
+//! The public description of a RoPE operation: the element types, the configuration and its
+//! builder, the tensors and how they are read and written, and [`RopeOp`], which bundles the
+//! configuration with the position and sin/cos options ([`crate::Positions`],
+//! [`crate::SinCos`]).
+
+use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
+pub use kernels_gpu::abi::{DType, Direction, RopeStyle};
+
+use crate::error::{Result, invalid};
+use crate::layout::Layout;
+use crate::positions::Positions;
+use crate::sincos::SinCos;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A storage type of the kernels (sealed: `f32`, `half::f16`, `half::bf16`). Arithmetic is
+/// `f32`; results are rounded once to the storage type.
+pub trait RopeElem: DeviceRepr + Copy + sealed::Sealed {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+}
+
+impl RopeElem for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl RopeElem for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl RopeElem for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+/// The static part of a RoPE operation: head size, rotated features, pairing and direction.
+///
+/// ```
+/// use rope_host::{Direction, RopeConfig, RopeStyle};
+/// let cfg = RopeConfig::builder(128, RopeStyle::Neox)
+///     .rotary_dim(64)
+///     .direction(Direction::Backward)
+///     .build()?;
+/// assert_eq!((cfg.head_dim(), cfg.rotary_dim()), (128, 64));
+/// # Ok::<(), rope_host::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RopeConfig {
+    head_dim: u32,
+    rotary_dim: u32,
+    style: RopeStyle,
+    direction: Direction,
+}
+
+impl RopeConfig {
+    /// Starts a configuration for heads of `head_dim` elements paired by `style`.
+    pub fn builder(head_dim: u32, style: RopeStyle) -> RopeConfigBuilder {
+        RopeConfigBuilder {
+            head_dim,
+            rotary_dim: None,
+            style,
+            direction: Direction::Forward,
+        }
+    }
+    /// Elements per head.
+    pub fn head_dim(&self) -> u32 {
+        self.head_dim
+    }
+    /// Rotated elements per head (the first `rotary_dim`; the rest pass through).
+    pub fn rotary_dim(&self) -> u32 {
+        self.rotary_dim
+    }
+    /// The pairing.
+    pub fn style(&self) -> RopeStyle {
+        self.style
+    }
+    /// Forward or backward.
+    pub fn direction(&self) -> Direction {
+        self.direction
+    }
+    /// Rotated pairs per head, `rotary_dim / 2`.
+    pub fn half(&self) -> u32 {
+        self.rotary_dim / 2
+    }
+}
+
+/// Builds a validated [`RopeConfig`].
+#[derive(Clone, Debug)]
+pub struct RopeConfigBuilder {
+    head_dim: u32,
+    rotary_dim: Option<u32>,
+    style: RopeStyle,
+    direction: Direction,
+}
+
+impl RopeConfigBuilder {
+    /// Rotate only the first `rotary_dim` elements of each head (partial rotary, as in
+    /// GPT-NeoX, Phi and ChatGLM); defaults to `head_dim`.
+    pub fn rotary_dim(mut self, rotary_dim: u32) -> Self {
+        self.rotary_dim = Some(rotary_dim);
+        self
+    }
+
+    /// Forward or backward; defaults to [`Direction::Forward`].
+    pub fn direction(mut self, direction: Direction) -> Self {
+        self.direction = direction;
+        self
+    }
+
+    /// Checks and returns the configuration.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `head_dim` when it is zero or odd, or `rotary_dim`
+    /// when it is zero, odd or larger than `head_dim`.
+    pub fn build(self) -> Result<RopeConfig> {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return Err(invalid(
+                "head_dim",
+                format!("must be even and at least 2, got {}", self.head_dim),
+            ));
+        }
+        let rotary_dim = self.rotary_dim.unwrap_or(self.head_dim);
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > self.head_dim {
+            return Err(invalid(
+                "rotary_dim",
+                format!(
+                    "must be even, at least 2 and at most head_dim {}, got {rotary_dim}",
+                    self.head_dim
+                ),
+            ));
+        }
+        Ok(RopeConfig {
+            head_dim: self.head_dim,
+            rotary_dim,
+            style: self.style,
+            direction: self.direction,
+        })
+    }
+}
+
+/// A read-only tensor: a device buffer and where in it the elements are.
+#[derive(Debug)]
+pub struct Tensor<'a, T> {
+    /// The buffer.
+    pub data: CudaView<'a, T>,
+    /// The layout inside it.
+    pub layout: Layout,
+}
+
+/// A written tensor: a device buffer and where in it the elements are.
+#[derive(Debug)]
+pub struct TensorMut<'a, T> {
+    /// The buffer.
+    pub data: CudaViewMut<'a, T>,
+    /// The layout inside it.
+    pub layout: Layout,
+}
+
+/// One rotated tensor: in place, or from an input into an output of the same dimensions (the
+/// strides may differ).
+#[derive(Debug)]
+pub enum Io<'a, T> {
+    /// `x <- rope(x)`.
+    InPlace(TensorMut<'a, T>),
+    /// `output <- rope(input)`; the two must not overlap. Pass-through elements are copied.
+    OutOfPlace {
+        /// Read only.
+        input: Tensor<'a, T>,
+        /// Written only.
+        output: TensorMut<'a, T>,
+    },
+}
+
+/// q and k rotated by one launch, sharing each token's sin/cos (GQA/MQA head counts may
+/// differ).
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // Built once per launch and consumed at once.
+pub enum QkIo<'a, T> {
+    /// q and k in their own buffers, each in or out of place.
+    Separate {
+        /// The query tensor.
+        q: Io<'a, T>,
+        /// The key tensor.
+        k: Io<'a, T>,
+    },
+    /// q and k as two layouts in one buffer, rotated in place: the q and k parts of a fused
+    /// QKV projection. Their elements must not meet.
+    Fused {
+        /// The buffer holding both.
+        data: CudaViewMut<'a, T>,
+        /// The query layout in it.
+        q: Layout,
+        /// The key layout in it.
+        k: Layout,
+    },
+}
+
+/// A complete RoPE operation except the tensors it rotates.
+#[derive(Debug)]
+pub struct RopeOp<'a, T> {
+    /// Head size, rotated features, pairing and direction.
+    pub config: RopeConfig,
+    /// Where positions come from.
+    pub positions: Positions<'a>,
+    /// Where sin/cos come from.
+    pub sincos: SinCos<'a, T>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    #[test]
+    fn rejects_odd_or_zero_head_dim_and_bad_rotary_dim() {
+        for d in [0, 1, 7, 129] {
+            let err = RopeConfig::builder(d, RopeStyle::Neox).build().unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Invalid {
+                        arg: "head_dim",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
+        for r in [0, 3, 130] {
+            let err = RopeConfig::builder(128, RopeStyle::Neox)
+                .rotary_dim(r)
+                .build()
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Invalid {
+                        arg: "rotary_dim",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
+    }
+}

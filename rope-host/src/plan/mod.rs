@@ -1,0 +1,344 @@
+//! The plan step of a launch, pure so that it is tested without a GPU: validation of the
+//! tensors (shapes, buffers, alignment, overlaps with each other and with everything the
+//! kernel reads), the options' own checks ([`crate::positions`], [`crate::sincos`]), the
+//! access width, the kernel and the grid.
+
+mod grid;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use grid::{Grid, grid};
+use kernels_gpu::abi::{Access, DType, KernelName, preferred_lanes};
+
+use crate::bind::Buf;
+use crate::error::{Result, invalid};
+use crate::handle::DeviceFacts;
+use crate::layout::{Layout, fused_are_disjoint};
+use crate::op::{RopeConfig, RopeStyle};
+use crate::positions::{BoundPositions, PositionsPlan};
+use crate::sincos::{BoundSinCos, SinCosPlan};
+
+/// One tensor with its buffers reduced to [`Buf`]; `out` is `None` in place.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TensorReq {
+    pub(crate) x: Buf,
+    pub(crate) x_layout: Layout,
+    pub(crate) out: Option<(Buf, Layout)>,
+}
+
+impl TensorReq {
+    /// Every layout of the tensor: its input's, then its output's if out of place.
+    fn layouts(self) -> impl Iterator<Item = (u64, Layout)> {
+        std::iter::once((self.x.addr, self.x_layout)).chain(self.out.map(|(b, l)| (b.addr, l)))
+    }
+}
+
+/// Everything validation needs, in plain values: what the bind step derives from the views.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Request<'a> {
+    pub(crate) config: RopeConfig,
+    pub(crate) dtype: DType,
+    pub(crate) q: TensorReq,
+    pub(crate) k: Option<TensorReq>,
+    /// q and k are in place in the same buffer (`QkIo::Fused`).
+    pub(crate) fused: bool,
+    pub(crate) positions: BoundPositions<'a>,
+    pub(crate) sincos: BoundSinCos,
+}
+
+/// Everything a launch needs except the device pointers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Plan {
+    pub(crate) kernel: KernelName,
+    pub(crate) grid: Grid,
+    pub(crate) lanes: u32,
+    pub(crate) rot_groups: u32,
+    /// `batch * seq`.
+    pub(crate) tokens: u64,
+    pub(crate) positions: PositionsPlan,
+    pub(crate) sincos: SinCosPlan,
+}
+
+/// Validates a request and computes its launch: `None` when the tensors are empty (nothing to
+/// do once the arguments agree with each other).
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the first offending argument.
+pub(crate) fn plan(
+    req: &Request<'_>,
+    facts: &DeviceFacts,
+    blocks_per_sm: &dyn Fn(KernelName) -> u32,
+) -> Result<Option<Plan>> {
+    let cfg = &req.config;
+    let q = &req.q.x_layout;
+    let mut regions = tensor_regions(Of::Q, &req.q, cfg, req.dtype.size())?;
+    if let Some(k) = &req.k {
+        let l = &k.x_layout;
+        if (l.batch, l.seq) != (q.batch, q.seq) {
+            return Err(invalid(
+                "k",
+                format!(
+                    "batch and seq {:?} differ from q's {:?}",
+                    (l.batch, l.seq),
+                    (q.batch, q.seq)
+                ),
+            ));
+        }
+        regions.extend(tensor_regions(Of::K, k, cfg, req.dtype.size())?);
+        if req.fused && !fused_are_disjoint(q, l) {
+            return Err(invalid(
+                "k",
+                "fused q and k must share batch and seq strides and address disjoint elements",
+            ));
+        }
+    }
+    let es = req.dtype.size() as u64;
+    let reads = req
+        .sincos
+        .device_reads(es)
+        .into_iter()
+        .map(|r| ("the sin/cos tables", r));
+    let ids = req
+        .positions
+        .device_reads()
+        .map(|r| ("the position ids", r));
+    regions.extend(reads.chain(ids).map(|(name, (addr, bytes))| Region {
+        start: addr as u128,
+        end: addr as u128 + bytes as u128,
+        written: false,
+        name,
+        of: Of::Read,
+    }));
+    check_overlaps(&regions, req.fused)?;
+
+    let heads = req.q.x_layout.heads as u64 + req.k.map_or(0, |k| k.x_layout.heads as u64);
+    if heads > u32::MAX as u64 {
+        return Err(invalid(
+            "k",
+            "q and k together have more than u32::MAX heads",
+        ));
+    }
+    let tokens = (q.batch as u64)
+        .checked_mul(q.seq as u64)
+        .ok_or_else(|| invalid("q", "batch * seq overflows u64"))?;
+    let empty = tokens == 0 || heads == 0;
+    let positions = req.positions.check(q.batch, q.seq)?;
+    let max_position = positions.max_implicit.filter(|_| !empty);
+    let sincos = req.sincos.check(cfg, req.dtype, max_position)?;
+    if empty {
+        return Ok(None);
+    }
+
+    let pass_through = cfg.rotary_dim() < cfg.head_dim()
+        && (req.q.out.is_some() || req.k.is_some_and(|k| k.out.is_some()));
+    let lanes = lanes(req, pass_through).ok_or_else(|| {
+        invalid(
+            "q",
+            "interleaved pairs need every tensor address and stride aligned to two elements",
+        )
+    })?;
+    let pairs_per_item = match cfg.style() {
+        RopeStyle::Neox => lanes,
+        RopeStyle::Interleaved => lanes / 2,
+    };
+    let rot_groups = cfg.half() / pairs_per_item;
+    let pass_groups = if pass_through {
+        (cfg.head_dim() - cfg.rotary_dim()) / lanes
+    } else {
+        0
+    };
+    let kernel = KernelName {
+        style: cfg.style(),
+        source: sincos.source,
+        direction: cfg.direction(),
+        dtype: req.dtype,
+        access: if lanes == preferred_lanes(cfg.style(), req.dtype.size()) {
+            Access::Wide
+        } else {
+            Access::Narrow
+        },
+    };
+    let grid = grid(
+        (tokens, q.seq as u32),
+        rot_groups + pass_groups,
+        heads as u32,
+        facts,
+        blocks_per_sm(kernel),
+    )?
+    .expect("tokens, seq, heads and groups are non-zero");
+    Ok(Some(Plan {
+        kernel,
+        grid,
+        lanes,
+        rot_groups,
+        tokens,
+        positions,
+        sincos,
+    }))
+}
+
+/// A byte range of device memory that a launch reads or writes, for overlap checks.
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    start: u128,
+    end: u128,
+    written: bool,
+    /// The argument it belongs to (`q`, `q.output`, `k`, `k.output`) or what it holds.
+    name: &'static str,
+    of: Of,
+}
+
+/// What a [`Region`] belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Of {
+    /// Tensor q's input or output.
+    Q,
+    /// Tensor k's input or output.
+    K,
+    /// Something the kernel only reads: tables, ids, frequencies.
+    Read,
+}
+
+/// Checks one tensor's buffers and layouts; returns its regions.
+fn tensor_regions(
+    of: Of,
+    t: &TensorReq,
+    config: &RopeConfig,
+    elem_size: usize,
+) -> Result<Vec<Region>> {
+    let (x_name, out_name) = match of {
+        Of::K => ("k", "k.output"),
+        _ => ("q", "q.output"),
+    };
+    let mut regions = Vec::new();
+    let input = (x_name, t.x, t.x_layout, t.out.is_none());
+    let output = t.out.map(|(b, l)| (out_name, b, l, true));
+    for (arg, buf, layout, written) in std::iter::once(input).chain(output) {
+        check_layout(arg, buf, &layout, config, elem_size)?;
+        if written && !layout.is_non_overlapping() {
+            return Err(invalid(
+                arg,
+                "the layout maps different elements to one address",
+            ));
+        }
+        let es = elem_size as u128;
+        let start = u128::from(buf.addr) + layout.offset as u128 * es;
+        let span = layout.span().unwrap_or(0) as u128 * es;
+        regions.push(Region {
+            start,
+            end: start + span,
+            written,
+            name: arg,
+            of,
+        });
+    }
+    if let Some((_, o)) = t.out {
+        let l = &t.x_layout;
+        if (l.batch, l.seq, l.heads, l.head_dim) != (o.batch, o.seq, o.heads, o.head_dim) {
+            return Err(invalid(
+                out_name,
+                format!("dimensions {o:?} differ from the input's {l:?}"),
+            ));
+        }
+    }
+    Ok(regions)
+}
+
+/// Checks that `layout` fits the configuration, the kernels' index types and its buffer.
+fn check_layout(
+    arg: &'static str,
+    buf: Buf,
+    layout: &Layout,
+    config: &RopeConfig,
+    elem_size: usize,
+) -> Result<()> {
+    if layout.head_dim != config.head_dim() as usize {
+        return Err(invalid(
+            arg,
+            format!(
+                "head_dim {} differs from the config's {}",
+                layout.head_dim,
+                config.head_dim()
+            ),
+        ));
+    }
+    if layout.seq > u32::MAX as usize || layout.heads > u32::MAX as usize {
+        return Err(invalid(
+            arg,
+            format!("seq and heads must fit in u32, got {layout:?}"),
+        ));
+    }
+    let end = layout
+        .end()
+        .ok_or_else(|| invalid(arg, "the addressed span overflows usize"))?;
+    if !layout.is_empty() && buf.len < end {
+        return Err(invalid(
+            arg,
+            format!(
+                "holds {} elements, the layout addresses up to {end}",
+                buf.len
+            ),
+        ));
+    }
+    if !buf.addr.is_multiple_of(elem_size as u64) {
+        return Err(invalid(arg, format!("is not aligned to {elem_size} bytes")));
+    }
+    Ok(())
+}
+
+/// Written regions may meet no other region: not another tensor, nor a table or ids the kernel
+/// reads (fused q and k share a buffer, their disjointness checked element by element).
+fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
+    for (i, w) in regions.iter().enumerate().filter(|(_, r)| r.written) {
+        for (j, r) in regions.iter().enumerate() {
+            let fused_pair = fused && r.of != Of::Read && w.of != r.of;
+            if i == j || fused_pair || !(w.start < r.end && r.start < w.end) {
+                continue;
+            }
+            let other = match r.of {
+                Of::Read => r.name,
+                Of::Q | Of::K => "another tensor of the launch",
+            };
+            return Err(invalid(w.name, format!("overlaps {other}")));
+        }
+    }
+    Ok(())
+}
+
+/// The widest access (in elements) that the pairing, the sizes and the alignment of every
+/// non-empty tensor's address and strides allow; `None` when interleaved pairs cannot be read
+/// as pairs.
+fn lanes(req: &Request<'_>, pass_through: bool) -> Option<u32> {
+    let cfg = &req.config;
+    let (half, rotary, head) = (
+        cfg.half() as usize,
+        cfg.rotary_dim() as usize,
+        cfg.head_dim() as usize,
+    );
+    let es = req.dtype.size();
+    let tensors: Vec<(u64, Layout)> = [Some(req.q), req.k]
+        .into_iter()
+        .flatten()
+        .flat_map(|t| t.layouts())
+        .filter(|(_, l)| !l.is_empty())
+        .collect();
+    let mut lanes = preferred_lanes(cfg.style(), es) as usize;
+    while lanes >= 1 {
+        let bytes = (lanes * es) as u64;
+        let shape_ok = match cfg.style() {
+            RopeStyle::Neox => half.is_multiple_of(lanes),
+            RopeStyle::Interleaved => lanes.is_multiple_of(2) && rotary.is_multiple_of(lanes),
+        } && (!pass_through || (head - rotary).is_multiple_of(lanes));
+        // Wrapping arithmetic: `bytes` is a power of two, so alignment modulo 2^64 is exact.
+        let aligned = tensors.iter().all(|(addr, l)| {
+            addr.wrapping_add((l.offset as u64).wrapping_mul(es as u64))
+                .is_multiple_of(bytes)
+                && l.strides.iter().all(|s| s.is_multiple_of(lanes))
+        });
+        if shape_ok && aligned {
+            return Some(lanes as u32);
+        }
+        lanes /= 2;
+    }
+    None
+}

@@ -1,0 +1,411 @@
+//! Where each (position, pair)'s cosine and sine come from: the public [`SinCos`] option, its
+//! validation, what it uploads (the default frequencies of `Computed`, once per `Rope`) and how
+//! it encodes into the kernel's `cos`, `sin`, `table_stride`, `table_positions`, `inv_freq`,
+//! `angle_mode` and `cs_scale` arguments (the kernel's side is `cos_sin` in
+//! `kernels-gpu/src/rope.rs`).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaView};
+use kernels_gpu::abi::{DType, SinCosSource};
+
+use crate::bind::{Binder, Buf};
+use crate::error::{Result, invalid};
+use crate::freq::{AngleMode, Frequencies};
+use crate::handle::Rope;
+use crate::op::RopeConfig;
+
+/// The rows and rotary width of a cos/sin table: what it was built for.
+///
+/// [`crate::SinCosTables`] carry theirs; users who bring their own buffers state it, so that a
+/// table built for another `rotary_dim` (whose length may still divide evenly) is rejected
+/// rather than read with the wrong frequencies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TableShape {
+    /// Rows: positions `0..max_position`.
+    pub max_position: usize,
+    /// The rotated features the table serves: its rows hold `rotary_dim / 2` cosines and as
+    /// many sines.
+    pub rotary_dim: u32,
+}
+
+/// Where the cosine and sine of each (position, pair) come from. Tables have the element type
+/// of the tensors (the type system rules out a mismatch).
+#[derive(Debug)]
+pub enum SinCos<'a, T> {
+    /// Tables `cos[p, i]`, `sin[p, i]`, row-major `[max_position, rotary_dim / 2]` each.
+    Table {
+        /// `cos(p * inv_freq_i)` at `[p * rotary_dim/2 + i]`.
+        cos: CudaView<'a, T>,
+        /// `sin(p * inv_freq_i)` at `[p * rotary_dim/2 + i]`.
+        sin: CudaView<'a, T>,
+        /// Rows and rotary width of both tables.
+        shape: TableShape,
+    },
+    /// vLLM's and FlashInfer's `cos_sin_cache [max_position, rotary_dim]`: row `p` holds the
+    /// `rotary_dim / 2` cosines, then the `rotary_dim / 2` sines.
+    CosSinCache {
+        /// The cache.
+        cache: CudaView<'a, T>,
+        /// Its rows and rotary width.
+        shape: TableShape,
+    },
+    /// Computed in the kernel: `inv_freq_i = theta^(-2i / rotary_dim)` on the host in `f64`,
+    /// the angle in `f64` and `cos`/`sin` within one `f32` ulp (see `kernels_gpu::math`).
+    Computed {
+        /// The frequency base, finite and positive (commonly 10 000, or 500 000 for Llama 3).
+        theta: f64,
+    },
+    /// Computed in the kernel from a frequency vector of any scaling family, with its angle
+    /// mode and attention factor ([`crate::Rope::frequencies`]).
+    Frequencies(&'a Frequencies),
+}
+
+/// [`SinCos`] at launch time: device views reduced to [`Buf`]s.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum BoundSinCos {
+    Table {
+        cos: Buf,
+        sin: Buf,
+        shape: TableShape,
+    },
+    CosSinCache {
+        cache: Buf,
+        shape: TableShape,
+    },
+    Computed {
+        theta: f64,
+    },
+    Frequencies {
+        inv_freq: Buf,
+        rotary_dim: u32,
+        angle: AngleMode,
+        attention_factor: f32,
+    },
+}
+
+/// What validation found: the kernels' sin/cos source and the table geometry (zero for
+/// computed sin/cos).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SinCosPlan {
+    pub(crate) source: SinCosSource,
+    /// Elements per table row.
+    pub(crate) table_stride: u64,
+    /// Table rows.
+    pub(crate) table_positions: u64,
+}
+
+/// The encoded sin/cos arguments.
+pub(crate) struct SinCosArgs {
+    pub(crate) cos: u64,
+    pub(crate) sin: u64,
+    pub(crate) table_stride: u64,
+    pub(crate) table_positions: u64,
+    pub(crate) inv_freq: u64,
+    pub(crate) angle_mode: u32,
+    pub(crate) cs_scale: f32,
+    /// The cached default frequencies `inv_freq` points into, kept alive through the launch.
+    pub(crate) _frequencies: Option<Arc<CudaSlice<f64>>>,
+}
+
+impl<T> SinCos<'_, T> {
+    /// Reduces the option to its launch-time form; device buffers must belong to the binder's
+    /// context.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `sincos` for a buffer from another CUDA context.
+    pub(crate) fn bind<'s>(&'s self, binder: &mut Binder<'s>) -> Result<BoundSinCos> {
+        Ok(match self {
+            Self::Table { cos, sin, shape } => BoundSinCos::Table {
+                cos: binder.read("sincos.cos", cos)?,
+                sin: binder.read("sincos.sin", sin)?,
+                shape: *shape,
+            },
+            Self::CosSinCache { cache, shape } => BoundSinCos::CosSinCache {
+                cache: binder.read("sincos", cache)?,
+                shape: *shape,
+            },
+            Self::Computed { theta } => BoundSinCos::Computed { theta: *theta },
+            Self::Frequencies(f) => BoundSinCos::Frequencies {
+                inv_freq: binder.read("sincos", &f.inv_freq)?,
+                rotary_dim: f.rotary_dim,
+                angle: f.angle,
+                attention_factor: f.attention_factor as f32,
+            },
+        })
+    }
+}
+
+impl BoundSinCos {
+    /// Checks the source against the configuration and element type; tables must hold every
+    /// position up to `max_implicit` (the largest implicit or packed position, when known).
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `sincos` (a table of another rotary width, rows or
+    /// length that disagree with its shape, misaligned), `theta` (not finite and positive) or
+    /// `positions` (past the end of the table).
+    pub(crate) fn check(
+        &self,
+        config: &RopeConfig,
+        dtype: DType,
+        max_implicit: Option<u64>,
+    ) -> Result<SinCosPlan> {
+        let half = config.half() as u64;
+        let es = dtype.size() as u64;
+        let plan = match *self {
+            Self::Table { cos, sin, shape } => {
+                check_shape(&shape, config)?;
+                for (name, b) in [("sincos.cos", cos), ("sincos.sin", sin)] {
+                    check_table_buf(name, b, &shape, half, es)?;
+                }
+                table_plan(half, &shape)
+            }
+            Self::CosSinCache { cache, shape } => {
+                check_shape(&shape, config)?;
+                check_table_buf("sincos", cache, &shape, 2 * half, es)?;
+                table_plan(2 * half, &shape)
+            }
+            Self::Computed { theta } => {
+                if !(theta.is_finite() && theta > 0.0) {
+                    return Err(invalid(
+                        "theta",
+                        format!("must be finite and positive, got {theta}"),
+                    ));
+                }
+                computed_plan()
+            }
+            Self::Frequencies { rotary_dim, .. } => {
+                if rotary_dim != config.rotary_dim() {
+                    return Err(invalid(
+                        "sincos",
+                        format!(
+                            "frequencies for rotary_dim {rotary_dim}, the config rotates {}",
+                            config.rotary_dim()
+                        ),
+                    ));
+                }
+                computed_plan()
+            }
+        };
+        if let (SinCosSource::Table, Some(max)) = (plan.source, max_implicit)
+            && max >= plan.table_positions
+        {
+            let rows = plan.table_positions;
+            return Err(invalid(
+                "positions",
+                format!("position {max} is past the end of a table of {rows} positions"),
+            ));
+        }
+        Ok(plan)
+    }
+
+    /// The device memory the kernel reads for sin/cos, as `(address, bytes)` ranges, for the
+    /// overlap checks against written tensors (`es`: bytes per table element).
+    pub(crate) fn device_reads(&self, es: u64) -> Vec<(u64, u64)> {
+        let bytes = |b: Buf, es: u64| (b.addr, (b.len as u64).saturating_mul(es));
+        match *self {
+            Self::Table { cos, sin, .. } => vec![bytes(cos, es), bytes(sin, es)],
+            Self::CosSinCache { cache, .. } => vec![bytes(cache, es)],
+            Self::Computed { .. } => Vec::new(),
+            Self::Frequencies { inv_freq, .. } => vec![bytes(inv_freq, 8)],
+        }
+    }
+
+    /// Encodes the kernel's sin/cos arguments, uploading the default frequencies of `Computed`
+    /// on their first use by `rope`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] when that upload fails.
+    pub(crate) fn encode(
+        &self,
+        plan: &SinCosPlan,
+        config: &RopeConfig,
+        es: u64,
+        rope: &Rope,
+    ) -> Result<SinCosArgs> {
+        let mut args = SinCosArgs {
+            cos: 0,
+            sin: 0,
+            table_stride: plan.table_stride,
+            table_positions: plan.table_positions,
+            inv_freq: 0,
+            angle_mode: AngleMode::Exact as u32,
+            cs_scale: 1.0,
+            _frequencies: None,
+        };
+        match *self {
+            Self::Table { cos, sin, .. } => (args.cos, args.sin) = (cos.addr, sin.addr),
+            Self::CosSinCache { cache, .. } => {
+                (args.cos, args.sin) = (cache.addr, cache.addr + config.half() as u64 * es);
+            }
+            Self::Computed { theta } => {
+                let (f, addr) = rope.inv_freq(theta, config.rotary_dim())?;
+                args.inv_freq = addr;
+                args._frequencies = Some(f);
+            }
+            Self::Frequencies {
+                inv_freq,
+                angle,
+                attention_factor,
+                ..
+            } => {
+                args.inv_freq = inv_freq.addr;
+                args.angle_mode = angle as u32;
+                args.cs_scale = attention_factor;
+            }
+        }
+        Ok(args)
+    }
+}
+
+/// The plan of a table with rows of `row` elements.
+fn table_plan(row: u64, shape: &TableShape) -> SinCosPlan {
+    SinCosPlan {
+        source: SinCosSource::Table,
+        table_stride: row,
+        table_positions: shape.max_position as u64,
+    }
+}
+
+/// The plan of in-kernel sin/cos.
+fn computed_plan() -> SinCosPlan {
+    SinCosPlan {
+        source: SinCosSource::Theta,
+        table_stride: 0,
+        table_positions: 0,
+    }
+}
+
+/// A table's stated shape serves the configuration.
+fn check_shape(shape: &TableShape, config: &RopeConfig) -> Result<()> {
+    if shape.rotary_dim != config.rotary_dim() {
+        return Err(invalid(
+            "sincos",
+            format!(
+                "a table for rotary_dim {}, the config rotates {}",
+                shape.rotary_dim,
+                config.rotary_dim()
+            ),
+        ));
+    }
+    if shape.max_position == 0 {
+        return Err(invalid("sincos", "a table needs max_position >= 1"));
+    }
+    Ok(())
+}
+
+/// One table buffer holds exactly the stated rows of `row` elements and is aligned.
+fn check_table_buf(
+    name: &'static str,
+    b: Buf,
+    shape: &TableShape,
+    row: u64,
+    es: u64,
+) -> Result<()> {
+    let want = (shape.max_position as u64).checked_mul(row);
+    if want != Some(b.len as u64) {
+        return Err(invalid(
+            name,
+            format!(
+                "holds {} elements, {} rows of {row} need {}",
+                b.len,
+                shape.max_position,
+                want.map_or("more than u64::MAX".into(), |w| w.to_string())
+            ),
+        ));
+    }
+    if !b.addr.is_multiple_of(es) {
+        return Err(invalid(name, format!("is not aligned to {es} bytes")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use crate::op::RopeStyle;
+
+    fn config(head_dim: u32, rotary_dim: u32) -> RopeConfig {
+        RopeConfig::builder(head_dim, RopeStyle::Neox)
+            .rotary_dim(rotary_dim)
+            .build()
+            .expect("valid")
+    }
+
+    fn arg(r: Result<SinCosPlan>) -> &'static str {
+        match r {
+            Err(Error::Invalid { arg, .. }) => arg,
+            other => panic!("expected Error::Invalid, got {other:?}"),
+        }
+    }
+
+    fn table(rows: usize, rotary_dim: u32, len: usize) -> BoundSinCos {
+        BoundSinCos::Table {
+            cos: Buf { addr: 0, len },
+            sin: Buf { addr: 1 << 20, len },
+            shape: TableShape {
+                max_position: rows,
+                rotary_dim,
+            },
+        }
+    }
+
+    #[test]
+    fn rejects_a_table_of_another_rotary_width() {
+        // A [4, 64] table has as many elements as a [8, 32] one: its stated width decides.
+        let cfg = config(128, 128);
+        table(4, 128, 256)
+            .check(&cfg, DType::F32, None)
+            .expect("fits");
+        assert_eq!(
+            arg(table(8, 64, 256).check(&cfg, DType::F32, None)),
+            "sincos"
+        );
+        let cache = BoundSinCos::CosSinCache {
+            cache: Buf { addr: 0, len: 512 },
+            shape: TableShape {
+                max_position: 8,
+                rotary_dim: 64,
+            },
+        };
+        assert_eq!(arg(cache.check(&cfg, DType::F32, None)), "sincos");
+    }
+
+    #[test]
+    fn rejects_lengths_that_disagree_with_the_shape() {
+        let cfg = config(8, 8);
+        assert_eq!(
+            arg(table(10, 8, 36).check(&cfg, DType::F32, None)),
+            "sincos.cos"
+        );
+        assert_eq!(arg(table(0, 8, 0).check(&cfg, DType::F32, None)), "sincos");
+    }
+
+    #[test]
+    fn tables_must_hold_the_largest_implicit_position() {
+        let cfg = config(4, 4);
+        let t = table(10, 4, 20);
+        t.check(&cfg, DType::F32, Some(9))
+            .expect("ten rows hold position 9");
+        assert_eq!(arg(t.check(&cfg, DType::F32, Some(10))), "positions");
+        let cache = BoundSinCos::CosSinCache {
+            cache: Buf { addr: 0, len: 40 },
+            shape: TableShape {
+                max_position: 10,
+                rotary_dim: 4,
+            },
+        };
+        let plan = cache.check(&cfg, DType::F32, Some(9)).expect("fits");
+        assert_eq!((plan.table_stride, plan.table_positions), (4, 10));
+    }
+
+    #[test]
+    fn rejects_non_finite_or_non_positive_theta() {
+        let cfg = config(4, 4);
+        for theta in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let r = BoundSinCos::Computed { theta }.check(&cfg, DType::F32, None);
+            assert_eq!(arg(r), "theta", "{theta}");
+        }
+    }
+}
