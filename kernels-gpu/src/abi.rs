@@ -4,7 +4,7 @@
 
 /// Threads per block of every kernel launch. 128 rather than 256: the last blocks of a launch
 /// then hold half the work, so fewer multiprocessors sit idle while they finish (on an H200 the
-/// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth: docs/perf.md v19).
+/// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth).
 pub const BLOCK_THREADS: u32 = 128;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
@@ -122,7 +122,7 @@ pub enum Access {
 /// Elements per access of the [`Access::Wide`] kernels: 16 bytes, except for NeoX pairs of
 /// 16-bit elements, 8 bytes. A work item then rotates at most four pairs per head, so a token
 /// has twice as many items, which is what filled the GPU best on an H200 (NeoX bf16 prefill
-/// 87% of copy against 80% with 16-byte accesses; docs/perf.md v11).
+/// 87% of copy against 80% with 16-byte accesses).
 pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
     match (style, elem_size) {
         (RopeStyle::Neox, 2) => 4,
@@ -333,7 +333,7 @@ impl KernelName {
     /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
     /// 1280 threads' worth for the wide NeoX kernels of 16-bit elements, which then fit in 48
     /// registers without spilling (on an H200 partial rotary gained 4-5.5 points of copy
-    /// bandwidth, the full-width cases lost 0-1.3: docs/perf.md v15), [`MIN_BLOCKS_PER_SM`]
+    /// bandwidth, the full-width cases lost 0-1.3), [`MIN_BLOCKS_PER_SM`]
     /// (1024 threads) otherwise. f16 with computed sin/cos stays at 1024 threads: at 48
     /// registers it spilled and ran 3% slower.
     pub const fn min_blocks_per_sm(self) -> u32 {

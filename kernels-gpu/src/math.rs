@@ -120,13 +120,14 @@ pub enum AngleMode {
 }
 
 impl AngleMode {
-    /// Decodes a kernel argument; unknown codes mean [`AngleMode::Exact`].
+    /// Decodes a kernel argument; `None` for an unknown code (the kernels trap on it, as on
+    /// an unknown position code: the host only sends codes of this enum).
     #[inline(always)]
-    pub fn from_u32(code: u32) -> Self {
-        if code == Self::F32Compat as u32 {
-            Self::F32Compat
-        } else {
-            Self::Exact
+    pub fn from_u32(code: u32) -> Option<Self> {
+        match code {
+            0 => Some(Self::Exact),
+            1 => Some(Self::F32Compat),
+            _ => None,
         }
     }
 }

@@ -396,7 +396,9 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
             sin = [f32::NAN; L];
         }
     } else {
-        let mode = math::AngleMode::from_u32(a.angle_mode);
+        let Some(mode) = math::AngleMode::from_u32(a.angle_mode) else {
+            trap()
+        };
         let (scale, sin_scale) = (a.cs_scale, a.cs_scale * a.sin_sign);
         unrolled(pairs, |k| {
             // SAFETY: j0 + k < half, the promised length of inv_freq.
@@ -415,7 +417,7 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
 /// hitting L2. A prefetch holds no register, where a load issued ahead of the arithmetic holds
 /// its result through it (at the 48-register limit ptxas moved such loads after the
 /// arithmetic). Out of place, where the outputs take L2 lines of their own, prefetching
-/// measured slower than none, so there the arithmetic simply comes first (docs/perf.md v20).
+/// measured slower than none, so there the arithmetic simply comes first.
 ///
 /// # Safety
 /// `last <= q.heads + k.heads`; `tok` from [`token_bases`]; `j0 + pairs <= half`; the

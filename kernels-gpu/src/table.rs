@@ -16,7 +16,7 @@ use core::num::NonZeroU64;
 
 use crate::abi::for_each_table_kernel;
 use crate::elem::{Bf16, Elem, Half};
-use crate::intrinsics::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x};
+use crate::intrinsics::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x, trap};
 use crate::math;
 
 /// The parameters of every table entry point, as `crate::table_kernel_params!` lists them.
@@ -36,7 +36,9 @@ crate::table_kernel_params!(params_struct {});
 /// The promises of the entry points.
 #[inline(always)]
 unsafe fn body<T: Elem>(p: Params<T>) {
-    let mode = math::AngleMode::from_u32(p.angle_mode);
+    let Some(mode) = math::AngleMode::from_u32(p.angle_mode) else {
+        trap()
+    };
     let half64 = NonZeroU64::from(p.half);
     let total = p.positions * half64.get();
     let step = grid_dim_x() as u64 * block_dim_x() as u64;

@@ -71,46 +71,7 @@ pub(crate) fn plan(
 ) -> Result<Option<Plan>> {
     let cfg = &req.config;
     let q = &req.q.x_layout;
-    let mut regions = tensor_regions(Of::Q, &req.q, cfg, req.dtype.size())?;
-    if let Some(k) = &req.k {
-        let l = &k.x_layout;
-        if (l.batch, l.seq) != (q.batch, q.seq) {
-            return Err(invalid(
-                "k",
-                format!(
-                    "batch and seq {:?} differ from q's {:?}",
-                    (l.batch, l.seq),
-                    (q.batch, q.seq)
-                ),
-            ));
-        }
-        regions.extend(tensor_regions(Of::K, k, cfg, req.dtype.size())?);
-        if req.fused && !fused_are_disjoint(q, l) {
-            return Err(invalid(
-                "k",
-                "fused q and k must share batch and seq strides and address disjoint elements",
-            ));
-        }
-    }
-    let es = req.dtype.size() as u64;
-    let reads = req
-        .sincos
-        .device_reads(es)
-        .into_iter()
-        .map(|r| ("the sin/cos tables", r));
-    let ids = req
-        .positions
-        .device_reads()
-        .map(|r| ("the position ids", r));
-    regions.extend(reads.chain(ids).map(|(name, (addr, bytes))| Region {
-        start: addr as u128,
-        end: addr as u128 + bytes as u128,
-        written: false,
-        name,
-        of: Of::Read,
-    }));
-    check_overlaps(&regions, req.fused)?;
-
+    check_tensors(req)?;
     let heads = req.q.x_layout.heads as u64 + req.k.map_or(0, |k| k.x_layout.heads as u64);
     if heads > u32::MAX as u64 {
         return Err(invalid(
@@ -175,6 +136,54 @@ pub(crate) fn plan(
         positions,
         sincos,
     }))
+}
+
+/// Checks every tensor's buffers and layouts, k against q, and that nothing written meets
+/// anything else the launch reads or writes.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the first offending tensor.
+fn check_tensors(req: &Request<'_>) -> Result<()> {
+    let (cfg, q) = (&req.config, &req.q.x_layout);
+    let mut regions = tensor_regions(Of::Q, &req.q, cfg, req.dtype.size())?;
+    if let Some(k) = &req.k {
+        let l = &k.x_layout;
+        if (l.batch, l.seq) != (q.batch, q.seq) {
+            return Err(invalid(
+                "k",
+                format!(
+                    "batch and seq {:?} differ from q's {:?}",
+                    (l.batch, l.seq),
+                    (q.batch, q.seq)
+                ),
+            ));
+        }
+        regions.extend(tensor_regions(Of::K, k, cfg, req.dtype.size())?);
+        if req.fused && !fused_are_disjoint(q, l) {
+            return Err(invalid(
+                "k",
+                "fused q and k must share batch and seq strides and address disjoint elements",
+            ));
+        }
+    }
+    let es = req.dtype.size() as u64;
+    let reads = req
+        .sincos
+        .device_reads(es)
+        .into_iter()
+        .map(|r| ("the sin/cos tables", r));
+    let ids = req
+        .positions
+        .device_reads()
+        .map(|r| ("the position ids", r));
+    regions.extend(reads.chain(ids).map(|(name, (addr, bytes))| Region {
+        start: addr as u128,
+        end: addr as u128 + bytes as u128,
+        written: false,
+        name,
+        of: Of::Read,
+    }));
+    check_overlaps(&regions, req.fused)
 }
 
 /// A byte range of device memory that a launch reads or writes, for overlap checks.
