@@ -71,8 +71,8 @@ fn sincos_reduced(r: f64) -> (f64, f64) {
 
 /// `(cos(angle), sin(angle))` rounded once to `f32`, for `|angle| < 2^32`.
 ///
-/// `k = round(angle * 2/pi)` comes from one fused multiply-add with [`ROUND_MAGIC`] (whose low
-/// bits then hold `k mod 4`, the quadrant). The reduced argument `r = angle - k * pi/2`,
+/// `k = round(angle * 2/pi)` comes from one fused multiply-add with `ROUND_MAGIC = 1.5 * 2^52`
+/// (whose low bits then hold `k mod 4`, the quadrant). The reduced argument `r = angle - k * pi/2`,
 /// `|r| <= pi/4`, takes two fused multiply-adds: `angle - k * PIO2_HI` is exact (both are
 /// multiples of `ulp(PIO2_HI) = 2^-52`, or `2^-53` when `|angle| < 1` and `|k| <= 1`, and the
 /// difference is below 1), and subtracting `k * PIO2_LO` rounds once, relative to `r`; what the
