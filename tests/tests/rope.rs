@@ -16,10 +16,16 @@ fn report(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-/// A proptest runner that keeps no regression files (the bundle runs far from the sources).
+/// A proptest runner that keeps no regression files (the bundle runs far from the sources), of
+/// `cases` cases or at most `ROPE_GPU_CASES` when that is set (the bundle's sanitizer runs set
+/// it: kernels under compute-sanitizer run orders of magnitude slower).
 fn runner(cases: u32) -> TestRunner {
+    let cap = std::env::var("ROPE_GPU_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(u32::MAX);
     TestRunner::new(Config {
-        cases,
+        cases: cases.min(cap),
         failure_persistence: None,
         ..Config::default()
     })

@@ -17,9 +17,28 @@ const RUNNER: &str = r#"#!/bin/sh
 # Runs every bundled test executable, then the demo, on a GPU machine with no Rust toolchain.
 # ROPE_REQUIRE_GPU=1 turns "no GPU, skipped" into a failure, so the GPU tests cannot pass
 # without running. Exits non-zero if anything failed.
+#
+# run.sh --sanitize [TOOL...]: runs the tests (not the demo) under compute-sanitizer with each
+# TOOL (default: memcheck), failing on any reported error; ROPE_GPU_CASES (default 40 there)
+# caps the random cases of each GPU property test, since the sanitizer slows kernels by orders
+# of magnitude.
 cd "$(dirname "$0")" || exit 1
 export ROPE_REQUIRE_GPU=1
 status=0
+if [ "$1" = "--sanitize" ]; then
+    shift
+    tools=${*:-memcheck}
+    export ROPE_GPU_CASES=${ROPE_GPU_CASES:-40}
+    for tool in $tools; do
+        for t in tests/*; do
+            echo "== compute-sanitizer --tool $tool $t"
+            compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
+                "$t" --test-threads=1 || status=1
+        done
+    done
+    echo "== bundle exit status: $status"
+    exit $status
+fi
 for t in tests/*; do
     echo "== $t"
     "$t" --test-threads=4 || status=1
