@@ -12,10 +12,10 @@ use rope_host::{
     AngleMode, Direction, FrequencySpec, IdsShape, Layout, Rope, RopeStyle, SinCos, TableFormat,
     open_device,
 };
-use rope_tests::case::{
+use rope_reference::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
-use rope_tests::gpu::rotate_f32_at;
+use rope_reference::rotate::rotate_f32_at;
 use rope_tests::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
@@ -413,12 +413,12 @@ fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
             })
             .collect();
         let table = rope.build_tables_for::<f32>(&compat, band, TableFormat::Separate)?;
-        let want = rope_tests::reference::rope(
+        let want = rope_reference::reference::rope(
             x64.view(),
             ndarray::Array2::from_shape_vec((1, seq), ids.clone())?.view(),
             RopeStyle::Neox,
             Direction::Forward,
-            &rope_tests::reference::RefSinCos::Theta(THETA),
+            &rope_reference::reference::RefSinCos::Theta(THETA),
         );
         let mut errors = Vec::new();
         for sincos in [
@@ -463,12 +463,12 @@ fn cpu_demo() -> Result<()> {
         let x: Vec<f32> = (0..layout.span().unwrap_or(0))
             .map(|i| ((i * 7919) % 1000) as f32 / 125.0 - 4.0)
             .collect();
-        let want = rope_tests::reference::rope(
+        let want = rope_reference::reference::rope(
             gather(&x, &layout).view(),
             case.resolved_positions().view(),
             style,
             Direction::Forward,
-            &rope_tests::reference::RefSinCos::Theta(THETA),
+            &rope_reference::reference::RefSinCos::Theta(THETA),
         );
         // The CPU stand-in for the kernel: the kernels' math crate, pair by pair.
         let freqs = rope_host::inv_freq(THETA, case.head_dim as u32);
@@ -477,7 +477,7 @@ fn cpu_demo() -> Result<()> {
             for h in 0..case.heads {
                 for (i, &f) in freqs.iter().enumerate() {
                     let (c, s) = kernels_gpu::math::rope_cos_sin(100_000 + t as i64, f);
-                    let (ia, ib) = rope_tests::reference::pair(style, i, case.head_dim);
+                    let (ia, ib) = rope_reference::reference::pair(style, i, case.head_dim);
                     let base = (t * case.heads + h) * case.head_dim;
                     let (y0, y1) = kernels_gpu::math::rotate(x[base + ia], x[base + ib], c, s);
                     got[base + ia] = y0;

@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 use rope_host::half::{bf16, f16};
 use rope_host::{Direction, RopeStyle, SinCosTables, TableFormat};
-use rope_tests::case::{
+use rope_reference::case::{
     Case, DTypeCase, DeviceTables, KCase, LayoutKind, PosCase, Source, TestElem,
 };
 use rope_tests::gpu::gpu_or_skip;
@@ -53,7 +53,7 @@ fn built_tables_match_f64_cos_sin() {
             .build_tables::<T>(theta, 2 * half as u32, rows, format)
             .expect("valid");
         let (cos, sin) = download(&t, stream, half);
-        let (want_cos, want_sin) = rope_tests::reference::tables(theta, 2 * half, rows);
+        let (want_cos, want_sin) = rope_reference::reference::tables(theta, 2 * half, rows);
         for (got, want) in cos.iter().zip(&want_cos).chain(sin.iter().zip(&want_sin)) {
             let tol = T::ulp(T::from_f64(*want)).max(2f64.powi(-28));
             prop_assert!(
@@ -112,7 +112,7 @@ fn built_tables_reproduce_in_kernel_sin_cos_exactly() {
                 in_place: false,
                 seed: 77,
             };
-            let run = |dev: &mut rope_tests::case::DeviceCase<f32>| -> Vec<f32> {
+            let run = |dev: &mut rope_reference::case::DeviceCase<f32>| -> Vec<f32> {
                 dev.launch(&rope).expect("launch");
                 let q = dev.q.out.as_ref().expect("out of place");
                 stream.clone_dtoh(q).expect("download")
