@@ -16,7 +16,7 @@ use rope_reference::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_reference::rotate::rotate_f32_at;
-use rope_tests::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
+use rope_bench_support::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);

@@ -24,7 +24,7 @@ use rope_host::cudarc::nvrtc::Ptx;
 use rope_host::half::{bf16, f16};
 use rope_host::{Direction, Rope, RopeStyle, TableFormat, open_device};
 use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
-use rope_tests::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
+use rope_bench_support::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
 
 const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {

@@ -4,4 +4,3 @@
 
 pub mod gpu;
 pub mod strategies;
-pub mod timing;

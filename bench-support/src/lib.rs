@@ -1,0 +1,6 @@
+//! What the demo (`rope-demo`) and the benchmark (`rope-bench`) share.
+//!
+//! - [`timing`]: medians of device-event-timed runs after warm-up, paired runs of two
+//!   functions, and the L2 flush run before each timed region.
+
+pub mod timing;
