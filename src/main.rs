@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
+use rope_bench_support::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
 use rope_host::cudarc::driver::{CudaContext, CudaStream};
 use rope_host::half::{bf16, f16};
 use rope_host::{
@@ -16,7 +17,6 @@ use rope_reference::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_reference::rotate::rotate_f32_at;
-use rope_bench_support::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);

@@ -2,5 +2,7 @@
 //!
 //! - [`timing`]: medians of device-event-timed runs after warm-up, paired runs of two
 //!   functions, and the L2 flush run before each timed region.
+//! - [`copy`]: the reference kernels (an empty kernel and plain copies) in hand-written PTX.
 
+pub mod copy;
 pub mod timing;

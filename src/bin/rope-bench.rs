@@ -19,12 +19,12 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail, ensure};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use rope_host::cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use rope_host::cudarc::nvrtc::Ptx;
+use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
+use rope_bench_support::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
+use rope_host::cudarc::driver::{CudaContext, CudaStream};
 use rope_host::half::{bf16, f16};
 use rope_host::{Direction, Rope, RopeStyle, TableFormat, open_device};
 use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
-use rope_bench_support::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
 
 const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {
@@ -33,105 +33,6 @@ const RUNS: Runs = Runs {
 };
 /// Tokens of each output compared with the reference: 64 random ones, the first and the last.
 const SAMPLES: usize = 64;
-
-/// Reference kernels in hand-written PTX: an empty kernel (the launch-overhead floor of the
-/// decode case) and plain copy kernels (16 bytes per thread and iteration, grid-stride; one
-/// access or four independent ones per iteration), which show what a simple kernel reaches
-/// next to the driver's copy.
-const REFERENCE_PTX: &str = r#".version 7.0
-.target sm_80
-.address_size 64
-.visible .entry rope_bench_empty()
-{
-    ret;
-}
-.visible .entry rope_bench_copy1(.param .u64 src, .param .u64 dst, .param .u64 n)
-{
-    .reg .pred %p;
-    .reg .b32 %r<12>;
-    .reg .b64 %rd<16>;
-    ld.param.u64 %rd1, [src];
-    ld.param.u64 %rd2, [dst];
-    ld.param.u64 %rd3, [n];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd4, %r1, %r2;
-    cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
-    mul.wide.u32 %rd6, %r4, %r2;
-LOOP:
-    setp.ge.u64 %p, %rd4, %rd3;
-    @%p bra DONE;
-    shl.b64 %rd7, %rd4, 4;
-    add.u64 %rd8, %rd1, %rd7;
-    add.u64 %rd9, %rd2, %rd7;
-    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd8];
-    st.global.v4.u32 [%rd9], {%r5, %r6, %r7, %r8};
-    add.u64 %rd4, %rd4, %rd6;
-    bra LOOP;
-DONE:
-    ret;
-}
-.visible .entry rope_bench_copy4(.param .u64 src, .param .u64 dst, .param .u64 n)
-{
-    .reg .pred %p;
-    .reg .b32 %r<24>;
-    .reg .b64 %rd<24>;
-    ld.param.u64 %rd1, [src];
-    ld.param.u64 %rd2, [dst];
-    ld.param.u64 %rd3, [n];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd4, %r1, %r2;
-    cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
-    mul.wide.u32 %rd6, %r4, %r2;
-    shl.b64 %rd10, %rd6, 4;
-LOOP4:
-    mad.lo.u64 %rd11, %rd6, 3, %rd4;
-    setp.ge.u64 %p, %rd11, %rd3;
-    @%p bra TAIL;
-    shl.b64 %rd7, %rd4, 4;
-    add.u64 %rd8, %rd1, %rd7;
-    add.u64 %rd9, %rd2, %rd7;
-    add.u64 %rd12, %rd8, %rd10;
-    add.u64 %rd13, %rd12, %rd10;
-    add.u64 %rd14, %rd13, %rd10;
-    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd8];
-    ld.global.v4.u32 {%r9, %r10, %r11, %r12}, [%rd12];
-    ld.global.v4.u32 {%r13, %r14, %r15, %r16}, [%rd13];
-    ld.global.v4.u32 {%r17, %r18, %r19, %r20}, [%rd14];
-    add.u64 %rd15, %rd9, %rd10;
-    add.u64 %rd16, %rd15, %rd10;
-    add.u64 %rd17, %rd16, %rd10;
-    st.global.v4.u32 [%rd9], {%r5, %r6, %r7, %r8};
-    st.global.v4.u32 [%rd15], {%r9, %r10, %r11, %r12};
-    st.global.v4.u32 [%rd16], {%r13, %r14, %r15, %r16};
-    st.global.v4.u32 [%rd17], {%r17, %r18, %r19, %r20};
-    mad.lo.u64 %rd4, %rd6, 4, %rd4;
-    bra LOOP4;
-TAIL:
-    setp.ge.u64 %p, %rd4, %rd3;
-    @%p bra DONE4;
-    shl.b64 %rd7, %rd4, 4;
-    add.u64 %rd8, %rd1, %rd7;
-    add.u64 %rd9, %rd2, %rd7;
-    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd8];
-    st.global.v4.u32 [%rd9], {%r5, %r6, %r7, %r8};
-    add.u64 %rd4, %rd4, %rd6;
-    bra TAIL;
-DONE4:
-    ret;
-}
-"#;
 
 /// One benchmark group: a name and the case (style and source are set per row).
 struct Group {
@@ -471,7 +372,7 @@ fn measure<T: TestElem>(
 }
 
 /// One plain copy kernel's median time next to the driver's copy of the same bytes.
-struct CopyKernel {
+struct CopyRow {
     name: &'static str,
     kernel_us: f64,
     driver_us: f64,
@@ -485,47 +386,21 @@ fn reference_kernels(
     stream: &Arc<CudaStream>,
     flush: &mut L2Flush,
     bytes: usize,
-) -> Result<(f64, Vec<CopyKernel>)> {
-    let module = ctx.load_module(Ptx::from_src(REFERENCE_PTX))?;
-    let empty = module.load_function("rope_bench_empty")?;
-    let one = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let empty_ms = median_ms(ctx, stream, RUNS, None, || {
-        // SAFETY: the kernel takes no parameters and touches no memory.
-        unsafe { stream.launch_builder(&empty).launch(one) }
-            .map(drop)
-            .map_err(anyhow::Error::from)
-    })?;
+) -> Result<(f64, Vec<CopyRow>)> {
+    let kernels = ReferenceKernels::load(ctx)?;
+    let empty_ms = median_ms(ctx, stream, RUNS, None, || kernels.launch_empty(stream))?;
     let src = stream.alloc_zeros::<u8>(bytes)?;
     let mut dst = stream.alloc_zeros::<u8>(bytes)?;
-    let vectors = (bytes / 16) as u64;
-    let sms = ctx.attribute(
-        rope_host::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )? as u32;
-    let many = LaunchConfig {
-        grid_dim: (sms * 8, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let mut copies = Vec::new();
-    for name in ["rope_bench_copy1", "rope_bench_copy4"] {
-        let func = module.load_function(name)?;
+    for kernel in CopyKernel::ALL {
         let kernel_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-            let mut launch = stream.launch_builder(&func);
-            launch.arg(&src).arg(&mut dst).arg(&vectors);
-            // SAFETY: both buffers hold `vectors` 16-byte vectors, 16-byte aligned.
-            unsafe { launch.launch(many) }
-                .map(drop)
-                .map_err(anyhow::Error::from)
+            kernels.launch_copy(stream, kernel, &src, &mut dst)
         })?;
         let driver_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-            Ok::<_, anyhow::Error>(stream.memcpy_dtod(&src, &mut dst)?)
+            stream.memcpy_dtod(&src, &mut dst)
         })?;
-        copies.push(CopyKernel {
-            name,
+        copies.push(CopyRow {
+            name: kernel.name(),
             kernel_us: kernel_ms * 1e3,
             driver_us: driver_ms * 1e3,
         });
@@ -538,7 +413,7 @@ fn to_json(
     device: &str,
     driver: i32,
     rows: &[Row],
-    (empty_us, copies): (f64, &[CopyKernel]),
+    (empty_us, copies): (f64, &[CopyRow]),
 ) -> String {
     let mut s = String::new();
     let _ = write!(
