@@ -3,15 +3,12 @@
 //!
 //! Without a GPU it says so, runs the CPU reference path on a small shape, and exits 0.
 
-use std::sync::Arc;
-
 use anyhow::{Context, Result};
-use rope_bench_support::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
-use rope_host::cudarc::driver::{CudaContext, CudaStream};
+use rope_bench_support::BenchDevice;
+use rope_bench_support::timing::{Runs, median_interval, median_ms, paired_ms, quartiles};
 use rope_host::half::{bf16, f16};
 use rope_host::{
-    AngleMode, Direction, FrequencySpec, IdsShape, Layout, Rope, RopeStyle, SinCos, TableFormat,
-    open_device,
+    AngleMode, Direction, FrequencySpec, IdsShape, Layout, RopeStyle, SinCos, TableFormat,
 };
 use rope_reference::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
@@ -40,13 +37,14 @@ fn main() -> Result<()> {
         Some("--head-to-head") => true,
         Some(_) => anyhow::bail!("usage: rope-demo [--head-to-head]"),
     };
-    match open_device(0) {
-        Ok(ctx) => gpu_demo(ctx, head_to_head_only),
-        Err(e) => {
+    match BenchDevice::open() {
+        Ok(gpu) => gpu_demo(gpu, head_to_head_only),
+        Err(rope_bench_support::Error::NoDevice(e)) => {
             println!("no GPU: {e}");
             println!("running the CPU reference path only");
             cpu_demo()
         }
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -197,13 +195,13 @@ fn describe(c: &Case) -> String {
 }
 
 /// Checks one variant against the reference and times it against a copy of the bytes it moves.
-fn run_variant<T: TestElem>(
-    case: &Case,
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
-) -> Result<(String, bool)> {
+fn run_variant<T: TestElem>(case: &Case, gpu: &mut BenchDevice) -> Result<(String, bool)> {
+    let BenchDevice {
+        ctx,
+        stream,
+        rope,
+        flush,
+    } = gpu;
     let mut dev = case.upload::<T>(stream)?;
     let check = dev.check(rope, stream);
     let heads = case.heads + case.k_heads();
@@ -239,19 +237,16 @@ fn run_variant<T: TestElem>(
     ))
 }
 
-fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
-    let stream = ctx.new_stream()?;
-    let rope = Rope::new(stream.clone())?;
+fn gpu_demo(mut gpu: BenchDevice, head_to_head_only: bool) -> Result<()> {
     let (batch, seq, heads, head_dim) = SHAPE;
     println!(
         "device: {}; shape [batch {batch}, seq {seq}, heads {heads}, head_dim {head_dim}], theta {THETA}",
-        ctx.name()?
+        gpu.ctx.name()?
     );
-    let mut flush = L2Flush::new(&stream)?;
     if head_to_head_only {
-        return head_to_head(&ctx, &stream, &rope, &mut flush);
+        return head_to_head(&mut gpu);
     }
-    for r in rope.resources()? {
+    for r in gpu.rope.resources()? {
         if r.name.contains("fwd") {
             println!(
                 "{:<32} {:>3} registers, {} bytes local memory",
@@ -268,9 +263,9 @@ fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
     let mut failures = 0;
     for case in variants() {
         let (row, ok) = match case.dtype {
-            DTypeCase::F32 => run_variant::<f32>(&case, &ctx, &stream, &rope, &mut flush)?,
-            DTypeCase::F16 => run_variant::<f16>(&case, &ctx, &stream, &rope, &mut flush)?,
-            DTypeCase::BF16 => run_variant::<bf16>(&case, &ctx, &stream, &rope, &mut flush)?,
+            DTypeCase::F32 => run_variant::<f32>(&case, &mut gpu)?,
+            DTypeCase::F16 => run_variant::<f16>(&case, &mut gpu)?,
+            DTypeCase::BF16 => run_variant::<bf16>(&case, &mut gpu)?,
         };
         failures += usize::from(!ok);
         rows.push(row);
@@ -287,8 +282,8 @@ fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
         failures == 0,
         "{failures} variants disagree with the reference"
     );
-    head_to_head(&ctx, &stream, &rope, &mut flush)?;
-    accuracy_table(&stream, &rope)
+    head_to_head(&mut gpu)?;
+    accuracy_table(&gpu)
 }
 
 /// Every in-kernel variant against the same variant reading tables, on the same buffers and
@@ -299,12 +294,7 @@ fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
 /// Each row gives the median ratio computed / table over the pairs with its 95% interval
 /// ([`median_interval`]) and a verdict: "faster" when the interval lies below 1, "slower" when
 /// it lies above 1, "level" when it holds 1 (no difference the pairs can resolve).
-fn head_to_head(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
-) -> Result<()> {
+fn head_to_head(gpu: &mut BenchDevice) -> Result<()> {
     println!();
     println!(
         "in-kernel sin/cos against the table on the same buffers: {} pairs of launches timed \
@@ -334,9 +324,9 @@ fn head_to_head(
             ..computed.clone()
         };
         let pairs = match computed.dtype {
-            DTypeCase::F32 => time_pair::<f32>(&table, sources, ctx, stream, rope, flush)?,
-            DTypeCase::F16 => time_pair::<f16>(&table, sources, ctx, stream, rope, flush)?,
-            DTypeCase::BF16 => time_pair::<bf16>(&table, sources, ctx, stream, rope, flush)?,
+            DTypeCase::F32 => time_pair::<f32>(&table, sources, gpu)?,
+            DTypeCase::F16 => time_pair::<f16>(&table, sources, gpu)?,
+            DTypeCase::BF16 => time_pair::<bf16>(&table, sources, gpu)?,
         };
         let [_, table_ms, _] = quartiles(pairs.iter().map(|p| p[0]).collect());
         let [_, computed_ms, _] = quartiles(pairs.iter().map(|p| p[1]).collect());
@@ -366,11 +356,14 @@ fn head_to_head(
 fn time_pair<T: TestElem>(
     table: &Case,
     sources: [Source; 2],
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
+    gpu: &mut BenchDevice,
 ) -> Result<Vec<[f64; 2]>> {
+    let BenchDevice {
+        ctx,
+        stream,
+        rope,
+        flush,
+    } = gpu;
     let mut dev = table.upload::<T>(stream)?;
     paired_ms(ctx, stream, PAIRS, Some(flush), |side| {
         dev.case.source = sources[side];
@@ -380,7 +373,8 @@ fn time_pair<T: TestElem>(
 
 /// Max abs error of f32 outputs against f64 at long positions, for the accurate in-kernel path,
 /// the usual f32 table `cos(f32(p) * f32(inv_freq))` and the f32-compatible in-kernel mode.
-fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
+fn accuracy_table(gpu: &BenchDevice) -> Result<()> {
+    let BenchDevice { stream, rope, .. } = gpu;
     let (seq, heads, d) = (1024usize, 4usize, 128usize);
     let layout = Layout::shd(seq, heads, d);
     // x ~ N(0, 1) by Box-Muller over a fixed sequence.

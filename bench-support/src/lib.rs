@@ -1,8 +1,14 @@
 //! What the demo (`rope-demo`) and the benchmark (`rope-bench`) share.
 //!
+//! - [`BenchDevice`]: device 0 with its stream, RoPE handle and L2 flush buffer, set up once.
 //! - [`timing`]: medians of device-event-timed runs after warm-up, paired runs of two
 //!   functions, and the L2 flush run before each timed region.
 //! - [`copy`]: the reference kernels (an empty kernel and plain copies) in hand-written PTX.
 
 pub mod copy;
+mod device;
+mod error;
 pub mod timing;
+
+pub use device::BenchDevice;
+pub use error::Error;

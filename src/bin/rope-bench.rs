@@ -14,16 +14,15 @@
 //! default `rope-bench.json`); `--only CASE` (repeatable) runs the named cases alone.
 
 use std::fmt::Write as _;
-use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rope_bench_support::BenchDevice;
 use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
-use rope_bench_support::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
-use rope_host::cudarc::driver::{CudaContext, CudaStream};
+use rope_bench_support::timing::{Runs, median_ms, paired_ms, quartiles};
 use rope_host::half::{bf16, f16};
-use rope_host::{Direction, Rope, RopeStyle, TableFormat, open_device};
+use rope_host::{Direction, RopeStyle, TableFormat};
 use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
 
 const THETA: f64 = 500_000.0;
@@ -73,11 +72,8 @@ fn main() -> Result<()> {
             _ => bail!("usage: rope-bench [--json PATH] [--only CASE]..."),
         }
     }
-    let ctx = open_device(0).context("rope-bench needs a GPU")?;
-    let stream = ctx.new_stream()?;
-    let rope = Rope::new(stream.clone())?;
-    let mut flush = L2Flush::new(&stream)?;
-    let device = ctx.name()?;
+    let mut gpu = BenchDevice::open().context("rope-bench needs a GPU")?;
+    let device = gpu.ctx.name()?;
     let mut driver = 0i32;
     // SAFETY: writes one int through a valid pointer; the driver is loaded (a context exists).
     unsafe { rope_host::cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
@@ -89,7 +85,7 @@ fn main() -> Result<()> {
         RUNS.warmup
     );
 
-    for r in rope.resources()? {
+    for r in gpu.rope.resources()? {
         if r.name.contains("fwd") && !r.name.contains("narrow") {
             println!(
                 "{:<32} {:>3} registers, {:>5} B shared, {} blocks/SM, {} B local",
@@ -117,15 +113,9 @@ fn main() -> Result<()> {
             for direction in directions {
                 case.direction = direction;
                 let pair = match case.dtype {
-                    DTypeCase::F32 => {
-                        measure::<f32>(&group, &case, &ctx, &stream, &rope, &mut flush)
-                    }
-                    DTypeCase::F16 => {
-                        measure::<f16>(&group, &case, &ctx, &stream, &rope, &mut flush)
-                    }
-                    DTypeCase::BF16 => {
-                        measure::<bf16>(&group, &case, &ctx, &stream, &rope, &mut flush)
-                    }
+                    DTypeCase::F32 => measure::<f32>(&group, &case, &mut gpu),
+                    DTypeCase::F16 => measure::<f16>(&group, &case, &mut gpu),
+                    DTypeCase::BF16 => measure::<bf16>(&group, &case, &mut gpu),
                 }
                 .with_context(|| format!("{} {style:?} {direction:?}", group.name))?;
                 for row in pair {
@@ -143,7 +133,7 @@ fn main() -> Result<()> {
             }
         }
     }
-    let (empty_us, copies) = reference_kernels(&ctx, &stream, &mut flush, 256 << 20)?;
+    let (empty_us, copies) = reference_kernels(&mut gpu, 256 << 20)?;
 
     let json = to_json(&device, driver, &rows, (empty_us, &copies));
     std::fs::write(&json_path, json).with_context(|| format!("writing {json_path}"))?;
@@ -313,14 +303,13 @@ fn max_position(c: &Case) -> usize {
 /// Times `case` (which reads tables) and the same case with in-kernel sin/cos on the same
 /// buffers, launched alternately, and a copy of the same bytes; then checks the outputs of
 /// each. Returns the table row and the computed row.
-fn measure<T: TestElem>(
-    group: &Group,
-    case: &Case,
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
-) -> Result<[Row; 2]> {
+fn measure<T: TestElem>(group: &Group, case: &Case, gpu: &mut BenchDevice) -> Result<[Row; 2]> {
+    let BenchDevice {
+        ctx,
+        stream,
+        rope,
+        flush,
+    } = gpu;
     let sources = [case.source, Source::Theta(THETA)];
     let mut dev = case.upload::<T>(stream)?;
     let touched = if case.in_place {
@@ -381,12 +370,10 @@ struct CopyRow {
 /// The reference kernels: the median time of an empty kernel launch (one thread), and of the
 /// plain copy kernels next to the driver's copy of the same `bytes`, all event-timed like the
 /// rows. Returns the empty launch's µs and the copies.
-fn reference_kernels(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    flush: &mut L2Flush,
-    bytes: usize,
-) -> Result<(f64, Vec<CopyRow>)> {
+fn reference_kernels(gpu: &mut BenchDevice, bytes: usize) -> Result<(f64, Vec<CopyRow>)> {
+    let BenchDevice {
+        ctx, stream, flush, ..
+    } = gpu;
     let kernels = ReferenceKernels::load(ctx)?;
     let empty_ms = median_ms(ctx, stream, RUNS, None, || kernels.launch_empty(stream))?;
     let src = stream.alloc_zeros::<u8>(bytes)?;
