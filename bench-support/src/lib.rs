@@ -4,10 +4,12 @@
 //! - [`timing`]: medians of device-event-timed runs after warm-up, paired runs of two
 //!   functions, and the L2 flush run before each timed region.
 //! - [`copy`]: the reference kernels (an empty kernel and plain copies) in hand-written PTX.
+//! - [`report`]: the benchmark's JSON report.
 
 pub mod copy;
 mod device;
 mod error;
+pub mod report;
 pub mod timing;
 
 pub use device::BenchDevice;

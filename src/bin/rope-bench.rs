@@ -13,13 +13,12 @@
 //! output are compared with the f64 reference. Prints a table and writes JSON (`--json PATH`,
 //! default `rope-bench.json`); `--only CASE` (repeatable) runs the named cases alone.
 
-use std::fmt::Write as _;
-
 use anyhow::{Context, Result, bail, ensure};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rope_bench_support::BenchDevice;
 use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
+use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, paired_ms, quartiles};
 use rope_host::half::{bf16, f16};
 use rope_host::{Direction, RopeStyle, TableFormat};
@@ -37,28 +36,6 @@ const SAMPLES: usize = 64;
 struct Group {
     name: &'static str,
     case: Case,
-}
-
-/// One measured row.
-struct Row {
-    group: &'static str,
-    style: RopeStyle,
-    source: &'static str,
-    direction: Direction,
-    dtype: &'static str,
-    bytes: f64,
-    rope_us: f64,
-    copy_us: f64,
-    max_err: f64,
-}
-
-impl Row {
-    fn gbps(&self) -> f64 {
-        self.bytes / (self.rope_us * 1e-6) / 1e9
-    }
-    fn ratio(&self) -> f64 {
-        self.copy_us / self.rope_us
-    }
 }
 
 fn main() -> Result<()> {
@@ -121,12 +98,12 @@ fn main() -> Result<()> {
                 for row in pair {
                     eprintln!(
                         "{:<9} {:<11} {:<8} {:?}: {:.1} µs, {:.1}% of copy",
-                        row.group,
+                        row.case,
                         format!("{:?}", row.style),
-                        row.source,
+                        row.sincos,
                         row.direction,
                         row.rope_us,
-                        100.0 * row.ratio()
+                        100.0 * row.vs_copy
                     );
                     rows.push(row);
                 }
@@ -135,8 +112,15 @@ fn main() -> Result<()> {
     }
     let (empty_us, copies) = reference_kernels(&mut gpu, 256 << 20)?;
 
-    let json = to_json(&device, driver, &rows, (empty_us, &copies));
-    std::fs::write(&json_path, json).with_context(|| format!("writing {json_path}"))?;
+    let report = Report {
+        device,
+        driver_api: driver,
+        runs: RUNS,
+        empty_launch_us: empty_us,
+        rows,
+        reference_copies: copies,
+    };
+    std::fs::write(&json_path, report.to_json()).with_context(|| format!("writing {json_path}"))?;
     println!("JSON: {json_path}");
     println!();
     println!(
@@ -152,32 +136,32 @@ fn main() -> Result<()> {
         "vs copy",
         "max err"
     );
-    for r in &rows {
+    for r in &report.rows {
         println!(
             "{:<9} {:<4} {:<11} {:<8} {:<3} {:>9.2} {:>7.0} {:>9.2} {:>7.1}% {:>9.2e}",
-            r.group,
+            r.case,
             r.dtype,
             format!("{:?}", r.style).to_lowercase(),
-            r.source,
+            r.sincos,
             match r.direction {
                 Direction::Forward => "fwd",
                 Direction::Backward => "bwd",
             },
             r.rope_us,
-            r.gbps(),
+            r.gbps,
             r.copy_us,
-            100.0 * r.ratio(),
-            r.max_err
+            100.0 * r.vs_copy,
+            r.max_abs_err
         );
     }
     println!("empty kernel launch (same run): {empty_us:.2} µs");
-    for c in &copies {
+    for c in &report.reference_copies {
         println!(
             "{} (hand-written PTX, 256 MiB): {:.1} µs, driver copy {:.1} µs, {:.1}% of copy",
-            c.name,
+            c.kernel,
             c.kernel_us,
-            c.driver_us,
-            100.0 * c.driver_us / c.kernel_us
+            c.driver_copy_us,
+            100.0 * c.driver_copy_us / c.kernel_us
         );
     }
     Ok(())
@@ -318,7 +302,7 @@ fn measure<T: TestElem>(group: &Group, case: &Case, gpu: &mut BenchDevice) -> Re
         case.head_dim
     };
     let elems = case.batch * case.seq * (case.heads + case.k_heads()) * touched;
-    let bytes = 2.0 * (elems * size_of::<T>()) as f64;
+    let bytes = 2 * (elems * size_of::<T>()) as u64;
     let copy_src = stream.clone_htod(&vec![T::from_f64(1.5); elems])?;
     let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
     let pairs = paired_ms(ctx, stream, RUNS, Some(&mut *flush), |side| {
@@ -345,26 +329,22 @@ fn measure<T: TestElem>(group: &Group, case: &Case, gpu: &mut BenchDevice) -> Re
             .map_err(anyhow::Error::msg)?;
         ensure!(cmp.checked > 0, "no element was checked");
         let [_, rope_ms, _] = quartiles(pairs.iter().map(|p| p[side]).collect());
+        let (rope_us, copy_us) = (rope_ms * 1e3, copy_ms * 1e3);
         Ok(Row {
-            group: group.name,
-            style: case.style,
-            source: ["table", "computed"][side],
-            direction: case.direction,
+            case: group.name,
             dtype: T::NAME,
+            style: case.style,
+            sincos: ["table", "computed"][side],
+            direction: case.direction,
             bytes,
-            rope_us: rope_ms * 1e3,
-            copy_us: copy_ms * 1e3,
-            max_err: cmp.max_abs_err,
+            rope_us,
+            copy_us,
+            gbps: bytes as f64 / (rope_us * 1e-6) / 1e9,
+            vs_copy: copy_us / rope_us,
+            max_abs_err: cmp.max_abs_err,
         })
     };
     Ok([row(0)?, row(1)?])
-}
-
-/// One plain copy kernel's median time next to the driver's copy of the same bytes.
-struct CopyRow {
-    name: &'static str,
-    kernel_us: f64,
-    driver_us: f64,
 }
 
 /// The reference kernels: the median time of an empty kernel launch (one thread), and of the
@@ -387,56 +367,10 @@ fn reference_kernels(gpu: &mut BenchDevice, bytes: usize) -> Result<(f64, Vec<Co
             stream.memcpy_dtod(&src, &mut dst)
         })?;
         copies.push(CopyRow {
-            name: kernel.name(),
+            kernel: kernel.name(),
             kernel_us: kernel_ms * 1e3,
-            driver_us: driver_ms * 1e3,
+            driver_copy_us: driver_ms * 1e3,
         });
     }
     Ok((empty_ms * 1e3, copies))
-}
-
-/// The rows as JSON (hand-written: every value is a number or a plain ASCII string).
-fn to_json(
-    device: &str,
-    driver: i32,
-    rows: &[Row],
-    (empty_us, copies): (f64, &[CopyRow]),
-) -> String {
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        "{{\n  \"device\": {:?},\n  \"driver_api\": {driver},\n  \"runs\": {{\"warmup\": {}, \"timed\": {}}},\n  \"empty_launch_us\": {empty_us:.3},\n  \"rows\": [\n",
-        device, RUNS.warmup, RUNS.timed
-    );
-    for (i, r) in rows.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "    {{\"case\": {:?}, \"dtype\": {:?}, \"style\": {:?}, \"sincos\": {:?}, \"direction\": {:?}, \"bytes\": {}, \"rope_us\": {:.3}, \"copy_us\": {:.3}, \"gbps\": {:.1}, \"vs_copy\": {:.4}, \"max_abs_err\": {:e}}}{}",
-            r.group,
-            r.dtype,
-            format!("{:?}", r.style).to_lowercase(),
-            r.source,
-            format!("{:?}", r.direction).to_lowercase(),
-            r.bytes,
-            r.rope_us,
-            r.copy_us,
-            r.gbps(),
-            r.ratio(),
-            r.max_err,
-            if i + 1 < rows.len() { "," } else { "" }
-        );
-    }
-    s.push_str("  ],\n  \"reference_copies\": [\n");
-    for (i, c) in copies.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "    {{\"kernel\": {:?}, \"kernel_us\": {:.3}, \"driver_copy_us\": {:.3}}}{}",
-            c.name,
-            c.kernel_us,
-            c.driver_us,
-            if i + 1 < copies.len() { "," } else { "" }
-        );
-    }
-    s.push_str("  ]\n}\n");
-    s
 }
