@@ -6,7 +6,6 @@
 use anyhow::{Context, Result};
 use rope_bench_support::BenchDevice;
 use rope_bench_support::timing::{Runs, median_interval, median_ms, paired_ms, quartiles};
-use rope_host::half::{bf16, f16};
 use rope_host::{
     AngleMode, Direction, FrequencySpec, IdsShape, Layout, RopeStyle, SinCos, TableFormat,
 };
@@ -14,6 +13,7 @@ use rope_reference::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
 use rope_reference::rotate::rotate_f32_at;
+use rope_reference::with_elem;
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -262,11 +262,7 @@ fn gpu_demo(mut gpu: BenchDevice, head_to_head_only: bool) -> Result<()> {
     let mut rows = Vec::new();
     let mut failures = 0;
     for case in variants() {
-        let (row, ok) = match case.dtype {
-            DTypeCase::F32 => run_variant::<f32>(&case, &mut gpu)?,
-            DTypeCase::F16 => run_variant::<f16>(&case, &mut gpu)?,
-            DTypeCase::BF16 => run_variant::<bf16>(&case, &mut gpu)?,
-        };
+        let (row, ok) = with_elem!(case.dtype, T => run_variant::<T>(&case, &mut gpu))?;
         failures += usize::from(!ok);
         rows.push(row);
     }
@@ -323,11 +319,7 @@ fn head_to_head(gpu: &mut BenchDevice) -> Result<()> {
             source: sources[0],
             ..computed.clone()
         };
-        let pairs = match computed.dtype {
-            DTypeCase::F32 => time_pair::<f32>(&table, sources, gpu)?,
-            DTypeCase::F16 => time_pair::<f16>(&table, sources, gpu)?,
-            DTypeCase::BF16 => time_pair::<bf16>(&table, sources, gpu)?,
-        };
+        let pairs = with_elem!(computed.dtype, T => time_pair::<T>(&table, sources, gpu))?;
         let [_, table_ms, _] = quartiles(pairs.iter().map(|p| p[0]).collect());
         let [_, computed_ms, _] = quartiles(pairs.iter().map(|p| p[1]).collect());
         let ratios: Vec<f64> = pairs.iter().map(|p| p[1] / p[0]).collect();

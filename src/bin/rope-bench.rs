@@ -20,9 +20,9 @@ use rope_bench_support::BenchDevice;
 use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
 use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, paired_ms, quartiles};
-use rope_host::half::{bf16, f16};
 use rope_host::{Direction, RopeStyle, TableFormat};
 use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
+use rope_reference::with_elem;
 
 const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {
@@ -89,12 +89,8 @@ fn main() -> Result<()> {
             }
             for direction in directions {
                 case.direction = direction;
-                let pair = match case.dtype {
-                    DTypeCase::F32 => measure::<f32>(&group, &case, &mut gpu),
-                    DTypeCase::F16 => measure::<f16>(&group, &case, &mut gpu),
-                    DTypeCase::BF16 => measure::<bf16>(&group, &case, &mut gpu),
-                }
-                .with_context(|| format!("{} {style:?} {direction:?}", group.name))?;
+                let pair = with_elem!(case.dtype, T => measure::<T>(&group, &case, &mut gpu))
+                    .with_context(|| format!("{} {style:?} {direction:?}", group.name))?;
                 for row in pair {
                     eprintln!(
                         "{:<9} {:<11} {:<8} {:?}: {:.1} µs, {:.1}% of copy",

@@ -1,12 +1,13 @@
 //! Tables built on the GPU by `Rope::build_tables`.
 
 use proptest::prelude::*;
-use rope_host::half::{bf16, f16};
 use rope_host::{Direction, RopeStyle, SinCosTables, TableFormat};
 use rope_reference::case::{
     Case, DTypeCase, DeviceTables, KCase, LayoutKind, PosCase, Source, TestElem,
 };
+use rope_reference::with_elem;
 use rope_tests::gpu::gpu_or_skip;
+use rope_tests::strategies;
 
 use super::super::runner;
 
@@ -72,15 +73,11 @@ fn built_tables_match_f64_cos_sin() {
                 1usize..=128,
                 1usize..5000,
                 any::<bool>(),
-                0u8..3,
+                strategies::dtype(),
             ),
-            |(theta, half, rows, combined, dt)| {
+            |(theta, half, rows, combined, dtype)| {
                 let p = (theta, half, rows, combined);
-                match dt {
-                    0 => check::<f32>(&rope, &stream, p),
-                    1 => check::<f16>(&rope, &stream, p),
-                    _ => check::<bf16>(&rope, &stream, p),
-                }
+                with_elem!(dtype, T => check::<T>(&rope, &stream, p))
             },
         )
         .expect("built tables match f64");
