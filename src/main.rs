@@ -5,7 +5,7 @@
 
 use anyhow::{Context, Result};
 use rope_bench_support::BenchDevice;
-use rope_bench_support::timing::{Runs, median_interval, median_ms, paired_ms, quartiles};
+use rope_bench_support::timing::{Runs, median_interval, median_ms, quartiles};
 use rope_host::{
     AngleMode, Direction, FrequencySpec, IdsShape, Layout, RopeStyle, SinCos, TableFormat,
 };
@@ -196,30 +196,16 @@ fn describe(c: &Case) -> String {
 
 /// Checks one variant against the reference and times it against a copy of the bytes it moves.
 fn run_variant<T: TestElem>(case: &Case, gpu: &mut BenchDevice) -> Result<(String, bool)> {
-    let BenchDevice {
-        ctx,
-        stream,
-        rope,
-        flush,
-    } = gpu;
-    let mut dev = case.upload::<T>(stream)?;
-    let check = dev.check(rope, stream);
-    let heads = case.heads + case.k_heads();
-    let touched = if case.in_place {
-        case.rotary_dim
-    } else {
-        case.head_dim
-    };
-    let elems = case.batch * case.seq * heads * touched;
+    let mut dev = case.upload::<T>(&gpu.stream)?;
+    let check = dev.check(&gpu.rope, &gpu.stream);
+    let elems = case.touched_elems();
     let bytes = 2.0 * (elems * size_of::<T>()) as f64;
-    let copy_src = stream.alloc_zeros::<T>(elems)?;
-    let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
-    let rope_ms = median_ms(ctx, stream, RUNS, Some(&mut *flush), || {
-        dev.launch(rope).map_err(anyhow::Error::from)
+    let copy_src = gpu.stream.alloc_zeros::<T>(elems)?;
+    let mut copy_dst = gpu.stream.alloc_zeros::<T>(elems)?;
+    let rope_ms = median_ms(&gpu.ctx, &gpu.stream, RUNS, Some(&mut gpu.flush), || {
+        dev.launch(&gpu.rope)
     })?;
-    let copy_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-        Ok::<_, anyhow::Error>(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
-    })?;
+    let copy_ms = gpu.copy_ms(RUNS, &copy_src, &mut copy_dst)?;
     let (ok, verdict) = match &check {
         Ok(c) => (true, format!("ok, max err {:.2e}", c.max_abs_err)),
         Err(e) => (false, format!("FAILED: {e}")),
@@ -350,17 +336,8 @@ fn time_pair<T: TestElem>(
     sources: [Source; 2],
     gpu: &mut BenchDevice,
 ) -> Result<Vec<[f64; 2]>> {
-    let BenchDevice {
-        ctx,
-        stream,
-        rope,
-        flush,
-    } = gpu;
-    let mut dev = table.upload::<T>(stream)?;
-    paired_ms(ctx, stream, PAIRS, Some(flush), |side| {
-        dev.case.source = sources[side];
-        dev.launch(rope).map_err(anyhow::Error::from)
-    })
+    let mut dev = table.upload::<T>(&gpu.stream)?;
+    Ok(gpu.paired_sources_ms(PAIRS, &mut dev, sources)?)
 }
 
 /// Max abs error of f32 outputs against f64 at long positions, for the accurate in-kernel path,

@@ -252,6 +252,17 @@ impl Case {
         }
     }
 
+    /// Elements RoPE reads, and as many it writes: the rotated ones of every q and k head in
+    /// place, every element out of place.
+    pub fn touched_elems(&self) -> usize {
+        let per_head = if self.in_place {
+            self.rotary_dim
+        } else {
+            self.head_dim
+        };
+        self.batch * self.seq * (self.heads + self.k_heads()) * per_head
+    }
+
     /// The input layout of a tensor of `heads` heads (q and a separate k).
     pub fn layout(&self, heads: usize) -> Layout {
         let (b, s, d) = (self.batch, self.seq, self.head_dim);

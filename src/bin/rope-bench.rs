@@ -19,7 +19,7 @@ use rand::{RngExt, SeedableRng};
 use rope_bench_support::BenchDevice;
 use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
 use rope_bench_support::report::{CopyRow, Report, Row};
-use rope_bench_support::timing::{Runs, median_ms, paired_ms, quartiles};
+use rope_bench_support::timing::{Runs, median_ms, quartiles};
 use rope_host::{Direction, RopeStyle, TableFormat};
 use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
 use rope_reference::with_elem;
@@ -284,30 +284,14 @@ fn max_position(c: &Case) -> usize {
 /// buffers, launched alternately, and a copy of the same bytes; then checks the outputs of
 /// each. Returns the table row and the computed row.
 fn measure<T: TestElem>(group: &Group, case: &Case, gpu: &mut BenchDevice) -> Result<[Row; 2]> {
-    let BenchDevice {
-        ctx,
-        stream,
-        rope,
-        flush,
-    } = gpu;
     let sources = [case.source, Source::Theta(THETA)];
-    let mut dev = case.upload::<T>(stream)?;
-    let touched = if case.in_place {
-        case.rotary_dim
-    } else {
-        case.head_dim
-    };
-    let elems = case.batch * case.seq * (case.heads + case.k_heads()) * touched;
+    let mut dev = case.upload::<T>(&gpu.stream)?;
+    let elems = case.touched_elems();
     let bytes = 2 * (elems * size_of::<T>()) as u64;
-    let copy_src = stream.clone_htod(&vec![T::from_f64(1.5); elems])?;
-    let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
-    let pairs = paired_ms(ctx, stream, RUNS, Some(&mut *flush), |side| {
-        dev.case.source = sources[side];
-        dev.launch(rope).map_err(anyhow::Error::from)
-    })?;
-    let copy_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-        Ok::<_, anyhow::Error>(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
-    })?;
+    let copy_src = gpu.stream.clone_htod(&vec![T::from_f64(1.5); elems])?;
+    let mut copy_dst = gpu.stream.alloc_zeros::<T>(elems)?;
+    let pairs = gpu.paired_sources_ms(RUNS, &mut dev, sources)?;
+    let copy_ms = gpu.copy_ms(RUNS, &copy_src, &mut copy_dst)?;
     let mut rng = StdRng::seed_from_u64(case.seed);
     let mut samples = vec![(0, 0), (case.batch - 1, case.seq - 1)];
     samples.extend((0..SAMPLES).map(|_| {
@@ -319,9 +303,9 @@ fn measure<T: TestElem>(group: &Group, case: &Case, gpu: &mut BenchDevice) -> Re
     let mut row = |side: usize| -> Result<Row> {
         dev.case.source = sources[side];
         // Out of place, the outputs hold whichever source ran last: run this one first.
-        dev.launch(rope)?;
+        dev.launch(&gpu.rope)?;
         let cmp = dev
-            .check_sampled(rope, stream, &samples)
+            .check_sampled(&gpu.rope, &gpu.stream, &samples)
             .map_err(anyhow::Error::msg)?;
         ensure!(cmp.checked > 0, "no element was checked");
         let [_, rope_ms, _] = quartiles(pairs.iter().map(|p| p[side]).collect());
@@ -347,21 +331,18 @@ fn measure<T: TestElem>(group: &Group, case: &Case, gpu: &mut BenchDevice) -> Re
 /// plain copy kernels next to the driver's copy of the same `bytes`, all event-timed like the
 /// rows. Returns the empty launch's µs and the copies.
 fn reference_kernels(gpu: &mut BenchDevice, bytes: usize) -> Result<(f64, Vec<CopyRow>)> {
-    let BenchDevice {
-        ctx, stream, flush, ..
-    } = gpu;
-    let kernels = ReferenceKernels::load(ctx)?;
-    let empty_ms = median_ms(ctx, stream, RUNS, None, || kernels.launch_empty(stream))?;
-    let src = stream.alloc_zeros::<u8>(bytes)?;
-    let mut dst = stream.alloc_zeros::<u8>(bytes)?;
+    let kernels = ReferenceKernels::load(&gpu.ctx)?;
+    let empty_ms = median_ms(&gpu.ctx, &gpu.stream, RUNS, None, || {
+        kernels.launch_empty(&gpu.stream)
+    })?;
+    let src = gpu.stream.alloc_zeros::<u8>(bytes)?;
+    let mut dst = gpu.stream.alloc_zeros::<u8>(bytes)?;
     let mut copies = Vec::new();
     for kernel in CopyKernel::ALL {
-        let kernel_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-            kernels.launch_copy(stream, kernel, &src, &mut dst)
+        let kernel_ms = median_ms(&gpu.ctx, &gpu.stream, RUNS, Some(&mut gpu.flush), || {
+            kernels.launch_copy(&gpu.stream, kernel, &src, &mut dst)
         })?;
-        let driver_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-            stream.memcpy_dtod(&src, &mut dst)
-        })?;
+        let driver_ms = gpu.copy_ms(RUNS, &src, &mut dst)?;
         copies.push(CopyRow {
             kernel: kernel.name(),
             kernel_us: kernel_ms * 1e3,
