@@ -5,13 +5,14 @@
 //! Every number is the median of [`RUNS`] event-timed launches after warm-up, with L2 flushed
 //! (a 256 MiB memset) before each timed launch, for RoPE and copy alike. The table and computed
 //! rows of a case run on the same buffers, launched alternately: where buffers lie in device
-//! memory moves a launch's time by up to 4% on an H200 (docs/perf.md v19), which separate
-//! uploads would mix into the comparison of the two sources. GB/s counts the bytes
-//! RoPE must read plus write (the rotated elements in place; every element out of place);
-//! "vs copy" is copy time / RoPE time. Inputs are random; out-of-place outputs start poisoned
-//! and, after timing, every output element is checked to be written and 66 tokens of each
-//! output are compared with the f64 reference. Prints a table and writes JSON (`--json PATH`,
-//! default `rope-bench.json`); `--only CASE` (repeatable) runs the named cases alone.
+//! memory moves a launch's time by up to 4% on an H200 (docs/perf.md, "table and in-kernel
+//! paths timed on the same buffers"), which separate uploads would mix into the comparison of
+//! the two sources. GB/s counts the bytes RoPE must read plus write (the rotated elements in
+//! place; every element out of place); "vs copy" is copy time / RoPE time. Inputs are random;
+//! out-of-place outputs start poisoned and, after timing, every output element is checked to be
+//! written and 66 tokens of each output are compared with the f64 reference. Prints a table and
+//! writes JSON (`--json PATH`, default `rope-bench.json`); `--only CASE` (repeatable) runs the
+//! named cases alone.
 
 use anyhow::{Context, Result, bail, ensure};
 use rand::rngs::StdRng;
