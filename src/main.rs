@@ -3,20 +3,17 @@
 //!
 //! Without a GPU it says so, runs the CPU reference path on a small shape, and exits 0.
 
-use std::sync::Arc;
-
 use anyhow::{Context, Result};
-use rope_host::cudarc::driver::{CudaContext, CudaStream};
-use rope_host::half::{bf16, f16};
+use rope_bench_support::BenchDevice;
+use rope_bench_support::timing::{Runs, median_interval, median_ms, quartiles};
 use rope_host::{
-    AngleMode, Direction, FrequencySpec, IdsShape, Layout, Rope, RopeStyle, SinCos, TableFormat,
-    open_device,
+    AngleMode, Direction, FrequencySpec, IdsShape, Layout, RopeStyle, SinCos, TableFormat,
 };
-use rope_tests::case::{
+use rope_reference::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
 };
-use rope_tests::gpu::rotate_f32_at;
-use rope_tests::timing::{L2Flush, Runs, median_interval, median_ms, paired_ms, quartiles};
+use rope_reference::rotate::rotate_f32_at;
+use rope_reference::with_elem;
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);
@@ -40,13 +37,14 @@ fn main() -> Result<()> {
         Some("--head-to-head") => true,
         Some(_) => anyhow::bail!("usage: rope-demo [--head-to-head]"),
     };
-    match open_device(0) {
-        Ok(ctx) => gpu_demo(ctx, head_to_head_only),
-        Err(e) => {
+    match BenchDevice::open() {
+        Ok(gpu) => gpu_demo(gpu, head_to_head_only),
+        Err(rope_bench_support::Error::NoDevice(e)) => {
             println!("no GPU: {e}");
             println!("running the CPU reference path only");
             cpu_demo()
         }
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -197,31 +195,17 @@ fn describe(c: &Case) -> String {
 }
 
 /// Checks one variant against the reference and times it against a copy of the bytes it moves.
-fn run_variant<T: TestElem>(
-    case: &Case,
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
-) -> Result<(String, bool)> {
-    let mut dev = case.upload::<T>(stream)?;
-    let check = dev.check(rope, stream);
-    let heads = case.heads + case.k_heads();
-    let touched = if case.in_place {
-        case.rotary_dim
-    } else {
-        case.head_dim
-    };
-    let elems = case.batch * case.seq * heads * touched;
+fn run_variant<T: TestElem>(case: &Case, gpu: &mut BenchDevice) -> Result<(String, bool)> {
+    let mut dev = case.upload::<T>(&gpu.stream)?;
+    let check = dev.check(&gpu.rope, &gpu.stream);
+    let elems = case.touched_elems();
     let bytes = 2.0 * (elems * size_of::<T>()) as f64;
-    let copy_src = stream.alloc_zeros::<T>(elems)?;
-    let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
-    let rope_ms = median_ms(ctx, stream, RUNS, Some(&mut *flush), || {
-        dev.launch(rope).map_err(anyhow::Error::from)
+    let copy_src = gpu.stream.alloc_zeros::<T>(elems)?;
+    let mut copy_dst = gpu.stream.alloc_zeros::<T>(elems)?;
+    let rope_ms = median_ms(&gpu.ctx, &gpu.stream, RUNS, Some(&mut gpu.flush), || {
+        dev.launch(&gpu.rope)
     })?;
-    let copy_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-        Ok::<_, anyhow::Error>(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
-    })?;
+    let copy_ms = gpu.copy_ms(RUNS, &copy_src, &mut copy_dst)?;
     let (ok, verdict) = match &check {
         Ok(c) => (true, format!("ok, max err {:.2e}", c.max_abs_err)),
         Err(e) => (false, format!("FAILED: {e}")),
@@ -239,19 +223,16 @@ fn run_variant<T: TestElem>(
     ))
 }
 
-fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
-    let stream = ctx.new_stream()?;
-    let rope = Rope::new(stream.clone())?;
+fn gpu_demo(mut gpu: BenchDevice, head_to_head_only: bool) -> Result<()> {
     let (batch, seq, heads, head_dim) = SHAPE;
     println!(
         "device: {}; shape [batch {batch}, seq {seq}, heads {heads}, head_dim {head_dim}], theta {THETA}",
-        ctx.name()?
+        gpu.ctx.name()?
     );
-    let mut flush = L2Flush::new(&stream)?;
     if head_to_head_only {
-        return head_to_head(&ctx, &stream, &rope, &mut flush);
+        return head_to_head(&mut gpu);
     }
-    for r in rope.resources()? {
+    for r in gpu.rope.resources()? {
         if r.name.contains("fwd") {
             println!(
                 "{:<32} {:>3} registers, {} bytes local memory",
@@ -267,11 +248,7 @@ fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
     let mut rows = Vec::new();
     let mut failures = 0;
     for case in variants() {
-        let (row, ok) = match case.dtype {
-            DTypeCase::F32 => run_variant::<f32>(&case, &ctx, &stream, &rope, &mut flush)?,
-            DTypeCase::F16 => run_variant::<f16>(&case, &ctx, &stream, &rope, &mut flush)?,
-            DTypeCase::BF16 => run_variant::<bf16>(&case, &ctx, &stream, &rope, &mut flush)?,
-        };
+        let (row, ok) = with_elem!(case.dtype, T => run_variant::<T>(&case, &mut gpu))?;
         failures += usize::from(!ok);
         rows.push(row);
     }
@@ -287,24 +264,20 @@ fn gpu_demo(ctx: Arc<CudaContext>, head_to_head_only: bool) -> Result<()> {
         failures == 0,
         "{failures} variants disagree with the reference"
     );
-    head_to_head(&ctx, &stream, &rope, &mut flush)?;
-    accuracy_table(&stream, &rope)
+    head_to_head(&mut gpu)?;
+    accuracy_table(&gpu)
 }
 
 /// Every in-kernel variant against the same variant reading tables, on the same buffers and
-/// launched alternately ([`paired_ms`]). The table above times each variant on buffers of its
-/// own; where the buffers lie in device memory moves a launch's time by up to 4% on an H200
-/// (docs/perf.md v19), so rows of that table differ by placement as well as by kernel.
+/// launched alternately ([`BenchDevice::paired_sources_ms`]). The table above times each
+/// variant on buffers of its own; where the buffers lie in device memory moves a launch's time
+/// by up to 4% on an H200 (docs/perf.md, "table and in-kernel paths timed on the same
+/// buffers"), so rows of that table differ by placement as well as by kernel.
 ///
 /// Each row gives the median ratio computed / table over the pairs with its 95% interval
 /// ([`median_interval`]) and a verdict: "faster" when the interval lies below 1, "slower" when
 /// it lies above 1, "level" when it holds 1 (no difference the pairs can resolve).
-fn head_to_head(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
-) -> Result<()> {
+fn head_to_head(gpu: &mut BenchDevice) -> Result<()> {
     println!();
     println!(
         "in-kernel sin/cos against the table on the same buffers: {} pairs of launches timed \
@@ -333,11 +306,7 @@ fn head_to_head(
             source: sources[0],
             ..computed.clone()
         };
-        let pairs = match computed.dtype {
-            DTypeCase::F32 => time_pair::<f32>(&table, sources, ctx, stream, rope, flush)?,
-            DTypeCase::F16 => time_pair::<f16>(&table, sources, ctx, stream, rope, flush)?,
-            DTypeCase::BF16 => time_pair::<bf16>(&table, sources, ctx, stream, rope, flush)?,
-        };
+        let pairs = with_elem!(computed.dtype, T => time_pair::<T>(&table, sources, gpu))?;
         let [_, table_ms, _] = quartiles(pairs.iter().map(|p| p[0]).collect());
         let [_, computed_ms, _] = quartiles(pairs.iter().map(|p| p[1]).collect());
         let ratios: Vec<f64> = pairs.iter().map(|p| p[1] / p[0]).collect();
@@ -366,21 +335,16 @@ fn head_to_head(
 fn time_pair<T: TestElem>(
     table: &Case,
     sources: [Source; 2],
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
+    gpu: &mut BenchDevice,
 ) -> Result<Vec<[f64; 2]>> {
-    let mut dev = table.upload::<T>(stream)?;
-    paired_ms(ctx, stream, PAIRS, Some(flush), |side| {
-        dev.case.source = sources[side];
-        dev.launch(rope).map_err(anyhow::Error::from)
-    })
+    let mut dev = table.upload::<T>(&gpu.stream)?;
+    Ok(gpu.paired_sources_ms(PAIRS, &mut dev, sources)?)
 }
 
 /// Max abs error of f32 outputs against f64 at long positions, for the accurate in-kernel path,
 /// the usual f32 table `cos(f32(p) * f32(inv_freq))` and the f32-compatible in-kernel mode.
-fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
+fn accuracy_table(gpu: &BenchDevice) -> Result<()> {
+    let BenchDevice { stream, rope, .. } = gpu;
     let (seq, heads, d) = (1024usize, 4usize, 128usize);
     let layout = Layout::shd(seq, heads, d);
     // x ~ N(0, 1) by Box-Muller over a fixed sequence.
@@ -413,12 +377,12 @@ fn accuracy_table(stream: &Arc<CudaStream>, rope: &Rope) -> Result<()> {
             })
             .collect();
         let table = rope.build_tables_for::<f32>(&compat, band, TableFormat::Separate)?;
-        let want = rope_tests::reference::rope(
+        let want = rope_reference::reference::rope(
             x64.view(),
             ndarray::Array2::from_shape_vec((1, seq), ids.clone())?.view(),
             RopeStyle::Neox,
             Direction::Forward,
-            &rope_tests::reference::RefSinCos::Theta(THETA),
+            &rope_reference::reference::RefSinCos::Theta(THETA),
         );
         let mut errors = Vec::new();
         for sincos in [
@@ -463,12 +427,12 @@ fn cpu_demo() -> Result<()> {
         let x: Vec<f32> = (0..layout.span().unwrap_or(0))
             .map(|i| ((i * 7919) % 1000) as f32 / 125.0 - 4.0)
             .collect();
-        let want = rope_tests::reference::rope(
+        let want = rope_reference::reference::rope(
             gather(&x, &layout).view(),
             case.resolved_positions().view(),
             style,
             Direction::Forward,
-            &rope_tests::reference::RefSinCos::Theta(THETA),
+            &rope_reference::reference::RefSinCos::Theta(THETA),
         );
         // The CPU stand-in for the kernel: the kernels' math crate, pair by pair.
         let freqs = rope_host::inv_freq(THETA, case.head_dim as u32);
@@ -477,7 +441,7 @@ fn cpu_demo() -> Result<()> {
             for h in 0..case.heads {
                 for (i, &f) in freqs.iter().enumerate() {
                     let (c, s) = kernels_gpu::math::rope_cos_sin(100_000 + t as i64, f);
-                    let (ia, ib) = rope_tests::reference::pair(style, i, case.head_dim);
+                    let (ia, ib) = rope_reference::reference::pair(style, i, case.head_dim);
                     let base = (t * case.heads + h) * case.head_dim;
                     let (y0, y1) = kernels_gpu::math::rotate(x[base + ia], x[base + ib], c, s);
                     got[base + ia] = y0;

@@ -5,26 +5,25 @@
 //! Every number is the median of [`RUNS`] event-timed launches after warm-up, with L2 flushed
 //! (a 256 MiB memset) before each timed launch, for RoPE and copy alike. The table and computed
 //! rows of a case run on the same buffers, launched alternately: where buffers lie in device
-//! memory moves a launch's time by up to 4% on an H200 (docs/perf.md v19), which separate
-//! uploads would mix into the comparison of the two sources. GB/s counts the bytes
-//! RoPE must read plus write (the rotated elements in place; every element out of place);
-//! "vs copy" is copy time / RoPE time. Inputs are random; out-of-place outputs start poisoned
-//! and, after timing, every output element is checked to be written and 66 tokens of each
-//! output are compared with the f64 reference. Prints a table and writes JSON (`--json PATH`,
-//! default `rope-bench.json`); `--only CASE` (repeatable) runs the named cases alone.
-
-use std::fmt::Write as _;
-use std::sync::Arc;
+//! memory moves a launch's time by up to 4% on an H200 (docs/perf.md, "table and in-kernel
+//! paths timed on the same buffers"), which separate uploads would mix into the comparison of
+//! the two sources. GB/s counts the bytes RoPE must read plus write (the rotated elements in
+//! place; every element out of place); "vs copy" is copy time / RoPE time. Inputs are random;
+//! out-of-place outputs start poisoned and, after timing, every output element is checked to be
+//! written and 66 tokens of each output are compared with the f64 reference. Prints a table and
+//! writes JSON (`--json PATH`, default `rope-bench.json`); `--only CASE` (repeatable) runs the
+//! named cases alone.
 
 use anyhow::{Context, Result, bail, ensure};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use rope_host::cudarc::driver::{CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use rope_host::cudarc::nvrtc::Ptx;
-use rope_host::half::{bf16, f16};
-use rope_host::{Direction, Rope, RopeStyle, TableFormat, open_device};
-use rope_tests::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
-use rope_tests::timing::{L2Flush, Runs, median_ms, paired_ms, quartiles};
+use rope_bench_support::BenchDevice;
+use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
+use rope_bench_support::report::{CopyRow, Report, Row};
+use rope_bench_support::timing::{Runs, median_ms, quartiles};
+use rope_host::{Direction, RopeStyle, TableFormat};
+use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
+use rope_reference::with_elem;
 
 const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {
@@ -34,131 +33,10 @@ const RUNS: Runs = Runs {
 /// Tokens of each output compared with the reference: 64 random ones, the first and the last.
 const SAMPLES: usize = 64;
 
-/// Reference kernels in hand-written PTX: an empty kernel (the launch-overhead floor of the
-/// decode case) and plain copy kernels (16 bytes per thread and iteration, grid-stride; one
-/// access or four independent ones per iteration), which show what a simple kernel reaches
-/// next to the driver's copy.
-const REFERENCE_PTX: &str = r#".version 7.0
-.target sm_80
-.address_size 64
-.visible .entry rope_bench_empty()
-{
-    ret;
-}
-.visible .entry rope_bench_copy1(.param .u64 src, .param .u64 dst, .param .u64 n)
-{
-    .reg .pred %p;
-    .reg .b32 %r<12>;
-    .reg .b64 %rd<16>;
-    ld.param.u64 %rd1, [src];
-    ld.param.u64 %rd2, [dst];
-    ld.param.u64 %rd3, [n];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd4, %r1, %r2;
-    cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
-    mul.wide.u32 %rd6, %r4, %r2;
-LOOP:
-    setp.ge.u64 %p, %rd4, %rd3;
-    @%p bra DONE;
-    shl.b64 %rd7, %rd4, 4;
-    add.u64 %rd8, %rd1, %rd7;
-    add.u64 %rd9, %rd2, %rd7;
-    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd8];
-    st.global.v4.u32 [%rd9], {%r5, %r6, %r7, %r8};
-    add.u64 %rd4, %rd4, %rd6;
-    bra LOOP;
-DONE:
-    ret;
-}
-.visible .entry rope_bench_copy4(.param .u64 src, .param .u64 dst, .param .u64 n)
-{
-    .reg .pred %p;
-    .reg .b32 %r<24>;
-    .reg .b64 %rd<24>;
-    ld.param.u64 %rd1, [src];
-    ld.param.u64 %rd2, [dst];
-    ld.param.u64 %rd3, [n];
-    cvta.to.global.u64 %rd1, %rd1;
-    cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd4, %r1, %r2;
-    cvt.u64.u32 %rd5, %r3;
-    add.u64 %rd4, %rd4, %rd5;
-    mul.wide.u32 %rd6, %r4, %r2;
-    shl.b64 %rd10, %rd6, 4;
-LOOP4:
-    mad.lo.u64 %rd11, %rd6, 3, %rd4;
-    setp.ge.u64 %p, %rd11, %rd3;
-    @%p bra TAIL;
-    shl.b64 %rd7, %rd4, 4;
-    add.u64 %rd8, %rd1, %rd7;
-    add.u64 %rd9, %rd2, %rd7;
-    add.u64 %rd12, %rd8, %rd10;
-    add.u64 %rd13, %rd12, %rd10;
-    add.u64 %rd14, %rd13, %rd10;
-    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd8];
-    ld.global.v4.u32 {%r9, %r10, %r11, %r12}, [%rd12];
-    ld.global.v4.u32 {%r13, %r14, %r15, %r16}, [%rd13];
-    ld.global.v4.u32 {%r17, %r18, %r19, %r20}, [%rd14];
-    add.u64 %rd15, %rd9, %rd10;
-    add.u64 %rd16, %rd15, %rd10;
-    add.u64 %rd17, %rd16, %rd10;
-    st.global.v4.u32 [%rd9], {%r5, %r6, %r7, %r8};
-    st.global.v4.u32 [%rd15], {%r9, %r10, %r11, %r12};
-    st.global.v4.u32 [%rd16], {%r13, %r14, %r15, %r16};
-    st.global.v4.u32 [%rd17], {%r17, %r18, %r19, %r20};
-    mad.lo.u64 %rd4, %rd6, 4, %rd4;
-    bra LOOP4;
-TAIL:
-    setp.ge.u64 %p, %rd4, %rd3;
-    @%p bra DONE4;
-    shl.b64 %rd7, %rd4, 4;
-    add.u64 %rd8, %rd1, %rd7;
-    add.u64 %rd9, %rd2, %rd7;
-    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd8];
-    st.global.v4.u32 [%rd9], {%r5, %r6, %r7, %r8};
-    add.u64 %rd4, %rd4, %rd6;
-    bra TAIL;
-DONE4:
-    ret;
-}
-"#;
-
 /// One benchmark group: a name and the case (style and source are set per row).
 struct Group {
     name: &'static str,
     case: Case,
-}
-
-/// One measured row.
-struct Row {
-    group: &'static str,
-    style: RopeStyle,
-    source: &'static str,
-    direction: Direction,
-    dtype: &'static str,
-    bytes: f64,
-    rope_us: f64,
-    copy_us: f64,
-    max_err: f64,
-}
-
-impl Row {
-    fn gbps(&self) -> f64 {
-        self.bytes / (self.rope_us * 1e-6) / 1e9
-    }
-    fn ratio(&self) -> f64 {
-        self.copy_us / self.rope_us
-    }
 }
 
 fn main() -> Result<()> {
@@ -172,11 +50,8 @@ fn main() -> Result<()> {
             _ => bail!("usage: rope-bench [--json PATH] [--only CASE]..."),
         }
     }
-    let ctx = open_device(0).context("rope-bench needs a GPU")?;
-    let stream = ctx.new_stream()?;
-    let rope = Rope::new(stream.clone())?;
-    let mut flush = L2Flush::new(&stream)?;
-    let device = ctx.name()?;
+    let mut gpu = BenchDevice::open().context("rope-bench needs a GPU")?;
+    let device = gpu.ctx.name()?;
     let mut driver = 0i32;
     // SAFETY: writes one int through a valid pointer; the driver is loaded (a context exists).
     unsafe { rope_host::cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
@@ -188,7 +63,7 @@ fn main() -> Result<()> {
         RUNS.warmup
     );
 
-    for r in rope.resources()? {
+    for r in gpu.rope.resources()? {
         if r.name.contains("fwd") && !r.name.contains("narrow") {
             println!(
                 "{:<32} {:>3} registers, {:>5} B shared, {} blocks/SM, {} B local",
@@ -215,37 +90,34 @@ fn main() -> Result<()> {
             }
             for direction in directions {
                 case.direction = direction;
-                let pair = match case.dtype {
-                    DTypeCase::F32 => {
-                        measure::<f32>(&group, &case, &ctx, &stream, &rope, &mut flush)
-                    }
-                    DTypeCase::F16 => {
-                        measure::<f16>(&group, &case, &ctx, &stream, &rope, &mut flush)
-                    }
-                    DTypeCase::BF16 => {
-                        measure::<bf16>(&group, &case, &ctx, &stream, &rope, &mut flush)
-                    }
-                }
-                .with_context(|| format!("{} {style:?} {direction:?}", group.name))?;
+                let pair = with_elem!(case.dtype, T => measure::<T>(&group, &case, &mut gpu))
+                    .with_context(|| format!("{} {style:?} {direction:?}", group.name))?;
                 for row in pair {
                     eprintln!(
                         "{:<9} {:<11} {:<8} {:?}: {:.1} µs, {:.1}% of copy",
-                        row.group,
+                        row.case,
                         format!("{:?}", row.style),
-                        row.source,
+                        row.sincos,
                         row.direction,
                         row.rope_us,
-                        100.0 * row.ratio()
+                        100.0 * row.vs_copy
                     );
                     rows.push(row);
                 }
             }
         }
     }
-    let (empty_us, copies) = reference_kernels(&ctx, &stream, &mut flush, 256 << 20)?;
+    let (empty_us, copies) = reference_kernels(&mut gpu, 256 << 20)?;
 
-    let json = to_json(&device, driver, &rows, (empty_us, &copies));
-    std::fs::write(&json_path, json).with_context(|| format!("writing {json_path}"))?;
+    let report = Report {
+        device,
+        driver_api: driver,
+        runs: RUNS,
+        empty_launch_us: empty_us,
+        rows,
+        reference_copies: copies,
+    };
+    std::fs::write(&json_path, report.to_json()).with_context(|| format!("writing {json_path}"))?;
     println!("JSON: {json_path}");
     println!();
     println!(
@@ -261,32 +133,32 @@ fn main() -> Result<()> {
         "vs copy",
         "max err"
     );
-    for r in &rows {
+    for r in &report.rows {
         println!(
             "{:<9} {:<4} {:<11} {:<8} {:<3} {:>9.2} {:>7.0} {:>9.2} {:>7.1}% {:>9.2e}",
-            r.group,
+            r.case,
             r.dtype,
             format!("{:?}", r.style).to_lowercase(),
-            r.source,
+            r.sincos,
             match r.direction {
                 Direction::Forward => "fwd",
                 Direction::Backward => "bwd",
             },
             r.rope_us,
-            r.gbps(),
+            r.gbps,
             r.copy_us,
-            100.0 * r.ratio(),
-            r.max_err
+            100.0 * r.vs_copy,
+            r.max_abs_err
         );
     }
     println!("empty kernel launch (same run): {empty_us:.2} µs");
-    for c in &copies {
+    for c in &report.reference_copies {
         println!(
             "{} (hand-written PTX, 256 MiB): {:.1} µs, driver copy {:.1} µs, {:.1}% of copy",
-            c.name,
+            c.kernel,
             c.kernel_us,
-            c.driver_us,
-            100.0 * c.driver_us / c.kernel_us
+            c.driver_copy_us,
+            100.0 * c.driver_copy_us / c.kernel_us
         );
     }
     Ok(())
@@ -412,32 +284,15 @@ fn max_position(c: &Case) -> usize {
 /// Times `case` (which reads tables) and the same case with in-kernel sin/cos on the same
 /// buffers, launched alternately, and a copy of the same bytes; then checks the outputs of
 /// each. Returns the table row and the computed row.
-fn measure<T: TestElem>(
-    group: &Group,
-    case: &Case,
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    rope: &Rope,
-    flush: &mut L2Flush,
-) -> Result<[Row; 2]> {
+fn measure<T: TestElem>(group: &Group, case: &Case, gpu: &mut BenchDevice) -> Result<[Row; 2]> {
     let sources = [case.source, Source::Theta(THETA)];
-    let mut dev = case.upload::<T>(stream)?;
-    let touched = if case.in_place {
-        case.rotary_dim
-    } else {
-        case.head_dim
-    };
-    let elems = case.batch * case.seq * (case.heads + case.k_heads()) * touched;
-    let bytes = 2.0 * (elems * size_of::<T>()) as f64;
-    let copy_src = stream.clone_htod(&vec![T::from_f64(1.5); elems])?;
-    let mut copy_dst = stream.alloc_zeros::<T>(elems)?;
-    let pairs = paired_ms(ctx, stream, RUNS, Some(&mut *flush), |side| {
-        dev.case.source = sources[side];
-        dev.launch(rope).map_err(anyhow::Error::from)
-    })?;
-    let copy_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-        Ok::<_, anyhow::Error>(stream.memcpy_dtod(&copy_src, &mut copy_dst)?)
-    })?;
+    let mut dev = case.upload::<T>(&gpu.stream)?;
+    let elems = case.touched_elems();
+    let bytes = 2 * (elems * size_of::<T>()) as u64;
+    let copy_src = gpu.stream.clone_htod(&vec![T::from_f64(1.5); elems])?;
+    let mut copy_dst = gpu.stream.alloc_zeros::<T>(elems)?;
+    let pairs = gpu.paired_sources_ms(RUNS, &mut dev, sources)?;
+    let copy_ms = gpu.copy_ms(RUNS, &copy_src, &mut copy_dst)?;
     let mut rng = StdRng::seed_from_u64(case.seed);
     let mut samples = vec![(0, 0), (case.batch - 1, case.seq - 1)];
     samples.extend((0..SAMPLES).map(|_| {
@@ -449,132 +304,51 @@ fn measure<T: TestElem>(
     let mut row = |side: usize| -> Result<Row> {
         dev.case.source = sources[side];
         // Out of place, the outputs hold whichever source ran last: run this one first.
-        dev.launch(rope)?;
+        dev.launch(&gpu.rope)?;
         let cmp = dev
-            .check_sampled(rope, stream, &samples)
+            .check_sampled(&gpu.rope, &gpu.stream, &samples)
             .map_err(anyhow::Error::msg)?;
         ensure!(cmp.checked > 0, "no element was checked");
         let [_, rope_ms, _] = quartiles(pairs.iter().map(|p| p[side]).collect());
+        let (rope_us, copy_us) = (rope_ms * 1e3, copy_ms * 1e3);
         Ok(Row {
-            group: group.name,
-            style: case.style,
-            source: ["table", "computed"][side],
-            direction: case.direction,
+            case: group.name,
             dtype: T::NAME,
+            style: case.style,
+            sincos: ["table", "computed"][side],
+            direction: case.direction,
             bytes,
-            rope_us: rope_ms * 1e3,
-            copy_us: copy_ms * 1e3,
-            max_err: cmp.max_abs_err,
+            rope_us,
+            copy_us,
+            gbps: bytes as f64 / (rope_us * 1e-6) / 1e9,
+            vs_copy: copy_us / rope_us,
+            max_abs_err: cmp.max_abs_err,
         })
     };
     Ok([row(0)?, row(1)?])
 }
 
-/// One plain copy kernel's median time next to the driver's copy of the same bytes.
-struct CopyKernel {
-    name: &'static str,
-    kernel_us: f64,
-    driver_us: f64,
-}
-
 /// The reference kernels: the median time of an empty kernel launch (one thread), and of the
 /// plain copy kernels next to the driver's copy of the same `bytes`, all event-timed like the
 /// rows. Returns the empty launch's µs and the copies.
-fn reference_kernels(
-    ctx: &Arc<CudaContext>,
-    stream: &Arc<CudaStream>,
-    flush: &mut L2Flush,
-    bytes: usize,
-) -> Result<(f64, Vec<CopyKernel>)> {
-    let module = ctx.load_module(Ptx::from_src(REFERENCE_PTX))?;
-    let empty = module.load_function("rope_bench_empty")?;
-    let one = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let empty_ms = median_ms(ctx, stream, RUNS, None, || {
-        // SAFETY: the kernel takes no parameters and touches no memory.
-        unsafe { stream.launch_builder(&empty).launch(one) }
-            .map(drop)
-            .map_err(anyhow::Error::from)
+fn reference_kernels(gpu: &mut BenchDevice, bytes: usize) -> Result<(f64, Vec<CopyRow>)> {
+    let kernels = ReferenceKernels::load(&gpu.ctx)?;
+    let empty_ms = median_ms(&gpu.ctx, &gpu.stream, RUNS, None, || {
+        kernels.launch_empty(&gpu.stream)
     })?;
-    let src = stream.alloc_zeros::<u8>(bytes)?;
-    let mut dst = stream.alloc_zeros::<u8>(bytes)?;
-    let vectors = (bytes / 16) as u64;
-    let sms = ctx.attribute(
-        rope_host::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )? as u32;
-    let many = LaunchConfig {
-        grid_dim: (sms * 8, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let src = gpu.stream.alloc_zeros::<u8>(bytes)?;
+    let mut dst = gpu.stream.alloc_zeros::<u8>(bytes)?;
     let mut copies = Vec::new();
-    for name in ["rope_bench_copy1", "rope_bench_copy4"] {
-        let func = module.load_function(name)?;
-        let kernel_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-            let mut launch = stream.launch_builder(&func);
-            launch.arg(&src).arg(&mut dst).arg(&vectors);
-            // SAFETY: both buffers hold `vectors` 16-byte vectors, 16-byte aligned.
-            unsafe { launch.launch(many) }
-                .map(drop)
-                .map_err(anyhow::Error::from)
+    for kernel in CopyKernel::ALL {
+        let kernel_ms = median_ms(&gpu.ctx, &gpu.stream, RUNS, Some(&mut gpu.flush), || {
+            kernels.launch_copy(&gpu.stream, kernel, &src, &mut dst)
         })?;
-        let driver_ms = median_ms(ctx, stream, RUNS, Some(flush), || {
-            Ok::<_, anyhow::Error>(stream.memcpy_dtod(&src, &mut dst)?)
-        })?;
-        copies.push(CopyKernel {
-            name,
+        let driver_ms = gpu.copy_ms(RUNS, &src, &mut dst)?;
+        copies.push(CopyRow {
+            kernel: kernel.name(),
             kernel_us: kernel_ms * 1e3,
-            driver_us: driver_ms * 1e3,
+            driver_copy_us: driver_ms * 1e3,
         });
     }
     Ok((empty_ms * 1e3, copies))
-}
-
-/// The rows as JSON (hand-written: every value is a number or a plain ASCII string).
-fn to_json(
-    device: &str,
-    driver: i32,
-    rows: &[Row],
-    (empty_us, copies): (f64, &[CopyKernel]),
-) -> String {
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        "{{\n  \"device\": {:?},\n  \"driver_api\": {driver},\n  \"runs\": {{\"warmup\": {}, \"timed\": {}}},\n  \"empty_launch_us\": {empty_us:.3},\n  \"rows\": [\n",
-        device, RUNS.warmup, RUNS.timed
-    );
-    for (i, r) in rows.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "    {{\"case\": {:?}, \"dtype\": {:?}, \"style\": {:?}, \"sincos\": {:?}, \"direction\": {:?}, \"bytes\": {}, \"rope_us\": {:.3}, \"copy_us\": {:.3}, \"gbps\": {:.1}, \"vs_copy\": {:.4}, \"max_abs_err\": {:e}}}{}",
-            r.group,
-            r.dtype,
-            format!("{:?}", r.style).to_lowercase(),
-            r.source,
-            format!("{:?}", r.direction).to_lowercase(),
-            r.bytes,
-            r.rope_us,
-            r.copy_us,
-            r.gbps(),
-            r.ratio(),
-            r.max_err,
-            if i + 1 < rows.len() { "," } else { "" }
-        );
-    }
-    s.push_str("  ],\n  \"reference_copies\": [\n");
-    for (i, c) in copies.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "    {{\"kernel\": {:?}, \"kernel_us\": {:.3}, \"driver_copy_us\": {:.3}}}{}",
-            c.name,
-            c.kernel_us,
-            c.driver_us,
-            if i + 1 < copies.len() { "," } else { "" }
-        );
-    }
-    s.push_str("  ]\n}\n");
-    s
 }

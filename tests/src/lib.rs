@@ -1,10 +1,6 @@
-//! Test support for rope-rs: the f64 ndarray reference ([`reference`]), random problems run on
-//! the GPU and the reference alike ([`case`]), proptest strategies ([`strategies`]) and GPU
-//! access that reports skips ([`gpu`]) and event timing for the demo and the benchmark
-//! ([`timing`]). The tests themselves are in `tests/`.
+//! Test support for rope-rs: proptest strategies ([`strategies`]) and GPU access that reports
+//! skips ([`gpu`]). The f64 reference and the case runner the tests check the kernels with are
+//! in `rope-reference`; the tests themselves are in `tests/`.
 
-pub mod case;
 pub mod gpu;
-pub mod reference;
 pub mod strategies;
-pub mod timing;

@@ -5,7 +5,7 @@ use rope_host::{Direction, IdsShape, RopeStyle};
 
 use rope_host::TableFormat;
 
-use crate::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
+use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
 
 /// Both pairings.
 pub fn style() -> impl Strategy<Value = RopeStyle> {

@@ -8,7 +8,7 @@ use ndarray::{Array2, Array4, s};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use rope_host::{Direction, RopeStyle};
-use rope_tests::reference::{self, RefSinCos};
+use rope_reference::reference::{self, RefSinCos};
 use rope_tests::strategies;
 
 /// Writes a line past libtest's output capture, so summaries and skips always show.

@@ -9,11 +9,11 @@ use rope_host::cudarc::driver::CudaStream;
 use rope_host::{
     AngleMode, Direction, FrequencySpec, IdsShape, Rope, RopeScaling, RopeStyle, SinCos, Yarn,
 };
-use rope_tests::case::{
+use rope_reference::case::{
     Case, DTypeCase, KCase, LayoutKind, PosCase, Source, compare, run_and_check,
 };
+use rope_reference::reference::{self, RefSinCos};
 use rope_tests::gpu::gpu_or_skip;
-use rope_tests::reference::{self, RefSinCos};
 
 use super::super::{random_x, report, runner};
 
@@ -68,7 +68,7 @@ fn in_kernel_sin_cos_is_accurate_to_position_2_pow_22() {
         .expect("accurate at long positions");
 }
 
-/// Runs one f32 rotation; see [`rope_tests::gpu::rotate_f32_at`].
+/// Runs one f32 rotation; see [`rope_reference::rotate::rotate_f32_at`].
 fn rotate(
     rope: &Rope,
     stream: &Arc<CudaStream>,
@@ -78,7 +78,8 @@ fn rotate(
     ids: &[i64],
     sincos: SinCos<'_, f32>,
 ) -> Vec<f32> {
-    rope_tests::gpu::rotate_f32_at(rope, stream, style, x, dims, ids, sincos).expect("rotation")
+    rope_reference::rotate::rotate_f32_at(rope, stream, style, x, dims, ids, sincos)
+        .expect("rotation")
 }
 
 /// The GPU's output is bit-identical to the kernels' math run on the CPU, in both angle modes

@@ -7,7 +7,7 @@ use rope_host::{
     Error, IdsShape, Io, Layout, PositionIds, Positions, QkIo, RopeConfig, RopeOp, SinCos,
     TableShape, Tensor, TensorMut,
 };
-use rope_tests::case::{
+use rope_reference::case::{
     Case, DTypeCase, DeviceCase, DeviceTables, KCase, LayoutKind, PosCase, Source,
 };
 use rope_tests::gpu::gpu_or_skip;
@@ -152,10 +152,12 @@ fn run_broken(
             cu_seqlens: &cu,
             offsets: None,
         },
-        (Breakage::WrongIdCount, Some(rope_tests::case::DeviceIds::I64(ids))) => Positions::Ids {
-            ids: PositionIds::I64(ids.slice(..ids.len() - 1)),
-            shape: IdsShape::Shared,
-        },
+        (Breakage::WrongIdCount, Some(rope_reference::case::DeviceIds::I64(ids))) => {
+            Positions::Ids {
+                ids: PositionIds::I64(ids.slice(..ids.len() - 1)),
+                shape: IdsShape::Shared,
+            }
+        }
         _ => Positions::Offset(0),
     };
     let max_position = match c.source {

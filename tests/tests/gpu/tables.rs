@@ -1,12 +1,13 @@
 //! Tables built on the GPU by `Rope::build_tables`.
 
 use proptest::prelude::*;
-use rope_host::half::{bf16, f16};
 use rope_host::{Direction, RopeStyle, SinCosTables, TableData, TableFormat};
-use rope_tests::case::{
+use rope_reference::case::{
     Case, DTypeCase, DeviceTables, KCase, LayoutKind, PosCase, Source, TestElem,
 };
+use rope_reference::with_elem;
 use rope_tests::gpu::gpu_or_skip;
+use rope_tests::strategies;
 
 use super::super::runner;
 
@@ -53,7 +54,7 @@ fn built_tables_match_f64_cos_sin() {
             .build_tables::<T>(theta, 2 * half as u32, rows, format)
             .expect("valid");
         let (cos, sin) = download(&t, stream, half);
-        let (want_cos, want_sin) = rope_tests::reference::tables(theta, 2 * half, rows);
+        let (want_cos, want_sin) = rope_reference::reference::tables(theta, 2 * half, rows);
         for (got, want) in cos.iter().zip(&want_cos).chain(sin.iter().zip(&want_sin)) {
             let tol = T::ulp(T::from_f64(*want)).max(2f64.powi(-28));
             prop_assert!(
@@ -72,15 +73,11 @@ fn built_tables_match_f64_cos_sin() {
                 1usize..=128,
                 1usize..5000,
                 any::<bool>(),
-                0u8..3,
+                strategies::dtype(),
             ),
-            |(theta, half, rows, combined, dt)| {
+            |(theta, half, rows, combined, dtype)| {
                 let p = (theta, half, rows, combined);
-                match dt {
-                    0 => check::<f32>(&rope, &stream, p),
-                    1 => check::<f16>(&rope, &stream, p),
-                    _ => check::<bf16>(&rope, &stream, p),
-                }
+                with_elem!(dtype, T => check::<T>(&rope, &stream, p))
             },
         )
         .expect("built tables match f64");
@@ -112,7 +109,7 @@ fn built_tables_reproduce_in_kernel_sin_cos_exactly() {
                 in_place: false,
                 seed: 77,
             };
-            let run = |dev: &mut rope_tests::case::DeviceCase<f32>| -> Vec<f32> {
+            let run = |dev: &mut rope_reference::case::DeviceCase<f32>| -> Vec<f32> {
                 dev.launch(&rope).expect("launch");
                 let q = dev.q.out.as_ref().expect("out of place");
                 stream.clone_dtoh(q).expect("download")

@@ -6,9 +6,10 @@
 use std::sync::Arc;
 
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError, sys};
+use serde::Serialize;
 
 /// How many runs to discard and to time.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Serialize)]
 pub struct Runs {
     /// Untimed runs first (module load, caches, clocks).
     pub warmup: usize,

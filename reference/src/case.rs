@@ -101,6 +101,35 @@ pub enum DTypeCase {
     BF16,
 }
 
+/// Evaluates `$body` with the type `$T` set to the element type of `$dtype` (a
+/// [`DTypeCase`]): the one place where a case's dtype becomes `f32`, `f16` or `bf16`.
+///
+/// ```
+/// use rope_reference::case::{DTypeCase, TestElem};
+/// use rope_reference::with_elem;
+///
+/// assert_eq!(with_elem!(DTypeCase::BF16, T => T::NAME), "bf16");
+/// ```
+#[macro_export]
+macro_rules! with_elem {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::case::DTypeCase::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::case::DTypeCase::F16 => {
+                type $T = $crate::__private::f16;
+                $body
+            }
+            $crate::case::DTypeCase::BF16 => {
+                type $T = $crate::__private::bf16;
+                $body
+            }
+        }
+    };
+}
+
 /// How a case lays out its tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayoutKind {
@@ -221,6 +250,17 @@ impl Case {
             KCase::None => 0,
             KCase::Separate { heads } | KCase::Fused { heads, .. } => heads,
         }
+    }
+
+    /// Elements RoPE reads, and as many it writes: the rotated ones of every q and k head in
+    /// place, every element out of place.
+    pub fn touched_elems(&self) -> usize {
+        let per_head = if self.in_place {
+            self.rotary_dim
+        } else {
+            self.head_dim
+        };
+        self.batch * self.seq * (self.heads + self.k_heads()) * per_head
     }
 
     /// The input layout of a tensor of `heads` heads (q and a separate k).
@@ -794,18 +834,8 @@ pub fn run_and_check(
     rope: &Rope,
     stream: &Arc<CudaStream>,
 ) -> Result<Comparison, String> {
-    fn go<T: TestElem>(
-        case: &Case,
-        rope: &Rope,
-        stream: &Arc<CudaStream>,
-    ) -> Result<Comparison, String> {
-        case.upload::<T>(stream)
-            .map_err(|e| e.to_string())?
-            .check(rope, stream)
-    }
-    match case.dtype {
-        DTypeCase::F32 => go::<f32>(case, rope, stream),
-        DTypeCase::F16 => go::<f16>(case, rope, stream),
-        DTypeCase::BF16 => go::<bf16>(case, rope, stream),
-    }
+    crate::with_elem!(case.dtype, T => {
+        let mut dev = case.upload::<T>(stream).map_err(|e| e.to_string())?;
+        dev.check(rope, stream)
+    })
 }
