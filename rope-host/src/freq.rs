@@ -389,7 +389,11 @@ impl FrequencySpec {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth = (original / wavelen - low) / (high - low);
+                            // In [0, 1] on this branch; the clamp only removes rounding
+                            // excursions when `high - low` is a few ulps, which would take the
+                            // blend outside [f / factor, f] (even below zero).
+                            let smooth =
+                                ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })

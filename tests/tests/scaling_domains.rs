@@ -639,6 +639,42 @@ mod known_answers {
     }
 
     #[test]
+    fn llama3_blend_stays_within_f_over_factor_and_f_when_the_band_is_one_ulp_wide() {
+        // With high_freq_factor one ulp above low_freq_factor, the rounding of
+        // original / wavelength puts the unclamped smoothing weight at -1 or 2 for some
+        // contexts: the blend would then leave [f / factor, f], below zero at factor 8.
+        let (theta, d, factor, low) = (500_000.0, 128, 8.0, 0.7f64);
+        let high = f64::from_bits(low.to_bits() + 1);
+        let base = rope_host::inv_freq(theta, d);
+        let mut excursions = 0;
+        for (i, &f) in base.iter().enumerate() {
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            for k in -6i64..=6 {
+                let original = f64::from_bits(((wavelen * low).to_bits() as i64 + k) as u64);
+                let in_band = wavelen >= original / high && wavelen <= original / low;
+                let smooth = (original / wavelen - low) / (high - low);
+                if !in_band || (0.0..=1.0).contains(&smooth) {
+                    continue;
+                }
+                excursions += 1;
+                let spec = FrequencySpec::new(theta, d).scaling(RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: original,
+                });
+                let v = spec.build().expect("in the domain").0[i];
+                assert!(
+                    v >= f / factor && v <= f,
+                    "i {i}, original {original}: {v} outside [{}, {f}]",
+                    f / factor
+                );
+            }
+        }
+        assert!(excursions > 0, "no rounding excursion to test");
+    }
+
+    #[test]
     fn published_configs_are_accepted() {
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b;
         // Llama 3.1.
