@@ -13,12 +13,74 @@ pub use kernels_gpu::math::AngleMode;
 
 use crate::error::{Result, invalid};
 
+/// The largest frequency [`FrequencySpec::build`] and the in-kernel path accept: `2^20`.
+///
+/// The kernels reduce `angle = position * inv_freq` modulo `pi/2` by rounding `angle * 2/pi`
+/// with the `1.5 * 2^52` trick (`kernels_gpu::math::cos_sin_f32`), which is defined for
+/// `|angle| < 2^51`; with every frequency at most `2^20`, every position of magnitude below
+/// `2^31` stays there (`2^31 * 2^20 = 2^51`), so in-kernel cos/sin are finite and within `[-1, 1]`
+/// over the whole range they are specified for. The one-ulp accuracy of `kernels_gpu::math`
+/// holds where the angle is below `2^32`: at every position below `2^31` for frequencies up to 1,
+/// which is every default-family frequency with `theta >= 1`.
+const MAX_INV_FREQ: f64 = 1_048_576.0;
+
+/// The range of an attention factor, `[1e-3, 1e3]`.
+///
+/// The factor multiplies cos and sin (as an `f32`), so every rotated output, and attention
+/// logits by its square. Published forms stay close to 1: YaRN's `0.1 ln(factor) + 1` is at
+/// most 2.39 for factors up to `2^20`, Phi-3's LongRoPE factor is 1.19, DeepSeek's mscale ratio
+/// is 1 (equal `mscale` and `mscale_all_dim`). The range rejects only descriptions that would scale outputs a thousandfold (logits a
+/// millionfold) or shrink them to nothing, while it keeps the factor a normal `f32` either way.
+const ATTENTION_RANGE: (f64, f64) = (1e-3, 1e3);
+
+/// The range of a scaling factor (`factor`, LongRoPE's `short_factor`/`long_factor` entries),
+/// `[2^-20, 2^20]`.
+///
+/// The lower end is the frequency bound: the first frequency is 1 in every family and a factor
+/// divides it, so a factor below `2^-20` takes it past [`MAX_INV_FREQ`]. The upper end is the
+/// same distance on the other side, a millionfold context extension, against published ones of
+/// at most a few hundred; it keeps every scaled frequency within `2^20` of its base one.
+const FACTOR_RANGE: (f64, f64) = (1.0 / 1_048_576.0, 1_048_576.0);
+
 /// The default RoPE frequencies for `rotary_dim` rotated features:
 /// `inv_freq[i] = theta^(-2i / rotary_dim)` for `i < rotary_dim / 2`, in `f64`.
+///
+/// Unchecked: for `theta` below 1 the frequencies grow with `i` and may exceed `2^20` or
+/// overflow. [`FrequencySpec::build`] accepts a `theta` only when every one of these frequencies
+/// is finite, positive and at most `2^20`, so that `position * inv_freq` stays below `2^51`,
+/// where the kernels' reduction of the angle is defined, for every position below `2^31` (the
+/// range over which in-kernel sin/cos are specified). Every `theta >= 1` passes (its frequencies
+/// are at most 1).
 pub fn inv_freq(theta: f64, rotary_dim: u32) -> Vec<f64> {
     (0..rotary_dim / 2)
         .map(|i| theta.powf(-2.0 * f64::from(i) / f64::from(rotary_dim)))
         .collect()
+}
+
+/// [`inv_freq`] after checking its arguments and result: every family's base in
+/// [`FrequencySpec::build`], and the check for the in-kernel path ([`crate::SinCos::Computed`])
+/// to call, whose `theta` is held to the same bound.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `theta` when it is not finite and positive or when a
+/// frequency is above `2^20` (a `theta` far below 1, such as `1e-300`), and `rotary_dim` when it
+/// is odd or below 2.
+pub(crate) fn checked_inv_freq(theta: f64, rotary_dim: u32) -> Result<Vec<f64>> {
+    if !(theta.is_finite() && theta > 0.0) {
+        return Err(invalid(
+            "theta",
+            format!("must be finite and positive, got {theta}"),
+        ));
+    }
+    if rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
+        return Err(invalid(
+            "rotary_dim",
+            format!("must be even and at least 2, got {rotary_dim}"),
+        ));
+    }
+    let f = inv_freq(theta, rotary_dim);
+    check_frequencies("theta", || format!("theta {theta}"), &f)?;
+    Ok(f)
 }
 
 /// YaRN's parameters (`rope_type: "yarn"`), with the defaults of the published method.
@@ -60,11 +122,23 @@ impl Yarn {
 }
 
 /// A frequency family with its parameters, named as model configs name them.
+///
+/// Each variant's domain is checked by [`FrequencySpec::build`], on top of what every family
+/// needs (`theta` finite and positive with every `theta^(-2i/d)` at most `2^20`, `rotary_dim`
+/// even and at least 2). Throughout, a factor lies in `[2^-20, 2^20]`, a length
+/// (`original_max_position_embeddings`, `max_position_embeddings`, `seq_len`) is finite and at
+/// least 1, and an `attention_factor` lies in `[1e-3, 1e3]`; and whatever the family computes
+/// is checked again: every frequency finite, positive and at most `2^20`, the attention factor
+/// in `[1e-3, 1e3]`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
     /// `theta^(-2i/d)`.
+    ///
+    /// Domain: what every family needs, nothing more.
     Default,
     /// Position interpolation (`rope_type: "linear"`): `inv_freq / factor`.
+    ///
+    /// Domain: `factor` in `[2^-20, 2^20]`.
     Linear {
         /// `factor`.
         factor: f64,
@@ -72,6 +146,10 @@ pub enum RopeScaling {
     /// Dynamic NTK (`rope_type: "dynamic"`): for a sequence longer than
     /// `original_max_position_embeddings`, the base grows to
     /// `theta * (factor * seq_len / original - (factor - 1))^(d / (d - 2))`.
+    ///
+    /// Domain: `factor` in `[2^-20, 2^20]`, lengths at least 1, `rotary_dim > 2`, and the
+    /// growth `factor * seq_len / original - (factor - 1)` and the grown base finite and
+    /// positive (they are at least 1 and `theta` in exact arithmetic; they can overflow).
     DynamicNtk {
         /// `factor`.
         factor: f64,
@@ -83,9 +161,21 @@ pub enum RopeScaling {
     /// YaRN (`rope_type: "yarn"`): interpolation blended with extrapolation by a linear ramp
     /// over the dimensions between the `beta_slow` and `beta_fast` rotation counts, and an
     /// attention factor `0.1 ln(factor) + 1` (or its `mscale` form).
+    ///
+    /// Domain: `theta > 1` (its logarithm divides the correction range), `factor` in
+    /// `[2^-20, 2^20]`, `original_max_position_embeddings` at least 1, `beta_fast` and
+    /// `beta_slow` finite and positive with finite correction dimensions
+    /// (`original / (beta * 2 pi)` neither overflowing nor underflowing), `mscale` and
+    /// `mscale_all_dim` finite and non-negative when given, and the attention factor in
+    /// `[1e-3, 1e3]`. The order of `beta_fast` and `beta_slow` is not checked: reversed, the
+    /// ramp runs the other way, finite still.
     Yarn(Yarn),
     /// Llama 3.1 (`rope_type: "llama3"`): wavelengths above `original / low_freq_factor` are
     /// divided by `factor`, below `original / high_freq_factor` kept, smoothly blended between.
+    ///
+    /// Domain: `factor` in `[2^-20, 2^20]`, `low_freq_factor` and `high_freq_factor` finite and
+    /// positive with `low_freq_factor < high_freq_factor` (their difference divides),
+    /// `original_max_position_embeddings` at least 1.
     Llama3 {
         /// `factor` (8 for Llama 3.1).
         factor: f64,
@@ -99,6 +189,11 @@ pub enum RopeScaling {
     /// LongRoPE / Phi-3 (`rope_type: "longrope"`): `inv_freq[i] = 1 / (ext[i] * theta^(2i/d))`
     /// with `ext = long_factor` past the original context and `short_factor` within it; attention
     /// factor `sqrt(1 + ln(max / original) / ln(original))`.
+    ///
+    /// Domain: `original_max_position_embeddings` finite and above 1 (its logarithm divides),
+    /// `max_position_embeddings` and `seq_len` at least 1, `rotary_dim / 2` entries in each
+    /// factor list, each in `[2^-20, 2^20]`, and the attention factor in `[1e-3, 1e3]` (the
+    /// square root's argument is above 1 whenever it is computed, as `max > original > 1`).
     LongRope {
         /// `short_factor`, one per pair.
         short_factor: Vec<f64>,
@@ -113,6 +208,49 @@ pub enum RopeScaling {
         /// `attention_factor`, if given: overrides the computed one.
         attention_factor: Option<f64>,
     },
+}
+
+impl RopeScaling {
+    /// The fields [`FrequencySpec::build`]'s final check names when this family's output is out
+    /// of bounds: the argument, the field that scaled the frequencies and the one (or ones) that
+    /// made the attention factor.
+    fn blame(&self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Self::Default => ("theta", "theta", "theta"),
+            Self::Linear { .. } | Self::DynamicNtk { .. } | Self::Llama3 { .. } => {
+                ("scaling", "factor", "factor")
+            }
+            Self::Yarn(y) => (
+                "scaling",
+                "factor",
+                match (y.attention_factor, y.mscale, y.mscale_all_dim) {
+                    (Some(_), _, _) => "attention_factor",
+                    (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                        "mscale and mscale_all_dim"
+                    }
+                    _ => "factor",
+                },
+            ),
+            Self::LongRope {
+                original_max_position_embeddings,
+                seq_len,
+                attention_factor,
+                ..
+            } => (
+                "scaling",
+                if seq_len > original_max_position_embeddings {
+                    "long_factor"
+                } else {
+                    "short_factor"
+                },
+                if attention_factor.is_some() {
+                    "attention_factor"
+                } else {
+                    "original_max_position_embeddings and max_position_embeddings"
+                },
+            ),
+        }
+    }
 }
 
 /// Everything that defines a frequency vector: base, rotated features, family, angle mode.
@@ -153,30 +291,27 @@ impl FrequencySpec {
 
     /// Computes `(inv_freq, attention_factor)` in `f64`.
     ///
+    /// An accepted spec yields `rotary_dim / 2` frequencies, each finite, positive and at most
+    /// `2^20`, so that `position * inv_freq` stays below `2^51`, where the kernels' reduction of
+    /// the angle is defined, for every position below `2^31` (the range over which in-kernel
+    /// sin/cos are specified); and an attention factor in `[1e-3, 1e3]` (see [`RopeScaling`]).
+    ///
     /// # Errors
-    /// [`crate::Error::Invalid`] naming `theta`, `rotary_dim` or `scaling` for parameters
-    /// outside their domain (non-positive or non-finite factors and lengths, factor lists of the
-    /// wrong length, `low_freq_factor >= high_freq_factor`, ...).
+    /// [`crate::Error::Invalid`] naming `theta`, `rotary_dim` or `scaling` (its problem names
+    /// the config field) for parameters outside their family's domain, listed on each
+    /// [`RopeScaling`] variant: `theta` not finite and positive (or not above 1 for YaRN),
+    /// `rotary_dim` odd or below 2, factors outside `[2^-20, 2^20]`, lengths not finite or below
+    /// 1, factor lists of the wrong length, `low_freq_factor >= high_freq_factor`, ...; and, as a
+    /// final check on what the family computed, for any frequency that is not finite, positive
+    /// and at most `2^20` or an attention factor outside `[1e-3, 1e3]`.
     pub fn build(&self) -> Result<(Vec<f64>, f64)> {
         let (theta, d) = (self.theta, self.rotary_dim);
-        if !(theta.is_finite() && theta > 0.0) {
-            return Err(invalid(
-                "theta",
-                format!("must be finite and positive, got {theta}"),
-            ));
-        }
-        if d < 2 || !d.is_multiple_of(2) {
-            return Err(invalid(
-                "rotary_dim",
-                format!("must be even and at least 2, got {d}"),
-            ));
-        }
-        let base = inv_freq(theta, d);
+        let base = checked_inv_freq(theta, d)?;
         let dim = f64::from(d);
-        Ok(match &self.scaling {
+        let (f, attention) = match &self.scaling {
             RopeScaling::Default => (base, 1.0),
             RopeScaling::Linear { factor } => {
-                let factor = positive("factor", *factor)?;
+                let factor = scale_factor("factor", *factor)?;
                 (base.iter().map(|f| f / factor).collect(), 1.0)
             }
             RopeScaling::DynamicNtk {
@@ -184,18 +319,42 @@ impl FrequencySpec {
                 original_max_position_embeddings,
                 seq_len,
             } => {
-                let factor = positive("factor", *factor)?;
-                let original = positive(
+                let factor = scale_factor("factor", *factor)?;
+                let original = length(
                     "original_max_position_embeddings",
                     *original_max_position_embeddings,
                 )?;
-                let seq_len = positive("seq_len", *seq_len)?.max(original);
+                let seq_len = length("seq_len", *seq_len)?.max(original);
                 if d <= 2 {
                     return Err(invalid("rotary_dim", "dynamic NTK needs rotary_dim > 2"));
                 }
-                let grown =
-                    theta * (factor * seq_len / original - (factor - 1.0)).powf(dim / (dim - 2.0));
-                (inv_freq(grown, d), 1.0)
+                // At least 1 as `seq_len >= original` and `factor > 0`, but for rounding or
+                // overflow when `factor` or `seq_len / original` is huge.
+                let growth = factor * seq_len / original - (factor - 1.0);
+                if !(growth.is_finite() && growth > 0.0) {
+                    return Err(invalid(
+                        "scaling",
+                        format!(
+                            "factor * seq_len / original_max_position_embeddings - (factor - 1) \
+                             must be finite and positive, got {growth} (factor {factor}, \
+                             seq_len {seq_len}, original_max_position_embeddings {original})"
+                        ),
+                    ));
+                }
+                let grown = theta * growth.powf(dim / (dim - 2.0));
+                if !(grown.is_finite() && grown > 0.0) {
+                    return Err(invalid(
+                        "scaling",
+                        format!(
+                            "the grown base theta * growth^(d / (d - 2)) must be finite and \
+                             positive, got {grown} (factor {factor}, seq_len {seq_len}, \
+                             original_max_position_embeddings {original})"
+                        ),
+                    ));
+                }
+                let f = inv_freq(grown, d);
+                check_frequencies("scaling", || format!("the grown base {grown}"), &f)?;
+                (f, 1.0)
             }
             RopeScaling::Yarn(y) => yarn(theta, d, y)?,
             RopeScaling::Llama3 {
@@ -204,10 +363,10 @@ impl FrequencySpec {
                 high_freq_factor,
                 original_max_position_embeddings,
             } => {
-                let factor = positive("factor", *factor)?;
+                let factor = scale_factor("factor", *factor)?;
                 let low = positive("low_freq_factor", *low_freq_factor)?;
                 let high = positive("high_freq_factor", *high_freq_factor)?;
-                let original = positive(
+                let original = length(
                     "original_max_position_embeddings",
                     *original_max_position_embeddings,
                 )?;
@@ -217,6 +376,8 @@ impl FrequencySpec {
                         format!("low_freq_factor {low} must be below high_freq_factor {high}"),
                     ));
                 }
+                // Wavelengths may overflow to infinity (a tiny frequency or `low_freq_factor`);
+                // they are only compared and divided into, which stays finite.
                 let (low_wavelen, high_wavelen) = (original / low, original / high);
                 let f = base
                     .iter()
@@ -227,7 +388,11 @@ impl FrequencySpec {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth = (original / wavelen - low) / (high - low);
+                            // In [0, 1] on this branch; the clamp only removes rounding
+                            // excursions when `high - low` is a few ulps, which would take the
+                            // blend outside [f / factor, f] (even below zero).
+                            let smooth =
+                                ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -242,12 +407,12 @@ impl FrequencySpec {
                 seq_len,
                 attention_factor,
             } => {
-                let original = positive(
+                let original = log_length(
                     "original_max_position_embeddings",
                     *original_max_position_embeddings,
                 )?;
-                let max = positive("max_position_embeddings", *max_position_embeddings)?;
-                let seq_len = positive("seq_len", *seq_len)?;
+                let max = length("max_position_embeddings", *max_position_embeddings)?;
+                let seq_len = length("seq_len", *seq_len)?;
                 for (name, list) in [("short_factor", short_factor), ("long_factor", long_factor)] {
                     if list.len() != base.len() {
                         return Err(invalid(
@@ -259,8 +424,8 @@ impl FrequencySpec {
                             ),
                         ));
                     }
-                    for &v in list {
-                        positive(name, v)?;
+                    for (i, &v) in list.iter().enumerate() {
+                        scale_factor(&format!("{name}[{i}]"), v)?;
                     }
                 }
                 let ext = if seq_len > original {
@@ -270,16 +435,55 @@ impl FrequencySpec {
                 };
                 let scale = max / original;
                 let attention = match attention_factor {
-                    Some(a) => positive("attention_factor", *a)?,
+                    Some(a) => attention_factor_in_range("attention_factor", *a)?,
                     None if scale <= 1.0 => 1.0,
-                    None => (1.0 + scale.ln() / original.ln()).sqrt(),
+                    // `scale > 1` and `original > 1`: the square root's argument is above 1.
+                    None => attention_factor_in_range(
+                        "the attention factor sqrt(1 + ln(max_position_embeddings / \
+                         original_max_position_embeddings) / ln(original_max_position_embeddings))",
+                        (1.0 + scale.ln() / original.ln()).sqrt(),
+                    )?,
                 };
                 (
                     base.iter().zip(ext).map(|(f, e)| f / e).collect(),
                     attention,
                 )
             }
-        })
+        };
+        // The final check: whatever the family computed, an accepted spec never hands the
+        // kernels a frequency or attention factor outside the bounds documented above.
+        let (arg, freq_field, attention_field) = self.scaling.blame();
+        check_frequencies(arg, || freq_field.to_string(), &f)?;
+        let (lo, hi) = ATTENTION_RANGE;
+        if !(attention.is_finite() && (lo..=hi).contains(&attention)) {
+            return Err(invalid(
+                arg,
+                format!(
+                    "{attention_field} gives attention factor {attention}, outside [{lo}, {hi}]"
+                ),
+            ));
+        }
+        Ok((f, attention))
+    }
+}
+
+/// Checks that every frequency is finite, positive and at most [`MAX_INV_FREQ`]; the error names
+/// `arg` and, in its problem, `cause()` (the field that produced the frequencies).
+fn check_frequencies(arg: &'static str, cause: impl FnOnce() -> String, f: &[f64]) -> Result<()> {
+    match f
+        .iter()
+        .position(|&v| !(v.is_finite() && v > 0.0 && v <= MAX_INV_FREQ))
+    {
+        None => Ok(()),
+        Some(i) => Err(invalid(
+            arg,
+            format!(
+                "{} gives inv_freq[{i}] = {}; every frequency must be finite, positive and at \
+                 most 2^20 (so that position * inv_freq < 2^51 for positions below 2^31)",
+                cause(),
+                f[i]
+            ),
+        )),
     }
 }
 
@@ -295,10 +499,68 @@ fn positive(name: &str, v: f64) -> Result<f64> {
     }
 }
 
+/// `v` if it is a scaling factor in [`FACTOR_RANGE`], else an error naming it.
+fn scale_factor(name: &str, v: f64) -> Result<f64> {
+    let (lo, hi) = FACTOR_RANGE;
+    if v.is_finite() && (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(invalid(
+            "scaling",
+            format!("{name} must lie in [2^-20, 2^20], got {v}"),
+        ))
+    }
+}
+
+/// `v` if it is a length in tokens, finite and at least 1, else an error naming it.
+fn length(name: &str, v: f64) -> Result<f64> {
+    if v.is_finite() && v >= 1.0 {
+        Ok(v)
+    } else {
+        Err(invalid(
+            "scaling",
+            format!("{name} must be finite and >= 1 (a length in tokens), got {v}"),
+        ))
+    }
+}
+
+/// `v` if it is a length whose logarithm divides: finite and above 1, else an error naming it.
+fn log_length(name: &str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 1.0 {
+        Ok(v)
+    } else {
+        Err(invalid(
+            "scaling",
+            format!("{name} must be finite and > 1 (its logarithm divides), got {v}"),
+        ))
+    }
+}
+
+/// `v` if it is an attention factor in [`ATTENTION_RANGE`], else an error naming it.
+fn attention_factor_in_range(name: &str, v: f64) -> Result<f64> {
+    let (lo, hi) = ATTENTION_RANGE;
+    if v.is_finite() && (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(invalid(
+            "scaling",
+            format!("{name} must lie in [{lo}, {hi}], got {v}"),
+        ))
+    }
+}
+
 /// YaRN's frequencies and attention factor.
 fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
-    let factor = positive("factor", y.factor)?;
-    let original = positive(
+    if theta <= 1.0 {
+        return Err(invalid(
+            "theta",
+            format!(
+                "YaRN needs theta > 1 (its logarithm divides the correction range), got {theta}"
+            ),
+        ));
+    }
+    let factor = scale_factor("factor", y.factor)?;
+    let original = length(
         "original_max_position_embeddings",
         y.original_max_position_embeddings,
     )?;
@@ -306,7 +568,18 @@ fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
         positive("beta_fast", y.beta_fast)?,
         positive("beta_slow", y.beta_slow)?,
     );
+    for (name, m) in [("mscale", y.mscale), ("mscale_all_dim", y.mscale_all_dim)] {
+        if let Some(m) = m
+            && !(m.is_finite() && m >= 0.0)
+        {
+            return Err(invalid(
+                "scaling",
+                format!("{name} must be finite and >= 0, got {m}"),
+            ));
+        }
+    }
     let dim = f64::from(d);
+    // At least 1 (and at most 2.39 for `factor <= 2^20`) for `m >= 0`.
     let mscale_of = |m: f64| {
         if factor <= 1.0 {
             1.0
@@ -315,18 +588,40 @@ fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
         }
     };
     let attention = match (y.attention_factor, y.mscale, y.mscale_all_dim) {
-        (Some(a), _, _) => positive("attention_factor", a)?,
-        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale_of(m) / mscale_of(all),
+        (Some(a), _, _) => attention_factor_in_range("attention_factor", a)?,
+        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => attention_factor_in_range(
+            "the attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)",
+            mscale_of(m) / mscale_of(all),
+        )?,
         _ => mscale_of(1.0),
     };
     // The dimension (in pairs * 2 units) at which a frequency makes `rotations` turns over the
-    // original context.
-    let correction_dim =
-        |rotations: f64| dim * (original / (rotations * 2.0 * PI)).ln() / (2.0 * theta.ln());
-    let (mut low, mut high) = (correction_dim(fast), correction_dim(slow));
+    // original context. `ln(theta) > 0`; the other logarithm is finite unless
+    // `original / (rotations * 2 pi)` overflows or underflows, which is checked.
+    let correction_dim = |name: &str, rotations: f64| {
+        let c = dim * (original / (rotations * 2.0 * PI)).ln() / (2.0 * theta.ln());
+        if c.is_finite() {
+            Ok(c)
+        } else {
+            Err(invalid(
+                "scaling",
+                format!(
+                    "{name} {rotations} gives correction dimension {c}: \
+                     original_max_position_embeddings / ({name} * 2 pi) must be finite and \
+                     positive"
+                ),
+            ))
+        }
+    };
+    let (mut low, mut high) = (
+        correction_dim("beta_fast", fast)?,
+        correction_dim("beta_slow", slow)?,
+    );
     if y.truncate {
         (low, high) = (low.floor(), high.ceil());
     }
+    // Both finite here, so `high - low` is zero only when they are equal, which the widening
+    // below rules out: the ramp's division is by a non-zero finite number.
     let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
     if low == high {
         high += 0.001;
@@ -342,6 +637,73 @@ fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
         })
         .collect();
     Ok((f, attention))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    #[test]
+    fn checked_inv_freq_is_the_default_family_where_it_is_defined() {
+        for (theta, d) in [
+            (10_000.0, 128),
+            (500_000.0, 64),
+            (1.0, 8),
+            (0.5, 6),
+            (1e300, 2),
+        ] {
+            assert_eq!(
+                checked_inv_freq(theta, d).expect("valid"),
+                inv_freq(theta, d)
+            );
+        }
+    }
+
+    #[test]
+    fn checked_inv_freq_rejects_theta_whose_frequencies_leave_the_reduction_range() {
+        // theta = 1e-300 (the fuzzer's case): theta^(-2i/d) overflows.
+        for theta in [
+            1e-300,
+            0.0,
+            -1.0,
+            f64::NAN,
+            f64::INFINITY,
+            f64::MIN_POSITIVE,
+        ] {
+            let err = checked_inv_freq(theta, 64).expect_err("invalid theta");
+            assert!(
+                matches!(err, Error::Invalid { arg: "theta", .. }),
+                "{theta}: {err}"
+            );
+        }
+        // With d = 4 the largest frequency is theta^(-1/2): 2^20 exactly at theta = 2^-40.
+        assert_eq!(
+            checked_inv_freq(2f64.powi(-40), 4).expect("at the bound")[1],
+            MAX_INV_FREQ
+        );
+        let err = checked_inv_freq(2f64.powi(-41), 4).expect_err("past the bound");
+        assert!(matches!(err, Error::Invalid { arg: "theta", .. }), "{err}");
+        // With d = 2 the only frequency is theta^0 = 1, whatever theta.
+        assert_eq!(checked_inv_freq(1e-300, 2).expect("one pair"), vec![1.0]);
+    }
+
+    #[test]
+    fn checked_inv_freq_rejects_odd_or_tiny_rotary_dim() {
+        for d in [0, 1, 7] {
+            let err = checked_inv_freq(10_000.0, d).expect_err("invalid rotary_dim");
+            assert!(
+                matches!(
+                    err,
+                    Error::Invalid {
+                        arg: "rotary_dim",
+                        ..
+                    }
+                ),
+                "{d}: {err}"
+            );
+        }
+    }
 }
 
 /// A frequency vector on the device, ready for [`crate::SinCos::Frequencies`] and

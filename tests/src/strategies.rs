@@ -1,7 +1,7 @@
 //! proptest strategies for random RoPE problems: odd and single-element dimensions included.
 
 use proptest::prelude::*;
-use rope_host::{Direction, IdsShape, RopeStyle};
+use rope_host::{Direction, FrequencySpec, IdsShape, RopeScaling, RopeStyle, Yarn};
 
 use rope_host::TableFormat;
 
@@ -231,4 +231,281 @@ pub fn case() -> impl Strategy<Value = Case> {
                     })
             },
         )
+}
+
+/// Floats of every class, for parameters of the frequency families: zeros of both signs,
+/// negatives, subnormals, values at and next to the documented bounds (1, `2^-20`, `2^20`, `1e-3`,
+/// `1e3`), huge ones, NaN and infinities, and random values in `[0, 1]`, `(1, 1e7)` and
+/// log-uniform over the whole positive and negative range.
+pub fn edge_f64() -> BoxedStrategy<f64> {
+    let next = |v: f64| f64::from_bits(v.to_bits() + 1);
+    let prev = |v: f64| f64::from_bits(v.to_bits() - 1);
+    let (min_factor, max_factor) = (2f64.powi(-20), 2f64.powi(20));
+    let edges = vec![
+        0.0,
+        -0.0,
+        -1.0,
+        1e-320,
+        f64::MIN_POSITIVE,
+        1e-300,
+        prev(min_factor),
+        min_factor,
+        prev(1e-3),
+        1e-3,
+        0.5,
+        prev(1.0),
+        1.0,
+        next(1.0),
+        1e3,
+        next(1e3),
+        max_factor,
+        next(max_factor),
+        1e300,
+        f64::MAX,
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+    ];
+    prop_oneof![
+        3 => proptest::sample::select(edges),
+        1 => 0.0f64..=1.0,
+        1 => 1.0f64..1e7,
+        2 => (-330.0f64..=308.0).prop_map(|e| 10f64.powf(e)),
+        1 => (-330.0f64..=308.0).prop_map(|e| -(10f64.powf(e))),
+    ]
+    .boxed()
+}
+
+/// Log-uniform in `[lo, hi]` (both positive), endpoints included now and then.
+pub fn log_uniform(lo: f64, hi: f64) -> BoxedStrategy<f64> {
+    prop_oneof![
+        8 => (lo.ln()..=hi.ln()).prop_map(move |l| l.exp().clamp(lo, hi)),
+        1 => Just(lo),
+        1 => Just(hi),
+    ]
+    .boxed()
+}
+
+/// Mostly a plausible value in `[lo, hi]`, else any value of [`edge_f64`].
+fn plausible_or_edge(lo: f64, hi: f64) -> BoxedStrategy<f64> {
+    prop_oneof![2 => log_uniform(lo, hi), 1 => edge_f64()].boxed()
+}
+
+/// `n` LongRoPE factors: in `[lo, hi]`, the list one entry longer or shorter now and then, and
+/// now and then one entry replaced by `edge`.
+fn factor_list(
+    n: usize,
+    lo: f64,
+    hi: f64,
+    edge: BoxedStrategy<f64>,
+) -> impl Strategy<Value = Vec<f64>> {
+    (
+        prop_oneof![8 => Just(n), 1 => Just(n + 1), 1 => Just(n.saturating_sub(1))],
+        proptest::option::weighted(0.3, (0..n.max(1), edge)),
+    )
+        .prop_flat_map(move |(len, poke)| {
+            proptest::collection::vec(log_uniform(lo, hi), len).prop_map(move |mut list| {
+                if let Some((i, v)) = poke
+                    && i < list.len()
+                {
+                    list[i] = v;
+                }
+                list
+            })
+        })
+}
+
+/// A frequency family for `pairs = rotary_dim / 2` pairs, each parameter drawn by `value(lo, hi)`
+/// from a plausible range `[lo, hi]` (the generators below decide how far outside they go).
+fn scaling_with(
+    pairs: usize,
+    value: fn(f64, f64) -> BoxedStrategy<f64>,
+    list_edge: BoxedStrategy<f64>,
+) -> BoxedStrategy<RopeScaling> {
+    let yarn = (
+        (
+            value(0.5, 64.0),
+            value(1.0, 1e6),
+            value(0.5, 64.0),
+            value(0.25, 4.0),
+        ),
+        (
+            proptest::option::of(value(0.1, 2.0)),
+            proptest::option::of(value(0.1, 2.0)),
+            proptest::option::weighted(0.2, value(0.5, 2.0)),
+            any::<bool>(),
+        ),
+    )
+        .prop_map(
+            |((factor, original, beta_fast, beta_slow), (mscale, all, attention, truncate))| {
+                RopeScaling::Yarn(Yarn {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast,
+                    beta_slow,
+                    mscale,
+                    mscale_all_dim: all,
+                    attention_factor: attention,
+                    truncate,
+                })
+            },
+        );
+    let longrope = (
+        factor_list(pairs, 0.9, 1.5, list_edge.clone()),
+        factor_list(pairs, 1.0, 64.0, list_edge),
+        (value(2.0, 1e5), value(1.0, 1e7), value(1.0, 1e7)),
+        proptest::option::weighted(0.2, value(0.5, 2.0)),
+    )
+        .prop_map(
+            |(short_factor, long_factor, (original, max, seq_len), attention_factor)| {
+                RopeScaling::LongRope {
+                    short_factor,
+                    long_factor,
+                    original_max_position_embeddings: original,
+                    max_position_embeddings: max,
+                    seq_len,
+                    attention_factor,
+                }
+            },
+        );
+    prop_oneof![
+        Just(RopeScaling::Default),
+        value(0.5, 64.0).prop_map(|factor| RopeScaling::Linear { factor }),
+        (value(0.5, 64.0), value(1.0, 1e6), value(1.0, 1e7)).prop_map(
+            |(factor, original, seq_len)| RopeScaling::DynamicNtk {
+                factor,
+                original_max_position_embeddings: original,
+                seq_len,
+            }
+        ),
+        yarn,
+        (
+            value(1.0, 64.0),
+            value(0.25, 2.0),
+            value(2.0, 16.0),
+            value(1.0, 1e6)
+        )
+            .prop_map(|(factor, low, high, original)| RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: original,
+            }),
+        longrope,
+    ]
+    .boxed()
+}
+
+/// Any frequency description, valid or not: `theta` and every parameter either plausible or
+/// from [`edge_f64`], `rotary_dim` odd, zero or even, factor lists of the wrong length now and
+/// then.
+pub fn frequency_spec_any() -> impl Strategy<Value = FrequencySpec> {
+    (
+        plausible_or_edge(1.0, 1e7),
+        prop_oneof![
+            1 => proptest::sample::select(vec![0u32, 1, 2, 3, 4, 7]),
+            4 => (1u32..=128).prop_map(|h| 2 * h),
+        ],
+    )
+        .prop_flat_map(|(theta, rotary_dim)| {
+            scaling_with(rotary_dim as usize / 2, plausible_or_edge, edge_f64())
+                .prop_map(move |scaling| FrequencySpec::new(theta, rotary_dim).scaling(scaling))
+        })
+}
+
+/// A description inside every documented domain, over wide ranges: `theta` in `(1, 1e7]`,
+/// factors over all of `[2^-20, 2^20]`, lengths from 1 to `2^31` (LongRoPE's original context
+/// from 2), rotation counts in `[2^-20, 2^20]`, `mscale` in `[0, 10]`, attention factors over
+/// all of `[1e-3, 1e3]`, `low_freq_factor < high_freq_factor` down to one ulp apart.
+pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
+    let (min_factor, max_factor) = (2f64.powi(-20), 2f64.powi(20));
+    let factor = move || log_uniform(min_factor, max_factor);
+    let length = || log_uniform(1.0, 2f64.powi(31));
+    let yarn = (
+        (factor(), length(), factor(), factor()),
+        (
+            proptest::option::of(0.0f64..=10.0),
+            proptest::option::of(0.0f64..=10.0),
+            proptest::option::weighted(0.2, log_uniform(1e-3, 1e3)),
+            any::<bool>(),
+        ),
+    )
+        .prop_map(
+            |((factor, original, beta_fast, beta_slow), (mscale, all, attention, truncate))| {
+                RopeScaling::Yarn(Yarn {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast,
+                    beta_slow,
+                    mscale,
+                    mscale_all_dim: all,
+                    attention_factor: attention,
+                    truncate,
+                })
+            },
+        );
+    let llama3 = (
+        factor(),
+        log_uniform(1.0 / 1024.0, 1024.0),
+        prop_oneof![
+            3 => log_uniform(1.0 + 1e-9, 1024.0).prop_map(Some),
+            1 => Just(None),
+        ],
+        length(),
+    )
+        .prop_map(|(factor, low, ratio, original)| RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            // `None`: the float right above `low`.
+            high_freq_factor: ratio.map_or(f64::from_bits(low.to_bits() + 1), |r| low * r),
+            original_max_position_embeddings: original,
+        });
+    let theta = prop_oneof![
+        3 => log_uniform(1.0 + 1e-12, 1e7),
+        1 => (1e-12f64..1e-3).prop_map(|e| 1.0 + e),
+    ];
+    (theta, 1u32..=128).prop_flat_map(move |(theta, half)| {
+        let pairs = half as usize;
+        let longrope = (
+            proptest::collection::vec(factor(), pairs),
+            proptest::collection::vec(factor(), pairs),
+            (log_uniform(2.0, 2f64.powi(31)), length(), length()),
+            proptest::option::weighted(0.2, log_uniform(1e-3, 1e3)),
+        )
+            .prop_map(
+                |(short_factor, long_factor, (original, max, seq_len), attention_factor)| {
+                    RopeScaling::LongRope {
+                        short_factor,
+                        long_factor,
+                        original_max_position_embeddings: original,
+                        max_position_embeddings: max,
+                        seq_len,
+                        attention_factor,
+                    }
+                },
+            );
+        prop_oneof![
+            Just(RopeScaling::Default),
+            factor().prop_map(|factor| RopeScaling::Linear { factor }),
+            (factor(), length(), length()).prop_map(|(factor, original, seq_len)| {
+                RopeScaling::DynamicNtk {
+                    factor,
+                    original_max_position_embeddings: original,
+                    seq_len,
+                }
+            }),
+            yarn.clone(),
+            llama3.clone(),
+            longrope,
+        ]
+        .prop_map(move |scaling| {
+            // Dynamic NTK needs rotary_dim > 2 (its exponent is d / (d - 2)); LongRoPE's
+            // lists hold `half` entries.
+            let rotary_dim = match scaling {
+                RopeScaling::DynamicNtk { .. } => 2 * half.max(2),
+                _ => 2 * half,
+            };
+            FrequencySpec::new(theta, rotary_dim).scaling(scaling)
+        })
+    })
 }
