@@ -6,12 +6,16 @@
 //! vector ([`crate::Frequencies`]) for in-kernel sin/cos, and [`crate::Rope::build_tables_for`]
 //! builds tables from the same vector.
 
-use std::f64::consts::PI;
-
 use cudarc::driver::CudaSlice;
 pub use kernels_gpu::math::AngleMode;
 
 use crate::error::{Result, invalid};
+
+mod families;
+#[cfg(test)]
+mod tests;
+
+use families::check_frequencies;
 
 /// The largest frequency [`FrequencySpec::build`] and the in-kernel path accept: `2^20`.
 ///
@@ -307,98 +311,31 @@ impl FrequencySpec {
     pub fn build(&self) -> Result<(Vec<f64>, f64)> {
         let (theta, d) = (self.theta, self.rotary_dim);
         let base = checked_inv_freq(theta, d)?;
-        let dim = f64::from(d);
         let (f, attention) = match &self.scaling {
             RopeScaling::Default => (base, 1.0),
-            RopeScaling::Linear { factor } => {
-                let factor = scale_factor("factor", *factor)?;
-                (base.iter().map(|f| f / factor).collect(), 1.0)
-            }
+            RopeScaling::Linear { factor } => families::linear(base, *factor)?,
             RopeScaling::DynamicNtk {
                 factor,
                 original_max_position_embeddings,
                 seq_len,
-            } => {
-                let factor = scale_factor("factor", *factor)?;
-                let original = length(
-                    "original_max_position_embeddings",
-                    *original_max_position_embeddings,
-                )?;
-                let seq_len = length("seq_len", *seq_len)?.max(original);
-                if d <= 2 {
-                    return Err(invalid("rotary_dim", "dynamic NTK needs rotary_dim > 2"));
-                }
-                // At least 1 as `seq_len >= original` and `factor > 0`, but for rounding or
-                // overflow when `factor` or `seq_len / original` is huge.
-                let growth = factor * seq_len / original - (factor - 1.0);
-                if !(growth.is_finite() && growth > 0.0) {
-                    return Err(invalid(
-                        "scaling",
-                        format!(
-                            "factor * seq_len / original_max_position_embeddings - (factor - 1) \
-                             must be finite and positive, got {growth} (factor {factor}, \
-                             seq_len {seq_len}, original_max_position_embeddings {original})"
-                        ),
-                    ));
-                }
-                let grown = theta * growth.powf(dim / (dim - 2.0));
-                if !(grown.is_finite() && grown > 0.0) {
-                    return Err(invalid(
-                        "scaling",
-                        format!(
-                            "the grown base theta * growth^(d / (d - 2)) must be finite and \
-                             positive, got {grown} (factor {factor}, seq_len {seq_len}, \
-                             original_max_position_embeddings {original})"
-                        ),
-                    ));
-                }
-                let f = inv_freq(grown, d);
-                check_frequencies("scaling", || format!("the grown base {grown}"), &f)?;
-                (f, 1.0)
-            }
-            RopeScaling::Yarn(y) => yarn(theta, d, y)?,
+            } => families::dynamic_ntk(
+                (theta, d),
+                *factor,
+                *original_max_position_embeddings,
+                *seq_len,
+            )?,
+            RopeScaling::Yarn(y) => families::yarn(theta, d, y)?,
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_max_position_embeddings,
-            } => {
-                let factor = scale_factor("factor", *factor)?;
-                let low = positive("low_freq_factor", *low_freq_factor)?;
-                let high = positive("high_freq_factor", *high_freq_factor)?;
-                let original = length(
-                    "original_max_position_embeddings",
-                    *original_max_position_embeddings,
-                )?;
-                if low >= high {
-                    return Err(invalid(
-                        "scaling",
-                        format!("low_freq_factor {low} must be below high_freq_factor {high}"),
-                    ));
-                }
-                // Wavelengths may overflow to infinity (a tiny frequency or `low_freq_factor`);
-                // they are only compared and divided into, which stays finite.
-                let (low_wavelen, high_wavelen) = (original / low, original / high);
-                let f = base
-                    .iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
-                        } else {
-                            // In [0, 1] on this branch; the clamp only removes rounding
-                            // excursions when `high - low` is a few ulps, which would take the
-                            // blend outside [f / factor, f] (even below zero).
-                            let smooth =
-                                ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect();
-                (f, 1.0)
-            }
+            } => families::llama3(
+                base,
+                *factor,
+                (*low_freq_factor, *high_freq_factor),
+                *original_max_position_embeddings,
+            )?,
             RopeScaling::LongRope {
                 short_factor,
                 long_factor,
@@ -406,49 +343,16 @@ impl FrequencySpec {
                 max_position_embeddings,
                 seq_len,
                 attention_factor,
-            } => {
-                let original = log_length(
-                    "original_max_position_embeddings",
-                    *original_max_position_embeddings,
-                )?;
-                let max = length("max_position_embeddings", *max_position_embeddings)?;
-                let seq_len = length("seq_len", *seq_len)?;
-                for (name, list) in [("short_factor", short_factor), ("long_factor", long_factor)] {
-                    if list.len() != base.len() {
-                        return Err(invalid(
-                            "scaling",
-                            format!(
-                                "{name} has {} entries, rotary_dim / 2 is {}",
-                                list.len(),
-                                base.len()
-                            ),
-                        ));
-                    }
-                    for (i, &v) in list.iter().enumerate() {
-                        scale_factor(&format!("{name}[{i}]"), v)?;
-                    }
-                }
-                let ext = if seq_len > original {
-                    long_factor
-                } else {
-                    short_factor
-                };
-                let scale = max / original;
-                let attention = match attention_factor {
-                    Some(a) => attention_factor_in_range("attention_factor", *a)?,
-                    None if scale <= 1.0 => 1.0,
-                    // `scale > 1` and `original > 1`: the square root's argument is above 1.
-                    None => attention_factor_in_range(
-                        "the attention factor sqrt(1 + ln(max_position_embeddings / \
-                         original_max_position_embeddings) / ln(original_max_position_embeddings))",
-                        (1.0 + scale.ln() / original.ln()).sqrt(),
-                    )?,
-                };
+            } => families::longrope(
+                base,
+                (short_factor, long_factor),
                 (
-                    base.iter().zip(ext).map(|(f, e)| f / e).collect(),
-                    attention,
-                )
-            }
+                    *original_max_position_embeddings,
+                    *max_position_embeddings,
+                    *seq_len,
+                ),
+                *attention_factor,
+            )?,
         };
         // The final check: whatever the family computed, an accepted spec never hands the
         // kernels a frequency or attention factor outside the bounds documented above.
@@ -464,245 +368,6 @@ impl FrequencySpec {
             ));
         }
         Ok((f, attention))
-    }
-}
-
-/// Checks that every frequency is finite, positive and at most [`MAX_INV_FREQ`]; the error names
-/// `arg` and, in its problem, `cause()` (the field that produced the frequencies).
-fn check_frequencies(arg: &'static str, cause: impl FnOnce() -> String, f: &[f64]) -> Result<()> {
-    match f
-        .iter()
-        .position(|&v| !(v.is_finite() && v > 0.0 && v <= MAX_INV_FREQ))
-    {
-        None => Ok(()),
-        Some(i) => Err(invalid(
-            arg,
-            format!(
-                "{} gives inv_freq[{i}] = {}; every frequency must be finite, positive and at \
-                 most 2^20 (so that position * inv_freq < 2^51 for positions below 2^31)",
-                cause(),
-                f[i]
-            ),
-        )),
-    }
-}
-
-/// `v` if it is finite and positive, else an error naming the scaling parameter.
-fn positive(name: &str, v: f64) -> Result<f64> {
-    if v.is_finite() && v > 0.0 {
-        Ok(v)
-    } else {
-        Err(invalid(
-            "scaling",
-            format!("{name} must be finite and positive, got {v}"),
-        ))
-    }
-}
-
-/// `v` if it is a scaling factor in [`FACTOR_RANGE`], else an error naming it.
-fn scale_factor(name: &str, v: f64) -> Result<f64> {
-    let (lo, hi) = FACTOR_RANGE;
-    if v.is_finite() && (lo..=hi).contains(&v) {
-        Ok(v)
-    } else {
-        Err(invalid(
-            "scaling",
-            format!("{name} must lie in [2^-20, 2^20], got {v}"),
-        ))
-    }
-}
-
-/// `v` if it is a length in tokens, finite and at least 1, else an error naming it.
-fn length(name: &str, v: f64) -> Result<f64> {
-    if v.is_finite() && v >= 1.0 {
-        Ok(v)
-    } else {
-        Err(invalid(
-            "scaling",
-            format!("{name} must be finite and >= 1 (a length in tokens), got {v}"),
-        ))
-    }
-}
-
-/// `v` if it is a length whose logarithm divides: finite and above 1, else an error naming it.
-fn log_length(name: &str, v: f64) -> Result<f64> {
-    if v.is_finite() && v > 1.0 {
-        Ok(v)
-    } else {
-        Err(invalid(
-            "scaling",
-            format!("{name} must be finite and > 1 (its logarithm divides), got {v}"),
-        ))
-    }
-}
-
-/// `v` if it is an attention factor in [`ATTENTION_RANGE`], else an error naming it.
-fn attention_factor_in_range(name: &str, v: f64) -> Result<f64> {
-    let (lo, hi) = ATTENTION_RANGE;
-    if v.is_finite() && (lo..=hi).contains(&v) {
-        Ok(v)
-    } else {
-        Err(invalid(
-            "scaling",
-            format!("{name} must lie in [{lo}, {hi}], got {v}"),
-        ))
-    }
-}
-
-/// YaRN's frequencies and attention factor.
-fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
-    if theta <= 1.0 {
-        return Err(invalid(
-            "theta",
-            format!(
-                "YaRN needs theta > 1 (its logarithm divides the correction range), got {theta}"
-            ),
-        ));
-    }
-    let factor = scale_factor("factor", y.factor)?;
-    let original = length(
-        "original_max_position_embeddings",
-        y.original_max_position_embeddings,
-    )?;
-    let (fast, slow) = (
-        positive("beta_fast", y.beta_fast)?,
-        positive("beta_slow", y.beta_slow)?,
-    );
-    for (name, m) in [("mscale", y.mscale), ("mscale_all_dim", y.mscale_all_dim)] {
-        if let Some(m) = m
-            && !(m.is_finite() && m >= 0.0)
-        {
-            return Err(invalid(
-                "scaling",
-                format!("{name} must be finite and >= 0, got {m}"),
-            ));
-        }
-    }
-    let dim = f64::from(d);
-    // At least 1 (and at most 2.39 for `factor <= 2^20`) for `m >= 0`.
-    let mscale_of = |m: f64| {
-        if factor <= 1.0 {
-            1.0
-        } else {
-            0.1 * m * factor.ln() + 1.0
-        }
-    };
-    let attention = match (y.attention_factor, y.mscale, y.mscale_all_dim) {
-        (Some(a), _, _) => attention_factor_in_range("attention_factor", a)?,
-        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => attention_factor_in_range(
-            "the attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)",
-            mscale_of(m) / mscale_of(all),
-        )?,
-        _ => mscale_of(1.0),
-    };
-    // The dimension (in pairs * 2 units) at which a frequency makes `rotations` turns over the
-    // original context. `ln(theta) > 0`; the other logarithm is finite unless
-    // `original / (rotations * 2 pi)` overflows or underflows, which is checked.
-    let correction_dim = |name: &str, rotations: f64| {
-        let c = dim * (original / (rotations * 2.0 * PI)).ln() / (2.0 * theta.ln());
-        if c.is_finite() {
-            Ok(c)
-        } else {
-            Err(invalid(
-                "scaling",
-                format!(
-                    "{name} {rotations} gives correction dimension {c}: \
-                     original_max_position_embeddings / ({name} * 2 pi) must be finite and \
-                     positive"
-                ),
-            ))
-        }
-    };
-    let (mut low, mut high) = (
-        correction_dim("beta_fast", fast)?,
-        correction_dim("beta_slow", slow)?,
-    );
-    if y.truncate {
-        (low, high) = (low.floor(), high.ceil());
-    }
-    // Both finite here, so `high - low` is zero only when they are equal, which the widening
-    // below rules out: the ramp's division is by a non-zero finite number.
-    let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
-    if low == high {
-        high += 0.001;
-    }
-    let f = inv_freq(theta, d)
-        .iter()
-        .enumerate()
-        .map(|(i, &extrapolation)| {
-            let interpolation = extrapolation / factor;
-            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
-            let extrapolation_weight = 1.0 - ramp;
-            interpolation * (1.0 - extrapolation_weight) + extrapolation * extrapolation_weight
-        })
-        .collect();
-    Ok((f, attention))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::Error;
-
-    #[test]
-    fn checked_inv_freq_is_the_default_family_where_it_is_defined() {
-        for (theta, d) in [
-            (10_000.0, 128),
-            (500_000.0, 64),
-            (1.0, 8),
-            (0.5, 6),
-            (1e300, 2),
-        ] {
-            assert_eq!(
-                checked_inv_freq(theta, d).expect("valid"),
-                inv_freq(theta, d)
-            );
-        }
-    }
-
-    #[test]
-    fn checked_inv_freq_rejects_theta_whose_frequencies_leave_the_reduction_range() {
-        // theta = 1e-300 (the fuzzer's case): theta^(-2i/d) overflows.
-        for theta in [
-            1e-300,
-            0.0,
-            -1.0,
-            f64::NAN,
-            f64::INFINITY,
-            f64::MIN_POSITIVE,
-        ] {
-            let err = checked_inv_freq(theta, 64).expect_err("invalid theta");
-            assert!(
-                matches!(err, Error::Invalid { arg: "theta", .. }),
-                "{theta}: {err}"
-            );
-        }
-        // With d = 4 the largest frequency is theta^(-1/2): 2^20 exactly at theta = 2^-40.
-        assert_eq!(
-            checked_inv_freq(2f64.powi(-40), 4).expect("at the bound")[1],
-            MAX_INV_FREQ
-        );
-        let err = checked_inv_freq(2f64.powi(-41), 4).expect_err("past the bound");
-        assert!(matches!(err, Error::Invalid { arg: "theta", .. }), "{err}");
-        // With d = 2 the only frequency is theta^0 = 1, whatever theta.
-        assert_eq!(checked_inv_freq(1e-300, 2).expect("one pair"), vec![1.0]);
-    }
-
-    #[test]
-    fn checked_inv_freq_rejects_odd_or_tiny_rotary_dim() {
-        for d in [0, 1, 7] {
-            let err = checked_inv_freq(10_000.0, d).expect_err("invalid rotary_dim");
-            assert!(
-                matches!(
-                    err,
-                    Error::Invalid {
-                        arg: "rotary_dim",
-                        ..
-                    }
-                ),
-                "{d}: {err}"
-            );
-        }
     }
 }
 
