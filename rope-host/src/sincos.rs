@@ -11,7 +11,7 @@ use kernels_gpu::abi::{DType, SinCosSource};
 
 use crate::bind::{Binder, Buf};
 use crate::error::{Result, invalid};
-use crate::freq::{AngleMode, Frequencies};
+use crate::freq::{AngleMode, Frequencies, check_theta};
 use crate::handle::Rope;
 use crate::op::RopeConfig;
 
@@ -142,7 +142,8 @@ impl BoundSinCos {
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] naming `sincos` (a table of another rotary width, rows or
-    /// length that disagree with its shape, misaligned), `theta` (not finite and positive) or
+    /// length that disagree with its shape, misaligned), `theta` (not finite and positive, or a
+    /// frequency above `2^20`: see [`crate::FrequencySpec::build`]) or
     /// `positions` (past the end of the table).
     pub(crate) fn check(
         &self,
@@ -166,12 +167,7 @@ impl BoundSinCos {
                 table_plan(2 * half, &shape)
             }
             Self::Computed { theta } => {
-                if !(theta.is_finite() && theta > 0.0) {
-                    return Err(invalid(
-                        "theta",
-                        format!("must be finite and positive, got {theta}"),
-                    ));
-                }
+                check_theta(theta, config.rotary_dim())?;
                 computed_plan()
             }
             Self::Frequencies { rotary_dim, .. } => {
@@ -403,7 +399,7 @@ mod tests {
     #[test]
     fn rejects_non_finite_or_non_positive_theta() {
         let cfg = config(4, 4);
-        for theta in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        for theta in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e-300] {
             let r = BoundSinCos::Computed { theta }.check(&cfg, DType::F32, None);
             assert_eq!(arg(r), "theta", "{theta}");
         }

@@ -6,7 +6,7 @@ use cudarc::driver::{
 use kernels_gpu::abi::{BLOCK_THREADS, TableKernelName};
 
 use crate::error::{Result, invalid};
-use crate::freq::{AngleMode, Frequencies};
+use crate::freq::{AngleMode, Frequencies, check_theta};
 use crate::handle::Rope;
 use crate::kernel_args::TableArgs;
 use crate::op::RopeElem;
@@ -83,7 +83,8 @@ impl Rope {
     /// within one `f32` ulp) rounded once to `T`; asynchronous on the stream.
     ///
     /// # Errors
-    /// [`crate::Error::Invalid`] naming `theta` (not finite and positive), `rotary_dim` (zero
+    /// [`crate::Error::Invalid`] naming `theta` (not finite and positive, or a frequency above
+    /// `2^20`), `rotary_dim` (zero
     /// or odd) or `max_position` (zero, or a table too large to address);
     /// [`crate::Error::Driver`] when allocation or the launch fails.
     pub fn build_tables<T: RopeElem + ValidAsZeroBits>(
@@ -93,18 +94,13 @@ impl Rope {
         max_position: usize,
         format: TableFormat,
     ) -> Result<SinCosTables<T>> {
-        if !(theta.is_finite() && theta > 0.0) {
-            return Err(invalid(
-                "theta",
-                format!("must be finite and positive, got {theta}"),
-            ));
-        }
         if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
             return Err(invalid(
                 "rotary_dim",
                 format!("must be even and at least 2, got {rotary_dim}"),
             ));
         }
+        check_theta(theta, rotary_dim)?;
         let (inv_freq, _) = self.inv_freq(theta, rotary_dim)?;
         let shape = TableShape {
             max_position,

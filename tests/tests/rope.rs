@@ -531,8 +531,11 @@ mod scaling_families {
     }
 }
 
+mod scaling_domains;
+
 mod gpu {
     pub mod accuracy;
+    pub mod finite_outputs;
     pub mod matches_reference;
     pub mod rejects_invalid;
     pub mod tables;

@@ -87,6 +87,26 @@ pub(crate) fn checked_inv_freq(theta: f64, rotary_dim: u32) -> Result<Vec<f64>> 
     Ok(f)
 }
 
+/// Checks `theta` for the default family of `rotary_dim` (even, at least 2) as
+/// [`checked_inv_freq`] does, without building the vector: the frequencies `theta^(-2i/d)` are
+/// monotonic in `i`, so the first (1) and the last bound them. What the in-kernel path
+/// ([`crate::SinCos::Computed`]) and [`crate::Rope::build_tables`] check at every call.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `theta` when it is not finite and positive or a frequency
+/// is above `2^20`.
+pub(crate) fn check_theta(theta: f64, rotary_dim: u32) -> Result<()> {
+    if !(theta.is_finite() && theta > 0.0) {
+        return Err(invalid(
+            "theta",
+            format!("must be finite and positive, got {theta}"),
+        ));
+    }
+    let last = rotary_dim / 2 - 1;
+    let extreme = theta.powf(-2.0 * f64::from(last) / f64::from(rotary_dim));
+    check_frequencies("theta", || format!("theta {theta}"), &[1.0, extreme])
+}
+
 /// YaRN's parameters (`rope_type: "yarn"`), with the defaults of the published method.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Yarn {

@@ -63,3 +63,28 @@ fn checked_inv_freq_rejects_odd_or_tiny_rotary_dim() {
         );
     }
 }
+
+#[test]
+fn check_theta_agrees_with_checked_inv_freq() {
+    for theta in [
+        1e-300,
+        1e-9,
+        1e-6,
+        0.01,
+        0.5,
+        1.0,
+        10_000.0,
+        1e12,
+        0.0,
+        -2.0,
+        f64::NAN,
+    ] {
+        for d in [2, 4, 64, 128, 256] {
+            assert_eq!(
+                check_theta(theta, d).is_ok(),
+                checked_inv_freq(theta, d).is_ok(),
+                "theta {theta}, rotary_dim {d}"
+            );
+        }
+    }
+}

@@ -1,4 +1,4 @@
-//! The domains of the frequency families (issue 23, item 1), one module per property:
+//! The domains of the frequency families, one module per property:
 //! `FrequencySpec::build` never panics; what it accepts has finite, positive frequencies of at
 //! most `2^20` and an attention factor in `[1e-3, 1e3]`; a parameter outside its family's
 //! documented domain is rejected with `Error::Invalid` naming it; everything inside the domains
@@ -9,23 +9,15 @@
 //! oracle the properties compare `build` with.
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use rope_host::{Error, FrequencySpec, RopeScaling, Yarn};
 use rope_tests::strategies;
+
+use super::runner;
 
 /// The largest accepted frequency and the range of scaling factors and attention factors.
 const MAX_INV_FREQ: f64 = 1_048_576.0;
 const FACTOR_RANGE: (f64, f64) = (1.0 / 1_048_576.0, 1_048_576.0);
 const ATTENTION_RANGE: (f64, f64) = (1e-3, 1e3);
-
-/// A proptest runner that keeps no regression files (the bundle runs far from the sources).
-fn runner(cases: u32) -> TestRunner {
-    TestRunner::new(Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    })
-}
 
 /// The documented domain of one parameter.
 #[derive(Clone, Copy, Debug)]
