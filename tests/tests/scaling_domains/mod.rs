@@ -217,7 +217,9 @@ mod build_never_panics_and_accepts_only_bounded_outputs {
     #[test]
     fn any_description_is_bounded_or_rejected_by_name() {
         let accepted = std::cell::Cell::new(0u32);
-        runner(20_000)
+        let mut runner = runner(20_000);
+        let cases = runner.config().cases;
+        runner
             .run(&strategies::frequency_spec_any(), |spec| {
                 let violations = documented_violations(&spec);
                 match spec.build() {
@@ -256,9 +258,10 @@ mod build_never_panics_and_accepts_only_bounded_outputs {
                 Ok(())
             })
             .expect("every description bounded or rejected by name");
-        // The strategy mixes plausible values in, so a good share is accepted.
+        // The strategy mixes plausible values in, so a good share is accepted (about a quarter;
+        // one in twenty at the least, whatever ROPE_GPU_CASES caps the cases to).
         let accepted = accepted.get();
-        assert!(accepted > 1_000, "only {accepted} accepted");
+        assert!(accepted * 20 > cases, "only {accepted} of {cases} accepted");
     }
 }
 
