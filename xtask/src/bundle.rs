@@ -19,7 +19,7 @@ const RUNNER: &str = r#"#!/bin/sh
 # without running. Exits non-zero if anything failed.
 #
 # run.sh --sanitize [TOOL...]: runs the tests (not the demo) under compute-sanitizer with each
-# TOOL (default: memcheck), failing on any reported error; ROPE_GPU_CASES (default 40 there)
+# TOOL (default: memcheck), failing on any reported error; ROPE_GPU_CASES (default 300 there)
 # caps the random cases of each GPU property test, since the sanitizer slows kernels by orders
 # of magnitude.
 cd "$(dirname "$0")" || exit 1
@@ -28,7 +28,7 @@ status=0
 if [ "$1" = "--sanitize" ]; then
     shift
     tools=${*:-memcheck}
-    export ROPE_GPU_CASES=${ROPE_GPU_CASES:-40}
+    export ROPE_GPU_CASES=${ROPE_GPU_CASES:-300}
     for tool in $tools; do
         for t in tests/*; do
             echo "== compute-sanitizer --tool $tool $t"
