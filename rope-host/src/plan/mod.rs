@@ -289,7 +289,7 @@ fn check_layout(
             ),
         ));
     }
-    if !buf.addr.is_multiple_of(elem_size as u64) {
+    if !layout.is_empty() && !buf.addr.is_multiple_of(elem_size as u64) {
         return Err(invalid(arg, format!("is not aligned to {elem_size} bytes")));
     }
     Ok(())

@@ -484,3 +484,57 @@ mod aliasing {
         }
     }
 }
+
+mod empty_tensors {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A layout of `head_dim` elements per head with at least one of batch, seq and heads zero,
+    /// and arbitrary strides and offset.
+    fn empty_layout(head_dim: usize) -> BoxedStrategy<Layout> {
+        let any_dim = || prop_oneof![0usize..5, Just(u32::MAX as usize)];
+        let stride = || prop_oneof![0usize..100, Just(usize::MAX)];
+        (
+            (any_dim(), any_dim(), any_dim(), 0usize..3),
+            [stride(), stride(), stride()],
+            prop_oneof![0usize..100, Just(usize::MAX)],
+        )
+            .prop_map(move |((b, s, h, zero), st, offset)| {
+                let mut dims = [b, s, h];
+                dims[zero] = 0;
+                let [b, s, h] = dims;
+                Layout::strided([b, s, h, head_dim], [st[0], st[1], st[2], 1], offset)
+                    .expect("unit stride")
+            })
+            .boxed()
+    }
+
+    proptest! {
+        /// An operation on empty tensors is a no-op whatever their strides, offsets, buffers
+        /// and tables: `plan` returns `Ok(None)` once the head size agrees with the config.
+        #[test]
+        fn empty_tensors_plan_to_nothing(
+            interleaved in any::<bool>(),
+            q in empty_layout(8),
+            out in proptest::option::of(empty_layout(8)),
+            addrs in [0u64..1024, 0u64..1024],
+            lens in [0usize..64, 0usize..64],
+            table_rows in 1usize..4,
+            offset in any::<u32>(),
+        ) {
+            let style = if interleaved { RopeStyle::Interleaved } else { RopeStyle::Neox };
+            let config = RopeConfig::builder(8, style).build().expect("valid");
+            let mut r = request(config, q);
+            r.q.x = Buf { addr: addrs[0], len: lens[0] };
+            // An output of the input's dimensions, at any strides, offset and address.
+            r.q.out = out.map(|o| {
+                let o = Layout::strided([q.batch, q.seq, q.heads, 8], [o.strides[0], o.strides[1], o.strides[2], 1], o.offset)
+                    .expect("unit stride");
+                (Buf { addr: addrs[1], len: lens[1] }, o)
+            });
+            r.sincos = table(&config, table_rows, 0);
+            r.positions = BoundPositions::Offset(offset);
+            prop_assert!(matches!(plan_of(&r), Ok(None)), "{:?}", plan_of(&r));
+        }
+    }
+}
