@@ -58,51 +58,63 @@ impl DType {
 /// carry none of the registers of the in-kernel sin/cos.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SinCosSource {
-    /// `cos[pos * half + i]`, `sin[pos * half + i]` from tables of `table_positions` rows; a
-    /// position outside `0..table_positions` yields NaN outputs.
+    /// `cos[pos * table_stride + i]`, `sin[pos * table_stride + i]` from tables of the tensors'
+    /// element type with `table_positions` rows; a position outside `0..table_positions` yields
+    /// NaN outputs.
     Table,
+    /// As [`SinCosSource::Table`] from `f32` tables, for `f16`/`bf16` tensors (for `f32`
+    /// tensors `Table` is that already).
+    TableF32,
     /// `cos`/`sin` of `pos * inv_freq[i]` computed by [`crate::math::rope_cos_sin`], with
     /// `inv_freq` an `f64` array of `half` frequencies.
     Theta,
 }
 
 /// Where the position of token `(b, s)` comes from, passed as the `positions` argument
-/// together with the pointer `pos_ptr` and the scalar `pos_base`.
+/// together with the pointer `pos_ptr` and the scalar `pos_base`. Device arrays hold `i32` or
+/// `i64` as the code says; their values are not trusted: a position outside a table gives NaN
+/// outputs, and malformed `cu_seqlens` give wrong positions but no access outside the arrays.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PositionCode {
     /// `pos = pos_base + s`; `pos_ptr` is unused.
     Offset = 0,
-    /// `pos = row_offsets[b] + s`, `pos_ptr` pointing at `batch` `u32`.
-    RowOffsets = 1,
+    /// `pos = row_offsets[b] + s`, `pos_ptr` pointing at `batch` `i32`.
+    RowOffsetsI32 = 1,
+    /// `pos = row_offsets[b] + s`, `pos_ptr` pointing at `batch` `i64`.
+    RowOffsetsI64 = 2,
     /// `pos = ids[s]`, `pos_ptr` pointing at `seq` `i32`.
-    IdsI32Shared = 2,
+    IdsI32Shared = 3,
     /// `pos = ids[b * seq + s]`, `pos_ptr` pointing at `batch * seq` `i32`.
-    IdsI32PerRow = 3,
+    IdsI32PerRow = 4,
     /// `pos = ids[s]`, `pos_ptr` pointing at `seq` `i64`.
-    IdsI64Shared = 4,
+    IdsI64Shared = 5,
     /// `pos = ids[b * seq + s]`, `pos_ptr` pointing at `batch * seq` `i64`.
-    IdsI64PerRow = 5,
+    IdsI64PerRow = 6,
     /// Packed sequences (`batch = 1`, token `t = s`): `pos = t - cu_seqlens[i] + offsets[i]`
-    /// for the sequence `i` holding `t`; `pos_ptr` points at `pos_count + 1` `u32`
-    /// (`cu_seqlens`), `pos_aux` at `pos_count` `u32` offsets or is null (no offsets).
-    Varlen = 6,
+    /// for the sequence `i` holding `t`; `pos_ptr` points at `pos_count + 1` `i32`
+    /// (`cu_seqlens`), `pos_aux` at `pos_count` `i32` offsets or is null (no offsets).
+    VarlenI32 = 7,
+    /// As [`PositionCode::VarlenI32`] with `i64` arrays.
+    VarlenI64 = 8,
 }
 
 impl PositionCode {
     /// Decodes a kernel argument; `None` for an unknown code.
     #[inline(always)]
     pub fn from_u32(code: u32) -> Option<Self> {
-        match code {
-            0 => Some(Self::Offset),
-            1 => Some(Self::RowOffsets),
-            2 => Some(Self::IdsI32Shared),
-            3 => Some(Self::IdsI32PerRow),
-            4 => Some(Self::IdsI64Shared),
-            5 => Some(Self::IdsI64PerRow),
-            6 => Some(Self::Varlen),
-            _ => None,
-        }
+        Some(match code {
+            0 => Self::Offset,
+            1 => Self::RowOffsetsI32,
+            2 => Self::RowOffsetsI64,
+            3 => Self::IdsI32Shared,
+            4 => Self::IdsI32PerRow,
+            5 => Self::IdsI64Shared,
+            6 => Self::IdsI64PerRow,
+            7 => Self::VarlenI32,
+            8 => Self::VarlenI64,
+            _ => return None,
+        })
     }
 }
 
@@ -131,8 +143,9 @@ pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
 }
 
 /// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example
-/// `rope_neox_theta_fwd_f32`, with the suffix `_narrow` for [`Access::Narrow`]. Every
-/// combination exists and has the same parameter list.
+/// `rope_neox_theta_fwd_f32` (`table32` for [`SinCosSource::TableF32`]), with the suffix
+/// `_narrow` for [`Access::Narrow`]. Every combination exists, but `TableF32` only for `f16` and
+/// `bf16`; all have the same parameter list.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {
     /// Pairing.
@@ -163,19 +176,27 @@ macro_rules! for_each_kernel {
             rope_neox_theta_fwd_f32, rope_neox_theta_fwd_f32_narrow: Neox, Theta, Forward, F32, f32;
             rope_neox_theta_bwd_f32, rope_neox_theta_bwd_f32_narrow: Neox, Theta, Backward, F32, f32;
             rope_interleaved_table_fwd_f16, rope_interleaved_table_fwd_f16_narrow: Interleaved, Table, Forward, F16, Half;
+            rope_interleaved_table32_fwd_f16, rope_interleaved_table32_fwd_f16_narrow: Interleaved, TableF32, Forward, F16, Half;
             rope_interleaved_table_bwd_f16, rope_interleaved_table_bwd_f16_narrow: Interleaved, Table, Backward, F16, Half;
+            rope_interleaved_table32_bwd_f16, rope_interleaved_table32_bwd_f16_narrow: Interleaved, TableF32, Backward, F16, Half;
             rope_interleaved_theta_fwd_f16, rope_interleaved_theta_fwd_f16_narrow: Interleaved, Theta, Forward, F16, Half;
             rope_interleaved_theta_bwd_f16, rope_interleaved_theta_bwd_f16_narrow: Interleaved, Theta, Backward, F16, Half;
             rope_neox_table_fwd_f16, rope_neox_table_fwd_f16_narrow: Neox, Table, Forward, F16, Half;
+            rope_neox_table32_fwd_f16, rope_neox_table32_fwd_f16_narrow: Neox, TableF32, Forward, F16, Half;
             rope_neox_table_bwd_f16, rope_neox_table_bwd_f16_narrow: Neox, Table, Backward, F16, Half;
+            rope_neox_table32_bwd_f16, rope_neox_table32_bwd_f16_narrow: Neox, TableF32, Backward, F16, Half;
             rope_neox_theta_fwd_f16, rope_neox_theta_fwd_f16_narrow: Neox, Theta, Forward, F16, Half;
             rope_neox_theta_bwd_f16, rope_neox_theta_bwd_f16_narrow: Neox, Theta, Backward, F16, Half;
             rope_interleaved_table_fwd_bf16, rope_interleaved_table_fwd_bf16_narrow: Interleaved, Table, Forward, BF16, Bf16;
+            rope_interleaved_table32_fwd_bf16, rope_interleaved_table32_fwd_bf16_narrow: Interleaved, TableF32, Forward, BF16, Bf16;
             rope_interleaved_table_bwd_bf16, rope_interleaved_table_bwd_bf16_narrow: Interleaved, Table, Backward, BF16, Bf16;
+            rope_interleaved_table32_bwd_bf16, rope_interleaved_table32_bwd_bf16_narrow: Interleaved, TableF32, Backward, BF16, Bf16;
             rope_interleaved_theta_fwd_bf16, rope_interleaved_theta_fwd_bf16_narrow: Interleaved, Theta, Forward, BF16, Bf16;
             rope_interleaved_theta_bwd_bf16, rope_interleaved_theta_bwd_bf16_narrow: Interleaved, Theta, Backward, BF16, Bf16;
             rope_neox_table_fwd_bf16, rope_neox_table_fwd_bf16_narrow: Neox, Table, Forward, BF16, Bf16;
+            rope_neox_table32_fwd_bf16, rope_neox_table32_fwd_bf16_narrow: Neox, TableF32, Forward, BF16, Bf16;
             rope_neox_table_bwd_bf16, rope_neox_table_bwd_bf16_narrow: Neox, Table, Backward, BF16, Bf16;
+            rope_neox_table32_bwd_bf16, rope_neox_table32_bwd_bf16_narrow: Neox, TableF32, Backward, BF16, Bf16;
             rope_neox_theta_fwd_bf16, rope_neox_theta_fwd_bf16_narrow: Neox, Theta, Forward, BF16, Bf16;
             rope_neox_theta_bwd_bf16, rope_neox_theta_bwd_bf16_narrow: Neox, Theta, Backward, BF16, Bf16;
         }
@@ -203,7 +224,8 @@ pub(crate) use for_each_kernel;
 /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item` with
 /// `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
 /// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place); `cos`, `sin`,
-/// `table_stride` (elements per row) and `table_positions` for table kernels; `inv_freq`,
+/// `table_stride` (elements per row) and `table_positions` for table kernels (the tables'
+/// element type is the source's: the tensors' for `table`, `f32` for `table32`); `inv_freq`,
 /// `angle_mode` (a [`crate::math::AngleMode`] code) and `cs_scale` (the attention factor
 /// multiplying cos and sin) for computed sin/cos (the other source's pointers are unused and
 /// may be null); `positions`, a [`PositionCode`], with `pos_ptr`, `pos_aux`, `pos_count` and
@@ -243,8 +265,8 @@ macro_rules! rope_kernel_params {
             half: u32,
             rotary_dim: u32,
             lanes: u32,
-            cos: elem_ptr,
-            sin: elem_ptr,
+            cos: byte_ptr,
+            sin: byte_ptr,
             table_stride: u64,
             table_positions: u64,
             inv_freq: f64_ptr,
@@ -339,7 +361,8 @@ impl KernelName {
     pub const fn min_blocks_per_sm(self) -> u32 {
         match (self.style, self.access, self.dtype, self.source) {
             (RopeStyle::Neox, Access::Wide, DType::BF16, _)
-            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::Table) => {
+            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::Table)
+            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::TableF32) => {
                 1280 / BLOCK_THREADS
             }
             _ => MIN_BLOCKS_PER_SM,
@@ -373,6 +396,12 @@ macro_rules! kernel_table {
             /// does not compile.
             pub const fn symbol(self) -> &'static str {
                 match (self.style, self.source, self.direction, self.dtype, self.access) {
+                    // f32 tensors read f32 tables through the `Table` kernels.
+                    (_, SinCosSource::TableF32, _, DType::F32, _) => KernelName {
+                        source: SinCosSource::Table,
+                        ..self
+                    }
+                    .symbol(),
                     $(
                         (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
                             Access::Wide) => stringify!($sym),

@@ -28,6 +28,8 @@
 //! allows, the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
 //! elements).
 
+use core::marker::PhantomData;
+
 use crate::abi::{Direction, PositionCode, for_each_kernel};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
@@ -61,22 +63,36 @@ impl Pairing for Neox {
     const HEADS_UNROLL: usize = 2;
 }
 
-/// Where cos/sin come from; see [`crate::abi::SinCosSource`].
+/// Where cos/sin come from; see [`crate::abi::SinCosSource`]. Each source is generic over the
+/// tensors' element type `T` so that every entry point names its source as `Source<T>`.
 trait Source {
     /// `true` for tables, `false` for `cos`/`sin` computed from `inv_freq`.
     const TABLE: bool;
+    /// The tables' element type (unused for computed sin/cos).
+    type Tab: Elem;
 }
 
-/// Tables: row `p` of `cos` and of `sin` starts at `p * table_stride`.
-struct Table;
-impl Source for Table {
+/// Tables of the tensors' element type: row `p` of `cos` and of `sin` starts at
+/// `p * table_stride`.
+struct Table<T>(PhantomData<T>);
+impl<T: Elem> Source for Table<T> {
     const TABLE: bool = true;
+    type Tab = T;
+}
+
+/// Tables of `f32` for 16-bit tensors (cos/sin not rounded to the tensors' type), laid out as
+/// [`Table`]'s.
+struct TableF32<T>(PhantomData<T>);
+impl<T> Source for TableF32<T> {
+    const TABLE: bool = true;
+    type Tab = f32;
 }
 
 /// Computed from `inv_freq` (`half` `f64` values).
-struct Theta;
-impl Source for Theta {
+struct Theta<T>(PhantomData<T>);
+impl<T> Source for Theta<T> {
     const TABLE: bool = false;
+    type Tab = f32;
 }
 
 /// One rotated tensor: input, output (equal when in place), heads and element strides.
@@ -104,8 +120,9 @@ struct Args<T> {
     half: u32,
     rotary_dim: u32,
     lanes: u32,
-    cos: *const T,
-    sin: *const T,
+    /// Tables of the source's element type ([`Source::Tab`]).
+    cos: *const u8,
+    sin: *const u8,
     table_stride: u64,
     table_positions: u64,
     inv_freq: *const f64,
@@ -122,6 +139,10 @@ struct Args<T> {
 
 /// The position of token `(b, s)`.
 ///
+/// Device arrays are read as they are: a position outside a table makes the token's outputs NaN
+/// (see [`cos_sin`]), and malformed `cu_seqlens` only give wrong positions, never an access
+/// outside the arrays or the tensors.
+///
 /// # Safety
 /// `pos_ptr` (and `pos_aux`) point at the arrays the position code describes (see
 /// [`PositionCode`]).
@@ -131,37 +152,60 @@ unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
     let Some(code) = PositionCode::from_u32(a.positions) else {
         trap()
     };
+    let at = |i: u64| i as usize;
     // SAFETY: b < batch and s < seq because b * seq + s < tokens = batch * seq; the caller
     // promises the array sizes listed in `PositionCode`, which these indices stay inside.
     unsafe {
+        let i32s = a.pos_ptr.cast::<i32>();
+        let i64s = a.pos_ptr.cast::<i64>();
         match code {
-            PositionCode::Offset => a.pos_base + s as i64,
-            PositionCode::RowOffsets => *a.pos_ptr.cast::<u32>().add(b as usize) as i64 + s as i64,
-            PositionCode::IdsI32Shared => *a.pos_ptr.cast::<i32>().add(s as usize) as i64,
-            PositionCode::IdsI32PerRow => {
-                *a.pos_ptr.cast::<i32>().add((b * seq + s) as usize) as i64
-            }
-            PositionCode::IdsI64Shared => *a.pos_ptr.cast::<i64>().add(s as usize),
-            PositionCode::IdsI64PerRow => *a.pos_ptr.cast::<i64>().add((b * seq + s) as usize),
-            PositionCode::Varlen => varlen_position(a, b * seq + s),
+            PositionCode::Offset => a.pos_base.wrapping_add(s as i64),
+            PositionCode::RowOffsetsI32 => (*i32s.add(at(b)) as i64).wrapping_add(s as i64),
+            PositionCode::RowOffsetsI64 => (*i64s.add(at(b))).wrapping_add(s as i64),
+            PositionCode::IdsI32Shared => *i32s.add(at(s)) as i64,
+            PositionCode::IdsI32PerRow => *i32s.add(at(b * seq + s)) as i64,
+            PositionCode::IdsI64Shared => *i64s.add(at(s)),
+            PositionCode::IdsI64PerRow => *i64s.add(at(b * seq + s)),
+            PositionCode::VarlenI32 => varlen_position::<T, i32>(a, b * seq + s),
+            PositionCode::VarlenI64 => varlen_position::<T, i64>(a, b * seq + s),
         }
     }
 }
 
+/// A signed integer type of device position arrays.
+trait Index: Copy {
+    /// Widens to `i64` exactly.
+    fn to_i64(self) -> i64;
+}
+impl Index for i32 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        self as i64
+    }
+}
+impl Index for i64 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        self
+    }
+}
+
 /// The position of packed token `t`: `t - cu_seqlens[i] (+ offsets[i])` for the sequence `i`
-/// with `cu_seqlens[i] <= t < cu_seqlens[i + 1]`, found by binary search.
+/// with `cu_seqlens[i] <= t < cu_seqlens[i + 1]`, found by binary search (the last `i` whose
+/// start is at most `t`; malformed `cu_seqlens` give some `i` in range, never an access
+/// outside the arrays).
 ///
 /// # Safety
-/// `pos_ptr` holds `pos_count + 1` `u32` (`pos_count >= 1`); `pos_aux` is null or holds
-/// `pos_count` `u32`. Whatever their values, the search index stays in `0..pos_count`.
+/// `pos_ptr` holds `pos_count + 1` `I` (`pos_count >= 1`); `pos_aux` is null or holds
+/// `pos_count` `I`. Whatever their values, the search index stays in `0..pos_count`.
 #[inline(always)]
-unsafe fn varlen_position<T>(a: &Args<T>, t: u64) -> i64 {
-    let cu = a.pos_ptr.cast::<u32>();
+unsafe fn varlen_position<T, I: Index>(a: &Args<T>, t: u64) -> i64 {
+    let cu = a.pos_ptr.cast::<I>();
     let (mut lo, mut hi) = (0u32, a.pos_count.saturating_sub(1));
     while lo < hi {
         let mid = hi - (hi - lo) / 2;
         // SAFETY: lo < mid <= hi <= pos_count - 1, inside the pos_count + 1 entries.
-        if unsafe { *cu.add(mid as usize) } as u64 <= t {
+        if unsafe { *cu.add(mid as usize) }.to_i64() <= t as i64 {
             lo = mid;
         } else {
             hi = mid - 1;
@@ -169,13 +213,13 @@ unsafe fn varlen_position<T>(a: &Args<T>, t: u64) -> i64 {
     }
     // SAFETY: lo <= pos_count - 1, inside both arrays.
     unsafe {
-        let start = *cu.add(lo as usize) as i64;
+        let start = (*cu.add(lo as usize)).to_i64();
         let offset = if a.pos_aux.is_null() {
             0
         } else {
-            *a.pos_aux.cast::<u32>().add(lo as usize) as i64
+            (*a.pos_aux.cast::<I>().add(lo as usize)).to_i64()
         };
-        t as i64 - start + offset
+        (t as i64).wrapping_sub(start).wrapping_add(offset)
     }
 }
 
@@ -386,8 +430,8 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
                 // SAFETY: pos < table_positions and j0 + k < half <= table_stride, so the
                 // index is inside the tables' promised rows.
                 unsafe {
-                    cos[k] = (*a.cos.add(row + k)).to_f32();
-                    sin[k] = (*a.sin.add(row + k)).to_f32() * a.sin_sign;
+                    cos[k] = (*a.cos.cast::<S::Tab>().add(row + k)).to_f32();
+                    sin[k] = (*a.sin.cast::<S::Tab>().add(row + k)).to_f32() * a.sin_sign;
                 }
             });
         } else {
@@ -710,7 +754,7 @@ macro_rules! rope_entry {
         ) {
             let args = Args::new(Params::<$t> { $($param,)* }, Direction::$dir);
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe { dispatch::<$t, $pairing, $source, $is_wide>(&args) }
+            unsafe { dispatch::<$t, $pairing, $source<$t>, $is_wide>(&args) }
         }
     };
 }

@@ -8,11 +8,14 @@ use cudarc::driver::{
 
 use crate::error::{Result, invalid};
 
-/// A device buffer as validation sees it: its address and length in elements.
+/// A device buffer given by address: `len` elements from `ptr` (a `CUdeviceptr`), what the raw
+/// entry [`crate::Rope::run_raw`] takes and what the safe API reduces views to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Buf {
-    pub(crate) addr: u64,
-    pub(crate) len: usize,
+pub struct RawBuf {
+    /// The device address of the first element.
+    pub ptr: u64,
+    /// Elements.
+    pub len: usize,
 }
 
 /// Collects the pointer guards of one launch's buffers.
@@ -51,15 +54,15 @@ impl<'s> Binder<'s> {
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] naming `arg` when the view belongs to another context.
-    pub(crate) fn read<T, V>(&mut self, arg: &'static str, view: &'s V) -> Result<Buf>
+    pub(crate) fn read<T, V>(&mut self, arg: &'static str, view: &'s V) -> Result<RawBuf>
     where
         V: DevicePtr<T> + DeviceSlice<T>,
     {
         self.same_context(arg, view)?;
-        let (addr, guard) = view.device_ptr(self.stream);
+        let (ptr, guard) = view.device_ptr(self.stream);
         self.guards.push(guard);
-        Ok(Buf {
-            addr,
+        Ok(RawBuf {
+            ptr,
             len: view.len(),
         })
     }
@@ -72,11 +75,11 @@ impl<'s> Binder<'s> {
         &mut self,
         arg: &'static str,
         view: &'s mut CudaViewMut<'_, T>,
-    ) -> Result<Buf> {
+    ) -> Result<RawBuf> {
         self.same_context(arg, view)?;
         let len = view.len();
-        let (addr, guard) = view.device_ptr_mut(self.stream);
+        let (ptr, guard) = view.device_ptr_mut(self.stream);
         self.guards.push(guard);
-        Ok(Buf { addr, len })
+        Ok(RawBuf { ptr, len })
     }
 }

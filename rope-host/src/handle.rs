@@ -35,9 +35,12 @@ pub struct KernelResources {
     pub blocks_per_sm: u32,
 }
 
+/// Default frequency vectors a [`Rope`] keeps on the device (see [`Rope::prepare`]).
+pub const FREQUENCY_CACHE: usize = 16;
+
 /// A default frequency vector on the device: its `(theta bits, rotary_dim)` key, the buffer and
 /// its device address.
-type FreqEntry = ((u64, u32), Arc<CudaSlice<f64>>, u64);
+type FreqEntry = ((u64, u32), CudaSlice<f64>, u64);
 
 /// Runs RoPE kernels on one stream. Cheap to create: the module is loaded once per context and
 /// shared by every `Rope` of that context.
@@ -46,7 +49,8 @@ pub struct Rope {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) module: Arc<Module>,
     pub(crate) facts: DeviceFacts,
-    /// Default frequency vectors already on the device, by `(theta bits, rotary_dim)`.
+    /// Default frequency vectors on the device, by `(theta bits, rotary_dim)`, at most
+    /// [`FREQUENCY_CACHE`], never freed before the handle.
     inv_freq: Mutex<Vec<FreqEntry>>,
 }
 
@@ -84,31 +88,60 @@ impl Rope {
         self.module.blocks_per_sm(kernel.symbol())
     }
 
-    /// The device copy of `inv_freq(theta, rotary_dim)` and its address, uploaded on first use.
+    /// Uploads the default frequencies of `theta` for `rotary_dim` rotated features now, so that
+    /// no launch with [`crate::SinCos::Computed`] `{ theta }` uploads them. Call it before
+    /// capturing such launches in a CUDA graph (an upload from host memory cannot be captured)
+    /// and before launching them with [`Rope::run_raw`] on other streams. The vectors live as
+    /// long as the handle (graphs captured with them may be replayed while it lives), at most
+    /// [`FREQUENCY_CACHE`] of them.
     ///
     /// # Errors
+    /// [`crate::Error::Invalid`] naming `theta` or `rotary_dim` as a launch would, or `theta`
+    /// when the handle already holds [`FREQUENCY_CACHE`] other vectors;
     /// [`crate::Error::Driver`] when the upload fails.
-    pub(crate) fn inv_freq(
-        &self,
-        theta: f64,
-        rotary_dim: u32,
-    ) -> Result<(Arc<CudaSlice<f64>>, u64)> {
+    pub fn prepare(&self, theta: f64, rotary_dim: u32) -> Result<()> {
+        if rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
+            return Err(crate::error::invalid(
+                "rotary_dim",
+                format!("must be even and at least 2, got {rotary_dim}"),
+            ));
+        }
+        crate::freq::check_theta(theta, rotary_dim)?;
+        self.inv_freq(theta, rotary_dim).map(drop)
+    }
+
+    /// The device copy of `inv_freq(theta, rotary_dim)` and its address, uploaded on first use
+    /// (then complete on the device before this returns, so any stream may read it).
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `theta` when [`FREQUENCY_CACHE`] other vectors are held;
+    /// [`crate::Error::Driver`] when the upload fails.
+    pub(crate) fn inv_freq(&self, theta: f64, rotary_dim: u32) -> Result<u64> {
         let key = (theta.to_bits(), rotary_dim);
         let mut cache = self
             .inv_freq
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some((_, f, addr)) = cache.iter().find(|(k, ..)| *k == key) {
-            return Ok((f.clone(), *addr));
+        if let Some((.., ptr)) = cache.iter().find(|(k, ..)| *k == key) {
+            return Ok(*ptr);
         }
-        let f = Arc::new(
-            self.stream
-                .clone_htod(&crate::freq::inv_freq(theta, rotary_dim))?,
-        );
+        if cache.len() >= FREQUENCY_CACHE {
+            return Err(crate::error::invalid(
+                "theta",
+                format!(
+                    "this Rope already holds the frequencies of {FREQUENCY_CACHE} (theta, \
+                     rotary_dim) pairs; use Rope::frequencies and SinCos::Frequencies for more"
+                ),
+            ));
+        }
+        let f = self
+            .stream
+            .clone_htod(&crate::freq::inv_freq(theta, rotary_dim))?;
+        self.stream.synchronize()?;
         // The vector is never written again, so no read needs ordering after this one.
-        let addr = f.device_ptr(&self.stream).0;
-        cache.push((key, f.clone(), addr));
-        Ok((f, addr))
+        let ptr = f.device_ptr(&self.stream).0;
+        cache.push((key, f, ptr));
+        Ok(ptr)
     }
 
     /// Computes `spec`'s frequencies in `f64` and uploads them.
@@ -117,8 +150,11 @@ impl Rope {
     /// As [`FrequencySpec::build`]; [`crate::Error::Driver`] when the upload fails.
     pub fn frequencies(&self, spec: &FrequencySpec) -> Result<Frequencies> {
         let (inv_freq, attention_factor) = spec.build()?;
+        let inv_freq = self.stream.clone_htod(&inv_freq)?;
+        // Complete before it is returned, so launches on any stream may read it.
+        self.stream.synchronize()?;
         Ok(Frequencies {
-            inv_freq: self.stream.clone_htod(&inv_freq)?,
+            inv_freq,
             rotary_dim: spec.rotary_dim,
             attention_factor,
             angle: spec.angle,

@@ -1,10 +1,15 @@
 //! The host side of the kernel ABI: one struct per kernel family, generated from the parameter
-//! lists in `kernels-gpu/src/abi.rs` (`rope_kernel_params!`, `table_kernel_params!`), whose
-//! `push` appends every field to a launch in the order of the entry points' parameters.
+//! lists in `kernels-gpu/src/abi.rs` (`rope_kernel_params!`, `table_kernel_params!`), and the one
+//! launch every kernel goes through.
 
-use cudarc::driver::{LaunchArgs, PushKernelArg};
+use std::ffi::c_void;
 
-/// Defines a struct with one field per parameter of a kernel family and its `push`.
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, result, sys};
+
+use crate::error::Result;
+
+/// Defines a struct with one field per parameter of a kernel family, and the array of pointers
+/// to its fields, in the entry points' parameter order, that `cuLaunchKernel` takes.
 macro_rules! host_args {
     ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
         $(#[$doc])*
@@ -14,9 +19,41 @@ macro_rules! host_args {
         }
 
         impl $name {
-            /// Appends every argument to `launch`, in the entry points' parameter order.
-            pub(crate) fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
-                $(launch.arg(&self.$param);)*
+            /// Pointers to every field, in the entry points' parameter order.
+            fn pointers(&mut self) -> [*mut c_void; [$(stringify!($param)),*].len()] {
+                [$(std::ptr::from_mut(&mut self.$param).cast::<c_void>(),)*]
+            }
+
+            /// Launches `function`, one of this family's entry points, on `stream`.
+            ///
+            /// # Safety
+            /// `function` is an entry point of this family loaded in `ctx`, `stream` a stream
+            /// of `ctx`, and the arguments satisfy the entry point's `# Safety` section for
+            /// `config`.
+            pub(crate) unsafe fn launch(
+                mut self,
+                ctx: &CudaContext,
+                function: &CudaFunction,
+                config: LaunchConfig,
+                stream: sys::CUstream,
+            ) -> Result<()> {
+                ctx.bind_to_thread()?;
+                let mut params = self.pointers();
+                // SAFETY: `params` points at this family's arguments in parameter order, each
+                // of the size and alignment of its device type (`host_param_type!`), alive
+                // until the call returns (the driver copies them at launch); the rest is the
+                // caller's promise.
+                unsafe {
+                    result::launch_kernel(
+                        function.cu_function(),
+                        config.grid_dim,
+                        config.block_dim,
+                        config.shared_mem_bytes,
+                        stream,
+                        &mut params,
+                    )
+                }?;
+                Ok(())
             }
         }
     };

@@ -47,19 +47,21 @@ mod rope;
 mod sincos;
 mod table;
 
+pub use bind::RawBuf;
 pub use cudarc;
 pub use error::{Error, Result};
 pub use freq::{AngleMode, Frequencies, FrequencySpec, RopeScaling, Yarn, inv_freq};
 pub use half;
-pub use handle::{KernelResources, Rope};
+pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
 pub use module::{PTX, open_device};
 pub use op::{
     DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
     TensorMut,
 };
-pub use positions::{IdsShape, PositionIds, Positions};
-pub use sincos::{SinCos, TableShape};
+pub use positions::{DeviceInts, IdsShape, IntType, Positions, RawInts, RawPositions};
+pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
+pub use sincos::{RawSinCos, SinCos, TableShape};
 pub use table::{SinCosTables, TableData, TableFormat};
 
 /// The README's example compiles as a doctest.

@@ -9,30 +9,113 @@
 //! [`RopeStyle::Neox`](crate::RopeStyle::Neox); elements `r..head_dim` pass through unchanged.
 //!
 //! # A launch
-//! Every launch reads as four steps: **bind** (views reduced to addresses, each checked to
-//! belong to the `Rope`'s context: [`crate::bind`]), **plan** (pure validation and the grid:
-//! [`crate::plan`]), **encode** (the kernel's arguments, [`RopeArgs`], from the plan and the
-//! options' encodings) and **launch**.
+//! Every launch reads as four steps: **bind** (views reduced to their raw forms, addresses and
+//! lengths, each checked to belong to the `Rope`'s context: `bind.rs`; [`Rope::run_raw`] starts
+//! from raw forms), **plan** (pure validation and the grid: `plan/`), **encode** (the kernel's
+//! arguments, `RopeArgs`, from the plan and the options' encodings) and **launch**.
 
-use crate::bind::Binder;
+use cudarc::driver::sys::CUstream;
+use kernels_gpu::abi::DType;
+
+use crate::bind::{Binder, RawBuf};
 use crate::error::Result;
 use crate::handle::Rope;
 use crate::kernel_args::RopeArgs;
-use crate::op::{Io, QkIo, RopeElem, RopeOp};
+use crate::layout::Layout;
+use crate::op::{Io, QkIo, RopeConfig, RopeElem, RopeOp};
 use crate::plan::{Plan, Request, TensorReq, plan};
-use crate::positions::PositionArgs;
-use crate::sincos::SinCosArgs;
+use crate::positions::{PositionArgs, RawPositions};
+use crate::sincos::{RawSinCos, SinCosArgs};
+
+/// A tensor given by address, for [`Rope::run_raw`]: `buf.len` elements at `buf.ptr` of the
+/// operation's element type, the tensor at `layout` inside them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawTensor {
+    /// The buffer.
+    pub buf: RawBuf,
+    /// The layout inside it.
+    pub layout: Layout,
+}
+
+/// One rotated tensor given by address: in place, or from an input into an output of the same
+/// dimensions (as [`Io`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawIo {
+    /// `x <- rope(x)`.
+    InPlace(RawTensor),
+    /// `output <- rope(input)`; the two must not overlap.
+    OutOfPlace {
+        /// Read only.
+        input: RawTensor,
+        /// Written only.
+        output: RawTensor,
+    },
+}
+
+/// The tensors of a [`Rope::run_raw`] launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawTensors {
+    /// q alone.
+    Q(RawIo),
+    /// q and k in their own buffers (as [`QkIo::Separate`]).
+    Separate {
+        /// The query tensor.
+        q: RawIo,
+        /// The key tensor.
+        k: RawIo,
+    },
+    /// q and k as two layouts in one buffer, rotated in place (as [`QkIo::Fused`]).
+    Fused {
+        /// The buffer holding both.
+        buf: RawBuf,
+        /// The query layout in it.
+        q: Layout,
+        /// The key layout in it.
+        k: Layout,
+    },
+}
+
+/// A complete operation given by addresses, for [`Rope::run_raw`]: what [`RopeOp`] is for the
+/// safe API, with the element type of the tensors stated.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RawOp {
+    /// Head size, rotated features, pairing and direction.
+    pub config: RopeConfig,
+    /// The tensors' element type.
+    pub dtype: DType,
+    /// Where positions come from.
+    pub positions: RawPositions,
+    /// Where sin/cos come from.
+    pub sincos: RawSinCos,
+}
+
+impl From<RawIo> for TensorReq {
+    fn from(io: RawIo) -> Self {
+        match io {
+            RawIo::InPlace(t) => TensorReq {
+                x: t.buf,
+                x_layout: t.layout,
+                out: None,
+            },
+            RawIo::OutOfPlace { input, output } => TensorReq {
+                x: input.buf,
+                x_layout: input.layout,
+                out: Some((output.buf, output.layout)),
+            },
+        }
+    }
+}
 
 impl Rope {
     /// Validates `op` with one tensor and launches the rotation; asynchronous on the stream.
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] for an invalid description (nothing is launched and no output
-    /// is touched); [`crate::Error::Driver`] when a copy or the launch fails.
+    /// is touched); [`crate::Error::Driver`] when the launch fails.
     pub fn run<T: RopeElem>(&self, op: &RopeOp<'_, T>, mut q: Io<'_, T>) -> Result<()> {
         let mut binder = Binder::new(&self.stream);
         let q = bind_io(&mut binder, ("q", "q.output"), &mut q)?;
-        self.launch(op, binder, q, None, false)
+        self.launch_bound(op, binder, q, None, false)
     }
 
     /// Validates `op` with q and k and rotates both in one launch, computing or loading each
@@ -58,12 +141,62 @@ impl Rope {
                 (tensor(*q), tensor(*k), true)
             }
         };
-        self.launch(op, binder, q, Some(k), fused)
+        self.launch_bound(op, binder, q, Some(k), fused)
     }
 
-    /// Binds the options, plans, encodes and launches. `binder` holds the tensors' pointer
-    /// guards and takes the options'; it is dropped after the launch is enqueued.
-    fn launch<'s, T: RopeElem>(
+    /// Validates `op` and launches it on `stream`, with every buffer given by address: the entry
+    /// for memory and streams that other frameworks own (PyTorch's tensors and current stream,
+    /// candle with its own cudarc, a C++ engine). Everything [`Rope::run_qk`] validates is
+    /// validated here too, on the addresses and lengths given; asynchronous on `stream`.
+    ///
+    /// # Safety
+    /// The caller promises what the safe API's types prove:
+    /// - `stream` is a live stream of this `Rope`'s CUDA context (`rope.stream().context()`),
+    ///   and every address is device memory of that context (or, for an empty tensor, any
+    ///   value);
+    /// - every [`RawBuf`] holds `len` elements of its type (the tensors' `op.dtype`, a table's
+    ///   `dtype`, position arrays' `IntType`, `f64` frequencies) from `ptr`, allocated and not
+    ///   freed until the kernel has finished on `stream`;
+    /// - nothing else writes the buffers while the kernel runs, and nothing reads the written
+    ///   tensors until it has finished (order other streams after `stream`);
+    /// - buffers the launch only reads ([`RawSinCos::Frequencies`] from
+    ///   [`crate::Frequencies::raw`] included) are complete before the kernel starts on `stream`.
+    ///
+    /// With [`RawSinCos::Computed`], call [`Rope::prepare`] first (its upload is then already
+    /// complete, and nothing is uploaded during the call).
+    ///
+    /// # Errors
+    /// As [`Rope::run_qk`], except that nothing checks contexts; [`crate::Error::Driver`] when
+    /// the launch fails.
+    pub unsafe fn run_raw(&self, op: &RawOp, tensors: RawTensors, stream: CUstream) -> Result<()> {
+        let (q, k, fused) = match tensors {
+            RawTensors::Q(q) => (q.into(), None, false),
+            RawTensors::Separate { q, k } => (q.into(), Some(k.into()), false),
+            RawTensors::Fused { buf, q, k } => {
+                let tensor = |x_layout| TensorReq {
+                    x: buf,
+                    x_layout,
+                    out: None,
+                };
+                (tensor(q), Some(tensor(k)), true)
+            }
+        };
+        let req = Request {
+            config: op.config,
+            dtype: op.dtype,
+            q,
+            k,
+            fused,
+            positions: op.positions,
+            sincos: op.sincos,
+        };
+        // SAFETY: the caller's promises are `launch`'s.
+        unsafe { self.launch(&req, stream) }
+    }
+
+    /// Binds the options, then launches on the `Rope`'s stream. `binder` holds the tensors'
+    /// pointer guards and takes the options'; it is dropped after the launch is enqueued.
+    fn launch_bound<'s, T: RopeElem>(
         &self,
         op: &'s RopeOp<'_, T>,
         mut binder: Binder<'s>,
@@ -80,36 +213,42 @@ impl Rope {
             positions: op.positions.bind(&mut binder)?,
             sincos: op.sincos.bind(&mut binder)?,
         };
-        let Some(plan) = plan(&req, &self.facts, &|kernel| self.blocks_per_sm(kernel))? else {
-            return Ok(()); // Empty tensors: nothing to rotate.
-        };
-        let es = T::DTYPE.size() as u64;
-        let positions = req.positions.encode(&plan.positions, &self.stream)?;
-        let sincos = req.sincos.encode(&plan.sincos, &op.config, es, self)?;
-        let args = encode(&req, &plan, &positions, &sincos);
-        let mut launch = self
-            .stream
-            .launch_builder(self.module.function(plan.kernel.symbol()));
-        args.push(&mut launch);
-        // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in
-        // `kernels_gpu::rope_kernel_params!`, so they agree in order and type. `plan` proved:
-        // each tensor's buffer holds its layout's end, so every head of every token is in
-        // bounds; written layouts never map two elements to one address, and written regions
-        // overlap no other tensor, table, id array or frequency vector (fused q and k: disjoint
-        // element sets); pointers and strides are aligned to `lanes` elements and `lanes`
-        // divides the pairs and pass-through elements as `groups` counts them; seq, groups and
-        // heads are non-zero (empty launches returned above), their magic numbers and shifts
-        // from `Divisor::new`; tables hold `table_positions` rows of `table_stride >= half`
-        // elements and every implicit or packed position is below `table_positions` (explicit
-        // ids are bounds-checked by the kernel), or `inv_freq` holds `half` f64; ids, row
-        // offsets or cu_seqlens/offsets have the lengths their position code names (uploads
-        // owned by `positions` until this function returns; cudarc frees them stream-ordered);
-        // the grid keeps blockIdx.y * heads_per_chunk below q.heads + k.heads. The views
-        // borrow their buffers until this call returns, and the binder's guards, dropped after
-        // the launch, order later uses of them after it.
-        unsafe { launch.launch(plan.grid.config) }?;
+        // SAFETY: the stream is the `Rope`'s; the binder checked that every view belongs to its
+        // context and holds each view's length; the views borrow their buffers until this
+        // returns and the guards, dropped after the launch, order later uses of them after it;
+        // cudarc's views are complete when handed out (their writes ordered by the guards).
+        unsafe { self.launch(&req, self.stream.cu_stream()) }?;
         drop(binder);
         Ok(())
+    }
+
+    /// Plans, encodes and launches `req` on `stream`.
+    ///
+    /// # Safety
+    /// The promises of [`Rope::run_raw`] for `req`'s addresses and `stream`.
+    unsafe fn launch(&self, req: &Request, stream: CUstream) -> Result<()> {
+        let Some(plan) = plan(req, &self.facts, &|kernel| self.blocks_per_sm(kernel))? else {
+            return Ok(()); // Empty tensors: nothing to rotate.
+        };
+        let positions = req.positions.encode(&plan.positions);
+        let sincos = req.sincos.encode(&plan.sincos, &req.config, self)?;
+        let args = encode(req, &plan, &positions, &sincos);
+        let function = self.module.function(plan.kernel.symbol());
+        // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in
+        // `kernels_gpu::rope_kernel_params!`, so they agree in order and type. `plan` proved,
+        // from the lengths the caller promises: each tensor's buffer holds its layout's end, so
+        // every head of every token is in bounds; written layouts never map two elements to one
+        // address, and written regions overlap no other tensor, table, position array or
+        // frequency vector (fused q and k: disjoint element sets); pointers and strides are
+        // aligned to `lanes` elements and `lanes` divides the pairs and pass-through elements
+        // as `groups` counts them; seq, groups and heads are non-zero (empty launches returned
+        // above), their magic numbers and shifts from `Divisor::new`; tables hold
+        // `table_positions` rows of `table_stride >= half` elements of the source's type, and
+        // every other position is bounds-checked by the kernel, or `inv_freq` holds `half` f64
+        // (the handle's own vectors live as long as it does); position arrays have the lengths
+        // their code names; the grid keeps blockIdx.y * heads_per_chunk below q.heads + k.heads.
+        // The function was loaded in the context the stream belongs to.
+        unsafe { args.launch(self.stream.context(), function, plan.grid.config, stream) }
     }
 }
 
@@ -162,8 +301,8 @@ impl TensorArgs {
         // none of its elements.
         let first = |addr: u64, offset: usize| addr.wrapping_add((offset as u64).wrapping_mul(es));
         Self {
-            x: first(t.x.addr, t.x_layout.offset),
-            out: first(out.addr, out_layout.offset),
+            x: first(t.x.ptr, t.x_layout.offset),
+            out: first(out.ptr, out_layout.offset),
             heads: t.x_layout.heads as u32,
             x_strides: t.x_layout.strides.map(|s| s as u64),
             out_strides: out_layout.strides.map(|s| s as u64),
@@ -172,12 +311,7 @@ impl TensorArgs {
 }
 
 /// The kernel's arguments from the validated request, its plan and the options' encodings.
-fn encode(
-    req: &Request<'_>,
-    plan: &Plan,
-    positions: &PositionArgs,
-    sincos: &SinCosArgs,
-) -> RopeArgs {
+fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosArgs) -> RopeArgs {
     let es = req.dtype.size() as u64;
     let q = TensorArgs::of(&req.q, es);
     let k = req.k.map_or(TensorArgs::ABSENT, |k| TensorArgs::of(&k, es));

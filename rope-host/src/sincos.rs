@@ -4,16 +4,14 @@
 //! `angle_mode` and `cs_scale` arguments (the kernel's side is `cos_sin` in
 //! `kernels-gpu/src/rope.rs`).
 
-use std::sync::Arc;
-
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::CudaView;
 use kernels_gpu::abi::{DType, SinCosSource};
 
-use crate::bind::{Binder, Buf};
+use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
 use crate::handle::Rope;
-use crate::op::RopeConfig;
+use crate::op::{RopeConfig, RopeElem};
 
 /// The rows and rotary width of a cos/sin table: what it was built for.
 ///
@@ -50,6 +48,25 @@ pub enum SinCos<'a, T> {
         /// Its rows and rotary width.
         shape: TableShape,
     },
+    /// [`SinCos::Table`] in `f32` whatever the tensors' type: `f16`/`bf16` tensors then rotate
+    /// by cos/sin rounded to `f32` rather than to their own 8- or 11-bit significand (a bf16
+    /// table stores `cos(15962)` as the cosine of a nearby angle).
+    TableF32 {
+        /// `cos(p * inv_freq_i)` at `[p * rotary_dim/2 + i]`.
+        cos: CudaView<'a, f32>,
+        /// `sin(p * inv_freq_i)` at `[p * rotary_dim/2 + i]`.
+        sin: CudaView<'a, f32>,
+        /// Rows and rotary width of both tables.
+        shape: TableShape,
+    },
+    /// [`SinCos::CosSinCache`] in `f32` whatever the tensors' type (FlashInfer requires an `f32`
+    /// cache; vLLM keeps it in `f32`).
+    CosSinCacheF32 {
+        /// The cache.
+        cache: CudaView<'a, f32>,
+        /// Its rows and rotary width.
+        shape: TableShape,
+    },
     /// Computed in the kernel: `inv_freq_i = theta^(-2i / rotary_dim)` on the host in `f64`,
     /// the angle in `f64` and `cos`/`sin` within one `f32` ulp (see `kernels_gpu::math`).
     Computed {
@@ -61,25 +78,46 @@ pub enum SinCos<'a, T> {
     Frequencies(&'a Frequencies),
 }
 
-/// [`SinCos`] at launch time: device views reduced to [`Buf`]s.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum BoundSinCos {
+/// [`SinCos`] with device buffers given by address: what [`crate::Rope::run_raw`] takes and
+/// what the safe API reduces [`SinCos`] to. Tables hold `dtype` elements: the tensors' element
+/// type, or `f32` with any.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RawSinCos {
+    /// As [`SinCos::Table`] and [`SinCos::TableF32`].
     Table {
-        cos: Buf,
-        sin: Buf,
+        /// The cosines.
+        cos: RawBuf,
+        /// The sines.
+        sin: RawBuf,
+        /// Their element type.
+        dtype: DType,
+        /// Rows and rotary width of both.
         shape: TableShape,
     },
+    /// As [`SinCos::CosSinCache`] and [`SinCos::CosSinCacheF32`].
     CosSinCache {
-        cache: Buf,
+        /// The cache.
+        cache: RawBuf,
+        /// Its element type.
+        dtype: DType,
+        /// Its rows and rotary width.
         shape: TableShape,
     },
+    /// As [`SinCos::Computed`].
     Computed {
+        /// The frequency base.
         theta: f64,
     },
+    /// As [`SinCos::Frequencies`]: `rotary_dim / 2` `f64` frequencies at `inv_freq`
+    /// ([`crate::Frequencies::raw`]).
     Frequencies {
-        inv_freq: Buf,
+        /// The frequencies.
+        inv_freq: RawBuf,
+        /// The rotated features they are for.
         rotary_dim: u32,
+        /// How the kernels form angles from them.
         angle: AngleMode,
+        /// The factor multiplying cos and sin.
         attention_factor: f32,
     },
 }
@@ -104,8 +142,6 @@ pub(crate) struct SinCosArgs {
     pub(crate) inv_freq: u64,
     pub(crate) angle_mode: u32,
     pub(crate) cs_scale: f32,
-    /// The cached default frequencies `inv_freq` points into, kept alive through the launch.
-    pub(crate) _frequencies: Option<Arc<CudaSlice<f64>>>,
 }
 
 impl<T> SinCos<'_, T> {
@@ -114,29 +150,50 @@ impl<T> SinCos<'_, T> {
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] naming `sincos` for a buffer from another CUDA context.
-    pub(crate) fn bind<'s>(&'s self, binder: &mut Binder<'s>) -> Result<BoundSinCos> {
+    pub(crate) fn bind<'s>(&'s self, binder: &mut Binder<'s>) -> Result<RawSinCos>
+    where
+        T: RopeElem,
+    {
+        let table = |cos, sin, dtype, shape| RawSinCos::Table {
+            cos,
+            sin,
+            dtype,
+            shape,
+        };
+        let cache = |cache, dtype, shape| RawSinCos::CosSinCache {
+            cache,
+            dtype,
+            shape,
+        };
         Ok(match self {
-            Self::Table { cos, sin, shape } => BoundSinCos::Table {
-                cos: binder.read("sincos.cos", cos)?,
-                sin: binder.read("sincos.sin", sin)?,
-                shape: *shape,
-            },
-            Self::CosSinCache { cache, shape } => BoundSinCos::CosSinCache {
-                cache: binder.read("sincos", cache)?,
-                shape: *shape,
-            },
-            Self::Computed { theta } => BoundSinCos::Computed { theta: *theta },
-            Self::Frequencies(f) => BoundSinCos::Frequencies {
-                inv_freq: binder.read("sincos", &f.inv_freq)?,
-                rotary_dim: f.rotary_dim,
-                angle: f.angle,
-                attention_factor: f.attention_factor as f32,
-            },
+            Self::Table { cos, sin, shape } => table(
+                binder.read("sincos.cos", cos)?,
+                binder.read("sincos.sin", sin)?,
+                T::DTYPE,
+                *shape,
+            ),
+            Self::TableF32 { cos, sin, shape } => table(
+                binder.read("sincos.cos", cos)?,
+                binder.read("sincos.sin", sin)?,
+                DType::F32,
+                *shape,
+            ),
+            Self::CosSinCache { cache: c, shape } => {
+                cache(binder.read("sincos", c)?, T::DTYPE, *shape)
+            }
+            Self::CosSinCacheF32 { cache: c, shape } => {
+                cache(binder.read("sincos", c)?, DType::F32, *shape)
+            }
+            Self::Computed { theta } => RawSinCos::Computed { theta: *theta },
+            Self::Frequencies(f) => {
+                binder.read::<f64, _>("sincos", &f.inv_freq)?;
+                f.raw()
+            }
         })
     }
 }
 
-impl BoundSinCos {
+impl RawSinCos {
     /// Checks the source against the configuration and element type; tables must hold every
     /// position up to `max_implicit` (the largest implicit or packed position, when known).
     ///
@@ -152,19 +209,29 @@ impl BoundSinCos {
         max_implicit: Option<u64>,
     ) -> Result<SinCosPlan> {
         let half = config.half() as u64;
-        let es = dtype.size() as u64;
         let plan = match *self {
-            Self::Table { cos, sin, shape } => {
+            Self::Table {
+                cos,
+                sin,
+                dtype: tables,
+                shape,
+            } => {
+                let source = table_source(tables, dtype)?;
                 check_shape(&shape, config)?;
                 for (name, b) in [("sincos.cos", cos), ("sincos.sin", sin)] {
-                    check_table_buf(name, b, &shape, half, es)?;
+                    check_table_buf(name, b, &shape, half, tables.size() as u64)?;
                 }
-                table_plan(half, &shape)
+                table_plan(source, half, &shape)
             }
-            Self::CosSinCache { cache, shape } => {
+            Self::CosSinCache {
+                cache,
+                dtype: tables,
+                shape,
+            } => {
+                let source = table_source(tables, dtype)?;
                 check_shape(&shape, config)?;
-                check_table_buf("sincos", cache, &shape, 2 * half, es)?;
-                table_plan(2 * half, &shape)
+                check_table_buf("sincos", cache, &shape, 2 * half, tables.size() as u64)?;
+                table_plan(source, 2 * half, &shape)
             }
             Self::Computed { theta } => {
                 check_theta(theta, config.rotary_dim())?;
@@ -183,7 +250,7 @@ impl BoundSinCos {
                 computed_plan()
             }
         };
-        if let (SinCosSource::Table, Some(max)) = (plan.source, max_implicit)
+        if let (Some(max), true) = (max_implicit, plan.source != SinCosSource::Theta)
             && max >= plan.table_positions
         {
             let rows = plan.table_positions;
@@ -196,12 +263,17 @@ impl BoundSinCos {
     }
 
     /// The device memory the kernel reads for sin/cos, as `(address, bytes)` ranges, for the
-    /// overlap checks against written tensors (`es`: bytes per table element).
-    pub(crate) fn device_reads(&self, es: u64) -> Vec<(u64, u64)> {
-        let bytes = |b: Buf, es: u64| (b.addr, (b.len as u64).saturating_mul(es));
+    /// overlap checks against written tensors.
+    pub(crate) fn device_reads(&self) -> Vec<(u64, u64)> {
+        let bytes = |b: RawBuf, es: u64| (b.ptr, (b.len as u64).saturating_mul(es));
         match *self {
-            Self::Table { cos, sin, .. } => vec![bytes(cos, es), bytes(sin, es)],
-            Self::CosSinCache { cache, .. } => vec![bytes(cache, es)],
+            Self::Table {
+                cos, sin, dtype, ..
+            } => {
+                let es = dtype.size() as u64;
+                vec![bytes(cos, es), bytes(sin, es)]
+            }
+            Self::CosSinCache { cache, dtype, .. } => vec![bytes(cache, dtype.size() as u64)],
             Self::Computed { .. } => Vec::new(),
             Self::Frequencies { inv_freq, .. } => vec![bytes(inv_freq, 8)],
         }
@@ -216,7 +288,6 @@ impl BoundSinCos {
         &self,
         plan: &SinCosPlan,
         config: &RopeConfig,
-        es: u64,
         rope: &Rope,
     ) -> Result<SinCosArgs> {
         let mut args = SinCosArgs {
@@ -227,17 +298,15 @@ impl BoundSinCos {
             inv_freq: 0,
             angle_mode: AngleMode::Exact as u32,
             cs_scale: 1.0,
-            _frequencies: None,
         };
         match *self {
-            Self::Table { cos, sin, .. } => (args.cos, args.sin) = (cos.addr, sin.addr),
-            Self::CosSinCache { cache, .. } => {
-                (args.cos, args.sin) = (cache.addr, cache.addr + config.half() as u64 * es);
+            Self::Table { cos, sin, .. } => (args.cos, args.sin) = (cos.ptr, sin.ptr),
+            Self::CosSinCache { cache, dtype, .. } => {
+                let sines = config.half() as u64 * dtype.size() as u64;
+                (args.cos, args.sin) = (cache.ptr, cache.ptr + sines);
             }
             Self::Computed { theta } => {
-                let (f, addr) = rope.inv_freq(theta, config.rotary_dim())?;
-                args.inv_freq = addr;
-                args._frequencies = Some(f);
+                args.inv_freq = rope.inv_freq(theta, config.rotary_dim())?;
             }
             Self::Frequencies {
                 inv_freq,
@@ -245,7 +314,7 @@ impl BoundSinCos {
                 attention_factor,
                 ..
             } => {
-                args.inv_freq = inv_freq.addr;
+                args.inv_freq = inv_freq.ptr;
                 args.angle_mode = angle as u32;
                 args.cs_scale = attention_factor;
             }
@@ -254,10 +323,24 @@ impl BoundSinCos {
     }
 }
 
+/// The kernels' source for tables of `tables` elements with tensors of `dtype`.
+fn table_source(tables: DType, dtype: DType) -> Result<SinCosSource> {
+    match (tables, dtype) {
+        (t, d) if t == d => Ok(SinCosSource::Table),
+        (DType::F32, _) => Ok(SinCosSource::TableF32),
+        _ => Err(invalid(
+            "sincos",
+            format!(
+                "tables of {tables:?} with {dtype:?} tensors: tables must be f32 or the tensors' type"
+            ),
+        )),
+    }
+}
+
 /// The plan of a table with rows of `row` elements.
-fn table_plan(row: u64, shape: &TableShape) -> SinCosPlan {
+fn table_plan(source: SinCosSource, row: u64, shape: &TableShape) -> SinCosPlan {
     SinCosPlan {
-        source: SinCosSource::Table,
+        source,
         table_stride: row,
         table_positions: shape.max_position as u64,
     }
@@ -293,7 +376,7 @@ fn check_shape(shape: &TableShape, config: &RopeConfig) -> Result<()> {
 /// One table buffer holds exactly the stated rows of `row` elements and is aligned.
 fn check_table_buf(
     name: &'static str,
-    b: Buf,
+    b: RawBuf,
     shape: &TableShape,
     row: u64,
     es: u64,
@@ -310,7 +393,7 @@ fn check_table_buf(
             ),
         ));
     }
-    if !b.addr.is_multiple_of(es) {
+    if !b.ptr.is_multiple_of(es) {
         return Err(invalid(name, format!("is not aligned to {es} bytes")));
     }
     Ok(())
@@ -336,10 +419,11 @@ mod tests {
         }
     }
 
-    fn table(rows: usize, rotary_dim: u32, len: usize) -> BoundSinCos {
-        BoundSinCos::Table {
-            cos: Buf { addr: 0, len },
-            sin: Buf { addr: 1 << 20, len },
+    fn table(rows: usize, rotary_dim: u32, len: usize) -> RawSinCos {
+        RawSinCos::Table {
+            cos: RawBuf { ptr: 0, len },
+            sin: RawBuf { ptr: 1 << 20, len },
+            dtype: DType::F32,
             shape: TableShape {
                 max_position: rows,
                 rotary_dim,
@@ -358,8 +442,9 @@ mod tests {
             arg(table(8, 64, 256).check(&cfg, DType::F32, None)),
             "sincos"
         );
-        let cache = BoundSinCos::CosSinCache {
-            cache: Buf { addr: 0, len: 512 },
+        let cache = RawSinCos::CosSinCache {
+            cache: RawBuf { ptr: 0, len: 512 },
+            dtype: DType::F32,
             shape: TableShape {
                 max_position: 8,
                 rotary_dim: 64,
@@ -385,8 +470,9 @@ mod tests {
         t.check(&cfg, DType::F32, Some(9))
             .expect("ten rows hold position 9");
         assert_eq!(arg(t.check(&cfg, DType::F32, Some(10))), "positions");
-        let cache = BoundSinCos::CosSinCache {
-            cache: Buf { addr: 0, len: 40 },
+        let cache = RawSinCos::CosSinCache {
+            cache: RawBuf { ptr: 0, len: 40 },
+            dtype: DType::F32,
             shape: TableShape {
                 max_position: 10,
                 rotary_dim: 4,
@@ -400,8 +486,36 @@ mod tests {
     fn rejects_non_finite_or_non_positive_theta() {
         let cfg = config(4, 4);
         for theta in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e-300] {
-            let r = BoundSinCos::Computed { theta }.check(&cfg, DType::F32, None);
+            let r = RawSinCos::Computed { theta }.check(&cfg, DType::F32, None);
             assert_eq!(arg(r), "theta", "{theta}");
         }
+    }
+
+    #[test]
+    fn f32_tables_serve_16_bit_tensors_and_other_types_do_not() {
+        let cfg = config(8, 8);
+        let t = table(10, 8, 40);
+        assert_eq!(
+            t.check(&cfg, DType::F32, None).expect("f32").source,
+            SinCosSource::Table
+        );
+        for dtype in [DType::F16, DType::BF16] {
+            let plan = t.check(&cfg, dtype, None).expect("f32 tables");
+            assert_eq!(plan.source, SinCosSource::TableF32);
+        }
+        let bf16 = RawSinCos::CosSinCache {
+            cache: RawBuf { ptr: 0, len: 80 },
+            dtype: DType::BF16,
+            shape: TableShape {
+                max_position: 10,
+                rotary_dim: 8,
+            },
+        };
+        assert_eq!(
+            bf16.check(&cfg, DType::BF16, None).expect("same").source,
+            SinCosSource::Table
+        );
+        assert_eq!(arg(bf16.check(&cfg, DType::F16, None)), "sincos");
+        assert_eq!(arg(bf16.check(&cfg, DType::F32, None)), "sincos");
     }
 }

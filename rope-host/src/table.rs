@@ -77,6 +77,26 @@ impl<T> SinCosTables<T> {
     }
 }
 
+impl SinCosTables<f32> {
+    /// These `f32` tables as the sin/cos source of an operation on tensors of any element type
+    /// ([`SinCos::TableF32`], [`SinCos::CosSinCacheF32`]): `f16`/`bf16` tensors then rotate by
+    /// cos/sin rounded to `f32` only.
+    pub fn sincos_f32<T>(&self) -> SinCos<'_, T> {
+        let shape = self.shape;
+        match &self.data {
+            TableData::Separate { cos, sin } => SinCos::TableF32 {
+                cos: cos.as_view(),
+                sin: sin.as_view(),
+                shape,
+            },
+            TableData::Combined(cache) => SinCos::CosSinCacheF32 {
+                cache: cache.as_view(),
+                shape,
+            },
+        }
+    }
+}
+
 impl Rope {
     /// Builds the tables of `cos`/`sin(p * theta^(-2i / rotary_dim))` for positions
     /// `0..max_position` on the GPU, with the in-kernel sin/cos arithmetic (angle in `f64`,
@@ -101,12 +121,12 @@ impl Rope {
             ));
         }
         check_theta(theta, rotary_dim)?;
-        let (inv_freq, _) = self.inv_freq(theta, rotary_dim)?;
+        let inv_freq = self.inv_freq(theta, rotary_dim)?;
         let shape = TableShape {
             max_position,
             rotary_dim,
         };
-        self.launch_tables(&inv_freq, shape, (AngleMode::Exact, 1.0), format)
+        self.launch_tables(inv_freq, shape, (AngleMode::Exact, 1.0), format)
     }
 
     /// Builds tables from the frequencies of any scaling family: `scale * cos/sin(angle)` with
@@ -125,13 +145,17 @@ impl Rope {
             max_position,
             rotary_dim: freqs.rotary_dim,
         };
-        self.launch_tables(&freqs.inv_freq, shape, mode, format)
+        // The vector is never written after its upload, so no later use needs ordering after
+        // the read this records.
+        let inv_freq = freqs.inv_freq.device_ptr(&self.stream).0;
+        self.launch_tables(inv_freq, shape, mode, format)
     }
 
-    /// Allocates the tables and launches the builder.
+    /// Allocates the tables and launches the builder; `inv_freq` is the address of `half`
+    /// `f64` frequencies complete on the device.
     fn launch_tables<T: RopeElem + ValidAsZeroBits>(
         &self,
-        inv_freq: &CudaSlice<f64>,
+        inv_freq: u64,
         shape: TableShape,
         (angle, scale): (AngleMode, f32),
         format: TableFormat,
@@ -173,8 +197,6 @@ impl Rope {
                 (p, p + half as u64 * es, rotary_dim as u64)
             }
         };
-        let (inv_freq, g) = inv_freq.device_ptr(stream);
-        guards.push(g);
         let positions = max_position as u64;
         let items = positions * half as u64;
         let config = LaunchConfig {
@@ -199,8 +221,6 @@ impl Rope {
         let func = self
             .module
             .function(TableKernelName { dtype: T::DTYPE }.symbol());
-        let mut launch = stream.launch_builder(func);
-        args.push(&mut launch);
         // SAFETY: `TableArgs` and the entry points' parameters come from the one list in
         // `kernels_gpu::table_kernel_params!`, so they agree in order and type (callers checked
         // rotary_dim >= 2, so the `NonZeroU32` half is >= 1). The tables were just allocated with
@@ -208,8 +228,8 @@ impl Rope {
         // per row; combined: one buffer of `rotary_dim` per row, sines starting `half` in, so
         // cos and sin elements are distinct), and `inv_freq` holds `half` f64. The buffers live
         // in `data`, returned to the caller; cudarc's drop of a `CudaSlice` waits on the stream,
-        // so they outlive the kernel.
-        unsafe { launch.launch(config) }?;
+        // so they outlive the kernel. The function was loaded in the stream's context.
+        unsafe { args.launch(stream.context(), func, config, stream.cu_stream()) }?;
         // The guards record the writes on the stream; they end before the tables move out.
         drop(guards);
         Ok(SinCosTables { data, shape })

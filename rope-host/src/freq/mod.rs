@@ -6,7 +6,7 @@
 //! vector ([`crate::Frequencies`]) for in-kernel sin/cos, and [`crate::Rope::build_tables_for`]
 //! builds tables from the same vector.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 pub use kernels_gpu::math::AngleMode;
 
 use crate::error::{Result, invalid};
@@ -413,5 +413,23 @@ impl Frequencies {
     /// How the kernels form angles from these frequencies.
     pub fn angle(&self) -> AngleMode {
         self.angle
+    }
+    /// The sin/cos source of these frequencies for [`crate::Rope::run_raw`]. The vector is
+    /// complete on the device when [`crate::Rope::frequencies`] returns, so launches on any
+    /// stream may read it.
+    pub fn raw(&self) -> crate::RawSinCos {
+        let stream = self.inv_freq.stream();
+        // The vector is never written after its upload, so no later use needs ordering after
+        // the read this records.
+        let ptr = self.inv_freq.device_ptr(stream).0;
+        crate::RawSinCos::Frequencies {
+            inv_freq: crate::RawBuf {
+                ptr,
+                len: self.inv_freq.len(),
+            },
+            rotary_dim: self.rotary_dim,
+            angle: self.angle,
+            attention_factor: self.attention_factor as f32,
+        }
     }
 }

@@ -10,40 +10,40 @@ mod tests;
 pub(crate) use grid::{Grid, grid};
 use kernels_gpu::abi::{Access, DType, KernelName, preferred_lanes};
 
-use crate::bind::Buf;
+use crate::bind::RawBuf;
 use crate::error::{Result, invalid};
 use crate::handle::DeviceFacts;
 use crate::layout::{Layout, fused_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
-use crate::positions::{BoundPositions, PositionsPlan};
-use crate::sincos::{BoundSinCos, SinCosPlan};
+use crate::positions::{PositionsPlan, RawPositions};
+use crate::sincos::{RawSinCos, SinCosPlan};
 
-/// One tensor with its buffers reduced to [`Buf`]; `out` is `None` in place.
+/// One tensor with its buffers reduced to [`RawBuf`]; `out` is `None` in place.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct TensorReq {
-    pub(crate) x: Buf,
+    pub(crate) x: RawBuf,
     pub(crate) x_layout: Layout,
-    pub(crate) out: Option<(Buf, Layout)>,
+    pub(crate) out: Option<(RawBuf, Layout)>,
 }
 
 impl TensorReq {
     /// Every layout of the tensor: its input's, then its output's if out of place.
     fn layouts(self) -> impl Iterator<Item = (u64, Layout)> {
-        std::iter::once((self.x.addr, self.x_layout)).chain(self.out.map(|(b, l)| (b.addr, l)))
+        std::iter::once((self.x.ptr, self.x_layout)).chain(self.out.map(|(b, l)| (b.ptr, l)))
     }
 }
 
 /// Everything validation needs, in plain values: what the bind step derives from the views.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Request<'a> {
+pub(crate) struct Request {
     pub(crate) config: RopeConfig,
     pub(crate) dtype: DType,
     pub(crate) q: TensorReq,
     pub(crate) k: Option<TensorReq>,
     /// q and k are in place in the same buffer (`QkIo::Fused`).
     pub(crate) fused: bool,
-    pub(crate) positions: BoundPositions<'a>,
-    pub(crate) sincos: BoundSinCos,
+    pub(crate) positions: RawPositions,
+    pub(crate) sincos: RawSinCos,
 }
 
 /// Everything a launch needs except the device pointers.
@@ -65,7 +65,7 @@ pub(crate) struct Plan {
 /// # Errors
 /// [`crate::Error::Invalid`] naming the first offending argument.
 pub(crate) fn plan(
-    req: &Request<'_>,
+    req: &Request,
     facts: &DeviceFacts,
     blocks_per_sm: &dyn Fn(KernelName) -> u32,
 ) -> Result<Option<Plan>> {
@@ -143,7 +143,7 @@ pub(crate) fn plan(
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming the first offending tensor.
-fn check_tensors(req: &Request<'_>) -> Result<()> {
+fn check_tensors(req: &Request) -> Result<()> {
     let (cfg, q) = (&req.config, &req.q.x_layout);
     let mut regions = tensor_regions(Of::Q, &req.q, cfg, req.dtype.size())?;
     if let Some(k) = &req.k {
@@ -166,16 +166,10 @@ fn check_tensors(req: &Request<'_>) -> Result<()> {
             ));
         }
     }
-    let es = req.dtype.size() as u64;
-    let reads = req
-        .sincos
-        .device_reads(es)
-        .into_iter()
-        .map(|r| ("the sin/cos tables", r));
-    let ids = req
-        .positions
-        .device_reads()
-        .map(|r| ("the position ids", r));
+    let tables = req.sincos.device_reads().into_iter();
+    let reads = tables.map(|r| ("the sin/cos tables", r));
+    let arrays = req.positions.device_reads().into_iter();
+    let ids = arrays.map(|r| ("the position arrays", r));
     regions.extend(reads.chain(ids).map(|(name, (addr, bytes))| Region {
         start: addr as u128,
         end: addr as u128 + bytes as u128,
@@ -231,7 +225,7 @@ fn tensor_regions(
             ));
         }
         let es = elem_size as u128;
-        let start = u128::from(buf.addr) + layout.offset as u128 * es;
+        let start = u128::from(buf.ptr) + layout.offset as u128 * es;
         let span = layout.span().unwrap_or(0) as u128 * es;
         regions.push(Region {
             start,
@@ -256,7 +250,7 @@ fn tensor_regions(
 /// Checks that `layout` fits the configuration, the kernels' index types and its buffer.
 fn check_layout(
     arg: &'static str,
-    buf: Buf,
+    buf: RawBuf,
     layout: &Layout,
     config: &RopeConfig,
     elem_size: usize,
@@ -289,7 +283,7 @@ fn check_layout(
             ),
         ));
     }
-    if !layout.is_empty() && !buf.addr.is_multiple_of(elem_size as u64) {
+    if !layout.is_empty() && !buf.ptr.is_multiple_of(elem_size as u64) {
         return Err(invalid(arg, format!("is not aligned to {elem_size} bytes")));
     }
     Ok(())
@@ -317,7 +311,7 @@ fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
 /// The widest access (in elements) that the pairing, the sizes and the alignment of every
 /// non-empty tensor's address and strides allow; `None` when interleaved pairs cannot be read
 /// as pairs.
-fn lanes(req: &Request<'_>, pass_through: bool) -> Option<u32> {
+fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
     let cfg = &req.config;
     let (half, rotary, head) = (
         cfg.half() as usize,

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::error::Error;
-use crate::positions::{IdType, IdsShape};
+use crate::positions::{IdsShape, IntType, RawInts};
 use crate::sincos::TableShape;
 
 fn neox(head_dim: u32) -> RopeConfig {
@@ -11,24 +11,24 @@ fn neox(head_dim: u32) -> RopeConfig {
         .expect("valid head_dim")
 }
 
-fn tensor(layout: Layout, addr: u64) -> TensorReq {
+fn tensor(layout: Layout, ptr: u64) -> TensorReq {
     let len = layout.end().expect("small layout");
     TensorReq {
-        x: Buf { addr, len },
+        x: RawBuf { ptr, len },
         x_layout: layout,
         out: None,
     }
 }
 
-fn request(config: RopeConfig, layout: Layout) -> Request<'static> {
+fn request(config: RopeConfig, layout: Layout) -> Request {
     Request {
         config,
         dtype: DType::F32,
         q: tensor(layout, 1 << 20),
         k: None,
         fused: false,
-        sincos: BoundSinCos::Computed { theta: 10_000.0 },
-        positions: BoundPositions::Offset(0),
+        sincos: RawSinCos::Computed { theta: 10_000.0 },
+        positions: RawPositions::Offset(0),
     }
 }
 
@@ -42,12 +42,12 @@ fn facts(sm_count: u32) -> DeviceFacts {
 
 /// Plans `r` on 132 multiprocessors where every kernel runs at its launch bounds (standing in
 /// for the driver's occupancy calculation).
-fn plan_of(r: &Request<'_>) -> Result<Option<Plan>> {
+fn plan_of(r: &Request) -> Result<Option<Plan>> {
     plan(r, &facts(132), &|k: KernelName| k.min_blocks_per_sm())
 }
 
 /// The plan of a valid, non-empty request.
-fn valid(r: &Request<'_>) -> Plan {
+fn valid(r: &Request) -> Plan {
     plan_of(r).expect("valid").expect("non-empty")
 }
 
@@ -64,14 +64,15 @@ fn invalid_arg(r: Result<Option<Plan>>) -> &'static str {
 }
 
 /// Separate tables of `rows` rows for `config`, at `addr` and `addr + 2^16`.
-fn table(config: &RopeConfig, rows: usize, addr: u64) -> BoundSinCos {
+fn table(config: &RopeConfig, rows: usize, addr: u64) -> RawSinCos {
     let len = rows * config.half() as usize;
-    BoundSinCos::Table {
-        cos: Buf { addr, len },
-        sin: Buf {
-            addr: addr + (1 << 16),
+    RawSinCos::Table {
+        cos: RawBuf { ptr: addr, len },
+        sin: RawBuf {
+            ptr: addr + (1 << 16),
             len,
         },
+        dtype: DType::F32,
         shape: TableShape {
             max_position: rows,
             rotary_dim: config.rotary_dim(),
@@ -84,7 +85,7 @@ fn picks_16_byte_accesses_when_aligned() {
     let p = valid(&request(neox(128), Layout::bshd(2, 3, 4, 128)));
     assert_eq!((p.lanes, groups(&p)), (4, 16));
     let mut r = request(neox(6), Layout::bshd(2, 3, 4, 6));
-    r.q.x.addr += 4;
+    r.q.x.ptr += 4;
     let p = valid(&r);
     assert_eq!((p.lanes, groups(&p)), (1, 3));
 }
@@ -119,8 +120,8 @@ fn partial_rotary_copies_the_rest_only_out_of_place() {
     assert_eq!((p.rot_groups, groups(&p)), (8, 8));
     let mut r = request(cfg, layout);
     r.q.out = Some((
-        Buf {
-            addr: 1 << 30,
+        RawBuf {
+            ptr: 1 << 30,
             len: 768,
         },
         layout,
@@ -129,18 +130,28 @@ fn partial_rotary_copies_the_rest_only_out_of_place() {
     assert_eq!((p.rot_groups, groups(&p)), (8, 24));
 }
 
+/// `len` integers of `ty` at `ptr`.
+fn ints(ptr: u64, len: usize, ty: IntType) -> RawInts {
+    RawInts {
+        buf: RawBuf { ptr, len },
+        ty,
+    }
+}
+
 #[test]
-fn tables_must_hold_packed_positions() {
-    let mut r = request(neox(8), Layout::thd(10, 2, 8));
-    // Positions reach max(4 - 1 + 3, 6 - 1 + 0) = 6: a 7-row table fits, a 6-row one not.
-    r.positions = BoundPositions::Varlen {
-        cu_seqlens: &[0, 4, 10],
-        offsets: Some(&[3, 0]),
-    };
-    r.sincos = table(&r.config, 7, 0);
+fn tables_must_hold_offset_positions_and_the_kernel_guards_the_rest() {
+    let mut r = request(neox(8), Layout::bshd(2, 5, 2, 8));
+    // Offset 5 of 5 tokens reaches position 9: a 10-row table fits, a 9-row one not.
+    r.positions = RawPositions::Offset(5);
+    r.sincos = table(&r.config, 10, 0);
     valid(&r);
-    r.sincos = table(&r.config, 6, 0);
+    r.sincos = table(&r.config, 9, 0);
     assert_eq!(invalid_arg(plan_of(&r)), "positions");
+    // Device row offsets are not known on the host: any table is accepted, and a position
+    // outside it gives NaN in the kernel.
+    r.positions = RawPositions::RowOffsets(ints(1 << 12, 2, IntType::I32));
+    r.sincos = table(&r.config, 1, 0);
+    valid(&r);
 }
 
 #[test]
@@ -148,8 +159,8 @@ fn rejects_overlapping_outputs() {
     let layout = Layout::bshd(1, 4, 2, 8);
     let mut r = request(neox(8), layout);
     r.q.out = Some((
-        Buf {
-            addr: (1 << 20) + 64,
+        RawBuf {
+            ptr: (1 << 20) + 64,
             len: 64,
         },
         layout,
@@ -163,7 +174,7 @@ fn rejects_overlapping_outputs() {
 #[test]
 fn rejects_outputs_over_tables_ids_or_frequencies() {
     let layout = Layout::bshd(1, 4, 2, 8);
-    let out = |addr| Some((Buf { addr, len: 64 }, layout));
+    let out = |ptr| Some((RawBuf { ptr, len: 64 }, layout));
     // The tables lie at 0 (cos) and 2^16 (sin), 4 rows of 4 f32 each.
     let mut r = request(neox(8), layout);
     r.sincos = table(&r.config, 4, 0);
@@ -175,11 +186,12 @@ fn rejects_outputs_over_tables_ids_or_frequencies() {
     }
     // In place over the combined cache.
     let mut r = request(neox(8), layout);
-    r.sincos = BoundSinCos::CosSinCache {
-        cache: Buf {
-            addr: (1 << 20) + 100,
+    r.sincos = RawSinCos::CosSinCache {
+        cache: RawBuf {
+            ptr: (1 << 20) + 100,
             len: 32,
         },
+        dtype: DType::F32,
         shape: TableShape {
             max_position: 4,
             rotary_dim: 8,
@@ -188,19 +200,15 @@ fn rejects_outputs_over_tables_ids_or_frequencies() {
     assert_eq!(invalid_arg(plan_of(&r)), "q");
     // k's output over the ids; the ids lie just past q.
     let mut r = request(neox(8), layout);
-    let ids = Buf {
-        addr: (1 << 20) + 256,
-        len: 4,
-    };
-    r.positions = BoundPositions::Ids {
+    let ids = ints((1 << 20) + 256, 4, IntType::I64);
+    r.positions = RawPositions::Ids {
         ids,
-        ty: IdType::I64,
         shape: IdsShape::Shared,
     };
     r.k = Some(TensorReq {
         out: Some((
-            Buf {
-                addr: 1 << 24,
+            RawBuf {
+                ptr: 1 << 24,
                 len: 64,
             },
             layout,
@@ -210,8 +218,8 @@ fn rejects_outputs_over_tables_ids_or_frequencies() {
     valid(&r);
     r.k = Some(TensorReq {
         out: Some((
-            Buf {
-                addr: ids.addr + 24,
+            RawBuf {
+                ptr: ids.buf.ptr + 24,
                 len: 64,
             },
             layout,
@@ -221,9 +229,9 @@ fn rejects_outputs_over_tables_ids_or_frequencies() {
     assert_eq!(invalid_arg(plan_of(&r)), "k.output");
     // In place over a frequency vector.
     let mut r = request(neox(8), layout);
-    r.sincos = BoundSinCos::Frequencies {
-        inv_freq: Buf {
-            addr: (1 << 20) + 8,
+    r.sincos = RawSinCos::Frequencies {
+        inv_freq: RawBuf {
+            ptr: (1 << 20) + 8,
             len: 4,
         },
         rotary_dim: 8,
@@ -246,7 +254,7 @@ fn empty_tensors_are_a_no_op_whatever_their_strides() {
     r.q.x.len = 0;
     r.q.out = Some((r.q.x, odd));
     r.sincos = table(&cfg, 1, 0);
-    r.positions = BoundPositions::Offset(1000);
+    r.positions = RawPositions::Offset(1000);
     assert!(plan_of(&r).expect("valid").is_none());
     // Argument shapes must still agree: a head size other than the config's is an error.
     let r = request(cfg, Layout::bshd(0, 7, 2, 6));
@@ -268,14 +276,14 @@ mod plan_never_panics {
     use super::*;
     use proptest::prelude::*;
 
-    fn buf() -> BoxedStrategy<Buf> {
+    fn buf() -> BoxedStrategy<RawBuf> {
         let addr = prop_oneof![
             Just(0u64),
             (0u64..64).prop_map(|a| a * 4),
             Just(u64::MAX - 15)
         ];
         (addr, prop_oneof![0usize..4096, Just(usize::MAX)])
-            .prop_map(|(addr, len)| Buf { addr, len })
+            .prop_map(|(ptr, len)| RawBuf { ptr, len })
             .boxed()
     }
 
@@ -339,8 +347,10 @@ mod plan_never_panics {
             fused in any::<bool>(),
             table in proptest::option::of((buf(), buf(), any::<bool>(), shape())),
             theta in prop_oneof![Just(10_000.0f64), Just(0.0), Just(f64::NAN), -5.0f64..5.0],
-            offsets in proptest::collection::vec(any::<u32>(), 0..4),
-            ids in (buf(), any::<bool>(), any::<bool>()),
+            offset in any::<u32>(),
+            arrays in [(buf(), any::<bool>()), (buf(), any::<bool>())],
+            shared in any::<bool>(),
+            with_offsets in any::<bool>(),
             kind in 0u8..4,
         ) {
             let style = if neox { RopeStyle::Neox } else { RopeStyle::Interleaved };
@@ -354,23 +364,27 @@ mod plan_never_panics {
                 if let Some((_, l)) = &mut t.out { l.head_dim = head_dim as usize; }
                 t
             };
+            let [a, b] = arrays.map(|(buf, wide)| RawInts {
+                buf,
+                ty: if wide { IntType::I64 } else { IntType::I32 },
+            });
             let positions = match kind {
-                0 => BoundPositions::Offset(offsets.first().copied().unwrap_or(0)),
-                1 => BoundPositions::RowOffsets(&offsets),
-                2 => BoundPositions::Varlen {
-                    cu_seqlens: &offsets,
-                    offsets: Some(&offsets[offsets.len().min(1)..]),
+                0 => RawPositions::Offset(offset),
+                1 => RawPositions::RowOffsets(a),
+                2 => RawPositions::Varlen {
+                    cu_seqlens: a,
+                    offsets: with_offsets.then_some(b),
                 },
-                _ => BoundPositions::Ids {
-                    ids: ids.0,
-                    ty: if ids.1 { IdType::I64 } else { IdType::I32 },
-                    shape: if ids.2 { IdsShape::PerRow } else { IdsShape::Shared },
+                _ => RawPositions::Ids {
+                    ids: a,
+                    shape: if shared { IdsShape::Shared } else { IdsShape::PerRow },
                 },
             };
+            let dtype = DType::F32;
             let sincos = match table {
-                Some((cache, _, true, shape)) => BoundSinCos::CosSinCache { cache, shape },
-                Some((cos, sin, false, shape)) => BoundSinCos::Table { cos, sin, shape },
-                None => BoundSinCos::Computed { theta },
+                Some((cache, _, true, shape)) => RawSinCos::CosSinCache { cache, dtype, shape },
+                Some((cos, sin, false, shape)) => RawSinCos::Table { cos, sin, dtype, shape },
+                None => RawSinCos::Computed { theta },
             };
             let (q, k) = (fix(q), k.map(fix));
             let req = Request { config, dtype: DType::F32, q, k, fused, sincos, positions };
@@ -440,20 +454,20 @@ mod aliasing {
             let layout = Layout::bshd(1, 2, 1, 8);
             let config = neox(8);
             let io = |(x, out): (u64, Option<u64>)| TensorReq {
-                x: Buf { addr: x, len: 16 },
+                x: RawBuf { ptr: x, len: 16 },
                 x_layout: layout,
-                out: out.map(|o| (Buf { addr: o, len: 16 }, layout)),
+                out: out.map(|o| (RawBuf { ptr: o, len: 16 }, layout)),
             };
             let mut req = request(config, layout);
             (req.q, req.k) = (io(b.q), Some(io(b.k)));
-            req.sincos = BoundSinCos::Table {
-                cos: Buf { addr: b.cos, len: 16 },
-                sin: Buf { addr: b.sin, len: 16 },
+            req.sincos = RawSinCos::Table {
+                cos: RawBuf { ptr: b.cos, len: 16 },
+                sin: RawBuf { ptr: b.sin, len: 16 },
+                dtype: DType::F32,
                 shape: TableShape { max_position: 4, rotary_dim: 8 },
             };
-            req.positions = BoundPositions::Ids {
-                ids: Buf { addr: b.ids, len: 2 },
-                ty: IdType::I64,
+            req.positions = RawPositions::Ids {
+                ids: ints(b.ids, 2, IntType::I64),
                 shape: IdsShape::Shared,
             };
             // (range, written, name) for every buffer.
@@ -525,15 +539,15 @@ mod empty_tensors {
             let style = if interleaved { RopeStyle::Interleaved } else { RopeStyle::Neox };
             let config = RopeConfig::builder(8, style).build().expect("valid");
             let mut r = request(config, q);
-            r.q.x = Buf { addr: addrs[0], len: lens[0] };
+            r.q.x = RawBuf { ptr: addrs[0], len: lens[0] };
             // An output of the input's dimensions, at any strides, offset and address.
             r.q.out = out.map(|o| {
                 let o = Layout::strided([q.batch, q.seq, q.heads, 8], [o.strides[0], o.strides[1], o.strides[2], 1], o.offset)
                     .expect("unit stride");
-                (Buf { addr: addrs[1], len: lens[1] }, o)
+                (RawBuf { ptr: addrs[1], len: lens[1] }, o)
             });
             r.sincos = table(&config, table_rows, 0);
-            r.positions = BoundPositions::Offset(offset);
+            r.positions = RawPositions::Offset(offset);
             prop_assert!(matches!(plan_of(&r), Ok(None)), "{:?}", plan_of(&r));
         }
     }
