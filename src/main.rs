@@ -131,6 +131,7 @@ fn variants() -> Vec<Case> {
         theta: THETA,
         max_position: seq,
         format: TableFormat::Combined,
+        in_f32: false,
     };
     out.push(Case {
         source: cache,
@@ -150,6 +151,7 @@ fn table_source() -> Source {
         theta: THETA,
         max_position: SHAPE.1,
         format: TableFormat::Separate,
+        in_f32: false,
     }
 }
 

@@ -10,7 +10,7 @@ use rand::{RngExt, SeedableRng, rngs::StdRng};
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
 use rope_host::half::{bf16, f16};
 use rope_host::{
-    Direction, IdsShape, Io, Layout, PositionIds, Positions, QkIo, Rope, RopeConfig, RopeElem,
+    DeviceInts, Direction, IdsShape, Io, Layout, Positions, QkIo, Rope, RopeConfig, RopeElem,
     RopeOp, RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
 };
 
@@ -145,11 +145,13 @@ pub enum LayoutKind {
 /// Where sin/cos come from in a case.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Source {
-    /// Tables of `max_position` rows built from `theta`, rounded once to the element type.
+    /// Tables of `max_position` rows built from `theta`, rounded once to the element type, or
+    /// to `f32` when `in_f32` (`SinCos::TableF32`/`CosSinCacheF32`).
     Table {
         theta: f64,
         max_position: usize,
         format: TableFormat,
+        in_f32: bool,
     },
     /// Computed in the kernel from `theta`.
     Theta(f64),
@@ -160,18 +162,20 @@ pub enum Source {
 pub enum PosCase {
     /// `offset + s`.
     Offset(u32),
-    /// `offsets[b] + s`.
-    RowOffsets(Vec<u32>),
+    /// `offsets[b] + s`, uploaded as `i64` if `wide`, else `i32`.
+    RowOffsets { offsets: Vec<u32>, wide: bool },
     /// Explicit ids (`[seq]` or `[batch, seq]`), uploaded as `i64` if `wide`, else `i32`.
     Ids {
         ids: Vec<i64>,
         wide: bool,
         shape: IdsShape,
     },
-    /// Packed sequences (batch 1): `t - cu_seqlens[i] + offsets[i]`.
+    /// Packed sequences (batch 1): `t - cu_seqlens[i] + offsets[i]`, uploaded as `i64` if
+    /// `wide`, else `i32`.
     Varlen {
         cu_seqlens: Vec<u32>,
         offsets: Option<Vec<u32>>,
+        wide: bool,
     },
 }
 
@@ -297,7 +301,7 @@ impl Case {
     pub fn resolved_positions(&self) -> Array2<i64> {
         Array2::from_shape_fn((self.batch, self.seq), |(b, s)| match &self.positions {
             PosCase::Offset(o) => *o as i64 + s as i64,
-            PosCase::RowOffsets(offsets) => offsets[b] as i64 + s as i64,
+            PosCase::RowOffsets { offsets, .. } => offsets[b] as i64 + s as i64,
             PosCase::Ids {
                 ids,
                 shape: IdsShape::Shared,
@@ -311,6 +315,7 @@ impl Case {
             PosCase::Varlen {
                 cu_seqlens,
                 offsets,
+                ..
             } => {
                 let i = cu_seqlens.partition_point(|&c| c as usize <= s) - 1;
                 let i = i.min(cu_seqlens.len() - 2);
@@ -327,44 +332,78 @@ impl Case {
             .collect()
     }
 
-    /// The host tables rounded to `T` (cos, sin of `[max_position, rotary_dim / 2]`).
-    fn tables<T: TestElem>(&self) -> Option<(Vec<T>, Vec<T>)> {
+    /// The host tables (cos, sin of `[max_position, rotary_dim / 2]`) rounded to what the
+    /// device holds (`T`, or `f32` when `in_f32`), widened back to `f64`.
+    fn tables<T: TestElem>(&self) -> Option<(Vec<f64>, Vec<f64>)> {
         match self.source {
             Source::Table {
                 theta,
                 max_position,
+                in_f32,
                 ..
             } => {
                 let (c, s) = reference::tables(theta, self.rotary_dim, max_position);
+                let round = |v: f64| {
+                    if in_f32 {
+                        f64::from(v as f32)
+                    } else {
+                        T::from_f64(v).to_f64()
+                    }
+                };
                 Some((
-                    c.iter().map(|&v| T::from_f64(v)).collect(),
-                    s.iter().map(|&v| T::from_f64(v)).collect(),
+                    c.iter().map(|&v| round(v)).collect(),
+                    s.iter().map(|&v| round(v)).collect(),
                 ))
             }
             Source::Theta(_) => None,
         }
     }
 
-    /// The reference's sin/cos source: the `T` table values the GPU reads, widened.
+    /// The reference's sin/cos source: the table values the GPU reads.
     fn ref_source<T: TestElem>(&self) -> RefSinCos {
         match (self.source, self.tables::<T>()) {
             (Source::Table { max_position, .. }, Some((c, s))) => {
-                let widen = |t: Vec<T>| {
-                    Array2::from_shape_vec(
-                        (max_position, self.rotary_dim / 2),
-                        t.into_iter().map(T::to_f64).collect(),
-                    )
-                    .expect("table length matches")
+                let table = |t: Vec<f64>| {
+                    Array2::from_shape_vec((max_position, self.rotary_dim / 2), t)
+                        .expect("table length matches")
                 };
                 RefSinCos::Table {
-                    cos: widen(c),
-                    sin: widen(s),
+                    cos: table(c),
+                    sin: table(s),
                 }
             }
             (Source::Theta(theta), _) => RefSinCos::Theta(theta),
             (Source::Table { .. }, None) => unreachable!("table cases have tables"),
         }
     }
+
+    /// The position arrays on the device: row offsets, ids or `cu_seqlens` (and varlen
+    /// offsets), as `i64` or `i32`.
+    fn position_arrays(&self, stream: &Arc<CudaStream>) -> Result<Option<DeviceArrays>> {
+        let (main, aux, wide): (Vec<i64>, Option<Vec<i64>>, bool) = match &self.positions {
+            PosCase::Offset(_) => return Ok(None),
+            PosCase::RowOffsets { offsets, wide } => (widen(offsets), None, *wide),
+            PosCase::Ids { ids, wide, .. } => (ids.clone(), None, *wide),
+            PosCase::Varlen {
+                cu_seqlens,
+                offsets,
+                wide,
+            } => (widen(cu_seqlens), offsets.as_deref().map(widen), *wide),
+        };
+        Ok(Some(if wide {
+            let aux = aux.map(|a| stream.clone_htod(&a)).transpose()?;
+            DeviceArrays::I64(stream.clone_htod(&main)?, aux)
+        } else {
+            let narrow = |v: Vec<i64>| v.into_iter().map(|x| x as i32).collect::<Vec<_>>();
+            let aux = aux.map(|a| stream.clone_htod(&narrow(a))).transpose()?;
+            DeviceArrays::I32(stream.clone_htod(&narrow(main))?, aux)
+        }))
+    }
+}
+
+/// `u32` host values as `i64`.
+fn widen(v: &[u32]) -> Vec<i64> {
+    v.iter().map(|&x| x as i64).collect()
 }
 
 /// The `[batch, seq, heads, head_dim]` elements of `buf` at `layout`, widened to f64.
@@ -393,18 +432,37 @@ fn covered(len: usize, l: &Layout) -> Vec<bool> {
     c
 }
 
-/// Explicit ids on the device.
+/// Position arrays on the device: the main array (row offsets, ids or `cu_seqlens`) and the
+/// varlen offsets, if any.
 #[derive(Debug)]
-pub enum DeviceIds {
-    I32(CudaSlice<i32>),
-    I64(CudaSlice<i64>),
+pub enum DeviceArrays {
+    I32(CudaSlice<i32>, Option<CudaSlice<i32>>),
+    I64(CudaSlice<i64>, Option<CudaSlice<i64>>),
 }
 
-/// Tables on the device.
+impl DeviceArrays {
+    /// The main array and the offsets as views.
+    fn views(&self) -> (DeviceInts<'_>, Option<DeviceInts<'_>>) {
+        match self {
+            Self::I32(m, a) => (
+                DeviceInts::I32(m.as_view()),
+                a.as_ref().map(|a| DeviceInts::I32(a.as_view())),
+            ),
+            Self::I64(m, a) => (
+                DeviceInts::I64(m.as_view()),
+                a.as_ref().map(|a| DeviceInts::I64(a.as_view())),
+            ),
+        }
+    }
+}
+
+/// Tables on the device, of the tensors' type or of `f32`.
 #[derive(Debug)]
 pub enum DeviceTables<T> {
     Separate(CudaSlice<T>, CudaSlice<T>),
     Combined(CudaSlice<T>),
+    SeparateF32(CudaSlice<f32>, CudaSlice<f32>),
+    CombinedF32(CudaSlice<f32>),
 }
 
 /// A tensor's buffers on the device: input, and output when out of place.
@@ -423,7 +481,7 @@ pub struct DeviceCase<T> {
     pub q: DeviceTensor<T>,
     pub k: Option<DeviceTensor<T>>,
     pub tables: Option<DeviceTables<T>>,
-    pub ids: Option<DeviceIds>,
+    pub ids: Option<DeviceArrays>,
     /// The host inputs: q (or the fused buffer) and k.
     pub q_host: Vec<T>,
     pub k_host: Vec<T>,
@@ -468,45 +526,40 @@ impl Case {
             (q, k, q_host, k_host)
         };
         let tables = match (self.tables::<T>(), self.source) {
-            (
-                Some((c, s)),
-                Source::Table {
-                    format: TableFormat::Separate,
-                    ..
-                },
-            ) => Some(DeviceTables::Separate(
-                stream.clone_htod(&c)?,
-                stream.clone_htod(&s)?,
-            )),
-            (
-                Some((c, s)),
-                Source::Table {
-                    format: TableFormat::Combined,
-                    ..
-                },
-            ) => {
+            (Some((c, s)), Source::Table { format, in_f32, .. }) => {
                 let half = self.rotary_dim / 2;
-                let cache: Vec<T> = c
-                    .chunks(half)
-                    .zip(s.chunks(half))
-                    .flat_map(|(c, s)| c.iter().chain(s).copied())
-                    .collect();
-                Some(DeviceTables::Combined(stream.clone_htod(&cache)?))
+                let (c, s) = match format {
+                    TableFormat::Separate => (c, Some(s)),
+                    TableFormat::Combined => {
+                        let cache = c
+                            .chunks(half)
+                            .zip(s.chunks(half))
+                            .flat_map(|(c, s)| c.iter().chain(s).copied())
+                            .collect();
+                        (cache, None)
+                    }
+                };
+                Some(if in_f32 {
+                    let up = |v: Vec<f64>| {
+                        stream.clone_htod(&v.into_iter().map(|x| x as f32).collect::<Vec<_>>())
+                    };
+                    match s {
+                        Some(s) => DeviceTables::SeparateF32(up(c)?, up(s)?),
+                        None => DeviceTables::CombinedF32(up(c)?),
+                    }
+                } else {
+                    let up = |v: Vec<f64>| {
+                        stream.clone_htod(&v.into_iter().map(T::from_f64).collect::<Vec<_>>())
+                    };
+                    match s {
+                        Some(s) => DeviceTables::Separate(up(c)?, up(s)?),
+                        None => DeviceTables::Combined(up(c)?),
+                    }
+                })
             }
             _ => None,
         };
-        let ids = match &self.positions {
-            PosCase::Ids {
-                ids, wide: true, ..
-            } => Some(DeviceIds::I64(stream.clone_htod(ids)?)),
-            PosCase::Ids {
-                ids, wide: false, ..
-            } => {
-                let narrow: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
-                Some(DeviceIds::I32(stream.clone_htod(&narrow)?))
-            }
-            _ => None,
-        };
+        let ids = self.position_arrays(stream)?;
         Ok(DeviceCase {
             case: self.clone(),
             q,
@@ -519,11 +572,11 @@ impl Case {
     }
 }
 
-/// The operation of `c`, borrowing the device tables and ids.
+/// The operation of `c`, borrowing the device tables and position arrays.
 fn make_op<'a, T: TestElem>(
     c: &'a Case,
     tables: &'a Option<DeviceTables<T>>,
-    ids: &'a Option<DeviceIds>,
+    arrays: &'a Option<DeviceArrays>,
 ) -> rope_host::Result<RopeOp<'a, T>> {
     let shape = |max_position| TableShape {
         max_position,
@@ -531,43 +584,41 @@ fn make_op<'a, T: TestElem>(
     };
     let sincos = match (&c.source, tables) {
         (Source::Theta(theta), _) => SinCos::Computed { theta: *theta },
-        (Source::Table { max_position, .. }, Some(DeviceTables::Separate(cos, sin))) => {
-            SinCos::Table {
-                cos: cos.as_view(),
-                sin: sin.as_view(),
-                shape: shape(*max_position),
-            }
-        }
-        (Source::Table { max_position, .. }, Some(DeviceTables::Combined(cache))) => {
-            SinCos::CosSinCache {
-                cache: cache.as_view(),
-                shape: shape(*max_position),
+        (Source::Table { max_position, .. }, Some(t)) => {
+            let shape = shape(*max_position);
+            match t {
+                DeviceTables::Separate(cos, sin) => SinCos::Table {
+                    cos: cos.as_view(),
+                    sin: sin.as_view(),
+                    shape,
+                },
+                DeviceTables::Combined(cache) => SinCos::CosSinCache {
+                    cache: cache.as_view(),
+                    shape,
+                },
+                DeviceTables::SeparateF32(cos, sin) => SinCos::TableF32 {
+                    cos: cos.as_view(),
+                    sin: sin.as_view(),
+                    shape,
+                },
+                DeviceTables::CombinedF32(cache) => SinCos::CosSinCacheF32 {
+                    cache: cache.as_view(),
+                    shape,
+                },
             }
         }
         (_, None) => unreachable!("uploaded with tables"),
     };
-    let positions = match (&c.positions, ids) {
+    let views = arrays.as_ref().map(DeviceArrays::views);
+    let positions = match (&c.positions, views) {
         (PosCase::Offset(o), _) => Positions::Offset(*o),
-        (PosCase::RowOffsets(offsets), _) => Positions::RowOffsets(offsets),
-        (
-            PosCase::Varlen {
-                cu_seqlens,
-                offsets,
-            },
-            _,
-        ) => Positions::Varlen {
+        (PosCase::RowOffsets { .. }, Some((offsets, _))) => Positions::RowOffsets(offsets),
+        (PosCase::Varlen { .. }, Some((cu_seqlens, offsets))) => Positions::Varlen {
             cu_seqlens,
-            offsets: offsets.as_deref(),
+            offsets,
         },
-        (PosCase::Ids { shape, .. }, Some(DeviceIds::I32(ids))) => Positions::Ids {
-            ids: PositionIds::I32(ids.as_view()),
-            shape: *shape,
-        },
-        (PosCase::Ids { shape, .. }, Some(DeviceIds::I64(ids))) => Positions::Ids {
-            ids: PositionIds::I64(ids.as_view()),
-            shape: *shape,
-        },
-        (PosCase::Ids { .. }, None) => unreachable!("uploaded with ids"),
+        (PosCase::Ids { shape, .. }, Some((ids, _))) => Positions::Ids { ids, shape: *shape },
+        (_, None) => unreachable!("uploaded with position arrays"),
     };
     Ok(RopeOp {
         config: c.config()?,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use rope_host::cudarc::driver::CudaStream;
 use rope_host::{
-    IdsShape, Io, Layout, PositionIds, Positions, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    DeviceInts, IdsShape, Io, Layout, Positions, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
     Tensor, TensorMut,
 };
 
@@ -30,7 +30,7 @@ pub fn rotate_f32_at(
     let op = RopeOp {
         config: RopeConfig::builder(d as u32, style).build()?,
         positions: Positions::Ids {
-            ids: PositionIds::I64(ids.as_view()),
+            ids: DeviceInts::I64(ids.as_view()),
             shape: IdsShape::Shared,
         },
         sincos,

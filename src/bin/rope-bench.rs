@@ -83,6 +83,7 @@ fn main() -> Result<()> {
                 theta: THETA,
                 max_position: max_position(&case) + 1,
                 format: TableFormat::Separate,
+                in_f32: false,
             };
             let mut directions = vec![Direction::Forward];
             if group.name.starts_with("training") {
@@ -265,7 +266,10 @@ fn groups() -> Vec<Group> {
                 batch: 64,
                 seq: 1,
                 k: KCase::Separate { heads: 8 },
-                positions: PosCase::RowOffsets((1000..1064).collect()),
+                positions: PosCase::RowOffsets {
+                    offsets: (1000..1064).collect(),
+                    wide: true,
+                },
                 ..base
             },
         },
@@ -276,7 +280,9 @@ fn groups() -> Vec<Group> {
 fn max_position(c: &Case) -> usize {
     match &c.positions {
         PosCase::Offset(o) => *o as usize + c.seq - 1,
-        PosCase::RowOffsets(o) => *o.iter().max().unwrap_or(&0) as usize + c.seq - 1,
+        PosCase::RowOffsets { offsets, .. } => {
+            *offsets.iter().max().unwrap_or(&0) as usize + c.seq - 1
+        }
         _ => c.resolved_positions().iter().copied().max().unwrap_or(0) as usize,
     }
 }

@@ -125,8 +125,11 @@ pub fn positions(
     };
     let mut kinds = vec![
         (0..=max_offset).prop_map(PosCase::Offset).boxed(),
-        proptest::collection::vec(0..=max_offset, batch)
-            .prop_map(PosCase::RowOffsets)
+        (
+            proptest::collection::vec(0..=max_offset, batch),
+            any::<bool>(),
+        )
+            .prop_map(|(offsets, wide)| PosCase::RowOffsets { offsets, wide })
             .boxed(),
         (proptest::collection::vec(id.clone(), seq), any::<bool>())
             .prop_map(|(ids, wide)| PosCase::Ids {
@@ -156,8 +159,9 @@ pub fn varlen(total: usize) -> impl Strategy<Value = PosCase> {
         proptest::collection::vec(0..=total as u32, 0..5),
         any::<bool>(),
         proptest::collection::vec(0u32..16, 6),
+        any::<bool>(),
     )
-        .prop_map(move |(mut cuts, with_offsets, offsets)| {
+        .prop_map(move |(mut cuts, with_offsets, offsets, wide)| {
             cuts.sort_unstable();
             let cu_seqlens: Vec<u32> = std::iter::once(0)
                 .chain(cuts)
@@ -168,12 +172,14 @@ pub fn varlen(total: usize) -> impl Strategy<Value = PosCase> {
             PosCase::Varlen {
                 cu_seqlens,
                 offsets,
+                wide,
             }
         })
 }
 
 /// A random valid case: every style, direction, dtype, layout, rotary size, k form, sin/cos
-/// source and format, position kind, in or out of place. Table cases cover their implicit
+/// source and format (tables in the tensors' type or in `f32`), position kind (device
+/// arrays `i32` or `i64`), in or out of place. Table cases cover their implicit
 /// positions, and some explicit ids fall outside the table (NaN outputs expected there).
 pub fn case() -> impl Strategy<Value = Case> {
     (
@@ -197,11 +203,12 @@ pub fn case() -> impl Strategy<Value = Case> {
                     } else {
                         TableFormat::Separate
                     };
-                    (0usize..3)
-                        .prop_map(move |extra| Source::Table {
+                    (0usize..3, any::<bool>())
+                        .prop_map(move |(extra, in_f32)| Source::Table {
                             theta,
                             max_position: limit as usize + extra,
                             format,
+                            in_f32,
                         })
                         .boxed()
                 } else {

@@ -122,6 +122,7 @@ fn ids_outside_the_table_give_nan() {
                 theta: 10_000.0,
                 max_position: 10,
                 format,
+                in_f32: false,
             },
             positions: PosCase::Ids {
                 ids: vec![0, -1, 9, 10, far, 3, -far, 2],

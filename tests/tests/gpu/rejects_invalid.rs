@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use rope_host::TableFormat;
 use rope_host::{
-    Error, IdsShape, Io, Layout, PositionIds, Positions, QkIo, RopeConfig, RopeOp, SinCos,
+    DeviceInts, Error, IdsShape, Io, Layout, Positions, QkIo, RopeConfig, RopeOp, SinCos,
     TableShape, Tensor, TensorMut,
 };
 use rope_reference::case::{
@@ -28,8 +28,8 @@ enum Breakage {
     WrongRowOffsetCount,
     WrongIdCount,
     BadTheta(f64),
-    CuSeqlensDecreasing,
-    CuSeqlensWrongEnd,
+    CuSeqlensTooShort,
+    VarlenOffsetsOfAnotherType,
     KSeqMismatch,
     FusedOverlap,
     OverlappingStrides,
@@ -44,8 +44,8 @@ impl Breakage {
             Self::TableTooShort
             | Self::WrongRowOffsetCount
             | Self::WrongIdCount
-            | Self::CuSeqlensDecreasing
-            | Self::CuSeqlensWrongEnd => "positions",
+            | Self::CuSeqlensTooShort
+            | Self::VarlenOffsetsOfAnotherType => "positions",
             Self::TablesDiffer => "sincos.sin",
             Self::TableNotWholeRows => "sincos.cos",
             Self::TableWrongWidth => "sincos",
@@ -73,8 +73,8 @@ fn breakage() -> impl Strategy<Value = Breakage> {
             Just(f64::INFINITY)
         ]
         .prop_map(Breakage::BadTheta),
-        Just(Breakage::CuSeqlensDecreasing),
-        Just(Breakage::CuSeqlensWrongEnd),
+        Just(Breakage::CuSeqlensTooShort),
+        Just(Breakage::VarlenOffsetsOfAnotherType),
         Just(Breakage::KSeqMismatch),
         Just(Breakage::FusedOverlap),
         Just(Breakage::OverlappingStrides),
@@ -99,6 +99,7 @@ fn fit(mut case: Case, b: Breakage) -> Case {
                 theta: 10_000.0,
                 max_position: case.seq + 4,
                 format,
+                in_f32: false,
             };
             if case.rotary_dim == 2 {
                 // With one pair per row every length is whole rows.
@@ -106,7 +107,12 @@ fn fit(mut case: Case, b: Breakage) -> Case {
                 case.rotary_dim = 4;
             }
         }
-        Breakage::WrongRowOffsetCount => case.positions = PosCase::RowOffsets(vec![0; case.batch]),
+        Breakage::WrongRowOffsetCount => {
+            case.positions = PosCase::RowOffsets {
+                offsets: vec![0; case.batch],
+                wide: false,
+            }
+        }
         Breakage::WrongIdCount => {
             case.positions = PosCase::Ids {
                 ids: vec![0; case.seq],
@@ -114,7 +120,7 @@ fn fit(mut case: Case, b: Breakage) -> Case {
                 shape: IdsShape::Shared,
             }
         }
-        Breakage::CuSeqlensDecreasing | Breakage::CuSeqlensWrongEnd => case.batch = 1,
+        Breakage::CuSeqlensTooShort | Breakage::VarlenOffsetsOfAnotherType => case.batch = 1,
         Breakage::KSeqMismatch => case.k = KCase::Separate { heads: 1 },
         Breakage::FusedOverlap => {
             case.in_place = true;
@@ -139,22 +145,28 @@ fn run_broken(
     let half = c.rotary_dim / 2;
     let config = c.config()?;
     let mut layout = c.layout(c.heads);
-    let row_offsets: Vec<u32> = vec![0; c.batch + 1];
-    let total = c.seq as u32;
-    let cu: Vec<u32> = match b {
-        Breakage::CuSeqlensDecreasing => vec![0, total, total.saturating_sub(1), total],
-        _ => vec![0, total + 1],
+    let stream = rope.stream();
+    let row_offsets = stream.clone_htod(&vec![0i32; c.batch + 1])?;
+    let cu = match b {
+        Breakage::CuSeqlensTooShort => stream.clone_htod(&[0i32])?,
+        _ => stream.clone_htod(&[0, c.seq as i32])?,
     };
+    let wide_offsets = stream.clone_htod(&[0i64])?;
     let positions = match (b, &dev.ids) {
         (Breakage::TableTooShort, _) => Positions::Offset(5),
-        (Breakage::WrongRowOffsetCount, _) => Positions::RowOffsets(&row_offsets),
-        (Breakage::CuSeqlensDecreasing | Breakage::CuSeqlensWrongEnd, _) => Positions::Varlen {
-            cu_seqlens: &cu,
-            offsets: None,
-        },
-        (Breakage::WrongIdCount, Some(rope_reference::case::DeviceIds::I64(ids))) => {
+        (Breakage::WrongRowOffsetCount, _) => {
+            Positions::RowOffsets(DeviceInts::I32(row_offsets.as_view()))
+        }
+        (Breakage::CuSeqlensTooShort | Breakage::VarlenOffsetsOfAnotherType, _) => {
+            Positions::Varlen {
+                cu_seqlens: DeviceInts::I32(cu.as_view()),
+                offsets: matches!(b, Breakage::VarlenOffsetsOfAnotherType)
+                    .then(|| DeviceInts::I64(wide_offsets.as_view())),
+            }
+        }
+        (Breakage::WrongIdCount, Some(rope_reference::case::DeviceArrays::I64(ids, _))) => {
             Positions::Ids {
-                ids: PositionIds::I64(ids.slice(..ids.len() - 1)),
+                ids: DeviceInts::I64(ids.slice(..ids.len() - 1)),
                 shape: IdsShape::Shared,
             }
         }
@@ -395,7 +407,7 @@ fn buffers_from_another_context_are_refused() {
 
     let ids = theirs.clone_htod(&[0i64, 1, 2, 3]).expect("upload");
     let positions = Positions::Ids {
-        ids: PositionIds::I64(ids.as_view()),
+        ids: DeviceInts::I64(ids.as_view()),
         shape: IdsShape::Shared,
     };
     let r = rope.run(&op(positions, computed()), in_place(ours.as_view_mut()));

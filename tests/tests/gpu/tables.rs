@@ -128,6 +128,7 @@ fn built_tables_reproduce_in_kernel_sin_cos_exactly() {
                 theta: 500_000.0,
                 max_position: 48,
                 format,
+                in_f32: false,
             };
             let b = run(&mut tabled);
             assert!(
