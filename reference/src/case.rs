@@ -716,6 +716,52 @@ impl<T: TestElem> DeviceCase<T> {
         self.verify(stream, Some(samples))
     }
 
+    /// Writes the inputs of `case` (same shapes, sin/cos source and position kind as this
+    /// case's) into this case's device buffers, poisons the out-of-place outputs again, and
+    /// makes `case` the one the outputs are checked against: new data and positions in the
+    /// same memory, as a CUDA graph replay sees them.
+    pub fn rewrite(&mut self, case: &Case, stream: &Arc<CudaStream>) -> Result<()> {
+        let fresh = case.upload::<T>(stream)?;
+        let copy = |from: &CudaSlice<T>, to: &mut CudaSlice<T>| stream.memcpy_dtod(from, to);
+        copy(&fresh.q.x, &mut self.q.x)?;
+        if let (Some(from), Some(to)) = (&fresh.q.out, &mut self.q.out) {
+            copy(from, to)?;
+        }
+        if let (Some(from), Some(to)) = (&fresh.k, &mut self.k) {
+            copy(&from.x, &mut to.x)?;
+            if let (Some(a), Some(b)) = (&from.out, &mut to.out) {
+                copy(a, b)?;
+            }
+        }
+        match (&fresh.ids, &mut self.ids) {
+            (Some(DeviceArrays::I32(m, a)), Some(DeviceArrays::I32(mm, aa))) => {
+                stream.memcpy_dtod(m, mm)?;
+                if let (Some(a), Some(aa)) = (a, aa) {
+                    stream.memcpy_dtod(a, aa)?;
+                }
+            }
+            (Some(DeviceArrays::I64(m, a)), Some(DeviceArrays::I64(mm, aa))) => {
+                stream.memcpy_dtod(m, mm)?;
+                if let (Some(a), Some(aa)) = (a, aa) {
+                    stream.memcpy_dtod(a, aa)?;
+                }
+            }
+            (None, None) => {}
+            _ => anyhow::bail!("the new case's position arrays differ in kind"),
+        }
+        self.case = case.clone();
+        self.q_host = fresh.q_host;
+        self.k_host = fresh.k_host;
+        stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Checks every output element as it is now against the reference (see
+    /// [`DeviceCase::check_sampled`]), without launching.
+    pub fn verify_all(&self, stream: &Arc<CudaStream>) -> Result<Comparison, String> {
+        self.verify(stream, None)
+    }
+
     /// Compares the device outputs with the reference at `samples` tokens (all if `None`).
     fn verify(
         &self,

@@ -538,5 +538,6 @@ mod gpu {
     pub mod finite_outputs;
     pub mod matches_reference;
     pub mod rejects_invalid;
+    pub mod serving;
     pub mod tables;
 }

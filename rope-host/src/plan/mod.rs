@@ -295,7 +295,9 @@ fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
     for (i, w) in regions.iter().enumerate().filter(|(_, r)| r.written) {
         for (j, r) in regions.iter().enumerate() {
             let fused_pair = fused && r.of != Of::Read && w.of != r.of;
-            if i == j || fused_pair || !(w.start < r.end && r.start < w.end) {
+            // Ranges meet when each starts before the other ends; an empty one meets none.
+            let meet = w.start < r.end && r.start < w.end && w.start < w.end && r.start < r.end;
+            if i == j || fused_pair || !meet {
                 continue;
             }
             let other = match r.of {
