@@ -296,12 +296,14 @@ fn check_layout(
 }
 
 /// Written regions may meet no other region: not another tensor, nor a table or ids the kernel
-/// reads (fused q and k share a buffer, their disjointness checked element by element).
+/// reads (fused q and k share a buffer, their disjointness checked element by element). An
+/// empty region addresses nothing, so it meets nothing, wherever it starts.
 fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
     for (i, w) in regions.iter().enumerate().filter(|(_, r)| r.written) {
         for (j, r) in regions.iter().enumerate() {
             let fused_pair = fused && r.of != Of::Read && w.of != r.of;
-            if i == j || fused_pair || !(w.start < r.end && r.start < w.end) {
+            let empty = w.start == w.end || r.start == r.end;
+            if i == j || fused_pair || empty || !(w.start < r.end && r.start < w.end) {
                 continue;
             }
             let other = match r.of {
