@@ -64,7 +64,8 @@ pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
 pub use sincos::{RawSinCos, SinCos, TableShape};
 pub use table::{SinCosTables, TableData, TableFormat};
 
-/// The README's example compiles as a doctest.
+/// The crate README's example compiles as a doctest. (The repository README's examples are
+/// doctests of `rope-tests`: a path outside this folder would not be in the published package.)
 #[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
+#[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
