@@ -3,10 +3,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys::CUdevice_attribute};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys, sys::CUdevice_attribute};
 use kernels_gpu::abi::KernelName;
 
-use crate::error::Result;
+use crate::error::{Result, invalid};
 use crate::freq::{Frequencies, FrequencySpec};
 use crate::module::{Module, module_for};
 
@@ -35,12 +35,35 @@ pub struct KernelResources {
     pub blocks_per_sm: u32,
 }
 
-/// Default frequency vectors a [`Rope`] keeps on the device (see [`Rope::prepare`]).
+/// Default frequency vectors a [`Rope`] keeps for launches on its own stream, most recently
+/// used first; an older one is freed, ordered after the launches that used it, when a new one
+/// needs the room. Vectors given to [`Rope::prepare`] are kept apart and never freed.
 pub const FREQUENCY_CACHE: usize = 16;
 
 /// A default frequency vector on the device: its `(theta bits, rotary_dim)` key, the buffer and
 /// its device address.
 type FreqEntry = ((u64, u32), CudaSlice<f64>, u64);
+
+/// The default frequency vectors of a [`Rope`].
+#[derive(Debug, Default)]
+struct FreqCache {
+    /// Prepared vectors: read by captured graphs or other streams, so kept for the handle's
+    /// lifetime.
+    pinned: Vec<FreqEntry>,
+    /// Vectors used by launches on the handle's stream alone, most recently used first, at most
+    /// [`FREQUENCY_CACHE`].
+    recent: Vec<FreqEntry>,
+}
+
+/// Where a launch that reads a default frequency vector runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FreqUse {
+    /// On the handle's own stream: a vector may be uploaded on first use, and freed later in
+    /// stream order (unless the stream is capturing a graph: then it must be prepared).
+    OwnStream,
+    /// On another stream ([`Rope::run_raw`]): the vector must have been prepared.
+    OtherStream,
+}
 
 /// Runs RoPE kernels on one stream. Cheap to create: the module is loaded once per context and
 /// shared by every `Rope` of that context.
@@ -49,9 +72,8 @@ pub struct Rope {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) module: Arc<Module>,
     pub(crate) facts: DeviceFacts,
-    /// Default frequency vectors on the device, by `(theta bits, rotary_dim)`, at most
-    /// [`FREQUENCY_CACHE`], never freed before the handle.
-    inv_freq: Mutex<Vec<FreqEntry>>,
+    /// Default frequency vectors on the device, by `(theta bits, rotary_dim)`.
+    inv_freq: Mutex<FreqCache>,
 }
 
 impl Rope {
@@ -74,7 +96,7 @@ impl Rope {
             stream,
             module,
             facts,
-            inv_freq: Mutex::new(Vec::new()),
+            inv_freq: Mutex::new(FreqCache::default()),
         })
     }
 
@@ -88,60 +110,90 @@ impl Rope {
         self.module.blocks_per_sm(kernel.symbol())
     }
 
-    /// Uploads the default frequencies of `theta` for `rotary_dim` rotated features now, so that
-    /// no launch with [`crate::SinCos::Computed`] `{ theta }` uploads them. Call it before
-    /// capturing such launches in a CUDA graph (an upload from host memory cannot be captured)
-    /// and before launching them with [`Rope::run_raw`] on other streams. The vectors live as
-    /// long as the handle (graphs captured with them may be replayed while it lives), at most
-    /// [`FREQUENCY_CACHE`] of them.
+    /// Uploads the default frequencies of `theta` for `rotary_dim` rotated features now and
+    /// keeps them for the handle's lifetime, so that no launch with
+    /// [`crate::SinCos::Computed`] `{ theta }` uploads or frees them. Required before capturing
+    /// such launches in a CUDA graph (an upload from host memory cannot be captured, and a graph
+    /// may be replayed at any later time) and before [`Rope::run_raw`] with
+    /// [`crate::RawSinCos::Computed`] (other streams are not ordered after a free).
     ///
     /// # Errors
-    /// [`crate::Error::Invalid`] naming `theta` or `rotary_dim` as a launch would, or `theta`
-    /// when the handle already holds [`FREQUENCY_CACHE`] other vectors;
+    /// [`crate::Error::Invalid`] naming `theta` or `rotary_dim` as a launch would;
     /// [`crate::Error::Driver`] when the upload fails.
     pub fn prepare(&self, theta: f64, rotary_dim: u32) -> Result<()> {
         if rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
-            return Err(crate::error::invalid(
+            return Err(invalid(
                 "rotary_dim",
                 format!("must be even and at least 2, got {rotary_dim}"),
             ));
         }
         crate::freq::check_theta(theta, rotary_dim)?;
-        self.inv_freq(theta, rotary_dim).map(drop)
+        let key = (theta.to_bits(), rotary_dim);
+        let mut cache = self.freq_cache();
+        if cache.pinned.iter().any(|(k, ..)| *k == key) {
+            return Ok(());
+        }
+        let entry = match cache.recent.iter().position(|(k, ..)| *k == key) {
+            Some(i) => cache.recent.remove(i),
+            None => self.upload_inv_freq(key)?,
+        };
+        cache.pinned.push(entry);
+        Ok(())
     }
 
-    /// The device copy of `inv_freq(theta, rotary_dim)` and its address, uploaded on first use
-    /// (then complete on the device before this returns, so any stream may read it).
+    /// The address of the device copy of `inv_freq(theta, rotary_dim)` for a launch `on` a
+    /// stream: prepared vectors first, then the recent ones (uploaded on first use); complete on
+    /// the device when this returns.
     ///
     /// # Errors
-    /// [`crate::Error::Invalid`] naming `theta` when [`FREQUENCY_CACHE`] other vectors are held;
-    /// [`crate::Error::Driver`] when the upload fails.
-    pub(crate) fn inv_freq(&self, theta: f64, rotary_dim: u32) -> Result<u64> {
+    /// [`crate::Error::Invalid`] naming `theta` when the vector was not prepared and the launch
+    /// runs on another stream or the handle's stream is capturing a graph;
+    /// [`crate::Error::Driver`] when the upload or the capture query fails.
+    pub(crate) fn inv_freq(&self, theta: f64, rotary_dim: u32, on: FreqUse) -> Result<u64> {
         let key = (theta.to_bits(), rotary_dim);
-        let mut cache = self
-            .inv_freq
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some((.., ptr)) = cache.iter().find(|(k, ..)| *k == key) {
+        let mut cache = self.freq_cache();
+        if let Some((.., ptr)) = cache.pinned.iter().find(|(k, ..)| *k == key) {
             return Ok(*ptr);
         }
-        if cache.len() >= FREQUENCY_CACHE {
-            return Err(crate::error::invalid(
+        let capturing = on == FreqUse::OwnStream
+            && self.stream.capture_status()?
+                != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if on == FreqUse::OtherStream || capturing {
+            return Err(invalid(
                 "theta",
                 format!(
-                    "this Rope already holds the frequencies of {FREQUENCY_CACHE} (theta, \
-                     rotary_dim) pairs; use Rope::frequencies and SinCos::Frequencies for more"
+                    "call Rope::prepare({theta}, {rotary_dim}) first: launches captured in a \
+                     graph or run on other streams read only prepared frequencies"
                 ),
             ));
         }
-        let f = self
-            .stream
-            .clone_htod(&crate::freq::inv_freq(theta, rotary_dim))?;
+        let entry = match cache.recent.iter().position(|(k, ..)| *k == key) {
+            Some(i) => cache.recent.remove(i),
+            None => self.upload_inv_freq(key)?,
+        };
+        let ptr = entry.2;
+        // Dropping the oldest frees it in the stream's order, after the launches that read it.
+        cache.recent.truncate(FREQUENCY_CACHE - 1);
+        cache.recent.insert(0, entry);
+        Ok(ptr)
+    }
+
+    /// The frequency cache, whatever a panicking holder left (its entries stay consistent).
+    fn freq_cache(&self) -> std::sync::MutexGuard<'_, FreqCache> {
+        self.inv_freq
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Uploads the default frequencies of `key = (theta bits, rotary_dim)`, complete on the
+    /// device when this returns, so any stream may read them.
+    fn upload_inv_freq(&self, (bits, rotary_dim): (u64, u32)) -> Result<FreqEntry> {
+        let host = crate::freq::inv_freq(f64::from_bits(bits), rotary_dim);
+        let f = self.stream.clone_htod(&host)?;
         self.stream.synchronize()?;
         // The vector is never written again, so no read needs ordering after this one.
         let ptr = f.device_ptr(&self.stream).0;
-        cache.push((key, f, ptr));
-        Ok(ptr)
+        Ok(((bits, rotary_dim), f, ptr))
     }
 
     /// Computes `spec`'s frequencies in `f64` and uploads them.

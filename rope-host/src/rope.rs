@@ -19,7 +19,7 @@ use kernels_gpu::abi::DType;
 
 use crate::bind::{Binder, RawBuf};
 use crate::error::Result;
-use crate::handle::Rope;
+use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::RopeArgs;
 use crate::layout::Layout;
 use crate::op::{Io, QkIo, RopeConfig, RopeElem, RopeOp};
@@ -191,7 +191,7 @@ impl Rope {
             sincos: op.sincos,
         };
         // SAFETY: the caller's promises are `launch`'s.
-        unsafe { self.launch(&req, stream) }
+        unsafe { self.launch(&req, stream, FreqUse::OtherStream) }
     }
 
     /// Binds the options, then launches on the `Rope`'s stream. `binder` holds the tensors'
@@ -217,21 +217,21 @@ impl Rope {
         // context and holds each view's length; the views borrow their buffers until this
         // returns and the guards, dropped after the launch, order later uses of them after it;
         // cudarc's views are complete when handed out (their writes ordered by the guards).
-        unsafe { self.launch(&req, self.stream.cu_stream()) }?;
+        unsafe { self.launch(&req, self.stream.cu_stream(), FreqUse::OwnStream) }?;
         drop(binder);
         Ok(())
     }
 
-    /// Plans, encodes and launches `req` on `stream`.
+    /// Plans, encodes and launches `req` on `stream` (the handle's own, or another: `on`).
     ///
     /// # Safety
     /// The promises of [`Rope::run_raw`] for `req`'s addresses and `stream`.
-    unsafe fn launch(&self, req: &Request, stream: CUstream) -> Result<()> {
+    unsafe fn launch(&self, req: &Request, stream: CUstream, on: FreqUse) -> Result<()> {
         let Some(plan) = plan(req, &self.facts, &|kernel| self.blocks_per_sm(kernel))? else {
             return Ok(()); // Empty tensors: nothing to rotate.
         };
         let positions = req.positions.encode(&plan.positions);
-        let sincos = req.sincos.encode(&plan.sincos, &req.config, self)?;
+        let sincos = req.sincos.encode(&plan.sincos, &req.config, (self, on))?;
         let args = encode(req, &plan, &positions, &sincos);
         let function = self.module.function(plan.kernel.symbol());
         // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in
@@ -245,7 +245,8 @@ impl Rope {
         // above), their magic numbers and shifts from `Divisor::new`; tables hold
         // `table_positions` rows of `table_stride >= half` elements of the source's type, and
         // every other position is bounds-checked by the kernel, or `inv_freq` holds `half` f64
-        // (the handle's own vectors live as long as it does); position arrays have the lengths
+        // (the handle frees its own vectors only in its stream's order, and never prepared ones,
+        // the only ones other streams and captured graphs may read); position arrays have the lengths
         // their code names; the grid keeps blockIdx.y * heads_per_chunk below q.heads + k.heads.
         // The function was loaded in the context the stream belongs to.
         unsafe { args.launch(self.stream.context(), function, plan.grid.config, stream) }

@@ -10,7 +10,7 @@ use kernels_gpu::abi::{DType, SinCosSource};
 use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
-use crate::handle::Rope;
+use crate::handle::{FreqUse, Rope};
 use crate::op::{RopeConfig, RopeElem};
 
 /// The rows and rotary width of a cos/sin table: what it was built for.
@@ -288,7 +288,7 @@ impl RawSinCos {
         &self,
         plan: &SinCosPlan,
         config: &RopeConfig,
-        rope: &Rope,
+        (rope, on): (&Rope, FreqUse),
     ) -> Result<SinCosArgs> {
         let mut args = SinCosArgs {
             cos: 0,
@@ -306,7 +306,7 @@ impl RawSinCos {
                 (args.cos, args.sin) = (cache.ptr, cache.ptr + sines);
             }
             Self::Computed { theta } => {
-                args.inv_freq = rope.inv_freq(theta, config.rotary_dim())?;
+                args.inv_freq = rope.inv_freq(theta, config.rotary_dim(), on)?;
             }
             Self::Frequencies {
                 inv_freq,

@@ -7,7 +7,7 @@ use kernels_gpu::abi::{BLOCK_THREADS, TableKernelName};
 
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
-use crate::handle::Rope;
+use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::TableArgs;
 use crate::op::RopeElem;
 use crate::sincos::{SinCos, TableShape};
@@ -121,7 +121,7 @@ impl Rope {
             ));
         }
         check_theta(theta, rotary_dim)?;
-        let inv_freq = self.inv_freq(theta, rotary_dim)?;
+        let inv_freq = self.inv_freq(theta, rotary_dim, FreqUse::OwnStream)?;
         let shape = TableShape {
             max_position,
             rotary_dim,
