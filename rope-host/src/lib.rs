@@ -49,7 +49,7 @@ mod table;
 
 pub use cudarc;
 pub use error::{Error, Result};
-pub use freq::{AngleMode, Frequencies, FrequencySpec, RopeScaling, Yarn, inv_freq};
+pub use freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, inv_freq};
 pub use half;
 pub use handle::{KernelResources, Rope};
 pub use layout::Layout;

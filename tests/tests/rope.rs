@@ -42,6 +42,16 @@ fn sequential_positions(batch: usize, seq: usize, offset: i64) -> Array2<i64> {
     Array2::from_shape_fn((batch, seq), |(_, s)| offset + s as i64)
 }
 
+/// How many f32 values lie between `a` and `b`, plus one (0 when they are equal, 1 for
+/// neighbours; the two zeros count as one value).
+fn ulps_apart(a: f32, b: f32) -> u64 {
+    let ordered = |v: f32| {
+        let bits = i64::from(v.to_bits() & 0x7fff_ffff);
+        if v.is_sign_negative() { -bits } else { bits }
+    };
+    ordered(a).abs_diff(ordered(b))
+}
+
 mod matches_plain_formula {
     use super::*;
 
@@ -528,6 +538,92 @@ mod scaling_families {
         }
         assert!(FrequencySpec::new(0.0, 64).build().is_err());
         assert!(FrequencySpec::new(10_000.0, 7).build().is_err());
+    }
+}
+
+mod given_frequencies {
+    //! Why `Rope::frequencies_from` takes a model's own f32 frequency vector: frameworks that
+    //! compute `inv_freq` in f32 hold entries that are not the f32 nearest the exact value, and
+    //! under `AngleMode::F32Compat` only their own vector gives their angles.
+    use kernels_gpu::math::{AngleMode, angle, rope_cos_sin_mode};
+
+    use super::*;
+
+    #[test]
+    fn hf_f32_frequencies_differ_from_the_correctly_rounded_ones_in_some_entries() {
+        for (theta, d) in [
+            (10_000.0f32, 64usize),
+            (10_000.0, 128),
+            (500_000.0, 128),
+            (1e6, 128),
+        ] {
+            let hf = reference::hf_inv_freq(theta, d);
+            let exact = rope_host::inv_freq(f64::from(theta), d as u32);
+            let ulps: Vec<u64> = hf
+                .iter()
+                .zip(&exact)
+                .map(|(&h, &e)| ulps_apart(h, e as f32))
+                .collect();
+            let differ = ulps.iter().filter(|&&u| u > 0).count();
+            report(&format!(
+                "theta {theta}, rotary_dim {d}: {differ} of {} f32 frequencies differ from the \
+                 correctly rounded ones, by up to {} ulp",
+                hf.len(),
+                ulps.iter().max().expect("non-empty")
+            ));
+            assert!(
+                differ > 0,
+                "theta {theta}, rotary_dim {d}: no entry differs"
+            );
+            assert!(ulps.iter().all(|&u| u <= 8), "{ulps:?}");
+        }
+    }
+
+    /// With the model's f32 vector widened to f64, the kernels' `F32Compat` angle is the f32
+    /// angle `f32(p) * inv_freq[i]` at every position and pair (with the correctly rounded
+    /// vector it is not), and cos/sin of it are those of the f32 tables to within one ulp, equal
+    /// but for near-ties of the rounding. The GPU is bit-identical to this CPU emulation
+    /// (`gpu::accuracy`).
+    #[test]
+    fn f32_compat_with_the_models_f32_vector_forms_its_f32_angles_exactly() {
+        let (theta, d) = (500_000.0f32, 128);
+        let hf = reference::hf_inv_freq(theta, d);
+        let exact = rope_host::inv_freq(f64::from(theta), d as u32);
+        let positions: Vec<i64> = (0..4096i64)
+            .map(|k| k * 511 + 3)
+            .chain([(1 << 31) - 1])
+            .collect();
+        let mut other_angles = 0;
+        for &p in &positions {
+            for (&h, &e) in hf.iter().zip(&exact) {
+                let f32_angle = f64::from(p as f32 * h);
+                assert_eq!(angle(p, f64::from(h), AngleMode::F32Compat), f32_angle);
+                if angle(p, e, AngleMode::F32Compat) != f32_angle {
+                    other_angles += 1;
+                }
+            }
+        }
+        assert!(
+            other_angles > 0,
+            "the correctly rounded vector gave the same angles"
+        );
+        let (cos, sin) = reference::f32_angle_tables(&hf, &positions);
+        let (mut off_by_one, mut total) = (0usize, 0usize);
+        for (r, &p) in positions.iter().enumerate() {
+            for (i, &h) in hf.iter().enumerate() {
+                let (c, s) = rope_cos_sin_mode(p, f64::from(h), AngleMode::F32Compat);
+                for (got, want) in [(c, cos[[r, i]]), (s, sin[[r, i]])] {
+                    let u = ulps_apart(got, want);
+                    assert!(u <= 1, "p {p}, i {i}: {got} vs {want}");
+                    off_by_one += usize::from(u == 1);
+                    total += 1;
+                }
+            }
+        }
+        report(&format!(
+            "F32Compat cos/sin vs f32-angle tables: {off_by_one} of {total} one ulp apart"
+        ));
+        assert!(off_by_one * 1000 <= total, "{off_by_one} of {total}");
     }
 }
 

@@ -391,8 +391,77 @@ impl FrequencySpec {
     }
 }
 
+/// A frequency vector given by the caller in the precision its framework holds it, for
+/// [`crate::Rope::frequencies_from`].
+///
+/// Hugging Face's models compute `inv_freq = 1 / theta^(2i/d)` in `f32`, and about a third of
+/// those entries differ from the `f32` nearest the exact value, which is what the `f64`
+/// frequencies of a [`FrequencySpec`] round to under [`AngleMode::F32Compat`]. The model's own
+/// `f32` vector, with [`AngleMode::F32Compat`], reproduces its angles `f32(p) * inv_freq[i]`
+/// exactly.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum InvFreq<'a> {
+    /// `f32` frequencies, widened exactly to `f64`.
+    F32(&'a [f32]),
+    /// `f64` frequencies.
+    F64(&'a [f64]),
+}
+
+impl InvFreq<'_> {
+    /// The frequencies in `f64` and the rotary width they serve (`2 * len`), after the checks
+    /// [`FrequencySpec::build`] makes of what it computes.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `inv_freq` when it is empty, when `2 * len` does not fit
+    /// a `u32`, or when an entry is not finite and positive or above `2^20`.
+    pub(crate) fn checked(self) -> Result<(Vec<f64>, u32)> {
+        let f: Vec<f64> = match self {
+            Self::F32(f) => f.iter().map(|&v| f64::from(v)).collect(),
+            Self::F64(f) => f.to_vec(),
+        };
+        if f.is_empty() {
+            return Err(invalid(
+                "inv_freq",
+                "must hold at least one frequency (rotary_dim is twice its length), got none",
+            ));
+        }
+        let rotary_dim = u32::try_from(f.len())
+            .ok()
+            .and_then(|n| n.checked_mul(2))
+            .ok_or_else(|| {
+                invalid(
+                    "inv_freq",
+                    format!(
+                        "holds {} frequencies; rotary_dim, twice that, must fit a u32",
+                        f.len()
+                    ),
+                )
+            })?;
+        check_frequencies("inv_freq", || "the given vector".to_string(), &f)?;
+        Ok((f, rotary_dim))
+    }
+}
+
+/// `attention_factor` if it lies in `[1e-3, 1e3]`, the range [`FrequencySpec::build`] holds
+/// computed attention factors to.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `attention_factor` when it is outside that range or NaN.
+pub(crate) fn check_attention_factor(attention_factor: f64) -> Result<f64> {
+    let (lo, hi) = ATTENTION_RANGE;
+    if attention_factor.is_finite() && (lo..=hi).contains(&attention_factor) {
+        Ok(attention_factor)
+    } else {
+        Err(invalid(
+            "attention_factor",
+            format!("must lie in [{lo}, {hi}], got {attention_factor}"),
+        ))
+    }
+}
+
 /// A frequency vector on the device, ready for [`crate::SinCos::Frequencies`] and
-/// [`crate::Rope::build_tables_for`]; made by [`crate::Rope::frequencies`].
+/// [`crate::Rope::build_tables_for`]; made by [`crate::Rope::frequencies`] or
+/// [`crate::Rope::frequencies_from`].
 #[derive(Debug)]
 pub struct Frequencies {
     pub(crate) inv_freq: CudaSlice<f64>,
