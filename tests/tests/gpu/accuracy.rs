@@ -134,7 +134,7 @@ fn gpu_output_is_bit_identical_to_the_cpu_emulation() {
     for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
         for angle in [AngleMode::Exact, AngleMode::F32Compat] {
             let spec = FrequencySpec::new(500_000.0, d as u32)
-                .scaling(RopeScaling::Yarn(Yarn::new(4.0, 8192.0)))
+                .scaling(RopeScaling::Yarn(Yarn::new(4.0, 8192)))
                 .angle(angle);
             let freqs = rope.frequencies(&spec).expect("valid");
             let got = rotate(
@@ -298,22 +298,32 @@ fn scaling_families_match_the_reference_on_gpu() {
         RopeScaling::Linear { factor: 4.0 },
         RopeScaling::DynamicNtk {
             factor: 4.0,
-            original_max_position_embeddings: 4096.0,
-            seq_len: 16384.0,
+            max_position_embeddings: 4096,
+            seq_len: 16384,
         },
-        RopeScaling::Yarn(Yarn::new(16.0, 4096.0)),
+        RopeScaling::Yarn(Yarn::new(16.0, 4096)),
         RopeScaling::Llama3 {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192.0,
+            original_max_position_embeddings: 8192,
         },
         RopeScaling::LongRope {
             short_factor: (0..d / 2).map(|i| 1.0 + i as f64 / 64.0).collect(),
             long_factor: (0..d / 2).map(|i| 1.0 + i as f64 / 8.0).collect(),
-            original_max_position_embeddings: 4096.0,
-            max_position_embeddings: 131_072.0,
-            seq_len: 100_000.0,
+            factor: None,
+            original_max_position_embeddings: 4096,
+            max_position_embeddings: 131_072,
+            seq_len: 100_000,
+            attention_factor: None,
+        },
+        RopeScaling::LongRope {
+            short_factor: (0..d / 2).map(|i| 1.0 + i as f64 / 64.0).collect(),
+            long_factor: (0..d / 2).map(|i| 1.0 + i as f64 / 8.0).collect(),
+            factor: Some(16.0),
+            original_max_position_embeddings: 8192,
+            max_position_embeddings: 8192,
+            seq_len: 100_000,
             attention_factor: None,
         },
     ];
@@ -382,6 +392,9 @@ fn family_name(s: &RopeScaling) -> &'static str {
         RopeScaling::DynamicNtk { .. } => "dynamic NTK",
         RopeScaling::Yarn(_) => "YaRN",
         RopeScaling::Llama3 { .. } => "Llama 3.1",
-        RopeScaling::LongRope { .. } => "LongRoPE",
+        RopeScaling::LongRope { factor: None, .. } => "LongRoPE",
+        RopeScaling::LongRope {
+            factor: Some(_), ..
+        } => "LongRoPE with factor",
     }
 }
