@@ -35,6 +35,28 @@ pub fn inv_freq(theta: f64, rotary_dim: usize) -> Vec<f64> {
         .collect()
 }
 
+/// `inv_freq` as Hugging Face's models compute it in PyTorch's default dtype,
+/// `1.0 / (theta ** (arange(0, rotary_dim, 2).float() / rotary_dim))`: every step in f32 (the
+/// exponent `2i / rotary_dim`, the power and the reciprocal each rounded to f32).
+pub fn hf_inv_freq(theta: f32, rotary_dim: usize) -> Vec<f32> {
+    (0..rotary_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / rotary_dim as f32))
+        .collect()
+}
+
+/// Tables `[positions.len(), inv_freq.len()]` (row `r` for position `positions[r]`) of cos and
+/// sin of the f32 angle `f32(p) * inv_freq[i]`, as f32 frameworks form it, each computed in f64
+/// from that angle and rounded once to f32.
+pub fn f32_angle_tables(inv_freq: &[f32], positions: &[i64]) -> (Array2<f32>, Array2<f32>) {
+    let angle = Array2::from_shape_fn((positions.len(), inv_freq.len()), |(r, i)| {
+        f64::from(positions[r] as f32 * inv_freq[i])
+    });
+    (
+        angle.mapv(|a| a.cos() as f32),
+        angle.mapv(|a| a.sin() as f32),
+    )
+}
+
 /// Tables `[max_position, rotary_dim/2]` of `cos`/`sin(p * inv_freq_i)`, in f64.
 pub fn tables(theta: f64, rotary_dim: usize, max_position: usize) -> (Array2<f64>, Array2<f64>) {
     let f = inv_freq(theta, rotary_dim);

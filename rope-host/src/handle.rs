@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys, sys::CUdevice_attrib
 use kernels_gpu::abi::KernelName;
 
 use crate::error::{Result, invalid};
-use crate::freq::{Frequencies, FrequencySpec};
+use crate::freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, check_attention_factor};
 use crate::module::{Module, module_for};
 
 /// What the launch planner knows of the device, queried once per [`Rope`].
@@ -202,14 +202,46 @@ impl Rope {
     /// As [`FrequencySpec::build`]; [`crate::Error::Driver`] when the upload fails.
     pub fn frequencies(&self, spec: &FrequencySpec) -> Result<Frequencies> {
         let (inv_freq, attention_factor) = spec.build()?;
-        let inv_freq = self.stream.clone_htod(&inv_freq)?;
-        // Complete before it is returned, so launches on any stream may read it.
+        self.upload_frequencies(&inv_freq, spec.rotary_dim, attention_factor, spec.angle)
+    }
+
+    /// Uploads a frequency vector the caller computed, `rotary_dim = 2 * inv_freq.len()`, with
+    /// its attention factor and angle mode: for models whose framework computed `inv_freq`
+    /// itself. With [`AngleMode::F32Compat`], an `f32` vector as PyTorch holds it reproduces the
+    /// model's angles `f32(p) * inv_freq[i]` exactly.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `inv_freq` when it is empty, when `2 * len` overflows a
+    /// `u32`, or when an entry is not finite and positive or above `2^20` (the bound
+    /// [`FrequencySpec::build`] holds every family to), and `attention_factor` when it lies
+    /// outside `[1e-3, 1e3]`; [`crate::Error::Driver`] when the upload fails.
+    pub fn frequencies_from(
+        &self,
+        inv_freq: InvFreq<'_>,
+        attention_factor: f64,
+        angle: AngleMode,
+    ) -> Result<Frequencies> {
+        let (inv_freq, rotary_dim) = inv_freq.checked()?;
+        let attention_factor = check_attention_factor(attention_factor)?;
+        self.upload_frequencies(&inv_freq, rotary_dim, attention_factor, angle)
+    }
+
+    /// Uploads checked frequencies, complete on the device when this returns, so launches on
+    /// any stream may read them.
+    fn upload_frequencies(
+        &self,
+        inv_freq: &[f64],
+        rotary_dim: u32,
+        attention_factor: f64,
+        angle: AngleMode,
+    ) -> Result<Frequencies> {
+        let inv_freq = self.stream.clone_htod(inv_freq)?;
         self.stream.synchronize()?;
         Ok(Frequencies {
             inv_freq,
-            rotary_dim: spec.rotary_dim,
+            rotary_dim,
             attention_factor,
-            angle: spec.angle,
+            angle,
         })
     }
 

@@ -50,7 +50,7 @@ mod table;
 pub use bind::RawBuf;
 pub use cudarc;
 pub use error::{Error, Result};
-pub use freq::{AngleMode, Frequencies, FrequencySpec, RopeScaling, Yarn, inv_freq};
+pub use freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, inv_freq};
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;

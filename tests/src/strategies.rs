@@ -293,9 +293,46 @@ pub fn log_uniform(lo: f64, hi: f64) -> BoxedStrategy<f64> {
     .boxed()
 }
 
+/// Integers log-uniform in `[lo, hi]` (`lo >= 1`), endpoints included now and then.
+pub fn log_uniform_u64(lo: u64, hi: u64) -> BoxedStrategy<u64> {
+    log_uniform(lo as f64, hi as f64)
+        // `as` saturates: `hi as f64` may round up past `hi` (for `u64::MAX`, to 2^64).
+        .prop_map(move |v| (v.round() as u64).clamp(lo, hi))
+        .boxed()
+}
+
+/// Integers log-uniform in `[lo, hi]` (`lo >= 1`), endpoints included now and then.
+pub fn log_uniform_u32(lo: u32, hi: u32) -> BoxedStrategy<u32> {
+    log_uniform_u64(lo.into(), hi.into())
+        .prop_map(|v| u32::try_from(v).expect("at most hi"))
+        .boxed()
+}
+
+/// Lengths of every class for `u64` fields (`seq_len`): 0, 1, 2, the `u32` limit and the
+/// `u64` limit.
+pub fn edge_u64() -> BoxedStrategy<u64> {
+    let max32 = u64::from(u32::MAX);
+    proptest::sample::select(vec![0, 1, 2, 3, max32 - 1, max32, max32 + 1, u64::MAX]).boxed()
+}
+
+/// Lengths of every class for `u32` fields (context lengths): 0, 1, 2 and the `u32` limit.
+pub fn edge_u32() -> BoxedStrategy<u32> {
+    proptest::sample::select(vec![0, 1, 2, 3, u32::MAX - 1, u32::MAX]).boxed()
+}
+
 /// Mostly a plausible value in `[lo, hi]`, else any value of [`edge_f64`].
 fn plausible_or_edge(lo: f64, hi: f64) -> BoxedStrategy<f64> {
     prop_oneof![2 => log_uniform(lo, hi), 1 => edge_f64()].boxed()
+}
+
+/// Mostly a plausible length in `[lo, hi]`, else any value of [`edge_u32`].
+fn plausible_or_edge_u32(lo: u32, hi: u32) -> BoxedStrategy<u32> {
+    prop_oneof![2 => log_uniform_u32(lo, hi), 1 => edge_u32()].boxed()
+}
+
+/// Mostly a plausible length in `[lo, hi]`, else any value of [`edge_u64`].
+fn plausible_or_edge_u64(lo: u64, hi: u64) -> BoxedStrategy<u64> {
+    prop_oneof![2 => log_uniform_u64(lo, hi), 1 => edge_u64()].boxed()
 }
 
 /// `n` LongRoPE factors: in `[lo, hi]`, the list one entry longer or shorter now and then, and
@@ -322,8 +359,9 @@ fn factor_list(
         })
 }
 
-/// A frequency family for `pairs = rotary_dim / 2` pairs, each parameter drawn by `value(lo, hi)`
-/// from a plausible range `[lo, hi]` (the generators below decide how far outside they go).
+/// A frequency family for `pairs = rotary_dim / 2` pairs, each float parameter drawn by
+/// `value(lo, hi)` from a plausible range `[lo, hi]` (the generators below decide how far
+/// outside they go), each length mostly plausible, else from [`edge_u32`] or [`edge_u64`].
 fn scaling_with(
     pairs: usize,
     value: fn(f64, f64) -> BoxedStrategy<f64>,
@@ -332,7 +370,7 @@ fn scaling_with(
     let yarn = (
         (
             value(0.5, 64.0),
-            value(1.0, 1e6),
+            plausible_or_edge_u32(1, 1_000_000),
             value(0.5, 64.0),
             value(0.25, 4.0),
         ),
@@ -360,14 +398,20 @@ fn scaling_with(
     let longrope = (
         factor_list(pairs, 0.9, 1.5, list_edge.clone()),
         factor_list(pairs, 1.0, 64.0, list_edge),
-        (value(2.0, 1e5), value(1.0, 1e7), value(1.0, 1e7)),
+        proptest::option::weighted(0.3, value(1.0, 64.0)),
+        (
+            plausible_or_edge_u32(2, 100_000),
+            plausible_or_edge_u32(1, 10_000_000),
+            plausible_or_edge_u64(1, 10_000_000),
+        ),
         proptest::option::weighted(0.2, value(0.5, 2.0)),
     )
         .prop_map(
-            |(short_factor, long_factor, (original, max, seq_len), attention_factor)| {
+            |(short_factor, long_factor, factor, (original, max, seq_len), attention_factor)| {
                 RopeScaling::LongRope {
                     short_factor,
                     long_factor,
+                    factor,
                     original_max_position_embeddings: original,
                     max_position_embeddings: max,
                     seq_len,
@@ -378,19 +422,22 @@ fn scaling_with(
     prop_oneof![
         Just(RopeScaling::Default),
         value(0.5, 64.0).prop_map(|factor| RopeScaling::Linear { factor }),
-        (value(0.5, 64.0), value(1.0, 1e6), value(1.0, 1e7)).prop_map(
-            |(factor, original, seq_len)| RopeScaling::DynamicNtk {
+        (
+            value(0.5, 64.0),
+            plausible_or_edge_u32(1, 1_000_000),
+            plausible_or_edge_u64(1, 10_000_000)
+        )
+            .prop_map(|(factor, max, seq_len)| RopeScaling::DynamicNtk {
                 factor,
-                original_max_position_embeddings: original,
+                max_position_embeddings: max,
                 seq_len,
-            }
-        ),
+            }),
         yarn,
         (
             value(1.0, 64.0),
             value(0.25, 2.0),
             value(2.0, 16.0),
-            value(1.0, 1e6)
+            plausible_or_edge_u32(1, 1_000_000)
         )
             .prop_map(|(factor, low, high, original)| RopeScaling::Llama3 {
                 factor,
@@ -403,9 +450,9 @@ fn scaling_with(
     .boxed()
 }
 
-/// Any frequency description, valid or not: `theta` and every parameter either plausible or
-/// from [`edge_f64`], `rotary_dim` odd, zero or even, factor lists of the wrong length now and
-/// then.
+/// Any frequency description, valid or not: `theta` and every float parameter either plausible
+/// or from [`edge_f64`], every length either plausible or from [`edge_u32`] or [`edge_u64`],
+/// `rotary_dim` odd, zero or even, factor lists of the wrong length now and then.
 pub fn frequency_spec_any() -> impl Strategy<Value = FrequencySpec> {
     (
         plausible_or_edge(1.0, 1e7),
@@ -421,13 +468,16 @@ pub fn frequency_spec_any() -> impl Strategy<Value = FrequencySpec> {
 }
 
 /// A description inside every documented domain, over wide ranges: `theta` in `(1, 1e7]`,
-/// factors over all of `[2^-20, 2^20]`, lengths from 1 to `2^31` (LongRoPE's original context
-/// from 2), rotation counts in `[2^-20, 2^20]`, `mscale` in `[0, 10]`, attention factors over
-/// all of `[1e-3, 1e3]`, `low_freq_factor < high_freq_factor` down to one ulp apart.
+/// factors over all of `[2^-20, 2^20]`, context lengths over all of `[1, u32::MAX]` (LongRoPE's
+/// original context from 2) and sequence lengths over all of `[1, u64::MAX]`, LongRoPE's
+/// `factor` given or not, rotation counts in `[2^-20, 2^20]`, `mscale` in `[0, 10]`, attention
+/// factors over all of `[1e-3, 1e3]`, `low_freq_factor < high_freq_factor` down to one ulp
+/// apart.
 pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
     let (min_factor, max_factor) = (2f64.powi(-20), 2f64.powi(20));
     let factor = move || log_uniform(min_factor, max_factor);
-    let length = || log_uniform(1.0, 2f64.powi(31));
+    let length = || log_uniform_u32(1, u32::MAX);
+    let seq_len = || log_uniform_u64(1, u64::MAX);
     let yarn = (
         (factor(), length(), factor(), factor()),
         (
@@ -476,14 +526,22 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
         let longrope = (
             proptest::collection::vec(factor(), pairs),
             proptest::collection::vec(factor(), pairs),
-            (log_uniform(2.0, 2f64.powi(31)), length(), length()),
+            proptest::option::of(factor()),
+            (log_uniform_u32(2, u32::MAX), length(), seq_len()),
             proptest::option::weighted(0.2, log_uniform(1e-3, 1e3)),
         )
             .prop_map(
-                |(short_factor, long_factor, (original, max, seq_len), attention_factor)| {
+                |(
+                    short_factor,
+                    long_factor,
+                    factor,
+                    (original, max, seq_len),
+                    attention_factor,
+                )| {
                     RopeScaling::LongRope {
                         short_factor,
                         long_factor,
+                        factor,
                         original_max_position_embeddings: original,
                         max_position_embeddings: max,
                         seq_len,
@@ -494,10 +552,10 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
         prop_oneof![
             Just(RopeScaling::Default),
             factor().prop_map(|factor| RopeScaling::Linear { factor }),
-            (factor(), length(), length()).prop_map(|(factor, original, seq_len)| {
+            (factor(), length(), seq_len()).prop_map(|(factor, max, seq_len)| {
                 RopeScaling::DynamicNtk {
                     factor,
-                    original_max_position_embeddings: original,
+                    max_position_embeddings: max,
                     seq_len,
                 }
             }),

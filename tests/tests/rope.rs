@@ -42,6 +42,16 @@ fn sequential_positions(batch: usize, seq: usize, offset: i64) -> Array2<i64> {
     Array2::from_shape_fn((batch, seq), |(_, s)| offset + s as i64)
 }
 
+/// How many f32 values lie between `a` and `b`, plus one (0 when they are equal, 1 for
+/// neighbours; the two zeros count as one value).
+fn ulps_apart(a: f32, b: f32) -> u64 {
+    let ordered = |v: f32| {
+        let bits = i64::from(v.to_bits() & 0x7fff_ffff);
+        if v.is_sign_negative() { -bits } else { bits }
+    };
+    ordered(a).abs_diff(ordered(b))
+}
+
 mod matches_plain_formula {
     use super::*;
 
@@ -356,26 +366,26 @@ mod scaling_families {
                     1e3f64..1e6,
                     2u32..=64,
                     1.0f64..16.0,
-                    512.0f64..8192.0,
+                    512u32..8192,
                     0.1f64..8.0,
                 ),
-                |(theta, half, factor, original, ratio)| {
+                |(theta, half, factor, max, ratio)| {
                     let d = 2 * half;
-                    let seq_len = original * ratio;
+                    let seq_len = (f64::from(max) * ratio).ceil() as u64;
                     let (f, _) = build(
                         theta,
                         d,
                         RopeScaling::DynamicNtk {
                             factor,
-                            original_max_position_embeddings: original,
+                            max_position_embeddings: max,
                             seq_len,
                         },
                     );
-                    let base = if seq_len <= original {
+                    let base = if seq_len <= u64::from(max) {
                         theta
                     } else {
                         theta
-                            * (factor * seq_len / original - factor + 1.0)
+                            * (factor * seq_len as f64 / f64::from(max) - factor + 1.0)
                                 .powf(d as f64 / (d as f64 - 2.0))
                     };
                     for (i, &v) in f.iter().enumerate() {
@@ -395,11 +405,12 @@ mod scaling_families {
     fn yarn_extrapolates_fast_dimensions_and_interpolates_slow_ones() {
         runner(64)
             .run(
-                &(1e4f64..1e6, 16u32..=128, 2.0f64..64.0, 2048.0f64..32768.0),
+                &(1e4f64..1e6, 16u32..=128, 2.0f64..64.0, 2048u32..32768),
                 |(theta, half, factor, original)| {
                     let d = 2 * half;
                     let (f, attention) =
                         build(theta, d, RopeScaling::Yarn(Yarn::new(factor, original)));
+                    let original = f64::from(original);
                     prop_assert!(close(attention, 0.1 * factor.ln() + 1.0));
                     // The correction range in dimensions (floor/ceil), as published in the reference
                     // implementation: dimensions below `low` extrapolate, above `high` interpolate,
@@ -429,7 +440,7 @@ mod scaling_families {
         let y = Yarn {
             mscale: Some(0.707),
             mscale_all_dim: Some(0.707),
-            ..Yarn::new(40.0, 4096.0)
+            ..Yarn::new(40.0, 4096)
         };
         assert_eq!(build(10_000.0, 64, RopeScaling::Yarn(y)).1, 1.0);
     }
@@ -441,7 +452,7 @@ mod scaling_families {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192.0,
+            original_max_position_embeddings: 8192,
         };
         let (f, a) = build(theta, d, scaling);
         assert_eq!(a, 1.0);
@@ -467,12 +478,13 @@ mod scaling_families {
         let half = 48usize;
         let short: Vec<f64> = (0..half).map(|i| 1.0 + i as f64 / 100.0).collect();
         let long: Vec<f64> = (0..half).map(|i| 1.0 + i as f64 / 4.0).collect();
-        for (seq_len, ext) in [(4096.0, &short), (4097.0, &long), (100_000.0, &long)] {
+        for (seq_len, ext) in [(1, &short), (4096, &short), (4097, &long), (100_000, &long)] {
             let scaling = RopeScaling::LongRope {
                 short_factor: short.clone(),
                 long_factor: long.clone(),
-                original_max_position_embeddings: 4096.0,
-                max_position_embeddings: 131_072.0,
+                factor: None,
+                original_max_position_embeddings: 4096,
+                max_position_embeddings: 131_072,
                 seq_len,
                 attention_factor: None,
             };
@@ -490,6 +502,47 @@ mod scaling_families {
         }
     }
 
+    /// As Hugging Face computes it: a given `factor` sets the attention factor
+    /// `sqrt(1 + ln(factor) / ln(original))` (1 for `factor <= 1`) whatever
+    /// `max_position_embeddings` is; without one, the ratio of the two lengths stands for it;
+    /// a given `attention_factor` overrides both. The factor lists are chosen by `seq_len`
+    /// against the original context alone.
+    #[test]
+    fn longrope_attention_factor_comes_from_factor_when_given() {
+        let half = 16usize;
+        let scaling = |factor, max, attention_factor| RopeScaling::LongRope {
+            short_factor: vec![1.0; half],
+            long_factor: vec![2.0; half],
+            factor,
+            original_max_position_embeddings: 4096,
+            max_position_embeddings: max,
+            seq_len: 8192,
+            attention_factor,
+        };
+        let from = |s: f64| (1.0 + s.ln() / 4096f64.ln()).sqrt();
+        for (factor, max, attention_factor, want) in [
+            (Some(16.0), 131_072, None, from(16.0)),
+            (Some(16.0), 4096, None, from(16.0)),
+            (Some(0.5), 131_072, None, 1.0),
+            (Some(1.0), 131_072, None, 1.0),
+            (None, 131_072, None, from(32.0)),
+            (None, 4096, None, 1.0),
+            (None, 2048, None, 1.0),
+            (Some(16.0), 131_072, Some(1.5), 1.5),
+        ] {
+            let (f, a) = build(
+                10_000.0,
+                2 * half as u32,
+                scaling(factor, max, attention_factor),
+            );
+            assert!(
+                close(a, want),
+                "factor {factor:?}, max {max}, attention_factor {attention_factor:?}: {a} vs {want}"
+            );
+            assert!(close(f[0], 0.5), "long factors past the original context");
+        }
+    }
+
     #[test]
     fn invalid_family_parameters_are_rejected() {
         let bad = [
@@ -497,22 +550,32 @@ mod scaling_families {
             RopeScaling::Linear { factor: f64::NAN },
             RopeScaling::DynamicNtk {
                 factor: 2.0,
-                original_max_position_embeddings: -1.0,
-                seq_len: 10.0,
+                max_position_embeddings: 0,
+                seq_len: 10,
             },
-            RopeScaling::Yarn(Yarn::new(-4.0, 4096.0)),
+            RopeScaling::Yarn(Yarn::new(-4.0, 4096)),
             RopeScaling::Llama3 {
                 factor: 8.0,
                 low_freq_factor: 4.0,
                 high_freq_factor: 1.0,
-                original_max_position_embeddings: 8192.0,
+                original_max_position_embeddings: 8192,
             },
             RopeScaling::LongRope {
                 short_factor: vec![1.0; 3],
                 long_factor: vec![1.0; 32],
-                original_max_position_embeddings: 4096.0,
-                max_position_embeddings: 8192.0,
-                seq_len: 10.0,
+                factor: None,
+                original_max_position_embeddings: 4096,
+                max_position_embeddings: 8192,
+                seq_len: 10,
+                attention_factor: None,
+            },
+            RopeScaling::LongRope {
+                short_factor: vec![1.0; 32],
+                long_factor: vec![1.0; 32],
+                factor: Some(0.0),
+                original_max_position_embeddings: 4096,
+                max_position_embeddings: 8192,
+                seq_len: 10,
                 attention_factor: None,
             },
         ];
@@ -528,6 +591,92 @@ mod scaling_families {
         }
         assert!(FrequencySpec::new(0.0, 64).build().is_err());
         assert!(FrequencySpec::new(10_000.0, 7).build().is_err());
+    }
+}
+
+mod given_frequencies {
+    //! Why `Rope::frequencies_from` takes a model's own f32 frequency vector: frameworks that
+    //! compute `inv_freq` in f32 hold entries that are not the f32 nearest the exact value, and
+    //! under `AngleMode::F32Compat` only their own vector gives their angles.
+    use kernels_gpu::math::{AngleMode, angle, rope_cos_sin_mode};
+
+    use super::*;
+
+    #[test]
+    fn hf_f32_frequencies_differ_from_the_correctly_rounded_ones_in_some_entries() {
+        for (theta, d) in [
+            (10_000.0f32, 64usize),
+            (10_000.0, 128),
+            (500_000.0, 128),
+            (1e6, 128),
+        ] {
+            let hf = reference::hf_inv_freq(theta, d);
+            let exact = rope_host::inv_freq(f64::from(theta), d as u32);
+            let ulps: Vec<u64> = hf
+                .iter()
+                .zip(&exact)
+                .map(|(&h, &e)| ulps_apart(h, e as f32))
+                .collect();
+            let differ = ulps.iter().filter(|&&u| u > 0).count();
+            report(&format!(
+                "theta {theta}, rotary_dim {d}: {differ} of {} f32 frequencies differ from the \
+                 correctly rounded ones, by up to {} ulp",
+                hf.len(),
+                ulps.iter().max().expect("non-empty")
+            ));
+            assert!(
+                differ > 0,
+                "theta {theta}, rotary_dim {d}: no entry differs"
+            );
+            assert!(ulps.iter().all(|&u| u <= 8), "{ulps:?}");
+        }
+    }
+
+    /// With the model's f32 vector widened to f64, the kernels' `F32Compat` angle is the f32
+    /// angle `f32(p) * inv_freq[i]` at every position and pair (with the correctly rounded
+    /// vector it is not), and cos/sin of it are those of the f32 tables to within one ulp, equal
+    /// but for near-ties of the rounding. The GPU is bit-identical to this CPU emulation
+    /// (`gpu::accuracy`).
+    #[test]
+    fn f32_compat_with_the_models_f32_vector_forms_its_f32_angles_exactly() {
+        let (theta, d) = (500_000.0f32, 128);
+        let hf = reference::hf_inv_freq(theta, d);
+        let exact = rope_host::inv_freq(f64::from(theta), d as u32);
+        let positions: Vec<i64> = (0..4096i64)
+            .map(|k| k * 511 + 3)
+            .chain([(1 << 31) - 1])
+            .collect();
+        let mut other_angles = 0;
+        for &p in &positions {
+            for (&h, &e) in hf.iter().zip(&exact) {
+                let f32_angle = f64::from(p as f32 * h);
+                assert_eq!(angle(p, f64::from(h), AngleMode::F32Compat), f32_angle);
+                if angle(p, e, AngleMode::F32Compat) != f32_angle {
+                    other_angles += 1;
+                }
+            }
+        }
+        assert!(
+            other_angles > 0,
+            "the correctly rounded vector gave the same angles"
+        );
+        let (cos, sin) = reference::f32_angle_tables(&hf, &positions);
+        let (mut off_by_one, mut total) = (0usize, 0usize);
+        for (r, &p) in positions.iter().enumerate() {
+            for (i, &h) in hf.iter().enumerate() {
+                let (c, s) = rope_cos_sin_mode(p, f64::from(h), AngleMode::F32Compat);
+                for (got, want) in [(c, cos[[r, i]]), (s, sin[[r, i]])] {
+                    let u = ulps_apart(got, want);
+                    assert!(u <= 1, "p {p}, i {i}: {got} vs {want}");
+                    off_by_one += usize::from(u == 1);
+                    total += 1;
+                }
+            }
+        }
+        report(&format!(
+            "F32Compat cos/sin vs f32-angle tables: {off_by_one} of {total} one ulp apart"
+        ));
+        assert!(off_by_one * 1000 <= total, "{off_by_one} of {total}");
     }
 }
 

@@ -12,45 +12,34 @@ pub(super) fn linear(base: Vec<f64>, factor: f64) -> Result<(Vec<f64>, f64)> {
     Ok((base.iter().map(|f| f / factor).collect(), 1.0))
 }
 
-/// Dynamic NTK: the default frequencies of a base grown for sequences past the original
-/// context.
+/// Dynamic NTK: the default frequencies of a base grown for sequences past the model's context
+/// (`max_position_embeddings`).
 pub(super) fn dynamic_ntk(
     (theta, d): (f64, u32),
     factor: f64,
-    original_max_position_embeddings: f64,
-    seq_len: f64,
+    max_position_embeddings: u32,
+    seq_len: u64,
 ) -> Result<(Vec<f64>, f64)> {
     let dim = f64::from(d);
     let factor = scale_factor("factor", factor)?;
-    let original = length(
-        "original_max_position_embeddings",
-        original_max_position_embeddings,
-    )?;
-    let seq_len = length("seq_len", seq_len)?.max(original);
+    let max = length("max_position_embeddings", max_position_embeddings.into())?;
+    length("seq_len", seq_len)?;
     if d <= 2 {
         return Err(invalid("rotary_dim", "dynamic NTK needs rotary_dim > 2"));
     }
-    // At least 1 as `seq_len >= original` and `factor > 0`, but for rounding or
-    // overflow when `factor` or `seq_len / original` is huge.
-    let growth = factor * seq_len / original - (factor - 1.0);
-    if !(growth.is_finite() && growth > 0.0) {
-        return Err(invalid(
-            "scaling",
-            format!(
-                "factor * seq_len / original_max_position_embeddings - (factor - 1) \
-                     must be finite and positive, got {growth} (factor {factor}, \
-                     seq_len {seq_len}, original_max_position_embeddings {original})"
-            ),
-        ));
-    }
+    // `seq_len >= max >= 1` and `factor` in [2^-20, 2^20]: the growth lies in [1, 2^84] up to
+    // rounding errors far below 1, so it is finite and positive, and only a huge `theta` makes
+    // the grown base overflow.
+    let seq_len = seq_len.max(max_position_embeddings.into()) as f64;
+    let growth = factor * seq_len / max - (factor - 1.0);
     let grown = theta * growth.powf(dim / (dim - 2.0));
     if !(grown.is_finite() && grown > 0.0) {
         return Err(invalid(
             "scaling",
             format!(
-                "the grown base theta * growth^(d / (d - 2)) must be finite and \
-                     positive, got {grown} (factor {factor}, seq_len {seq_len}, \
-                     original_max_position_embeddings {original})"
+                "the grown base theta * growth^(d / (d - 2)) must be finite and positive, got \
+                 {grown} (theta {theta}, growth factor * seq_len / max_position_embeddings - \
+                 (factor - 1) = {growth})"
             ),
         ));
     }
@@ -64,14 +53,14 @@ pub(super) fn llama3(
     base: Vec<f64>,
     factor: f64,
     (low_freq_factor, high_freq_factor): (f64, f64),
-    original_max_position_embeddings: f64,
+    original_max_position_embeddings: u32,
 ) -> Result<(Vec<f64>, f64)> {
     let factor = scale_factor("factor", factor)?;
     let low = positive("low_freq_factor", low_freq_factor)?;
     let high = positive("high_freq_factor", high_freq_factor)?;
     let original = length(
         "original_max_position_embeddings",
-        original_max_position_embeddings,
+        original_max_position_embeddings.into(),
     )?;
     if low >= high {
         return Err(invalid(
@@ -103,19 +92,22 @@ pub(super) fn llama3(
 }
 
 /// LongRoPE / Phi-3: per-pair extension factors (long past the original context, else short)
-/// and an attention factor.
+/// and an attention factor from the extension ratio: `factor` when given, else the ratio of the
+/// two context lengths.
 pub(super) fn longrope(
     base: Vec<f64>,
     (short_factor, long_factor): (&[f64], &[f64]),
-    (original_max_position_embeddings, max_position_embeddings, seq_len): (f64, f64, f64),
+    factor: Option<f64>,
+    (original_max_position_embeddings, max_position_embeddings, seq_len): (u32, u32, u64),
     attention_factor: Option<f64>,
 ) -> Result<(Vec<f64>, f64)> {
     let original = log_length(
         "original_max_position_embeddings",
         original_max_position_embeddings,
     )?;
-    let max = length("max_position_embeddings", max_position_embeddings)?;
-    let seq_len = length("seq_len", seq_len)?;
+    let max = length("max_position_embeddings", max_position_embeddings.into())?;
+    length("seq_len", seq_len)?;
+    let factor = factor.map(|f| scale_factor("factor", f)).transpose()?;
     for (name, list) in [("short_factor", short_factor), ("long_factor", long_factor)] {
         if list.len() != base.len() {
             return Err(invalid(
@@ -131,18 +123,19 @@ pub(super) fn longrope(
             scale_factor(&format!("{name}[{i}]"), v)?;
         }
     }
-    let ext = if seq_len > original {
+    let ext = if seq_len > u64::from(original_max_position_embeddings) {
         long_factor
     } else {
         short_factor
     };
-    let scale = max / original;
+    let scale = factor.unwrap_or(max / original);
     let attention = match attention_factor {
         Some(a) => attention_factor_in_range("attention_factor", a)?,
         None if scale <= 1.0 => 1.0,
-        // `scale > 1` and `original > 1`: the square root's argument is above 1.
+        // `scale` in (1, 2^31) and `original` at least 2: the square root's argument lies in
+        // (1, 32).
         None => attention_factor_in_range(
-            "the attention factor sqrt(1 + ln(max_position_embeddings / \
+            "the attention factor sqrt(1 + ln(factor, or max_position_embeddings / \
                  original_max_position_embeddings) / ln(original_max_position_embeddings))",
             (1.0 + scale.ln() / original.ln()).sqrt(),
         )?,
@@ -202,26 +195,27 @@ fn scale_factor(name: &str, v: f64) -> Result<f64> {
     }
 }
 
-/// `v` if it is a length in tokens, finite and at least 1, else an error naming it.
-fn length(name: &str, v: f64) -> Result<f64> {
-    if v.is_finite() && v >= 1.0 {
-        Ok(v)
+/// `v` as an `f64` if it is a length in tokens, nonzero, else an error naming it.
+fn length(name: &str, v: u64) -> Result<f64> {
+    if v >= 1 {
+        Ok(v as f64)
     } else {
         Err(invalid(
             "scaling",
-            format!("{name} must be finite and >= 1 (a length in tokens), got {v}"),
+            format!("{name} must be a nonzero length in tokens, got {v}"),
         ))
     }
 }
 
-/// `v` if it is a length whose logarithm divides: finite and above 1, else an error naming it.
-fn log_length(name: &str, v: f64) -> Result<f64> {
-    if v.is_finite() && v > 1.0 {
-        Ok(v)
+/// `v` as an `f64` if it is a length whose logarithm divides, at least 2, else an error naming
+/// it.
+fn log_length(name: &str, v: u32) -> Result<f64> {
+    if v >= 2 {
+        Ok(f64::from(v))
     } else {
         Err(invalid(
             "scaling",
-            format!("{name} must be finite and > 1 (its logarithm divides), got {v}"),
+            format!("{name} must be at least 2 (its logarithm divides), got {v}"),
         ))
     }
 }
@@ -252,7 +246,7 @@ pub(super) fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
     let factor = scale_factor("factor", y.factor)?;
     let original = length(
         "original_max_position_embeddings",
-        y.original_max_position_embeddings,
+        y.original_max_position_embeddings.into(),
     )?;
     let (fast, slow) = (
         positive("beta_fast", y.beta_fast)?,

@@ -112,8 +112,8 @@ pub(crate) fn check_theta(theta: f64, rotary_dim: u32) -> Result<()> {
 pub struct Yarn {
     /// `factor`: context extension ratio `s`.
     pub factor: f64,
-    /// `original_max_position_embeddings`: the pre-training context `L`.
-    pub original_max_position_embeddings: f64,
+    /// `original_max_position_embeddings`: the pre-training context `L`, in tokens.
+    pub original_max_position_embeddings: u32,
     /// `beta_fast` (default 32): rotations above which a dimension is extrapolated.
     pub beta_fast: f64,
     /// `beta_slow` (default 1): rotations below which a dimension is interpolated.
@@ -129,9 +129,9 @@ pub struct Yarn {
 }
 
 impl Yarn {
-    /// YaRN with `factor` over a pre-training context of `original_max_position_embeddings`,
-    /// other fields at their defaults.
-    pub fn new(factor: f64, original_max_position_embeddings: f64) -> Self {
+    /// YaRN with `factor` over a pre-training context of `original_max_position_embeddings`
+    /// tokens, other fields at their defaults.
+    pub fn new(factor: f64, original_max_position_embeddings: u32) -> Self {
         Self {
             factor,
             original_max_position_embeddings,
@@ -145,15 +145,17 @@ impl Yarn {
     }
 }
 
-/// A frequency family with its parameters, named as model configs name them.
+/// A frequency family with its parameters, named and typed as model configs have them: factors
+/// are `f64`, lengths in tokens are integers (`u32` for the config's context lengths, `u64` for
+/// the current sequence length, which may exceed every `u32` position by one).
 ///
 /// Each variant's domain is checked by [`FrequencySpec::build`], on top of what every family
 /// needs (`theta` finite and positive with every `theta^(-2i/d)` at most `2^20`, `rotary_dim`
 /// even and at least 2). Throughout, a factor lies in `[2^-20, 2^20]`, a length
-/// (`original_max_position_embeddings`, `max_position_embeddings`, `seq_len`) is finite and at
-/// least 1, and an `attention_factor` lies in `[1e-3, 1e3]`; and whatever the family computes
-/// is checked again: every frequency finite, positive and at most `2^20`, the attention factor
-/// in `[1e-3, 1e3]`.
+/// (`original_max_position_embeddings`, `max_position_embeddings`, `seq_len`) is nonzero, and
+/// an `attention_factor` lies in `[1e-3, 1e3]`; and whatever the family computes is checked
+/// again: every frequency finite, positive and at most `2^20`, the attention factor in
+/// `[1e-3, 1e3]`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
     /// `theta^(-2i/d)`.
@@ -167,27 +169,29 @@ pub enum RopeScaling {
         /// `factor`.
         factor: f64,
     },
-    /// Dynamic NTK (`rope_type: "dynamic"`): for a sequence longer than
-    /// `original_max_position_embeddings`, the base grows to
-    /// `theta * (factor * seq_len / original - (factor - 1))^(d / (d - 2))`.
+    /// Dynamic NTK (`rope_type: "dynamic"`): for a sequence longer than the model's
+    /// `max_position_embeddings`, which this family reads as the original context `L0`, the
+    /// base grows to `theta * (factor * seq_len / L0 - (factor - 1))^(d / (d - 2))`.
     ///
-    /// Domain: `factor` in `[2^-20, 2^20]`, lengths at least 1, `rotary_dim > 2`, and the
-    /// growth `factor * seq_len / original - (factor - 1)` and the grown base finite and
-    /// positive (they are at least 1 and `theta` in exact arithmetic; they can overflow).
+    /// Domain: `factor` in `[2^-20, 2^20]`, lengths nonzero, `rotary_dim > 2`, and the grown
+    /// base finite (the growth lies in `[1, 2^84]` up to rounding and its power in
+    /// `[1, 2^168]`, so the base is finite for every `theta` below `4e257`).
     DynamicNtk {
         /// `factor`.
         factor: f64,
-        /// `max_position_embeddings` of the original model.
-        original_max_position_embeddings: f64,
-        /// The current sequence length (the base is unchanged up to the original context).
-        seq_len: f64,
+        /// `max_position_embeddings`: the context the model was trained for (the config's
+        /// top-level field, not one inside `rope_scaling`).
+        max_position_embeddings: u32,
+        /// The current sequence length in tokens (the base is unchanged up to
+        /// `max_position_embeddings`).
+        seq_len: u64,
     },
     /// YaRN (`rope_type: "yarn"`): interpolation blended with extrapolation by a linear ramp
     /// over the dimensions between the `beta_slow` and `beta_fast` rotation counts, and an
     /// attention factor `0.1 ln(factor) + 1` (or its `mscale` form).
     ///
     /// Domain: `theta > 1` (its logarithm divides the correction range), `factor` in
-    /// `[2^-20, 2^20]`, `original_max_position_embeddings` at least 1, `beta_fast` and
+    /// `[2^-20, 2^20]`, `original_max_position_embeddings` nonzero, `beta_fast` and
     /// `beta_slow` finite and positive with finite correction dimensions
     /// (`original / (beta * 2 pi)` neither overflowing nor underflowing), `mscale` and
     /// `mscale_all_dim` finite and non-negative when given, and the attention factor in
@@ -199,7 +203,7 @@ pub enum RopeScaling {
     ///
     /// Domain: `factor` in `[2^-20, 2^20]`, `low_freq_factor` and `high_freq_factor` finite and
     /// positive with `low_freq_factor < high_freq_factor` (their difference divides),
-    /// `original_max_position_embeddings` at least 1.
+    /// `original_max_position_embeddings` nonzero.
     Llama3 {
         /// `factor` (8 for Llama 3.1).
         factor: f64,
@@ -207,28 +211,36 @@ pub enum RopeScaling {
         low_freq_factor: f64,
         /// `high_freq_factor` (4).
         high_freq_factor: f64,
-        /// `original_max_position_embeddings` (8192).
-        original_max_position_embeddings: f64,
+        /// `original_max_position_embeddings` (8192), in tokens.
+        original_max_position_embeddings: u32,
     },
     /// LongRoPE / Phi-3 (`rope_type: "longrope"`): `inv_freq[i] = 1 / (ext[i] * theta^(2i/d))`
-    /// with `ext = long_factor` past the original context and `short_factor` within it; attention
-    /// factor `sqrt(1 + ln(max / original) / ln(original))`.
+    /// with `ext = long_factor` when `seq_len > original_max_position_embeddings` and
+    /// `short_factor` otherwise; attention factor `sqrt(1 + ln(s) / ln(original))` for the
+    /// extension ratio `s > 1` (1 for `s <= 1`), where `s` is `factor` when given and
+    /// `max_position_embeddings / original_max_position_embeddings` otherwise, as Hugging Face's
+    /// `_compute_longrope_parameters` computes it.
     ///
-    /// Domain: `original_max_position_embeddings` finite and above 1 (its logarithm divides),
-    /// `max_position_embeddings` and `seq_len` at least 1, `rotary_dim / 2` entries in each
-    /// factor list, each in `[2^-20, 2^20]`, and the attention factor in `[1e-3, 1e3]` (the
-    /// square root's argument is above 1 whenever it is computed, as `max > original > 1`).
+    /// Domain: `original_max_position_embeddings` at least 2 (its logarithm divides),
+    /// `max_position_embeddings` and `seq_len` nonzero, `factor` in `[2^-20, 2^20]` when given,
+    /// `rotary_dim / 2` entries in each factor list, each in `[2^-20, 2^20]`, and the attention
+    /// factor in `[1e-3, 1e3]` (a computed one lies in `[1, sqrt(32)]` for these lengths and
+    /// factors).
     LongRope {
         /// `short_factor`, one per pair.
         short_factor: Vec<f64>,
         /// `long_factor`, one per pair.
         long_factor: Vec<f64>,
-        /// `original_max_position_embeddings`.
-        original_max_position_embeddings: f64,
-        /// `max_position_embeddings`.
-        max_position_embeddings: f64,
-        /// The current sequence length (chooses long or short factors).
-        seq_len: f64,
+        /// `factor`, if given: the extension ratio the attention factor is computed from
+        /// (Phi-3's configs leave it out, and the ratio of the two lengths stands for it).
+        factor: Option<f64>,
+        /// `original_max_position_embeddings`: the pre-training context, in tokens (configs
+        /// without it use `max_position_embeddings`).
+        original_max_position_embeddings: u32,
+        /// `max_position_embeddings`: the extended context, in tokens.
+        max_position_embeddings: u32,
+        /// The current sequence length in tokens (chooses long or short factors).
+        seq_len: u64,
         /// `attention_factor`, if given: overrides the computed one.
         attention_factor: Option<f64>,
     },
@@ -256,21 +268,22 @@ impl RopeScaling {
                 },
             ),
             Self::LongRope {
+                factor,
                 original_max_position_embeddings,
                 seq_len,
                 attention_factor,
                 ..
             } => (
                 "scaling",
-                if seq_len > original_max_position_embeddings {
+                if *seq_len > u64::from(*original_max_position_embeddings) {
                     "long_factor"
                 } else {
                     "short_factor"
                 },
-                if attention_factor.is_some() {
-                    "attention_factor"
-                } else {
-                    "original_max_position_embeddings and max_position_embeddings"
+                match (attention_factor, factor) {
+                    (Some(_), _) => "attention_factor",
+                    (None, Some(_)) => "factor",
+                    (None, None) => "original_max_position_embeddings and max_position_embeddings",
                 },
             ),
         }
@@ -324,10 +337,11 @@ impl FrequencySpec {
     /// [`crate::Error::Invalid`] naming `theta`, `rotary_dim` or `scaling` (its problem names
     /// the config field) for parameters outside their family's domain, listed on each
     /// [`RopeScaling`] variant: `theta` not finite and positive (or not above 1 for YaRN),
-    /// `rotary_dim` odd or below 2, factors outside `[2^-20, 2^20]`, lengths not finite or below
-    /// 1, factor lists of the wrong length, `low_freq_factor >= high_freq_factor`, ...; and, as a
-    /// final check on what the family computed, for any frequency that is not finite, positive
-    /// and at most `2^20` or an attention factor outside `[1e-3, 1e3]`.
+    /// `rotary_dim` odd or below 2, factors outside `[2^-20, 2^20]`, lengths of zero (and
+    /// LongRoPE's original context of 1), factor lists of the wrong length,
+    /// `low_freq_factor >= high_freq_factor`, ...; and, as a final check on what the family
+    /// computed, for any frequency that is not finite, positive and at most `2^20` or an
+    /// attention factor outside `[1e-3, 1e3]`.
     pub fn build(&self) -> Result<(Vec<f64>, f64)> {
         let (theta, d) = (self.theta, self.rotary_dim);
         let base = checked_inv_freq(theta, d)?;
@@ -336,14 +350,9 @@ impl FrequencySpec {
             RopeScaling::Linear { factor } => families::linear(base, *factor)?,
             RopeScaling::DynamicNtk {
                 factor,
-                original_max_position_embeddings,
+                max_position_embeddings,
                 seq_len,
-            } => families::dynamic_ntk(
-                (theta, d),
-                *factor,
-                *original_max_position_embeddings,
-                *seq_len,
-            )?,
+            } => families::dynamic_ntk((theta, d), *factor, *max_position_embeddings, *seq_len)?,
             RopeScaling::Yarn(y) => families::yarn(theta, d, y)?,
             RopeScaling::Llama3 {
                 factor,
@@ -359,6 +368,7 @@ impl FrequencySpec {
             RopeScaling::LongRope {
                 short_factor,
                 long_factor,
+                factor,
                 original_max_position_embeddings,
                 max_position_embeddings,
                 seq_len,
@@ -366,6 +376,7 @@ impl FrequencySpec {
             } => families::longrope(
                 base,
                 (short_factor, long_factor),
+                *factor,
                 (
                     *original_max_position_embeddings,
                     *max_position_embeddings,
@@ -391,8 +402,77 @@ impl FrequencySpec {
     }
 }
 
+/// A frequency vector given by the caller in the precision its framework holds it, for
+/// [`crate::Rope::frequencies_from`].
+///
+/// Hugging Face's models compute `inv_freq = 1 / theta^(2i/d)` in `f32`, and about a third of
+/// those entries differ from the `f32` nearest the exact value, which is what the `f64`
+/// frequencies of a [`FrequencySpec`] round to under [`AngleMode::F32Compat`]. The model's own
+/// `f32` vector, with [`AngleMode::F32Compat`], reproduces its angles `f32(p) * inv_freq[i]`
+/// exactly.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum InvFreq<'a> {
+    /// `f32` frequencies, widened exactly to `f64`.
+    F32(&'a [f32]),
+    /// `f64` frequencies.
+    F64(&'a [f64]),
+}
+
+impl InvFreq<'_> {
+    /// The frequencies in `f64` and the rotary width they serve (`2 * len`), after the checks
+    /// [`FrequencySpec::build`] makes of what it computes.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `inv_freq` when it is empty, when `2 * len` does not fit
+    /// a `u32`, or when an entry is not finite and positive or above `2^20`.
+    pub(crate) fn checked(self) -> Result<(Vec<f64>, u32)> {
+        let f: Vec<f64> = match self {
+            Self::F32(f) => f.iter().map(|&v| f64::from(v)).collect(),
+            Self::F64(f) => f.to_vec(),
+        };
+        if f.is_empty() {
+            return Err(invalid(
+                "inv_freq",
+                "must hold at least one frequency (rotary_dim is twice its length), got none",
+            ));
+        }
+        let rotary_dim = u32::try_from(f.len())
+            .ok()
+            .and_then(|n| n.checked_mul(2))
+            .ok_or_else(|| {
+                invalid(
+                    "inv_freq",
+                    format!(
+                        "holds {} frequencies; rotary_dim, twice that, must fit a u32",
+                        f.len()
+                    ),
+                )
+            })?;
+        check_frequencies("inv_freq", || "the given vector".to_string(), &f)?;
+        Ok((f, rotary_dim))
+    }
+}
+
+/// `attention_factor` if it lies in `[1e-3, 1e3]`, the range [`FrequencySpec::build`] holds
+/// computed attention factors to.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `attention_factor` when it is outside that range or NaN.
+pub(crate) fn check_attention_factor(attention_factor: f64) -> Result<f64> {
+    let (lo, hi) = ATTENTION_RANGE;
+    if attention_factor.is_finite() && (lo..=hi).contains(&attention_factor) {
+        Ok(attention_factor)
+    } else {
+        Err(invalid(
+            "attention_factor",
+            format!("must lie in [{lo}, {hi}], got {attention_factor}"),
+        ))
+    }
+}
+
 /// A frequency vector on the device, ready for [`crate::SinCos::Frequencies`] and
-/// [`crate::Rope::build_tables_for`]; made by [`crate::Rope::frequencies`].
+/// [`crate::Rope::build_tables_for`]; made by [`crate::Rope::frequencies`] or
+/// [`crate::Rope::frequencies_from`].
 #[derive(Debug)]
 pub struct Frequencies {
     pub(crate) inv_freq: CudaSlice<f64>,

@@ -88,3 +88,94 @@ fn check_theta_agrees_with_checked_inv_freq() {
         }
     }
 }
+
+#[test]
+fn given_frequencies_are_widened_exactly_with_rotary_dim_twice_their_length() {
+    let f32s = [1.0f32, 0.1, 1.0e-30, f32::from_bits(1), 1_048_576.0];
+    let (f, rotary_dim) = InvFreq::F32(&f32s).checked().expect("valid");
+    assert_eq!(rotary_dim, 10);
+    for (&wide, &narrow) in f.iter().zip(&f32s) {
+        assert_eq!(wide, f64::from(narrow));
+        assert_eq!(wide as f32, narrow);
+    }
+    let f64s = [0.5, 1e-300, MAX_INV_FREQ];
+    assert_eq!(
+        InvFreq::F64(&f64s).checked().expect("valid"),
+        (f64s.to_vec(), 6)
+    );
+}
+
+#[test]
+fn given_frequencies_outside_the_frequency_bound_are_rejected_naming_inv_freq() {
+    let is_inv_freq = |r: Result<(Vec<f64>, u32)>| {
+        matches!(
+            r,
+            Err(Error::Invalid {
+                arg: "inv_freq",
+                ..
+            })
+        )
+    };
+    assert!(is_inv_freq(InvFreq::F32(&[]).checked()));
+    assert!(is_inv_freq(InvFreq::F64(&[]).checked()));
+    let next = |v: f64| f64::from_bits(v.to_bits() + 1);
+    for bad in [
+        0.0,
+        -0.0,
+        -1.0,
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+        next(MAX_INV_FREQ),
+    ] {
+        let err = InvFreq::F64(&[0.5, bad, 0.25])
+            .checked()
+            .expect_err("out of bounds");
+        match err {
+            Error::Invalid { arg, problem } => {
+                assert_eq!(arg, "inv_freq");
+                assert!(problem.contains("inv_freq[1]"), "{bad}: {problem}");
+            }
+            other => panic!("{bad}: {other}"),
+        }
+        // The same values in f32, where they exist there.
+        let narrow = bad as f32;
+        if f64::from(narrow) > MAX_INV_FREQ || !(narrow.is_finite() && narrow > 0.0) {
+            assert!(is_inv_freq(InvFreq::F32(&[narrow]).checked()), "{narrow}");
+        }
+    }
+    // The smallest f32 above 2^20 is past the bound as well.
+    let above = f32::from_bits(1_048_576.0f32.to_bits() + 1);
+    assert!(is_inv_freq(InvFreq::F32(&[above]).checked()));
+}
+
+#[test]
+fn given_attention_factors_outside_1e_3_to_1e3_are_rejected_naming_it() {
+    let (lo, hi) = ATTENTION_RANGE;
+    for ok in [lo, 1.0, 1.19, hi] {
+        assert_eq!(check_attention_factor(ok).expect("in range"), ok);
+    }
+    let next = |v: f64| f64::from_bits(v.to_bits() + 1);
+    let prev = |v: f64| f64::from_bits(v.to_bits() - 1);
+    for bad in [
+        prev(lo),
+        next(hi),
+        0.0,
+        -1.0,
+        f64::NAN,
+        f64::INFINITY,
+        f64::MIN_POSITIVE,
+    ] {
+        let err = check_attention_factor(bad).expect_err("out of range");
+        assert!(
+            matches!(
+                err,
+                Error::Invalid {
+                    arg: "attention_factor",
+                    ..
+                }
+            ),
+            "{bad}: {err}"
+        );
+    }
+}

@@ -1,10 +1,11 @@
-//! Every accepted description with finite inputs writes only finite values (the one exception,
-//! NaN for an explicit id outside a table, is tested in `matches_reference`).
+//! Every accepted frequency description or given frequency vector with finite inputs writes only
+//! finite values (the one exception, NaN for an explicit id outside a table, is tested in
+//! `matches_reference`).
 
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use rope_host::{SinCos, TableFormat};
+use rope_host::{AngleMode, InvFreq, SinCos, TableFormat};
 use rope_reference::rotate::rotate_f32_at;
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
@@ -79,4 +80,68 @@ fn accepted_descriptions_write_finite_values() {
     eprintln!(
         "accepted_descriptions_write_finite_values: {accepted} accepted frequency descriptions"
     );
+}
+
+/// Frequency vectors and attention factors given by the caller, in f32 or f64, valid or not
+/// (edge values in any entry), in both angle modes: whatever `Rope::frequencies_from` accepts
+/// rotates finite inputs at positions below `2^31` into finite outputs.
+#[test]
+fn accepted_given_frequencies_write_finite_values() {
+    let Some((stream, rope)) = gpu_or_skip("accepted_given_frequencies_write_finite_values") else {
+        return;
+    };
+    let entry = || {
+        prop_oneof![
+            3 => strategies::log_uniform(2f64.powi(-40), 2f64.powi(20)),
+            1 => strategies::edge_f64(),
+        ]
+    };
+    let accepted = std::sync::atomic::AtomicUsize::new(0);
+    runner(200)
+        .run(
+            &(
+                proptest::collection::vec(entry(), 0..=64),
+                prop_oneof![
+                    3 => strategies::log_uniform(1e-3, 1e3),
+                    1 => strategies::edge_f64(),
+                ],
+                any::<bool>(),
+                any::<bool>(),
+                strategies::style(),
+                any::<u64>(),
+            ),
+            |(f, attention, narrow, compat, style, seed)| {
+                let narrowed: Vec<f32> = f.iter().map(|&v| v as f32).collect();
+                let given = if narrow {
+                    InvFreq::F32(&narrowed)
+                } else {
+                    InvFreq::F64(&f)
+                };
+                let angle = if compat {
+                    AngleMode::F32Compat
+                } else {
+                    AngleMode::Exact
+                };
+                if let Ok(freqs) = rope.frequencies_from(given, attention, angle) {
+                    accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let shape = (8, 2, freqs.rotary_dim() as usize);
+                    let (x, ids) = inputs(seed, shape, 1 << 31);
+                    let sincos = SinCos::Frequencies(&freqs);
+                    let out = rotate_f32_at(&rope, &stream, style, &x, shape, &ids, sincos)
+                        .map_err(|e| TestCaseError::fail(format!("{given:?}: {e}")))?;
+                    prop_assert!(
+                        out.iter().all(|v| v.is_finite()),
+                        "{:?}, attention factor {}, {:?}",
+                        given,
+                        attention,
+                        angle
+                    );
+                }
+                Ok(())
+            },
+        )
+        .expect("accepted given frequencies write finite values");
+    let accepted = accepted.into_inner();
+    assert!(accepted > 0, "no given vector was accepted");
+    eprintln!("accepted_given_frequencies_write_finite_values: {accepted} accepted vectors");
 }

@@ -28,9 +28,9 @@ enum Domain {
     ThetaAboveOne,
     /// A scaling factor: in `[2^-20, 2^20]`.
     Factor,
-    /// A length: finite and at least 1.
+    /// A length in tokens (an integer, widened to `f64` here): nonzero.
     Length,
-    /// A length whose logarithm divides: finite and above 1.
+    /// A length whose logarithm divides (LongRoPE's original context): at least 2.
     LogLength,
     /// Finite and positive.
     Positive,
@@ -53,8 +53,8 @@ impl Domain {
             }
             Self::ThetaAboveOne => v.is_finite() && v > 1.0,
             Self::Factor => in_range(FACTOR_RANGE),
-            Self::Length => v.is_finite() && v >= 1.0,
-            Self::LogLength => v.is_finite() && v > 1.0,
+            Self::Length => v >= 1.0,
+            Self::LogLength => v >= 2.0,
             Self::Positive => v.is_finite() && v > 0.0,
             Self::NonNegative => v.is_finite() && v >= 0.0,
             Self::Attention => in_range(ATTENTION_RANGE),
@@ -87,16 +87,16 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
         RopeScaling::Linear { factor } => check(Domain::Factor, *factor, "factor"),
         RopeScaling::DynamicNtk {
             factor,
-            original_max_position_embeddings,
+            max_position_embeddings,
             seq_len,
         } => {
             check(Domain::Factor, *factor, "factor");
             check(
                 Domain::Length,
-                *original_max_position_embeddings,
-                "original_max_position_embeddings",
+                (*max_position_embeddings).into(),
+                "max_position_embeddings",
             );
-            check(Domain::Length, *seq_len, "seq_len");
+            check(Domain::Length, *seq_len as f64, "seq_len");
             if d == 2 {
                 extra.push(("rotary_dim", ""));
             }
@@ -108,7 +108,7 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
             check(Domain::Factor, y.factor, "factor");
             check(
                 Domain::Length,
-                y.original_max_position_embeddings,
+                y.original_max_position_embeddings.into(),
                 "original_max_position_embeddings",
             );
             check(Domain::Positive, y.beta_fast, "beta_fast");
@@ -133,7 +133,7 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
             check(Domain::Positive, *high_freq_factor, "high_freq_factor");
             check(
                 Domain::Length,
-                *original_max_position_embeddings,
+                (*original_max_position_embeddings).into(),
                 "original_max_position_embeddings",
             );
             if low_freq_factor >= high_freq_factor {
@@ -143,6 +143,7 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
         RopeScaling::LongRope {
             short_factor,
             long_factor,
+            factor,
             original_max_position_embeddings,
             max_position_embeddings,
             seq_len,
@@ -150,15 +151,18 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
         } => {
             check(
                 Domain::LogLength,
-                *original_max_position_embeddings,
+                (*original_max_position_embeddings).into(),
                 "original_max_position_embeddings",
             );
             check(
                 Domain::Length,
-                *max_position_embeddings,
+                (*max_position_embeddings).into(),
                 "max_position_embeddings",
             );
-            check(Domain::Length, *seq_len, "seq_len");
+            check(Domain::Length, *seq_len as f64, "seq_len");
+            if let Some(f) = factor {
+                check(Domain::Factor, *f, "factor");
+            }
             for (list, field) in [(short_factor, "short_factor"), (long_factor, "long_factor")] {
                 if list.len() != d as usize / 2 {
                     extra.push(("scaling", field));
@@ -271,8 +275,8 @@ mod out_of_domain_parameters_are_rejected_by_name {
     //! starting with its config name.
     use super::*;
 
-    /// One parameter of one family: its `(arg, field)`, its domain, a value inside it, and a
-    /// published-looking description with the parameter set to a given value.
+    /// One float parameter of one family: its `(arg, field)`, its domain, a value inside it,
+    /// and a published-looking description with the parameter set to a given value.
     struct Param {
         arg: &'static str,
         field: &'static str,
@@ -281,25 +285,35 @@ mod out_of_domain_parameters_are_rejected_by_name {
         with: fn(f64) -> FrequencySpec,
     }
 
+    /// One length of one family: its field, the least length it takes (1, or 2 for LongRoPE's
+    /// original context), a length it takes, and a published-looking description with the
+    /// length set to a given value (`u32` fields take every value below their least).
+    struct LengthParam {
+        field: &'static str,
+        least: u64,
+        inside: u64,
+        with: fn(u64) -> FrequencySpec,
+    }
+
     fn yarn(f: impl FnOnce(&mut Yarn)) -> FrequencySpec {
         let mut y = Yarn {
             mscale: Some(0.707),
             mscale_all_dim: Some(0.707),
-            ..Yarn::new(4.0, 32_768.0)
+            ..Yarn::new(4.0, 32_768)
         };
         f(&mut y);
         FrequencySpec::new(1e6, 128).scaling(RopeScaling::Yarn(y))
     }
 
-    fn ntk(factor: f64, original: f64, seq_len: f64) -> FrequencySpec {
+    fn ntk(factor: f64, max: u32, seq_len: u64) -> FrequencySpec {
         FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::DynamicNtk {
             factor,
-            original_max_position_embeddings: original,
+            max_position_embeddings: max,
             seq_len,
         })
     }
 
-    fn llama3(factor: f64, low: f64, high: f64, original: f64) -> FrequencySpec {
+    fn llama3(factor: f64, low: f64, high: f64, original: u32) -> FrequencySpec {
         FrequencySpec::new(500_000.0, 128).scaling(RopeScaling::Llama3 {
             factor,
             low_freq_factor: low,
@@ -312,9 +326,10 @@ mod out_of_domain_parameters_are_rejected_by_name {
     struct LongRope {
         short: Vec<f64>,
         long: Vec<f64>,
-        original: f64,
-        max: f64,
-        seq_len: f64,
+        factor: Option<f64>,
+        original: u32,
+        max: u32,
+        seq_len: u64,
         attention: Option<f64>,
     }
 
@@ -322,20 +337,27 @@ mod out_of_domain_parameters_are_rejected_by_name {
         let mut l = LongRope {
             short: vec![1.05; 48],
             long: (0..48).map(|i| 1.0 + i as f64).collect(),
-            original: 4096.0,
-            max: 131_072.0,
-            seq_len: 8192.0,
+            factor: None,
+            original: 4096,
+            max: 131_072,
+            seq_len: 8192,
             attention: None,
         };
         f(&mut l);
         FrequencySpec::new(10_000.0, 96).scaling(RopeScaling::LongRope {
             short_factor: l.short,
             long_factor: l.long,
+            factor: l.factor,
             original_max_position_embeddings: l.original,
             max_position_embeddings: l.max,
             seq_len: l.seq_len,
             attention_factor: l.attention,
         })
+    }
+
+    /// `v` as a `u32` field: the lengths below a field's least fit.
+    fn u32_length(v: u64) -> u32 {
+        u32::try_from(v).expect("a u32 length")
     }
 
     fn params() -> Vec<Param> {
@@ -347,7 +369,6 @@ mod out_of_domain_parameters_are_rejected_by_name {
             inside,
             with,
         };
-        let original = "original_max_position_embeddings";
         vec![
             p("theta", "", Theta(128), 1e4, |v| FrequencySpec::new(v, 128)),
             p("theta", "", ThetaAboveOne, 1e6, |v| FrequencySpec {
@@ -357,15 +378,8 @@ mod out_of_domain_parameters_are_rejected_by_name {
             p("scaling", "factor", Factor, 4.0, |v| {
                 FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::Linear { factor: v })
             }),
-            p("scaling", "factor", Factor, 2.0, |v| ntk(v, 4096.0, 8192.0)),
-            p("scaling", original, Length, 4096.0, |v| ntk(2.0, v, 8192.0)),
-            p("scaling", "seq_len", Length, 8192.0, |v| {
-                ntk(2.0, 4096.0, v)
-            }),
+            p("scaling", "factor", Factor, 2.0, |v| ntk(v, 4096, 8192)),
             p("scaling", "factor", Factor, 4.0, |v| yarn(|y| y.factor = v)),
-            p("scaling", original, Length, 32_768.0, |v| {
-                yarn(|y| y.original_max_position_embeddings = v)
-            }),
             p("scaling", "beta_fast", Positive, 32.0, |v| {
                 yarn(|y| y.beta_fast = v)
             }),
@@ -382,29 +396,16 @@ mod out_of_domain_parameters_are_rejected_by_name {
                 yarn(|y| y.attention_factor = Some(v))
             }),
             p("scaling", "factor", Factor, 8.0, |v| {
-                llama3(v, 1.0, 4.0, 8192.0)
+                llama3(v, 1.0, 4.0, 8192)
             }),
             p("scaling", "low_freq_factor", Positive, 1.0, |v| {
-                llama3(8.0, v, 4.0, 8192.0)
+                llama3(8.0, v, 4.0, 8192)
             }),
             p("scaling", "high_freq_factor", Positive, 4.0, |v| {
-                llama3(8.0, 1.0, v, 8192.0)
+                llama3(8.0, 1.0, v, 8192)
             }),
-            p("scaling", original, Length, 8192.0, |v| {
-                llama3(8.0, 1.0, 4.0, v)
-            }),
-            p("scaling", original, LogLength, 4096.0, |v| {
-                longrope(|l| l.original = v)
-            }),
-            p(
-                "scaling",
-                "max_position_embeddings",
-                Length,
-                131_072.0,
-                |v| longrope(|l| l.max = v),
-            ),
-            p("scaling", "seq_len", Length, 8192.0, |v| {
-                longrope(|l| l.seq_len = v)
+            p("scaling", "factor", Factor, 32.0, |v| {
+                longrope(|l| l.factor = Some(v))
             }),
             p("scaling", "short_factor", Factor, 1.05, |v| {
                 longrope(|l| l.short[5] = v)
@@ -418,11 +419,43 @@ mod out_of_domain_parameters_are_rejected_by_name {
         ]
     }
 
+    fn length_params() -> Vec<LengthParam> {
+        let p = |field, least, inside, with| LengthParam {
+            field,
+            least,
+            inside,
+            with,
+        };
+        let original = "original_max_position_embeddings";
+        let max = "max_position_embeddings";
+        vec![
+            p(max, 1, 4096, |v| ntk(2.0, u32_length(v), 8192)),
+            p("seq_len", 1, 8192, |v| ntk(2.0, 4096, v)),
+            p(original, 1, 32_768, |v| {
+                yarn(|y| y.original_max_position_embeddings = u32_length(v))
+            }),
+            p(original, 1, 8192, |v| llama3(8.0, 1.0, 4.0, u32_length(v))),
+            p(original, 2, 4096, |v| {
+                longrope(|l| l.original = u32_length(v))
+            }),
+            p(max, 1, 131_072, |v| longrope(|l| l.max = u32_length(v))),
+            p("seq_len", 1, 8192, |v| longrope(|l| l.seq_len = v)),
+        ]
+    }
+
     #[test]
     fn each_description_is_valid_with_its_parameter_inside_the_domain() {
-        for param in params() {
-            assert!(param.domain.contains(param.inside), "{}", param.field);
-            let spec = (param.with)(param.inside);
+        let specs = params()
+            .into_iter()
+            .map(|param| {
+                assert!(param.domain.contains(param.inside), "{}", param.field);
+                (param.with)(param.inside)
+            })
+            .chain(length_params().into_iter().map(|param| {
+                assert!(param.inside >= param.least, "{}", param.field);
+                (param.with)(param.inside)
+            }));
+        for spec in specs {
             assert!(documented_violations(&spec).is_empty(), "{spec:?}");
             let out = spec.build().expect("valid");
             assert_bounded(&spec, &out);
@@ -456,6 +489,23 @@ mod out_of_domain_parameters_are_rejected_by_name {
                 },
             )
             .expect("one parameter outside its domain");
+    }
+
+    /// Lengths are integers, so their domains leave out only the few values below the least:
+    /// every one of them is tried.
+    #[test]
+    fn every_length_below_its_least_is_rejected_by_name() {
+        for param in length_params() {
+            for v in 0..param.least {
+                let spec = (param.with)(v);
+                let err = spec.build().expect_err("below the least length");
+                assert!(
+                    names(&err, ("scaling", param.field)),
+                    "{} = {v}: {err}",
+                    param.field
+                );
+            }
+        }
     }
 }
 
@@ -495,39 +545,40 @@ mod known_answers {
     fn yarn_with_theta_1_is_rejected_naming_theta() {
         // ln(theta) = 0 divided the correction range: inv_freq was NaN.
         let (arg, problem) =
-            err(FrequencySpec::new(1.0, 64).scaling(RopeScaling::Yarn(Yarn::new(40.0, 4096.0))));
+            err(FrequencySpec::new(1.0, 64).scaling(RopeScaling::Yarn(Yarn::new(40.0, 4096))));
         assert_eq!(arg, "theta");
         assert!(problem.contains("theta > 1"), "{problem}");
         for theta in [0.5, 1e-3] {
-            let (arg, _) =
-                err(FrequencySpec::new(theta, 64)
-                    .scaling(RopeScaling::Yarn(Yarn::new(40.0, 4096.0))));
+            let (arg, _) = err(
+                FrequencySpec::new(theta, 64).scaling(RopeScaling::Yarn(Yarn::new(40.0, 4096)))
+            );
             assert_eq!(arg, "theta");
         }
     }
 
-    fn phi3(original: f64) -> FrequencySpec {
+    fn phi3(original: u32) -> FrequencySpec {
         FrequencySpec::new(10_000.0, 96).scaling(RopeScaling::LongRope {
             short_factor: vec![1.0; 48],
             long_factor: vec![4.0; 48],
+            factor: None,
             original_max_position_embeddings: original,
-            max_position_embeddings: 131_072.0,
-            seq_len: 8192.0,
+            max_position_embeddings: 131_072,
+            seq_len: 8192,
             attention_factor: None,
         })
     }
 
     #[test]
     fn longrope_with_original_context_at_most_1_is_rejected_naming_it() {
-        // ln(1) = 0 divided: the attention factor was inf; ln(0.5) < 0 made it NaN.
-        let (arg, problem) = err(phi3(1.0));
+        // ln(1) = 0 divided: the attention factor was inf.
+        let (arg, problem) = err(phi3(1));
         assert_eq!(arg, "scaling");
         assert_eq!(
             problem,
-            "original_max_position_embeddings must be finite and > 1 (its logarithm divides), got 1"
+            "original_max_position_embeddings must be at least 2 (its logarithm divides), got 1"
         );
         assert!(
-            err(phi3(0.5))
+            err(phi3(0))
                 .1
                 .starts_with("original_max_position_embeddings ")
         );
@@ -568,7 +619,7 @@ mod known_answers {
             FrequencySpec::new(1e6, 128)
                 .scaling(RopeScaling::Yarn(Yarn {
                     attention_factor: Some(a),
-                    ..Yarn::new(4.0, 32_768.0)
+                    ..Yarn::new(4.0, 32_768)
                 }))
                 .build()
         };
@@ -584,41 +635,72 @@ mod known_answers {
             Yarn {
                 mscale: Some(1.0),
                 mscale_all_dim: Some(1e5),
-                ..Yarn::new(40.0, 4096.0)
+                ..Yarn::new(40.0, 4096)
             },
         )));
         assert_eq!(arg, "scaling");
         assert!(problem.contains("mscale_all_dim"), "{problem}");
-        // LongRoPE with an original context a hair above 1: ln(original) ~ 1e-15.
-        let (arg, problem) = err(phi3(1.0 + 1e-15));
-        assert_eq!(arg, "scaling");
-        assert!(
-            problem.contains("original_max_position_embeddings"),
-            "{problem}"
-        );
     }
 
     #[test]
-    fn dynamic_ntk_growth_or_grown_base_that_overflows_is_rejected() {
+    fn longrope_attention_factors_at_the_extreme_lengths_and_factors_stay_in_range() {
+        // Integer lengths keep the ratio below 2^31 and the original context at least 2, so a
+        // computed factor is at most sqrt(32): no original context sits a hair above 1, where
+        // ln(original) ~ 1e-15 would take the factor far past 1e3.
+        let longrope = |factor, original, max| {
+            FrequencySpec::new(10_000.0, 96).scaling(RopeScaling::LongRope {
+                short_factor: vec![1.0; 48],
+                long_factor: vec![4.0; 48],
+                factor,
+                original_max_position_embeddings: original,
+                max_position_embeddings: max,
+                seq_len: u64::MAX,
+                attention_factor: None,
+            })
+        };
+        let (lo, hi) = FACTOR_RANGE;
+        for (spec, want) in [
+            (
+                longrope(None, 2, u32::MAX),
+                (1.0 + (f64::from(u32::MAX) / 2.0).ln() / 2f64.ln()).sqrt(),
+            ),
+            (longrope(None, u32::MAX, 1), 1.0),
+            (longrope(Some(hi), 2, 1), 21f64.sqrt()),
+            (longrope(Some(lo), u32::MAX, u32::MAX), 1.0),
+            (longrope(Some(1.0), 2, u32::MAX), 1.0),
+        ] {
+            let out = spec.build().expect("in the domain");
+            assert_bounded(&spec, &out);
+            assert!((out.1 - want).abs() <= 1e-12 * want, "{spec:?}: {}", out.1);
+            assert!(out.1 <= 32f64.sqrt());
+        }
+    }
+
+    #[test]
+    fn dynamic_ntk_grown_base_that_overflows_is_rejected() {
         let ntk = |theta, factor, seq_len| {
             err(
                 FrequencySpec::new(theta, 64).scaling(RopeScaling::DynamicNtk {
                     factor,
-                    original_max_position_embeddings: 1.0,
+                    max_position_embeddings: 1,
                     seq_len,
                 }),
             )
         };
-        // factor * seq_len overflows: the growth is infinite.
-        let (arg, problem) = ntk(10_000.0, 1_048_576.0, 1e303);
-        assert_eq!(arg, "scaling");
-        assert!(problem.starts_with("factor * seq_len"), "{problem}");
-        // The growth is finite (about 1e306) but its power d / (d - 2) = 32 / 31 is not.
-        let (arg, problem) = ntk(1e7, 1_048_576.0, 1e300);
+        // The growth is finite (about 2^84) and so is its power d / (d - 2) = 32 / 31, but not
+        // the base times it.
+        let (arg, problem) = ntk(1e300, 1_048_576.0, u64::MAX);
         assert_eq!(arg, "scaling");
         assert!(problem.starts_with("the grown base"), "{problem}");
+        // Below `4e257` no base overflows.
+        let spec = FrequencySpec::new(4e257, 4).scaling(RopeScaling::DynamicNtk {
+            factor: 1_048_576.0,
+            max_position_embeddings: 1,
+            seq_len: u64::MAX,
+        });
+        assert_bounded(&spec, &spec.build().expect("finite grown base"));
         // A factor outside [2^-20, 2^20] is rejected before any of that.
-        assert!(ntk(10_000.0, 1e300, 3.0).1.starts_with("factor must lie"));
+        assert!(ntk(10_000.0, 1e300, 3).1.starts_with("factor must lie"));
     }
 
     #[test]
@@ -626,8 +708,8 @@ mod known_answers {
         let (arg, _) = err(
             FrequencySpec::new(10_000.0, 2).scaling(RopeScaling::DynamicNtk {
                 factor: 2.0,
-                original_max_position_embeddings: 4096.0,
-                seq_len: 8192.0,
+                max_position_embeddings: 4096,
+                seq_len: 8192,
             }),
         );
         assert_eq!(arg, "rotary_dim");
@@ -637,17 +719,24 @@ mod known_answers {
     fn llama3_blend_stays_within_f_over_factor_and_f_when_the_band_is_one_ulp_wide() {
         // With high_freq_factor one ulp above low_freq_factor, the rounding of
         // original / wavelength puts the unclamped smoothing weight at -1 or 2 for some
-        // contexts: the blend would then leave [f / factor, f], below zero at factor 8.
-        let (theta, d, factor, low) = (500_000.0, 128, 8.0, 0.7f64);
-        let high = f64::from_bits(low.to_bits() + 1);
+        // factors: the blend would then leave [f / factor, f], below zero at factor 8.
+        let (theta, d, factor) = (500_000.0, 128, 8.0);
         let base = rope_host::inv_freq(theta, d);
         let mut excursions = 0;
         for (i, &f) in base.iter().enumerate() {
             let wavelen = 2.0 * std::f64::consts::PI / f;
-            for k in -6i64..=6 {
-                let original = f64::from_bits(((wavelen * low).to_bits() as i64 + k) as u64);
-                let in_band = wavelen >= original / high && wavelen <= original / low;
-                let smooth = (original / wavelen - low) / (high - low);
+            for (original, k) in [8192u32, 4096, 131_072]
+                .into_iter()
+                .flat_map(|o| (-6i64..=6).map(move |k| (o, k)))
+            {
+                // low_freq_factor within a few ulps of original / wavelength, the band one ulp
+                // wide.
+                let exact = f64::from(original) / wavelen;
+                let low = f64::from_bits((exact.to_bits() as i64 + k) as u64);
+                let high = f64::from_bits(low.to_bits() + 1);
+                let original_f = f64::from(original);
+                let in_band = wavelen >= original_f / high && wavelen <= original_f / low;
+                let smooth = (original_f / wavelen - low) / (high - low);
                 if !in_band || (0.0..=1.0).contains(&smooth) {
                     continue;
                 }
@@ -677,32 +766,33 @@ mod known_answers {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192.0,
+            original_max_position_embeddings: 8192,
         });
         // Qwen2.5 with YaRN: factor 4 over 32768, theta 10^6.
-        let qwen =
-            FrequencySpec::new(1e6, 128).scaling(RopeScaling::Yarn(Yarn::new(4.0, 32_768.0)));
+        let qwen = FrequencySpec::new(1e6, 128).scaling(RopeScaling::Yarn(Yarn::new(4.0, 32_768)));
         // DeepSeek-V2: mscale 0.707 / 0.707, factor 40 over 4096.
         let deepseek = FrequencySpec::new(10_000.0, 64).scaling(RopeScaling::Yarn(Yarn {
             mscale: Some(0.707),
             mscale_all_dim: Some(0.707),
-            ..Yarn::new(40.0, 4096.0)
+            ..Yarn::new(40.0, 4096)
         }));
         // gpt-oss: YaRN factor 32 over 4096, theta 150 000, no truncation.
         let gpt_oss = FrequencySpec::new(150_000.0, 64).scaling(RopeScaling::Yarn(Yarn {
             truncate: false,
-            ..Yarn::new(32.0, 4096.0)
+            ..Yarn::new(32.0, 4096)
         }));
         // Phi-3 LongRoPE, 4096 -> 131072, with factor lists shaped like Phi-3's (short ones
-        // near 1, long ones rising from 1 to about 60).
-        let phi3 = |seq_len| {
+        // near 1, long ones rising from 1 to about 60); Phi-3's configs give no `factor`, and
+        // configs that give one set the attention factor by it.
+        let phi3 = |factor, seq_len| {
             FrequencySpec::new(10_000.0, 96).scaling(RopeScaling::LongRope {
                 short_factor: (0..48).map(|i| 1.0 + i as f64 / 400.0).collect(),
                 long_factor: (0..48)
                     .map(|i| 1.0 + (i as f64 / 47.0).powi(2) * 59.0)
                     .collect(),
-                original_max_position_embeddings: 4096.0,
-                max_position_embeddings: 131_072.0,
+                factor,
+                original_max_position_embeddings: 4096,
+                max_position_embeddings: 131_072,
                 seq_len,
                 attention_factor: None,
             })
@@ -710,17 +800,20 @@ mod known_answers {
         let linear = FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::Linear { factor: 4.0 });
         let ntk = FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::DynamicNtk {
             factor: 2.0,
-            original_max_position_embeddings: 4096.0,
-            seq_len: 16_384.0,
+            max_position_embeddings: 4096,
+            seq_len: 16_384,
         });
-        let phi3_attention = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt();
+        let longrope_attention = |s: f64| (1.0 + s.ln() / 4096f64.ln()).sqrt();
         for (spec, attention) in [
             (llama, 1.0),
             (qwen, 0.1 * 4f64.ln() + 1.0),
             (deepseek, 1.0),
             (gpt_oss, 0.1 * 32f64.ln() + 1.0),
-            (phi3(2048.0), phi3_attention),
-            (phi3(100_000.0), phi3_attention),
+            (phi3(None, 2048), longrope_attention(32.0)),
+            (phi3(None, 100_000), longrope_attention(32.0)),
+            (phi3(Some(32.0), 100_000), longrope_attention(32.0)),
+            (phi3(Some(16.0), 2048), longrope_attention(16.0)),
+            (phi3(Some(1.0), 2048), 1.0),
             (linear, 1.0),
             (ntk, 1.0),
         ] {
