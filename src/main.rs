@@ -267,7 +267,21 @@ fn gpu_demo(mut gpu: BenchDevice, head_to_head_only: bool) -> Result<()> {
         "{failures} variants disagree with the reference"
     );
     head_to_head(&mut gpu)?;
-    accuracy_table(&gpu)
+    accuracy_table(&gpu)?;
+    decode_in_a_graph(&gpu)
+}
+
+/// A serving loop's decode step per launch, eager and in a 100-launch CUDA graph, next to a
+/// copy of the same bytes ([`rope_bench_support::decode`]).
+fn decode_in_a_graph(gpu: &BenchDevice) -> Result<()> {
+    let rows = rope_bench_support::decode::decode_in_graphs(gpu.ctx.ordinal())?;
+    println!();
+    println!("decode b64 s1, 32 q + 8 k heads, d128, bf16, in place, NeoX: µs per launch");
+    println!("{:<28} {:>8} {:>8}", "", "eager", "graph");
+    for r in rows {
+        println!("{:<28} {:>8.2} {:>8.2}", r.variant, r.eager_us, r.graph_us);
+    }
+    Ok(())
 }
 
 /// Every in-kernel variant against the same variant reading tables, on the same buffers and

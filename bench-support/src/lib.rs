@@ -4,6 +4,7 @@
 //! - [`timing`]: medians of device-event-timed runs after warm-up, paired runs of two
 //!   functions, and the L2 flush run before each timed region.
 //! - [`copy`]: the reference kernels (an empty kernel and plain copies) in hand-written PTX.
+//! - [`decode`]: a serving loop's decode step, eager and inside a CUDA graph.
 //! - [`report`]: the benchmark's JSON report.
 //!
 //! ```no_run
@@ -19,6 +20,7 @@
 //! ```
 
 pub mod copy;
+pub mod decode;
 mod device;
 mod error;
 pub mod report;

@@ -19,6 +19,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rope_bench_support::BenchDevice;
 use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
+use rope_bench_support::decode::{DecodeRow, decode_in_graphs};
 use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, quartiles};
 use rope_host::{Direction, RopeStyle, TableFormat};
@@ -109,6 +110,11 @@ fn main() -> Result<()> {
         }
     }
     let (empty_us, copies) = reference_kernels(&mut gpu, 256 << 20)?;
+    let decode_graph = if only.is_empty() || only.iter().any(|o| o == "decode-graph") {
+        decode_in_graphs(gpu.ctx.ordinal()).context("decode in a CUDA graph")?
+    } else {
+        Vec::new()
+    };
 
     let report = Report {
         device,
@@ -117,6 +123,7 @@ fn main() -> Result<()> {
         empty_launch_us: empty_us,
         rows,
         reference_copies: copies,
+        decode_graph,
     };
     std::fs::write(&json_path, report.to_json()).with_context(|| format!("writing {json_path}"))?;
     println!("JSON: {json_path}");
@@ -162,7 +169,27 @@ fn main() -> Result<()> {
             100.0 * c.driver_copy_us / c.kernel_us
         );
     }
+    print_decode_graph(&report.decode_graph);
     Ok(())
+}
+
+/// Prints the decode-in-a-graph rows.
+fn print_decode_graph(rows: &[DecodeRow]) {
+    if rows.is_empty() {
+        return;
+    }
+    println!();
+    println!("decode b64 s1, 32 q + 8 k heads, d128, bf16, in place, NeoX, i64 device positions:");
+    println!(
+        "{:<28} {:>16} {:>22}",
+        "per launch", "eager (100)", "in a 100-launch graph"
+    );
+    for r in rows {
+        println!(
+            "{:<28} {:>13.2} µs {:>19.2} µs",
+            r.variant, r.eager_us, r.graph_us
+        );
+    }
 }
 
 /// The benchmark's cases (NeoX, computed sin/cos as placeholders; rows vary both).

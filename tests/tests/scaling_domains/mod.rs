@@ -530,7 +530,7 @@ mod in_domain_descriptions_are_accepted {
 }
 
 mod known_answers {
-    //! The fuzzer's cases of issue 23 (each accepted before, with non-finite outputs), the
+    //! The fuzzer's cases (each accepted before, with non-finite outputs), the
     //! bounds themselves, and published configs that must stay accepted.
     use super::*;
 

@@ -1,0 +1,163 @@
+//! A serving loop's decode step, eager and inside a CUDA graph: batch 64, one token each, 32 q
+//! and 8 k heads of 128 bf16 in place, positions on the device (explicit ids or per-row
+//! offsets, `i64` as vLLM passes them), sin/cos computed in the kernel or read from a bf16
+//! `cos_sin_cache`, each timed per launch next to a device copy of the same bytes.
+
+use std::sync::Arc;
+
+use rope_host::cudarc::driver::sys::{
+    CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use rope_host::cudarc::driver::{CudaContext, CudaStream};
+use rope_host::half::bf16;
+use rope_host::{
+    DeviceInts, IdsShape, Io, Layout, Positions, QkIo, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    TableFormat, TensorMut,
+};
+
+use crate::timing::quartiles;
+
+/// Launches per timed region, and per graph.
+const LAUNCHES: usize = 100;
+/// Timed regions; the median is reported.
+const REGIONS: usize = 21;
+const THETA: f64 = 500_000.0;
+/// Decode shape: batch rows (one token each), q heads, k heads, head size.
+const BATCH: usize = 64;
+const HQ: usize = 32;
+const HK: usize = 8;
+const D: usize = 128;
+
+/// One decode variant's time per launch.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DecodeRow {
+    /// What was launched: `copy`, or `{ids|row offsets}, {computed|cos_sin_cache}`.
+    pub variant: String,
+    /// Median per launch of 100 launches enqueued back to back, in µs.
+    pub eager_us: f64,
+    /// Median per launch of a graph of 100 launches, in µs.
+    pub graph_us: f64,
+}
+
+/// Measures the copy and every (positions, sin/cos) variant on device `ordinal`, NeoX pairs,
+/// in a context object of its own with cudarc's event tracking off (graph capture needs it
+/// off; see the README's section on CUDA graphs).
+///
+/// # Errors
+/// Any driver or launch error.
+pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
+    let ctx = CudaContext::new(ordinal)?;
+    // SAFETY: this context object is used by this function alone, on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream()?;
+    let rope = Rope::new(stream.clone())?;
+    rope.prepare(THETA, D as u32)?;
+    let qn = BATCH * HQ * D;
+    let kn = BATCH * HK * D;
+    let fill = |n: usize, k: f32| -> Vec<bf16> {
+        (0..n)
+            .map(|i| bf16::from_f32((i as f32 * k).sin()))
+            .collect()
+    };
+    let mut q = stream.clone_htod(&fill(qn, 0.37))?;
+    let mut k = stream.clone_htod(&fill(kn, 0.53))?;
+    let mut copy_dst = stream.alloc_zeros::<bf16>(qn + kn)?;
+    let copy_src = stream.clone_htod(&fill(qn + kn, 0.11))?;
+    let positions: Vec<i64> = (1000..1000 + BATCH as i64).collect();
+    let ids = stream.clone_htod(&positions)?;
+    let offsets = stream.clone_htod(&positions)?;
+    let cache = rope.build_tables::<bf16>(THETA, D as u32, 2048, TableFormat::Combined)?;
+    stream.synchronize()?;
+
+    let config = RopeConfig::builder(D as u32, RopeStyle::Neox).build()?;
+    let mut rows = vec![DecodeRow {
+        variant: "copy of the same bytes".into(),
+        ..time(&ctx, &stream, || {
+            stream.memcpy_dtod(&copy_src, &mut copy_dst)
+        })?
+    }];
+    for (pos_name, by_row) in [("ids", false), ("row offsets", true)] {
+        for (src_name, table) in [("computed", false), ("cos_sin_cache", true)] {
+            let positions = if by_row {
+                Positions::RowOffsets(DeviceInts::I64(offsets.as_view()))
+            } else {
+                Positions::Ids {
+                    ids: DeviceInts::I64(ids.as_view()),
+                    shape: IdsShape::Shared,
+                }
+            };
+            let op = RopeOp {
+                config,
+                positions,
+                sincos: if table {
+                    cache.sincos()
+                } else {
+                    SinCos::Computed { theta: THETA }
+                },
+            };
+            let mut launch = || {
+                let io = |data, heads| {
+                    Io::InPlace(TensorMut {
+                        data,
+                        layout: Layout::bshd(BATCH, 1, heads, D),
+                    })
+                };
+                let qk = QkIo::Separate {
+                    q: io(q.as_view_mut(), HQ),
+                    k: io(k.as_view_mut(), HK),
+                };
+                rope.run_qk(&op, qk)
+            };
+            let timing = time(&ctx, &stream, &mut launch)?;
+            rows.push(DecodeRow {
+                variant: format!("{pos_name}, {src_name}"),
+                ..timing
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// Times `f` per launch, eager and captured 100 times in a graph.
+fn time<E>(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    mut f: impl FnMut() -> Result<(), E>,
+) -> anyhow::Result<DecodeRow>
+where
+    anyhow::Error: From<E>,
+{
+    let region = |run: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+        start.record(stream)?;
+        run()?;
+        end.record(stream)?;
+        end.synchronize()?;
+        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / LAUNCHES as f64)
+    };
+    let median = |run: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+        run()?; // warm-up
+        let times = (0..REGIONS)
+            .map(|_| region(run))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(quartiles(times)[1])
+    };
+    let eager_us = median(&mut || {
+        for _ in 0..LAUNCHES {
+            f()?;
+        }
+        Ok(())
+    })?;
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let captured: Result<(), E> = (0..LAUNCHES).try_for_each(|_| f());
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?;
+    let graph_us = median(&mut || Ok(graph.launch()?))?;
+    Ok(DecodeRow {
+        variant: String::new(),
+        eager_us,
+        graph_us,
+    })
+}
