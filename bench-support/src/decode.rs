@@ -83,7 +83,7 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
             } else {
                 Positions::Ids {
                     ids: DeviceInts::I64(ids.as_view()),
-                    shape: IdsShape::Shared,
+                    shape: IdsShape::PerRow,
                 }
             };
             let op = RopeOp {
