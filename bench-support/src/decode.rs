@@ -19,7 +19,7 @@ use crate::timing::quartiles;
 
 /// Launches per timed region, and per graph.
 const LAUNCHES: usize = 100;
-/// Timed regions; the median is reported.
+/// Timed regions per variant (after one untimed); the median is reported.
 const REGIONS: usize = 21;
 const THETA: f64 = 500_000.0;
 /// Decode shape: batch rows (one token each), q heads, k heads, head size.
@@ -70,94 +70,99 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
     stream.synchronize()?;
 
     let config = RopeConfig::builder(D as u32, RopeStyle::Neox).build()?;
-    let mut rows = vec![DecodeRow {
-        variant: "copy of the same bytes".into(),
-        ..time(&ctx, &stream, || {
-            stream.memcpy_dtod(&copy_src, &mut copy_dst)
-        })?
-    }];
-    for (pos_name, by_row) in [("ids", false), ("row offsets", true)] {
-        for (src_name, table) in [("computed", false), ("cos_sin_cache", true)] {
-            let positions = if by_row {
-                Positions::RowOffsets(DeviceInts::I64(offsets.as_view()))
-            } else {
-                Positions::Ids {
-                    ids: DeviceInts::I64(ids.as_view()),
-                    shape: IdsShape::PerRow,
-                }
-            };
-            let op = RopeOp {
-                config,
-                positions,
-                sincos: if table {
-                    cache.sincos()
-                } else {
-                    SinCos::Computed { theta: THETA }
-                },
-            };
-            let mut launch = || {
-                let io = |data, heads| {
-                    Io::InPlace(TensorMut {
-                        data,
-                        layout: Layout::bshd(BATCH, 1, heads, D),
-                    })
-                };
-                let qk = QkIo::Separate {
-                    q: io(q.as_view_mut(), HQ),
-                    k: io(k.as_view_mut(), HK),
-                };
-                rope.run_qk(&op, qk)
-            };
-            let timing = time(&ctx, &stream, &mut launch)?;
-            rows.push(DecodeRow {
-                variant: format!("{pos_name}, {src_name}"),
-                ..timing
-            });
+    // (name, positions by row offsets, sin/cos from the cache); `None` is the copy.
+    let variants: Vec<(String, Option<(bool, bool)>)> =
+        std::iter::once(("copy of the same bytes".into(), None))
+            .chain(
+                [("ids", false), ("row offsets", true)]
+                    .into_iter()
+                    .flat_map(|(p, by_row)| {
+                        [("computed", false), ("cos_sin_cache", true)]
+                            .map(move |(t, table)| (format!("{p}, {t}"), Some((by_row, table))))
+                    }),
+            )
+            .collect();
+    let mut run = |variant: Option<(bool, bool)>| -> anyhow::Result<()> {
+        let Some((by_row, table)) = variant else {
+            return Ok(stream.memcpy_dtod(&copy_src, &mut copy_dst)?);
+        };
+        let positions = if by_row {
+            Positions::RowOffsets(DeviceInts::I64(offsets.as_view()))
+        } else {
+            Positions::Ids {
+                ids: DeviceInts::I64(ids.as_view()),
+                shape: IdsShape::PerRow,
+            }
+        };
+        let sincos = if table {
+            cache.sincos()
+        } else {
+            SinCos::Computed { theta: THETA }
+        };
+        let op = RopeOp {
+            config,
+            positions,
+            sincos,
+        };
+        let io = |data, heads| {
+            Io::InPlace(TensorMut {
+                data,
+                layout: Layout::bshd(BATCH, 1, heads, D),
+            })
+        };
+        let qk = QkIo::Separate {
+            q: io(q.as_view_mut(), HQ),
+            k: io(k.as_view_mut(), HK),
+        };
+        Ok(rope.run_qk(&op, qk)?)
+    };
+    let mut graphs = Vec::new();
+    for (_, v) in &variants {
+        run(*v)?; // warm-up
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let captured = (0..LAUNCHES).try_for_each(|_| run(*v));
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        captured?;
+        graphs.push(graph?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?);
+    }
+    // Every region times each variant eager and in its graph, the variants in a rotating order,
+    // so that clock drift over the run falls on all of them alike.
+    let mut times = vec![(Vec::new(), Vec::new()); variants.len()];
+    for i in 0..=REGIONS {
+        for j in (0..variants.len()).map(|j| (i + j) % variants.len()) {
+            let v = variants[j].1;
+            let eager = per_launch(&ctx, &stream, &mut || {
+                (0..LAUNCHES).try_for_each(|_| run(v))
+            })?;
+            let graph = per_launch(&ctx, &stream, &mut || Ok(graphs[j].launch()?))?;
+            if i > 0 {
+                times[j].0.push(eager);
+                times[j].1.push(graph);
+            }
         }
     }
-    Ok(rows)
+    Ok(variants
+        .into_iter()
+        .zip(times)
+        .map(|((variant, _), (eager, graph))| DecodeRow {
+            variant,
+            eager_us: quartiles(eager)[1],
+            graph_us: quartiles(graph)[1],
+        })
+        .collect())
 }
 
-/// Times `f` per launch, eager and captured 100 times in a graph.
-fn time<E>(
+/// Microseconds per launch of `run`, which enqueues [`LAUNCHES`] launches, between two events.
+fn per_launch(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
-    mut f: impl FnMut() -> Result<(), E>,
-) -> anyhow::Result<DecodeRow>
-where
-    anyhow::Error: From<E>,
-{
-    let region = |run: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
-        start.record(stream)?;
-        run()?;
-        end.record(stream)?;
-        end.synchronize()?;
-        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / LAUNCHES as f64)
-    };
-    let median = |run: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
-        run()?; // warm-up
-        let times = (0..REGIONS)
-            .map(|_| region(run))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        Ok(quartiles(times)[1])
-    };
-    let eager_us = median(&mut || {
-        for _ in 0..LAUNCHES {
-            f()?;
-        }
-        Ok(())
-    })?;
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-    let captured: Result<(), E> = (0..LAUNCHES).try_for_each(|_| f());
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-    captured?;
-    let graph = graph?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?;
-    let graph_us = median(&mut || Ok(graph.launch()?))?;
-    Ok(DecodeRow {
-        variant: String::new(),
-        eager_us,
-        graph_us,
-    })
+    run: &mut dyn FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+    start.record(stream)?;
+    run()?;
+    end.record(stream)?;
+    end.synchronize()?;
+    Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / LAUNCHES as f64)
 }
