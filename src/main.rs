@@ -456,10 +456,10 @@ fn cpu_demo() -> Result<()> {
         for t in 0..case.seq {
             for h in 0..case.heads {
                 for (i, &f) in freqs.iter().enumerate() {
-                    let (c, s) = kernels_gpu::math::rope_cos_sin(100_000 + t as i64, f);
+                    let (c, s) = rope_kernels::math::rope_cos_sin(100_000 + t as i64, f);
                     let (ia, ib) = rope_reference::reference::pair(style, i, case.head_dim);
                     let base = (t * case.heads + h) * case.head_dim;
-                    let (y0, y1) = kernels_gpu::math::rotate(x[base + ia], x[base + ib], c, s);
+                    let (y0, y1) = rope_kernels::math::rotate(x[base + ia], x[base + ib], c, s);
                     got[base + ia] = y0;
                     got[base + ib] = y1;
                 }

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys, sys::CUdevice_attribute};
-use kernels_gpu::abi::KernelName;
+use rope_kernels::abi::KernelName;
 
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, check_attention_factor};
@@ -251,7 +251,7 @@ impl Rope {
     /// # Errors
     /// [`crate::Error::Driver`] when an attribute query fails.
     pub fn resources(&self) -> Result<Vec<KernelResources>> {
-        kernels_gpu::abi::all_symbols()
+        rope_kernels::abi::all_symbols()
             .map(|name| {
                 let f = self.module.function(name);
                 Ok(KernelResources {

@@ -1,5 +1,5 @@
 //! The host side of the kernel ABI: one struct per kernel family, generated from the parameter
-//! lists in `kernels-gpu/src/abi.rs` (`rope_kernel_params!`, `table_kernel_params!`), and the one
+//! lists in `rope-kernels/src/abi.rs` (`rope_kernel_params!`, `table_kernel_params!`), and the one
 //! launch every kernel goes through.
 
 use std::ffi::c_void;
@@ -15,7 +15,7 @@ macro_rules! host_args {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug, PartialEq)]
         pub(crate) struct $name {
-            $(pub(crate) $param: kernels_gpu::host_param_type!($kind),)*
+            $(pub(crate) $param: rope_kernels::host_param_type!($kind),)*
         }
 
         impl $name {
@@ -59,13 +59,13 @@ macro_rules! host_args {
     };
 }
 
-kernels_gpu::rope_kernel_params!(host_args {
-    /// The arguments of every RoPE entry point (`kernels-gpu/src/rope.rs`), device pointers
+rope_kernels::rope_kernel_params!(host_args {
+    /// The arguments of every RoPE entry point (`rope-kernels/src/rope.rs`), device pointers
     /// as addresses.
     RopeArgs
 });
 
-kernels_gpu::table_kernel_params!(host_args {
-    /// The arguments of every table-building entry point (`kernels-gpu/src/table.rs`).
+rope_kernels::table_kernel_params!(host_args {
+    /// The arguments of every table-building entry point (`rope-kernels/src/table.rs`).
     TableArgs
 });

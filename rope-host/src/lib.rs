@@ -1,6 +1,6 @@
 //! Rotary position embedding (RoPE) on NVIDIA GPUs, with kernels written in Rust.
 //!
-//! The kernels (crate `kernels-gpu`) are compiled to PTX by rustc's NVPTX backend and embedded
+//! The kernels (crate `rope-kernels`) are compiled to PTX by rustc's NVPTX backend and embedded
 //! here ([`PTX`]); at run time only the CUDA driver is needed, loaded dynamically, so this crate
 //! builds on stable Rust on machines with no CUDA installed.
 //!

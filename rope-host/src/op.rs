@@ -4,7 +4,7 @@
 //! [`crate::SinCos`]).
 
 use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr};
-pub use kernels_gpu::abi::{DType, Direction, RopeStyle};
+pub use rope_kernels::abi::{DType, Direction, RopeStyle};
 
 use crate::error::{Result, invalid};
 use crate::layout::Layout;

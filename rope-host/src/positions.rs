@@ -1,7 +1,7 @@
 //! Where each token's position comes from: the public [`Positions`] option and its raw form
 //! [`RawPositions`], their validation and how they encode into the kernel's `positions`,
 //! `pos_ptr`, `pos_aux`, `pos_count` and `pos_base` arguments (the kernel's side is `position` in
-//! `kernels-gpu/src/rope.rs`, decoding [`PositionCode`]).
+//! `rope-kernels/src/rope.rs`, decoding [`PositionCode`]).
 //!
 //! Every kind but [`Positions::Offset`] lives in device memory, so a launch allocates, copies and
 //! synchronizes nothing and can be captured in a CUDA graph and replayed with new values. Their
@@ -12,7 +12,7 @@
 //! A new position kind touches this file and the kernel's `position` function.
 
 use cudarc::driver::CudaView;
-use kernels_gpu::abi::PositionCode;
+use rope_kernels::abi::PositionCode;
 
 use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};

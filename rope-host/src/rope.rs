@@ -1,4 +1,4 @@
-//! RoPE launches: [`Rope::run`] and [`Rope::run_qk`]. Mirrors `kernels-gpu/src/rope.rs`.
+//! RoPE launches: [`Rope::run`] and [`Rope::run_qk`]. Mirrors `rope-kernels/src/rope.rs`.
 //!
 //! # Formula
 //! For head `h` of token `(b, s)` at position `p`, pair `i < r/2` (`r = rotary_dim`, by default
@@ -15,7 +15,7 @@
 //! arguments, `RopeArgs`, from the plan and the options' encodings) and **launch**.
 
 use cudarc::driver::sys::CUstream;
-use kernels_gpu::abi::DType;
+use rope_kernels::abi::DType;
 
 use crate::bind::{Binder, RawBuf};
 use crate::error::Result;
@@ -235,7 +235,7 @@ impl Rope {
         let args = encode(req, &plan, &positions, &sincos);
         let function = self.module.function(plan.kernel.symbol());
         // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in
-        // `kernels_gpu::rope_kernel_params!`, so they agree in order and type. `plan` proved,
+        // `rope_kernels::rope_kernel_params!`, so they agree in order and type. `plan` proved,
         // from the lengths the caller promises: each tensor's buffer holds its layout's end, so
         // every head of every token is in bounds; written layouts never map two elements to one
         // address, and written regions overlap no other tensor, table, position array or

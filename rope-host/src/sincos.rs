@@ -2,10 +2,10 @@
 //! validation, what it uploads (the default frequencies of `Computed`, once per `Rope`) and how
 //! it encodes into the kernel's `cos`, `sin`, `table_stride`, `table_positions`, `inv_freq`,
 //! `angle_mode` and `cs_scale` arguments (the kernel's side is `cos_sin` in
-//! `kernels-gpu/src/rope.rs`).
+//! `rope-kernels/src/rope.rs`).
 
 use cudarc::driver::CudaView;
-use kernels_gpu::abi::{DType, SinCosSource};
+use rope_kernels::abi::{DType, SinCosSource};
 
 use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};
@@ -68,7 +68,7 @@ pub enum SinCos<'a, T> {
         shape: TableShape,
     },
     /// Computed in the kernel: `inv_freq_i = theta^(-2i / rotary_dim)` on the host in `f64`,
-    /// the angle in `f64` and `cos`/`sin` within one `f32` ulp (see `kernels_gpu::math`).
+    /// the angle in `f64` and `cos`/`sin` within one `f32` ulp (see `rope_kernels::math`).
     Computed {
         /// The frequency base, finite and positive (commonly 10 000, or 500 000 for Llama 3).
         theta: f64,

@@ -1,9 +1,9 @@
-//! Cos/sin tables built on the GPU. Mirrors `kernels-gpu/src/table.rs`.
+//! Cos/sin tables built on the GPU. Mirrors `rope-kernels/src/table.rs`.
 
 use cudarc::driver::{
     CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop, ValidAsZeroBits,
 };
-use kernels_gpu::abi::{BLOCK_THREADS, TableKernelName};
+use rope_kernels::abi::{BLOCK_THREADS, TableKernelName};
 
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
@@ -222,7 +222,7 @@ impl Rope {
             .module
             .function(TableKernelName { dtype: T::DTYPE }.symbol());
         // SAFETY: `TableArgs` and the entry points' parameters come from the one list in
-        // `kernels_gpu::table_kernel_params!`, so they agree in order and type (callers checked
+        // `rope_kernels::table_kernel_params!`, so they agree in order and type (callers checked
         // rotary_dim >= 2, so the `NonZeroU32` half is >= 1). The tables were just allocated with
         // `max_position` rows of `row_stride >= half` elements (separate: two buffers of `half`
         // per row; combined: one buffer of `rotary_dim` per row, sines starting `half` in, so

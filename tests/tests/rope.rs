@@ -102,7 +102,7 @@ mod matches_plain_formula {
             .expect("the reference is the complex rotation");
     }
 
-    /// The kernels' own cos/sin (`kernels_gpu::math`, the code the GPU runs) are within one f32
+    /// The kernels' own cos/sin (`rope_kernels::math`, the code the GPU runs) are within one f32
     /// ulp of the f64 values, or `2^-28` absolute near a zero of cos/sin (where the f64 angle's
     /// own error, about `2^-52 * angle`, dominates), at positions up to 2^22, theta up to 10^7.
     #[test]
@@ -113,7 +113,7 @@ mod matches_plain_formula {
                 |(p, half, theta)| {
                     let d = 2 * half;
                     for i in [0, half / 3, half / 2, half - 1] {
-                        let (c, s) = kernels_gpu::math::rope_cos_sin(
+                        let (c, s) = rope_kernels::math::rope_cos_sin(
                             p,
                             rope_host::inv_freq(theta, d)[i as usize],
                         );
@@ -598,7 +598,7 @@ mod given_frequencies {
     //! Why `Rope::frequencies_from` takes a model's own f32 frequency vector: frameworks that
     //! compute `inv_freq` in f32 hold entries that are not the f32 nearest the exact value, and
     //! under `AngleMode::F32Compat` only their own vector gives their angles.
-    use kernels_gpu::math::{AngleMode, angle, rope_cos_sin_mode};
+    use rope_kernels::math::{AngleMode, angle, rope_cos_sin_mode};
 
     use super::*;
 

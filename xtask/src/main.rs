@@ -1,6 +1,6 @@
 //! Project tasks: `cargo xtask ptx [--check]`, `cargo xtask gpu-bundle`, `cargo xtask bench`.
 //!
-//! - `ptx` builds `kernels-gpu` for `nvptx64-nvidia-cuda` with the pinned nightly
+//! - `ptx` builds `rope-kernels` for `nvptx64-nvidia-cuda` with the pinned nightly
 //!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result,
 //!   adds the launch bounds rustc cannot express (`.maxntid`, `.minnctapersm`) and writes
 //!   `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.

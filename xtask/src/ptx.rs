@@ -21,7 +21,7 @@ pub fn run(check: bool) -> Result<()> {
             fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         ensure!(
             committed == ptx,
-            "{PTX_PATH} is stale: it does not match kernels-gpu's source; run `cargo xtask ptx` and commit it"
+            "{PTX_PATH} is stale: it does not match rope-kernels's source; run `cargo xtask ptx` and commit it"
         );
         println!("{PTX_PATH} is up to date ({} lines)", ptx.lines().count());
     } else {
@@ -38,7 +38,7 @@ fn build() -> Result<String> {
         .args([
             "rustc",
             "--package",
-            "kernels-gpu",
+            "rope-kernels",
             "--lib",
             "--release",
             "--target",
@@ -59,7 +59,7 @@ fn build() -> Result<String> {
     Ok(with_launch_bounds(&ptx))
 }
 
-/// The most recently written `kernels_gpu-*.s` (cargo keeps older ones from other flags).
+/// The most recently written `rope_kernels-*.s` (cargo keeps older ones from other flags).
 fn newest_asm(deps: &Path) -> Result<PathBuf> {
     let mut best: Option<(std::time::SystemTime, PathBuf)> = None;
     for entry in fs::read_dir(deps).with_context(|| format!("listing {}", deps.display()))? {
@@ -68,7 +68,7 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
             .file_name()
             .and_then(|n| n.to_str())
             .unwrap_or_default();
-        if name.starts_with("kernels_gpu-") && name.ends_with(".s") {
+        if name.starts_with("rope_kernels-") && name.ends_with(".s") {
             let modified = fs::metadata(&path)?.modified()?;
             if best.as_ref().is_none_or(|(t, _)| modified > *t) {
                 best = Some((modified, path));
@@ -76,7 +76,7 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
         }
     }
     best.map(|(_, p)| p)
-        .context("the PTX build wrote no kernels_gpu-*.s")
+        .context("the PTX build wrote no rope_kernels-*.s")
 }
 
 /// Adds `.maxntid BLOCK_THREADS, 1, 1` and `.minnctapersm` (the kernel's
@@ -84,10 +84,10 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
 /// entry point, between its parameter list and its body: the launch bounds rustc cannot
 /// express.
 ///
-/// [`KernelName::min_blocks_per_sm`]: kernels_gpu::abi::KernelName::min_blocks_per_sm
-/// [`MIN_BLOCKS_PER_SM`]: kernels_gpu::abi::MIN_BLOCKS_PER_SM
+/// [`KernelName::min_blocks_per_sm`]: rope_kernels::abi::KernelName::min_blocks_per_sm
+/// [`MIN_BLOCKS_PER_SM`]: rope_kernels::abi::MIN_BLOCKS_PER_SM
 fn with_launch_bounds(ptx: &str) -> String {
-    use kernels_gpu::abi::BLOCK_THREADS;
+    use rope_kernels::abi::BLOCK_THREADS;
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut blocks = None;
     for line in ptx.lines() {
@@ -109,7 +109,7 @@ fn with_launch_bounds(ptx: &str) -> String {
 
 /// The `.minnctapersm` of the entry point `symbol`.
 fn min_blocks_per_sm(symbol: &str) -> u32 {
-    use kernels_gpu::abi::{KernelName, MIN_BLOCKS_PER_SM};
+    use rope_kernels::abi::{KernelName, MIN_BLOCKS_PER_SM};
     KernelName::ALL
         .into_iter()
         .find(|k| k.symbol() == symbol)
@@ -137,7 +137,7 @@ fn validate(ptx: &str) -> Result<()> {
             bail!("the PTX contains {why}: `{}`", line.trim());
         }
     }
-    for symbol in kernels_gpu::abi::all_symbols() {
+    for symbol in rope_kernels::abi::all_symbols() {
         let entry = format!(".visible .entry {symbol}(");
         ensure!(
             ptx.contains(&entry),
@@ -150,7 +150,7 @@ fn validate(ptx: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::{min_blocks_per_sm, with_launch_bounds};
-    use kernels_gpu::abi::{BLOCK_THREADS, all_symbols};
+    use rope_kernels::abi::{BLOCK_THREADS, all_symbols};
 
     /// An entry point as rustc writes it: name, parameter list, body.
     fn entry(name: &str) -> String {

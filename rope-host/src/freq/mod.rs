@@ -7,7 +7,7 @@
 //! builds tables from the same vector.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
-pub use kernels_gpu::math::AngleMode;
+pub use rope_kernels::math::AngleMode;
 
 use crate::error::{Result, invalid};
 
@@ -20,10 +20,10 @@ use families::check_frequencies;
 /// The largest frequency [`FrequencySpec::build`] and the in-kernel path accept: `2^20`.
 ///
 /// The kernels reduce `angle = position * inv_freq` modulo `pi/2` by rounding `angle * 2/pi`
-/// with the `1.5 * 2^52` trick (`kernels_gpu::math::cos_sin_f32`), which is defined for
+/// with the `1.5 * 2^52` trick (`rope_kernels::math::cos_sin_f32`), which is defined for
 /// `|angle| < 2^51`; with every frequency at most `2^20`, every position of magnitude below
 /// `2^31` stays there (`2^31 * 2^20 = 2^51`), so in-kernel cos/sin are finite and within `[-1, 1]`
-/// over the whole range they are specified for. The one-ulp accuracy of `kernels_gpu::math`
+/// over the whole range they are specified for. The one-ulp accuracy of `rope_kernels::math`
 /// holds where the angle is below `2^32`: at every position below `2^31` for frequencies up to 1,
 /// which is every default-family frequency with `theta >= 1`.
 const MAX_INV_FREQ: f64 = 1_048_576.0;

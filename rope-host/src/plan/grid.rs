@@ -3,8 +3,8 @@
 use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
-use kernels_gpu::abi::BLOCK_THREADS;
-use kernels_gpu::divide::Divisor;
+use rope_kernels::abi::BLOCK_THREADS;
+use rope_kernels::divide::Divisor;
 
 use crate::error::{Result, invalid};
 use crate::handle::DeviceFacts;

@@ -8,7 +8,7 @@ mod grid;
 mod tests;
 
 pub(crate) use grid::{Grid, grid};
-use kernels_gpu::abi::{Access, DType, KernelName, preferred_lanes};
+use rope_kernels::abi::{Access, DType, KernelName, preferred_lanes};
 
 use crate::bind::RawBuf;
 use crate::error::{Result, invalid};

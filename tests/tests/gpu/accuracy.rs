@@ -85,7 +85,7 @@ fn rotate(
 
 /// The kernels' math run on the CPU: `x`, a `[seq, heads, d]` f32 tensor, rotated forward over
 /// all `d` features at `ids` with frequencies `f`, attention factor `scale` and angle mode
-/// `angle`, through `kernels_gpu::math` (the same IEEE operations in the same order).
+/// `angle`, through `rope_kernels::math` (the same IEEE operations in the same order).
 fn cpu_emulation(
     style: RopeStyle,
     x: &[f32],
@@ -98,11 +98,11 @@ fn cpu_emulation(
     for (s, &p) in ids.iter().enumerate() {
         for h in 0..heads {
             for (i, &fi) in f.iter().enumerate() {
-                let (c, sn) = kernels_gpu::math::rope_cos_sin_mode(p, fi, angle);
+                let (c, sn) = rope_kernels::math::rope_cos_sin_mode(p, fi, angle);
                 let (c, sn) = (c * scale as f32, sn * scale as f32);
                 let (ia, ib) = reference::pair(style, i, d);
                 let base = (s * heads + h) * d;
-                let (y0, y1) = kernels_gpu::math::rotate(x[base + ia], x[base + ib], c, sn);
+                let (y0, y1) = rope_kernels::math::rotate(x[base + ia], x[base + ib], c, sn);
                 out[base + ia] = y0;
                 out[base + ib] = y1;
             }

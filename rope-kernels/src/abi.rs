@@ -282,7 +282,7 @@ macro_rules! rope_kernel_params {
 }
 
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every table-building entry point
-/// (`kernels-gpu/src/table.rs`), as [`rope_kernel_params!`] does for the RoPE kernels.
+/// (`rope-kernels/src/table.rs`), as [`rope_kernel_params!`] does for the RoPE kernels.
 ///
 /// `cos` and `sin` receive `positions` rows of `row_stride >= half` elements; `inv_freq` holds
 /// `half` `f64`; `angle_mode` is a [`crate::math::AngleMode`] code and `scale` multiplies both.
@@ -415,7 +415,7 @@ macro_rules! kernel_table {
 }
 for_each_kernel!(kernel_table);
 
-/// A table-building kernel (`kernels-gpu/src/table.rs`): `rope_table_{dtype}`.
+/// A table-building kernel (`rope-kernels/src/table.rs`): `rope_table_{dtype}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TableKernelName {
     /// Element type of the tables.
