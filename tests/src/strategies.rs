@@ -381,20 +381,7 @@ fn scaling_with(
             any::<bool>(),
         ),
     )
-        .prop_map(
-            |((factor, original, beta_fast, beta_slow), (mscale, all, attention, truncate))| {
-                RopeScaling::Yarn(Yarn {
-                    factor,
-                    original_max_position_embeddings: original,
-                    beta_fast,
-                    beta_slow,
-                    mscale,
-                    mscale_all_dim: all,
-                    attention_factor: attention,
-                    truncate,
-                })
-            },
-        );
+        .prop_map(yarn);
     let longrope = (
         factor_list(pairs, 0.9, 1.5, list_edge.clone()),
         factor_list(pairs, 1.0, 64.0, list_edge),
@@ -487,20 +474,7 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
             any::<bool>(),
         ),
     )
-        .prop_map(
-            |((factor, original, beta_fast, beta_slow), (mscale, all, attention, truncate))| {
-                RopeScaling::Yarn(Yarn {
-                    factor,
-                    original_max_position_embeddings: original,
-                    beta_fast,
-                    beta_slow,
-                    mscale,
-                    mscale_all_dim: all,
-                    attention_factor: attention,
-                    truncate,
-                })
-            },
-        );
+        .prop_map(yarn);
     let llama3 = (
         factor(),
         log_uniform(1.0 / 1024.0, 1024.0),
@@ -572,5 +546,26 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
             };
             FrequencySpec::new(theta, rotary_dim).scaling(scaling)
         })
+    })
+}
+
+/// The parameters `((factor, original, beta_fast, beta_slow), (mscale, mscale_all_dim,
+/// attention_factor, truncate))` as a YaRN family.
+#[allow(clippy::type_complexity)]
+fn yarn(
+    ((factor, original, beta_fast, beta_slow), (mscale, all, attention, truncate)): (
+        (f64, u32, f64, f64),
+        (Option<f64>, Option<f64>, Option<f64>, bool),
+    ),
+) -> RopeScaling {
+    RopeScaling::Yarn(Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast,
+        beta_slow,
+        mscale,
+        mscale_all_dim: all,
+        attention_factor: attention,
+        truncate,
     })
 }
