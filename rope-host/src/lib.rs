@@ -11,6 +11,11 @@
 //! `f32`/`f16`/`bf16` ([`RopeElem`]), any strided layout with contiguous heads ([`Layout`]), in
 //! place or out of place ([`Io`]), and q and k in one launch ([`Rope::run_qk`], [`QkIo`]).
 //!
+//! Positions other than a constant offset live in device memory ([`DeviceInts`]), so launches
+//! allocate, copy and synchronize nothing and can be captured in CUDA graphs (see
+//! [`Rope::prepare`]); memory and streams owned by other frameworks go through the `unsafe`
+//! [`Rope::run_raw`].
+//!
 //! ```no_run
 //! use rope_host::{
 //!     open_device, Io, Layout, Positions, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TensorMut,
