@@ -1,0 +1,589 @@
+//! DLPack's C structures (declared here from the DLPack specification, `dlpack.h`) and their
+//! reading into rope-host's raw forms. Nothing here touches Python, so it is tested by
+//! `cargo test` without an interpreter; `native.rs` obtains the [`DLTensor`] from the capsule.
+
+use std::ffi::c_void;
+
+use rope_host::{DType, Layout, RawBuf, RawInts, RawTensor, TableShape};
+
+/// `kDLCUDA`: memory of a CUDA device.
+pub const DL_CUDA: i32 = 2;
+
+/// `DLDevice`: where a tensor lives.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DLDevice {
+    /// `DLDeviceType` (a C enum, `int`-sized): 1 CPU, 2 CUDA, ...
+    pub device_type: i32,
+    /// The device ordinal.
+    pub device_id: i32,
+}
+
+/// `DLDataType`: an element type.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DLDataType {
+    /// `DLDataTypeCode`: 0 int, 1 uint, 2 float, 4 bfloat, ...
+    pub code: u8,
+    /// Bits per lane.
+    pub bits: u8,
+    /// Lanes per element (1 for scalars).
+    pub lanes: u16,
+}
+
+/// `DLTensor`: a tensor's address, device, type, shape and strides (not owned).
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLTensor {
+    /// The base address (of the allocation; the first element is `byte_offset` bytes later).
+    pub data: *mut c_void,
+    /// Where `data` lives.
+    pub device: DLDevice,
+    /// Dimensions.
+    pub ndim: i32,
+    /// The element type.
+    pub dtype: DLDataType,
+    /// `ndim` extents.
+    pub shape: *mut i64,
+    /// `ndim` strides in elements, or null for a compact row-major tensor.
+    pub strides: *mut i64,
+    /// Bytes from `data` to the first element.
+    pub byte_offset: u64,
+}
+
+/// `DLManagedTensor`: a [`DLTensor`] with the producer's context and the deleter that frees it,
+/// what a `"dltensor"` capsule points to.
+#[repr(C)]
+#[derive(Debug)]
+pub struct DLManagedTensor {
+    /// The tensor.
+    pub dl_tensor: DLTensor,
+    /// The producer's state (for example the tensor it keeps alive).
+    pub manager_ctx: *mut c_void,
+    /// Releases the tensor; called once by whoever owns it (the capsule while it is named
+    /// `"dltensor"`, a consumer that renamed it to `"used_dltensor"`).
+    pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// An argument's problem, raised in Python as `TypeError` or `ValueError`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ArgError {
+    /// The argument has the wrong Python type.
+    Type(String),
+    /// The argument has the right type but an unsupported value.
+    Value(String),
+}
+
+/// The element types rope_rs reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elem {
+    /// `float32`.
+    F32,
+    /// `float16`.
+    F16,
+    /// `bfloat16`.
+    BF16,
+    /// `int32`.
+    I32,
+    /// `int64`.
+    I64,
+}
+
+impl Elem {
+    fn from_dl(t: DLDataType) -> Option<Self> {
+        match (t.code, t.bits, t.lanes) {
+            (2, 32, 1) => Some(Self::F32),
+            (2, 16, 1) => Some(Self::F16),
+            (4, 16, 1) => Some(Self::BF16),
+            (0, 32, 1) => Some(Self::I32),
+            (0, 64, 1) => Some(Self::I64),
+            _ => None,
+        }
+    }
+
+    /// The name PyTorch gives the type.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::F16 => "float16",
+            Self::BF16 => "bfloat16",
+            Self::I32 => "int32",
+            Self::I64 => "int64",
+        }
+    }
+
+    /// The rope-host element type of a floating-point type.
+    pub fn float(self) -> Option<DType> {
+        match self {
+            Self::F32 => Some(DType::F32),
+            Self::F16 => Some(DType::F16),
+            Self::BF16 => Some(DType::BF16),
+            Self::I32 | Self::I64 => None,
+        }
+    }
+}
+
+/// The name of a DLPack device type, for messages.
+pub fn device_name(device_type: i32) -> String {
+    match device_type {
+        1 => "CPU".into(),
+        2 => "CUDA".into(),
+        3 => "CUDAHost".into(),
+        4 => "OpenCL".into(),
+        7 => "Vulkan".into(),
+        8 => "Metal".into(),
+        9 => "VPI".into(),
+        10 => "ROCM".into(),
+        11 => "ROCMHost".into(),
+        13 => "CUDAManaged".into(),
+        14 => "OneAPI".into(),
+        other => format!("device type {other}"),
+    }
+}
+
+/// What rope_rs needs of a CUDA tensor: the address of its first element, its element type,
+/// its extents and its strides in elements (never negative).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dense {
+    /// `data + byte_offset`.
+    pub ptr: u64,
+    /// The element type.
+    pub elem: Elem,
+    /// Extents.
+    pub shape: Vec<usize>,
+    /// Strides in elements.
+    pub strides: Vec<usize>,
+    /// The CUDA device ordinal.
+    pub device_id: i32,
+}
+
+/// Reads `t`, named `arg` in errors: a CUDA tensor of a supported type with non-negative
+/// strides.
+///
+/// # Errors
+/// [`ArgError::Value`] for another device, an unsupported type, negative extents or strides.
+///
+/// # Safety
+/// `t.shape` points to `t.ndim` `i64`, and `t.strides` is null or points to as many (what a
+/// live `DLTensor` guarantees).
+pub unsafe fn read(t: &DLTensor, arg: &str) -> Result<Dense, ArgError> {
+    let value = |m: String| ArgError::Value(format!("{arg} {m}"));
+    if t.device.device_type != DL_CUDA {
+        return Err(value(format!(
+            "must be a CUDA tensor (DLPack device type 2), got {}",
+            device_name(t.device.device_type)
+        )));
+    }
+    let Some(elem) = Elem::from_dl(t.dtype) else {
+        let DLDataType { code, bits, lanes } = t.dtype;
+        return Err(value(format!(
+            "has an unsupported element type (DLPack code {code}, {bits} bits, {lanes} lanes)"
+        )));
+    };
+    let ndim = usize::try_from(t.ndim).map_err(|_| value(format!("has ndim {}", t.ndim)))?;
+    let extents: &[i64] = if ndim == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller promises `shape` points to `ndim` i64.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
+    let shape = extents
+        .iter()
+        .map(|&n| usize::try_from(n).map_err(|_| value(format!("has a negative extent {n}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let strides = if t.strides.is_null() || ndim == 0 {
+        let mut strides = vec![1; ndim];
+        for i in (0..ndim.saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * shape[i + 1].max(1);
+        }
+        strides
+    } else {
+        // SAFETY: the caller promises non-null `strides` point to `ndim` i64.
+        let given = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        given
+            .iter()
+            .map(|&s| {
+                usize::try_from(s)
+                    .map_err(|_| value(format!("has a negative stride {s} (strides {given:?})")))
+            })
+            .collect::<Result<Vec<_>, _>>()?
+    };
+    let ptr = (t.data as u64)
+        .checked_add(t.byte_offset)
+        .ok_or_else(|| value("has an address past 2^64".into()))?;
+    Ok(Dense {
+        ptr,
+        elem,
+        shape,
+        strides,
+        device_id: t.device.device_id,
+    })
+}
+
+/// `dims`/`strides` as a rope-host tensor whose buffer starts at `ptr` and ends after its last
+/// element.
+fn raw_tensor(
+    ptr: u64,
+    dims: [usize; 4],
+    strides: [usize; 4],
+    arg: &str,
+) -> Result<RawTensor, ArgError> {
+    if strides[3] != 1 && dims[3] > 1 {
+        return Err(ArgError::Value(format!(
+            "{arg} must have a contiguous last dimension (stride 1), got strides {strides:?}"
+        )));
+    }
+    let layout = Layout::strided(dims, [strides[0], strides[1], strides[2], 1], 0)
+        .map_err(|e| ArgError::Value(format!("{arg}: {e}")))?;
+    let len = layout
+        .end()
+        .ok_or_else(|| ArgError::Value(format!("{arg} spans more than 2^64 elements")))?;
+    Ok(RawTensor {
+        buf: RawBuf { ptr, len },
+        layout,
+    })
+}
+
+/// A tensor to rotate: `[batch, seq, heads, head_dim]` or `[tokens, heads, head_dim]`.
+///
+/// # Errors
+/// [`ArgError::Value`] for another rank or a last stride other than 1.
+pub fn rope_tensor(d: &Dense, arg: &str) -> Result<RawTensor, ArgError> {
+    match (d.shape.as_slice(), d.strides.as_slice()) {
+        (&[b, s, h, e], &[sb, ss, sh, se]) => {
+            raw_tensor(d.ptr, [b, s, h, e], [sb, ss, sh, se], arg)
+        }
+        (&[t, h, e], &[st, sh, se]) => raw_tensor(d.ptr, [1, t, h, e], [0, st, sh, se], arg),
+        (shape, _) => Err(ArgError::Value(format!(
+            "{arg} must be [batch, seq, heads, head_dim] or [tokens, heads, head_dim], got shape \
+             {shape:?}"
+        ))),
+    }
+}
+
+/// vLLM's query or key: `[num_tokens, num_heads * head_size]` (seen as `[num_tokens, num_heads,
+/// head_size]`) or `[num_tokens, num_heads, head_size]`.
+///
+/// # Errors
+/// [`ArgError::Value`] for another rank, a row not made of whole heads, or a last stride other
+/// than 1.
+pub fn heads_tensor(d: &Dense, head_size: usize, arg: &str) -> Result<RawTensor, ArgError> {
+    if head_size == 0 {
+        return Err(ArgError::Value("head_size must be positive".into()));
+    }
+    match (d.shape.as_slice(), d.strides.as_slice()) {
+        (&[t, row], &[st, se]) => {
+            if !row.is_multiple_of(head_size) {
+                return Err(ArgError::Value(format!(
+                    "{arg} rows of {row} elements are not whole heads of head_size {head_size}"
+                )));
+            }
+            if se != 1 && row > 1 {
+                return Err(ArgError::Value(format!(
+                    "{arg} must have a contiguous last dimension (stride 1), got strides [{st}, {se}]"
+                )));
+            }
+            let heads = row / head_size;
+            raw_tensor(d.ptr, [1, t, heads, head_size], [0, st, head_size, 1], arg)
+        }
+        (&[_, _, e], _) if e != head_size => Err(ArgError::Value(format!(
+            "{arg} has heads of {e} elements, head_size is {head_size}"
+        ))),
+        (&[t, h, e], &[st, sh, se]) => raw_tensor(d.ptr, [1, t, h, e], [0, st, sh, se], arg),
+        (shape, _) => Err(ArgError::Value(format!(
+            "{arg} must be [num_tokens, num_heads * head_size] or [num_tokens, num_heads, \
+             head_size], got shape {shape:?}"
+        ))),
+    }
+}
+
+/// Whether `d` is compact row-major (size-1 dimensions may have any stride).
+fn is_contiguous(d: &Dense) -> bool {
+    let mut want = 1;
+    for (&n, &s) in d.shape.iter().zip(&d.strides).rev() {
+        if n > 1 && s != want {
+            return false;
+        }
+        want *= n;
+    }
+    true
+}
+
+/// Position ids: a contiguous `int32`/`int64` tensor of one or two dimensions (`[seq]` or
+/// `[batch, seq]`).
+///
+/// # Errors
+/// [`ArgError::Value`] for another type, rank or a non-contiguous tensor.
+pub fn ints(d: &Dense, arg: &str) -> Result<RawInts, ArgError> {
+    let ty = match d.elem {
+        Elem::I32 => rope_host::IntType::I32,
+        Elem::I64 => rope_host::IntType::I64,
+        other => {
+            return Err(ArgError::Value(format!(
+                "{arg} must be int32 or int64, got {}",
+                other.name()
+            )));
+        }
+    };
+    if !matches!(d.shape.len(), 1 | 2) {
+        return Err(ArgError::Value(format!(
+            "{arg} must be [seq] or [batch, seq], got shape {:?}",
+            d.shape
+        )));
+    }
+    if !is_contiguous(d) {
+        return Err(ArgError::Value(format!(
+            "{arg} must be contiguous, got strides {:?} for shape {:?}",
+            d.strides, d.shape
+        )));
+    }
+    Ok(RawInts {
+        buf: RawBuf {
+            ptr: d.ptr,
+            len: d.shape.iter().product(),
+        },
+        ty,
+    })
+}
+
+/// A combined cos/sin cache `[max_position, rotary_dim]` (cos half, then sin half), contiguous,
+/// of a floating-point type.
+///
+/// # Errors
+/// [`ArgError::Value`] for another type, rank or a non-contiguous tensor.
+pub fn cos_sin_cache(d: &Dense, arg: &str) -> Result<(RawBuf, DType, TableShape), ArgError> {
+    let Some(dtype) = d.elem.float() else {
+        return Err(ArgError::Value(format!(
+            "{arg} must be float32, float16 or bfloat16, got {}",
+            d.elem.name()
+        )));
+    };
+    let &[max_position, rotary_dim] = d.shape.as_slice() else {
+        return Err(ArgError::Value(format!(
+            "{arg} must be [max_position, rotary_dim], got shape {:?}",
+            d.shape
+        )));
+    };
+    if !is_contiguous(d) {
+        return Err(ArgError::Value(format!(
+            "{arg} must be contiguous, got strides {:?} for shape {:?}",
+            d.strides, d.shape
+        )));
+    }
+    let rotary_dim = u32::try_from(rotary_dim)
+        .map_err(|_| ArgError::Value(format!("{arg} has {rotary_dim} columns")))?;
+    let buf = RawBuf {
+        ptr: d.ptr,
+        len: max_position * rotary_dim as usize,
+    };
+    Ok((
+        buf,
+        dtype,
+        TableShape {
+            max_position,
+            rotary_dim,
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake CUDA `DLTensor` over host arrays (never dereferenced at `data`).
+    struct Fake {
+        shape: Vec<i64>,
+        strides: Option<Vec<i64>>,
+        dtype: DLDataType,
+        device_type: i32,
+        byte_offset: u64,
+    }
+
+    const F32: DLDataType = DLDataType {
+        code: 2,
+        bits: 32,
+        lanes: 1,
+    };
+    const BF16: DLDataType = DLDataType {
+        code: 4,
+        bits: 16,
+        lanes: 1,
+    };
+    const I64: DLDataType = DLDataType {
+        code: 0,
+        bits: 64,
+        lanes: 1,
+    };
+
+    fn fake(shape: &[i64], strides: Option<&[i64]>, dtype: DLDataType) -> Fake {
+        Fake {
+            shape: shape.to_vec(),
+            strides: strides.map(<[i64]>::to_vec),
+            dtype,
+            device_type: DL_CUDA,
+            byte_offset: 0,
+        }
+    }
+
+    fn read_fake(f: &mut Fake, arg: &str) -> Result<Dense, ArgError> {
+        let t = DLTensor {
+            data: 0x1000 as *mut c_void,
+            device: DLDevice {
+                device_type: f.device_type,
+                device_id: 0,
+            },
+            ndim: f.shape.len() as i32,
+            dtype: f.dtype,
+            shape: f.shape.as_mut_ptr(),
+            strides: f
+                .strides
+                .as_mut()
+                .map_or(std::ptr::null_mut(), |s| s.as_mut_ptr()),
+            byte_offset: f.byte_offset,
+        };
+        // SAFETY: `shape` and `strides` point to `ndim` i64 owned by `f`, alive for the call.
+        unsafe { read(&t, arg) }
+    }
+
+    fn is_value(r: Result<impl std::fmt::Debug, ArgError>, needle: &str) {
+        match r {
+            Err(ArgError::Value(m)) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
+            other => panic!("expected a ValueError with {needle:?}, got {other:?}"),
+        }
+    }
+
+    mod reads {
+        use super::*;
+
+        #[test]
+        fn null_strides_are_row_major() {
+            let d = read_fake(&mut fake(&[2, 3, 4, 8], None, BF16), "q").expect("valid");
+            assert_eq!(d.strides, vec![96, 32, 8, 1]);
+            assert_eq!(d.elem, Elem::BF16);
+            assert_eq!(d.ptr, 0x1000);
+        }
+
+        #[test]
+        fn byte_offset_moves_the_address() {
+            let mut f = fake(&[4, 8], None, F32);
+            f.byte_offset = 64;
+            assert_eq!(read_fake(&mut f, "q").expect("valid").ptr, 0x1040);
+        }
+
+        #[test]
+        fn rejects_other_devices_naming_the_argument() {
+            let mut f = fake(&[4, 2, 8], None, F32);
+            f.device_type = 1;
+            is_value(
+                read_fake(&mut f, "q"),
+                "q must be a CUDA tensor (DLPack device type 2), got CPU",
+            );
+        }
+
+        #[test]
+        fn rejects_negative_strides_and_unsupported_types() {
+            is_value(
+                read_fake(&mut fake(&[4, 8], Some(&[-8, 1]), F32), "k"),
+                "k has a negative stride -8",
+            );
+            let f64 = DLDataType {
+                code: 2,
+                bits: 64,
+                lanes: 1,
+            };
+            is_value(
+                read_fake(&mut fake(&[4, 8], None, f64), "q"),
+                "unsupported element type",
+            );
+        }
+    }
+
+    mod layouts {
+        use super::*;
+
+        #[test]
+        fn four_and_three_dimensions() {
+            let d = read_fake(&mut fake(&[2, 5, 3, 8], None, F32), "q").expect("valid");
+            let t = rope_tensor(&d, "q").expect("valid");
+            assert_eq!(t.layout, Layout::bshd(2, 5, 3, 8));
+            assert_eq!(t.buf.len, 2 * 5 * 3 * 8);
+            let d = read_fake(&mut fake(&[5, 3, 8], None, F32), "q").expect("valid");
+            let t = rope_tensor(&d, "q").expect("valid");
+            assert_eq!(
+                (t.layout.batch(), t.layout.seq(), t.layout.heads()),
+                (1, 5, 3)
+            );
+            assert_eq!(t.buf.len, 5 * 3 * 8);
+        }
+
+        #[test]
+        fn strided_views_end_after_their_last_element() {
+            // q of a fused QKV [t, (4 + 2 * 2) * 8] seen as [t, 4, 8].
+            let d = read_fake(&mut fake(&[6, 4, 8], Some(&[64, 8, 1]), F32), "q").expect("valid");
+            let t = rope_tensor(&d, "q").expect("valid");
+            assert_eq!(t.layout.strides(), [0, 64, 8]);
+            assert_eq!(t.buf.len, 5 * 64 + 3 * 8 + 8);
+        }
+
+        #[test]
+        fn rejects_other_ranks_and_non_unit_last_strides() {
+            let d = read_fake(&mut fake(&[4, 8], None, F32), "q").expect("valid");
+            is_value(
+                rope_tensor(&d, "q"),
+                "q must be [batch, seq, heads, head_dim]",
+            );
+            let d = read_fake(&mut fake(&[4, 2, 8], Some(&[32, 16, 2]), F32), "k").expect("ok");
+            is_value(
+                rope_tensor(&d, "k"),
+                "k must have a contiguous last dimension",
+            );
+        }
+
+        #[test]
+        fn vllm_rows_split_into_heads() {
+            let d = read_fake(&mut fake(&[7, 4 * 16], Some(&[96, 1]), BF16), "query").expect("ok");
+            let t = heads_tensor(&d, 16, "query").expect("valid");
+            assert_eq!(t.layout.strides(), [0, 96, 16]);
+            assert_eq!(
+                (t.layout.seq(), t.layout.heads(), t.layout.head_dim()),
+                (7, 4, 16)
+            );
+            assert_eq!(t.buf.len, 6 * 96 + 64);
+            is_value(heads_tensor(&d, 24, "query"), "not whole heads");
+            let d = read_fake(&mut fake(&[7, 4, 16], None, BF16), "key").expect("valid");
+            assert!(heads_tensor(&d, 16, "key").is_ok());
+            is_value(heads_tensor(&d, 8, "key"), "head_size is 8");
+        }
+    }
+
+    mod options {
+        use super::*;
+
+        #[test]
+        fn position_ids_are_contiguous_ints() {
+            let d = read_fake(&mut fake(&[2, 9], None, I64), "position_ids").expect("valid");
+            let ids = ints(&d, "position_ids").expect("valid");
+            assert_eq!((ids.buf.len, ids.ty), (18, rope_host::IntType::I64));
+            let d = read_fake(&mut fake(&[2, 9], Some(&[1, 2]), I64), "position_ids").expect("ok");
+            is_value(ints(&d, "position_ids"), "position_ids must be contiguous");
+            let d = read_fake(&mut fake(&[9], None, F32), "position_ids").expect("valid");
+            is_value(
+                ints(&d, "position_ids"),
+                "must be int32 or int64, got float32",
+            );
+        }
+
+        #[test]
+        fn cos_sin_cache_states_its_shape() {
+            let d = read_fake(&mut fake(&[4096, 64], None, F32), "cos_sin_cache").expect("ok");
+            let (buf, dtype, shape) = cos_sin_cache(&d, "cos_sin_cache").expect("valid");
+            assert_eq!((buf.len, dtype), (4096 * 64, DType::F32));
+            assert_eq!((shape.max_position, shape.rotary_dim), (4096, 64));
+            let d = read_fake(&mut fake(&[4096], None, F32), "cos_sin_cache").expect("valid");
+            is_value(
+                cos_sin_cache(&d, "cos_sin_cache"),
+                "[max_position, rotary_dim]",
+            );
+        }
+    }
+}
