@@ -12,8 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
-    Direction, Error, IdsShape, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors, Rope,
-    RopeConfig, RopeStyle, open_device,
+    Direction, Error, IdsShape, RawBuf, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
+    RawTensors, Rope, RopeConfig, RopeStyle, open_device,
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense};
@@ -176,6 +176,35 @@ struct Launch<'a, 'py> {
     stream: u64,
 }
 
+/// q and k for one launch: separate buffers, or, when their address ranges meet (views of one
+/// fused QKV tensor, as PyTorch slices it), one buffer spanning both with each layout offset
+/// into it, so that rope-host checks their disjointness element by element rather than by
+/// address range.
+fn qk_tensors(q: RawTensor, k: RawTensor, es: u64) -> RawTensors {
+    let end = |t: &RawTensor| t.buf.ptr + t.buf.len as u64 * es;
+    let meet = q.buf.ptr < end(&k) && k.buf.ptr < end(&q);
+    let base = q.buf.ptr.min(k.buf.ptr);
+    let aligned = (q.buf.ptr - base).is_multiple_of(es) && (k.buf.ptr - base).is_multiple_of(es);
+    if !(meet && aligned) {
+        return RawTensors::Separate {
+            q: RawIo::InPlace(q),
+            k: RawIo::InPlace(k),
+        };
+    }
+    let offset = |t: &RawTensor| {
+        let delta = ((t.buf.ptr - base) / es) as usize;
+        t.layout.with_offset(t.layout.offset() + delta)
+    };
+    RawTensors::Fused {
+        buf: RawBuf {
+            ptr: base,
+            len: ((end(&q).max(end(&k)) - base) / es) as usize,
+        },
+        q: offset(&q),
+        k: offset(&k),
+    }
+}
+
 fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     let (q_obj, q_name) = l.q;
     let q = borrow(q_obj, q_name, l.stream)?;
@@ -267,10 +296,7 @@ fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     };
     let tensors = match &k {
         None => RawTensors::Q(RawIo::InPlace(q_tensor)),
-        Some((_, k_tensor)) => RawTensors::Separate {
-            q: RawIo::InPlace(q_tensor),
-            k: RawIo::InPlace(*k_tensor),
-        },
+        Some((_, k_tensor)) => qk_tensors(q_tensor, *k_tensor, dtype.size() as u64),
     };
     let rope = rope_for(device)?;
     if let RawSinCos::Computed { theta } = op.sincos {
