@@ -331,12 +331,7 @@ pub fn ints(d: &Dense, arg: &str) -> Result<RawInts, ArgError> {
             d.shape
         )));
     }
-    if !is_contiguous(d) {
-        return Err(ArgError::Value(format!(
-            "{arg} must be contiguous, got strides {:?} for shape {:?}",
-            d.strides, d.shape
-        )));
-    }
+    require_contiguous(d, arg)?;
     Ok(RawInts {
         buf: RawBuf {
             ptr: d.ptr,
@@ -364,12 +359,7 @@ pub fn cos_sin_cache(d: &Dense, arg: &str) -> Result<(RawBuf, DType, TableShape)
             d.shape
         )));
     };
-    if !is_contiguous(d) {
-        return Err(ArgError::Value(format!(
-            "{arg} must be contiguous, got strides {:?} for shape {:?}",
-            d.strides, d.shape
-        )));
-    }
+    require_contiguous(d, arg)?;
     let rotary_dim = u32::try_from(rotary_dim)
         .map_err(|_| ArgError::Value(format!("{arg} has {rotary_dim} columns")))?;
     let buf = RawBuf {
@@ -384,6 +374,18 @@ pub fn cos_sin_cache(d: &Dense, arg: &str) -> Result<(RawBuf, DType, TableShape)
             rotary_dim,
         },
     ))
+}
+
+/// `Ok` when `d` is contiguous, else an error naming `arg` with its strides and shape.
+fn require_contiguous(d: &Dense, arg: &str) -> Result<(), ArgError> {
+    if is_contiguous(d) {
+        Ok(())
+    } else {
+        Err(ArgError::Value(format!(
+            "{arg} must be contiguous, got strides {:?} for shape {:?}",
+            d.strides, d.shape
+        )))
+    }
 }
 
 #[cfg(test)]

@@ -393,19 +393,7 @@ fn scaling_with(
         ),
         proptest::option::weighted(0.2, value(0.5, 2.0)),
     )
-        .prop_map(
-            |(short_factor, long_factor, factor, (original, max, seq_len), attention_factor)| {
-                RopeScaling::LongRope {
-                    short_factor,
-                    long_factor,
-                    factor,
-                    original_max_position_embeddings: original,
-                    max_position_embeddings: max,
-                    seq_len,
-                    attention_factor,
-                }
-            },
-        );
+        .prop_map(longrope);
     prop_oneof![
         Just(RopeScaling::Default),
         value(0.5, 64.0).prop_map(|factor| RopeScaling::Linear { factor }),
@@ -504,25 +492,7 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
             (log_uniform_u32(2, u32::MAX), length(), seq_len()),
             proptest::option::weighted(0.2, log_uniform(1e-3, 1e3)),
         )
-            .prop_map(
-                |(
-                    short_factor,
-                    long_factor,
-                    factor,
-                    (original, max, seq_len),
-                    attention_factor,
-                )| {
-                    RopeScaling::LongRope {
-                        short_factor,
-                        long_factor,
-                        factor,
-                        original_max_position_embeddings: original,
-                        max_position_embeddings: max,
-                        seq_len,
-                        attention_factor,
-                    }
-                },
-            );
+            .prop_map(longrope);
         prop_oneof![
             Just(RopeScaling::Default),
             factor().prop_map(|factor| RopeScaling::Linear { factor }),
@@ -568,4 +538,27 @@ fn yarn(
         attention_factor: attention,
         truncate,
     })
+}
+
+/// The parameters `(short_factor, long_factor, factor, (original, max, seq_len),
+/// attention_factor)` as a LongRoPE family.
+#[allow(clippy::type_complexity)]
+fn longrope(
+    (short_factor, long_factor, factor, (original, max, seq_len), attention_factor): (
+        Vec<f64>,
+        Vec<f64>,
+        Option<f64>,
+        (u32, u32, u64),
+        Option<f64>,
+    ),
+) -> RopeScaling {
+    RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        factor,
+        original_max_position_embeddings: original,
+        max_position_embeddings: max,
+        seq_len,
+        attention_factor,
+    }
 }
