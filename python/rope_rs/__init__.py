@@ -1,16 +1,287 @@
 """rope-rs: rotary position embedding (RoPE) for NVIDIA GPUs, with kernels written in Rust.
 
-Tensors are passed by DLPack (``torch.Tensor`` and anything else with ``__dlpack__`` and
-``__dlpack_device__``) and rotated in place on the CUDA stream given as ``stream=``:
+Tensors cross by DLPack (``torch.Tensor`` and anything else with ``__dlpack__`` and
+``__dlpack_device__`` on CUDA); nothing here links against PyTorch, and the package imports
+without it. With ``torch.Tensor`` arguments, launches go to PyTorch's current stream, outputs
+come from ``torch.empty_like``, autograd and ``torch.compile`` work (see ``rope_rs.torch``)::
 
     import torch, rope_rs
     q = torch.randn(1, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
-    rope_rs.apply_rope(q, k, theta=500000.0, stream=torch.cuda.current_stream().cuda_stream)
+    q_rot, k_rot = rope_rs.apply_rope(q, k, theta=500000.0)   # new tensors
+    rope_rs.apply_rope(q, k, theta=500000.0, inplace=True)     # rotates q and k themselves
 
-``rotary_embedding`` is a drop-in for vLLM's op of the same name.
+Drop-ins, a one-line change from the original: ``rotary_embedding`` (vLLM),
+``apply_rope_with_cos_sin_cache_inplace`` (FlashInfer) and ``apply_rotary_pos_emb`` (Hugging Face).
+``frequencies`` shows the frequencies a call computes sin/cos from.
 """
 
-from rope_rs._native import __version__, apply_rope, rotary_embedding
+import sys
+from typing import Any, Optional, Tuple, Union
 
-__all__ = ["__version__", "apply_rope", "rotary_embedding"]
+from rope_rs import _native
+from rope_rs._native import __version__, frequencies
+
+__all__ = [
+    "__version__",
+    "apply_rope",
+    "apply_rope_with_cos_sin_cache_inplace",
+    "apply_rotary_pos_emb",
+    "frequencies",
+    "rotary_embedding",
+]
+
+
+def _torch_of(x: Any) -> Any:
+    """The torch module if `x` is a ``torch.Tensor`` (torch is never imported here: a tensor of
+    it exists only once it was)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return torch
+    return None
+
+
+def _stream(x: Any, stream: Optional[int]) -> Tuple[int, bool]:
+    """The stream to launch on and whether the producers must order their writes before it:
+    `stream` (they must), else PyTorch's current stream for a CUDA ``torch.Tensor`` (where they
+    are ordered already), else 0, the legacy default stream (they must)."""
+    if stream is not None:
+        return stream, True
+    torch = _torch_of(x)
+    if torch is not None and x.is_cuda:
+        return torch.cuda.current_stream(x.device).cuda_stream, False
+    return 0, True
+
+
+def _empty_like(x: Any, arg: str, name: str) -> Any:
+    """A new array like `x` (named `arg`) from its own library (the array API's
+    ``__array_namespace__().empty_like``), for the output `name`."""
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(
+            f"{arg} must be a tensor supporting DLPack (__dlpack__ and __dlpack_device__), got {type(x).__name__}"
+        )
+    namespace = getattr(x, "__array_namespace__", None)
+    if namespace is None:
+        raise TypeError(
+            f"{name}: an out-of-place call on {type(x).__name__} needs {name}= (an output tensor), "
+            "or inplace=True"
+        )
+    return namespace().empty_like(x)
+
+
+def apply_rope(
+    q: Any,
+    k: Any = None,
+    *,
+    positions: Union[int, Any, None] = None,
+    position_ids: Any = None,
+    cu_seqlens: Any = None,
+    layout: Optional[str] = None,
+    style: str = "neox",
+    theta: Optional[float] = None,
+    cos_sin_cache: Any = None,
+    cos: Any = None,
+    sin: Any = None,
+    inv_freq: Any = None,
+    attention_factor: Optional[float] = None,
+    angle: Optional[str] = None,
+    scaling: Optional[dict] = None,
+    rotary_dim: Optional[int] = None,
+    inplace: bool = False,
+    out: Any = None,
+    k_out: Any = None,
+    backward: bool = False,
+    stream: Optional[int] = None,
+) -> Any:
+    """Rotates q (and k) by rotary position embedding (RoPE) on the GPU.
+
+    Returns the rotated q, or ``(q, k)`` rotated when k is given: new tensors by default
+    (``inplace=False``; ``out=``/``k_out=`` receive them when given), q and k themselves with
+    ``inplace=True``.
+
+    Tensors: CUDA tensors of one device, passed by DLPack. q and k are float32, float16 or
+    bfloat16, any strides but a contiguous last dimension: ``[batch, seq, heads, head_dim]``
+    (``layout="bshd"``, the default for 4-D), ``[seq, batch, heads, head_dim]`` (``"sbhd"``),
+    ``[batch, heads, seq, head_dim]`` (``"bhsd"``, Hugging Face's) or packed
+    ``[tokens, heads, head_dim]`` (3-D, ``"thd"``). k has q's dtype, batch and seq, and any head
+    count (GQA, MQA); views of one fused QKV tensor work in place.
+
+    Positions (one of; integer tensors are contiguous int32 or int64 on q's device):
+      - ``positions``: an int, token ``s`` at ``positions + s`` (default 0); or a tensor
+        ``[batch]`` of per-row start positions, ``positions[b] + s`` (decoding with a KV cache);
+      - ``position_ids``: ``[seq]`` (shared by all rows, also ``[tokens]`` for 3-D tensors) or
+        ``[batch, seq]``, one position per token;
+      - ``cu_seqlens``: ``[num_seqs + 1]`` cumulative lengths of packed sequences (3-D tensors):
+        token ``t`` of sequence ``i`` at ``t - cu_seqlens[i]``, plus ``positions[i]`` when
+        ``positions`` is a tensor ``[num_seqs]`` (tokens already cached).
+
+    sin/cos (one of):
+      - ``theta`` (default 10000): ``inv_freq[i] = theta ** (-2i / rotary_dim)``, cos and sin
+        computed in the kernel (angle in float64, cos/sin within one float32 ulp);
+      - ``scaling``: a Hugging Face ``rope_scaling`` dict (transformers 5's ``rope_parameters``),
+        ``rope_type`` "default", "linear", "dynamic", "yarn", "longrope" or "llama3" with the
+        config's own keys (``factor``, ``original_max_position_embeddings``, ``beta_fast``, ...,
+        ``rope_theta`` and ``partial_rotary_factor`` too); add ``max_position_embeddings`` (the
+        config's top-level field) and ``seq_len`` (the current length) where the family reads
+        them (dynamic; yarn and longrope without ``factor``; longrope's long factors). ``theta``
+        is its base. YaRN's and LongRoPE's attention factor scales cos and sin, as HF does;
+      - ``inv_freq``: ``[rotary_dim / 2]`` frequencies, a CUDA tensor (float64 read as given;
+        PyTorch tensors of other dtypes are converted) or floats on the host, with
+        ``attention_factor`` (default 1) multiplying cos and sin;
+      - ``cos_sin_cache``: ``[max_position, rotary_dim]``, each row the cosines then the sines
+        (vLLM's and FlashInfer's cache);
+      - ``cos`` and ``sin``: ``[max_position, rotary_dim / 2]`` each.
+      Tables are float32 or q's dtype; a position outside a table makes that token's outputs
+      NaN (never a read outside it). ``angle="f32"`` forms angles as PyTorch models do,
+      ``f32(p) * f32(inv_freq)`` rounded to float32 (with a model's own float32 ``inv_freq``, its
+      angles exactly), instead of exactly (``"exact"``, the default).
+
+    ``style``: ``"neox"`` rotates pairs ``(x[i], x[i + r/2])`` (GPT-NeoX, Llama: rotate-half),
+    ``"interleaved"`` pairs ``(x[2i], x[2i+1])`` (GPT-J). ``rotary_dim`` (default: the width the
+    table or frequencies serve, else head_dim) rotates the first ``rotary_dim`` features of each
+    head and leaves the rest (copied out of place). ``backward=True`` applies the transposed
+    rotation, the gradient of the forward one.
+
+    Streams: the kernel is launched asynchronously on ``stream`` (a ``CUstream`` handle as an
+    int); by default PyTorch's current stream for ``torch.Tensor`` arguments, else 0 (the legacy
+    default stream). The tensors must stay allocated until the kernel has run on that stream
+    (PyTorch does this for tensors used on their own stream), and nothing else may write them,
+    or read what is written, meanwhile. Frequencies computed on the host (``scaling``,
+    ``inv_freq`` floats, ``angle="f32"``, and each ``theta``'s) are uploaded once per process on
+    first use: inside a CUDA graph capture that raises ValueError, so make the same call once
+    before capturing.
+
+    PyTorch: with q or k requiring grad, the call is recorded for autograd (its backward is
+    ``backward=True`` on the gradients); under ``torch.compile`` it becomes the custom operators
+    ``torch.ops.rope_rs.*``. See ``rope_rs.torch``. Other DLPack producers get out-of-place
+    outputs from their array-API namespace (``__array_namespace__().empty_like``), or pass
+    ``out=``.
+
+    Raises TypeError for an argument of the wrong Python type, ValueError naming the argument for
+    an invalid tensor or option (CPU tensors, wrong dtype, mismatched shapes, a non-contiguous
+    last dimension, tensors on different devices, contradicting options; nothing is launched
+    then), RuntimeError when the CUDA driver fails.
+    """
+    if _torch_of(q) is not None:
+        from rope_rs import torch as rope_torch
+
+        return rope_torch.apply_rope(
+            q,
+            k,
+            positions=positions,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            layout=layout,
+            style=style,
+            theta=theta,
+            cos_sin_cache=cos_sin_cache,
+            cos=cos,
+            sin=sin,
+            inv_freq=inv_freq,
+            attention_factor=attention_factor,
+            angle=angle,
+            scaling=scaling,
+            rotary_dim=rotary_dim,
+            inplace=inplace,
+            out=out,
+            k_out=k_out,
+            backward=backward,
+            stream=stream,
+        )
+    if inplace:
+        if out is not None or k_out is not None:
+            raise ValueError("out: inplace=True rotates q and k themselves; give out and k_out only out of place")
+    else:
+        if out is None:
+            out = _empty_like(q, "q", "out")
+        if k is not None and k_out is None:
+            k_out = _empty_like(k, "k", "k_out")
+    _native.apply_rope(
+        q,
+        k,
+        out=out,
+        k_out=k_out,
+        positions=positions,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        layout=layout,
+        style=style,
+        theta=theta,
+        cos_sin_cache=cos_sin_cache,
+        cos=cos,
+        sin=sin,
+        inv_freq=inv_freq,
+        attention_factor=attention_factor,
+        angle=angle,
+        scaling=scaling,
+        rotary_dim=rotary_dim,
+        backward=backward,
+        stream=0 if stream is None else stream,
+    )
+    q_res, k_res = (q, k) if inplace else (out, k_out)
+    return q_res if k is None else (q_res, k_res)
+
+
+def rotary_embedding(
+    positions: Any,
+    query: Any,
+    key: Any,
+    head_size: int,
+    cos_sin_cache: Any,
+    is_neox: bool,
+    *,
+    stream: Optional[int] = None,
+) -> None:
+    """vLLM's ``rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)``:
+    rotates query and key in place.
+
+    ``positions``: int32/int64 ``[num_tokens]``; ``query`` and ``key``: ``[num_tokens,
+    num_heads * head_size]`` (or ``[num_tokens, num_heads, head_size]``), any row stride, a
+    contiguous last dimension; ``key`` may be None; ``cos_sin_cache``: ``[max_position,
+    rotary_dim]``, cos half then sin half, float32 or query's dtype; ``is_neox``: rotate-half
+    pairs, else interleaved. The first ``rotary_dim`` features of each head rotate. Launched on
+    ``stream``, by default PyTorch's current stream (as vLLM's op). Raises as ``apply_rope``.
+    """
+    stream, sync = _stream(query, stream)
+    _native.rotary_embedding(
+        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync
+    )
+
+
+def apply_rope_with_cos_sin_cache_inplace(
+    positions: Any,
+    query: Any,
+    key: Any,
+    head_size: int,
+    cos_sin_cache: Any,
+    is_neox: bool = True,
+    *,
+    stream: Optional[int] = None,
+) -> None:
+    """FlashInfer's ``apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size,
+    cos_sin_cache, is_neox=True)``: rotates query ``[nnz, num_q_heads * head_size]`` and key
+    ``[nnz, num_k_heads * head_size]`` in place at ``positions`` ``[nnz]`` with
+    ``cos_sin_cache`` ``[max_seq_len, rotary_dim]`` (cosines, then sines; FlashInfer requires
+    float32, rope-rs also takes query's dtype). The same operation as vLLM's
+    :func:`rotary_embedding`; launched on PyTorch's current stream unless ``stream`` is given.
+    """
+    stream, sync = _stream(query, stream)
+    _native.rotary_embedding(
+        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync
+    )
+
+
+def apply_rotary_pos_emb(
+    q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = None, unsqueeze_dim: int = 1
+) -> Tuple[Any, Any]:
+    """Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin, position_ids=None,
+    unsqueeze_dim=1)`` (``transformers.models.llama.modeling_llama``) for ``torch.Tensor``s:
+    returns new ``(q_embed, k_embed)``, differentiable. See
+    ``rope_rs.torch.apply_rotary_pos_emb``; to patch a model::
+
+        import transformers.models.llama.modeling_llama as llama
+        llama.apply_rotary_pos_emb = rope_rs.apply_rotary_pos_emb
+    """
+    from rope_rs import torch as rope_torch
+
+    return rope_torch.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)

@@ -1,31 +1,47 @@
-"""Type stubs of the native module ``rope_rs._native``."""
+"""Type stubs of the native module ``rope_rs._native`` (the calls under ``rope_rs``'s functions:
+explicit outputs, explicit stream, no PyTorch)."""
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence, Tuple, Union
 
 __version__: str
+SCALING_KEYS: list[str]
 
 def apply_rope(
     q: Any,
     k: Optional[Any] = None,
     *,
-    positions: Optional[int] = None,
+    out: Optional[Any] = None,
+    k_out: Optional[Any] = None,
+    positions: Union[int, Any, None] = None,
     position_ids: Optional[Any] = None,
+    cu_seqlens: Optional[Any] = None,
+    layout: Optional[Literal["bshd", "sbhd", "bhsd", "thd"]] = None,
     style: Literal["neox", "interleaved"] = "neox",
-    theta: float = 10000.0,
+    theta: Optional[float] = None,
     cos_sin_cache: Optional[Any] = None,
+    cos: Optional[Any] = None,
+    sin: Optional[Any] = None,
+    inv_freq: Union[Any, Sequence[float], None] = None,
+    attention_factor: Optional[float] = None,
+    angle: Optional[Literal["exact", "f32"]] = None,
+    scaling: Optional[dict[str, Any]] = None,
     rotary_dim: Optional[int] = None,
     backward: bool = False,
     stream: int = 0,
+    producer_sync: bool = True,
 ) -> None:
-    """Rotates q (and k) in place by RoPE on the GPU; see ``help(rope_rs.apply_rope)``.
+    """Rotates q (and k) by RoPE on ``stream``: into ``out``/``k_out`` when given, else in place.
 
-    q, k: CUDA DLPack tensors (float32/float16/bfloat16) ``[batch, seq, heads, head_dim]`` or
-    ``[tokens, heads, head_dim]``, contiguous last dimension. positions: an offset (default 0);
-    position_ids: a CUDA int32/int64 tensor ``[seq]`` or ``[batch, seq]``. sin/cos from
-    ``theta`` or ``cos_sin_cache`` ``[max_position, rotary_dim]`` (float32 or q's dtype).
-    stream: a ``CUstream`` handle (``torch.cuda.current_stream().cuda_stream``; 0 = legacy
-    default stream). Raises TypeError (not DLPack), ValueError (invalid tensor or option),
-    RuntimeError (CUDA driver).
+    q, k, out, k_out: CUDA DLPack tensors (float32/float16/bfloat16) by ``layout``: "bshd"
+    ``[batch, seq, heads, head_dim]`` (4-D default), "sbhd", "bhsd", or "thd" ``[tokens, heads,
+    head_dim]`` (3-D); contiguous last dimension. Positions: ``positions`` (int offset or
+    ``[batch]`` tensor), ``position_ids`` (``[seq]`` or ``[batch, seq]``) or ``cu_seqlens``
+    (``[num_seqs + 1]``, with ``positions`` ``[num_seqs]`` offsets). sin/cos: ``theta``,
+    ``scaling`` (HF rope_scaling dict), ``inv_freq`` (CUDA float64 or host floats, with
+    ``attention_factor``), ``cos_sin_cache`` ``[max_position, rotary_dim]`` or ``cos``/``sin``
+    ``[max_position, rotary_dim / 2]``. ``stream``: a ``CUstream`` handle (0: legacy default);
+    ``producer_sync=False`` passes ``stream=-1`` to ``__dlpack__`` (the caller ordered the writes).
+    Raises TypeError, ValueError naming the argument, RuntimeError (CUDA driver).
     """
 
 def rotary_embedding(
@@ -37,7 +53,19 @@ def rotary_embedding(
     is_neox: bool,
     *,
     stream: int = 0,
+    producer_sync: bool = True,
 ) -> None:
     """vLLM's ``rotary_embedding``: rotates query and key ``[num_tokens, num_heads * head_size]``
     in place at ``positions`` ``[num_tokens]`` with ``cos_sin_cache`` ``[max_position,
     rotary_dim]``."""
+
+def frequencies(
+    head_dim: int,
+    *,
+    theta: Optional[float] = None,
+    scaling: Optional[dict[str, Any]] = None,
+    rotary_dim: Optional[int] = None,
+    angle: Optional[Literal["exact", "f32"]] = None,
+) -> Tuple[list[float], float]:
+    """``(inv_freq, attention_factor)`` that ``apply_rope`` computes sin/cos from for these
+    arguments, in float64 on the host."""

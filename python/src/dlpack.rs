@@ -83,6 +83,8 @@ pub enum Elem {
     F16,
     /// `bfloat16`.
     BF16,
+    /// `float64` (frequency vectors only: the kernels read `inv_freq` in `f64`).
+    F64,
     /// `int32`.
     I32,
     /// `int64`.
@@ -95,6 +97,7 @@ impl Elem {
             (2, 32, 1) => Some(Self::F32),
             (2, 16, 1) => Some(Self::F16),
             (4, 16, 1) => Some(Self::BF16),
+            (2, 64, 1) => Some(Self::F64),
             (0, 32, 1) => Some(Self::I32),
             (0, 64, 1) => Some(Self::I64),
             _ => None,
@@ -107,18 +110,19 @@ impl Elem {
             Self::F32 => "float32",
             Self::F16 => "float16",
             Self::BF16 => "bfloat16",
+            Self::F64 => "float64",
             Self::I32 => "int32",
             Self::I64 => "int64",
         }
     }
 
-    /// The rope-host element type of a floating-point type.
+    /// The rope-host element type of a tensor or table type (`float64` is not one).
     pub fn float(self) -> Option<DType> {
         match self {
             Self::F32 => Some(DType::F32),
             Self::F16 => Some(DType::F16),
             Self::BF16 => Some(DType::BF16),
-            Self::I32 | Self::I64 => None,
+            Self::F64 | Self::I32 | Self::I64 => None,
         }
     }
 }
@@ -244,20 +248,91 @@ fn raw_tensor(
     })
 }
 
-/// A tensor to rotate: `[batch, seq, heads, head_dim]` or `[tokens, heads, head_dim]`.
+/// How the dimensions of a tensor to rotate map onto rope-host's `[batch, seq, heads,
+/// head_dim]` (the `layout=` argument).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorLayout {
+    /// `[batch, seq, heads, head_dim]` (the default for 4-D tensors).
+    Bshd,
+    /// Time-major `[seq, batch, heads, head_dim]` (Megatron).
+    Sbhd,
+    /// `[batch, heads, seq, head_dim]` (Hugging Face's attention layout).
+    Bhsd,
+    /// Packed `[tokens, heads, head_dim]` (the default, and the only layout, for 3-D tensors).
+    Thd,
+}
+
+impl TensorLayout {
+    /// Parses the `layout=` argument: `None` picks by rank.
+    ///
+    /// # Errors
+    /// [`ArgError::Value`] naming `layout` for another name.
+    pub fn parse(name: Option<&str>) -> Result<Option<Self>, ArgError> {
+        Ok(match name {
+            None => None,
+            Some("bshd") => Some(Self::Bshd),
+            Some("sbhd") => Some(Self::Sbhd),
+            Some("bhsd") => Some(Self::Bhsd),
+            Some("thd") => Some(Self::Thd),
+            Some(other) => {
+                return Err(ArgError::Value(format!(
+                    "layout must be \"bshd\", \"sbhd\", \"bhsd\" or \"thd\", got {other:?}"
+                )));
+            }
+        })
+    }
+
+    /// The name `layout=` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bshd => "bshd",
+            Self::Sbhd => "sbhd",
+            Self::Bhsd => "bhsd",
+            Self::Thd => "thd",
+        }
+    }
+}
+
+/// A tensor to rotate, its dimensions read by `layout` (`None`: `[batch, seq, heads,
+/// head_dim]` for 4-D tensors, `[tokens, heads, head_dim]` for 3-D ones).
 ///
 /// # Errors
-/// [`ArgError::Value`] for another rank or a last stride other than 1.
-pub fn rope_tensor(d: &Dense, arg: &str) -> Result<RawTensor, ArgError> {
-    match (d.shape.as_slice(), d.strides.as_slice()) {
-        (&[b, s, h, e], &[sb, ss, sh, se]) => {
+/// [`ArgError::Value`] for a rank the layout does not have, or a last stride other than 1.
+pub fn rope_tensor(
+    d: &Dense,
+    layout: Option<TensorLayout>,
+    arg: &str,
+) -> Result<RawTensor, ArgError> {
+    use TensorLayout::{Bhsd, Bshd, Sbhd, Thd};
+    match (layout, d.shape.as_slice(), d.strides.as_slice()) {
+        (None | Some(Bshd), &[b, s, h, e], &[sb, ss, sh, se]) => {
             raw_tensor(d.ptr, [b, s, h, e], [sb, ss, sh, se], arg)
         }
-        (&[t, h, e], &[st, sh, se]) => raw_tensor(d.ptr, [1, t, h, e], [0, st, sh, se], arg),
-        (shape, _) => Err(ArgError::Value(format!(
+        (Some(Sbhd), &[s, b, h, e], &[ss, sb, sh, se]) => {
+            raw_tensor(d.ptr, [b, s, h, e], [sb, ss, sh, se], arg)
+        }
+        (Some(Bhsd), &[b, h, s, e], &[sb, sh, ss, se]) => {
+            raw_tensor(d.ptr, [b, s, h, e], [sb, ss, sh, se], arg)
+        }
+        (None | Some(Thd), &[t, h, e], &[st, sh, se]) => {
+            raw_tensor(d.ptr, [1, t, h, e], [0, st, sh, se], arg)
+        }
+        (None, shape, _) => Err(ArgError::Value(format!(
             "{arg} must be [batch, seq, heads, head_dim] or [tokens, heads, head_dim], got shape \
              {shape:?}"
         ))),
+        (Some(layout), shape, _) => {
+            let want = match layout {
+                Bshd => "[batch, seq, heads, head_dim]",
+                Sbhd => "[seq, batch, heads, head_dim]",
+                Bhsd => "[batch, heads, seq, head_dim]",
+                Thd => "[tokens, heads, head_dim]",
+            };
+            Err(ArgError::Value(format!(
+                "{arg} must be {want} for layout {:?}, got shape {shape:?}",
+                layout.name()
+            )))
+        }
     }
 }
 
@@ -341,31 +416,53 @@ pub fn ints(d: &Dense, arg: &str) -> Result<RawInts, ArgError> {
     })
 }
 
-/// A combined cos/sin cache `[max_position, rotary_dim]` (cos half, then sin half), contiguous,
-/// of a floating-point type.
+/// A one-dimensional integer array (row offsets, `cu_seqlens`, per-sequence offsets):
+/// `[n]`, contiguous, `int32` or `int64`; `what` describes `n` in errors.
 ///
 /// # Errors
-/// [`ArgError::Value`] for another type, rank or a non-contiguous tensor.
-pub fn cos_sin_cache(d: &Dense, arg: &str) -> Result<(RawBuf, DType, TableShape), ArgError> {
+/// [`ArgError::Value`] for another type or rank.
+pub fn ints_1d(d: &Dense, arg: &str, what: &str) -> Result<RawInts, ArgError> {
+    if d.shape.len() != 1 {
+        return Err(ArgError::Value(format!(
+            "{arg} must be one-dimensional [{what}], got shape {:?}",
+            d.shape
+        )));
+    }
+    ints(d, arg)
+}
+
+/// A contiguous two-dimensional floating-point tensor: its buffer, type, rows and columns.
+fn float_matrix(d: &Dense, arg: &str, want: &str) -> Result<(RawBuf, DType, usize, u32), ArgError> {
     let Some(dtype) = d.elem.float() else {
         return Err(ArgError::Value(format!(
             "{arg} must be float32, float16 or bfloat16, got {}",
             d.elem.name()
         )));
     };
-    let &[max_position, rotary_dim] = d.shape.as_slice() else {
+    let &[rows, cols] = d.shape.as_slice() else {
         return Err(ArgError::Value(format!(
-            "{arg} must be [max_position, rotary_dim], got shape {:?}",
+            "{arg} must be {want}, got shape {:?}",
             d.shape
         )));
     };
     require_contiguous(d, arg)?;
-    let rotary_dim = u32::try_from(rotary_dim)
-        .map_err(|_| ArgError::Value(format!("{arg} has {rotary_dim} columns")))?;
+    let cols_u32 =
+        u32::try_from(cols).map_err(|_| ArgError::Value(format!("{arg} has {cols} columns")))?;
     let buf = RawBuf {
         ptr: d.ptr,
-        len: max_position * rotary_dim as usize,
+        len: rows * cols,
     };
+    Ok((buf, dtype, rows, cols_u32))
+}
+
+/// A combined cos/sin cache `[max_position, rotary_dim]` (cos half, then sin half), contiguous,
+/// of a floating-point type.
+///
+/// # Errors
+/// [`ArgError::Value`] for another type, rank or a non-contiguous tensor.
+pub fn cos_sin_cache(d: &Dense, arg: &str) -> Result<(RawBuf, DType, TableShape), ArgError> {
+    let (buf, dtype, max_position, rotary_dim) =
+        float_matrix(d, arg, "[max_position, rotary_dim]")?;
     Ok((
         buf,
         dtype,
@@ -374,6 +471,59 @@ pub fn cos_sin_cache(d: &Dense, arg: &str) -> Result<(RawBuf, DType, TableShape)
             rotary_dim,
         },
     ))
+}
+
+/// One of the separate tables `cos` and `sin`: `[max_position, rotary_dim / 2]`, contiguous, of
+/// a floating-point type; its shape states `rotary_dim`, twice its width.
+///
+/// # Errors
+/// [`ArgError::Value`] for another type, rank or a non-contiguous tensor, or a width whose
+/// double overflows.
+pub fn half_table(d: &Dense, arg: &str) -> Result<(RawBuf, DType, TableShape), ArgError> {
+    let (buf, dtype, max_position, half) = float_matrix(d, arg, "[max_position, rotary_dim / 2]")?;
+    let rotary_dim = half
+        .checked_mul(2)
+        .ok_or_else(|| ArgError::Value(format!("{arg} has {half} columns")))?;
+    Ok((
+        buf,
+        dtype,
+        TableShape {
+            max_position,
+            rotary_dim,
+        },
+    ))
+}
+
+/// A frequency vector on the device: `[rotary_dim / 2]`, contiguous, `float64` (the kernels
+/// read `f64` frequencies). Returns the buffer and the `rotary_dim` it serves.
+///
+/// # Errors
+/// [`ArgError::Value`] for another type or rank, or a length whose double overflows a `u32`.
+pub fn inv_freq(d: &Dense, arg: &str) -> Result<(RawBuf, u32), ArgError> {
+    if d.elem != Elem::F64 {
+        return Err(ArgError::Value(format!(
+            "{arg} on the device must be float64 (the kernels read f64 frequencies), got {}; \
+             convert it (inv_freq.double() in PyTorch) or pass a list of floats",
+            d.elem.name()
+        )));
+    }
+    let &[n] = d.shape.as_slice() else {
+        return Err(ArgError::Value(format!(
+            "{arg} must be one-dimensional [rotary_dim / 2], got shape {:?}",
+            d.shape
+        )));
+    };
+    require_contiguous(d, arg)?;
+    let rotary_dim = u32::try_from(n)
+        .ok()
+        .and_then(|n| n.checked_mul(2))
+        .filter(|&r| r > 0)
+        .ok_or_else(|| {
+            ArgError::Value(format!(
+                "{arg} holds {n} frequencies; rotary_dim, twice that, must be in 2..2^32"
+            ))
+        })?;
+    Ok((RawBuf { ptr: d.ptr, len: n }, rotary_dim))
 }
 
 /// `Ok` when `d` is contiguous, else an error naming `arg` with its strides and shape.
@@ -488,13 +638,13 @@ mod tests {
                 read_fake(&mut fake(&[4, 8], Some(&[-8, 1]), F32), "k"),
                 "k has a negative stride -8",
             );
-            let f64 = DLDataType {
-                code: 2,
+            let complex64 = DLDataType {
+                code: 5,
                 bits: 64,
                 lanes: 1,
             };
             is_value(
-                read_fake(&mut fake(&[4, 8], None, f64), "q"),
+                read_fake(&mut fake(&[4, 8], None, complex64), "q"),
                 "unsupported element type",
             );
         }
@@ -506,11 +656,11 @@ mod tests {
         #[test]
         fn four_and_three_dimensions() {
             let d = read_fake(&mut fake(&[2, 5, 3, 8], None, F32), "q").expect("valid");
-            let t = rope_tensor(&d, "q").expect("valid");
+            let t = rope_tensor(&d, None, "q").expect("valid");
             assert_eq!(t.layout, Layout::bshd(2, 5, 3, 8));
             assert_eq!(t.buf.len, 2 * 5 * 3 * 8);
             let d = read_fake(&mut fake(&[5, 3, 8], None, F32), "q").expect("valid");
-            let t = rope_tensor(&d, "q").expect("valid");
+            let t = rope_tensor(&d, None, "q").expect("valid");
             assert_eq!(
                 (t.layout.batch(), t.layout.seq(), t.layout.heads()),
                 (1, 5, 3)
@@ -522,7 +672,7 @@ mod tests {
         fn strided_views_end_after_their_last_element() {
             // q of a fused QKV [t, (4 + 2 * 2) * 8] seen as [t, 4, 8].
             let d = read_fake(&mut fake(&[6, 4, 8], Some(&[64, 8, 1]), F32), "q").expect("valid");
-            let t = rope_tensor(&d, "q").expect("valid");
+            let t = rope_tensor(&d, None, "q").expect("valid");
             assert_eq!(t.layout.strides(), [0, 64, 8]);
             assert_eq!(t.buf.len, 5 * 64 + 3 * 8 + 8);
         }
@@ -531,14 +681,56 @@ mod tests {
         fn rejects_other_ranks_and_non_unit_last_strides() {
             let d = read_fake(&mut fake(&[4, 8], None, F32), "q").expect("valid");
             is_value(
-                rope_tensor(&d, "q"),
+                rope_tensor(&d, None, "q"),
                 "q must be [batch, seq, heads, head_dim]",
             );
             let d = read_fake(&mut fake(&[4, 2, 8], Some(&[32, 16, 2]), F32), "k").expect("ok");
             is_value(
-                rope_tensor(&d, "k"),
+                rope_tensor(&d, None, "k"),
                 "k must have a contiguous last dimension",
             );
+        }
+
+        #[test]
+        fn named_layouts_reorder_the_dimensions() {
+            // A contiguous [s=5, b=2, h=3, d=8] tensor read as time-major.
+            let d = read_fake(&mut fake(&[5, 2, 3, 8], None, F32), "q").expect("valid");
+            let t = rope_tensor(&d, Some(TensorLayout::Sbhd), "q").expect("valid");
+            assert_eq!(t.layout, Layout::sbhd(5, 2, 3, 8));
+            // Hugging Face's [b=2, h=3, s=5, d=8], contiguous: seq stride 8, head stride 40.
+            let d = read_fake(&mut fake(&[2, 3, 5, 8], None, F32), "q").expect("valid");
+            let t = rope_tensor(&d, Some(TensorLayout::Bhsd), "q").expect("valid");
+            assert_eq!(
+                (t.layout.batch(), t.layout.seq(), t.layout.heads()),
+                (2, 5, 3)
+            );
+            assert_eq!(t.layout.strides(), [120, 8, 40]);
+            assert_eq!(t.buf.len, 2 * 3 * 5 * 8);
+            // The same layout from a transposed [b, s, h, d] (what a q projection's view and
+            // transpose(1, 2) give): strides (s*h*d, d, h*d, 1).
+            let d = read_fake(&mut fake(&[2, 3, 5, 8], Some(&[120, 8, 24, 1]), F32), "q")
+                .expect("valid");
+            let t = rope_tensor(&d, Some(TensorLayout::Bhsd), "q").expect("valid");
+            assert_eq!(t.layout, Layout::bshd(2, 5, 3, 8));
+        }
+
+        #[test]
+        fn layouts_name_the_rank_they_need() {
+            let d = read_fake(&mut fake(&[5, 3, 8], None, F32), "q").expect("valid");
+            is_value(
+                rope_tensor(&d, Some(TensorLayout::Bhsd), "q"),
+                "q must be [batch, heads, seq, head_dim] for layout \"bhsd\", got shape [5, 3, 8]",
+            );
+            let d = read_fake(&mut fake(&[2, 5, 3, 8], None, F32), "k").expect("valid");
+            is_value(
+                rope_tensor(&d, Some(TensorLayout::Thd), "k"),
+                "k must be [tokens, heads, head_dim] for layout \"thd\"",
+            );
+            assert_eq!(
+                TensorLayout::parse(Some("sbhd")),
+                Ok(Some(TensorLayout::Sbhd))
+            );
+            is_value(TensorLayout::parse(Some("bsh")), "layout must be");
         }
 
         #[test]
@@ -573,6 +765,47 @@ mod tests {
                 ints(&d, "position_ids"),
                 "must be int32 or int64, got float32",
             );
+        }
+
+        #[test]
+        fn one_dimensional_arrays_say_what_they_hold() {
+            let d = read_fake(&mut fake(&[5], None, I64), "cu_seqlens").expect("valid");
+            let ints = ints_1d(&d, "cu_seqlens", "num_seqs + 1").expect("valid");
+            assert_eq!(ints.buf.len, 5);
+            let d = read_fake(&mut fake(&[2, 5], None, I64), "cu_seqlens").expect("valid");
+            is_value(
+                ints_1d(&d, "cu_seqlens", "num_seqs + 1"),
+                "cu_seqlens must be one-dimensional [num_seqs + 1], got shape [2, 5]",
+            );
+        }
+
+        #[test]
+        fn separate_tables_state_twice_their_width() {
+            let d = read_fake(&mut fake(&[4096, 32], None, BF16), "cos").expect("valid");
+            let (buf, dtype, shape) = half_table(&d, "cos").expect("valid");
+            assert_eq!((buf.len, dtype), (4096 * 32, DType::BF16));
+            assert_eq!((shape.max_position, shape.rotary_dim), (4096, 64));
+            let d = read_fake(&mut fake(&[4096, 32], Some(&[64, 1]), F32), "sin").expect("ok");
+            is_value(half_table(&d, "sin"), "sin must be contiguous");
+        }
+
+        #[test]
+        fn device_frequencies_are_float64_vectors() {
+            let f64 = DLDataType {
+                code: 2,
+                bits: 64,
+                lanes: 1,
+            };
+            let d = read_fake(&mut fake(&[64], None, f64), "inv_freq").expect("valid");
+            let (buf, rotary_dim) = inv_freq(&d, "inv_freq").expect("valid");
+            assert_eq!((buf.len, rotary_dim), (64, 128));
+            let d = read_fake(&mut fake(&[64], None, F32), "inv_freq").expect("valid");
+            is_value(
+                inv_freq(&d, "inv_freq"),
+                "inv_freq on the device must be float64",
+            );
+            let d = read_fake(&mut fake(&[0], None, f64), "inv_freq").expect("valid");
+            is_value(inv_freq(&d, "inv_freq"), "rotary_dim, twice that");
         }
 
         #[test]

@@ -2,13 +2,22 @@
 //! (PyTorch and anything else that speaks DLPack), launched on the caller's CUDA stream through
 //! [`rope_host::Rope::run_raw`].
 //!
-//! - `dlpack.rs`: DLPack's C structures and their reading into rope-host's raw forms, pure and
-//!   tested without Python;
-//! - `native.rs` (feature `python`): the extension module `rope_rs._native`.
+//! Pure, tested by `cargo test` without Python:
+//! - `dlpack.rs`: DLPack's C structures and their reading into rope-host's raw forms;
+//! - `options.rs`: which of `apply_rope`'s exclusive arguments select positions and sin/cos;
+//! - `scaling.rs`: a Hugging Face `rope_scaling` dictionary read into a frequency description.
 //!
-//! Build the wheel with `maturin build --release -m python/pyproject.toml`; `cargo test`
-//! builds this crate without Python (the feature is off) and runs the DLPack tests.
+//! Behind the feature `python` (the extension module `rope_rs._native`):
+//! - `native.rs`: the Python functions and their arguments;
+//! - `launch.rs`: tensors borrowed by DLPack, one launch, and what persists between calls.
+//!
+//! Build the wheel as the README's Set up does (maturin, linked by zig for manylinux2014);
+//! `cargo test` builds this crate without Python (the feature is off).
 
 pub mod dlpack;
 #[cfg(feature = "python")]
+mod launch;
+#[cfg(feature = "python")]
 mod native;
+pub mod options;
+pub mod scaling;

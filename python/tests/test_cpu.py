@@ -1,11 +1,107 @@
-"""Tests of rope_rs that need no GPU: import, argument checking, DLPack capsule handling."""
+"""Tests of rope_rs that need no GPU and no PyTorch: import, argument checking, the frequencies
+of the scaling families, DLPack capsule handling.
 
+Most argument checks run before the device is touched, so they are exercised here on fake CUDA
+tensors: DLPack capsules built with ctypes that describe CUDA memory at addresses nothing ever
+reads. Every call on them must fail its checks (the one valid call runs only without a driver).
+"""
+
+import ctypes
+import ctypes.util
+import math
+import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import rope_rs
+
+
+def numpy():
+    """numpy, the CPU DLPack producer of some tests (skipped without it)."""
+    return pytest.importorskip("numpy")
+
+
+def close(got, want, rtol):
+    """Every `got[i]` within `rtol` of `want[i]`."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= rtol * abs(w), (i, g, w)
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_DLTENSOR = b"dltensor"  # the capsule keeps a pointer to this name
+
+DTYPES = {
+    "float32": (2, 32),
+    "float16": (2, 16),
+    "bfloat16": (4, 16),
+    "float64": (2, 64),
+    "int32": (0, 32),
+    "int64": (0, 64),
+}
+
+
+class FakeCuda:
+    """A DLPack producer describing a CUDA tensor at an address nothing reads. Each fake gets
+    its own 1 GiB-aligned address so that fakes never overlap."""
+
+    _next = 1 << 40
+
+    def __init__(self, shape, dtype="float32", strides=None, device=0):
+        self.shape, self.dtype, self.strides, self.device = tuple(shape), dtype, strides, device
+        self.ptr = FakeCuda._next
+        FakeCuda._next += 1 << 30
+        self.keep = []  # the structures behind handed-out capsules
+        self.streams = []
+
+    def __dlpack_device__(self):
+        return (2, self.device)
+
+    def __dlpack__(self, stream=None):
+        self.streams.append(stream)
+        ndim = len(self.shape)
+        shape = (ctypes.c_int64 * ndim)(*self.shape)
+        strides = None if self.strides is None else (ctypes.c_int64 * ndim)(*self.strides)
+        code, bits = DTYPES[self.dtype]
+        managed = DLManagedTensor()
+        managed.dl_tensor = DLTensor(
+            self.ptr,
+            DLDevice(2, self.device),
+            ndim,
+            DLDataType(code, bits, 1),
+            shape,
+            strides,
+            0,
+        )
+        self.keep.append((shape, strides, managed))
+        return _capsule_new(ctypes.addressof(managed), _DLTENSOR, None)
 
 
 class PretendCuda:
@@ -31,64 +127,325 @@ class NotACapsule:
         return object()
 
 
-def test_imports():
-    assert rope_rs.__version__
-    assert callable(rope_rs.apply_rope)
-    assert callable(rope_rs.rotary_embedding)
-    assert "stream" in rope_rs.apply_rope.__doc__
+def has_driver():
+    """Whether libcuda loads here (then a valid call on fake tensors would launch)."""
+    for name in ("libcuda.so.1", "libcuda.so", ctypes.util.find_library("cuda")):
+        if name is None:
+            continue
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            pass
+    return False
 
 
-def test_cpu_tensor_is_a_value_error_naming_q():
-    q = np.zeros((2, 8, 4, 16), dtype=np.float32)
-    with pytest.raises(ValueError, match=r"q must be a CUDA tensor \(DLPack device type 2\), got CPU"):
-        rope_rs.apply_rope(q)
+def q4(dtype="float32"):
+    return FakeCuda((2, 16, 4, 64), dtype)
 
 
-def test_cpu_k_is_named():
-    # q is checked first; a CUDA-looking q whose capsule is CPU memory is refused by its contents.
-    q = PretendCuda(np.zeros((8, 4, 16), dtype=np.float32))
-    with pytest.raises(ValueError, match=r"^q must be a CUDA tensor"):
-        rope_rs.apply_rope(q, np.zeros((8, 4, 16), dtype=np.float32))
+def ints(n, dtype="int64"):
+    return FakeCuda((n,), dtype)
 
 
-def test_non_dlpack_objects_are_type_errors():
-    with pytest.raises(TypeError, match="q must be a tensor supporting DLPack"):
-        rope_rs.apply_rope([[1.0, 2.0]])
-    with pytest.raises(TypeError, match="query must be a tensor supporting DLPack"):
-        rope_rs.rotary_embedding(None, "query", None, 8, None, True)
-    with pytest.raises(TypeError, match='did not return an unused "dltensor" capsule'):
-        rope_rs.apply_rope(NotACapsule())
+class TestImport:
+    def test_imports_without_torch(self):
+        code = "import sys, rope_rs; assert 'torch' not in sys.modules, 'rope_rs imported torch'"
+        subprocess.run([sys.executable, "-c", code], check=True)
+
+    def test_api_and_docs(self):
+        assert rope_rs.__version__
+        for name in rope_rs.__all__:
+            assert getattr(rope_rs, name).__doc__ or name == "__version__", name
+        for name in ("apply_rope", "rotary_embedding", "frequencies"):
+            assert getattr(rope_rs._native, name).__doc__, name
+        assert "stream" in rope_rs.apply_rope.__doc__
+        assert "rope_type" in rope_rs._native.SCALING_KEYS
 
 
-def test_wrong_option_types_are_type_errors():
-    q = np.zeros((8, 4, 16), dtype=np.float32)
-    with pytest.raises(TypeError):
-        rope_rs.apply_rope(q, positions="zero")
-    with pytest.raises(TypeError):
-        rope_rs.apply_rope(q, backward="yes")
+class TestTensors:
+    def test_cpu_tensor_is_a_value_error_naming_q(self):
+        np = numpy()
+        q = np.zeros((2, 8, 4, 16), dtype=np.float32)
+        for inplace in (True, False):  # out of place: numpy's empty_like, then the check
+            with pytest.raises(ValueError, match=r"q must be a CUDA tensor \(DLPack device type 2\), got CPU"):
+                rope_rs.apply_rope(q, inplace=inplace)
+
+    def test_cpu_k_is_named(self):
+        np = numpy()
+        with pytest.raises(ValueError, match=r"^k must be a CUDA tensor .* got CPU"):
+            rope_rs.apply_rope(q4(), np.zeros((2, 16, 2, 64), dtype=np.float32), inplace=True)
+
+    def test_non_dlpack_objects_are_type_errors(self):
+        for inplace in (True, False):
+            with pytest.raises(TypeError, match="q must be a tensor supporting DLPack"):
+                rope_rs.apply_rope([[1.0, 2.0]], inplace=inplace)
+        with pytest.raises(TypeError, match="query must be a tensor supporting DLPack"):
+            rope_rs.rotary_embedding(None, "query", None, 8, None, True)
+        with pytest.raises(TypeError, match='did not return an unused "dltensor" capsule'):
+            rope_rs.apply_rope(NotACapsule(), inplace=True)
+
+    def test_out_of_place_needs_a_namespace_or_out(self):
+        with pytest.raises(TypeError, match="out: an out-of-place call on FakeCuda needs out="):
+            rope_rs.apply_rope(q4())
+        with pytest.raises(ValueError, match="out: inplace=True rotates q and k themselves"):
+            rope_rs.apply_rope(q4(), out=q4(), inplace=True)
+
+    def test_dtypes_must_match(self):
+        with pytest.raises(ValueError, match="q must be float32, float16 or bfloat16, got float64"):
+            rope_rs.apply_rope(q4("float64"), inplace=True)
+        with pytest.raises(ValueError, match="k is bfloat16, q is float32"):
+            rope_rs.apply_rope(q4(), FakeCuda((2, 16, 2, 64), "bfloat16"), inplace=True)
+        with pytest.raises(ValueError, match="out is float16, q is float32"):
+            rope_rs.apply_rope(q4(), out=q4("float16"))
+        with pytest.raises(ValueError, match="k_out: given without k"):
+            rope_rs.apply_rope(q4(), out=q4(), k_out=q4())
+
+    def test_devices_must_match(self):
+        with pytest.raises(ValueError, match="k is on CUDA device 1, the tensors to rotate on device 0"):
+            rope_rs.apply_rope(q4(), FakeCuda((2, 16, 2, 64), device=1), inplace=True)
+        with pytest.raises(ValueError, match="position_ids is on CUDA device 3"):
+            rope_rs.apply_rope(q4(), position_ids=FakeCuda((16,), "int64", device=3), inplace=True)
+
+    def test_layouts_and_strides(self):
+        with pytest.raises(ValueError, match=r'q must be \[batch, heads, seq, head_dim\] for layout "bhsd"'):
+            rope_rs.apply_rope(FakeCuda((16, 4, 64)), layout="bhsd", inplace=True)
+        with pytest.raises(ValueError, match='layout must be "bshd", "sbhd", "bhsd" or "thd"'):
+            rope_rs.apply_rope(q4(), layout="bsd", inplace=True)
+        strided = FakeCuda((16, 4, 64), strides=(512, 128, 2))
+        with pytest.raises(ValueError, match="q must have a contiguous last dimension"):
+            rope_rs.apply_rope(strided, inplace=True)
+        with pytest.raises(ValueError, match="head_dim"):
+            rope_rs.apply_rope(FakeCuda((16, 4, 7)), inplace=True)
+        with pytest.raises(ValueError, match="rotary_dim"):
+            rope_rs.apply_rope(q4(), rotary_dim=66, inplace=True)
+        with pytest.raises(ValueError, match="rotary_dim"):
+            rope_rs.apply_rope(q4(), rotary_dim=7, inplace=True)
+
+    def test_vllm_rows_are_whole_heads(self):
+        query = FakeCuda((8, 4 * 64), "bfloat16")
+        cache = FakeCuda((4096, 64), "float32")
+        with pytest.raises(ValueError, match="query rows of 256 elements are not whole heads of head_size 48"):
+            rope_rs.rotary_embedding(ints(8), query, None, 48, cache, True)
+        with pytest.raises(ValueError, match="key is float32, query is bfloat16"):
+            rope_rs.apply_rope_with_cos_sin_cache_inplace(ints(8), query, FakeCuda((8, 64)), 64, cache)
 
 
-def test_invalid_options_are_value_errors():
-    q = np.zeros((8, 4, 16), dtype=np.float32)
-    with pytest.raises(ValueError, match="style must be"):
-        rope_rs.apply_rope(PretendCuda(q), style="llama")
-    with pytest.raises(ValueError, match="positions must be an offset"):
-        rope_rs.apply_rope(PretendCuda(q), positions=-1)
-    with pytest.raises(ValueError, match="not both"):
-        rope_rs.apply_rope(PretendCuda(q), positions=3, position_ids=q)
+class TestPositions:
+    def test_exclusive_arguments(self):
+        q = q4()
+        with pytest.raises(ValueError, match="positions: give positions .* or position_ids"):
+            rope_rs.apply_rope(q, positions=3, position_ids=ints(16), inplace=True)
+        with pytest.raises(ValueError, match="position_ids: give position_ids or cu_seqlens"):
+            rope_rs.apply_rope(q, position_ids=ints(16), cu_seqlens=ints(3), inplace=True)
+        with pytest.raises(ValueError, match="with cu_seqlens, give per-sequence offsets as a tensor"):
+            rope_rs.apply_rope(q, positions=5, cu_seqlens=ints(3), inplace=True)
+        with pytest.raises(ValueError, match="positions must be an offset in 0..2"):
+            rope_rs.apply_rope(q, positions=-1, inplace=True)
+
+    def test_wrong_types(self):
+        q = q4()
+        with pytest.raises(TypeError, match="positions must be an int"):
+            rope_rs.apply_rope(q, positions="zero", inplace=True)
+        with pytest.raises(TypeError, match="positions must be an int"):
+            rope_rs.apply_rope(q, positions=True, inplace=True)
+        with pytest.raises(TypeError):
+            rope_rs.apply_rope(q, backward="yes", inplace=True)
+
+    def test_position_tensors_are_checked(self):
+        q = q4()
+        with pytest.raises(ValueError, match="positions must be int32 or int64, got float32"):
+            rope_rs.apply_rope(q, positions=FakeCuda((2,), "float32"), inplace=True)
+        with pytest.raises(ValueError, match=r"positions must be one-dimensional \[batch\]"):
+            rope_rs.apply_rope(q, positions=FakeCuda((2, 1), "int32"), inplace=True)
+        with pytest.raises(ValueError, match=r"cu_seqlens must be one-dimensional \[num_seqs \+ 1\]"):
+            rope_rs.apply_rope(FakeCuda((16, 4, 64)), cu_seqlens=FakeCuda((2, 3), "int32"), inplace=True)
+        with pytest.raises(ValueError, match="position_ids must be contiguous"):
+            rope_rs.apply_rope(q, position_ids=FakeCuda((2, 16), "int64", strides=(1, 2)), inplace=True)
 
 
-def test_capsule_is_released_and_stream_is_passed():
-    array = np.zeros((8, 4, 16), dtype=np.float32)
-    q = PretendCuda(array)
-    before = sys.getrefcount(array)
-    for _ in range(100):
+class TestSinCos:
+    def test_exclusive_sources(self):
+        q, cache = q4(), FakeCuda((4096, 64))
+        with pytest.raises(ValueError, match="cos and sin: give both tables or neither"):
+            rope_rs.apply_rope(q, cos=FakeCuda((4096, 32)), inplace=True)
+        with pytest.raises(ValueError, match="give one sin/cos source"):
+            rope_rs.apply_rope(q, cos_sin_cache=cache, inv_freq=[1.0] * 32, inplace=True)
+        with pytest.raises(ValueError, match=r"theta: unused with cos_sin_cache"):
+            rope_rs.apply_rope(q, cos_sin_cache=cache, theta=1e4, inplace=True)
+        with pytest.raises(ValueError, match="theta: unused with inv_freq"):
+            rope_rs.apply_rope(q, inv_freq=[1.0] * 32, theta=1e4, inplace=True)
+        with pytest.raises(ValueError, match="attention_factor: give it inside scaling"):
+            rope_rs.apply_rope(q, scaling={"rope_type": "linear", "factor": 2}, attention_factor=1.2, inplace=True)
+        with pytest.raises(ValueError, match="attention_factor: only with inv_freq"):
+            rope_rs.apply_rope(q, attention_factor=1.2, inplace=True)
+        with pytest.raises(ValueError, match="attention_factor must lie in"):
+            rope_rs.apply_rope(q, inv_freq=[1.0] * 32, attention_factor=0.0, inplace=True)
+        with pytest.raises(ValueError, match='angle must be "exact" or "f32"'):
+            rope_rs.apply_rope(q, angle="f16", inplace=True)
+        with pytest.raises(ValueError, match='style must be "neox" or "interleaved"'):
+            rope_rs.apply_rope(q, style="llama", inplace=True)
+
+    def test_tables_are_checked(self):
+        q = q4("bfloat16")
+        with pytest.raises(ValueError, match="cos_sin_cache must be float32, float16 or bfloat16, got int32"):
+            rope_rs.apply_rope(q, cos_sin_cache=FakeCuda((4096, 64), "int32"), inplace=True)
+        with pytest.raises(ValueError, match="cos_sin_cache must be float32 or the tensors' bfloat16, got float16"):
+            rope_rs.apply_rope(q, cos_sin_cache=FakeCuda((4096, 64), "float16"), inplace=True)
+        with pytest.raises(ValueError, match=r"sin is float32 \[4096, 16\], cos is float32 \[4096, 32\]"):
+            rope_rs.apply_rope(q, cos=FakeCuda((4096, 32)), sin=FakeCuda((4096, 16)), inplace=True)
+        with pytest.raises(ValueError, match="inv_freq on the device must be float64"):
+            rope_rs.apply_rope(q, inv_freq=FakeCuda((32,), "float32"), inplace=True)
+        with pytest.raises(TypeError, match="inv_freq must be a CUDA float64 tensor or a sequence of floats"):
+            rope_rs.apply_rope(q, inv_freq="fast", inplace=True)
+
+    def test_invalid_frequencies_name_their_argument(self):
+        q = q4()
+        with pytest.raises(ValueError, match="theta: must be finite and positive"):
+            rope_rs.apply_rope(q, theta=-1.0, inplace=True)
+        with pytest.raises(ValueError, match=r"scaling: factor must lie in \[2\^-20, 2\^20\]"):
+            rope_rs.apply_rope(q, scaling={"rope_type": "linear", "factor": 0.0}, inplace=True)
+        with pytest.raises(ValueError, match='scaling has an unknown key "facter"'):
+            rope_rs.apply_rope(q, scaling={"rope_type": "linear", "facter": 2}, inplace=True)
+        with pytest.raises(TypeError, match="scaling must be a dict"):
+            rope_rs.apply_rope(q, scaling=[("rope_type", "linear")], inplace=True)
+
+    @pytest.mark.skipif(has_driver(), reason="a valid call would launch on the fake addresses")
+    def test_a_valid_call_reaches_the_driver(self):
+        with pytest.raises(RuntimeError, match="no CUDA driver"):
+            rope_rs.apply_rope(q4(), FakeCuda((2, 16, 2, 64)), position_ids=FakeCuda((2, 16), "int32"), inplace=True)
+
+
+def default_inv_freq(theta, r):
+    return [theta ** (-2.0 * i / r) for i in range(r // 2)]
+
+
+class TestFrequencies:
+    """The host-side frequencies against the published formulas (Hugging Face's, in float64)."""
+
+    def test_default_and_partial(self):
+        f, a = rope_rs.frequencies(128, theta=500000.0)
+        assert a == 1.0
+        close(f, default_inv_freq(500000.0, 128), 1e-15)
+        f, _ = rope_rs.frequencies(128, scaling={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+        close(f, default_inv_freq(1e4, 32), 1e-15)
+        f, _ = rope_rs.frequencies(128, rotary_dim=64, angle="f32")
+        assert len(f) == 32
+
+    def test_linear_and_dynamic(self):
+        f, _ = rope_rs.frequencies(64, scaling={"rope_type": "linear", "factor": 4.0})
+        close(f, [v / 4 for v in default_inv_freq(1e4, 64)], 1e-15)
+        d, factor, max_pos, seq_len = 64, 2.0, 4096, 10000
+        scaling = {"rope_type": "dynamic", "factor": factor, "max_position_embeddings": max_pos}
+        f, _ = rope_rs.frequencies(d, scaling=scaling)
+        close(f, default_inv_freq(1e4, d), 1e-15)
+        f, _ = rope_rs.frequencies(d, scaling={**scaling, "seq_len": seq_len})
+        base = 1e4 * ((factor * seq_len / max_pos) - (factor - 1)) ** (d / (d - 2))
+        close(f, default_inv_freq(base, d), 1e-13)
+
+    def test_llama3(self):
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        f, a = rope_rs.frequencies(128, theta=500000.0, scaling=scaling)
+        want = []
+        for base in default_inv_freq(500000.0, 128):
+            wavelen = 2 * math.pi / base
+            if wavelen < 8192 / 4.0:
+                want.append(base)
+            elif wavelen > 8192 / 1.0:
+                want.append(base / 8.0)
+            else:
+                smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+                want.append((1 - smooth) * base / 8.0 + smooth * base)
+        close(f, want, 1e-14)
+        assert a == 1.0
+
+    def test_yarn(self):
+        d, theta, factor, original = 64, 1e4, 16.0, 4096
+        f, a = rope_rs.frequencies(
+            d, theta=theta, scaling={"type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        )
+        assert a == pytest.approx(0.1 * math.log(factor) + 1.0, rel=1e-15)
+
+        def correction_dim(rotations):
+            return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(math.floor(correction_dim(32)), 0), min(math.ceil(correction_dim(1)), d - 1)
+        want = []
+        for i, extrapolation in enumerate(default_inv_freq(theta, d)):
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            want.append(extrapolation / factor * ramp + extrapolation * (1 - ramp))
+        close(f, want, 1e-14)
+        # DeepSeek's mscale form: equal mscale and mscale_all_dim give 1.
+        _, a = rope_rs.frequencies(
+            d,
+            scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        )
+        assert a == 1.0
+
+    def test_longrope(self):
+        d = 32
+        short, long = [1.0 + i / 16 for i in range(d // 2)], [2.0 + i / 8 for i in range(d // 2)]
+        scaling = {
+            "rope_type": "longrope",
+            "short_factor": short,
+            "long_factor": long,
+            "original_max_position_embeddings": 4096,
+            "max_position_embeddings": 131072,
+        }
+        base = default_inv_freq(1e4, d)
+        f, a = rope_rs.frequencies(d, scaling=scaling)
+        close(f, [b / e for b, e in zip(base, short)], 1e-15)
+        assert a == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=1e-15)
+        f, _ = rope_rs.frequencies(d, scaling={**scaling, "seq_len": 4097})
+        close(f, [b / e for b, e in zip(base, long)], 1e-15)
+
+    def test_scaling_errors(self):
+        with pytest.raises(ValueError, match="scaling: llama3 needs low_freq_factor"):
+            rope_rs.frequencies(128, scaling={"rope_type": "llama3", "factor": 8.0})
+        with pytest.raises(TypeError, match=r'scaling\["factor"\] must be a number, got str'):
+            rope_rs.frequencies(128, scaling={"rope_type": "linear", "factor": "8"})
+        with pytest.raises(ValueError, match='rope_type must be "default"'):
+            rope_rs.frequencies(128, scaling={"rope_type": "ntk"})
+        with pytest.raises(ValueError, match="scaling: longrope needs short_factor"):
+            rope_rs.frequencies(128, scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096, "factor": 2})
+        with pytest.raises(ValueError, match="short_factor has 2 entries, rotary_dim / 2 is 64"):
+            rope_rs.frequencies(
+                128,
+                scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1, 1],
+                    "long_factor": [1, 1],
+                    "original_max_position_embeddings": 4096,
+                    "factor": 2,
+                },
+            )
+
+
+class TestCapsules:
+    def test_capsule_is_released_and_stream_is_passed(self):
+        np = numpy()
+        array = np.zeros((8, 4, 16), dtype=np.float32)
+        q = PretendCuda(array)
+        before = sys.getrefcount(array)
+        for _ in range(100):
+            with pytest.raises(ValueError):
+                rope_rs.apply_rope(q, stream=1234, inplace=True)
+        # numpy's capsule holds a reference to the array until its deleter runs: none leaked.
+        assert sys.getrefcount(array) == before
+        # Stream 0 (the legacy default stream) is passed to the producer as DLPack's 1.
+        assert q.streams[0] == 1234
         with pytest.raises(ValueError):
-            rope_rs.apply_rope(q, stream=1234)
-    # numpy's capsule holds a reference to the array until its deleter runs: none leaked.
-    assert sys.getrefcount(array) == before
-    # Stream 0 (the legacy default stream) is passed to the producer as DLPack's 1.
-    assert q.streams[0] == 1234
-    with pytest.raises(ValueError):
-        rope_rs.apply_rope(q)
-    assert q.streams[-1] == 1
+            rope_rs.apply_rope(q, inplace=True)
+        assert q.streams[-1] == 1
+
+    def test_every_tensor_is_asked_for_the_launch_stream(self):
+        q, k, out, ids = q4(), FakeCuda((2, 16, 2, 64)), q4(), FakeCuda((16,), "float32")
+        with pytest.raises(ValueError, match="position_ids must be int32 or int64"):
+            rope_rs.apply_rope(q, k, out=out, k_out=FakeCuda((2, 16, 2, 64)), position_ids=ids, stream=77)
+        assert [t.streams for t in (q, k, out, ids)] == [[77]] * 4

@@ -1,5 +1,6 @@
 //! `cargo xtask gpu-bundle`: release test executables, the demo, the benchmark and a runner in
-//! one folder.
+//! one folder; with the Python package's wheel, tests, benchmark and runner in `python/` when
+//! the wheel was built (the README's Set up commands).
 
 use std::fs;
 use std::io::BufRead;
@@ -49,6 +50,33 @@ echo "== bundle exit status: $status"
 exit $status
 "#;
 
+const PYTHON_RUNNER: &str = r#"#!/bin/sh
+# Runs the Python package's tests on a GPU machine without network access: the bundled wheel is
+# unzipped into a fresh folder put on PYTHONPATH (no pip), for $PYTHON (default python3), which
+# must have torch (transformers is used where present). pytest comes from that Python, else from
+# the bundled wheels. ROPE_REQUIRE_GPU=1 makes a missing GPU or torch fail the GPU tests rather
+# than skip them. Extra arguments go to pytest.
+#
+# python/run.sh --bench [ARGS]: runs python/bench.py instead (rope_rs against copy_).
+cd "$(dirname "$0")" || exit 1
+PYTHON=${PYTHON:-python3}
+site=$(mktemp -d) || exit 1
+for wheel in rope_rs-*.whl; do
+    "$PYTHON" -m zipfile -e "$wheel" "$site" || exit 1
+done
+if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
+    for wheel in wheels/*.whl; do
+        [ -f "$wheel" ] && { "$PYTHON" -m zipfile -e "$wheel" "$site" || exit 1; }
+    done
+fi
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ROPE_REQUIRE_GPU=1
+if [ "$1" = "--bench" ]; then
+    shift
+    exec "$PYTHON" bench.py "$@"
+fi
+exec "$PYTHON" -m pytest tests -q -p no:cacheprovider "$@"
+"#;
+
 pub fn run() -> Result<()> {
     crate::ptx::run(true).context("the committed PTX must match the kernels before bundling")?;
     let out = root().join("gpu-bundle");
@@ -80,6 +108,7 @@ pub fn run() -> Result<()> {
     let runner = out.join("run.sh");
     fs::write(&runner, RUNNER)?;
     make_executable(&runner)?;
+    let python = python(&out.join("python"))?;
 
     let total = dir_size(&out)?;
     ensure!(
@@ -87,11 +116,78 @@ pub fn run() -> Result<()> {
         "gpu-bundle is {total} bytes, over the {MAX_BYTES}-byte limit"
     );
     println!(
-        "gpu-bundle/: {} test executables, rope-demo and rope-bench, {:.1} MiB; on the GPU machine run gpu-bundle/run.sh (tests, demo), gpu-bundle/rope-bench (benchmark)",
+        "gpu-bundle/: {} test executables, rope-demo and rope-bench{}, {:.1} MiB; on the GPU machine run gpu-bundle/run.sh (tests, demo), gpu-bundle/rope-bench (benchmark){}",
         tests.len(),
-        total as f64 / (1024.0 * 1024.0)
+        if python {
+            ", the Python wheel and tests"
+        } else {
+            ""
+        },
+        total as f64 / (1024.0 * 1024.0),
+        if python {
+            ", PYTHON=/path/to/python-with-torch gpu-bundle/python/run.sh [--bench]"
+        } else {
+            ""
+        }
     );
     Ok(())
+}
+
+/// Gathers the Python package's newest wheel (`target/wheels/rope_rs-*.whl`), its tests, its
+/// benchmark, pytest's wheels (downloaded with `target/ci-venv`'s pip, for machines without
+/// pytest) and `run.sh` in `dir`; `false`, with a note, when no wheel was built.
+fn python(dir: &Path) -> Result<bool> {
+    let wheels = root().join("target/wheels");
+    let newest = fs::read_dir(&wheels)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with("rope_rs-") && name.ends_with(".whl")
+        })
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok());
+    let Some(wheel) = newest else {
+        println!(
+            "note: no wheel in {}: build it with the README's Set up commands to bundle the Python tests",
+            wheels.display()
+        );
+        return Ok(false);
+    };
+    fs::create_dir_all(dir.join("tests"))?;
+    copy(&wheel.path(), dir)?;
+    copy(&root().join("python/bench.py"), dir)?;
+    for entry in fs::read_dir(root().join("python/tests"))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "py") {
+            copy(&path, &dir.join("tests"))?;
+        }
+    }
+    let pip = root().join("target/ci-venv/bin/python");
+    let downloaded = pip.exists()
+        && std::process::Command::new(&pip)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--only-binary=:all:",
+                "--dest",
+            ])
+            .arg(dir.join("wheels"))
+            .arg("pytest")
+            .status()
+            .is_ok_and(|s| s.success());
+    if !downloaded {
+        println!(
+            "note: pytest's wheels not bundled (no {} or no network): python/run.sh needs pytest on the GPU machine",
+            pip.display()
+        );
+    }
+    let runner = dir.join("run.sh");
+    fs::write(&runner, PYTHON_RUNNER)?;
+    make_executable(&runner)?;
+    Ok(true)
 }
 
 /// Runs a cargo build command and returns the executables it produced.
@@ -117,8 +213,9 @@ fn executables(args: &[&str]) -> Result<Vec<PathBuf>> {
     Ok(found)
 }
 
+/// Copies the file `exe` into `dir` under its own name.
 fn copy(exe: &Path, dir: &Path) -> Result<()> {
-    let name = exe.file_name().context("executable without a name")?;
+    let name = exe.file_name().context("a file without a name")?;
     fs::copy(exe, dir.join(name)).with_context(|| format!("copying {}", exe.display()))?;
     Ok(())
 }

@@ -6,7 +6,8 @@
 //!   `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.
 //! - `gpu-bundle` builds every test executable and the demo in release mode and gathers them
 //!   with a runner script in `gpu-bundle/`, to copy to a GPU machine without Rust; the bundle
-//!   also holds `rope-bench`.
+//!   also holds `rope-bench`, and the Python wheel with its tests and runner (`python/run.sh`)
+//!   when the wheel was built.
 //! - `bench [--json PATH]` builds and runs the benchmark (`src/bin/rope-bench.rs`) on this
 //!   machine's GPU.
 

@@ -1,0 +1,147 @@
+"""Times rope_rs from Python against a same-run ``copy_`` of the same bytes (needs torch and CUDA).
+
+    python python/bench.py [--reps 200] [--json bench.json]
+
+GPU time: CUDA events around each launch, the L2 cache flushed before each (a write of twice its
+size), median over ``--reps`` launches; the copy is one ``Tensor.copy_`` of as many bytes as the
+launch reads (q and k), timed the same way, interleaved with it. A ratio near 1 means the launch
+moves its bytes as fast as a copy, so the Python path adds no GPU time. Host time: the wall time
+per call of ``--reps`` back-to-back calls from Python (the GPU is never the bottleneck there:
+each call enqueues one short kernel), for ``rope_rs.apply_rope``, for the native call under it
+with everything precomputed, and for ``copy_``.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import rope_rs
+from rope_rs import _native
+
+
+def gpu_times(fns, reps, flush):
+    """Median GPU microseconds of each function, launches interleaved, L2 flushed before each."""
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            times[i].append((start, end))
+    torch.cuda.synchronize()
+    return [statistics.median([s.elapsed_time(e) * 1e3 for s, e in pairs]) for pairs in times]
+
+
+def host_time(fn, reps):
+    """Wall-clock microseconds per call of `reps` back-to-back calls (launches only)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e6
+
+
+def cases():
+    """(name, tensors rotated, rope_rs call, the same call as a native call)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    stream = torch.cuda.current_stream().cuda_stream
+    # Decode: 64 sequences of one token, Llama-3-8B heads, positions on the device.
+    q, k = torch.randn(64, 1, 32, 128, device=dev, dtype=bf16), torch.randn(64, 1, 8, 128, device=dev, dtype=bf16)
+    ids = torch.randint(0, 8192, (64, 1), device=dev)
+    yield (
+        "decode b64 32q+8k bf16, position_ids, theta",
+        (q, k),
+        lambda: rope_rs.apply_rope(q, k, position_ids=ids, theta=500000.0, inplace=True),
+        lambda: _native.apply_rope(q, k, position_ids=ids, theta=500000.0, stream=stream, producer_sync=False),
+    )
+    cache = torch.randn(8192, 128, device=dev, dtype=torch.float32)
+    query, key = q.view(64, -1), k.view(64, -1)
+    positions = ids.view(64)
+    yield (
+        "decode b64, vLLM rotary_embedding (f32 cache)",
+        (q, k),
+        lambda: rope_rs.rotary_embedding(positions, query, key, 128, cache, True),
+        lambda: _native.rotary_embedding(positions, query, key, 128, cache, True, stream=stream, producer_sync=False),
+    )
+    # Prefill: one sequence of 4096 tokens.
+    q, k = torch.randn(1, 4096, 32, 128, device=dev, dtype=bf16), torch.randn(1, 4096, 8, 128, device=dev, dtype=bf16)
+    yield (
+        "prefill 4096 tok 32q+8k bf16, offset, theta",
+        (q, k),
+        lambda: rope_rs.apply_rope(q, k, theta=500000.0, inplace=True),
+        lambda: _native.apply_rope(q, k, theta=500000.0, stream=stream, producer_sync=False),
+    )
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    yield (
+        "prefill, out of place into given outputs",
+        (q, k),
+        lambda: rope_rs.apply_rope(q, k, theta=500000.0, out=q_out, k_out=k_out),
+        lambda: _native.apply_rope(
+            q, k, out=q_out, k_out=k_out, theta=500000.0, stream=stream, producer_sync=False
+        ),
+    )
+    # Hugging Face's drop-in: [b, h, s, d] views and cos/sin as its rotary embedding returns them.
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    freqs = torch.arange(4096, device=dev)[:, None].float() * (500000.0 ** (-torch.arange(0, 128, 2, device=dev) / 128))
+    emb = torch.cat((freqs, freqs), -1)[None]
+    cos, sin = emb.cos().to(bf16), emb.sin().to(bf16)
+    yield (
+        "prefill, HF apply_rotary_pos_emb (out of place)",
+        (q, k),
+        lambda: rope_rs.apply_rotary_pos_emb(qh, kh, cos, sin),
+        None,
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    props = torch.cuda.get_device_properties(0)
+    flush = torch.empty(2 * props.L2_cache_size // 4 + 1, device="cuda", dtype=torch.float32)
+    print(f"{props.name}, torch {torch.__version__}, rope_rs {rope_rs.__version__}; median of {args.reps} launches")
+    header = ("case", "rope µs", "copy µs", "ratio", "rope GB/s", "host µs: apply_rope", "native", "copy_")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    rows = []
+    for name, tensors, call, native in cases():
+        numel = sum(t.numel() for t in tensors)
+        src = torch.randn(numel, device="cuda").to(tensors[0].dtype)
+        dst = torch.empty_like(src)
+        copy = lambda: dst.copy_(src)  # noqa: E731
+        call()  # warm-up: module load, frequencies upload
+        rope_us, copy_us = gpu_times([call, copy], args.reps, flush)
+        nbytes = 2 * numel * tensors[0].element_size()  # read and written once each
+        row = {
+            "case": name,
+            "rope_us": rope_us,
+            "copy_us": copy_us,
+            "ratio": rope_us / copy_us,
+            "rope_gbps": nbytes / rope_us / 1e3,
+            "host_us_apply_rope": host_time(call, args.reps),
+            "host_us_native": None if native is None else host_time(native, args.reps),
+            "host_us_copy": host_time(copy, args.reps),
+        }
+        rows.append(row)
+        native_host = "-" if row["host_us_native"] is None else f"{row['host_us_native']:.1f}"
+        print(
+            f"| {name} | {rope_us:.2f} | {copy_us:.2f} | {row['ratio']:.3f} | {row['rope_gbps']:.0f} | "
+            f"{row['host_us_apply_rope']:.1f} | {native_host} | {row['host_us_copy']:.1f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props.name, "torch": torch.__version__, "reps": args.reps, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,699 @@
+//! One launch from Python objects: each tensor borrowed through DLPack (`__dlpack_device__`,
+//! then `__dlpack__(stream=)`), read into rope-host's raw forms, checked against the others,
+//! and launched once with [`Rope::run_raw`] on the caller's stream; the capsules are released
+//! after the launch is enqueued.
+//!
+//! It also owns what persists between calls: one [`Rope`] per device and the frequency vectors
+//! uploaded for in-kernel sin/cos, which launches on any stream and captured graphs may read,
+//! so they are kept for the life of the process.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use rope_host::cudarc::driver::result;
+use rope_host::cudarc::driver::sys::{CUstream, CUstreamCaptureStatus};
+use rope_host::{
+    AngleMode, DType, Direction, Error, Frequencies, IdsShape, InvFreq, RawBuf, RawIo, RawOp,
+    RawPositions, RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle, open_device,
+};
+
+use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
+use crate::scaling::{self, Base, Value};
+
+/// One [`Rope`] per CUDA device, on its primary context (the one PyTorch uses).
+static ROPES: Mutex<BTreeMap<i32, Arc<Rope>>> = Mutex::new(BTreeMap::new());
+
+/// The `(device, theta bits, rotary_dim)` whose default frequencies [`Rope::prepare`] holds.
+static PREPARED: Mutex<BTreeSet<(i32, u64, u32)>> = Mutex::new(BTreeSet::new());
+
+/// A host-computed frequency vector's identity: device, `inv_freq` bits, attention factor
+/// bits, angle mode.
+type FreqKey = (i32, Vec<u64>, u64, u32);
+
+/// Frequency vectors uploaded for `scaling=`, `inv_freq=` lists and `angle="f32"`, kept for
+/// the process's lifetime: launches on other streams and captured graphs may read them at any
+/// later time, so none can be freed safely.
+static FREQUENCIES: Mutex<BTreeMap<FreqKey, Arc<Frequencies>>> = Mutex::new(BTreeMap::new());
+
+/// `m` locked, whatever a panicking holder left (every map stays consistent between
+/// statements).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn rope_for(device: i32) -> PyResult<Arc<Rope>> {
+    let mut ropes = lock(&ROPES);
+    if let Some(rope) = ropes.get(&device) {
+        return Ok(rope.clone());
+    }
+    let ordinal = usize::try_from(device)
+        .map_err(|_| PyValueError::new_err(format!("invalid CUDA device {device}")))?;
+    let ctx = open_device(ordinal).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    // SAFETY: cudarc's event tracking orders cudarc's own slices between streams; the only
+    // slices of this context that rope_rs creates are frequency vectors, uploaded and
+    // synchronized on the one stream rope_rs uses (the context's default stream) before any
+    // launch reads them, never written again and never freed (see `FREQUENCIES` and
+    // `PREPARED`), so no event is needed; events recorded while PyTorch captures a CUDA graph
+    // would break the capture.
+    unsafe { ctx.disable_event_tracking() };
+    let rope =
+        Rope::new(ctx.default_stream()).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    let rope = Arc::new(rope);
+    ropes.insert(device, rope.clone());
+    Ok(rope)
+}
+
+/// The Python names of a launch's arguments, for messages: rope-host names its arguments
+/// `q`, `q.output`, `k`, `k.output`, `positions`, `sincos`, `sincos.cos` and `sincos.sin`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Names {
+    /// The tensor rope-host calls `q`.
+    pub q: &'static str,
+    /// `k`.
+    pub k: &'static str,
+    /// `q.output`.
+    pub out: &'static str,
+    /// `k.output`.
+    pub k_out: &'static str,
+    /// `positions`.
+    pub positions: &'static str,
+    /// `sincos`.
+    pub sincos: &'static str,
+}
+
+impl Names {
+    /// `apply_rope`'s names; `positions` and `sincos` are set from the arguments given.
+    pub const APPLY_ROPE: Self = Self {
+        q: "q",
+        k: "k",
+        out: "out",
+        k_out: "k_out",
+        positions: "positions",
+        sincos: "theta",
+    };
+
+    fn python(&self, arg: &'static str) -> &'static str {
+        match arg {
+            "q" => self.q,
+            "q.output" => self.out,
+            "k" => self.k,
+            "k.output" => self.k_out,
+            "positions" => self.positions,
+            "sincos" => self.sincos,
+            "sincos.cos" => "cos",
+            "sincos.sin" => "sin",
+            other => other,
+        }
+    }
+
+    /// rope-host's error as a Python exception: invalid arguments become
+    /// `ValueError("{python name}: {problem}")`, the driver's `RuntimeError`.
+    pub fn host_error(&self, e: Error) -> PyErr {
+        match e {
+            Error::Invalid { arg, problem } => {
+                PyValueError::new_err(format!("{}: {problem}", self.python(arg)))
+            }
+            other => PyRuntimeError::new_err(other.to_string()),
+        }
+    }
+}
+
+/// An argument problem as a Python exception.
+pub(crate) fn arg_error(e: ArgError) -> PyErr {
+    match e {
+        ArgError::Type(m) => PyTypeError::new_err(m),
+        ArgError::Value(m) => PyValueError::new_err(m),
+    }
+}
+
+/// A tensor borrowed through DLPack: the capsule `__dlpack__` returned, kept (and with it the
+/// producer's tensor) until this is dropped, and what was read from it.
+///
+/// The capsule is not consumed: it keeps the name `"dltensor"`, so its own destructor (the
+/// producer's) calls the `DLManagedTensor`'s deleter when Python frees it, exactly once and
+/// after the launch that used it was enqueued. (A consumer that keeps the tensor beyond the
+/// capsule's life renames it `"used_dltensor"` and calls the deleter itself; rope_rs needs the
+/// memory only until the kernel is enqueued on the stream that the producer ordered after its
+/// own work, and stream order covers the rest.)
+struct Borrowed<'py> {
+    _capsule: Bound<'py, PyAny>,
+    dense: Dense,
+}
+
+/// The `stream=` argument of `__dlpack__` for a launch on `stream`: DLPack's number for it (1
+/// for the legacy default stream, since 0 is reserved as ambiguous), so that the producer
+/// orders its pending writes of the tensor before `stream`; or -1 ("no synchronization") when
+/// the caller has ordered them itself (`producer_sync=False`).
+pub(crate) fn dlpack_stream(stream: u64, producer_sync: bool) -> i64 {
+    match (producer_sync, stream) {
+        (false, _) => -1,
+        (true, 0) => 1,
+        (true, s) => s as i64,
+    }
+}
+
+/// Borrows `obj` (named `arg` in errors), passing `dlpack_stream` to its `__dlpack__`.
+fn borrow<'py>(obj: &Bound<'py, PyAny>, arg: &str, dlpack_stream: i64) -> PyResult<Borrowed<'py>> {
+    let py = obj.py();
+    let not_dlpack = || {
+        let ty = obj
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+        PyTypeError::new_err(format!(
+            "{arg} must be a tensor supporting DLPack (__dlpack__ and __dlpack_device__), got {ty}"
+        ))
+    };
+    if !obj.hasattr("__dlpack__")? {
+        return Err(not_dlpack());
+    }
+    let device = obj
+        .getattr("__dlpack_device__")
+        .map_err(|_| not_dlpack())?
+        .call0()?;
+    let (device_type, device_id): (i32, i32) = device.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{arg}.__dlpack_device__() must return (device_type, device_id)"
+        ))
+    })?;
+    if device_type != DL_CUDA {
+        return Err(PyValueError::new_err(format!(
+            "{arg} must be a CUDA tensor (DLPack device type 2), got {}",
+            dlpack::device_name(device_type)
+        )));
+    }
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("stream", dlpack_stream)?;
+    let capsule = obj.call_method("__dlpack__", (), Some(&kwargs))?;
+    // SAFETY: `capsule` is a live Python object (we hold a reference); `PyCapsule_GetPointer`
+    // checks that it is a capsule named "dltensor" and returns null with an exception set
+    // otherwise.
+    let managed = unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) }
+        as *const DLManagedTensor;
+    if managed.is_null() {
+        let _ = PyErr::take(py);
+        return Err(PyTypeError::new_err(format!(
+            "{arg}.__dlpack__() did not return an unused \"dltensor\" capsule"
+        )));
+    }
+    // SAFETY: an unconsumed "dltensor" capsule points to a `DLManagedTensor` that stays valid
+    // (its `shape` holding `ndim` extents, its `strides` null or as many) until the capsule's
+    // destructor runs, which `Borrowed` postpones by holding the capsule.
+    let dense = unsafe { dlpack::read(&(*managed).dl_tensor, arg) }.map_err(arg_error)?;
+    if dense.device_id != device_id {
+        return Err(PyValueError::new_err(format!(
+            "{arg}: __dlpack_device__() says device {device_id}, the tensor says {}",
+            dense.device_id
+        )));
+    }
+    Ok(Borrowed {
+        _capsule: capsule,
+        dense,
+    })
+}
+
+/// How the tensors to rotate are seen as rope-host tensors.
+#[derive(Clone, Copy)]
+pub(crate) enum View {
+    /// By rank and `layout=`: `[b, s, h, d]`, `[s, b, h, d]`, `[b, h, s, d]` or `[t, h, d]`.
+    Rope(Option<TensorLayout>),
+    /// vLLM's and FlashInfer's `[t, h * head_size]` or `[t, h, head_size]`.
+    Heads(usize),
+}
+
+impl View {
+    fn tensor(self, d: &Dense, arg: &str) -> PyResult<RawTensor> {
+        match self {
+            Self::Rope(layout) => dlpack::rope_tensor(d, layout, arg),
+            Self::Heads(head_size) => dlpack::heads_tensor(d, head_size, arg),
+        }
+        .map_err(arg_error)
+    }
+}
+
+/// Where positions come from, with the tensors still to borrow.
+pub(crate) enum PositionsArg<'a, 'py> {
+    /// `p = offset + s`.
+    Offset(u32),
+    /// `p = offsets[b] + s`: a tensor `[batch]`.
+    RowOffsets(&'a Bound<'py, PyAny>),
+    /// `p = ids[s]` (`[seq]`) or `ids[b, s]` (`[batch, seq]`).
+    Ids(&'a Bound<'py, PyAny>),
+    /// Packed sequences: `cu_seqlens [num_seqs + 1]` and optional offsets `[num_seqs]`.
+    Varlen {
+        /// Cumulative sequence lengths.
+        cu_seqlens: &'a Bound<'py, PyAny>,
+        /// Per-sequence offsets.
+        offsets: Option<&'a Bound<'py, PyAny>>,
+    },
+}
+
+/// Where sin/cos come from, with the tensors still to borrow.
+pub(crate) enum SinCosArg<'a, 'py> {
+    /// Computed from `theta` with `angle`.
+    Theta(f64, AngleMode),
+    /// Computed from a `scaling` dictionary's frequencies (with `theta` as its base).
+    Scaling {
+        /// The dictionary's items.
+        entries: Vec<(String, Value)>,
+        /// `theta=`, if given.
+        theta: Option<f64>,
+        /// `angle=`.
+        angle: AngleMode,
+    },
+    /// Computed from frequencies given on the host.
+    HostInvFreq(Vec<f64>, f64, AngleMode),
+    /// Computed from a `float64` CUDA tensor of frequencies.
+    DeviceInvFreq(&'a Bound<'py, PyAny>, f64, AngleMode),
+    /// Read from `cos_sin_cache`.
+    Cache(&'a Bound<'py, PyAny>),
+    /// Read from `cos` and `sin`.
+    Tables(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>),
+}
+
+/// One launch as the Python functions describe it.
+pub(crate) struct Launch<'a, 'py> {
+    /// The tensor rope-host calls q.
+    pub q: &'a Bound<'py, PyAny>,
+    /// The tensor rope-host calls k.
+    pub k: Option<&'a Bound<'py, PyAny>>,
+    /// q's output; `None` in place.
+    pub out: Option<&'a Bound<'py, PyAny>>,
+    /// k's output; `None` in place.
+    pub k_out: Option<&'a Bound<'py, PyAny>>,
+    /// The arguments' Python names.
+    pub names: Names,
+    /// How q, k and the outputs are read.
+    pub view: View,
+    /// Where positions come from.
+    pub positions: PositionsArg<'a, 'py>,
+    /// Where sin/cos come from.
+    pub sincos: SinCosArg<'a, 'py>,
+    /// The pairing.
+    pub style: RopeStyle,
+    /// `rotary_dim=`, if given.
+    pub rotary_dim: Option<u32>,
+    /// Forward or backward.
+    pub direction: Direction,
+    /// The `CUstream` to launch on.
+    pub stream: u64,
+    /// Whether the producers must order their writes before `stream` (see [`dlpack_stream`]).
+    pub producer_sync: bool,
+}
+
+/// The borrowed tensors of a launch: alive until it is enqueued.
+struct Held<'py> {
+    dlpack_stream: i64,
+    device: i32,
+    borrowed: Vec<Borrowed<'py>>,
+}
+
+impl<'py> Held<'py> {
+    /// Borrows `obj` (named `name`), which must be on the launch's device; returns what was
+    /// read from it.
+    fn borrow(&mut self, obj: &Bound<'py, PyAny>, name: &str) -> PyResult<&Dense> {
+        let b = borrow(obj, name, self.dlpack_stream)?;
+        if b.dense.device_id != self.device {
+            return Err(PyValueError::new_err(format!(
+                "{name} is on CUDA device {}, the tensors to rotate on device {}",
+                b.dense.device_id, self.device
+            )));
+        }
+        self.borrowed.push(b);
+        Ok(&self.borrowed.last().expect("just pushed").dense)
+    }
+
+    /// Borrows a tensor to rotate or write, if given: on q's device, of q's element type
+    /// (`elem`, q named `q_name`), read by `view`.
+    fn tensor(
+        &mut self,
+        obj: Option<&Bound<'py, PyAny>>,
+        name: &'static str,
+        (elem, q_name, view): (Elem, &str, View),
+    ) -> PyResult<Option<RawTensor>> {
+        let Some(obj) = obj else { return Ok(None) };
+        let d = self.borrow(obj, name)?;
+        if d.elem != elem {
+            return Err(PyValueError::new_err(format!(
+                "{name} is {}, {q_name} is {}",
+                d.elem.name(),
+                elem.name()
+            )));
+        }
+        view.tensor(d, name).map(Some)
+    }
+}
+
+/// q and k for an in-place launch: separate buffers, or, when their address ranges meet (views
+/// of one fused QKV tensor, as PyTorch slices it), one buffer spanning both with each layout
+/// offset into it, so that rope-host checks their disjointness element by element rather than
+/// by address range.
+fn qk_in_place(q: RawTensor, k: RawTensor, es: u64) -> RawTensors {
+    let end = |t: &RawTensor| t.buf.ptr + t.buf.len as u64 * es;
+    let meet = q.buf.ptr < end(&k) && k.buf.ptr < end(&q);
+    let base = q.buf.ptr.min(k.buf.ptr);
+    let aligned = (q.buf.ptr - base).is_multiple_of(es) && (k.buf.ptr - base).is_multiple_of(es);
+    if !(meet && aligned) {
+        return RawTensors::Separate {
+            q: RawIo::InPlace(q),
+            k: RawIo::InPlace(k),
+        };
+    }
+    let offset = |t: &RawTensor| {
+        let delta = ((t.buf.ptr - base) / es) as usize;
+        t.layout.with_offset(t.layout.offset() + delta)
+    };
+    RawTensors::Fused {
+        buf: RawBuf {
+            ptr: base,
+            len: ((end(&q).max(end(&k)) - base) / es) as usize,
+        },
+        q: offset(&q),
+        k: offset(&k),
+    }
+}
+
+/// `input` rotated in place, or into `output`.
+fn io(input: RawTensor, output: Option<RawTensor>) -> RawIo {
+    match output {
+        None => RawIo::InPlace(input),
+        Some(output) => RawIo::OutOfPlace { input, output },
+    }
+}
+
+/// Whether `stream` is capturing a CUDA graph, or its state cannot be told: either way, no
+/// upload (a synchronizing copy on the `Rope`'s stream) may happen now.
+fn capturing(rope: &Rope, stream: CUstream) -> bool {
+    if rope.stream().context().bind_to_thread().is_err() {
+        return true;
+    }
+    // SAFETY: `stream` is a stream of the context just made current on this thread: the
+    // caller's promise, documented on every function that takes `stream=`.
+    match unsafe { result::stream::is_capturing(stream) } {
+        Ok(status) => status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+        Err(_) => true,
+    }
+}
+
+/// The error for an upload that a capture forbids.
+fn capture_error(arg: &str) -> PyErr {
+    PyValueError::new_err(format!(
+        "{arg}: these frequencies are uploaded to the GPU on first use, which cannot happen while \
+         the stream is capturing a CUDA graph; make the same call once before capturing (a \
+         warm-up run)"
+    ))
+}
+
+/// The device copy of host-computed frequencies, uploaded on first use.
+fn host_frequencies(
+    rope: &Rope,
+    device: i32,
+    (inv_freq, attention, angle): (&[f64], f64, AngleMode),
+    (names, stream): (&Names, CUstream),
+) -> PyResult<Arc<Frequencies>> {
+    let key: FreqKey = (
+        device,
+        inv_freq.iter().map(|f| f.to_bits()).collect(),
+        attention.to_bits(),
+        angle as u32,
+    );
+    let mut cache = lock(&FREQUENCIES);
+    if let Some(f) = cache.get(&key) {
+        return Ok(f.clone());
+    }
+    if capturing(rope, stream) {
+        return Err(capture_error(names.sincos));
+    }
+    let f = rope
+        .frequencies_from(InvFreq::F64(inv_freq), attention, angle)
+        .map_err(|e| names.host_error(e))?;
+    let f = Arc::new(f);
+    cache.insert(key, f.clone());
+    Ok(f)
+}
+
+/// Validates `l` (here and in rope-host) and launches it on its stream.
+pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
+    let names = l.names;
+    let dlpack_stream = dlpack_stream(l.stream, l.producer_sync);
+    let q = borrow(l.q, names.q, dlpack_stream)?;
+    let device = q.dense.device_id;
+    let elem = q.dense.elem;
+    let Some(dtype) = elem.float() else {
+        return Err(PyValueError::new_err(format!(
+            "{} must be float32, float16 or bfloat16, got {}",
+            names.q,
+            elem.name()
+        )));
+    };
+    let q_tensor = l.view.tensor(&q.dense, names.q)?;
+    let mut held = Held {
+        dlpack_stream,
+        device,
+        borrowed: vec![q],
+    };
+    let mut tensor = |obj, name| held.tensor(obj, name, (elem, names.q, l.view));
+    let k_tensor = tensor(l.k, names.k)?;
+    let out_tensor = tensor(l.out, names.out)?;
+    let k_out_tensor = tensor(l.k_out, names.k_out)?;
+    if k_out_tensor.is_some() && k_tensor.is_none() {
+        return Err(PyValueError::new_err(format!(
+            "{}: given without {}",
+            names.k_out, names.k
+        )));
+    }
+    let positions = raw_positions(&l.positions, &mut held, &names)?;
+    let head_dim = u32::try_from(q_tensor.layout.head_dim()).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{} has heads of {} elements",
+            names.q,
+            q_tensor.layout.head_dim()
+        ))
+    })?;
+    let stream = l.stream as usize as CUstream;
+    let (sincos, rotary_dim, _frequencies) = raw_sincos(
+        l.sincos,
+        &mut held,
+        (dtype, elem.name(), head_dim, l.rotary_dim),
+        (&names, stream),
+    )?;
+    let config = RopeConfig::builder(head_dim, l.style)
+        .direction(l.direction)
+        .rotary_dim(rotary_dim)
+        .build()
+        .map_err(|e| names.host_error(e))?;
+    // A theta not yet prepared on this device is checked here, before the device is used.
+    let unprepared = match sincos {
+        RawSinCos::Computed { theta } => {
+            let key = (device, theta.to_bits(), rotary_dim);
+            let prepared = lock(&PREPARED).contains(&key);
+            if !prepared {
+                rope_host::FrequencySpec::new(theta, rotary_dim)
+                    .build()
+                    .map_err(|e| names.host_error(e))?;
+            }
+            (!prepared).then_some((key, theta))
+        }
+        _ => None,
+    };
+    // Everything checked so far needed no driver; from here on the device is used.
+    let rope = rope_for(device)?;
+    if let Some((key, theta)) = unprepared {
+        // Other streams may read only prepared frequencies (`run_raw`'s `# Safety`).
+        if capturing(&rope, stream) {
+            return Err(capture_error(names.sincos));
+        }
+        rope.prepare(theta, rotary_dim)
+            .map_err(|e| names.host_error(e))?;
+        lock(&PREPARED).insert(key);
+    }
+    let op = RawOp {
+        config,
+        dtype,
+        positions,
+        sincos,
+    };
+    let tensors = match (k_tensor, out_tensor, k_out_tensor) {
+        (None, out, _) => RawTensors::Q(io(q_tensor, out)),
+        (Some(k), None, None) => qk_in_place(q_tensor, k, dtype.size() as u64),
+        (Some(k), out, k_out) => RawTensors::Separate {
+            q: io(q_tensor, out),
+            k: io(k, k_out),
+        },
+    };
+    // SAFETY: `run_raw`'s promises, and who keeps them:
+    // - every address is memory of CUDA device `device` (DLPack said so, checked for each
+    //   tensor by `borrow` and `Held::borrow`), and `rope` runs on that device's primary
+    //   context, the context CUDA runtime users (PyTorch) allocate in; `stream` is a stream of
+    //   that context: the Python caller's promise, documented on every function taking
+    //   `stream=`;
+    // - each buffer holds the elements given: `dlpack.rs` sized every buffer from the
+    //   producer's own shape and strides, ending after the last addressed element, with the
+    //   producer's element type (outputs and k checked to have q's);
+    // - the capsules in `held` keep the producers' tensors alive until this returns, after the
+    //   launch is enqueued; after that, keeping them allocated until the kernel finishes on
+    //   `stream` is the caller's promise (PyTorch's allocator reuses memory in the order of
+    //   the tensor's stream, or after `record_stream`); `_frequencies` and the prepared
+    //   vectors are never freed;
+    // - the producers made `stream` wait for the work that wrote the tensors (`__dlpack__`'s
+    //   `stream=`), or the caller did (`producer_sync=False`, documented), and the caller
+    //   promises that nothing else touches q, k and the outputs meanwhile;
+    // - frequencies uploaded here (prepared or host-computed) were complete before this
+    //   launch, and a device `inv_freq` was ordered before `stream` by its producer.
+    unsafe { rope.run_raw(&op, tensors, stream) }.map_err(|e| names.host_error(e))?;
+    drop(held);
+    Ok(())
+}
+
+/// Borrows the position tensors and reduces them to rope-host's raw form.
+fn raw_positions<'py>(
+    p: &PositionsArg<'_, 'py>,
+    held: &mut Held<'py>,
+    names: &Names,
+) -> PyResult<RawPositions> {
+    let name = names.positions;
+    Ok(match p {
+        PositionsArg::Offset(offset) => RawPositions::Offset(*offset),
+        PositionsArg::RowOffsets(obj) => {
+            let d = held.borrow(obj, name)?;
+            RawPositions::RowOffsets(dlpack::ints_1d(d, name, "batch").map_err(arg_error)?)
+        }
+        PositionsArg::Ids(obj) => {
+            let d = held.borrow(obj, name)?;
+            let shape = if d.shape.len() == 2 {
+                IdsShape::PerRow
+            } else {
+                IdsShape::Shared
+            };
+            let ids = dlpack::ints(d, name).map_err(arg_error)?;
+            RawPositions::Ids { ids, shape }
+        }
+        PositionsArg::Varlen {
+            cu_seqlens,
+            offsets,
+        } => {
+            let d = held.borrow(cu_seqlens, "cu_seqlens")?;
+            let cu = dlpack::ints_1d(d, "cu_seqlens", "num_seqs + 1").map_err(arg_error)?;
+            let offsets = match offsets {
+                None => None,
+                Some(obj) => {
+                    let d = held.borrow(obj, name)?;
+                    Some(dlpack::ints_1d(d, name, "num_seqs").map_err(arg_error)?)
+                }
+            };
+            RawPositions::Varlen {
+                cu_seqlens: cu,
+                offsets,
+            }
+        }
+    })
+}
+
+/// Borrows or uploads the sin/cos source and reduces it to rope-host's raw form, with the
+/// rotary width of the launch (`rotary_dim=`, else what the source serves, else `head_dim`) and
+/// the host-computed frequencies it reads, if any.
+fn raw_sincos<'py>(
+    s: SinCosArg<'_, 'py>,
+    held: &mut Held<'py>,
+    (dtype, elem, head_dim, rotary_dim): (DType, &str, u32, Option<u32>),
+    (names, stream): (&Names, CUstream),
+) -> PyResult<(RawSinCos, u32, Option<Arc<Frequencies>>)> {
+    let device = held.device;
+    let host = |inv_freq: &[f64], attention: f64, angle: AngleMode| -> PyResult<_> {
+        let rope = rope_for(device)?;
+        let f = host_frequencies(&rope, device, (inv_freq, attention, angle), (names, stream))?;
+        Ok((f.raw(), rotary_dim.unwrap_or(f.rotary_dim()), Some(f)))
+    };
+    let table_type = |d: &Dense, name: &str, t: DType| {
+        if t == dtype || t == DType::F32 {
+            Ok(())
+        } else {
+            Err(PyValueError::new_err(format!(
+                "{name} must be float32 or the tensors' {elem}, got {}",
+                d.elem.name()
+            )))
+        }
+    };
+    match s {
+        SinCosArg::Theta(theta, AngleMode::Exact) => Ok((
+            RawSinCos::Computed { theta },
+            rotary_dim.unwrap_or(head_dim),
+            None,
+        )),
+        SinCosArg::Theta(theta, angle) => {
+            let r = rotary_dim.unwrap_or(head_dim);
+            let spec = rope_host::FrequencySpec::new(theta, r).angle(angle);
+            let (f, a) = spec.build().map_err(|e| names.host_error(e))?;
+            host(&f, a, angle)
+        }
+        SinCosArg::Scaling {
+            entries,
+            theta,
+            angle,
+        } => {
+            let base = Base {
+                theta,
+                head_dim,
+                rotary_dim,
+                angle,
+            };
+            let spec = scaling::spec(&entries, base).map_err(arg_error)?;
+            let (f, a) = spec.build().map_err(|e| names.host_error(e))?;
+            let (raw, _, f) = host(&f, a, angle)?;
+            Ok((raw, spec.rotary_dim, f))
+        }
+        SinCosArg::HostInvFreq(f, a, angle) => host(&f, a, angle),
+        SinCosArg::DeviceInvFreq(obj, attention_factor, angle) => {
+            let d = held.borrow(obj, "inv_freq")?;
+            let (inv_freq, r) = dlpack::inv_freq(d, "inv_freq").map_err(arg_error)?;
+            let raw = RawSinCos::Frequencies {
+                inv_freq,
+                rotary_dim: r,
+                angle,
+                attention_factor: attention_factor as f32,
+            };
+            Ok((raw, rotary_dim.unwrap_or(r), None))
+        }
+        SinCosArg::Cache(obj) => {
+            let d = held.borrow(obj, "cos_sin_cache")?;
+            let (cache, t, shape) = dlpack::cos_sin_cache(d, "cos_sin_cache").map_err(arg_error)?;
+            table_type(d, "cos_sin_cache", t)?;
+            let raw = RawSinCos::CosSinCache {
+                cache,
+                dtype: t,
+                shape,
+            };
+            Ok((raw, rotary_dim.unwrap_or(shape.rotary_dim), None))
+        }
+        SinCosArg::Tables(cos, sin) => {
+            let d = held.borrow(cos, "cos")?;
+            let cos_elem = d.elem;
+            let (cos, t, shape) = dlpack::half_table(d, "cos").map_err(arg_error)?;
+            table_type(d, "cos", t)?;
+            let d = held.borrow(sin, "sin")?;
+            let sin_elem = d.elem;
+            let (sin, sin_t, sin_shape) = dlpack::half_table(d, "sin").map_err(arg_error)?;
+            if (sin_t, sin_shape) != (t, shape) {
+                return Err(PyValueError::new_err(format!(
+                    "sin is {} [{}, {}], cos is {} [{}, {}]: the tables must agree",
+                    sin_elem.name(),
+                    sin_shape.max_position,
+                    sin_shape.rotary_dim / 2,
+                    cos_elem.name(),
+                    shape.max_position,
+                    shape.rotary_dim / 2
+                )));
+            }
+            let raw = RawSinCos::Table {
+                cos,
+                sin,
+                dtype: t,
+                shape,
+            };
+            Ok((raw, rotary_dim.unwrap_or(shape.rotary_dim), None))
+        }
+    }
+}

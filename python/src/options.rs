@@ -1,0 +1,311 @@
+//! Which of `apply_rope`'s mutually exclusive arguments a call gave, and what they select:
+//! where positions come from ([`positions`]) and where sin/cos come from ([`sincos`]). Pure,
+//! so every combination is tested without Python; `native.rs` fills the inputs in.
+
+use crate::dlpack::ArgError;
+
+/// What a call gave for `positions=`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PositionsGiven {
+    /// Nothing.
+    None,
+    /// An int.
+    Int(i64),
+    /// A tensor.
+    Tensor,
+}
+
+/// Where positions come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PositionsKind {
+    /// `p = offset + s` (an int, default 0).
+    Offset(u32),
+    /// `p = positions[b] + s`: a tensor `[batch]`.
+    RowOffsets,
+    /// `p = position_ids[s]` or `position_ids[b, s]`.
+    Ids,
+    /// Packed sequences: `cu_seqlens`, with per-sequence offsets when `positions` is a tensor.
+    Varlen {
+        /// `positions` is a tensor of per-sequence offsets.
+        offsets: bool,
+    },
+}
+
+/// Picks the position source from `positions=`, whether `position_ids=` and `cu_seqlens=`
+/// were given.
+///
+/// # Errors
+/// [`ArgError::Value`] naming the argument for contradicting combinations and an offset
+/// outside `0..2^32`.
+pub fn positions(
+    positions: PositionsGiven,
+    position_ids: bool,
+    cu_seqlens: bool,
+) -> Result<PositionsKind, ArgError> {
+    let value = |m: &str| Err(ArgError::Value(m.into()));
+    match (positions, position_ids, cu_seqlens) {
+        (_, true, true) => value("position_ids: give position_ids or cu_seqlens, not both"),
+        (PositionsGiven::None, true, false) => Ok(PositionsKind::Ids),
+        (_, true, false) => value(
+            "positions: give positions (start positions) or position_ids (one per token), not both",
+        ),
+        (PositionsGiven::Tensor, false, false) => Ok(PositionsKind::RowOffsets),
+        (PositionsGiven::Tensor, false, true) => Ok(PositionsKind::Varlen { offsets: true }),
+        (PositionsGiven::None | PositionsGiven::Int(0), false, true) => {
+            Ok(PositionsKind::Varlen { offsets: false })
+        }
+        (PositionsGiven::Int(_), false, true) => value(
+            "positions: with cu_seqlens, give per-sequence offsets as a tensor [num_seqs], not \
+             an int",
+        ),
+        (PositionsGiven::None, false, false) => Ok(PositionsKind::Offset(0)),
+        (PositionsGiven::Int(o), false, false) => {
+            u32::try_from(o).map(PositionsKind::Offset).map_err(|_| {
+                ArgError::Value(format!(
+                    "positions must be an offset in 0..2^32 (or a tensor), got {o}"
+                ))
+            })
+        }
+    }
+}
+
+/// Which sin/cos arguments a call gave (`angle` only when it differs from the default).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SinCosGiven {
+    /// `theta=`.
+    pub theta: bool,
+    /// `scaling=`.
+    pub scaling: bool,
+    /// `inv_freq=`.
+    pub inv_freq: bool,
+    /// `cos_sin_cache=`.
+    pub cos_sin_cache: bool,
+    /// `cos=`.
+    pub cos: bool,
+    /// `sin=`.
+    pub sin: bool,
+    /// `attention_factor=`.
+    pub attention_factor: bool,
+    /// `angle=`.
+    pub angle: bool,
+}
+
+/// Where sin/cos come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SinCosKind {
+    /// Computed from `theta` (default 10 000) and `angle`.
+    Theta,
+    /// Computed from the frequencies of `scaling` (with `theta` as its base).
+    Scaling,
+    /// Computed from the given `inv_freq` (and `attention_factor`).
+    InvFreq,
+    /// Read from `cos_sin_cache`.
+    Cache,
+    /// Read from `cos` and `sin`.
+    Tables,
+}
+
+/// Picks the sin/cos source from the arguments given.
+///
+/// # Errors
+/// [`ArgError::Value`] naming the argument: more than one source, `cos` without `sin` (or the
+/// reverse), or an argument the chosen source does not read (`theta` with tables or
+/// `inv_freq`, `attention_factor` anywhere but with `inv_freq`, `angle` with tables).
+pub fn sincos(g: SinCosGiven) -> Result<SinCosKind, ArgError> {
+    let err = |m: &str| Err(ArgError::Value(m.into()));
+    if g.cos != g.sin {
+        return err("cos and sin: give both tables or neither");
+    }
+    let sources = [g.cos_sin_cache, g.cos, g.inv_freq, g.scaling];
+    if sources.iter().filter(|&&s| s).count() > 1 {
+        return err(
+            "cos_sin_cache: give one sin/cos source: cos_sin_cache, cos and sin, inv_freq, or \
+             scaling (with theta), or theta alone",
+        );
+    }
+    let tables = g.cos_sin_cache || g.cos;
+    if tables {
+        let name = if g.cos {
+            "cos and sin"
+        } else {
+            "cos_sin_cache"
+        };
+        for (given, arg, why) in [
+            (g.theta, "theta", "the table holds the angles"),
+            (g.angle, "angle", "the table holds the angles"),
+            (
+                g.attention_factor,
+                "attention_factor",
+                "scale the table instead",
+            ),
+        ] {
+            if given {
+                return Err(ArgError::Value(format!(
+                    "{arg}: unused with {name} ({why})"
+                )));
+            }
+        }
+        return Ok(if g.cos {
+            SinCosKind::Tables
+        } else {
+            SinCosKind::Cache
+        });
+    }
+    if g.inv_freq {
+        if g.theta {
+            return err("theta: unused with inv_freq (the frequencies are given)");
+        }
+        return Ok(SinCosKind::InvFreq);
+    }
+    if g.attention_factor {
+        return err(if g.scaling {
+            "attention_factor: give it inside scaling (\"attention_factor\")"
+        } else {
+            "attention_factor: only with inv_freq (scaling families compute their own)"
+        });
+    }
+    Ok(if g.scaling {
+        SinCosKind::Scaling
+    } else {
+        SinCosKind::Theta
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_value<T: std::fmt::Debug>(r: Result<T, ArgError>, needle: &str) {
+        match r {
+            Err(ArgError::Value(m)) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
+            other => panic!("expected a ValueError with {needle:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn positions_pick_one_source() {
+        use PositionsGiven::{Int, None, Tensor};
+        assert_eq!(positions(None, false, false), Ok(PositionsKind::Offset(0)));
+        assert_eq!(
+            positions(Int(7), false, false),
+            Ok(PositionsKind::Offset(7))
+        );
+        assert_eq!(
+            positions(Tensor, false, false),
+            Ok(PositionsKind::RowOffsets)
+        );
+        assert_eq!(positions(None, true, false), Ok(PositionsKind::Ids));
+        assert_eq!(
+            positions(Tensor, false, true),
+            Ok(PositionsKind::Varlen { offsets: true })
+        );
+        assert_eq!(
+            positions(Int(0), false, true),
+            Ok(PositionsKind::Varlen { offsets: false })
+        );
+        is_value(positions(Int(3), true, false), "positions: give positions");
+        is_value(
+            positions(None, true, true),
+            "position_ids: give position_ids",
+        );
+        is_value(positions(Int(3), false, true), "per-sequence offsets");
+        is_value(
+            positions(Int(-1), false, false),
+            "positions must be an offset",
+        );
+        is_value(positions(Int(1 << 32), false, false), "0..2^32");
+    }
+
+    #[test]
+    fn sincos_sources_exclude_each_other() {
+        let g = SinCosGiven::default;
+        assert_eq!(sincos(g()), Ok(SinCosKind::Theta));
+        let theta = SinCosGiven {
+            theta: true,
+            angle: true,
+            ..g()
+        };
+        assert_eq!(sincos(theta), Ok(SinCosKind::Theta));
+        let scaling = SinCosGiven {
+            theta: true,
+            scaling: true,
+            ..g()
+        };
+        assert_eq!(sincos(scaling), Ok(SinCosKind::Scaling));
+        let inv = SinCosGiven {
+            inv_freq: true,
+            attention_factor: true,
+            angle: true,
+            ..g()
+        };
+        assert_eq!(sincos(inv), Ok(SinCosKind::InvFreq));
+        let cache = SinCosGiven {
+            cos_sin_cache: true,
+            ..g()
+        };
+        assert_eq!(sincos(cache), Ok(SinCosKind::Cache));
+        let tables = SinCosGiven {
+            cos: true,
+            sin: true,
+            ..g()
+        };
+        assert_eq!(sincos(tables), Ok(SinCosKind::Tables));
+    }
+
+    #[test]
+    fn sincos_rejects_what_the_source_does_not_read() {
+        let g = SinCosGiven::default;
+        is_value(
+            sincos(SinCosGiven { cos: true, ..g() }),
+            "cos and sin: give both",
+        );
+        is_value(
+            sincos(SinCosGiven {
+                cos_sin_cache: true,
+                inv_freq: true,
+                ..g()
+            }),
+            "give one sin/cos source",
+        );
+        is_value(
+            sincos(SinCosGiven {
+                cos_sin_cache: true,
+                theta: true,
+                ..g()
+            }),
+            "theta: unused with cos_sin_cache",
+        );
+        is_value(
+            sincos(SinCosGiven {
+                cos: true,
+                sin: true,
+                angle: true,
+                ..g()
+            }),
+            "angle: unused with cos and sin",
+        );
+        is_value(
+            sincos(SinCosGiven {
+                inv_freq: true,
+                theta: true,
+                ..g()
+            }),
+            "theta: unused with inv_freq",
+        );
+        is_value(
+            sincos(SinCosGiven {
+                scaling: true,
+                attention_factor: true,
+                ..g()
+            }),
+            "give it inside scaling",
+        );
+        is_value(
+            sincos(SinCosGiven {
+                attention_factor: true,
+                ..g()
+            }),
+            "attention_factor: only with inv_freq",
+        );
+    }
+}
