@@ -45,7 +45,8 @@ pub fn positions(
     let value = |m: &str| Err(ArgError::Value(m.into()));
     match (positions, position_ids, cu_seqlens) {
         (_, true, true) => value("position_ids: give position_ids or cu_seqlens, not both"),
-        (PositionsGiven::None, true, false) => Ok(PositionsKind::Ids),
+        // An offset of 0 is the default, which the Python layer passes along with ids.
+        (PositionsGiven::None | PositionsGiven::Int(0), true, false) => Ok(PositionsKind::Ids),
         (_, true, false) => value(
             "positions: give positions (start positions) or position_ids (one per token), not both",
         ),
@@ -195,6 +196,8 @@ mod tests {
             Ok(PositionsKind::RowOffsets)
         );
         assert_eq!(positions(None, true, false), Ok(PositionsKind::Ids));
+        // What the Python layer passes with ids: the default offset.
+        assert_eq!(positions(Int(0), true, false), Ok(PositionsKind::Ids));
         assert_eq!(
             positions(Tensor, false, true),
             Ok(PositionsKind::Varlen { offsets: true })
