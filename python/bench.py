@@ -3,7 +3,9 @@
     python python/bench.py [--reps 200] [--json bench.json]
 
 GPU time: CUDA events around each launch, the L2 cache flushed before each (a write of twice its
-size), median over ``--reps`` launches; the copy is one ``Tensor.copy_`` of as many bytes as the
+size), median over ``--reps`` launches. Between the flush and the start event the GPU spins for
+about a millisecond (``torch.cuda._sleep``), so that the host has enqueued the launch before the
+start event runs and the events time the GPU's work, not the host's call overhead; the copy is one ``Tensor.copy_`` of as many bytes as the
 launch reads (q and k), timed the same way, interleaved with it. A ratio near 1 means the launch
 moves its bytes as fast as a copy, so the Python path adds no GPU time. Host time: the wall time
 per call of ``--reps`` back-to-back calls from Python (the GPU is never the bottleneck there:
@@ -22,12 +24,19 @@ import rope_rs
 from rope_rs import _native
 
 
+#: GPU clock cycles to spin before each timed launch: about a millisecond at H100/H200 clocks,
+#: far longer than any call's host overhead.
+SPIN_CYCLES = 2_000_000
+
+
 def gpu_times(fns, reps, flush):
-    """Median GPU microseconds of each function, launches interleaved, L2 flushed before each."""
+    """Median GPU microseconds of each function, launches interleaved, L2 flushed before each,
+    with the host's enqueueing hidden behind a spin (see the module documentation)."""
     times = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
             flush.zero_()
+            torch.cuda._sleep(SPIN_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

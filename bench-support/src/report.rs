@@ -59,6 +59,13 @@ pub struct Row {
     pub vs_copy: f64,
     /// Largest absolute error against the f64 reference over the checked elements.
     pub max_abs_err: f64,
+    /// The performance issue's target for this row as a fraction of the copy (`vs_copy` at
+    /// least this).
+    #[serde(serialize_with = "decimals::<4, _>")]
+    pub target_vs_copy: f64,
+    /// The best existing kernel's share of the copy on this row where the issue measured one
+    /// (for example `"Liger 93.8%"`).
+    pub best_peer: Option<&'static str>,
 }
 
 /// One plain copy kernel's median time next to the driver's copy of the same bytes.
@@ -124,6 +131,8 @@ mod tests {
                 gbps: 3479.04,
                 vs_copy: 0.910_41,
                 max_abs_err: 1.5625e-2,
+                target_vs_copy: 0.97,
+                best_peer: Some("Liger 93.8%"),
             }],
             reference_copies: vec![CopyRow {
                 kernel: "rope_bench_copy1",
@@ -163,7 +172,8 @@ mod tests {
             "rows": [{
                 "case": "prefill", "dtype": "bf16", "style": "neox", "sincos": "table",
                 "direction": "forward", "bytes": 167772160, "rope_us": 48.224,
-                "copy_us": 43.904, "gbps": 3479.0, "vs_copy": 0.9104, "max_abs_err": 0.015625
+                "copy_us": 43.904, "gbps": 3479.0, "vs_copy": 0.9104, "max_abs_err": 0.015625,
+                "target_vs_copy": 0.97, "best_peer": "Liger 93.8%"
             }],
             "reference_copies": [
                 {"kernel": "rope_bench_copy1", "kernel_us": 137.568, "driver_copy_us": 128.512}
@@ -182,9 +192,13 @@ mod tests {
                 .expect("valid JSON");
         let mut got: Value = serde_json::from_str(&sample().to_json()).expect("valid JSON");
         // Fields added since that report; every field it has keeps its name and shape.
-        got.as_object_mut()
-            .expect("an object")
-            .remove("decode_graph");
+        let top = got.as_object_mut().expect("an object");
+        top.remove("decode_graph");
+        for row in top["rows"].as_array_mut().expect("rows") {
+            let row = row.as_object_mut().expect("a row");
+            row.remove("target_vs_copy");
+            row.remove("best_peer");
+        }
         assert_eq!(shape(&got), shape(&committed));
     }
 }
