@@ -51,25 +51,38 @@ exit $status
 "#;
 
 const PYTHON_RUNNER: &str = r#"#!/bin/sh
-# Runs the Python package's tests on a GPU machine without network access: the bundled wheel is
-# unzipped into a fresh folder put on PYTHONPATH (no pip), for $PYTHON (default python3), which
-# must have torch (transformers is used where present). pytest comes from that Python, else from
-# the bundled wheels. ROPE_REQUIRE_GPU=1 makes a missing GPU or torch fail the GPU tests rather
-# than skip them. Extra arguments go to pytest.
+# Runs the Python package's tests on a GPU machine without network access: `pip install` of the
+# bundled wheel (no index, no dependencies) into a fresh virtual environment made from $PYTHON
+# (default python3) with its site packages visible, so torch (and transformers where present)
+# come from there. pytest comes from that Python, else from the bundled wheels. Without venv or
+# pip, the wheel is unzipped onto PYTHONPATH instead (said so). ROPE_REQUIRE_GPU=1 makes a
+# missing GPU or torch fail the GPU tests rather than skip them. Extra arguments go to pytest.
 #
 # python/run.sh --bench [ARGS]: runs python/bench.py instead (rope_rs against copy_).
 cd "$(dirname "$0")" || exit 1
 PYTHON=${PYTHON:-python3}
-site=$(mktemp -d) || exit 1
-for wheel in rope_rs-*.whl; do
-    "$PYTHON" -m zipfile -e "$wheel" "$site" || exit 1
-done
-if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
-    for wheel in wheels/*.whl; do
-        [ -f "$wheel" ] && { "$PYTHON" -m zipfile -e "$wheel" "$site" || exit 1; }
+env=$(mktemp -d) || exit 1
+if "$PYTHON" -m venv --system-site-packages "$env" 2>/dev/null \
+    && "$env/bin/python" -m pip --version >/dev/null 2>&1; then
+    "$env/bin/python" -m pip install --quiet --no-index --no-deps rope_rs-*.whl || exit 1
+    if ! "$env/bin/python" -c "import pytest" 2>/dev/null; then
+        "$env/bin/python" -m pip install --quiet --no-index --no-deps wheels/*.whl || exit 1
+    fi
+    PYTHON="$env/bin/python"
+    echo "pip installed $(ls rope_rs-*.whl) into $env"
+else
+    echo "no venv with pip for $PYTHON: unzipping the wheel onto PYTHONPATH instead"
+    for wheel in rope_rs-*.whl; do
+        "$PYTHON" -m zipfile -e "$wheel" "$env" || exit 1
     done
+    if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
+        for wheel in wheels/*.whl; do
+            [ -f "$wheel" ] && { "$PYTHON" -m zipfile -e "$wheel" "$env" || exit 1; }
+        done
+    fi
+    export PYTHONPATH="$env${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ROPE_REQUIRE_GPU=1
+export ROPE_REQUIRE_GPU=1
 if [ "$1" = "--bench" ]; then
     shift
     exec "$PYTHON" bench.py "$@"
