@@ -429,10 +429,16 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
             // SAFETY: pos < table_positions and j0 + pairs <= half <= table_stride, so the
             // entries are inside the tables' promised rows.
             unsafe {
-                let (c, s) = (a.cos.cast::<S::Tab>().add(row), a.sin.cast::<S::Tab>().add(row));
+                let (c, s) = (
+                    a.cos.cast::<S::Tab>().add(row),
+                    a.sin.cast::<S::Tab>().add(row),
+                );
                 if table_vectors::<S::Tab>(a, pairs) {
                     // Aligned: the item's entries of each table with one access.
-                    (cos, sin) = (load_pairs::<S::Tab, L>(c, pairs), load_pairs::<S::Tab, L>(s, pairs));
+                    (cos, sin) = (
+                        load_pairs::<S::Tab, L>(c, pairs),
+                        load_pairs::<S::Tab, L>(s, pairs),
+                    );
                 } else {
                     unrolled(pairs, |k| {
                         cos[k] = (*c.add(k)).to_f32();
