@@ -97,7 +97,18 @@ pub enum PositionCode {
     VarlenI32 = 7,
     /// As [`PositionCode::VarlenI32`] with `i64` arrays.
     VarlenI64 = 8,
+    /// Multi-axis positions (mRoPE, N-D axial RoPE): `pos_ptr` points at `pos_count` rows of
+    /// `tokens` `i32` (`[n_axes, batch * seq]`, row `a` holding axis `a`'s position of token
+    /// `b * seq + s`), `pos_aux` at `half` `u8` axis indices: pair `j` rotates by the position
+    /// of axis `min(axes[j], pos_count - 1)` (the clamp keeps malformed device maps inside the
+    /// array). `pos_count` is 1 to [`MAX_AXES`].
+    MultiAxisI32 = 9,
+    /// As [`PositionCode::MultiAxisI32`] with an `i64` array.
+    MultiAxisI64 = 10,
 }
+
+/// The most position axes of [`PositionCode::MultiAxisI32`] and [`PositionCode::MultiAxisI64`].
+pub const MAX_AXES: u32 = 4;
 
 impl PositionCode {
     /// Decodes a kernel argument; `None` for an unknown code.
@@ -113,6 +124,8 @@ impl PositionCode {
             6 => Self::IdsI64PerRow,
             7 => Self::VarlenI32,
             8 => Self::VarlenI64,
+            9 => Self::MultiAxisI32,
+            10 => Self::MultiAxisI64,
             _ => return None,
         })
     }
@@ -223,7 +236,11 @@ pub(crate) use for_each_kernel;
 /// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
 /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item` with
 /// `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
-/// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place); `cos`, `sin`,
+/// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place);
+/// `rotary_offset`: the first rotated feature of a head (DeepSeek's MLA rotates a slice after the
+/// others), a multiple of `lanes`; `xn` and `outn` then point `rotary_offset` elements into their
+/// first head, and pass-through elements are addressed relative to that (elements
+/// `0..rotary_offset` and `rotary_offset + rotary_dim..head_dim` pass through); `cos`, `sin`,
 /// `table_stride` (elements per row) and `table_positions` for table kernels (the tables'
 /// element type is the source's: the tensors' for `table`, `f32` for `table32`); `inv_freq`,
 /// `angle_mode` (a [`crate::math::AngleMode`] code) and `cs_scale` (the attention factor
@@ -264,6 +281,7 @@ macro_rules! rope_kernel_params {
             rot_groups: u32,
             half: u32,
             rotary_dim: u32,
+            rotary_offset: u32,
             lanes: u32,
             cos: byte_ptr,
             sin: byte_ptr,

@@ -179,3 +179,53 @@ fn given_attention_factors_outside_1e_3_to_1e3_are_rejected_naming_it() {
         );
     }
 }
+
+#[test]
+fn axial_frequencies_are_each_axis_own_default_family() {
+    let spec = FrequencySpec::new(10_000.0, 12).scaling(RopeScaling::Axial {
+        axes_dim: vec![4, 2, 6],
+    });
+    let (f, attention) = spec.build().expect("valid");
+    // Written out: axis 0 (d 4): 1, theta^(-1/2); axis 1 (d 2): 1; axis 2 (d 6): 1,
+    // theta^(-1/3), theta^(-2/3).
+    let t: f64 = 10_000.0;
+    let want = [
+        1.0,
+        t.powf(-0.5),
+        1.0,
+        1.0,
+        t.powf(-1.0 / 3.0),
+        t.powf(-2.0 / 3.0),
+    ];
+    assert_eq!(attention, 1.0);
+    for (got, want) in f.iter().zip(want) {
+        assert!((got - want).abs() <= 1e-15 * want, "{got} vs {want}");
+    }
+    // FLUX: theta 10000, axes_dim [16, 56, 56]; one axis is the default family.
+    let flux = FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::Axial {
+        axes_dim: vec![16, 56, 56],
+    });
+    let (f, _) = flux.build().expect("valid");
+    assert_eq!(f.len(), 64);
+    assert_eq!(&f[..8], &inv_freq(10_000.0, 16)[..]);
+    assert_eq!(&f[8..36], &inv_freq(10_000.0, 56)[..]);
+    assert_eq!(&f[36..], &inv_freq(10_000.0, 56)[..]);
+    let one = FrequencySpec::new(500.0, 64).scaling(RopeScaling::Axial { axes_dim: vec![64] });
+    assert_eq!(one.build().expect("valid").0, inv_freq(500.0, 64));
+}
+
+#[test]
+fn axial_frequencies_reject_widths_that_do_not_tile_rotary_dim() {
+    for axes_dim in [vec![], vec![3, 13], vec![8, 4], vec![0, 16], vec![4; 5]] {
+        let spec = FrequencySpec::new(10_000.0, 16).scaling(RopeScaling::Axial {
+            axes_dim: axes_dim.clone(),
+        });
+        match spec.build() {
+            Err(Error::Invalid {
+                arg: "scaling",
+                problem,
+            }) => assert!(problem.contains("axes_dim"), "{problem}"),
+            other => panic!("{axes_dim:?}: {other:?}"),
+        }
+    }
+}

@@ -388,6 +388,7 @@ fn scaling_families_match_the_reference_on_gpu() {
 fn family_name(s: &RopeScaling) -> &'static str {
     match s {
         RopeScaling::Default => "default",
+        RopeScaling::Axial { .. } => "axial",
         RopeScaling::Linear { .. } => "linear",
         RopeScaling::DynamicNtk { .. } => "dynamic NTK",
         RopeScaling::Yarn(_) => "YaRN",

@@ -84,6 +84,14 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
     let mut extra = Vec::new();
     match &spec.scaling {
         RopeScaling::Default => {}
+        RopeScaling::Axial { axes_dim } => {
+            let widths_ok = (1..=4).contains(&axes_dim.len())
+                && axes_dim.iter().all(|&w| w > 0 && w % 2 == 0)
+                && axes_dim.iter().map(|&w| u64::from(w)).sum::<u64>() == u64::from(d);
+            if !widths_ok {
+                v.push(("scaling", "axes_dim"));
+            }
+        }
         RopeScaling::Linear { factor } => check(Domain::Factor, *factor, "factor"),
         RopeScaling::DynamicNtk {
             factor,
