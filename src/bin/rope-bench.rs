@@ -229,6 +229,7 @@ fn groups() -> Vec<Group> {
         heads: 32,
         head_dim: 128,
         rotary_dim: 128,
+        rotary_offset: 0,
         layout: LayoutKind::Bshd,
         k: KCase::Fused {
             heads: 8,
