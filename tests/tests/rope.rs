@@ -851,6 +851,7 @@ mod gpu {
     pub mod accuracy;
     pub mod finite_outputs;
     pub mod matches_reference;
+    pub mod multi_axis;
     pub mod rejects_invalid;
     pub mod serving;
     pub mod tables;
