@@ -507,6 +507,12 @@ fn scaling_with(
                 max_position_embeddings: max,
                 seq_len,
             }),
+        value(0.5, 2000.0).prop_map(|alpha| RopeScaling::DynamicNtkAlpha { alpha }),
+        proptest::collection::vec(
+            prop_oneof![3 => (1u32..=64).prop_map(|w| 2 * w), 1 => edge_u32()],
+            0..=5
+        )
+        .prop_map(|axes_dim| RopeScaling::Axial { axes_dim }),
         yarn,
         (
             value(1.0, 64.0),
@@ -606,12 +612,32 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
             yarn.clone(),
             llama3.clone(),
             longrope,
+            log_uniform(1.0, max_factor).prop_map(|alpha| RopeScaling::DynamicNtkAlpha { alpha }),
+            (1usize..=4).prop_flat_map(move |n| {
+                // `n` axes of random even widths summing to `2 * half` (fewer when half < n).
+                proptest::sample::subsequence(
+                    (1..pairs).collect::<Vec<_>>(),
+                    (n - 1).min(pairs - 1),
+                )
+                .prop_map(move |cuts| {
+                    let bounds: Vec<u32> = std::iter::once(0)
+                        .chain(cuts.into_iter().map(|c| c as u32))
+                        .chain(std::iter::once(half))
+                        .collect();
+                    RopeScaling::Axial {
+                        axes_dim: bounds.windows(2).map(|w| 2 * (w[1] - w[0])).collect(),
+                    }
+                })
+            }),
         ]
         .prop_map(move |scaling| {
             // Dynamic NTK needs rotary_dim > 2 (its exponent is d / (d - 2)); LongRoPE's
             // lists hold `half` entries.
             let rotary_dim = match scaling {
-                RopeScaling::DynamicNtk { .. } => 2 * half.max(2),
+                RopeScaling::DynamicNtk { .. } | RopeScaling::DynamicNtkAlpha { .. } => {
+                    2 * half.max(2)
+                }
+                RopeScaling::Axial { ref axes_dim } => axes_dim.iter().sum(),
                 _ => 2 * half,
             };
             FrequencySpec::new(theta, rotary_dim).scaling(scaling)

@@ -186,6 +186,17 @@ pub enum RopeScaling {
         /// `max_position_embeddings`).
         seq_len: u64,
     },
+    /// Dynamic NTK with `alpha` (Hunyuan's `rope_scaling: {"type": "dynamic", "alpha": ..}`,
+    /// vLLM's `DynamicNTKAlphaRotaryEmbedding`): the base grows to
+    /// `theta * alpha^(d / (d - 2))` (`d = rotary_dim`) whatever the sequence length.
+    ///
+    /// Domain: `alpha` in `[1, 2^20]` (the base only grows, so every frequency stays within
+    /// the default family's), `rotary_dim > 2`, and the grown base finite (the growth lies in
+    /// `[1, 2^40]`, so the base is finite for every `theta` below `1e296`).
+    DynamicNtkAlpha {
+        /// `alpha`.
+        alpha: f64,
+    },
     /// YaRN (`rope_type: "yarn"`): interpolation blended with extrapolation by a linear ramp
     /// over the dimensions between the `beta_slow` and `beta_fast` rotation counts, and an
     /// attention factor `0.1 ln(factor) + 1` (or its `mscale` form).
@@ -273,6 +284,7 @@ impl RopeScaling {
         match self {
             Self::Default => ("theta", "theta", "theta"),
             Self::Axial { .. } => ("scaling", "axes_dim", "axes_dim"),
+            Self::DynamicNtkAlpha { .. } => ("scaling", "alpha", "alpha"),
             Self::Linear { .. } | Self::DynamicNtk { .. } | Self::Llama3 { .. } => {
                 ("scaling", "factor", "factor")
             }
@@ -370,7 +382,7 @@ impl FrequencySpec {
             RopeScaling::Axial { axes_dim } => {
                 crate::positions::check_axes_dim(axes_dim, d).map_err(|e| match e {
                     crate::Error::Invalid { problem, .. } => {
-                        invalid("scaling", format!("axes_dim: {problem}"))
+                        invalid("scaling", format!("axes_dim {problem}"))
                     }
                     other => other,
                 })?;
@@ -382,6 +394,9 @@ impl FrequencySpec {
                 max_position_embeddings,
                 seq_len,
             } => families::dynamic_ntk((theta, d), *factor, *max_position_embeddings, *seq_len)?,
+            RopeScaling::DynamicNtkAlpha { alpha } => {
+                families::dynamic_ntk_alpha((theta, d), *alpha)?
+            }
             RopeScaling::Yarn(y) => families::yarn(theta, d, y)?,
             RopeScaling::Llama3 {
                 factor,

@@ -229,3 +229,51 @@ fn axial_frequencies_reject_widths_that_do_not_tile_rotary_dim() {
         }
     }
 }
+
+#[test]
+fn dynamic_ntk_alpha_grows_the_base_by_alpha_to_the_d_over_d_minus_2() {
+    // Hunyuan-A13B: rope_theta 10000, alpha 1000, head_dim 128.
+    let spec =
+        FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::DynamicNtkAlpha { alpha: 1000.0 });
+    let (f, attention) = spec.build().expect("valid");
+    let base = 10_000.0 * 1000f64.powf(128.0 / 126.0);
+    assert_eq!(attention, 1.0);
+    for (i, got) in f.iter().enumerate() {
+        let want = 1.0 / base.powf(2.0 * i as f64 / 128.0);
+        assert!(
+            (got - want).abs() <= 4.0 * f64::EPSILON * want,
+            "{i}: {got} vs {want}"
+        );
+    }
+    // alpha 1 is the default family.
+    let one = FrequencySpec::new(500.0, 64).scaling(RopeScaling::DynamicNtkAlpha { alpha: 1.0 });
+    assert_eq!(one.build().expect("valid").0, inv_freq(500.0, 64));
+}
+
+#[test]
+fn dynamic_ntk_alpha_rejects_alpha_outside_its_domain_and_rotary_dim_2() {
+    for alpha in [0.5, 0.0, -1.0, f64::NAN, f64::INFINITY, 2e6] {
+        let spec = FrequencySpec::new(10_000.0, 64).scaling(RopeScaling::DynamicNtkAlpha { alpha });
+        match spec.build() {
+            Err(Error::Invalid {
+                arg: "scaling",
+                problem,
+            }) => assert!(problem.starts_with("alpha "), "{problem}"),
+            other => panic!("{alpha}: {other:?}"),
+        }
+    }
+    let two = FrequencySpec::new(10_000.0, 2).scaling(RopeScaling::DynamicNtkAlpha { alpha: 2.0 });
+    assert!(matches!(
+        two.build(),
+        Err(Error::Invalid {
+            arg: "rotary_dim",
+            ..
+        })
+    ));
+    // A base that overflows is rejected, not handed to the kernels.
+    let huge = FrequencySpec::new(1e305, 64).scaling(RopeScaling::DynamicNtkAlpha { alpha: 1e6 });
+    assert!(matches!(
+        huge.build(),
+        Err(Error::Invalid { arg: "scaling", .. })
+    ));
+}

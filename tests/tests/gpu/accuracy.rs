@@ -302,6 +302,7 @@ fn scaling_families_match_the_reference_on_gpu() {
             max_position_embeddings: 4096,
             seq_len: 16384,
         },
+        RopeScaling::DynamicNtkAlpha { alpha: 1000.0 },
         RopeScaling::Yarn(Yarn::new(16.0, 4096)),
         RopeScaling::Llama3 {
             factor: 8.0,
@@ -391,6 +392,7 @@ fn family_name(s: &RopeScaling) -> &'static str {
     match s {
         RopeScaling::Default => "default",
         RopeScaling::Axial { .. } => "axial",
+        RopeScaling::DynamicNtkAlpha { .. } => "dynamic NTK alpha",
         RopeScaling::Linear { .. } => "linear",
         RopeScaling::DynamicNtk { .. } => "dynamic NTK",
         RopeScaling::Yarn(_) => "YaRN",

@@ -38,6 +38,8 @@ enum Domain {
     NonNegative,
     /// An attention factor: in `[1e-3, 1e3]`.
     Attention,
+    /// Dynamic NTK's `alpha`: in `[1, 2^20]`.
+    Alpha,
 }
 
 impl Domain {
@@ -58,6 +60,7 @@ impl Domain {
             Self::Positive => v.is_finite() && v > 0.0,
             Self::NonNegative => v.is_finite() && v >= 0.0,
             Self::Attention => in_range(ATTENTION_RANGE),
+            Self::Alpha => in_range((1.0, FACTOR_RANGE.1)),
         }
     }
 }
@@ -93,6 +96,12 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
             }
         }
         RopeScaling::Linear { factor } => check(Domain::Factor, *factor, "factor"),
+        RopeScaling::DynamicNtkAlpha { alpha } => {
+            check(Domain::Alpha, *alpha, "alpha");
+            if d == 2 {
+                extra.push(("rotary_dim", ""));
+            }
+        }
         RopeScaling::DynamicNtk {
             factor,
             max_position_embeddings,
