@@ -1,13 +1,16 @@
 //! The RoPE kernel family: forward and backward rotation, interleaved (GPT-J) and rotate-half
-//! (GPT-NeoX) pairing, sin/cos from tables or from frequencies, implicit, explicit or packed
-//! variable-length positions, partial rotary, and one or two tensors (q and k) per launch.
+//! (GPT-NeoX) pairing, sin/cos from tables or from frequencies, implicit, explicit, packed
+//! variable-length or multi-axis positions (each pair taking its own axis's position: mRoPE,
+//! N-D axial RoPE), partial rotary at any offset in the head, and one or two tensors (q and k)
+//! per launch.
 //!
 //! # Formula
 //! For pair `i < half` (`half = rotary_dim / 2`) of a head at position `p`, with
 //! `c = cos(p * inv_freq_i)`, `s = sin(...)`: forward `(a, b) -> (a c - b s, b c + a s)`;
 //! backward (the transposed rotation) `(a, b) -> (a c + b s, b c - a s)`. Interleaved pairs are
-//! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`. Elements `rotary_dim..head_dim`
-//! pass through unchanged (copied when `out` differs from `x`).
+//! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`, both counted from
+//! `rotary_offset`. Elements outside `rotary_offset..rotary_offset + rotary_dim` pass through
+//! unchanged (copied when `out` differs from `x`).
 //!
 //! # Layout
 //! Each tensor holds `[batch, seq, heads, head_dim]` elements at element strides
