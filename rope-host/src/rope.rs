@@ -247,7 +247,11 @@ impl Rope {
         // every other position is bounds-checked by the kernel, or `inv_freq` holds `half` f64
         // (the handle frees its own vectors only in its stream's order, and never prepared ones,
         // the only ones other streams and captured graphs may read); position arrays have the lengths
-        // their code names; the grid keeps blockIdx.y * heads_per_chunk below q.heads + k.heads.
+        // their code names (multi-axis: `n_axes` in 1..=4 rows of `batch * seq` and a map of
+        // `half` bytes, whose values the kernel clamps); the pointers start `rotary_offset`
+        // elements into the first head, `RopeConfig` proved `rotary_offset + rotary_dim <=
+        // head_dim` and `lanes` divides the offset; the grid keeps blockIdx.y *
+        // heads_per_chunk below q.heads + k.heads.
         // The function was loaded in the context the stream belongs to.
         unsafe { args.launch(self.stream.context(), function, plan.grid.config, stream) }
     }

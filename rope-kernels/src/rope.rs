@@ -815,13 +815,16 @@ macro_rules! rope_entry {
         /// `rope_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
-        /// - each `xn`/`outn` addresses every element of its layout; distinct heads'
-        ///   element ranges do not overlap, and `outn` equals `xn` or overlaps no input;
+        /// - each `xn`/`outn`, less `rotary_offset` elements, addresses every element of its
+        ///   layout, with `rotary_offset + rotary_dim <= head_dim` and the pass-through groups
+        ///   covering the other `head_dim - rotary_dim` elements; distinct heads' element
+        ///   ranges do not overlap, and `outn` equals `xn` or overlaps no input;
         /// - every tensor pointer and stride is aligned to `lanes` elements, and `lanes`
         ///   divides the work as `groups` says;
         /// - for tables, `cos` and `sin` hold `table_positions` rows of `table_stride >= half`
         ///   elements; for computed sin/cos, `inv_freq` holds `half` `f64`;
-        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names;
+        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names (their values
+        ///   may be anything);
         /// - `seq_magic`, `seq_shift`, `groups_magic` and `groups_shift` are those
         ///   [`Divisor::new`] computes for `seq` and `groups`.
         #[unsafe(no_mangle)]
