@@ -375,3 +375,67 @@ fn malformed_axis_maps_and_positions_stay_inside_the_arrays() {
         );
     }
 }
+
+/// Multi-axis descriptions that disagree with the launch are refused before anything runs,
+/// naming `positions`, with the output untouched: a map for another rotary width, a positions
+/// array of the wrong length; and a rotated slice that interleaved pairs cannot start at.
+#[test]
+fn mismatched_multi_axis_descriptions_are_refused() {
+    let Some((stream, rope)) = gpu_or_skip("mismatched_multi_axis_descriptions_are_refused") else {
+        return;
+    };
+    let (tokens, heads, d) = (6usize, 2usize, 16usize);
+    let layout = Layout::thd(tokens, heads, d);
+    let mut q = stream
+        .clone_htod(&vec![1.0f32; tokens * heads * d])
+        .expect("upload");
+    let positions = stream.alloc_zeros::<i32>(3 * tokens).expect("alloc");
+    let short = stream.alloc_zeros::<i32>(3 * tokens - 1).expect("alloc");
+    let map_16 = rope
+        .axis_map(&AxisMap::mrope([2, 3, 3], 16).expect("valid"))
+        .expect("upload");
+    let map_8 = rope
+        .axis_map(&AxisMap::mrope([2, 1, 1], 8).expect("valid"))
+        .expect("upload");
+    let config = RopeConfig::builder(d as u32, RopeStyle::Neox)
+        .build()
+        .expect("config");
+    for (ints, map) in [(&positions, &map_8), (&short, &map_16)] {
+        let op = RopeOp {
+            config,
+            positions: Positions::MultiAxis {
+                positions: DeviceInts::I32(ints.as_view()),
+                axes: map,
+            },
+            sincos: SinCos::Computed { theta: 1e4 },
+        };
+        let io = Io::InPlace(TensorMut {
+            data: q.as_view_mut(),
+            layout,
+        });
+        let err = rope.run(&op, io);
+        assert!(
+            matches!(
+                err,
+                Err(rope_host::Error::Invalid {
+                    arg: "positions",
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+    }
+    let odd = RopeConfig::builder(d as u32, RopeStyle::Interleaved)
+        .rotary_dim(8)
+        .rotary_offset(3)
+        .build();
+    assert!(matches!(
+        odd,
+        Err(rope_host::Error::Invalid {
+            arg: "rotary_offset",
+            ..
+        })
+    ));
+    let after = stream.clone_dtoh(&q).expect("download");
+    assert!(after.iter().all(|&v| v == 1.0), "nothing was launched");
+}
