@@ -9,7 +9,8 @@
 //! instead: a position outside a table makes that token's outputs NaN, and malformed
 //! `cu_seqlens` give wrong positions but never a read or write outside the arrays or tensors.
 //!
-//! A new position kind touches this file and the kernel's `position` function.
+//! A new position kind touches this file and the kernel's `position` function (multi-axis
+//! positions also the kernel's `cos_sin_axes`, since each pair reads its own axis).
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 use rope_kernels::abi::{MAX_AXES, PositionCode};
