@@ -155,6 +155,27 @@ pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
     }
 }
 
+/// Where pass-through group `g` (the `g`-th run of `lanes` elements of a head outside the
+/// rotated slice `rotary_offset..rotary_offset + rotary_dim`, in element order) starts,
+/// relative to the tensors' kernel pointers, which point `rotary_offset` elements into each
+/// head: elements `0..rotary_offset` come first, then those after the slice. With
+/// `rotary_offset`, `rotary_dim` and `head_dim - rotary_dim` multiples of `lanes` (as the host's
+/// choice of `lanes` ensures), the groups `0..(head_dim - rotary_dim) / lanes` cover every
+/// pass-through element once, each group aligned to `lanes` elements.
+#[inline(always)]
+pub const fn pass_through_start(g: u32, lanes: u32, rotary_offset: u32, rotary_dim: u32) -> isize {
+    let p = g * lanes;
+    let skip = if p < rotary_offset { 0 } else { rotary_dim };
+    (p + skip) as isize - rotary_offset as isize
+}
+
+/// The axis whose position pair `j` of a multi-axis launch takes: the map's entry, clamped to
+/// the last of `n_axes` axes (a malformed device map then reads inside the positions array).
+#[inline(always)]
+pub fn clamped_axis(entry: u8, n_axes: u32) -> u32 {
+    u32::from(entry).min(n_axes.saturating_sub(1))
+}
+
 /// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example
 /// `rope_neox_theta_fwd_f32` (`table32` for [`SinCosSource::TableF32`]), with the suffix
 /// `_narrow` for [`Access::Narrow`]. Every combination exists, but `TableF32` only for `f16` and
@@ -479,4 +500,65 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
             .into_iter()
             .map(TableKernelName::symbol),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// For every head size, rotated width, offset and access width the host accepts (`lanes`
+    /// dividing the offset, the rotated width and the pass-through count), the pass-through
+    /// groups cover exactly
+    /// the elements outside the rotated slice, each once, in whole aligned runs inside the head.
+    #[test]
+    fn pass_through_groups_cover_the_rest_of_the_head_once() {
+        for head_dim in (2..=40u32).step_by(2) {
+            for rotary_dim in (2..=head_dim).step_by(2) {
+                for offset in 0..=head_dim - rotary_dim {
+                    for lanes in [1u32, 2, 4, 8] {
+                        let rest = head_dim - rotary_dim;
+                        if !offset.is_multiple_of(lanes)
+                            || !rotary_dim.is_multiple_of(lanes)
+                            || !rest.is_multiple_of(lanes)
+                        {
+                            continue;
+                        }
+                        let mut seen = [0u32; 40];
+                        for g in 0..rest / lanes {
+                            let e0 = pass_through_start(g, lanes, offset, rotary_dim);
+                            let first = e0 + offset as isize;
+                            assert!(first >= 0 && (first as u32).is_multiple_of(lanes));
+                            let run = first as usize..first as usize + lanes as usize;
+                            assert!(
+                                run.end <= head_dim as usize,
+                                "{head_dim} {rotary_dim} {offset}"
+                            );
+                            seen[run].iter_mut().for_each(|n| *n += 1);
+                        }
+                        for (e, &n) in seen.iter().enumerate().take(head_dim as usize) {
+                            let rotated = (offset..offset + rotary_dim).contains(&(e as u32));
+                            assert_eq!(
+                                n,
+                                u32::from(!rotated),
+                                "element {e} of d {head_dim}, r {rotary_dim} at {offset}, lanes {lanes}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn axis_entries_are_clamped_to_the_last_axis() {
+        for n_axes in 1..=MAX_AXES {
+            for entry in 0..=255u8 {
+                let a = clamped_axis(entry, n_axes);
+                assert!(a < n_axes);
+                if u32::from(entry) < n_axes {
+                    assert_eq!(a, u32::from(entry));
+                }
+            }
+        }
+    }
 }

@@ -33,7 +33,7 @@
 
 use core::marker::PhantomData;
 
-use crate::abi::{Direction, PositionCode, for_each_kernel};
+use crate::abi::{Direction, PositionCode, clamped_axis, for_each_kernel, pass_through_start};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
 use crate::intrinsics::{
@@ -487,14 +487,13 @@ unsafe fn cos_sin_axes<T: Elem, S: Source, const L: usize>(
 ) -> ([f32; L], [f32; L]) {
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
-    let last = a.pos_count.saturating_sub(1);
     let wide = a.positions == PositionCode::MultiAxisI64 as u32;
     let mode = math::AngleMode::from_u32(a.angle_mode);
     unrolled(pairs, |k| {
         // SAFETY: j0 + k < half, the map's length; the clamped axis is below pos_count and
         // t < tokens, so the index lies inside the pos_count * tokens positions.
         let pos = unsafe {
-            let axis = u32::from(*a.pos_aux.add(j0 + k)).min(last) as u64;
+            let axis = clamped_axis(*a.pos_aux.add(j0 + k), a.pos_count) as u64;
             let i = (axis * a.tokens + t) as usize;
             if wide {
                 *a.pos_ptr.cast::<i64>().add(i)
@@ -612,9 +611,12 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
         } else {
             // The pass-through elements 0..rotary_offset and rotary_offset +
             // rotary_dim..head_dim, relative to the pointers, which start at rotary_offset.
-            let p = (group - a.rot_groups) * L as u32;
-            let skip = if p < a.rotary_offset { 0 } else { a.rotary_dim };
-            let e0 = (p + skip) as isize - a.rotary_offset as isize;
+            let e0 = pass_through_start(
+                group - a.rot_groups,
+                L as u32,
+                a.rotary_offset,
+                a.rotary_dim,
+            );
             // SAFETY: as above; the pass-through groups cover the head_dim - rotary_dim
             // elements outside the rotated slice exactly, so e0 + rotary_offset + L <= head_dim.
             unsafe { copy_heads::<T, L>(a, (b, s), heads, e0) };
