@@ -440,14 +440,27 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
     if S::TABLE {
         if pos >= 0 && (pos as u64) < a.table_positions {
             let row = pos as usize * a.table_stride as usize + j0;
-            unrolled(pairs, |k| {
-                // SAFETY: pos < table_positions and j0 + k < half <= table_stride, so the
-                // index is inside the tables' promised rows.
-                unsafe {
-                    cos[k] = (*a.cos.cast::<S::Tab>().add(row + k)).to_f32();
-                    sin[k] = (*a.sin.cast::<S::Tab>().add(row + k)).to_f32() * a.sin_sign;
+            // SAFETY: pos < table_positions and j0 + pairs <= half <= table_stride, so the
+            // entries are inside the tables' promised rows.
+            unsafe {
+                let (c, s) = (
+                    a.cos.cast::<S::Tab>().add(row),
+                    a.sin.cast::<S::Tab>().add(row),
+                );
+                if table_vectors::<S::Tab>(a, pairs) {
+                    // Aligned: the item's entries of each table with one access.
+                    (cos, sin) = (
+                        load_pairs::<S::Tab, L>(c, pairs),
+                        load_pairs::<S::Tab, L>(s, pairs),
+                    );
+                } else {
+                    unrolled(pairs, |k| {
+                        cos[k] = (*c.add(k)).to_f32();
+                        sin[k] = (*s.add(k)).to_f32();
+                    });
                 }
-            });
+            }
+            unrolled(pairs, |k| sin[k] *= a.sin_sign);
         } else {
             // A position outside the table: documented NaN outputs, never a read outside it.
             cos = [f32::NAN; L];
@@ -523,6 +536,45 @@ unsafe fn cos_sin_axes<T: Elem, S: Source, const L: usize>(
         }
     });
     (cos, sin)
+}
+
+/// Whether an item's `pairs` table entries (starting at a multiple of `pairs` in a row) can be
+/// read with one access per table: `pairs * size_of::<E>()` is 4, 8 or 16 bytes and both tables
+/// and their row stride are aligned to it. The same for every thread of a launch.
+#[inline(always)]
+fn table_vectors<E: Elem>(a: &Args<impl Sized>, pairs: usize) -> bool {
+    let bytes = pairs * size_of::<E>();
+    matches!(bytes, 4 | 8 | 16)
+        && (a.cos as usize | a.sin as usize | (a.table_stride as usize * size_of::<E>()))
+            .is_multiple_of(bytes)
+}
+
+/// `pairs` (1, 2, 4 or 8) consecutive table entries widened to `f32`, read with one access.
+///
+/// # Safety
+/// `p` points at `pairs` readable entries aligned to their total size (see [`table_vectors`]).
+#[inline(always)]
+unsafe fn load_pairs<E: Elem, const L: usize>(p: *const E, pairs: usize) -> [f32; L] {
+    let mut out = [0.0f32; L];
+    // SAFETY (each arm): the caller's promise, for that many entries.
+    unsafe {
+        match pairs {
+            8 => {
+                let v = elem::load::<E, 8>(p);
+                unrolled(8, |k| out[k] = v[k].to_f32());
+            }
+            4 => {
+                let v = elem::load::<E, 4>(p);
+                unrolled(4, |k| out[k] = v[k].to_f32());
+            }
+            2 => {
+                let v = elem::load::<E, 2>(p);
+                unrolled(2, |k| out[k] = v[k].to_f32());
+            }
+            _ => out[0] = (*p).to_f32(),
+        }
+    }
+    out
 }
 
 /// Computed sin/cos. In place, this item's elements of its first heads, up to
