@@ -97,7 +97,18 @@ pub enum PositionCode {
     VarlenI32 = 7,
     /// As [`PositionCode::VarlenI32`] with `i64` arrays.
     VarlenI64 = 8,
+    /// Multi-axis positions (mRoPE, N-D axial RoPE): `pos_ptr` points at `pos_count` rows of
+    /// `tokens` `i32` (`[n_axes, batch * seq]`, row `a` holding axis `a`'s position of token
+    /// `b * seq + s`), `pos_aux` at `half` `u8` axis indices: pair `j` rotates by the position
+    /// of axis `min(axes[j], pos_count - 1)` (the clamp keeps malformed device maps inside the
+    /// array). `pos_count` is 1 to [`MAX_AXES`].
+    MultiAxisI32 = 9,
+    /// As [`PositionCode::MultiAxisI32`] with an `i64` array.
+    MultiAxisI64 = 10,
 }
+
+/// The most position axes of [`PositionCode::MultiAxisI32`] and [`PositionCode::MultiAxisI64`].
+pub const MAX_AXES: u32 = 4;
 
 impl PositionCode {
     /// Decodes a kernel argument; `None` for an unknown code.
@@ -113,6 +124,8 @@ impl PositionCode {
             6 => Self::IdsI64PerRow,
             7 => Self::VarlenI32,
             8 => Self::VarlenI64,
+            9 => Self::MultiAxisI32,
+            10 => Self::MultiAxisI64,
             _ => return None,
         })
     }
@@ -140,6 +153,27 @@ pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
         (RopeStyle::Neox, 2) => 4,
         _ => (16 / elem_size) as u32,
     }
+}
+
+/// Where pass-through group `g` (the `g`-th run of `lanes` elements of a head outside the
+/// rotated slice `rotary_offset..rotary_offset + rotary_dim`, in element order) starts,
+/// relative to the tensors' kernel pointers, which point `rotary_offset` elements into each
+/// head: elements `0..rotary_offset` come first, then those after the slice. With
+/// `rotary_offset`, `rotary_dim` and `head_dim - rotary_dim` multiples of `lanes` (as the host's
+/// choice of `lanes` ensures), the groups `0..(head_dim - rotary_dim) / lanes` cover every
+/// pass-through element once, each group aligned to `lanes` elements.
+#[inline(always)]
+pub const fn pass_through_start(g: u32, lanes: u32, rotary_offset: u32, rotary_dim: u32) -> isize {
+    let p = g * lanes;
+    let skip = if p < rotary_offset { 0 } else { rotary_dim };
+    (p + skip) as isize - rotary_offset as isize
+}
+
+/// The axis whose position pair `j` of a multi-axis launch takes: the map's entry, clamped to
+/// the last of `n_axes` axes (a malformed device map then reads inside the positions array).
+#[inline(always)]
+pub fn clamped_axis(entry: u8, n_axes: u32) -> u32 {
+    u32::from(entry).min(n_axes.saturating_sub(1))
 }
 
 /// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example
@@ -223,7 +257,11 @@ pub(crate) use for_each_kernel;
 /// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
 /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item` with
 /// `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
-/// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place); `cos`, `sin`,
+/// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place);
+/// `rotary_offset`: the first rotated feature of a head (DeepSeek's MLA rotates a slice after the
+/// others), a multiple of `lanes`; `xn` and `outn` then point `rotary_offset` elements into their
+/// first head, and pass-through elements are addressed relative to that (elements
+/// `0..rotary_offset` and `rotary_offset + rotary_dim..head_dim` pass through); `cos`, `sin`,
 /// `table_stride` (elements per row) and `table_positions` for table kernels (the tables'
 /// element type is the source's: the tensors' for `table`, `f32` for `table32`); `inv_freq`,
 /// `angle_mode` (a [`crate::math::AngleMode`] code) and `cs_scale` (the attention factor
@@ -264,6 +302,7 @@ macro_rules! rope_kernel_params {
             rot_groups: u32,
             half: u32,
             rotary_dim: u32,
+            rotary_offset: u32,
             lanes: u32,
             cos: byte_ptr,
             sin: byte_ptr,
@@ -461,4 +500,65 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
             .into_iter()
             .map(TableKernelName::symbol),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// For every head size, rotated width, offset and access width the host accepts (`lanes`
+    /// dividing the offset, the rotated width and the pass-through count), the pass-through
+    /// groups cover exactly
+    /// the elements outside the rotated slice, each once, in whole aligned runs inside the head.
+    #[test]
+    fn pass_through_groups_cover_the_rest_of_the_head_once() {
+        for head_dim in (2..=40u32).step_by(2) {
+            for rotary_dim in (2..=head_dim).step_by(2) {
+                for offset in 0..=head_dim - rotary_dim {
+                    for lanes in [1u32, 2, 4, 8] {
+                        let rest = head_dim - rotary_dim;
+                        if !offset.is_multiple_of(lanes)
+                            || !rotary_dim.is_multiple_of(lanes)
+                            || !rest.is_multiple_of(lanes)
+                        {
+                            continue;
+                        }
+                        let mut seen = [0u32; 40];
+                        for g in 0..rest / lanes {
+                            let e0 = pass_through_start(g, lanes, offset, rotary_dim);
+                            let first = e0 + offset as isize;
+                            assert!(first >= 0 && (first as u32).is_multiple_of(lanes));
+                            let run = first as usize..first as usize + lanes as usize;
+                            assert!(
+                                run.end <= head_dim as usize,
+                                "{head_dim} {rotary_dim} {offset}"
+                            );
+                            seen[run].iter_mut().for_each(|n| *n += 1);
+                        }
+                        for (e, &n) in seen.iter().enumerate().take(head_dim as usize) {
+                            let rotated = (offset..offset + rotary_dim).contains(&(e as u32));
+                            assert_eq!(
+                                n,
+                                u32::from(!rotated),
+                                "element {e} of d {head_dim}, r {rotary_dim} at {offset}, lanes {lanes}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn axis_entries_are_clamped_to_the_last_axis() {
+        for n_axes in 1..=MAX_AXES {
+            for entry in 0..=255u8 {
+                let a = clamped_axis(entry, n_axes);
+                assert!(a < n_axes);
+                if u32::from(entry) < n_axes {
+                    assert_eq!(a, u32::from(entry));
+                }
+            }
+        }
+    }
 }

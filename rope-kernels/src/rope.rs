@@ -1,13 +1,16 @@
 //! The RoPE kernel family: forward and backward rotation, interleaved (GPT-J) and rotate-half
-//! (GPT-NeoX) pairing, sin/cos from tables or from frequencies, implicit, explicit or packed
-//! variable-length positions, partial rotary, and one or two tensors (q and k) per launch.
+//! (GPT-NeoX) pairing, sin/cos from tables or from frequencies, implicit, explicit, packed
+//! variable-length or multi-axis positions (each pair taking its own axis's position: mRoPE,
+//! N-D axial RoPE), partial rotary at any offset in the head, and one or two tensors (q and k)
+//! per launch.
 //!
 //! # Formula
 //! For pair `i < half` (`half = rotary_dim / 2`) of a head at position `p`, with
 //! `c = cos(p * inv_freq_i)`, `s = sin(...)`: forward `(a, b) -> (a c - b s, b c + a s)`;
 //! backward (the transposed rotation) `(a, b) -> (a c + b s, b c - a s)`. Interleaved pairs are
-//! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`. Elements `rotary_dim..head_dim`
-//! pass through unchanged (copied when `out` differs from `x`).
+//! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`, both counted from
+//! `rotary_offset`. Elements outside `rotary_offset..rotary_offset + rotary_dim` pass through
+//! unchanged (copied when `out` differs from `x`).
 //!
 //! # Layout
 //! Each tensor holds `[batch, seq, heads, head_dim]` elements at element strides
@@ -30,7 +33,7 @@
 
 use core::marker::PhantomData;
 
-use crate::abi::{Direction, PositionCode, for_each_kernel};
+use crate::abi::{Direction, PositionCode, clamped_axis, for_each_kernel, pass_through_start};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
 use crate::intrinsics::{
@@ -119,6 +122,7 @@ struct Args<T> {
     rot_groups: u32,
     half: u32,
     rotary_dim: u32,
+    rotary_offset: u32,
     lanes: u32,
     /// Tables of the source's element type ([`Source::Tab`]).
     cos: *const u8,
@@ -137,7 +141,8 @@ struct Args<T> {
     sin_sign: f32,
 }
 
-/// The position of token `(b, s)`.
+/// The position of token `(b, s)`; for multi-axis positions, the token's index `b * seq + s`,
+/// from which [`cos_sin`] reads each pair's position.
 ///
 /// Device arrays are read as they are: a position outside a table makes the token's outputs NaN
 /// (see [`cos_sin`]), and malformed `cu_seqlens` only give wrong positions, never an access
@@ -168,6 +173,8 @@ unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
             PositionCode::IdsI64PerRow => *i64s.add(at(b * seq + s)),
             PositionCode::VarlenI32 => varlen_position::<T, i32>(a, b * seq + s),
             PositionCode::VarlenI64 => varlen_position::<T, i64>(a, b * seq + s),
+            // Each pair reads its own axis's position: `cos_sin` takes the token's index.
+            PositionCode::MultiAxisI32 | PositionCode::MultiAxisI64 => (b * seq + s) as i64,
         }
     }
 }
@@ -410,7 +417,8 @@ fn head_range<T>(a: &Args<T>) -> (usize, usize) {
     (first as usize, last as usize)
 }
 
-/// Cos and sin of this item's pairs (`sin` already signed for the direction).
+/// Cos and sin of this item's pairs (`sin` already signed for the direction); for multi-axis
+/// position codes, `pos` is the token's index and [`cos_sin_axes`] finds each pair's position.
 ///
 /// # Safety
 /// The table or `inv_freq` promises of the entry points.
@@ -421,6 +429,12 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
     j0: usize,
     pairs: usize,
 ) -> ([f32; L], [f32; L]) {
+    if a.positions >= PositionCode::MultiAxisI32 as u32 {
+        // A uniform branch on a kernel argument, inside the sin/cos step only: a separate
+        // multi-axis instance of the whole loop measured more registers and spills in ptxas.
+        // SAFETY: for multi-axis codes `pos` is the token's index; the caller's promises.
+        return unsafe { cos_sin_axes::<T, S, L>(a, pos as u64, j0, pairs) };
+    }
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
     if S::TABLE {
@@ -465,6 +479,62 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
             sin[k] = s * sin_scale;
         });
     }
+    (cos, sin)
+}
+
+/// [`cos_sin`] for multi-axis positions: pair `j0 + k` of token `t` rotates by the position
+/// of its axis, `positions[axis * tokens + t]` with `axis = min(axes[j0 + k], pos_count - 1)`.
+/// The map and the positions are device data: the clamp keeps any map value inside the
+/// `pos_count` rows, and a position outside a table gives that pair NaN, as in [`cos_sin`].
+/// Pairs whose axes hold equal positions get exactly what the one-position path computes.
+///
+/// # Safety
+/// `t < tokens`; `pos_ptr` holds `pos_count >= 1` rows of `tokens` integers of the code's type
+/// and `pos_aux` `half` `u8`; `j0 + pairs <= half`; the table or `inv_freq` promises.
+#[inline(always)]
+unsafe fn cos_sin_axes<T: Elem, S: Source, const L: usize>(
+    a: &Args<T>,
+    t: u64,
+    j0: usize,
+    pairs: usize,
+) -> ([f32; L], [f32; L]) {
+    let mut cos = [0.0f32; L];
+    let mut sin = [0.0f32; L];
+    let wide = a.positions == PositionCode::MultiAxisI64 as u32;
+    let mode = math::AngleMode::from_u32(a.angle_mode);
+    unrolled(pairs, |k| {
+        // SAFETY: j0 + k < half, the map's length; the clamped axis is below pos_count and
+        // t < tokens, so the index lies inside the pos_count * tokens positions.
+        let pos = unsafe {
+            let axis = clamped_axis(*a.pos_aux.add(j0 + k), a.pos_count) as u64;
+            let i = (axis * a.tokens + t) as usize;
+            if wide {
+                *a.pos_ptr.cast::<i64>().add(i)
+            } else {
+                *a.pos_ptr.cast::<i32>().add(i) as i64
+            }
+        };
+        if S::TABLE {
+            if pos >= 0 && (pos as u64) < a.table_positions {
+                let at = pos as usize * a.table_stride as usize + j0 + k;
+                // SAFETY: pos < table_positions and j0 + k < half <= table_stride.
+                unsafe {
+                    cos[k] = (*a.cos.cast::<S::Tab>().add(at)).to_f32();
+                    sin[k] = (*a.sin.cast::<S::Tab>().add(at)).to_f32() * a.sin_sign;
+                }
+            } else {
+                cos[k] = f32::NAN;
+                sin[k] = f32::NAN;
+            }
+        } else {
+            let Some(mode) = mode else { trap() };
+            // SAFETY: j0 + k < half, the promised length of inv_freq.
+            let f = unsafe { *a.inv_freq.add(j0 + k) };
+            let (c, s) = math::rope_cos_sin_mode(pos, f, mode);
+            cos[k] = c * a.cs_scale;
+            sin[k] = s * (a.cs_scale * a.sin_sign);
+        }
+    });
     (cos, sin)
 }
 
@@ -591,9 +661,16 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
                 }
             }
         } else {
-            let e0 = a.rotary_dim as usize + (group - a.rot_groups) as usize * L;
-            // SAFETY: as above; e0 + L <= head_dim because the pass-through groups cover
-            // rotary_dim..head_dim exactly.
+            // The pass-through elements 0..rotary_offset and rotary_offset +
+            // rotary_dim..head_dim, relative to the pointers, which start at rotary_offset.
+            let e0 = pass_through_start(
+                group - a.rot_groups,
+                L as u32,
+                a.rotary_offset,
+                a.rotary_dim,
+            );
+            // SAFETY: as above; the pass-through groups cover the head_dim - rotary_dim
+            // elements outside the rotated slice exactly, so e0 + rotary_offset + L <= head_dim.
             unsafe { copy_heads::<T, L>(a, (b, s), heads, e0) };
         }
         idx += step;
@@ -659,18 +736,19 @@ unsafe fn rotate_heads<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
-/// Copies elements `e0..e0 + L` of heads `first..last` (of q's and k's heads together) of
-/// token `(b, s)` from input to output.
+/// Copies elements `e0..e0 + L` (relative to the tensors' pointers, which start
+/// `rotary_offset` elements into each head) of heads `first..last` (of q's and k's heads
+/// together) of token `(b, s)` from input to output.
 ///
 /// # Safety
-/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`, `e0 + L <= head_dim`, aligned to `L`
-/// elements.
+/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`,
+/// `0 <= rotary_offset + e0` and `rotary_offset + e0 + L <= head_dim`, aligned to `L` elements.
 #[inline(always)]
 unsafe fn copy_heads<T: Elem, const L: usize>(
     a: &Args<T>,
     token: (u64, u64),
     (first, last): (usize, usize),
-    e0: usize,
+    e0: isize,
 ) {
     // SAFETY: the caller's promise on (b, s).
     let tok = unsafe { token_bases(a, token) };
@@ -678,7 +756,7 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
         // SAFETY: head h exists, elements e0..e0+L inside it, aligned: the caller's promise.
         unsafe {
             let (x, out) = head(a, &tok, h);
-            elem::store::<T, L>(out.add(e0), elem::load::<T, L>(x.add(e0)));
+            elem::store::<T, L>(out.offset(e0), elem::load::<T, L>(x.offset(e0)));
         }
     }
 }
@@ -752,6 +830,7 @@ impl<T> Args<T> {
             rot_groups: p.rot_groups,
             half: p.half,
             rotary_dim: p.rotary_dim,
+            rotary_offset: p.rotary_offset,
             lanes: p.lanes,
             cos: p.cos,
             sin: p.sin,
@@ -790,13 +869,16 @@ macro_rules! rope_entry {
         /// `rope_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
-        /// - each `xn`/`outn` addresses every element of its layout; distinct heads'
-        ///   element ranges do not overlap, and `outn` equals `xn` or overlaps no input;
+        /// - each `xn`/`outn`, less `rotary_offset` elements, addresses every element of its
+        ///   layout, with `rotary_offset + rotary_dim <= head_dim` and the pass-through groups
+        ///   covering the other `head_dim - rotary_dim` elements; distinct heads' element
+        ///   ranges do not overlap, and `outn` equals `xn` or overlaps no input;
         /// - every tensor pointer and stride is aligned to `lanes` elements, and `lanes`
         ///   divides the work as `groups` says;
         /// - for tables, `cos` and `sin` hold `table_positions` rows of `table_stride >= half`
         ///   elements; for computed sin/cos, `inv_freq` holds `half` `f64`;
-        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names;
+        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names (their values
+        ///   may be anything);
         /// - `seq_magic`, `seq_shift`, `groups_magic` and `groups_shift` are those
         ///   [`Divisor::new`] computes for `seq` and `groups`.
         #[unsafe(no_mangle)]

@@ -97,6 +97,7 @@ fn every_launch_kind_replays_from_a_cuda_graph() {
                     heads: 4,
                     head_dim: 16,
                     rotary_dim: 16,
+                    rotary_offset: 0,
                     layout: LayoutKind::Bshd,
                     k: KCase::Separate { heads: 2 },
                     source: match source {
