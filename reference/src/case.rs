@@ -10,9 +10,9 @@ use rand::{RngExt, SeedableRng, rngs::StdRng};
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
 use rope_host::half::{bf16, f16};
 use rope_host::{
-    AxisMap, DeviceAxisMap, DeviceInts, Direction, Frequencies, FrequencySpec, IdsShape, Io,
-    Layout, Positions, QkIo, Rope, RopeConfig, RopeElem, RopeOp, RopeScaling, RopeStyle, SinCos,
-    TableFormat, TableShape, Tensor, TensorMut,
+    AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, Direction, Frequencies, FrequencySpec,
+    IdsShape, Io, Layout, Positions, QkIo, Rope, RopeConfig, RopeElem, RopeOp, RopeScaling,
+    RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
 };
 
 use crate::reference::{self, RefSinCos};
@@ -176,6 +176,15 @@ pub enum PosCase {
     Varlen {
         cu_seqlens: Vec<u32>,
         offsets: Option<Vec<u32>>,
+        wide: bool,
+    },
+    /// Packed sequences split over `size` context-parallel ranks, this one `rank`:
+    /// `cu_seqlens` bound the whole sequences (lengths divisible by `2 * size`; the tensor holds
+    /// `cu_seqlens[n] / size` tokens), uploaded as `i64` if `wide`, else `i32`.
+    VarlenContextParallel {
+        cu_seqlens: Vec<u32>,
+        size: u32,
+        rank: u32,
         wide: bool,
     },
     /// Multi-axis positions `[n_axes, batch * seq]` (axis-major), uploaded as `i64` if `wide`,
@@ -398,6 +407,15 @@ impl Case {
 
     /// The position of every token, `[batch, seq]` (for multi-axis cases, axis 0's).
     pub fn resolved_positions(&self) -> Array2<i64> {
+        let split = match &self.positions {
+            PosCase::VarlenContextParallel {
+                cu_seqlens,
+                size,
+                rank,
+                ..
+            } => reference::context_parallel_positions(cu_seqlens, *size as usize, *rank as usize),
+            _ => Vec::new(),
+        };
         Array2::from_shape_fn((self.batch, self.seq), |(b, s)| match &self.positions {
             PosCase::Offset(o) => *o as i64 + s as i64,
             PosCase::RowOffsets { offsets, .. } => offsets[b] as i64 + s as i64,
@@ -420,6 +438,7 @@ impl Case {
                 let i = i.min(cu_seqlens.len() - 2);
                 s as i64 - cu_seqlens[i] as i64 + offsets.as_ref().map_or(0, |o| o[i] as i64)
             }
+            PosCase::VarlenContextParallel { .. } => split[s],
             PosCase::MultiAxis { positions, .. } => positions[b * self.seq + s],
         })
     }
@@ -497,6 +516,9 @@ impl Case {
                 offsets,
                 wide,
             } => (widen(cu_seqlens), offsets.as_deref().map(widen), *wide),
+            PosCase::VarlenContextParallel {
+                cu_seqlens, wide, ..
+            } => (widen(cu_seqlens), None, *wide),
             PosCase::MultiAxis {
                 positions, wide, ..
             } => (positions.clone(), None, *wide),
@@ -738,6 +760,12 @@ fn make_op<'a, T: TestElem>(
             cu_seqlens,
             offsets,
         },
+        (PosCase::VarlenContextParallel { size, rank, .. }, Some((cu_seqlens, _))) => {
+            Positions::VarlenContextParallel {
+                cu_seqlens,
+                split: ContextParallel::new(*size, *rank)?,
+            }
+        }
         (PosCase::Ids { shape, .. }, Some((ids, _))) => Positions::Ids { ids, shape: *shape },
         (PosCase::MultiAxis { .. }, Some((positions, _))) => Positions::MultiAxis {
             positions,

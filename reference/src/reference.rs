@@ -214,3 +214,21 @@ pub fn rope_axes(
     }
     y
 }
+
+/// The position of each token a context-parallel rank holds, as Megatron-LM's
+/// `get_batch_on_this_cp_rank` and Transformer Engine's THD split lay them out: every whole
+/// sequence (`cu_seqlens` bound the whole sequences, each length divisible by `2 * size`) is
+/// cut into `2 * size` equal chunks of its positions `0..L`, rank `rank` keeps chunks `rank`
+/// and `2 * size - 1 - rank` in that order, and the rank's tokens are those of every sequence
+/// in turn.
+pub fn context_parallel_positions(cu_seqlens: &[u32], size: usize, rank: usize) -> Vec<i64> {
+    let mut out = Vec::new();
+    for w in cu_seqlens.windows(2) {
+        let len = (w[1] - w[0]) as i64;
+        let chunk = len / (2 * size as i64);
+        for c in [rank as i64, (2 * size - 1 - rank) as i64] {
+            out.extend(c * chunk..(c + 1) * chunk);
+        }
+    }
+    out
+}

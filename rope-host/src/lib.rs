@@ -67,8 +67,8 @@ pub use op::{
     TensorMut,
 };
 pub use positions::{
-    AxisMap, DeviceAxisMap, DeviceInts, IdsShape, IntType, Positions, RawAxisMap, RawInts,
-    RawPositions,
+    AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, Positions, RawAxisMap,
+    RawInts, RawPositions,
 };
 pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
 pub use sincos::{RawSinCos, SinCos, TableShape};

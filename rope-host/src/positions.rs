@@ -13,7 +13,9 @@
 //! positions also the kernel's `cos_sin_axes`, since each pair reads its own axis).
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
-use rope_kernels::abi::{MAX_AXES, PositionCode};
+use std::num::NonZeroU32;
+
+use rope_kernels::abi::{ContextParallelSplit, MAX_AXES, PositionCode};
 
 use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};
@@ -95,6 +97,19 @@ pub enum Positions<'a> {
         /// integer type; `None` for zeros.
         offsets: Option<DeviceInts<'a>>,
     },
+    /// Packed sequences split over context-parallel ranks ([`crate::Layout::thd`], batch 1),
+    /// as Megatron-LM and Transformer Engine split them: `cu_seqlens` bound the *whole*
+    /// sequences (each length divisible by `2 * size`), the tensor holds this rank's `L / size`
+    /// tokens of each sequence of whole length `L`: chunks `rank` and `2 * size - 1 - rank`
+    /// of its `2 * size` equal chunks, so local token `s` of a sequence is at
+    /// `rank * c + s` for `s < c` and at `(2 * size - 1 - rank) * c + (s - c)` after, with
+    /// `c = L / (2 * size)`. Positions are derived in the kernel: no id tensor is built.
+    VarlenContextParallel {
+        /// Cumulative whole-sequence lengths, `[num_seqs + 1]`.
+        cu_seqlens: DeviceInts<'a>,
+        /// The ranks and this rank.
+        split: ContextParallel,
+    },
     /// Multi-axis positions (Qwen2-VL's mRoPE, Qwen3-VL's interleaved mRoPE, FLUX's N-D axial
     /// RoPE): `positions` holds `[n_axes, batch * seq]` integers, row `a` axis `a`'s position of
     /// token `b * seq + s` (Qwen2-VL's `position_ids [3, batch, seq]` as it is), and pair `j`
@@ -107,6 +122,61 @@ pub enum Positions<'a> {
         /// Which axis each pair takes its position from.
         axes: &'a DeviceAxisMap,
     },
+}
+
+/// A context-parallel split for [`Positions::VarlenContextParallel`]: `size` ranks, this one
+/// `rank`; checked on construction.
+///
+/// ```
+/// use rope_host::ContextParallel;
+/// let split = ContextParallel::new(4, 1)?;
+/// assert_eq!((split.size(), split.rank()), (4, 1));
+/// assert!(ContextParallel::new(4, 4).is_err());
+/// # Ok::<(), rope_host::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ContextParallel {
+    split: ContextParallelSplit,
+}
+
+impl ContextParallel {
+    /// The most ranks: the kernel multiplies a local token index by the size in 64 bits.
+    pub const MAX_SIZE: u32 = 1 << 16;
+
+    /// `size` ranks, this one `rank`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `cp_size` when `size` is outside `1..=65536`, naming
+    /// `cp_rank` when `rank >= size`.
+    pub fn new(size: u32, rank: u32) -> Result<Self> {
+        let size = NonZeroU32::new(size)
+            .filter(|s| s.get() <= Self::MAX_SIZE)
+            .ok_or_else(|| {
+                invalid(
+                    "cp_size",
+                    format!("must lie in 1..={}, got {size}", Self::MAX_SIZE),
+                )
+            })?;
+        if rank >= size.get() {
+            return Err(invalid(
+                "cp_rank",
+                format!("must be below cp_size {size}, got {rank}"),
+            ));
+        }
+        Ok(Self {
+            split: ContextParallelSplit { size, rank },
+        })
+    }
+
+    /// The number of ranks.
+    pub fn size(self) -> u32 {
+        self.split.size.get()
+    }
+
+    /// This rank.
+    pub fn rank(self) -> u32 {
+        self.split.rank
+    }
 }
 
 /// Which position axis each rotated pair `j < rotary_dim / 2` takes its position from, for
@@ -337,6 +407,13 @@ pub enum RawPositions {
         /// Per-sequence offsets.
         offsets: Option<RawInts>,
     },
+    /// As [`Positions::VarlenContextParallel`].
+    VarlenContextParallel {
+        /// Cumulative whole-sequence lengths.
+        cu_seqlens: RawInts,
+        /// The ranks and this rank.
+        split: ContextParallel,
+    },
     /// As [`Positions::MultiAxis`].
     MultiAxis {
         /// `[n_axes, batch * seq]` positions.
@@ -401,6 +478,12 @@ impl Positions<'_> {
                 cu_seqlens: cu_seqlens.bind(binder)?,
                 offsets: offsets.as_ref().map(|o| o.bind(binder)).transpose()?,
             },
+            Self::VarlenContextParallel { cu_seqlens, split } => {
+                RawPositions::VarlenContextParallel {
+                    cu_seqlens: cu_seqlens.bind(binder)?,
+                    split: *split,
+                }
+            }
             Self::MultiAxis { positions, axes } => RawPositions::MultiAxis {
                 positions: positions.bind(binder)?,
                 axes: RawAxisMap {
@@ -508,6 +591,11 @@ impl RawPositions {
                 let code = wide(cu_seqlens, PositionCode::VarlenI32, PositionCode::VarlenI64);
                 plan(code, 0, count, None)
             }
+            Self::VarlenContextParallel { cu_seqlens, split } => {
+                let count = check_varlen(cu_seqlens, None, batch)?;
+                let code = wide(cu_seqlens, PositionCode::VarlenI32, PositionCode::VarlenI64);
+                plan(code, split.split.to_base(), count, None)
+            }
             Self::MultiAxis { positions, axes } => {
                 let n = axes.n_axes;
                 if !(1..=MAX_AXES).contains(&n) {
@@ -544,7 +632,11 @@ impl RawPositions {
     pub(crate) fn device_reads(&self) -> Vec<(u64, u64)> {
         match self {
             Self::Offset(_) => Vec::new(),
-            Self::RowOffsets(ints) | Self::Ids { ids: ints, .. } => vec![ints.bytes()],
+            Self::RowOffsets(ints)
+            | Self::Ids { ids: ints, .. }
+            | Self::VarlenContextParallel {
+                cu_seqlens: ints, ..
+            } => vec![ints.bytes()],
             Self::Varlen {
                 cu_seqlens,
                 offsets,
@@ -562,7 +654,11 @@ impl RawPositions {
     pub(crate) fn encode(&self, plan: &PositionsPlan) -> PositionArgs {
         let (pos_ptr, pos_aux) = match self {
             Self::Offset(_) => (0, 0),
-            Self::RowOffsets(ints) | Self::Ids { ids: ints, .. } => (ints.buf.ptr, 0),
+            Self::RowOffsets(ints)
+            | Self::Ids { ids: ints, .. }
+            | Self::VarlenContextParallel {
+                cu_seqlens: ints, ..
+            } => (ints.buf.ptr, 0),
             Self::Varlen {
                 cu_seqlens,
                 offsets,

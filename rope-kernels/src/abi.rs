@@ -2,6 +2,8 @@
 //! names, the codes passed as `u32` arguments, and the limits both sides assume. One
 //! definition, used by both (`rope-host` re-exports the public enums).
 
+use core::num::{NonZeroU32, NonZeroU64};
+
 /// Threads per block of every kernel launch. 128 rather than 256: the last blocks of a launch
 /// then hold half the work, so fewer multiprocessors sit idle while they finish (on an H200 the
 /// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth).
@@ -94,6 +96,9 @@ pub enum PositionCode {
     /// Packed sequences (`batch = 1`, token `t = s`): `pos = t - cu_seqlens[i] + offsets[i]`
     /// for the sequence `i` holding `t`; `pos_ptr` points at `pos_count + 1` `i32`
     /// (`cu_seqlens`), `pos_aux` at `pos_count` `i32` offsets or is null (no offsets).
+    /// `pos_base` holds a [`ContextParallelSplit`] ([`ContextParallelSplit::to_base`]; 0 for
+    /// none): with more than one rank, `cu_seqlens` are the whole sequences' boundaries and
+    /// the position is [`ContextParallelSplit::position`]'s (offsets are not read).
     VarlenI32 = 7,
     /// As [`PositionCode::VarlenI32`] with `i64` arrays.
     VarlenI64 = 8,
@@ -174,6 +179,76 @@ pub const fn pass_through_start(g: u32, lanes: u32, rotary_offset: u32, rotary_d
 #[inline(always)]
 pub fn clamped_axis(entry: u8, n_axes: u32) -> u32 {
     u32::from(entry).min(n_axes.saturating_sub(1))
+}
+
+/// A context-parallel split of packed sequences, as Megatron-LM and Transformer Engine balance
+/// causal attention over `size` ranks: each whole sequence (of a length divisible by
+/// `2 * size`) is cut into `2 * size` equal chunks and rank `rank` holds chunks `rank` and
+/// `2 * size - 1 - rank`, back to back, so its local part of a sequence of whole length `L` has
+/// `L / size` tokens, the first half at positions `rank * L / (2 size) + s` and the second at
+/// `(2 size - 1 - rank) * L / (2 size) + s - L / (2 size)`. The rank's packed tensor holds
+/// the local parts of all sequences; `cu_seqlens` are the whole sequences' boundaries (local
+/// ones times `size`). Passed in `pos_base` of the varlen position codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ContextParallelSplit {
+    /// Ranks, at least 1 (1: no split).
+    pub size: NonZeroU32,
+    /// This rank, below `size` (the host checks; a larger one only gives wrong positions).
+    pub rank: u32,
+}
+
+impl ContextParallelSplit {
+    /// No split: positions as [`PositionCode::VarlenI32`] gives them without one.
+    pub const NONE: Self = Self {
+        size: NonZeroU32::MIN,
+        rank: 0,
+    };
+
+    /// The kernel's `pos_base`: `size` in the high 32 bits, `rank` in the low ones.
+    #[inline(always)]
+    pub const fn to_base(self) -> i64 {
+        ((self.size.get() as u64) << 32 | self.rank as u64) as i64
+    }
+
+    /// Decodes `pos_base`; a size of 0 (a base of 0) is no split.
+    #[inline(always)]
+    pub fn from_base(base: i64) -> Self {
+        let size = NonZeroU32::new((base as u64 >> 32) as u32).unwrap_or(NonZeroU32::MIN);
+        Self {
+            size,
+            rank: base as u32,
+        }
+    }
+
+    /// The largest whole-sequence boundary `c` that still starts a local part at or before
+    /// local token `t`: `c / size <= t` exactly when `c <= (t + 1) * size - 1` (for `c >= 0`),
+    /// so the search over `cu_seqlens` needs no division (for one rank, `t` itself).
+    #[inline(always)]
+    pub fn search_bound(self, t: u64) -> i64 {
+        let size = u64::from(self.size.get());
+        (t.wrapping_add(1).wrapping_mul(size).wrapping_sub(1)) as i64
+    }
+
+    /// The position of local token `t` in the sequence whose whole boundaries are
+    /// `start..end` (see the type's documentation). Malformed boundaries (negative, decreasing,
+    /// lengths not divisible by `2 * size`) give wrong positions, never a trap.
+    #[inline(always)]
+    pub fn position(self, t: u64, start: i64, end: i64) -> i64 {
+        let size = NonZeroU64::from(self.size);
+        let local = |c: i64| (c as u64 / size) as i64;
+        let (first, last) = (local(start), local(end));
+        let s = (t as i64).wrapping_sub(first);
+        let chunk = last.wrapping_sub(first) / 2;
+        let rank = i64::from(self.rank);
+        let chunk_index = if s < chunk {
+            rank
+        } else {
+            // The second chunk, `2 size - 1 - rank`, minus the first chunk's length already
+            // counted in `s`.
+            2 * i64::from(self.size.get()) - 2 - rank
+        };
+        s.wrapping_add(chunk_index.wrapping_mul(chunk))
+    }
 }
 
 /// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example
@@ -504,6 +579,9 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
 
 #[cfg(test)]
 mod tests {
+    extern crate std;
+    use std::{vec, vec::Vec};
+
     use super::*;
 
     /// For every head size, rotated width, offset and access width the host accepts (`lanes`
@@ -547,6 +625,82 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// For whole sequences of random lengths divisible by `2 * size`, every rank's tokens get
+    /// the positions of the chunks it holds (cut here from the whole sequence, not computed by
+    /// formula), the ranks together cover each whole position once, and the search bound
+    /// finds the right sequence for every local token.
+    #[test]
+    fn context_parallel_ranks_hold_their_two_chunks_of_every_sequence() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for size in 1..=8u32 {
+            for _ in 0..20 {
+                let lens: Vec<i64> = (0..1 + next(4))
+                    .map(|_| (next(5) * 2 * u64::from(size)) as i64)
+                    .collect();
+                let cu: Vec<i64> = core::iter::once(0)
+                    .chain(lens.iter().scan(0, |c, l| {
+                        *c += l;
+                        Some(*c)
+                    }))
+                    .collect();
+                let mut seen: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0; l as usize]).collect();
+                for rank in 0..size {
+                    let split = ContextParallelSplit {
+                        size: NonZeroU32::new(size).expect("size >= 1"),
+                        rank,
+                    };
+                    let local_total = cu[cu.len() - 1] / i64::from(size);
+                    let mut t = 0u64;
+                    for (i, &len) in lens.iter().enumerate() {
+                        let chunk = (len / (2 * i64::from(size))) as usize;
+                        let whole: Vec<i64> = (0..len).collect();
+                        let mine = whole
+                            .chunks(chunk.max(1))
+                            .enumerate()
+                            .filter(|(c, _)| {
+                                chunk > 0 && (*c as u32 == rank || *c as u32 == 2 * size - 1 - rank)
+                            })
+                            .flat_map(|(_, v)| v.to_vec());
+                        for want in mine {
+                            let bound = split.search_bound(t);
+                            let found = cu[..cu.len() - 1]
+                                .iter()
+                                .rposition(|&c| c <= bound)
+                                .expect("cu starts at 0");
+                            // Empty sequences share their start with the next one: the search
+                            // lands on the last sequence starting there, which is `i`.
+                            assert_eq!(found, i, "size {size} rank {rank} token {t}");
+                            let got = split.position(t, cu[i], cu[i + 1]);
+                            assert_eq!(got, want, "size {size} rank {rank} token {t}");
+                            seen[i][got as usize] += 1;
+                            t += 1;
+                        }
+                    }
+                    assert_eq!(t as i64, local_total);
+                }
+                assert!(
+                    seen.iter().flatten().all(|&n| n == 1),
+                    "{lens:?} size {size}"
+                );
+            }
+        }
+        let split = ContextParallelSplit {
+            size: NonZeroU32::new(3).expect("3"),
+            rank: 2,
+        };
+        assert_eq!(ContextParallelSplit::from_base(split.to_base()), split);
+        assert_eq!(
+            ContextParallelSplit::from_base(0),
+            ContextParallelSplit::NONE
+        );
     }
 
     #[test]

@@ -33,7 +33,10 @@
 
 use core::marker::PhantomData;
 
-use crate::abi::{Direction, PositionCode, clamped_axis, for_each_kernel, pass_through_start};
+use crate::abi::{
+    ContextParallelSplit, Direction, PositionCode, clamped_axis, for_each_kernel,
+    pass_through_start,
+};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
 use crate::intrinsics::{
@@ -200,7 +203,8 @@ impl Index for i64 {
 /// The position of packed token `t`: `t - cu_seqlens[i] (+ offsets[i])` for the sequence `i`
 /// with `cu_seqlens[i] <= t < cu_seqlens[i + 1]`, found by binary search (the last `i` whose
 /// start is at most `t`; malformed `cu_seqlens` give some `i` in range, never an access
-/// outside the arrays).
+/// outside the arrays). With a context-parallel split in `pos_base`, `cu_seqlens` bound whole
+/// sequences and the position is [`ContextParallelSplit::position`]'s.
 ///
 /// # Safety
 /// `pos_ptr` holds `pos_count + 1` `I` (`pos_count >= 1`); `pos_aux` is null or holds
@@ -208,19 +212,26 @@ impl Index for i64 {
 #[inline(always)]
 unsafe fn varlen_position<T, I: Index>(a: &Args<T>, t: u64) -> i64 {
     let cu = a.pos_ptr.cast::<I>();
+    let split = ContextParallelSplit::from_base(a.pos_base);
+    let bound = split.search_bound(t);
     let (mut lo, mut hi) = (0u32, a.pos_count.saturating_sub(1));
     while lo < hi {
         let mid = hi - (hi - lo) / 2;
         // SAFETY: lo < mid <= hi <= pos_count - 1, inside the pos_count + 1 entries.
-        if unsafe { *cu.add(mid as usize) }.to_i64() <= t as i64 {
+        if unsafe { *cu.add(mid as usize) }.to_i64() <= bound {
             lo = mid;
         } else {
             hi = mid - 1;
         }
     }
-    // SAFETY: lo <= pos_count - 1, inside both arrays.
+    // SAFETY: lo <= pos_count - 1, inside both arrays, and lo + 1 <= pos_count inside
+    // `cu_seqlens`'s pos_count + 1 entries.
     unsafe {
         let start = (*cu.add(lo as usize)).to_i64();
+        if split.size.get() > 1 {
+            let end = (*cu.add(lo as usize + 1)).to_i64();
+            return split.position(t, start, end);
+        }
         let offset = if a.pos_aux.is_null() {
             0
         } else {

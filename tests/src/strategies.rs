@@ -149,6 +149,11 @@ pub fn positions(
     if batch == 1 {
         kinds.push(varlen(seq).boxed());
     }
+    if batch == 1 && seq.is_multiple_of(2) {
+        // Whole sequences reach `seq * size`: sizes whose positions fit below `limit`.
+        let max_size = (limit as usize / seq.max(1)).clamp(1, 8) as u32;
+        kinds.push(varlen_context_parallel(seq, max_size).boxed());
+    }
     proptest::strategy::Union::new(kinds).boxed()
 }
 
@@ -172,6 +177,35 @@ pub fn varlen(total: usize) -> impl Strategy<Value = PosCase> {
             PosCase::Varlen {
                 cu_seqlens,
                 offsets,
+                wide,
+            }
+        })
+}
+
+/// Packed sequences split over 1 to `max_size` context-parallel ranks, with `local` (even)
+/// tokens on a random rank: up to four cuts at even local offsets (empty sequences allowed),
+/// whole boundaries `size` times the local ones.
+pub fn varlen_context_parallel(local: usize, max_size: u32) -> impl Strategy<Value = PosCase> {
+    (1..=max_size)
+        .prop_flat_map(move |size| {
+            (
+                Just(size),
+                0..size,
+                proptest::collection::vec(0..=local as u32 / 2, 0..4),
+                any::<bool>(),
+            )
+        })
+        .prop_map(move |(size, rank, mut cuts, wide)| {
+            cuts.sort_unstable();
+            let cu_seqlens = std::iter::once(0)
+                .chain(cuts.into_iter().map(|c| 2 * c))
+                .chain(std::iter::once(local as u32))
+                .map(|c| c * size)
+                .collect();
+            PosCase::VarlenContextParallel {
+                cu_seqlens,
+                size,
+                rank,
                 wide,
             }
         })

@@ -845,6 +845,79 @@ mod multi_axis {
     }
 }
 
+mod context_parallel {
+    use std::num::NonZeroU32;
+
+    use rope_host::ContextParallel;
+    use rope_kernels::abi::ContextParallelSplit;
+    use rope_reference::case::PosCase;
+
+    use super::*;
+
+    /// The reference's rank positions (chunks cut from each whole sequence, as Megatron-LM lays
+    /// them out) equal the kernel's (a search over the whole boundaries, then the two-chunk
+    /// formula of `rope_kernels::abi`), for random sequences, sizes and ranks; and the ranks
+    /// together hold every whole position once.
+    #[test]
+    fn rank_positions_equal_the_kernels_and_cover_every_position_once() {
+        runner(500)
+            .run(
+                &(0usize..40)
+                    .prop_flat_map(|half| strategies::varlen_context_parallel(2 * half, 8)),
+                |case| {
+                    let PosCase::VarlenContextParallel {
+                        cu_seqlens, size, ..
+                    } = case
+                    else {
+                        unreachable!("the strategy's kind")
+                    };
+                    let mut seen: Vec<Vec<u32>> = cu_seqlens
+                        .windows(2)
+                        .map(|w| vec![0; (w[1] - w[0]) as usize])
+                        .collect();
+                    for rank in 0..size {
+                        let want = reference::context_parallel_positions(
+                            &cu_seqlens,
+                            size as usize,
+                            rank as usize,
+                        );
+                        let split = ContextParallelSplit {
+                            size: NonZeroU32::new(size).expect("size >= 1"),
+                            rank,
+                        };
+                        let cu: Vec<i64> = cu_seqlens.iter().map(|&c| c as i64).collect();
+                        for (t, &w) in want.iter().enumerate() {
+                            let bound = split.search_bound(t as u64);
+                            let i = cu[..cu.len() - 1]
+                                .iter()
+                                .rposition(|&c| c <= bound)
+                                .expect("starts at 0");
+                            prop_assert_eq!(split.position(t as u64, cu[i], cu[i + 1]), w);
+                            seen[i][w as usize] += 1;
+                        }
+                    }
+                    prop_assert!(seen.iter().flatten().all(|&n| n == 1));
+                    Ok(())
+                },
+            )
+            .unwrap();
+    }
+
+    /// Sizes outside `1..=65536` are refused naming `cp_size`, ranks not below the size naming
+    /// `cp_rank`.
+    #[test]
+    fn splits_outside_their_range_are_refused_by_name() {
+        for (size, rank, name) in [(0, 0, "cp_size"), (65537, 0, "cp_size"), (4, 4, "cp_rank")] {
+            match ContextParallel::new(size, rank) {
+                Err(rope_host::Error::Invalid { arg, .. }) => assert_eq!(arg, name),
+                other => panic!("{size} {rank}: {other:?}"),
+            }
+        }
+        let split = ContextParallel::new(65536, 65535).expect("the largest split");
+        assert_eq!((split.size(), split.rank()), (65536, 65535));
+    }
+}
+
 mod scaling_domains;
 
 mod gpu {
