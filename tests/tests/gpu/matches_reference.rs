@@ -54,7 +54,9 @@ fn kernels_match_reference_on_random_cases() {
             let cmp = run_and_check(&case, &rope, &stream)
                 .map_err(|e| TestCaseError::fail(format!("{e}\n{case:?}")))?;
             let mut s = stats.borrow_mut();
-            let entry = s.entry(format!("{:?}", case.dtype)).or_default();
+            let split = matches!(case.positions, PosCase::VarlenContextParallel { .. });
+            let form = if split { " context-parallel" } else { "" };
+            let entry = s.entry(format!("{:?}{form}", case.dtype)).or_default();
             entry.0 += 1;
             entry.1 = entry.1.merge(cmp);
             Ok(())
