@@ -103,7 +103,9 @@ pub enum Positions<'a> {
     /// tokens of each sequence of whole length `L`: chunks `rank` and `2 * size - 1 - rank`
     /// of its `2 * size` equal chunks, so local token `s` of a sequence is at
     /// `rank * c + s` for `s < c` and at `(2 * size - 1 - rank) * c + (s - c)` after, with
-    /// `c = L / (2 * size)`. Positions are derived in the kernel: no id tensor is built.
+    /// `c = L / (2 * size)`. Positions are derived in the kernel: no id tensor is built. The
+    /// split is a launch argument (a CUDA graph replays the captured one), the boundaries
+    /// device data.
     VarlenContextParallel {
         /// Cumulative whole-sequence lengths, `[num_seqs + 1]`.
         cu_seqlens: DeviceInts<'a>,

@@ -211,6 +211,25 @@ pub fn varlen_context_parallel(local: usize, max_size: u32) -> impl Strategy<Val
         })
 }
 
+/// A random valid case of [`case`]'s made one packed batch row of an even token count, its
+/// positions split over context-parallel ranks ([`varlen_context_parallel`]) whose whole
+/// sequences mostly fit its table.
+pub fn context_parallel_case() -> impl Strategy<Value = Case> {
+    case().prop_flat_map(|mut c| {
+        c.batch = 1;
+        c.seq = (c.seq & !1).max(2);
+        let limit = match c.source {
+            Source::Table { max_position, .. } => max_position,
+            Source::Theta(_) => 1 << 20,
+        };
+        let max_size = (limit / c.seq).clamp(1, 8) as u32;
+        varlen_context_parallel(c.seq, max_size).prop_map(move |positions| Case {
+            positions,
+            ..c.clone()
+        })
+    })
+}
+
 /// A random valid case: every style, direction, dtype, layout, rotary size, k form, sin/cos
 /// source and format (tables in the tensors' type or in `f32`), position kind (device
 /// arrays `i32` or `i64`), in or out of place. Table cases cover their implicit

@@ -125,9 +125,19 @@ fn every_launch_kind_replays_from_a_cuda_graph() {
                     seed,
                 };
                 let (first, mut second) = (case(1), case(2));
-                if kind == 0 {
+                match (&first.positions, &mut second.positions) {
                     // An offset is a launch argument: a replay uses the captured one.
-                    second.positions = first.positions.clone();
+                    (PosCase::Offset(_), p) => *p = first.positions.clone(),
+                    // So is a context-parallel split; the boundaries are device data.
+                    (
+                        PosCase::VarlenContextParallel { size, rank, .. },
+                        PosCase::VarlenContextParallel {
+                            size: size2,
+                            rank: rank2,
+                            ..
+                        },
+                    ) => (*size2, *rank2) = (*size, *rank),
+                    _ => {}
                 }
                 rope_reference::with_elem!(dtype, T => {
                     replay::<T>(&rope, &stream, &first, &second);
