@@ -25,7 +25,7 @@ use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
 use rope_bench_support::decode::{DecodeRow, decode_in_graphs};
 use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, quartiles};
-use rope_host::{Direction, RopeStyle, TableFormat};
+use rope_host::{Direction, IdsShape, RopeStyle, TableFormat};
 use rope_reference::case::{
     AxesCase, Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem,
 };
@@ -249,6 +249,22 @@ fn groups() -> Vec<Group> {
         in_place: false,
         ..base.clone()
     };
+    let mrope = Case {
+        heads: 28,
+        k: KCase::Fused {
+            heads: 4,
+            v_heads: 4,
+        },
+        positions: qwen_vl_positions(2048, 64, 2048),
+        ..base.clone()
+    };
+    let axial = Case {
+        seq: 512 + 64 * 64,
+        heads: 24,
+        k: KCase::Separate { heads: 24 },
+        positions: flux_positions(512, 64),
+        ..base.clone()
+    };
     vec![
         // Prefill: q (32 heads) and k (8 heads) rotated in place inside one QKV buffer.
         Group {
@@ -328,28 +344,26 @@ fn groups() -> Vec<Group> {
         // image grid, 2048 text tokens.
         Group {
             name: "mrope",
-            case: Case {
-                heads: 28,
-                k: KCase::Fused {
-                    heads: 4,
-                    v_heads: 4,
-                },
-                positions: qwen_vl_positions(2048, 64, 2048),
-                ..base.clone()
-            },
+            case: mrope.clone(),
             backward: true,
         },
         // FLUX.1 double-stream attention: 512 text and 64 x 64 image tokens, 24 q and 24 k
         // heads of 128 in their own buffers, in place, axes_dim 16/56/56.
         Group {
             name: "axial",
-            case: Case {
-                seq: 512 + 64 * 64,
-                heads: 24,
-                k: KCase::Separate { heads: 24 },
-                positions: flux_positions(512, 64),
-                ..base.clone()
-            },
+            case: axial.clone(),
+            backward: false,
+        },
+        // The mrope and axial shapes rotated by one position per token (device ids): what
+        // the 1-D kernels reach on those shapes, for the multi-axis rows to be read against.
+        Group {
+            name: "mrope-1d",
+            case: one_position_per_token(&mrope),
+            backward: true,
+        },
+        Group {
+            name: "axial-1d",
+            case: one_position_per_token(&axial),
             backward: false,
         },
         // Decode: 64 sequences of one token at positions 1000..1063.
@@ -443,6 +457,18 @@ fn flux_positions(text: usize, grid: usize) -> PosCase {
 }
 
 /// The largest position a case uses.
+/// `c` with positions `0..seq` as device ids (`i64`, shared by the batch rows).
+fn one_position_per_token(c: &Case) -> Case {
+    Case {
+        positions: PosCase::Ids {
+            ids: (0..c.seq as i64).collect(),
+            wide: true,
+            shape: IdsShape::Shared,
+        },
+        ..c.clone()
+    }
+}
+
 fn max_position(c: &Case) -> usize {
     match &c.positions {
         PosCase::MultiAxis { positions, .. } => *positions.iter().max().unwrap_or(&0) as usize,
