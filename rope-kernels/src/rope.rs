@@ -440,11 +440,30 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
     j0: usize,
     pairs: usize,
 ) -> ([f32; L], [f32; L]) {
+    let mut pos = pos;
     if a.positions >= PositionCode::MultiAxisI32 as u32 {
         // A uniform branch on a kernel argument, inside the sin/cos step only: a separate
         // multi-axis instance of the whole loop measured more registers and spills in ptxas.
-        // SAFETY: for multi-axis codes `pos` is the token's index; the caller's promises.
-        return unsafe { cos_sin_axes::<T, S, L>(a, pos as u64, j0, pairs) };
+        // With tables, an item whose pairs all take one axis (every item of mRoPE's and
+        // FLUX's maps when the sections are multiples of the pairs per item) reads that axis's
+        // position once and goes on as one position, with vector table reads. (For in-kernel
+        // sin/cos the same shortcut made ptxas spill: 184 bytes in the NeoX bf16 kernels.)
+        // SAFETY: for multi-axis codes `pos` is the token's index; j0 + pairs <= half, the
+        // map's length; the caller's promises.
+        let shared_axis = if S::TABLE {
+            // SAFETY: j0 + pairs <= half, the map's length (the caller's promise).
+            unsafe { item_axis(a, j0, pairs) }
+        } else {
+            None
+        };
+        match shared_axis {
+            Some(axis) => {
+                let wide = a.positions == PositionCode::MultiAxisI64 as u32;
+                // SAFETY: the clamped axis is below pos_count; the token index is below tokens.
+                pos = unsafe { axis_position(a, wide, axis, pos as u64) };
+            }
+            None => return unsafe { cos_sin_axes::<T, S, L>(a, pos as u64, j0, pairs) },
+        }
     }
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
@@ -491,6 +510,39 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
         });
     }
     (cos, sin)
+}
+
+/// The axis of every pair `j0..j0 + pairs` of a multi-axis map, clamped, when they all share
+/// one; `None` otherwise.
+///
+/// # Safety
+/// `pos_aux` holds at least `j0 + pairs` `u8`.
+#[inline(always)]
+unsafe fn item_axis<T>(a: &Args<T>, j0: usize, pairs: usize) -> Option<u32> {
+    // SAFETY: j0 + k < j0 + pairs, inside the map (the caller's promise).
+    let axis = |k: usize| clamped_axis(unsafe { *a.pos_aux.add(j0 + k) }, a.pos_count);
+    let first = axis(0);
+    let mut same = true;
+    unrolled(pairs, |k| same &= axis(k) == first);
+    same.then_some(first)
+}
+
+/// Token `t`'s position on `axis` (`i64` when `wide`, else `i32`).
+///
+/// # Safety
+/// `axis < pos_count`, `t < tokens`; `pos_ptr` holds `pos_count` rows of `tokens` integers of
+/// that type.
+#[inline(always)]
+unsafe fn axis_position<T>(a: &Args<T>, wide: bool, axis: u32, t: u64) -> i64 {
+    let i = (u64::from(axis) * a.tokens + t) as usize;
+    // SAFETY: axis < pos_count and t < tokens: inside the pos_count * tokens positions.
+    unsafe {
+        if wide {
+            *a.pos_ptr.cast::<i64>().add(i)
+        } else {
+            *a.pos_ptr.cast::<i32>().add(i) as i64
+        }
+    }
 }
 
 /// [`cos_sin`] for multi-axis positions: pair `j0 + k` of token `t` rotates by the position
