@@ -7,6 +7,9 @@ pub enum Error {
     /// rope-host refused the launch (an invalid argument, named) or the driver failed.
     #[error("rope-host: {0}")]
     Rope(#[from] rope_host::Error),
+    /// candle failed (allocating the output).
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
     /// A tensor cannot be described to rope-host: its rank, dtype, device or strides.
     #[error("{arg}: {problem}")]
     Invalid {

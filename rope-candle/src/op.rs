@@ -120,8 +120,7 @@ impl RopeCandleOp {
         // SAFETY: the launch below writes every element of `out` (out of place, rotated pairs
         // and passed-through features alike) before anything reads it; candle's stream orders
         // any later read after that launch.
-        let mut out =
-            unsafe { device.alloc::<T>(elems) }.map_err(|e| invalid("xs", e.to_string()))?;
+        let mut out = unsafe { device.alloc::<T>(elems) }?;
         self.launch_into(x, &mut out, dtype, layout, tables, ids, device)?;
         Ok((CudaStorage::wrap_cuda_slice(out, device.clone()), shape))
     }
