@@ -61,6 +61,7 @@ fn base_case() -> Case {
         heads,
         head_dim,
         rotary_dim: head_dim,
+        rotary_offset: 0,
         layout: LayoutKind::Bshd,
         k: KCase::None,
         source: Source::Theta(THETA),

@@ -162,45 +162,8 @@ def apply_rope(
     last dimension, tensors on different devices, contradicting options; nothing is launched
     then), RuntimeError when the CUDA driver fails.
     """
-    if _torch_of(q) is not None:
-        from rope_rs import torch as rope_torch
-
-        return rope_torch.apply_rope(
-            q,
-            k,
-            positions=positions,
-            position_ids=position_ids,
-            cu_seqlens=cu_seqlens,
-            layout=layout,
-            style=style,
-            theta=theta,
-            cos_sin_cache=cos_sin_cache,
-            cos=cos,
-            sin=sin,
-            inv_freq=inv_freq,
-            attention_factor=attention_factor,
-            angle=angle,
-            scaling=scaling,
-            rotary_dim=rotary_dim,
-            inplace=inplace,
-            out=out,
-            k_out=k_out,
-            backward=backward,
-            stream=stream,
-        )
-    if inplace:
-        if out is not None or k_out is not None:
-            raise ValueError("out: inplace=True rotates q and k themselves; give out and k_out only out of place")
-    else:
-        if out is None:
-            out = _empty_like(q, "q", "out")
-        if k is not None and k_out is None:
-            k_out = _empty_like(k, "k", "k_out")
-    _native.apply_rope(
-        q,
-        k,
-        out=out,
-        k_out=k_out,
+    # The options both paths take as they are.
+    opts = dict(
         positions=positions,
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
@@ -216,8 +179,20 @@ def apply_rope(
         scaling=scaling,
         rotary_dim=rotary_dim,
         backward=backward,
-        stream=0 if stream is None else stream,
     )
+    if _torch_of(q) is not None:
+        from rope_rs import torch as rope_torch
+
+        return rope_torch.apply_rope(q, k, inplace=inplace, out=out, k_out=k_out, stream=stream, **opts)
+    if inplace:
+        if out is not None or k_out is not None:
+            raise ValueError("out: inplace=True rotates q and k themselves; give out and k_out only out of place")
+    else:
+        if out is None:
+            out = _empty_like(q, "q", "out")
+        if k is not None and k_out is None:
+            k_out = _empty_like(k, "k", "k_out")
+    _native.apply_rope(q, k, out=out, k_out=k_out, stream=0 if stream is None else stream, **opts)
     q_res, k_res = (q, k) if inplace else (out, k_out)
     return q_res if k is None else (q_res, k_res)
 

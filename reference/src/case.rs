@@ -5,13 +5,14 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use ndarray::{Array2, Array4};
+use ndarray::{Array2, Array3, Array4};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
 use rope_host::half::{bf16, f16};
 use rope_host::{
-    DeviceInts, Direction, IdsShape, Io, Layout, Positions, QkIo, Rope, RopeConfig, RopeElem,
-    RopeOp, RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
+    AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, Direction, Frequencies, FrequencySpec,
+    IdsShape, Io, Layout, Positions, QkIo, Rope, RopeConfig, RopeElem, RopeOp, RopeScaling,
+    RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
 };
 
 use crate::reference::{self, RefSinCos};
@@ -177,6 +178,60 @@ pub enum PosCase {
         offsets: Option<Vec<u32>>,
         wide: bool,
     },
+    /// Packed sequences split over `size` context-parallel ranks, this one `rank`:
+    /// `cu_seqlens` bound the whole sequences (lengths divisible by `2 * size`; the tensor holds
+    /// `cu_seqlens[n] / size` tokens), uploaded as `i64` if `wide`, else `i32`.
+    VarlenContextParallel {
+        cu_seqlens: Vec<u32>,
+        size: u32,
+        rank: u32,
+        wide: bool,
+    },
+    /// Multi-axis positions `[n_axes, batch * seq]` (axis-major), uploaded as `i64` if `wide`,
+    /// else `i32`, with the axis map of `axes`.
+    MultiAxis {
+        positions: Vec<i64>,
+        n_axes: usize,
+        axes: AxesCase,
+        wide: bool,
+    },
+}
+
+/// Which axis each pair of a multi-axis case takes its position from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AxesCase {
+    /// Qwen2-VL's `mrope_section` (3 axes).
+    Mrope([usize; 3]),
+    /// Qwen3-VL's interleaved `mrope_section` (3 axes).
+    MropeInterleaved([usize; 3]),
+    /// FLUX's `axes_dim`: also the frequencies, `theta^(-2i / axes_dim[a])` per axis.
+    Axial(Vec<usize>),
+    /// An arbitrary map of `n_axes` axes (one entry per pair).
+    Map(Vec<u8>),
+}
+
+impl AxesCase {
+    /// The host library's map for `rotary_dim`: what the launch uploads.
+    pub fn host_map(&self, n_axes: usize, rotary_dim: usize) -> rope_host::Result<AxisMap> {
+        let r = rotary_dim as u32;
+        let sections = |s: &[usize; 3]| s.map(|v| v as u32);
+        match self {
+            Self::Mrope(s) => AxisMap::mrope(sections(s), r),
+            Self::MropeInterleaved(s) => AxisMap::mrope_interleaved(sections(s), r),
+            Self::Axial(d) => AxisMap::axial(&d.iter().map(|&v| v as u32).collect::<Vec<_>>(), r),
+            Self::Map(m) => AxisMap::new(n_axes as u32, m.clone()),
+        }
+    }
+
+    /// The reference's map, from the published formulas ([`reference::mrope_axes`], ...).
+    pub fn reference_axes(&self) -> Vec<usize> {
+        match self {
+            Self::Mrope(s) => reference::mrope_axes(*s),
+            Self::MropeInterleaved(s) => reference::mrope_interleaved_axes(*s),
+            Self::Axial(d) => reference::axial(d, 1.0).0,
+            Self::Map(m) => m.iter().map(|&a| a as usize).collect(),
+        }
+    }
 }
 
 /// The k tensor of a case.
@@ -202,6 +257,8 @@ pub struct Case {
     pub heads: usize,
     pub head_dim: usize,
     pub rotary_dim: usize,
+    /// The first rotated element of each head.
+    pub rotary_offset: usize,
     pub layout: LayoutKind,
     pub k: KCase,
     pub source: Source,
@@ -244,6 +301,7 @@ impl Case {
     pub fn config(&self) -> rope_host::Result<RopeConfig> {
         RopeConfig::builder(self.head_dim as u32, self.style)
             .rotary_dim(self.rotary_dim as u32)
+            .rotary_offset(self.rotary_offset as u32)
             .direction(self.direction)
             .build()
     }
@@ -297,8 +355,67 @@ impl Case {
         (q, k, b * s * token)
     }
 
-    /// The position of every token, `[batch, seq]`.
+    /// The position of every token on every axis, `[n_axes, batch, seq]`, and the axis of
+    /// every pair (one axis, all pairs on it, for the one-position kinds).
+    pub fn resolved_axes(&self) -> (Array3<i64>, Vec<usize>) {
+        match &self.positions {
+            PosCase::MultiAxis {
+                positions,
+                n_axes,
+                axes,
+                ..
+            } => (
+                Array3::from_shape_fn((*n_axes, self.batch, self.seq), |(a, b, s)| {
+                    positions[(a * self.batch + b) * self.seq + s]
+                }),
+                axes.reference_axes(),
+            ),
+            _ => {
+                let p = self.resolved_positions();
+                (
+                    p.clone()
+                        .into_shape_with_order((1, self.batch, self.seq))
+                        .expect("shape"),
+                    vec![0; self.rotary_dim / 2],
+                )
+            }
+        }
+    }
+
+    /// The frequency of every pair at `theta`: FLUX's per-axis frequencies for axial cases,
+    /// `theta^(-2i / rotary_dim)` otherwise.
+    pub fn inv_freq(&self, theta: f64) -> Vec<f64> {
+        match &self.positions {
+            PosCase::MultiAxis {
+                axes: AxesCase::Axial(d),
+                ..
+            } => reference::axial(d, theta).1,
+            _ => reference::inv_freq(theta, self.rotary_dim),
+        }
+    }
+
+    /// Whether the case needs its own frequency vector (axial cases computed in the kernel).
+    fn axial_dims(&self) -> Option<&[usize]> {
+        match &self.positions {
+            PosCase::MultiAxis {
+                axes: AxesCase::Axial(d),
+                ..
+            } => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The position of every token, `[batch, seq]` (for multi-axis cases, axis 0's).
     pub fn resolved_positions(&self) -> Array2<i64> {
+        let split = match &self.positions {
+            PosCase::VarlenContextParallel {
+                cu_seqlens,
+                size,
+                rank,
+                ..
+            } => reference::context_parallel_positions(cu_seqlens, *size as usize, *rank as usize),
+            _ => Vec::new(),
+        };
         Array2::from_shape_fn((self.batch, self.seq), |(b, s)| match &self.positions {
             PosCase::Offset(o) => *o as i64 + s as i64,
             PosCase::RowOffsets { offsets, .. } => offsets[b] as i64 + s as i64,
@@ -321,6 +438,8 @@ impl Case {
                 let i = i.min(cu_seqlens.len() - 2);
                 s as i64 - cu_seqlens[i] as i64 + offsets.as_ref().map_or(0, |o| o[i] as i64)
             }
+            PosCase::VarlenContextParallel { .. } => split[s],
+            PosCase::MultiAxis { positions, .. } => positions[b * self.seq + s],
         })
     }
 
@@ -342,7 +461,11 @@ impl Case {
                 in_f32,
                 ..
             } => {
-                let (c, s) = reference::tables(theta, self.rotary_dim, max_position);
+                let f = self.inv_freq(theta);
+                let angle = Array2::from_shape_fn((max_position, self.rotary_dim / 2), |(p, i)| {
+                    p as f64 * f[i]
+                });
+                let (c, s) = (angle.mapv(f64::cos), angle.mapv(f64::sin));
                 let round = |v: f64| {
                     if in_f32 {
                         f64::from(v as f32)
@@ -372,6 +495,10 @@ impl Case {
                     sin: table(s),
                 }
             }
+            (Source::Theta(theta), _) if self.axial_dims().is_some() => RefSinCos::Frequencies {
+                inv_freq: self.inv_freq(theta),
+                scale: 1.0,
+            },
             (Source::Theta(theta), _) => RefSinCos::Theta(theta),
             (Source::Table { .. }, None) => unreachable!("table cases have tables"),
         }
@@ -389,6 +516,12 @@ impl Case {
                 offsets,
                 wide,
             } => (widen(cu_seqlens), offsets.as_deref().map(widen), *wide),
+            PosCase::VarlenContextParallel {
+                cu_seqlens, wide, ..
+            } => (widen(cu_seqlens), None, *wide),
+            PosCase::MultiAxis {
+                positions, wide, ..
+            } => (positions.clone(), None, *wide),
         };
         Ok(Some(if wide {
             let aux = aux.map(|a| stream.clone_htod(&a)).transpose()?;
@@ -482,6 +615,10 @@ pub struct DeviceCase<T> {
     pub k: Option<DeviceTensor<T>>,
     pub tables: Option<DeviceTables<T>>,
     pub ids: Option<DeviceArrays>,
+    /// The axis map of a multi-axis case, uploaded at its first launch.
+    pub axis_map: Option<DeviceAxisMap>,
+    /// The frequencies of an axial case computed in the kernel, uploaded at its first launch.
+    pub freqs: Option<Frequencies>,
     /// The host inputs: q (or the fused buffer) and k.
     pub q_host: Vec<T>,
     pub k_host: Vec<T>,
@@ -566,6 +703,8 @@ impl Case {
             k,
             tables,
             ids,
+            axis_map: None,
+            freqs: None,
             q_host,
             k_host,
         })
@@ -577,12 +716,16 @@ fn make_op<'a, T: TestElem>(
     c: &'a Case,
     tables: &'a Option<DeviceTables<T>>,
     arrays: &'a Option<DeviceArrays>,
+    (axis_map, freqs): (&'a Option<DeviceAxisMap>, &'a Option<Frequencies>),
 ) -> rope_host::Result<RopeOp<'a, T>> {
     let shape = |max_position| TableShape {
         max_position,
         rotary_dim: c.rotary_dim as u32,
     };
     let sincos = match (&c.source, tables) {
+        (Source::Theta(_), _) if freqs.is_some() => {
+            SinCos::Frequencies(freqs.as_ref().expect("checked"))
+        }
         (Source::Theta(theta), _) => SinCos::Computed { theta: *theta },
         (Source::Table { max_position, .. }, Some(t)) => {
             let shape = shape(*max_position);
@@ -617,7 +760,17 @@ fn make_op<'a, T: TestElem>(
             cu_seqlens,
             offsets,
         },
+        (PosCase::VarlenContextParallel { size, rank, .. }, Some((cu_seqlens, _))) => {
+            Positions::VarlenContextParallel {
+                cu_seqlens,
+                split: ContextParallel::new(*size, *rank)?,
+            }
+        }
         (PosCase::Ids { shape, .. }, Some((ids, _))) => Positions::Ids { ids, shape: *shape },
+        (PosCase::MultiAxis { .. }, Some((positions, _))) => Positions::MultiAxis {
+            positions,
+            axes: axis_map.as_ref().expect("uploaded at launch"),
+        },
         (_, None) => unreachable!("uploaded with position arrays"),
     };
     Ok(RopeOp {
@@ -656,9 +809,27 @@ impl<T: TestElem> DeviceCase<T> {
             k,
             tables,
             ids,
+            axis_map,
+            freqs,
             ..
         } = self;
-        let op = make_op(case, tables, ids)?;
+        if let PosCase::MultiAxis { n_axes, axes, .. } = &case.positions
+            && axis_map
+                .as_ref()
+                .is_none_or(|m| m.pairs() != case.rotary_dim / 2)
+        {
+            *axis_map = Some(rope.axis_map(&axes.host_map(*n_axes, case.rotary_dim)?)?);
+        }
+        if let (Source::Theta(theta), Some(d)) = (case.source, case.axial_dims())
+            && freqs.is_none()
+        {
+            let spec =
+                FrequencySpec::new(theta, case.rotary_dim as u32).scaling(RopeScaling::Axial {
+                    axes_dim: d.iter().map(|&v| v as u32).collect(),
+                });
+            *freqs = Some(rope.frequencies(&spec)?);
+        }
+        let op = make_op(case, tables, ids, (axis_map, freqs))?;
         match (case.k, k.as_mut()) {
             (KCase::Fused { .. }, _) => {
                 let (ql, kl, _) = case.fused_layouts();
@@ -771,7 +942,7 @@ impl<T: TestElem> DeviceCase<T> {
         let c = self.case.clone();
         let src = c.ref_source::<T>();
         let fetch = |s: &CudaSlice<T>| stream.clone_dtoh(s).map_err(|e| e.to_string());
-        let positions = c.resolved_positions();
+        let (positions, axes) = c.resolved_axes();
         // x, the output and the reference at the sampled tokens, as `[tokens, 1, heads, d]`.
         let triple = |host: &[T], layout: &Layout, got: Array4<f64>| {
             let x = gather(host, layout);
@@ -780,18 +951,20 @@ impl<T: TestElem> DeviceCase<T> {
                 Some(tokens) => (
                     pick_tokens(&x, tokens),
                     pick_tokens(&got, tokens),
-                    Array2::from_shape_fn((tokens.len(), 1), |(i, _)| {
-                        positions[[tokens[i].0, tokens[i].1]]
+                    Array3::from_shape_fn((positions.dim().0, tokens.len(), 1), |(a, i, _)| {
+                        positions[[a, tokens[i].0, tokens[i].1]]
                     }),
                 ),
             };
-            let want = reference::rope_partial(
+            let want = reference::rope_axes(
                 x.view(),
                 pos.view(),
+                &axes,
                 c.style,
                 c.direction,
                 &src,
                 c.rotary_dim,
+                c.rotary_offset,
             );
             (x, got, want)
         };
@@ -871,7 +1044,7 @@ pub fn compare<T: TestElem>(
     want: &Array4<f64>,
     heads: usize,
 ) -> Result<Comparison, String> {
-    let (r, d) = (case.rotary_dim, case.head_dim);
+    let (r, d, o) = (case.rotary_dim, case.head_dim, case.rotary_offset);
     let poison = T::poison().to_f64().to_bits();
     let mut cmp = Comparison::default();
     for ((idx, &g), &w) in got.indexed_iter().zip(want.iter()) {
@@ -888,14 +1061,16 @@ pub fn compare<T: TestElem>(
             }
             continue;
         }
-        let tol = if e >= r {
+        let rotated = (o..o + r).contains(&e);
+        let tol = if !rotated {
             0.0
         } else {
             let i = match case.style {
-                RopeStyle::Interleaved => e / 2,
-                RopeStyle::Neox => e % (r / 2),
+                RopeStyle::Interleaved => (e - o) / 2,
+                RopeStyle::Neox => (e - o) % (r / 2),
             };
             let (ia, ib) = reference::pair(case.style, i, r);
+            let (ia, ib) = (ia + o, ib + o);
             let f32_bound = f32_tolerance(x[[b, s, h, ia]], x[[b, s, h, ib]]);
             if T::NAME == "f32" {
                 f32_bound
@@ -905,7 +1080,7 @@ pub fn compare<T: TestElem>(
                 T::ulp(T::from_f64(w)) + f32_bound
             }
         };
-        let want_t = if T::NAME == "f32" || e >= r {
+        let want_t = if T::NAME == "f32" || !rotated {
             w
         } else {
             T::from_f64(w).to_f64()
@@ -913,7 +1088,7 @@ pub fn compare<T: TestElem>(
         let err = (g - want_t).abs();
         if err.is_nan() || err > tol {
             return Err(format!(
-                "{at}: got {g}, reference {w}, error {err:.3e} > tolerance {tol:.3e} (d {d}, rotary {r})"
+                "{at}: got {g}, reference {w}, error {err:.3e} > tolerance {tol:.3e} (d {d}, rotary {r} at {o})"
             ));
         }
         cmp.max_abs_err = cmp.max_abs_err.max((g - w).abs());

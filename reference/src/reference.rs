@@ -3,7 +3,7 @@
 //! `x` is `[batch, seq, heads, head_dim]`; positions are resolved to one `i64` per token
 //! (`[batch, seq]`) before the reference sees them, so every position source shares one path.
 
-use ndarray::{Array2, Array4, ArrayView2, ArrayView4, Axis};
+use ndarray::{Array2, Array4, ArrayView2, ArrayView3, ArrayView4, Axis};
 use rope_host::{Direction, RopeStyle};
 
 /// Where the reference takes cos/sin from.
@@ -131,4 +131,104 @@ pub fn rope_partial(
         y[[b, s, h, ib]] = bb * c + a * sn;
     }
     y
+}
+
+/// The axis of each pair under Qwen2-VL's mRoPE, as transformers' `apply_multimodal_rotary_pos_emb`
+/// builds cos/sin: the frequency vector split into chunks of `mrope_section` (`[s_t, s_h, s_w]`),
+/// chunk `i` taken from the position of axis `i % 3`.
+pub fn mrope_axes(mrope_section: [usize; 3]) -> Vec<usize> {
+    let mut axes = Vec::new();
+    for (i, &len) in mrope_section.iter().enumerate() {
+        axes.extend(std::iter::repeat_n(i % 3, len));
+    }
+    axes
+}
+
+/// The axis of each pair under Qwen3-VL's interleaved mRoPE, as transformers'
+/// `apply_interleaved_mrope` writes it: start from the temporal frequencies, then for
+/// `(dim, offset)` in `(1, 1), (2, 2)` overwrite the indices `offset, offset + 3, ...` below
+/// `3 * mrope_section[dim]` with axis `dim`'s.
+pub fn mrope_interleaved_axes(mrope_section: [usize; 3]) -> Vec<usize> {
+    let half: usize = mrope_section.iter().sum();
+    let mut axes = vec![0; half];
+    for (dim, offset) in [(1usize, 1usize), (2, 2)] {
+        let length = mrope_section[dim] * 3;
+        for idx in (offset..length.min(half)).step_by(3) {
+            axes[idx] = dim;
+        }
+    }
+    axes
+}
+
+/// The axis of each pair and its frequency under FLUX's `EmbedND`: the concatenation over axes
+/// `a` of `rope(ids[..., a], axes_dim[a], theta)`, whose `omega = 1 / theta^(arange(0, d, 2) / d)`.
+pub fn axial(axes_dim: &[usize], theta: f64) -> (Vec<usize>, Vec<f64>) {
+    let mut axes = Vec::new();
+    let mut inv_freq = Vec::new();
+    for (a, &d) in axes_dim.iter().enumerate() {
+        for k in (0..d).step_by(2) {
+            axes.push(a);
+            inv_freq.push(1.0 / theta.powf(k as f64 / d as f64));
+        }
+    }
+    (axes, inv_freq)
+}
+
+/// RoPE of `x` in f64 with multi-axis positions and a rotated slice at an offset: pair `i`
+/// (`i < rotary_dim / 2`) of token `(b, s)` rotates by the position `positions[axes[i], b, s]`
+/// ([`rope_partial`]'s rotation); its elements are those of [`pair`] shifted by
+/// `rotary_offset`; every other element passes through. One axis with `axes` all 0 and offset
+/// 0 is [`rope_partial`].
+#[allow(clippy::too_many_arguments)]
+pub fn rope_axes(
+    x: ArrayView4<'_, f64>,
+    positions: ArrayView3<'_, i64>,
+    axes: &[usize],
+    style: RopeStyle,
+    direction: Direction,
+    src: &RefSinCos,
+    rotary_dim: usize,
+    rotary_offset: usize,
+) -> Array4<f64> {
+    let sign = match direction {
+        Direction::Forward => 1.0,
+        Direction::Backward => -1.0,
+    };
+    let (batch, seq, heads, _) = x.dim();
+    let mut y = x.to_owned();
+    for b in 0..batch {
+        for s in 0..seq {
+            for i in 0..rotary_dim / 2 {
+                let p = positions[[axes[i], b, s]];
+                let (c, sn) = cos_sin(src, p, i, rotary_dim);
+                let sn = sign * sn;
+                let (ia, ib) = pair(style, i, rotary_dim);
+                let (ia, ib) = (ia + rotary_offset, ib + rotary_offset);
+                for h in 0..heads {
+                    let (a, bb) = (x[[b, s, h, ia]], x[[b, s, h, ib]]);
+                    y[[b, s, h, ia]] = a * c - bb * sn;
+                    y[[b, s, h, ib]] = bb * c + a * sn;
+                }
+            }
+        }
+    }
+    y
+}
+
+/// The position of each token a context-parallel rank holds, as Megatron-LM's
+/// `get_batch_on_this_cp_rank` and Transformer Engine's THD split lay them out: every whole
+/// sequence (`cu_seqlens` bound the whole sequences, each length divisible by `2 * size`) is
+/// cut into `2 * size` equal chunks of its positions `0..L`, rank `rank` keeps chunks `rank`
+/// and `2 * size - 1 - rank` in that order, and the rank's tokens are those of every sequence
+/// in turn.
+pub fn context_parallel_positions(cu_seqlens: &[u32], size: usize, rank: usize) -> Vec<i64> {
+    let mut out = Vec::new();
+    for w in cu_seqlens.windows(2) {
+        let len = (w[1] - w[0]) as i64;
+        let chunk = len / (2 * size as i64);
+        for c in [rank as i64, (2 * size - 1 - rank) as i64] {
+            out.extend(c * chunk..(c + 1) * chunk);
+        }
+    }
+    out
 }

@@ -226,6 +226,20 @@ impl Rope {
         self.upload_frequencies(&inv_freq, rotary_dim, attention_factor, angle)
     }
 
+    /// Uploads an axis map for [`crate::Positions::MultiAxis`]; complete on the device when
+    /// this returns, so launches on any stream (and captured graphs) may read it.
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] when the upload fails.
+    pub fn axis_map(&self, map: &crate::AxisMap) -> Result<crate::DeviceAxisMap> {
+        let axes = self.stream.clone_htod(map.axes())?;
+        self.stream.synchronize()?;
+        Ok(crate::DeviceAxisMap {
+            axes,
+            n_axes: map.n_axes(),
+        })
+    }
+
     /// Uploads checked frequencies, complete on the device when this returns, so launches on
     /// any stream may read them.
     fn upload_frequencies(

@@ -55,7 +55,9 @@ mod table;
 pub use bind::RawBuf;
 pub use cudarc;
 pub use error::{Error, Result};
-pub use freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, inv_freq};
+pub use freq::{
+    AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, axial_inv_freq, inv_freq,
+};
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
@@ -64,7 +66,10 @@ pub use op::{
     DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
     TensorMut,
 };
-pub use positions::{DeviceInts, IdsShape, IntType, Positions, RawInts, RawPositions};
+pub use positions::{
+    AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, Positions, RawAxisMap,
+    RawInts, RawPositions,
+};
 pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
 pub use sincos::{RawSinCos, SinCos, TableShape};
 pub use table::{SinCosTables, TableData, TableFormat};

@@ -50,6 +50,7 @@ impl RopeElem for half::bf16 {
 pub struct RopeConfig {
     head_dim: u32,
     rotary_dim: u32,
+    rotary_offset: u32,
     style: RopeStyle,
     direction: Direction,
 }
@@ -60,6 +61,7 @@ impl RopeConfig {
         RopeConfigBuilder {
             head_dim,
             rotary_dim: None,
+            rotary_offset: 0,
             style,
             direction: Direction::Forward,
         }
@@ -68,9 +70,14 @@ impl RopeConfig {
     pub fn head_dim(&self) -> u32 {
         self.head_dim
     }
-    /// Rotated elements per head (the first `rotary_dim`; the rest pass through).
+    /// Rotated elements per head (`rotary_offset..rotary_offset + rotary_dim`; the rest pass
+    /// through).
     pub fn rotary_dim(&self) -> u32 {
         self.rotary_dim
+    }
+    /// The first rotated element of each head (0 unless set).
+    pub fn rotary_offset(&self) -> u32 {
+        self.rotary_offset
     }
     /// The pairing.
     pub fn style(&self) -> RopeStyle {
@@ -91,6 +98,7 @@ impl RopeConfig {
 pub struct RopeConfigBuilder {
     head_dim: u32,
     rotary_dim: Option<u32>,
+    rotary_offset: u32,
     style: RopeStyle,
     direction: Direction,
 }
@@ -103,6 +111,19 @@ impl RopeConfigBuilder {
         self
     }
 
+    /// Rotate elements `rotary_offset..rotary_offset + rotary_dim` of each head instead of the
+    /// first `rotary_dim`, the others passing through (copied out of place, untouched in
+    /// place): DeepSeek-V2/V3's multi-head latent attention keeps the rotary part of a head
+    /// after its `qk_nope_head_dim` other features. Defaults to 0.
+    ///
+    /// With interleaved pairs the offset must be even; the kernels' access width is the
+    /// largest that divides it (an offset that is a multiple of 8 elements, or 4 for NeoX
+    /// pairs of 16-bit elements, keeps the widest accesses).
+    pub fn rotary_offset(mut self, rotary_offset: u32) -> Self {
+        self.rotary_offset = rotary_offset;
+        self
+    }
+
     /// Forward or backward; defaults to [`Direction::Forward`].
     pub fn direction(mut self, direction: Direction) -> Self {
         self.direction = direction;
@@ -112,8 +133,10 @@ impl RopeConfigBuilder {
     /// Checks and returns the configuration.
     ///
     /// # Errors
-    /// [`crate::Error::Invalid`] naming `head_dim` when it is zero or odd, or `rotary_dim`
-    /// when it is zero, odd or larger than `head_dim`.
+    /// [`crate::Error::Invalid`] naming `head_dim` when it is zero or odd, `rotary_dim`
+    /// when it is zero, odd or larger than `head_dim`, or `rotary_offset` when
+    /// `rotary_offset + rotary_dim` exceeds `head_dim` or interleaved pairs would start at an
+    /// odd offset (no access of whole pairs is aligned there).
     pub fn build(self) -> Result<RopeConfig> {
         if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(invalid(
@@ -131,9 +154,26 @@ impl RopeConfigBuilder {
                 ),
             ));
         }
+        let offset = self.rotary_offset;
+        if u64::from(offset) + u64::from(rotary_dim) > u64::from(self.head_dim) {
+            return Err(invalid(
+                "rotary_offset",
+                format!(
+                    "rotary_offset {offset} + rotary_dim {rotary_dim} exceeds head_dim {}",
+                    self.head_dim
+                ),
+            ));
+        }
+        if self.style == RopeStyle::Interleaved && !offset.is_multiple_of(2) {
+            return Err(invalid(
+                "rotary_offset",
+                format!("interleaved pairs need an even rotary_offset, got {offset}"),
+            ));
+        }
         Ok(RopeConfig {
             head_dim: self.head_dim,
             rotary_dim,
+            rotary_offset: offset,
             style: self.style,
             direction: self.direction,
         })
@@ -228,6 +268,34 @@ mod tests {
                 "{err}"
             );
         }
+        for (style, r, o) in [
+            (RopeStyle::Neox, 64, 65),
+            (RopeStyle::Neox, 128, 1),
+            (RopeStyle::Interleaved, 64, 3),
+            (RopeStyle::Interleaved, 2, u32::MAX),
+        ] {
+            let err = RopeConfig::builder(128, style)
+                .rotary_dim(r)
+                .rotary_offset(o)
+                .build()
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Invalid {
+                        arg: "rotary_offset",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+        }
+        let mla = RopeConfig::builder(192, RopeStyle::Interleaved)
+            .rotary_dim(64)
+            .rotary_offset(128)
+            .build()
+            .expect("DeepSeek-V3's q head: 128 + 64");
+        assert_eq!((mla.rotary_offset(), mla.half()), (128, 32));
         for r in [0, 3, 130] {
             let err = RopeConfig::builder(128, RopeStyle::Neox)
                 .rotary_dim(r)

@@ -9,10 +9,13 @@
 //! instead: a position outside a table makes that token's outputs NaN, and malformed
 //! `cu_seqlens` give wrong positions but never a read or write outside the arrays or tensors.
 //!
-//! A new position kind touches this file and the kernel's `position` function.
+//! A new position kind touches this file and the kernel's `position` function (multi-axis
+//! positions also the kernel's `cos_sin_axes`, since each pair reads its own axis).
 
-use cudarc::driver::CudaView;
-use rope_kernels::abi::PositionCode;
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
+use std::num::NonZeroU32;
+
+use rope_kernels::abi::{ContextParallelSplit, MAX_AXES, PositionCode};
 
 use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};
@@ -94,6 +97,292 @@ pub enum Positions<'a> {
         /// integer type; `None` for zeros.
         offsets: Option<DeviceInts<'a>>,
     },
+    /// Packed sequences split over context-parallel ranks ([`crate::Layout::thd`], batch 1),
+    /// as Megatron-LM and Transformer Engine split them: `cu_seqlens` bound the *whole*
+    /// sequences (each length divisible by `2 * size`), the tensor holds this rank's `L / size`
+    /// tokens of each sequence of whole length `L`: chunks `rank` and `2 * size - 1 - rank`
+    /// of its `2 * size` equal chunks, so local token `s` of a sequence is at
+    /// `rank * c + s` for `s < c` and at `(2 * size - 1 - rank) * c + (s - c)` after, with
+    /// `c = L / (2 * size)`. Positions are derived in the kernel: no id tensor is built.
+    VarlenContextParallel {
+        /// Cumulative whole-sequence lengths, `[num_seqs + 1]`.
+        cu_seqlens: DeviceInts<'a>,
+        /// The ranks and this rank.
+        split: ContextParallel,
+    },
+    /// Multi-axis positions (Qwen2-VL's mRoPE, Qwen3-VL's interleaved mRoPE, FLUX's N-D axial
+    /// RoPE): `positions` holds `[n_axes, batch * seq]` integers, row `a` axis `a`'s position of
+    /// token `b * seq + s` (Qwen2-VL's `position_ids [3, batch, seq]` as it is), and pair `j`
+    /// rotates by the position of axis `axes[j]` ([`AxisMap`], uploaded by
+    /// [`crate::Rope::axis_map`]). Tokens whose axes all hold one position (text tokens) get
+    /// exactly what [`Positions::Ids`] gives for it.
+    MultiAxis {
+        /// `[n_axes, batch * seq]` positions.
+        positions: DeviceInts<'a>,
+        /// Which axis each pair takes its position from.
+        axes: &'a DeviceAxisMap,
+    },
+}
+
+/// A context-parallel split for [`Positions::VarlenContextParallel`]: `size` ranks, this one
+/// `rank`; checked on construction.
+///
+/// ```
+/// use rope_host::ContextParallel;
+/// let split = ContextParallel::new(4, 1)?;
+/// assert_eq!((split.size(), split.rank()), (4, 1));
+/// assert!(ContextParallel::new(4, 4).is_err());
+/// # Ok::<(), rope_host::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ContextParallel {
+    split: ContextParallelSplit,
+}
+
+impl ContextParallel {
+    /// The most ranks: the kernel multiplies a local token index by the size in 64 bits.
+    pub const MAX_SIZE: u32 = 1 << 16;
+
+    /// `size` ranks, this one `rank`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `cp_size` when `size` is outside `1..=65536`, naming
+    /// `cp_rank` when `rank >= size`.
+    pub fn new(size: u32, rank: u32) -> Result<Self> {
+        let size = NonZeroU32::new(size)
+            .filter(|s| s.get() <= Self::MAX_SIZE)
+            .ok_or_else(|| {
+                invalid(
+                    "cp_size",
+                    format!("must lie in 1..={}, got {size}", Self::MAX_SIZE),
+                )
+            })?;
+        if rank >= size.get() {
+            return Err(invalid(
+                "cp_rank",
+                format!("must be below cp_size {size}, got {rank}"),
+            ));
+        }
+        Ok(Self {
+            split: ContextParallelSplit { size, rank },
+        })
+    }
+
+    /// The number of ranks.
+    pub fn size(self) -> u32 {
+        self.split.size.get()
+    }
+
+    /// This rank.
+    pub fn rank(self) -> u32 {
+        self.split.rank
+    }
+}
+
+/// Which position axis each rotated pair `j < rotary_dim / 2` takes its position from, for
+/// [`Positions::MultiAxis`]; checked on construction (every entry below `n_axes`, `n_axes` in
+/// `1..=4`) and uploaded once by [`crate::Rope::axis_map`].
+///
+/// ```
+/// use rope_host::AxisMap;
+/// // Qwen2.5-VL-7B: head_dim 128, mrope_section [16, 24, 24].
+/// let map = AxisMap::mrope([16, 24, 24], 128)?;
+/// assert_eq!((map.n_axes(), &map.axes()[14..18]), (3, &[0, 0, 1, 1][..]));
+/// # Ok::<(), rope_host::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct AxisMap {
+    n_axes: u32,
+    axes: Vec<u8>,
+}
+
+impl AxisMap {
+    /// A map of `n_axes` axes, `axes[j]` the axis of pair `j`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `axes` when `n_axes` is outside `1..=4`, the map is
+    /// empty or an entry is not below `n_axes`.
+    pub fn new(n_axes: u32, axes: Vec<u8>) -> Result<Self> {
+        if !(1..=MAX_AXES).contains(&n_axes) {
+            return Err(invalid(
+                "axes",
+                format!("n_axes must lie in 1..={MAX_AXES}, got {n_axes}"),
+            ));
+        }
+        if axes.is_empty() {
+            return Err(invalid("axes", "the map must cover at least one pair"));
+        }
+        if let Some((j, a)) = axes
+            .iter()
+            .enumerate()
+            .find(|(_, a)| u32::from(**a) >= n_axes)
+        {
+            return Err(invalid(
+                "axes",
+                format!("pair {j} takes axis {a}, but there are {n_axes} axes"),
+            ));
+        }
+        Ok(Self { n_axes, axes })
+    }
+
+    /// Qwen2-VL's and Qwen2.5-VL's mRoPE: `mrope_section = [s_t, s_h, s_w]` with
+    /// `s_t + s_h + s_w = rotary_dim / 2`; pairs `0..s_t` take the temporal position (axis 0),
+    /// the next `s_h` the height (axis 1), the last `s_w` the width (axis 2).
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `mrope_section` when the sections do not sum to
+    /// `rotary_dim / 2`, and `rotary_dim` when it is odd or below 2.
+    pub fn mrope(mrope_section: [u32; 3], rotary_dim: u32) -> Result<Self> {
+        let half = check_sections(mrope_section, rotary_dim)?;
+        let axes = (0..half)
+            .map(|j| {
+                if j < mrope_section[0] {
+                    0
+                } else if j < mrope_section[0] + mrope_section[1] {
+                    1
+                } else {
+                    2
+                }
+            })
+            .collect();
+        Self::new(3, axes)
+    }
+
+    /// Qwen3-VL's interleaved mRoPE (`mrope_interleaved`), as transformers'
+    /// `apply_interleaved_mrope` assigns it: pair `j` takes the height (axis 1) when
+    /// `j % 3 == 1` and `j < 3 s_h`, the width (axis 2) when `j % 3 == 2` and `j < 3 s_w`, and
+    /// the temporal position (axis 0) otherwise (`[T H W T H W ... T T]`).
+    ///
+    /// # Errors
+    /// As [`AxisMap::mrope`].
+    pub fn mrope_interleaved(mrope_section: [u32; 3], rotary_dim: u32) -> Result<Self> {
+        let half = check_sections(mrope_section, rotary_dim)?;
+        let axes = (0..half)
+            .map(|j| match j % 3 {
+                1 if j < 3 * mrope_section[1] => 1,
+                2 if j < 3 * mrope_section[2] => 2,
+                _ => 0,
+            })
+            .collect();
+        Self::new(3, axes)
+    }
+
+    /// FLUX's N-D axial RoPE (`EmbedND`): axis `a` owns a contiguous block of
+    /// `axes_dim[a] / 2` pairs, in axis order. Its frequencies, `theta^(-2i / axes_dim[a])`
+    /// within each block, come from [`crate::RopeScaling::Axial`].
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming `axes_dim` when it has no entry or more than 4, an
+    /// entry is odd or zero, or the entries do not sum to `rotary_dim`.
+    pub fn axial(axes_dim: &[u32], rotary_dim: u32) -> Result<Self> {
+        check_axes_dim(axes_dim, rotary_dim)?;
+        let axes = axes_dim
+            .iter()
+            .enumerate()
+            .flat_map(|(a, &d)| std::iter::repeat_n(a as u8, d as usize / 2))
+            .collect();
+        Self::new(axes_dim.len() as u32, axes)
+    }
+
+    /// Number of position axes (rows of the positions array).
+    pub fn n_axes(&self) -> u32 {
+        self.n_axes
+    }
+
+    /// The axis of each pair.
+    pub fn axes(&self) -> &[u8] {
+        &self.axes
+    }
+}
+
+/// Checks `mrope_section` against `rotary_dim`; returns `rotary_dim / 2`.
+fn check_sections(sections: [u32; 3], rotary_dim: u32) -> Result<u32> {
+    if rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
+        return Err(invalid(
+            "rotary_dim",
+            format!("must be even and at least 2, got {rotary_dim}"),
+        ));
+    }
+    let sum: u64 = sections.iter().map(|&s| u64::from(s)).sum();
+    if sum != u64::from(rotary_dim / 2) {
+        return Err(invalid(
+            "mrope_section",
+            format!(
+                "{sections:?} sums to {sum}, rotary_dim / 2 is {}",
+                rotary_dim / 2
+            ),
+        ));
+    }
+    Ok(rotary_dim / 2)
+}
+
+/// Checks FLUX's `axes_dim` against `rotary_dim`: 1 to 4 even, nonzero entries summing to it.
+pub(crate) fn check_axes_dim(axes_dim: &[u32], rotary_dim: u32) -> Result<()> {
+    if !(1..=MAX_AXES as usize).contains(&axes_dim.len()) {
+        return Err(invalid(
+            "axes_dim",
+            format!("needs 1 to {MAX_AXES} axes, got {}", axes_dim.len()),
+        ));
+    }
+    if let Some(d) = axes_dim.iter().find(|&&d| d == 0 || !d.is_multiple_of(2)) {
+        return Err(invalid(
+            "axes_dim",
+            format!("every axis needs an even, nonzero width, got {d} in {axes_dim:?}"),
+        ));
+    }
+    let sum: u64 = axes_dim.iter().map(|&d| u64::from(d)).sum();
+    if sum != u64::from(rotary_dim) {
+        return Err(invalid(
+            "axes_dim",
+            format!("{axes_dim:?} sums to {sum}, rotary_dim is {rotary_dim}"),
+        ));
+    }
+    Ok(())
+}
+
+/// An [`AxisMap`] on the device, made by [`crate::Rope::axis_map`]: complete when made, so
+/// launches on any stream (and captured graphs) may read it.
+#[derive(Debug)]
+pub struct DeviceAxisMap {
+    pub(crate) axes: CudaSlice<u8>,
+    pub(crate) n_axes: u32,
+}
+
+impl DeviceAxisMap {
+    /// Number of position axes.
+    pub fn n_axes(&self) -> u32 {
+        self.n_axes
+    }
+
+    /// Pairs covered (`rotary_dim / 2` of the launches it serves).
+    pub fn pairs(&self) -> usize {
+        self.axes.len()
+    }
+
+    /// The map by address, for [`RawPositions::MultiAxis`].
+    pub fn raw(&self) -> RawAxisMap {
+        let stream = self.axes.stream();
+        // The map is never written after its upload, so no later use needs ordering after the
+        // read this records.
+        let ptr = self.axes.device_ptr(stream).0;
+        RawAxisMap {
+            axes: RawBuf {
+                ptr,
+                len: self.axes.len(),
+            },
+            n_axes: self.n_axes,
+        }
+    }
+}
+
+/// An axis map given by address: `axes.len` `u8` axis indices at `axes.ptr`, for `n_axes`
+/// axes. Its values are device data: the kernel clamps each to `n_axes - 1`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawAxisMap {
+    /// One `u8` per pair.
+    pub axes: RawBuf,
+    /// Rows of the positions array, 1 to 4.
+    pub n_axes: u32,
 }
 
 /// [`Positions`] with device arrays given by address: what [`crate::Rope::run_raw`] takes and
@@ -117,6 +406,20 @@ pub enum RawPositions {
         cu_seqlens: RawInts,
         /// Per-sequence offsets.
         offsets: Option<RawInts>,
+    },
+    /// As [`Positions::VarlenContextParallel`].
+    VarlenContextParallel {
+        /// Cumulative whole-sequence lengths.
+        cu_seqlens: RawInts,
+        /// The ranks and this rank.
+        split: ContextParallel,
+    },
+    /// As [`Positions::MultiAxis`].
+    MultiAxis {
+        /// `[n_axes, batch * seq]` positions.
+        positions: RawInts,
+        /// The axis of each pair.
+        axes: RawAxisMap,
     },
 }
 
@@ -175,6 +478,19 @@ impl Positions<'_> {
                 cu_seqlens: cu_seqlens.bind(binder)?,
                 offsets: offsets.as_ref().map(|o| o.bind(binder)).transpose()?,
             },
+            Self::VarlenContextParallel { cu_seqlens, split } => {
+                RawPositions::VarlenContextParallel {
+                    cu_seqlens: cu_seqlens.bind(binder)?,
+                    split: *split,
+                }
+            }
+            Self::MultiAxis { positions, axes } => RawPositions::MultiAxis {
+                positions: positions.bind(binder)?,
+                axes: RawAxisMap {
+                    axes: binder.read("positions", &axes.axes)?,
+                    n_axes: axes.n_axes,
+                },
+            },
         })
     }
 }
@@ -208,12 +524,13 @@ impl RawInts {
 }
 
 impl RawPositions {
-    /// Checks the positions against q's `batch` and `seq`.
+    /// Checks the positions against q's `batch` and `seq` and the `half` rotated pairs.
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] naming `positions`: arrays of the wrong length, type or
-    /// alignment, packed sequences with a batch other than 1.
-    pub(crate) fn check(&self, batch: usize, seq: usize) -> Result<PositionsPlan> {
+    /// alignment, packed sequences with a batch other than 1, axis maps of another length than
+    /// `half` or with `n_axes` outside `1..=4`.
+    pub(crate) fn check(&self, batch: usize, seq: usize, half: u32) -> Result<PositionsPlan> {
         let plan = |code, base, count, max_implicit| PositionsPlan {
             code,
             base,
@@ -274,6 +591,40 @@ impl RawPositions {
                 let code = wide(cu_seqlens, PositionCode::VarlenI32, PositionCode::VarlenI64);
                 plan(code, 0, count, None)
             }
+            Self::VarlenContextParallel { cu_seqlens, split } => {
+                let count = check_varlen(cu_seqlens, None, batch)?;
+                let code = wide(cu_seqlens, PositionCode::VarlenI32, PositionCode::VarlenI64);
+                plan(code, split.split.to_base(), count, None)
+            }
+            Self::MultiAxis { positions, axes } => {
+                let n = axes.n_axes;
+                if !(1..=MAX_AXES).contains(&n) {
+                    return Err(invalid(
+                        "positions",
+                        format!("n_axes must lie in 1..={MAX_AXES}, got {n}"),
+                    ));
+                }
+                if axes.axes.len != half as usize {
+                    return Err(invalid(
+                        "positions",
+                        format!(
+                            "the axis map covers {} pairs, rotary_dim / 2 is {half}",
+                            axes.axes.len
+                        ),
+                    ));
+                }
+                let tokens = (batch as u64).saturating_mul(seq as u64);
+                positions.check(
+                    u64::from(n).saturating_mul(tokens),
+                    &format!("positions [{n} axes, batch * seq]"),
+                )?;
+                let code = wide(
+                    positions,
+                    PositionCode::MultiAxisI32,
+                    PositionCode::MultiAxisI64,
+                );
+                plan(code, 0, n, None)
+            }
         })
     }
 
@@ -281,7 +632,11 @@ impl RawPositions {
     pub(crate) fn device_reads(&self) -> Vec<(u64, u64)> {
         match self {
             Self::Offset(_) => Vec::new(),
-            Self::RowOffsets(ints) | Self::Ids { ids: ints, .. } => vec![ints.bytes()],
+            Self::RowOffsets(ints)
+            | Self::Ids { ids: ints, .. }
+            | Self::VarlenContextParallel {
+                cu_seqlens: ints, ..
+            } => vec![ints.bytes()],
             Self::Varlen {
                 cu_seqlens,
                 offsets,
@@ -289,6 +644,9 @@ impl RawPositions {
                 .chain(offsets)
                 .map(RawInts::bytes)
                 .collect(),
+            Self::MultiAxis { positions, axes } => {
+                vec![positions.bytes(), (axes.axes.ptr, axes.axes.len as u64)]
+            }
         }
     }
 
@@ -296,11 +654,16 @@ impl RawPositions {
     pub(crate) fn encode(&self, plan: &PositionsPlan) -> PositionArgs {
         let (pos_ptr, pos_aux) = match self {
             Self::Offset(_) => (0, 0),
-            Self::RowOffsets(ints) | Self::Ids { ids: ints, .. } => (ints.buf.ptr, 0),
+            Self::RowOffsets(ints)
+            | Self::Ids { ids: ints, .. }
+            | Self::VarlenContextParallel {
+                cu_seqlens: ints, ..
+            } => (ints.buf.ptr, 0),
             Self::Varlen {
                 cu_seqlens,
                 offsets,
             } => (cu_seqlens.buf.ptr, offsets.map_or(0, |o| o.buf.ptr)),
+            Self::MultiAxis { positions, axes } => (positions.buf.ptr, axes.axes.ptr),
         };
         PositionArgs {
             positions: plan.code as u32,
@@ -364,10 +727,10 @@ mod tests {
 
     #[test]
     fn varlen_arrays_need_one_more_boundary_than_offsets_and_one_type() {
-        let plan = varlen(3, None).check(1, 10).expect("two sequences");
+        let plan = varlen(3, None).check(1, 10, 4).expect("two sequences");
         assert_eq!((plan.code, plan.count), (PositionCode::VarlenI32, 2));
         varlen(3, Some(ints(64, 2, IntType::I32)))
-            .check(1, 10)
+            .check(1, 10, 4)
             .expect("two offsets");
         for bad in [
             varlen(1, None),
@@ -376,17 +739,17 @@ mod tests {
             varlen(3, Some(ints(64, 2, IntType::I64))),
             varlen(3, Some(ints(66, 2, IntType::I32))),
         ] {
-            assert!(bad.check(1, 10).is_err(), "{bad:?}");
+            assert!(bad.check(1, 10, 4).is_err(), "{bad:?}");
         }
-        assert!(varlen(3, None).check(2, 10).is_err(), "batch 2");
+        assert!(varlen(3, None).check(2, 10, 4).is_err(), "batch 2");
     }
 
     #[test]
     fn only_offsets_bound_the_largest_position_on_the_host() {
-        let plan = RawPositions::Offset(5).check(3, 10).expect("valid");
+        let plan = RawPositions::Offset(5).check(3, 10, 4).expect("valid");
         assert_eq!(plan.max_implicit, Some(14));
         let rows = RawPositions::RowOffsets(ints(0, 3, IntType::I64));
-        let plan = rows.check(3, 4).expect("valid");
+        let plan = rows.check(3, 4, 4).expect("valid");
         assert_eq!(
             (plan.code, plan.max_implicit),
             (PositionCode::RowOffsetsI64, None)
@@ -399,7 +762,7 @@ mod tests {
             (IntType::I32, PositionCode::IdsI32PerRow),
             (IntType::I64, PositionCode::IdsI64PerRow),
         ] {
-            let plan = RawPositions::RowOffsets(ints(0, 64, ty)).check(64, 1);
+            let plan = RawPositions::RowOffsets(ints(0, 64, ty)).check(64, 1, 4);
             assert_eq!(plan.expect("valid").code, code);
         }
     }
@@ -410,17 +773,127 @@ mod tests {
             ids: ints(ptr, len, IntType::I64),
             shape,
         };
-        ids(0, 4, IdsShape::Shared).check(3, 4).expect("[seq]");
+        ids(0, 4, IdsShape::Shared).check(3, 4, 4).expect("[seq]");
         ids(0, 12, IdsShape::PerRow)
-            .check(3, 4)
+            .check(3, 4, 4)
             .expect("[batch, seq]");
-        assert!(ids(0, 12, IdsShape::Shared).check(3, 4).is_err());
+        assert!(ids(0, 12, IdsShape::Shared).check(3, 4, 4).is_err());
         assert!(
-            ids(4, 4, IdsShape::Shared).check(3, 4).is_err(),
+            ids(4, 4, IdsShape::Shared).check(3, 4, 4).is_err(),
             "misaligned"
         );
         let rows = |len| RawPositions::RowOffsets(ints(0, len, IntType::I32));
-        assert!(rows(2).check(3, 4).is_err());
-        rows(3).check(3, 4).expect("one per row");
+        assert!(rows(2).check(3, 4, 4).is_err());
+        rows(3).check(3, 4, 4).expect("one per row");
+    }
+
+    fn arg_of<T: std::fmt::Debug>(r: Result<T>) -> &'static str {
+        match r {
+            Err(crate::Error::Invalid { arg, .. }) => arg,
+            other => panic!("expected Error::Invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn mrope_sections_take_consecutive_pairs() {
+        // Written out by hand: t t h h h w for sections [2, 3, 1].
+        let map = AxisMap::mrope([2, 3, 1], 12).expect("valid");
+        assert_eq!((map.n_axes(), map.axes()), (3, &[0, 0, 1, 1, 1, 2][..]));
+        // Qwen2.5-VL-7B: 16 temporal, 24 height, 24 width pairs.
+        let qwen = AxisMap::mrope([16, 24, 24], 128).expect("valid");
+        let count = |a| qwen.axes().iter().filter(|&&x| x == a).count();
+        assert_eq!((count(0), count(1), count(2)), (16, 24, 24));
+        assert_eq!(
+            (qwen.axes()[15], qwen.axes()[16], qwen.axes()[40]),
+            (0, 1, 2)
+        );
+    }
+
+    #[test]
+    fn interleaved_mrope_is_qwen3_vl_assignment() {
+        // apply_interleaved_mrope: h at 1::3 below 3 s_h, w at 2::3 below 3 s_w, t elsewhere.
+        let map = AxisMap::mrope_interleaved([4, 2, 2], 16).expect("valid");
+        assert_eq!(map.axes(), &[0, 1, 2, 0, 1, 2, 0, 0]);
+        // Qwen3-VL: [24, 20, 20] over 64 pairs: THW repeated 20 times, then TTTT.
+        let q3 = AxisMap::mrope_interleaved([24, 20, 20], 128).expect("valid");
+        let want: Vec<u8> = (0..64)
+            .map(|j| if j >= 60 { 0 } else { (j % 3) as u8 })
+            .collect();
+        assert_eq!(q3.axes(), &want[..]);
+    }
+
+    #[test]
+    fn axial_axes_own_contiguous_blocks() {
+        let map = AxisMap::axial(&[4, 2, 6], 12).expect("valid");
+        assert_eq!((map.n_axes(), map.axes()), (3, &[0, 0, 1, 2, 2, 2][..]));
+        // FLUX: axes_dim [16, 56, 56] of head_dim 128.
+        let flux = AxisMap::axial(&[16, 56, 56], 128).expect("valid");
+        assert_eq!((flux.axes()[7], flux.axes()[8], flux.axes()[36]), (0, 1, 2));
+    }
+
+    #[test]
+    fn rejects_invalid_multi_axis_descriptions() {
+        assert_eq!(arg_of(AxisMap::mrope([16, 24, 23], 128)), "mrope_section");
+        assert_eq!(arg_of(AxisMap::mrope([16, 24, 25], 128)), "mrope_section");
+        assert_eq!(
+            arg_of(AxisMap::mrope_interleaved([24, 20, 21], 128)),
+            "mrope_section"
+        );
+        assert_eq!(arg_of(AxisMap::mrope([1, 1, 1], 7)), "rotary_dim");
+        assert_eq!(arg_of(AxisMap::axial(&[16, 55, 57], 128)), "axes_dim");
+        assert_eq!(arg_of(AxisMap::axial(&[16, 56, 54], 128)), "axes_dim");
+        assert_eq!(arg_of(AxisMap::axial(&[0, 128], 128)), "axes_dim");
+        assert_eq!(arg_of(AxisMap::axial(&[], 128)), "axes_dim");
+        assert_eq!(arg_of(AxisMap::axial(&[2, 2, 2, 2, 2], 10)), "axes_dim");
+        assert_eq!(arg_of(AxisMap::new(0, vec![0])), "axes");
+        assert_eq!(arg_of(AxisMap::new(5, vec![0])), "axes");
+        assert_eq!(arg_of(AxisMap::new(2, vec![0, 1, 2])), "axes");
+        assert_eq!(arg_of(AxisMap::new(2, Vec::new())), "axes");
+        AxisMap::new(4, vec![3, 0, 2, 1]).expect("valid");
+    }
+
+    fn multi(len: usize, ty: IntType, map_len: usize, n_axes: u32) -> RawPositions {
+        RawPositions::MultiAxis {
+            positions: ints(0, len, ty),
+            axes: RawAxisMap {
+                axes: RawBuf {
+                    ptr: 1 << 20,
+                    len: map_len,
+                },
+                n_axes,
+            },
+        }
+    }
+
+    #[test]
+    fn multi_axis_positions_hold_one_row_per_axis_and_a_map_of_half_pairs() {
+        // batch 2, seq 5: 10 tokens, 3 axes; 4 pairs.
+        let plan = multi(30, IntType::I64, 4, 3).check(2, 5, 4).expect("valid");
+        assert_eq!((plan.code, plan.count), (PositionCode::MultiAxisI64, 3));
+        let plan = multi(30, IntType::I32, 4, 3).check(2, 5, 4).expect("valid");
+        assert_eq!(plan.code, PositionCode::MultiAxisI32);
+        for (bad, half) in [
+            (multi(29, IntType::I64, 4, 3), 4),
+            (multi(20, IntType::I64, 4, 3), 4),
+            (multi(30, IntType::I64, 3, 3), 4),
+            (multi(30, IntType::I64, 4, 3), 5),
+            (multi(0, IntType::I64, 4, 0), 4),
+            (multi(50, IntType::I64, 4, 5), 4),
+        ] {
+            assert_eq!(arg_of(bad.check(2, 5, half)), "positions", "{bad:?}");
+        }
+        let misaligned = RawPositions::MultiAxis {
+            positions: ints(4, 30, IntType::I64),
+            axes: RawAxisMap {
+                axes: RawBuf { ptr: 0, len: 4 },
+                n_axes: 3,
+            },
+        };
+        assert_eq!(arg_of(misaligned.check(2, 5, 4)), "positions");
+        let args = multi(30, IntType::I32, 4, 3).encode(&plan);
+        assert_eq!(
+            (args.positions, args.pos_aux, args.pos_count),
+            (PositionCode::MultiAxisI32 as u32, 1 << 20, 3)
+        );
     }
 }

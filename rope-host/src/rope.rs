@@ -247,7 +247,11 @@ impl Rope {
         // every other position is bounds-checked by the kernel, or `inv_freq` holds `half` f64
         // (the handle frees its own vectors only in its stream's order, and never prepared ones,
         // the only ones other streams and captured graphs may read); position arrays have the lengths
-        // their code names; the grid keeps blockIdx.y * heads_per_chunk below q.heads + k.heads.
+        // their code names (multi-axis: `n_axes` in 1..=4 rows of `batch * seq` and a map of
+        // `half` bytes, whose values the kernel clamps); the pointers start `rotary_offset`
+        // elements into the first head, `RopeConfig` proved `rotary_offset + rotary_dim <=
+        // head_dim` and `lanes` divides the offset; the grid keeps blockIdx.y *
+        // heads_per_chunk below q.heads + k.heads.
         // The function was loaded in the context the stream belongs to.
         unsafe { args.launch(self.stream.context(), function, plan.grid.config, stream) }
     }
@@ -294,13 +298,18 @@ impl TensorArgs {
         out_strides: [0; 3],
     };
 
-    /// The arguments of a validated tensor with `es`-byte elements: pointers at its first
-    /// element, its output equal to its input in place.
-    fn of(t: &TensorReq, es: u64) -> Self {
+    /// The arguments of a validated tensor with `es`-byte elements: pointers at the first
+    /// rotated element (`rotary_offset`) of its first head, its output equal to its input in
+    /// place.
+    fn of(t: &TensorReq, es: u64, rotary_offset: u32) -> Self {
         let (out, out_layout) = t.out.unwrap_or((t.x, t.x_layout));
         // Wrapping: an empty k beside a non-empty q may carry any offset; the kernel addresses
-        // none of its elements.
-        let first = |addr: u64, offset: usize| addr.wrapping_add((offset as u64).wrapping_mul(es));
+        // none of its elements. The pointers start at the first rotated element of the first
+        // head (the kernel addresses pass-through elements relative to it).
+        let first = |addr: u64, offset: usize| {
+            let first = (offset as u64).wrapping_add(u64::from(rotary_offset));
+            addr.wrapping_add(first.wrapping_mul(es))
+        };
         Self {
             x: first(t.x.ptr, t.x_layout.offset),
             out: first(out.ptr, out_layout.offset),
@@ -311,11 +320,37 @@ impl TensorArgs {
     }
 }
 
+/// The kernel's arguments of a planned request with offset positions and computed sin/cos'
+/// null frequency pointer, for the planner's tests.
+#[cfg(test)]
+pub(crate) fn encode_for_test(req: &Request, plan: &Plan) -> RopeArgs {
+    let positions = PositionArgs {
+        positions: 0,
+        pos_ptr: 0,
+        pos_aux: 0,
+        pos_count: 0,
+        pos_base: 0,
+    };
+    let sincos = SinCosArgs {
+        cos: 0,
+        sin: 0,
+        table_stride: 0,
+        table_positions: 0,
+        inv_freq: 0,
+        angle_mode: 0,
+        cs_scale: 1.0,
+    };
+    encode(req, plan, &positions, &sincos)
+}
+
 /// The kernel's arguments from the validated request, its plan and the options' encodings.
 fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosArgs) -> RopeArgs {
     let es = req.dtype.size() as u64;
-    let q = TensorArgs::of(&req.q, es);
-    let k = req.k.map_or(TensorArgs::ABSENT, |k| TensorArgs::of(&k, es));
+    let offset = req.config.rotary_offset();
+    let q = TensorArgs::of(&req.q, es, offset);
+    let k = req
+        .k
+        .map_or(TensorArgs::ABSENT, |k| TensorArgs::of(&k, es, offset));
     let grid = &plan.grid;
     RopeArgs {
         x0: q.x,
@@ -347,6 +382,7 @@ fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosA
         rot_groups: plan.rot_groups,
         half: req.config.half(),
         rotary_dim: req.config.rotary_dim(),
+        rotary_offset: req.config.rotary_offset(),
         lanes: plan.lanes,
         cos: sincos.cos,
         sin: sincos.sin,

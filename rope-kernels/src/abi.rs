@@ -2,6 +2,8 @@
 //! names, the codes passed as `u32` arguments, and the limits both sides assume. One
 //! definition, used by both (`rope-host` re-exports the public enums).
 
+use core::num::{NonZeroU32, NonZeroU64};
+
 /// Threads per block of every kernel launch. 128 rather than 256: the last blocks of a launch
 /// then hold half the work, so fewer multiprocessors sit idle while they finish (on an H200 the
 /// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth).
@@ -94,10 +96,24 @@ pub enum PositionCode {
     /// Packed sequences (`batch = 1`, token `t = s`): `pos = t - cu_seqlens[i] + offsets[i]`
     /// for the sequence `i` holding `t`; `pos_ptr` points at `pos_count + 1` `i32`
     /// (`cu_seqlens`), `pos_aux` at `pos_count` `i32` offsets or is null (no offsets).
+    /// `pos_base` holds a [`ContextParallelSplit`] ([`ContextParallelSplit::to_base`]; 0 for
+    /// none): with more than one rank, `cu_seqlens` are the whole sequences' boundaries and
+    /// the position is [`ContextParallelSplit::position`]'s (offsets are not read).
     VarlenI32 = 7,
     /// As [`PositionCode::VarlenI32`] with `i64` arrays.
     VarlenI64 = 8,
+    /// Multi-axis positions (mRoPE, N-D axial RoPE): `pos_ptr` points at `pos_count` rows of
+    /// `tokens` `i32` (`[n_axes, batch * seq]`, row `a` holding axis `a`'s position of token
+    /// `b * seq + s`), `pos_aux` at `half` `u8` axis indices: pair `j` rotates by the position
+    /// of axis `min(axes[j], pos_count - 1)` (the clamp keeps malformed device maps inside the
+    /// array). `pos_count` is 1 to [`MAX_AXES`].
+    MultiAxisI32 = 9,
+    /// As [`PositionCode::MultiAxisI32`] with an `i64` array.
+    MultiAxisI64 = 10,
 }
+
+/// The most position axes of [`PositionCode::MultiAxisI32`] and [`PositionCode::MultiAxisI64`].
+pub const MAX_AXES: u32 = 4;
 
 impl PositionCode {
     /// Decodes a kernel argument; `None` for an unknown code.
@@ -113,6 +129,8 @@ impl PositionCode {
             6 => Self::IdsI64PerRow,
             7 => Self::VarlenI32,
             8 => Self::VarlenI64,
+            9 => Self::MultiAxisI32,
+            10 => Self::MultiAxisI64,
             _ => return None,
         })
     }
@@ -139,6 +157,97 @@ pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
     match (style, elem_size) {
         (RopeStyle::Neox, 2) => 4,
         _ => (16 / elem_size) as u32,
+    }
+}
+
+/// Where pass-through group `g` (the `g`-th run of `lanes` elements of a head outside the
+/// rotated slice `rotary_offset..rotary_offset + rotary_dim`, in element order) starts,
+/// relative to the tensors' kernel pointers, which point `rotary_offset` elements into each
+/// head: elements `0..rotary_offset` come first, then those after the slice. With
+/// `rotary_offset`, `rotary_dim` and `head_dim - rotary_dim` multiples of `lanes` (as the host's
+/// choice of `lanes` ensures), the groups `0..(head_dim - rotary_dim) / lanes` cover every
+/// pass-through element once, each group aligned to `lanes` elements.
+#[inline(always)]
+pub const fn pass_through_start(g: u32, lanes: u32, rotary_offset: u32, rotary_dim: u32) -> isize {
+    let p = g * lanes;
+    let skip = if p < rotary_offset { 0 } else { rotary_dim };
+    (p + skip) as isize - rotary_offset as isize
+}
+
+/// The axis whose position pair `j` of a multi-axis launch takes: the map's entry, clamped to
+/// the last of `n_axes` axes (a malformed device map then reads inside the positions array).
+#[inline(always)]
+pub fn clamped_axis(entry: u8, n_axes: u32) -> u32 {
+    u32::from(entry).min(n_axes.saturating_sub(1))
+}
+
+/// A context-parallel split of packed sequences, as Megatron-LM and Transformer Engine balance
+/// causal attention over `size` ranks: each whole sequence (of a length divisible by
+/// `2 * size`) is cut into `2 * size` equal chunks and rank `rank` holds chunks `rank` and
+/// `2 * size - 1 - rank`, back to back, so its local part of a sequence of whole length `L` has
+/// `L / size` tokens, the first half at positions `rank * L / (2 size) + s` and the second at
+/// `(2 size - 1 - rank) * L / (2 size) + s - L / (2 size)`. The rank's packed tensor holds
+/// the local parts of all sequences; `cu_seqlens` are the whole sequences' boundaries (local
+/// ones times `size`). Passed in `pos_base` of the varlen position codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ContextParallelSplit {
+    /// Ranks, at least 1 (1: no split).
+    pub size: NonZeroU32,
+    /// This rank, below `size` (the host checks; a larger one only gives wrong positions).
+    pub rank: u32,
+}
+
+impl ContextParallelSplit {
+    /// No split: positions as [`PositionCode::VarlenI32`] gives them without one.
+    pub const NONE: Self = Self {
+        size: NonZeroU32::MIN,
+        rank: 0,
+    };
+
+    /// The kernel's `pos_base`: `size` in the high 32 bits, `rank` in the low ones.
+    #[inline(always)]
+    pub const fn to_base(self) -> i64 {
+        ((self.size.get() as u64) << 32 | self.rank as u64) as i64
+    }
+
+    /// Decodes `pos_base`; a size of 0 (a base of 0) is no split.
+    #[inline(always)]
+    pub fn from_base(base: i64) -> Self {
+        let size = NonZeroU32::new((base as u64 >> 32) as u32).unwrap_or(NonZeroU32::MIN);
+        Self {
+            size,
+            rank: base as u32,
+        }
+    }
+
+    /// The largest whole-sequence boundary `c` that still starts a local part at or before
+    /// local token `t`: `c / size <= t` exactly when `c <= (t + 1) * size - 1` (for `c >= 0`),
+    /// so the search over `cu_seqlens` needs no division (for one rank, `t` itself).
+    #[inline(always)]
+    pub fn search_bound(self, t: u64) -> i64 {
+        let size = u64::from(self.size.get());
+        (t.wrapping_add(1).wrapping_mul(size).wrapping_sub(1)) as i64
+    }
+
+    /// The position of local token `t` in the sequence whose whole boundaries are
+    /// `start..end` (see the type's documentation). Malformed boundaries (negative, decreasing,
+    /// lengths not divisible by `2 * size`) give wrong positions, never a trap.
+    #[inline(always)]
+    pub fn position(self, t: u64, start: i64, end: i64) -> i64 {
+        let size = NonZeroU64::from(self.size);
+        let local = |c: i64| (c as u64 / size) as i64;
+        let (first, last) = (local(start), local(end));
+        let s = (t as i64).wrapping_sub(first);
+        let chunk = last.wrapping_sub(first) / 2;
+        let rank = i64::from(self.rank);
+        let chunk_index = if s < chunk {
+            rank
+        } else {
+            // The second chunk, `2 size - 1 - rank`, minus the first chunk's length already
+            // counted in `s`.
+            2 * i64::from(self.size.get()) - 2 - rank
+        };
+        s.wrapping_add(chunk_index.wrapping_mul(chunk))
     }
 }
 
@@ -223,7 +332,11 @@ pub(crate) use for_each_kernel;
 /// `heads_per_chunk`: heads (of both tensors together) handled by one `blockIdx.y`;
 /// `groups = rot_groups + pass-through groups`, `rot_groups = half / pairs_per_item` with
 /// `pairs_per_item = lanes` (NeoX) or `lanes / 2` (interleaved), and
-/// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place); `cos`, `sin`,
+/// `(head_dim - rotary_dim) / lanes` pass-through groups out of place (0 in place);
+/// `rotary_offset`: the first rotated feature of a head (DeepSeek's MLA rotates a slice after the
+/// others), a multiple of `lanes`; `xn` and `outn` then point `rotary_offset` elements into their
+/// first head, and pass-through elements are addressed relative to that (elements
+/// `0..rotary_offset` and `rotary_offset + rotary_dim..head_dim` pass through); `cos`, `sin`,
 /// `table_stride` (elements per row) and `table_positions` for table kernels (the tables'
 /// element type is the source's: the tensors' for `table`, `f32` for `table32`); `inv_freq`,
 /// `angle_mode` (a [`crate::math::AngleMode`] code) and `cs_scale` (the attention factor
@@ -264,6 +377,7 @@ macro_rules! rope_kernel_params {
             rot_groups: u32,
             half: u32,
             rotary_dim: u32,
+            rotary_offset: u32,
             lanes: u32,
             cos: byte_ptr,
             sin: byte_ptr,
@@ -461,4 +575,144 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
             .into_iter()
             .map(TableKernelName::symbol),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use std::{vec, vec::Vec};
+
+    use super::*;
+
+    /// For every head size, rotated width, offset and access width the host accepts (`lanes`
+    /// dividing the offset, the rotated width and the pass-through count), the pass-through
+    /// groups cover exactly
+    /// the elements outside the rotated slice, each once, in whole aligned runs inside the head.
+    #[test]
+    fn pass_through_groups_cover_the_rest_of_the_head_once() {
+        for head_dim in (2..=40u32).step_by(2) {
+            for rotary_dim in (2..=head_dim).step_by(2) {
+                for offset in 0..=head_dim - rotary_dim {
+                    for lanes in [1u32, 2, 4, 8] {
+                        let rest = head_dim - rotary_dim;
+                        if !offset.is_multiple_of(lanes)
+                            || !rotary_dim.is_multiple_of(lanes)
+                            || !rest.is_multiple_of(lanes)
+                        {
+                            continue;
+                        }
+                        let mut seen = [0u32; 40];
+                        for g in 0..rest / lanes {
+                            let e0 = pass_through_start(g, lanes, offset, rotary_dim);
+                            let first = e0 + offset as isize;
+                            assert!(first >= 0 && (first as u32).is_multiple_of(lanes));
+                            let run = first as usize..first as usize + lanes as usize;
+                            assert!(
+                                run.end <= head_dim as usize,
+                                "{head_dim} {rotary_dim} {offset}"
+                            );
+                            seen[run].iter_mut().for_each(|n| *n += 1);
+                        }
+                        for (e, &n) in seen.iter().enumerate().take(head_dim as usize) {
+                            let rotated = (offset..offset + rotary_dim).contains(&(e as u32));
+                            assert_eq!(
+                                n,
+                                u32::from(!rotated),
+                                "element {e} of d {head_dim}, r {rotary_dim} at {offset}, lanes {lanes}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// For whole sequences of random lengths divisible by `2 * size`, every rank's tokens get
+    /// the positions of the chunks it holds (cut here from the whole sequence, not computed by
+    /// formula), the ranks together cover each whole position once, and the search bound
+    /// finds the right sequence for every local token.
+    #[test]
+    fn context_parallel_ranks_hold_their_two_chunks_of_every_sequence() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for size in 1..=8u32 {
+            for _ in 0..20 {
+                let lens: Vec<i64> = (0..1 + next(4))
+                    .map(|_| (next(5) * 2 * u64::from(size)) as i64)
+                    .collect();
+                let cu: Vec<i64> = core::iter::once(0)
+                    .chain(lens.iter().scan(0, |c, l| {
+                        *c += l;
+                        Some(*c)
+                    }))
+                    .collect();
+                let mut seen: Vec<Vec<u32>> = lens.iter().map(|&l| vec![0; l as usize]).collect();
+                for rank in 0..size {
+                    let split = ContextParallelSplit {
+                        size: NonZeroU32::new(size).expect("size >= 1"),
+                        rank,
+                    };
+                    let local_total = cu[cu.len() - 1] / i64::from(size);
+                    let mut t = 0u64;
+                    for (i, &len) in lens.iter().enumerate() {
+                        let chunk = (len / (2 * i64::from(size))) as usize;
+                        let whole: Vec<i64> = (0..len).collect();
+                        let mine = whole
+                            .chunks(chunk.max(1))
+                            .enumerate()
+                            .filter(|(c, _)| {
+                                chunk > 0 && (*c as u32 == rank || *c as u32 == 2 * size - 1 - rank)
+                            })
+                            .flat_map(|(_, v)| v.to_vec());
+                        for want in mine {
+                            let bound = split.search_bound(t);
+                            let found = cu[..cu.len() - 1]
+                                .iter()
+                                .rposition(|&c| c <= bound)
+                                .expect("cu starts at 0");
+                            // Empty sequences share their start with the next one: the search
+                            // lands on the last sequence starting there, which is `i`.
+                            assert_eq!(found, i, "size {size} rank {rank} token {t}");
+                            let got = split.position(t, cu[i], cu[i + 1]);
+                            assert_eq!(got, want, "size {size} rank {rank} token {t}");
+                            seen[i][got as usize] += 1;
+                            t += 1;
+                        }
+                    }
+                    assert_eq!(t as i64, local_total);
+                }
+                assert!(
+                    seen.iter().flatten().all(|&n| n == 1),
+                    "{lens:?} size {size}"
+                );
+            }
+        }
+        let split = ContextParallelSplit {
+            size: NonZeroU32::new(3).expect("3"),
+            rank: 2,
+        };
+        assert_eq!(ContextParallelSplit::from_base(split.to_base()), split);
+        assert_eq!(
+            ContextParallelSplit::from_base(0),
+            ContextParallelSplit::NONE
+        );
+    }
+
+    #[test]
+    fn axis_entries_are_clamped_to_the_last_axis() {
+        for n_axes in 1..=MAX_AXES {
+            for entry in 0..=255u8 {
+                let a = clamped_axis(entry, n_axes);
+                assert!(a < n_axes);
+                if u32::from(entry) < n_axes {
+                    assert_eq!(a, u32::from(entry));
+                }
+            }
+        }
+    }
 }

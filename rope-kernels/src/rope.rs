@@ -1,13 +1,16 @@
 //! The RoPE kernel family: forward and backward rotation, interleaved (GPT-J) and rotate-half
-//! (GPT-NeoX) pairing, sin/cos from tables or from frequencies, implicit, explicit or packed
-//! variable-length positions, partial rotary, and one or two tensors (q and k) per launch.
+//! (GPT-NeoX) pairing, sin/cos from tables or from frequencies, implicit, explicit, packed
+//! variable-length or multi-axis positions (each pair taking its own axis's position: mRoPE,
+//! N-D axial RoPE), partial rotary at any offset in the head, and one or two tensors (q and k)
+//! per launch.
 //!
 //! # Formula
 //! For pair `i < half` (`half = rotary_dim / 2`) of a head at position `p`, with
 //! `c = cos(p * inv_freq_i)`, `s = sin(...)`: forward `(a, b) -> (a c - b s, b c + a s)`;
 //! backward (the transposed rotation) `(a, b) -> (a c + b s, b c - a s)`. Interleaved pairs are
-//! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`. Elements `rotary_dim..head_dim`
-//! pass through unchanged (copied when `out` differs from `x`).
+//! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`, both counted from
+//! `rotary_offset`. Elements outside `rotary_offset..rotary_offset + rotary_dim` pass through
+//! unchanged (copied when `out` differs from `x`).
 //!
 //! # Layout
 //! Each tensor holds `[batch, seq, heads, head_dim]` elements at element strides
@@ -30,7 +33,10 @@
 
 use core::marker::PhantomData;
 
-use crate::abi::{Direction, PositionCode, for_each_kernel};
+use crate::abi::{
+    ContextParallelSplit, Direction, PositionCode, clamped_axis, for_each_kernel,
+    pass_through_start,
+};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
 use crate::intrinsics::{
@@ -119,6 +125,7 @@ struct Args<T> {
     rot_groups: u32,
     half: u32,
     rotary_dim: u32,
+    rotary_offset: u32,
     lanes: u32,
     /// Tables of the source's element type ([`Source::Tab`]).
     cos: *const u8,
@@ -137,7 +144,8 @@ struct Args<T> {
     sin_sign: f32,
 }
 
-/// The position of token `(b, s)`.
+/// The position of token `(b, s)`; for multi-axis positions, the token's index `b * seq + s`,
+/// from which [`cos_sin`] reads each pair's position.
 ///
 /// Device arrays are read as they are: a position outside a table makes the token's outputs NaN
 /// (see [`cos_sin`]), and malformed `cu_seqlens` only give wrong positions, never an access
@@ -168,6 +176,8 @@ unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
             PositionCode::IdsI64PerRow => *i64s.add(at(b * seq + s)),
             PositionCode::VarlenI32 => varlen_position::<T, i32>(a, b * seq + s),
             PositionCode::VarlenI64 => varlen_position::<T, i64>(a, b * seq + s),
+            // Each pair reads its own axis's position: `cos_sin` takes the token's index.
+            PositionCode::MultiAxisI32 | PositionCode::MultiAxisI64 => (b * seq + s) as i64,
         }
     }
 }
@@ -193,7 +203,8 @@ impl Index for i64 {
 /// The position of packed token `t`: `t - cu_seqlens[i] (+ offsets[i])` for the sequence `i`
 /// with `cu_seqlens[i] <= t < cu_seqlens[i + 1]`, found by binary search (the last `i` whose
 /// start is at most `t`; malformed `cu_seqlens` give some `i` in range, never an access
-/// outside the arrays).
+/// outside the arrays). With a context-parallel split in `pos_base`, `cu_seqlens` bound whole
+/// sequences and the position is [`ContextParallelSplit::position`]'s.
 ///
 /// # Safety
 /// `pos_ptr` holds `pos_count + 1` `I` (`pos_count >= 1`); `pos_aux` is null or holds
@@ -201,19 +212,26 @@ impl Index for i64 {
 #[inline(always)]
 unsafe fn varlen_position<T, I: Index>(a: &Args<T>, t: u64) -> i64 {
     let cu = a.pos_ptr.cast::<I>();
+    let split = ContextParallelSplit::from_base(a.pos_base);
+    let bound = split.search_bound(t);
     let (mut lo, mut hi) = (0u32, a.pos_count.saturating_sub(1));
     while lo < hi {
         let mid = hi - (hi - lo) / 2;
         // SAFETY: lo < mid <= hi <= pos_count - 1, inside the pos_count + 1 entries.
-        if unsafe { *cu.add(mid as usize) }.to_i64() <= t as i64 {
+        if unsafe { *cu.add(mid as usize) }.to_i64() <= bound {
             lo = mid;
         } else {
             hi = mid - 1;
         }
     }
-    // SAFETY: lo <= pos_count - 1, inside both arrays.
+    // SAFETY: lo <= pos_count - 1, inside both arrays, and lo + 1 <= pos_count inside
+    // `cu_seqlens`'s pos_count + 1 entries.
     unsafe {
         let start = (*cu.add(lo as usize)).to_i64();
+        if split.size.get() > 1 {
+            let end = (*cu.add(lo as usize + 1)).to_i64();
+            return split.position(t, start, end);
+        }
         let offset = if a.pos_aux.is_null() {
             0
         } else {
@@ -410,7 +428,8 @@ fn head_range<T>(a: &Args<T>) -> (usize, usize) {
     (first as usize, last as usize)
 }
 
-/// Cos and sin of this item's pairs (`sin` already signed for the direction).
+/// Cos and sin of this item's pairs (`sin` already signed for the direction); for multi-axis
+/// position codes, `pos` is the token's index and [`cos_sin_axes`] finds each pair's position.
 ///
 /// # Safety
 /// The table or `inv_freq` promises of the entry points.
@@ -421,19 +440,38 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
     j0: usize,
     pairs: usize,
 ) -> ([f32; L], [f32; L]) {
+    if a.positions >= PositionCode::MultiAxisI32 as u32 {
+        // A uniform branch on a kernel argument, inside the sin/cos step only: a separate
+        // multi-axis instance of the whole loop measured more registers and spills in ptxas.
+        // SAFETY: for multi-axis codes `pos` is the token's index; the caller's promises.
+        return unsafe { cos_sin_axes::<T, S, L>(a, pos as u64, j0, pairs) };
+    }
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
     if S::TABLE {
         if pos >= 0 && (pos as u64) < a.table_positions {
             let row = pos as usize * a.table_stride as usize + j0;
-            unrolled(pairs, |k| {
-                // SAFETY: pos < table_positions and j0 + k < half <= table_stride, so the
-                // index is inside the tables' promised rows.
-                unsafe {
-                    cos[k] = (*a.cos.cast::<S::Tab>().add(row + k)).to_f32();
-                    sin[k] = (*a.sin.cast::<S::Tab>().add(row + k)).to_f32() * a.sin_sign;
+            // SAFETY: pos < table_positions and j0 + pairs <= half <= table_stride, so the
+            // entries are inside the tables' promised rows.
+            unsafe {
+                let (c, s) = (
+                    a.cos.cast::<S::Tab>().add(row),
+                    a.sin.cast::<S::Tab>().add(row),
+                );
+                if table_vectors::<S::Tab>(a, pairs) {
+                    // Aligned: the item's entries of each table with one access.
+                    (cos, sin) = (
+                        load_pairs::<S::Tab, L>(c, pairs),
+                        load_pairs::<S::Tab, L>(s, pairs),
+                    );
+                } else {
+                    unrolled(pairs, |k| {
+                        cos[k] = (*c.add(k)).to_f32();
+                        sin[k] = (*s.add(k)).to_f32();
+                    });
                 }
-            });
+            }
+            unrolled(pairs, |k| sin[k] *= a.sin_sign);
         } else {
             // A position outside the table: documented NaN outputs, never a read outside it.
             cos = [f32::NAN; L];
@@ -453,6 +491,101 @@ unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
         });
     }
     (cos, sin)
+}
+
+/// [`cos_sin`] for multi-axis positions: pair `j0 + k` of token `t` rotates by the position
+/// of its axis, `positions[axis * tokens + t]` with `axis = min(axes[j0 + k], pos_count - 1)`.
+/// The map and the positions are device data: the clamp keeps any map value inside the
+/// `pos_count` rows, and a position outside a table gives that pair NaN, as in [`cos_sin`].
+/// Pairs whose axes hold equal positions get exactly what the one-position path computes.
+///
+/// # Safety
+/// `t < tokens`; `pos_ptr` holds `pos_count >= 1` rows of `tokens` integers of the code's type
+/// and `pos_aux` `half` `u8`; `j0 + pairs <= half`; the table or `inv_freq` promises.
+#[inline(always)]
+unsafe fn cos_sin_axes<T: Elem, S: Source, const L: usize>(
+    a: &Args<T>,
+    t: u64,
+    j0: usize,
+    pairs: usize,
+) -> ([f32; L], [f32; L]) {
+    let mut cos = [0.0f32; L];
+    let mut sin = [0.0f32; L];
+    let wide = a.positions == PositionCode::MultiAxisI64 as u32;
+    let mode = math::AngleMode::from_u32(a.angle_mode);
+    unrolled(pairs, |k| {
+        // SAFETY: j0 + k < half, the map's length; the clamped axis is below pos_count and
+        // t < tokens, so the index lies inside the pos_count * tokens positions.
+        let pos = unsafe {
+            let axis = clamped_axis(*a.pos_aux.add(j0 + k), a.pos_count) as u64;
+            let i = (axis * a.tokens + t) as usize;
+            if wide {
+                *a.pos_ptr.cast::<i64>().add(i)
+            } else {
+                *a.pos_ptr.cast::<i32>().add(i) as i64
+            }
+        };
+        if S::TABLE {
+            if pos >= 0 && (pos as u64) < a.table_positions {
+                let at = pos as usize * a.table_stride as usize + j0 + k;
+                // SAFETY: pos < table_positions and j0 + k < half <= table_stride.
+                unsafe {
+                    cos[k] = (*a.cos.cast::<S::Tab>().add(at)).to_f32();
+                    sin[k] = (*a.sin.cast::<S::Tab>().add(at)).to_f32() * a.sin_sign;
+                }
+            } else {
+                cos[k] = f32::NAN;
+                sin[k] = f32::NAN;
+            }
+        } else {
+            let Some(mode) = mode else { trap() };
+            // SAFETY: j0 + k < half, the promised length of inv_freq.
+            let f = unsafe { *a.inv_freq.add(j0 + k) };
+            let (c, s) = math::rope_cos_sin_mode(pos, f, mode);
+            cos[k] = c * a.cs_scale;
+            sin[k] = s * (a.cs_scale * a.sin_sign);
+        }
+    });
+    (cos, sin)
+}
+
+/// Whether an item's `pairs` table entries (starting at a multiple of `pairs` in a row) can be
+/// read with one access per table: `pairs * size_of::<E>()` is 4, 8 or 16 bytes and both tables
+/// and their row stride are aligned to it. The same for every thread of a launch.
+#[inline(always)]
+fn table_vectors<E: Elem>(a: &Args<impl Sized>, pairs: usize) -> bool {
+    let bytes = pairs * size_of::<E>();
+    matches!(bytes, 4 | 8 | 16)
+        && (a.cos as usize | a.sin as usize | (a.table_stride as usize * size_of::<E>()))
+            .is_multiple_of(bytes)
+}
+
+/// `pairs` (1, 2, 4 or 8) consecutive table entries widened to `f32`, read with one access.
+///
+/// # Safety
+/// `p` points at `pairs` readable entries aligned to their total size (see [`table_vectors`]).
+#[inline(always)]
+unsafe fn load_pairs<E: Elem, const L: usize>(p: *const E, pairs: usize) -> [f32; L] {
+    let mut out = [0.0f32; L];
+    // SAFETY (each arm): the caller's promise, for that many entries.
+    unsafe {
+        match pairs {
+            8 => {
+                let v = elem::load::<E, 8>(p);
+                unrolled(8, |k| out[k] = v[k].to_f32());
+            }
+            4 => {
+                let v = elem::load::<E, 4>(p);
+                unrolled(4, |k| out[k] = v[k].to_f32());
+            }
+            2 => {
+                let v = elem::load::<E, 2>(p);
+                unrolled(2, |k| out[k] = v[k].to_f32());
+            }
+            _ => out[0] = (*p).to_f32(),
+        }
+    }
+    out
 }
 
 /// Computed sin/cos. In place, this item's elements of its first heads, up to
@@ -539,9 +672,16 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
                 }
             }
         } else {
-            let e0 = a.rotary_dim as usize + (group - a.rot_groups) as usize * L;
-            // SAFETY: as above; e0 + L <= head_dim because the pass-through groups cover
-            // rotary_dim..head_dim exactly.
+            // The pass-through elements 0..rotary_offset and rotary_offset +
+            // rotary_dim..head_dim, relative to the pointers, which start at rotary_offset.
+            let e0 = pass_through_start(
+                group - a.rot_groups,
+                L as u32,
+                a.rotary_offset,
+                a.rotary_dim,
+            );
+            // SAFETY: as above; the pass-through groups cover the head_dim - rotary_dim
+            // elements outside the rotated slice exactly, so e0 + rotary_offset + L <= head_dim.
             unsafe { copy_heads::<T, L>(a, (b, s), heads, e0) };
         }
         idx += step;
@@ -607,18 +747,19 @@ unsafe fn rotate_heads<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
-/// Copies elements `e0..e0 + L` of heads `first..last` (of q's and k's heads together) of
-/// token `(b, s)` from input to output.
+/// Copies elements `e0..e0 + L` (relative to the tensors' pointers, which start
+/// `rotary_offset` elements into each head) of heads `first..last` (of q's and k's heads
+/// together) of token `(b, s)` from input to output.
 ///
 /// # Safety
-/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`, `e0 + L <= head_dim`, aligned to `L`
-/// elements.
+/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`,
+/// `0 <= rotary_offset + e0` and `rotary_offset + e0 + L <= head_dim`, aligned to `L` elements.
 #[inline(always)]
 unsafe fn copy_heads<T: Elem, const L: usize>(
     a: &Args<T>,
     token: (u64, u64),
     (first, last): (usize, usize),
-    e0: usize,
+    e0: isize,
 ) {
     // SAFETY: the caller's promise on (b, s).
     let tok = unsafe { token_bases(a, token) };
@@ -626,7 +767,7 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
         // SAFETY: head h exists, elements e0..e0+L inside it, aligned: the caller's promise.
         unsafe {
             let (x, out) = head(a, &tok, h);
-            elem::store::<T, L>(out.add(e0), elem::load::<T, L>(x.add(e0)));
+            elem::store::<T, L>(out.offset(e0), elem::load::<T, L>(x.offset(e0)));
         }
     }
 }
@@ -700,6 +841,7 @@ impl<T> Args<T> {
             rot_groups: p.rot_groups,
             half: p.half,
             rotary_dim: p.rotary_dim,
+            rotary_offset: p.rotary_offset,
             lanes: p.lanes,
             cos: p.cos,
             sin: p.sin,
@@ -738,13 +880,16 @@ macro_rules! rope_entry {
         /// `rope_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
-        /// - each `xn`/`outn` addresses every element of its layout; distinct heads'
-        ///   element ranges do not overlap, and `outn` equals `xn` or overlaps no input;
+        /// - each `xn`/`outn`, less `rotary_offset` elements, addresses every element of its
+        ///   layout, with `rotary_offset + rotary_dim <= head_dim` and the pass-through groups
+        ///   covering the other `head_dim - rotary_dim` elements; distinct heads' element
+        ///   ranges do not overlap, and `outn` equals `xn` or overlaps no input;
         /// - every tensor pointer and stride is aligned to `lanes` elements, and `lanes`
         ///   divides the work as `groups` says;
         /// - for tables, `cos` and `sin` hold `table_positions` rows of `table_stride >= half`
         ///   elements; for computed sin/cos, `inv_freq` holds `half` `f64`;
-        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names;
+        /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names (their values
+        ///   may be anything);
         /// - `seq_magic`, `seq_shift`, `groups_magic` and `groups_shift` are those
         ///   [`Divisor::new`] computes for `seq` and `groups`.
         #[unsafe(no_mangle)]

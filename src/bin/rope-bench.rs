@@ -26,7 +26,9 @@ use rope_bench_support::decode::{DecodeRow, decode_in_graphs};
 use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, quartiles};
 use rope_host::{Direction, RopeStyle, TableFormat};
-use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
+use rope_reference::case::{
+    AxesCase, Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem,
+};
 use rope_reference::with_elem;
 
 const THETA: f64 = 500_000.0;
@@ -229,6 +231,7 @@ fn groups() -> Vec<Group> {
         heads: 32,
         head_dim: 128,
         rotary_dim: 128,
+        rotary_offset: 0,
         layout: LayoutKind::Bshd,
         k: KCase::Fused {
             heads: 8,
@@ -320,6 +323,35 @@ fn groups() -> Vec<Group> {
             },
             backward: true,
         },
+        // Qwen2.5-VL-7B prefill: 28 q + 4 k heads (and 4 v heads) of 128 in one QKV buffer,
+        // mRoPE sections 16/24/24, i64 positions [3, tokens]: 2048 text tokens, a 64 x 64
+        // image grid, 2048 text tokens.
+        Group {
+            name: "mrope",
+            case: Case {
+                heads: 28,
+                k: KCase::Fused {
+                    heads: 4,
+                    v_heads: 4,
+                },
+                positions: qwen_vl_positions(2048, 64, 2048),
+                ..base.clone()
+            },
+            backward: true,
+        },
+        // FLUX.1 double-stream attention: 512 text and 64 x 64 image tokens, 24 q and 24 k
+        // heads of 128 in their own buffers, in place, axes_dim 16/56/56.
+        Group {
+            name: "axial",
+            case: Case {
+                seq: 512 + 64 * 64,
+                heads: 24,
+                k: KCase::Separate { heads: 24 },
+                positions: flux_positions(512, 64),
+                ..base.clone()
+            },
+            backward: false,
+        },
         // Decode: 64 sequences of one token at positions 1000..1063.
         Group {
             name: "decode",
@@ -362,9 +394,58 @@ fn best_peer(
     })
 }
 
+/// Qwen2-VL's mRoPE positions `[3, tokens]` (t, h, w) of `before` text tokens, a `grid` x
+/// `grid` image (temporal position fixed, height and width its row and column, all after the
+/// text), and `after` text tokens continuing past the image's largest position.
+fn qwen_vl_positions(before: usize, grid: usize, after: usize) -> PosCase {
+    let mut axes = [Vec::new(), Vec::new(), Vec::new()];
+    let mut push = |t: i64, h: i64, w: i64| {
+        axes[0].push(t);
+        axes[1].push(h);
+        axes[2].push(w);
+    };
+    for p in 0..before as i64 {
+        push(p, p, p);
+    }
+    let start = before as i64;
+    for r in 0..grid as i64 {
+        for c in 0..grid as i64 {
+            push(start, start + r, start + c);
+        }
+    }
+    let next = start + grid as i64;
+    for p in next..next + after as i64 {
+        push(p, p, p);
+    }
+    PosCase::MultiAxis {
+        positions: axes.concat(),
+        n_axes: 3,
+        axes: AxesCase::Mrope([16, 24, 24]),
+        wide: true,
+    }
+}
+
+/// FLUX's `ids` transposed to `[3, tokens]`: `text` tokens at (0, 0, 0), then a `grid` x
+/// `grid` image at (0, row, column); axes_dim 16/56/56.
+fn flux_positions(text: usize, grid: usize) -> PosCase {
+    let tokens = text + grid * grid;
+    let mut positions = vec![0i64; 3 * tokens];
+    for i in 0..grid * grid {
+        positions[tokens + text + i] = (i / grid) as i64;
+        positions[2 * tokens + text + i] = (i % grid) as i64;
+    }
+    PosCase::MultiAxis {
+        positions,
+        n_axes: 3,
+        axes: AxesCase::Axial(vec![16, 56, 56]),
+        wide: true,
+    }
+}
+
 /// The largest position a case uses.
 fn max_position(c: &Case) -> usize {
     match &c.positions {
+        PosCase::MultiAxis { positions, .. } => *positions.iter().max().unwrap_or(&0) as usize,
         PosCase::Offset(o) => *o as usize + c.seq - 1,
         PosCase::RowOffsets { offsets, .. } => {
             *offsets.iter().max().unwrap_or(&0) as usize + c.seq - 1

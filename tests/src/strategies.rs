@@ -5,7 +5,7 @@ use rope_host::{Direction, FrequencySpec, IdsShape, RopeScaling, RopeStyle, Yarn
 
 use rope_host::TableFormat;
 
-use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
+use rope_reference::case::{AxesCase, Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
 
 /// Both pairings.
 pub fn style() -> impl Strategy<Value = RopeStyle> {
@@ -149,6 +149,11 @@ pub fn positions(
     if batch == 1 {
         kinds.push(varlen(seq).boxed());
     }
+    if batch == 1 && seq.is_multiple_of(2) {
+        // Whole sequences reach `seq * size`: sizes whose positions fit below `limit`.
+        let max_size = (limit as usize / seq.max(1)).clamp(1, 8) as u32;
+        kinds.push(varlen_context_parallel(seq, max_size).boxed());
+    }
     proptest::strategy::Union::new(kinds).boxed()
 }
 
@@ -172,6 +177,35 @@ pub fn varlen(total: usize) -> impl Strategy<Value = PosCase> {
             PosCase::Varlen {
                 cu_seqlens,
                 offsets,
+                wide,
+            }
+        })
+}
+
+/// Packed sequences split over 1 to `max_size` context-parallel ranks, with `local` (even)
+/// tokens on a random rank: up to four cuts at even local offsets (empty sequences allowed),
+/// whole boundaries `size` times the local ones.
+pub fn varlen_context_parallel(local: usize, max_size: u32) -> impl Strategy<Value = PosCase> {
+    (1..=max_size)
+        .prop_flat_map(move |size| {
+            (
+                Just(size),
+                0..size,
+                proptest::collection::vec(0..=local as u32 / 2, 0..4),
+                any::<bool>(),
+            )
+        })
+        .prop_map(move |(size, rank, mut cuts, wide)| {
+            cuts.sort_unstable();
+            let cu_seqlens = std::iter::once(0)
+                .chain(cuts.into_iter().map(|c| 2 * c))
+                .chain(std::iter::once(local as u32))
+                .map(|c| c * size)
+                .collect();
+            PosCase::VarlenContextParallel {
+                cu_seqlens,
+                size,
+                rank,
                 wide,
             }
         })
@@ -229,6 +263,7 @@ pub fn case() -> impl Strategy<Value = Case> {
                         heads,
                         head_dim,
                         rotary_dim,
+                        rotary_offset: 0,
                         layout,
                         k,
                         source,
@@ -238,6 +273,105 @@ pub fn case() -> impl Strategy<Value = Case> {
                     })
             },
         )
+}
+
+/// `mrope_section`s of `half` pairs: two random cuts (empty sections allowed).
+pub fn mrope_section(half: usize) -> impl Strategy<Value = [usize; 3]> {
+    (0..=half, 0..=half).prop_map(move |(a, b)| {
+        let (lo, hi) = (a.min(b), a.max(b));
+        [lo, hi - lo, half - hi]
+    })
+}
+
+/// FLUX-style `axes_dim` of `rotary_dim = 2 * half`: 1 to 4 even, nonzero widths.
+pub fn axes_dim(half: usize) -> impl Strategy<Value = Vec<usize>> {
+    (1..=half.min(4)).prop_flat_map(move |n| {
+        proptest::sample::subsequence((1..half).collect::<Vec<_>>(), n - 1).prop_map(move |cuts| {
+            let bounds: Vec<usize> = std::iter::once(0)
+                .chain(cuts)
+                .chain(std::iter::once(half))
+                .collect();
+            bounds.windows(2).map(|w| 2 * (w[1] - w[0])).collect()
+        })
+    })
+}
+
+/// An axis map of `half` pairs and its number of axes: mRoPE, interleaved mRoPE, axial, or
+/// any map of 1 to 4 axes.
+pub fn axes(half: usize) -> BoxedStrategy<(AxesCase, usize)> {
+    prop_oneof![
+        mrope_section(half).prop_map(|s| (AxesCase::Mrope(s), 3)),
+        mrope_section(half).prop_map(|s| (AxesCase::MropeInterleaved(s), 3)),
+        axes_dim(half).prop_map(|d| {
+            let n = d.len();
+            (AxesCase::Axial(d), n)
+        }),
+        (1usize..=4).prop_flat_map(move |n| {
+            proptest::collection::vec(0..n as u8, half).prop_map(move |m| (AxesCase::Map(m), n))
+        }),
+    ]
+    .boxed()
+}
+
+/// Multi-axis positions for `batch * seq` tokens of `rotary_dim / 2` pairs, each below
+/// `limit`, or, when `allow_outside`, now and then outside `0..limit` (NaN for the pairs of
+/// that axis with tables).
+pub fn multi_axis(
+    batch: usize,
+    seq: usize,
+    rotary_dim: usize,
+    limit: u32,
+    allow_outside: bool,
+) -> BoxedStrategy<PosCase> {
+    let id = if allow_outside {
+        (-3i64..limit as i64 + 3).boxed()
+    } else {
+        (0i64..limit as i64).boxed()
+    };
+    axes(rotary_dim / 2)
+        .prop_flat_map(move |(axes, n_axes)| {
+            (
+                proptest::collection::vec(id.clone(), n_axes * batch * seq),
+                any::<bool>(),
+            )
+                .prop_map(move |(positions, wide)| PosCase::MultiAxis {
+                    positions,
+                    n_axes,
+                    axes: axes.clone(),
+                    wide,
+                })
+        })
+        .boxed()
+}
+
+/// A [`case`] whose rotated slice starts at a random offset (even for interleaved pairs) and,
+/// three times in four, whose positions are multi-axis ([`multi_axis`]).
+pub fn sliced_multi_axis_case() -> impl Strategy<Value = Case> {
+    (case(), 0usize..4).prop_flat_map(|(case, kind)| {
+        let step = match case.style {
+            RopeStyle::Interleaved => 2,
+            RopeStyle::Neox => 1,
+        };
+        let free = case.head_dim - case.rotary_dim;
+        let (limit, table) = match case.source {
+            Source::Table { max_position, .. } => (max_position as u32, true),
+            Source::Theta(_) => (1 << 20, false),
+        };
+        let positions = if kind == 0 {
+            Just(case.positions.clone()).boxed()
+        } else {
+            multi_axis(case.batch, case.seq, case.rotary_dim, limit, table)
+        };
+        (
+            prop_oneof![Just(0usize), Just(free / step), 0..=free / step],
+            positions,
+        )
+            .prop_map(move |(o, positions)| Case {
+                rotary_offset: o * step,
+                positions,
+                ..case.clone()
+            })
+    })
 }
 
 /// Floats of every class, for parameters of the frequency families: zeros of both signs,
@@ -407,6 +541,12 @@ fn scaling_with(
                 max_position_embeddings: max,
                 seq_len,
             }),
+        value(0.5, 2000.0).prop_map(|alpha| RopeScaling::DynamicNtkAlpha { alpha }),
+        proptest::collection::vec(
+            prop_oneof![3 => (1u32..=64).prop_map(|w| 2 * w), 1 => edge_u32()],
+            0..=5
+        )
+        .prop_map(|axes_dim| RopeScaling::Axial { axes_dim }),
         yarn,
         (
             value(1.0, 64.0),
@@ -506,12 +646,32 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
             yarn.clone(),
             llama3.clone(),
             longrope,
+            log_uniform(1.0, max_factor).prop_map(|alpha| RopeScaling::DynamicNtkAlpha { alpha }),
+            (1usize..=4).prop_flat_map(move |n| {
+                // `n` axes of random even widths summing to `2 * half` (fewer when half < n).
+                proptest::sample::subsequence(
+                    (1..pairs).collect::<Vec<_>>(),
+                    (n - 1).min(pairs - 1),
+                )
+                .prop_map(move |cuts| {
+                    let bounds: Vec<u32> = std::iter::once(0)
+                        .chain(cuts.into_iter().map(|c| c as u32))
+                        .chain(std::iter::once(half))
+                        .collect();
+                    RopeScaling::Axial {
+                        axes_dim: bounds.windows(2).map(|w| 2 * (w[1] - w[0])).collect(),
+                    }
+                })
+            }),
         ]
         .prop_map(move |scaling| {
             // Dynamic NTK needs rotary_dim > 2 (its exponent is d / (d - 2)); LongRoPE's
             // lists hold `half` entries.
             let rotary_dim = match scaling {
-                RopeScaling::DynamicNtk { .. } => 2 * half.max(2),
+                RopeScaling::DynamicNtk { .. } | RopeScaling::DynamicNtkAlpha { .. } => {
+                    2 * half.max(2)
+                }
+                RopeScaling::Axial { ref axes_dim } => axes_dim.iter().sum(),
                 _ => 2 * half,
             };
             FrequencySpec::new(theta, rotary_dim).scaling(scaling)

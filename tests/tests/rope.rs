@@ -680,12 +680,251 @@ mod given_frequencies {
     }
 }
 
+/// Multi-axis positions and rotated slices at an offset: the reference's maps (written from
+/// the published code) against the host library's, the axial frequencies against FLUX's
+/// formula, and the reference's general form against the one-position form.
+mod multi_axis {
+    use ndarray::Array3;
+    use rope_host::{AxisMap, FrequencySpec, RopeScaling};
+
+    use super::*;
+
+    /// The host's `AxisMap` constructors give the maps the reference builds from transformers'
+    /// and FLUX's code, for every section split and axis widths.
+    #[test]
+    fn host_axis_maps_are_the_published_ones() {
+        runner(500)
+            .run(
+                &(1usize..=80).prop_flat_map(|half| {
+                    (
+                        Just(half),
+                        strategies::mrope_section(half),
+                        strategies::axes_dim(half),
+                    )
+                }),
+                |(half, sections, axes_dim)| {
+                    let r = 2 * half as u32;
+                    let widen =
+                        |m: AxisMap| m.axes().iter().map(|&a| a as usize).collect::<Vec<_>>();
+                    let s32 = sections.map(|v| v as u32);
+                    let mrope = AxisMap::mrope(s32, r).expect("sections sum to half");
+                    prop_assert_eq!(widen(mrope), reference::mrope_axes(sections));
+                    let inter = AxisMap::mrope_interleaved(s32, r).expect("valid");
+                    prop_assert_eq!(widen(inter), reference::mrope_interleaved_axes(sections));
+                    let d32: Vec<u32> = axes_dim.iter().map(|&v| v as u32).collect();
+                    let axial = AxisMap::axial(&d32, r).expect("valid widths");
+                    prop_assert_eq!(axial.n_axes() as usize, axes_dim.len());
+                    prop_assert_eq!(widen(axial), reference::axial(&axes_dim, 1.0).0);
+                    Ok(())
+                },
+            )
+            .expect("the host's maps are the published ones");
+    }
+
+    /// `RopeScaling::Axial`'s frequencies are FLUX's `1 / theta^(arange(0, d, 2) / d)` per axis.
+    #[test]
+    fn axial_frequencies_are_flux_formula() {
+        runner(300)
+            .run(
+                &(1usize..=80, strategies::theta()).prop_flat_map(|(half, theta)| {
+                    (strategies::axes_dim(half), Just(theta), Just(half))
+                }),
+                |(axes_dim, theta, half)| {
+                    let spec =
+                        FrequencySpec::new(theta, 2 * half as u32).scaling(RopeScaling::Axial {
+                            axes_dim: axes_dim.iter().map(|&v| v as u32).collect(),
+                        });
+                    let (f, attention) = spec.build().expect("valid");
+                    prop_assert_eq!(attention, 1.0);
+                    let (_, want) = reference::axial(&axes_dim, theta);
+                    prop_assert_eq!(f.len(), want.len());
+                    for (g, w) in f.iter().zip(&want) {
+                        prop_assert!((g - w).abs() <= 4.0 * f64::EPSILON * w, "{g} vs {w}");
+                    }
+                    Ok(())
+                },
+            )
+            .expect("axial frequencies follow FLUX");
+    }
+
+    /// With one axis (or all axes equal) and no offset, the general reference is the
+    /// one-position reference; with an offset it rotates the shifted slice and leaves the rest.
+    #[test]
+    fn general_reference_reduces_to_the_one_position_form() {
+        runner(200)
+            .run(
+                &(
+                    strategies::style(),
+                    strategies::direction(),
+                    strategies::head_and_rotary_dim(),
+                    strategies::theta(),
+                    1usize..=4,
+                    any::<u64>(),
+                ),
+                |(style, direction, (d, r), theta, n_axes, seed)| {
+                    let x = random_x(seed, (2, 3, 2, d));
+                    let pos = sequential_positions(2, 3, (seed % 1000) as i64);
+                    let src = RefSinCos::Theta(theta);
+                    let want =
+                        reference::rope_partial(x.view(), pos.view(), style, direction, &src, r);
+                    // Every axis holds the token's position: any map gives the 1-D result.
+                    let all = Array3::from_shape_fn((n_axes, 2, 3), |(_, b, s)| pos[[b, s]]);
+                    let axes: Vec<usize> = (0..r / 2)
+                        .map(|j| (j * 7 + seed as usize) % n_axes)
+                        .collect();
+                    let got = reference::rope_axes(
+                        x.view(),
+                        all.view(),
+                        &axes,
+                        style,
+                        direction,
+                        &src,
+                        r,
+                        0,
+                    );
+                    prop_assert_eq!(&got, &want);
+                    // A slice at offset o: the rotation of the slice alone, the rest unchanged.
+                    let o = (seed as usize % (d - r + 1)) & !1;
+                    let sliced = reference::rope_axes(
+                        x.view(),
+                        all.view(),
+                        &axes,
+                        style,
+                        direction,
+                        &src,
+                        r,
+                        o,
+                    );
+                    let part = x.slice(s![.., .., .., o..o + r]).to_owned();
+                    let part_want =
+                        reference::rope_partial(part.view(), pos.view(), style, direction, &src, r);
+                    prop_assert_eq!(
+                        &sliced.slice(s![.., .., .., o..o + r]).to_owned(),
+                        &part_want
+                    );
+                    prop_assert_eq!(
+                        sliced.slice(s![.., .., .., ..o]),
+                        x.slice(s![.., .., .., ..o])
+                    );
+                    prop_assert_eq!(
+                        sliced.slice(s![.., .., .., o + r..]),
+                        x.slice(s![.., .., .., o + r..])
+                    );
+                    Ok(())
+                },
+            )
+            .expect("the general reference reduces to the one-position one");
+    }
+
+    /// Each pair of a multi-axis token rotates by its own axis's position (mRoPE sections,
+    /// written out for one token).
+    #[test]
+    fn pairs_rotate_by_their_own_axis() {
+        let (d, theta) = (12usize, 100.0);
+        let x = random_x(3, (1, 1, 1, d));
+        // Axes t, h, w at positions 5, 7, 11; mrope_section [1, 2, 3].
+        let pos = Array3::from_shape_vec((3, 1, 1), vec![5i64, 7, 11]).expect("shape");
+        let axes = reference::mrope_axes([1, 2, 3]);
+        assert_eq!(axes, [0, 1, 1, 2, 2, 2]);
+        let y = reference::rope_axes(
+            x.view(),
+            pos.view(),
+            &axes,
+            RopeStyle::Neox,
+            Direction::Forward,
+            &RefSinCos::Theta(theta),
+            d,
+            0,
+        );
+        for (i, p) in [5.0, 7.0, 7.0, 11.0, 11.0, 11.0].into_iter().enumerate() {
+            let angle: f64 = p * theta.powf(-2.0 * i as f64 / d as f64);
+            let (a, b) = (x[[0, 0, 0, i]], x[[0, 0, 0, i + 6]]);
+            assert!((y[[0, 0, 0, i]] - (a * angle.cos() - b * angle.sin())).abs() < 1e-12);
+            assert!((y[[0, 0, 0, i + 6]] - (b * angle.cos() + a * angle.sin())).abs() < 1e-12);
+        }
+    }
+}
+
+mod context_parallel {
+    use std::num::NonZeroU32;
+
+    use rope_host::ContextParallel;
+    use rope_kernels::abi::ContextParallelSplit;
+    use rope_reference::case::PosCase;
+
+    use super::*;
+
+    /// The reference's rank positions (chunks cut from each whole sequence, as Megatron-LM lays
+    /// them out) equal the kernel's (a search over the whole boundaries, then the two-chunk
+    /// formula of `rope_kernels::abi`), for random sequences, sizes and ranks; and the ranks
+    /// together hold every whole position once.
+    #[test]
+    fn rank_positions_equal_the_kernels_and_cover_every_position_once() {
+        runner(500)
+            .run(
+                &(0usize..40)
+                    .prop_flat_map(|half| strategies::varlen_context_parallel(2 * half, 8)),
+                |case| {
+                    let PosCase::VarlenContextParallel {
+                        cu_seqlens, size, ..
+                    } = case
+                    else {
+                        unreachable!("the strategy's kind")
+                    };
+                    let mut seen: Vec<Vec<u32>> = cu_seqlens
+                        .windows(2)
+                        .map(|w| vec![0; (w[1] - w[0]) as usize])
+                        .collect();
+                    for rank in 0..size {
+                        let want = reference::context_parallel_positions(
+                            &cu_seqlens,
+                            size as usize,
+                            rank as usize,
+                        );
+                        let split = ContextParallelSplit {
+                            size: NonZeroU32::new(size).expect("size >= 1"),
+                            rank,
+                        };
+                        let cu: Vec<i64> = cu_seqlens.iter().map(|&c| c as i64).collect();
+                        for (t, &w) in want.iter().enumerate() {
+                            let bound = split.search_bound(t as u64);
+                            let i = cu[..cu.len() - 1]
+                                .iter()
+                                .rposition(|&c| c <= bound)
+                                .expect("starts at 0");
+                            prop_assert_eq!(split.position(t as u64, cu[i], cu[i + 1]), w);
+                            seen[i][w as usize] += 1;
+                        }
+                    }
+                    prop_assert!(seen.iter().flatten().all(|&n| n == 1));
+                    Ok(())
+                },
+            )
+            .unwrap();
+    }
+
+    /// Sizes outside `1..=65536` are refused naming `cp_size`, ranks not below the size naming
+    /// `cp_rank`.
+    #[test]
+    fn splits_outside_their_range_are_refused_by_name() {
+        for (size, rank, name) in [(0, 0, "cp_size"), (65537, 0, "cp_size"), (4, 4, "cp_rank")] {
+            match ContextParallel::new(size, rank) {
+                Err(rope_host::Error::Invalid { arg, .. }) => assert_eq!(arg, name),
+                other => panic!("{size} {rank}: {other:?}"),
+            }
+        }
+        let split = ContextParallel::new(65536, 65535).expect("the largest split");
+        assert_eq!((split.size(), split.rank()), (65536, 65535));
+    }
+}
+
 mod scaling_domains;
 
 mod gpu {
     pub mod accuracy;
     pub mod finite_outputs;
     pub mod matches_reference;
+    pub mod multi_axis;
     pub mod rejects_invalid;
     pub mod serving;
     pub mod tables;

@@ -51,38 +51,37 @@ exit $status
 "#;
 
 const PYTHON_RUNNER: &str = r#"#!/bin/sh
-# Runs the Python package's tests on a GPU machine without network access: `pip install` of the
-# bundled wheel (no index, no dependencies) into a fresh virtual environment made from $PYTHON
-# (default python3) with its site packages visible, so torch (and transformers where present)
-# come from there. pytest comes from that Python, else from the bundled wheels. Without venv or
-# pip, the wheel is unzipped onto PYTHONPATH instead (said so). ROPE_REQUIRE_GPU=1 makes a
+# Runs the Python package's tests on a GPU machine without network access, with $PYTHON
+# (default python3), which must have torch (transformers is used where present): `pip install
+# --target` of the bundled wheel (no index, no dependencies) into a fresh folder put on
+# PYTHONPATH, with $PYTHON's own pip or, when it has none (virtual environments made by uv), the
+# pip of a throwaway venv made from it. pytest comes from $PYTHON, else from the bundled wheels.
+# Without any pip the wheel is unzipped there instead (said so). ROPE_REQUIRE_GPU=1 makes a
 # missing GPU or torch fail the GPU tests rather than skip them. Extra arguments go to pytest.
 #
 # python/run.sh --bench [ARGS]: runs python/bench.py instead (rope_rs against copy_).
 cd "$(dirname "$0")" || exit 1
 PYTHON=${PYTHON:-python3}
-env=$(mktemp -d) || exit 1
-if "$PYTHON" -m venv --system-site-packages "$env" 2>/dev/null \
-    && "$env/bin/python" -m pip --version >/dev/null 2>&1; then
-    "$env/bin/python" -m pip install --quiet --no-index --no-deps rope_rs-*.whl || exit 1
-    if ! "$env/bin/python" -c "import pytest" 2>/dev/null; then
-        "$env/bin/python" -m pip install --quiet --no-index --no-deps wheels/*.whl || exit 1
-    fi
-    PYTHON="$env/bin/python"
-    echo "pip installed $(ls rope_rs-*.whl) into $env"
-else
-    echo "no venv with pip for $PYTHON: unzipping the wheel onto PYTHONPATH instead"
-    for wheel in rope_rs-*.whl; do
-        "$PYTHON" -m zipfile -e "$wheel" "$env" || exit 1
-    done
-    if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
-        for wheel in wheels/*.whl; do
-            [ -f "$wheel" ] && { "$PYTHON" -m zipfile -e "$wheel" "$env" || exit 1; }
-        done
-    fi
-    export PYTHONPATH="$env${PYTHONPATH:+:$PYTHONPATH}"
+site=$(mktemp -d) || exit 1
+pip=""
+if "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    pip="$PYTHON"
+elif "$PYTHON" -m venv "$site.venv" 2>/dev/null && "$site.venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    pip="$site.venv/bin/python"
 fi
-export ROPE_REQUIRE_GPU=1
+wheels=rope_rs-*.whl
+"$PYTHON" -c "import pytest" 2>/dev/null || wheels="$wheels wheels/*.whl"
+if [ -n "$pip" ]; then
+    # shellcheck disable=SC2086
+    "$pip" -m pip install --quiet --no-index --no-deps --target "$site" $wheels || exit 1
+    echo "pip installed $(ls rope_rs-*.whl) into $site"
+else
+    echo "no pip for $PYTHON: unzipping the wheels onto PYTHONPATH instead"
+    for wheel in $wheels; do
+        [ -f "$wheel" ] && { "$PYTHON" -m zipfile -e "$wheel" "$site" || exit 1; }
+    done
+fi
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ROPE_REQUIRE_GPU=1
 if [ "$1" = "--bench" ]; then
     shift
     exec "$PYTHON" bench.py "$@"

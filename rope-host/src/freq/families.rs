@@ -48,6 +48,38 @@ pub(super) fn dynamic_ntk(
     Ok((f, 1.0))
 }
 
+/// Dynamic NTK with `alpha` (Hunyuan): base `theta * alpha^(d / (d - 2))`.
+pub(super) fn dynamic_ntk_alpha((theta, d): (f64, u32), alpha: f64) -> Result<(Vec<f64>, f64)> {
+    if !(alpha.is_finite() && (1.0..=FACTOR_RANGE.1).contains(&alpha)) {
+        return Err(invalid(
+            "scaling",
+            format!("alpha must lie in [1, 2^20], got {alpha}"),
+        ));
+    }
+    if d <= 2 {
+        return Err(invalid(
+            "rotary_dim",
+            "dynamic NTK with alpha needs rotary_dim > 2",
+        ));
+    }
+    let dim = f64::from(d);
+    // `alpha` in [1, 2^20] and `d / (d - 2)` in (1, 2]: the growth lies in [1, 2^40], and a
+    // base at least `theta` keeps every frequency within the default family's.
+    let grown = theta * alpha.powf(dim / (dim - 2.0));
+    if !(grown.is_finite() && grown > 0.0) {
+        return Err(invalid(
+            "scaling",
+            format!(
+                "alpha {alpha} grows theta {theta} to {grown}: theta * alpha^(d / (d - 2)) must \
+                 be finite and positive"
+            ),
+        ));
+    }
+    let f = inv_freq(grown, d);
+    check_frequencies("scaling", || format!("alpha {alpha} (base {grown})"), &f)?;
+    Ok((f, 1.0))
+}
+
 /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth blend between.
 pub(super) fn llama3(
     base: Vec<f64>,

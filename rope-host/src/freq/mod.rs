@@ -186,6 +186,17 @@ pub enum RopeScaling {
         /// `max_position_embeddings`).
         seq_len: u64,
     },
+    /// Dynamic NTK with `alpha` (Hunyuan's `rope_scaling: {"type": "dynamic", "alpha": ..}`,
+    /// vLLM's `DynamicNTKAlphaRotaryEmbedding`): the base grows to
+    /// `theta * alpha^(d / (d - 2))` (`d = rotary_dim`) whatever the sequence length.
+    ///
+    /// Domain: `alpha` in `[1, 2^20]` (the base only grows, so every frequency stays within
+    /// the default family's), `rotary_dim > 2`, and the grown base finite (the growth lies in
+    /// `[1, 2^40]`, so the base is finite for every `theta` below `1e296`).
+    DynamicNtkAlpha {
+        /// `alpha`.
+        alpha: f64,
+    },
     /// YaRN (`rope_type: "yarn"`): interpolation blended with extrapolation by a linear ramp
     /// over the dimensions between the `beta_slow` and `beta_fast` rotation counts, and an
     /// attention factor `0.1 ln(factor) + 1` (or its `mscale` form).
@@ -244,6 +255,25 @@ pub enum RopeScaling {
         /// `attention_factor`, if given: overrides the computed one.
         attention_factor: Option<f64>,
     },
+    /// N-D axial RoPE (FLUX's `EmbedND`, with [`crate::AxisMap::axial`] for the positions):
+    /// axis `a` owns a contiguous block of `axes_dim[a] / 2` pairs, in axis order, with its own
+    /// frequencies `theta^(-2i / axes_dim[a])` for `i < axes_dim[a] / 2`; attention factor 1.
+    ///
+    /// Domain: 1 to 4 axes, each width even and nonzero, the widths summing to `rotary_dim`,
+    /// and every axis's frequencies at most `2^20` (every `theta >= 1`).
+    Axial {
+        /// `axes_dim`: each axis's rotated features.
+        axes_dim: Vec<u32>,
+    },
+}
+
+/// FLUX's per-axis frequencies: `theta^(-2i / d_a)` for `i < d_a / 2`, axis after axis, in
+/// `f64`. Unchecked, as [`inv_freq`] (see [`RopeScaling::Axial`] for the checked form).
+pub fn axial_inv_freq(theta: f64, axes_dim: &[u32]) -> Vec<f64> {
+    axes_dim
+        .iter()
+        .flat_map(|&d| (0..d / 2).map(move |i| theta.powf(-2.0 * f64::from(i) / f64::from(d))))
+        .collect()
 }
 
 impl RopeScaling {
@@ -253,6 +283,8 @@ impl RopeScaling {
     fn blame(&self) -> (&'static str, &'static str, &'static str) {
         match self {
             Self::Default => ("theta", "theta", "theta"),
+            Self::Axial { .. } => ("scaling", "axes_dim", "axes_dim"),
+            Self::DynamicNtkAlpha { .. } => ("scaling", "alpha", "alpha"),
             Self::Linear { .. } | Self::DynamicNtk { .. } | Self::Llama3 { .. } => {
                 ("scaling", "factor", "factor")
             }
@@ -347,12 +379,24 @@ impl FrequencySpec {
         let base = checked_inv_freq(theta, d)?;
         let (f, attention) = match &self.scaling {
             RopeScaling::Default => (base, 1.0),
+            RopeScaling::Axial { axes_dim } => {
+                crate::positions::check_axes_dim(axes_dim, d).map_err(|e| match e {
+                    crate::Error::Invalid { problem, .. } => {
+                        invalid("scaling", format!("axes_dim {problem}"))
+                    }
+                    other => other,
+                })?;
+                (axial_inv_freq(theta, axes_dim), 1.0)
+            }
             RopeScaling::Linear { factor } => families::linear(base, *factor)?,
             RopeScaling::DynamicNtk {
                 factor,
                 max_position_embeddings,
                 seq_len,
             } => families::dynamic_ntk((theta, d), *factor, *max_position_embeddings, *seq_len)?,
+            RopeScaling::DynamicNtkAlpha { alpha } => {
+                families::dynamic_ntk_alpha((theta, d), *alpha)?
+            }
             RopeScaling::Yarn(y) => families::yarn(theta, d, y)?,
             RopeScaling::Llama3 {
                 factor,

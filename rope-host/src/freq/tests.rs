@@ -179,3 +179,101 @@ fn given_attention_factors_outside_1e_3_to_1e3_are_rejected_naming_it() {
         );
     }
 }
+
+#[test]
+fn axial_frequencies_are_each_axis_own_default_family() {
+    let spec = FrequencySpec::new(10_000.0, 12).scaling(RopeScaling::Axial {
+        axes_dim: vec![4, 2, 6],
+    });
+    let (f, attention) = spec.build().expect("valid");
+    // Written out: axis 0 (d 4): 1, theta^(-1/2); axis 1 (d 2): 1; axis 2 (d 6): 1,
+    // theta^(-1/3), theta^(-2/3).
+    let t: f64 = 10_000.0;
+    let want = [
+        1.0,
+        t.powf(-0.5),
+        1.0,
+        1.0,
+        t.powf(-1.0 / 3.0),
+        t.powf(-2.0 / 3.0),
+    ];
+    assert_eq!(attention, 1.0);
+    for (got, want) in f.iter().zip(want) {
+        assert!((got - want).abs() <= 1e-15 * want, "{got} vs {want}");
+    }
+    // FLUX: theta 10000, axes_dim [16, 56, 56]; one axis is the default family.
+    let flux = FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::Axial {
+        axes_dim: vec![16, 56, 56],
+    });
+    let (f, _) = flux.build().expect("valid");
+    assert_eq!(f.len(), 64);
+    assert_eq!(&f[..8], &inv_freq(10_000.0, 16)[..]);
+    assert_eq!(&f[8..36], &inv_freq(10_000.0, 56)[..]);
+    assert_eq!(&f[36..], &inv_freq(10_000.0, 56)[..]);
+    let one = FrequencySpec::new(500.0, 64).scaling(RopeScaling::Axial { axes_dim: vec![64] });
+    assert_eq!(one.build().expect("valid").0, inv_freq(500.0, 64));
+}
+
+#[test]
+fn axial_frequencies_reject_widths_that_do_not_tile_rotary_dim() {
+    for axes_dim in [vec![], vec![3, 13], vec![8, 4], vec![0, 16], vec![4; 5]] {
+        let spec = FrequencySpec::new(10_000.0, 16).scaling(RopeScaling::Axial {
+            axes_dim: axes_dim.clone(),
+        });
+        match spec.build() {
+            Err(Error::Invalid {
+                arg: "scaling",
+                problem,
+            }) => assert!(problem.contains("axes_dim"), "{problem}"),
+            other => panic!("{axes_dim:?}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn dynamic_ntk_alpha_grows_the_base_by_alpha_to_the_d_over_d_minus_2() {
+    // Hunyuan-A13B: rope_theta 10000, alpha 1000, head_dim 128.
+    let spec =
+        FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::DynamicNtkAlpha { alpha: 1000.0 });
+    let (f, attention) = spec.build().expect("valid");
+    let base = 10_000.0 * 1000f64.powf(128.0 / 126.0);
+    assert_eq!(attention, 1.0);
+    for (i, got) in f.iter().enumerate() {
+        let want = 1.0 / base.powf(2.0 * i as f64 / 128.0);
+        assert!(
+            (got - want).abs() <= 4.0 * f64::EPSILON * want,
+            "{i}: {got} vs {want}"
+        );
+    }
+    // alpha 1 is the default family.
+    let one = FrequencySpec::new(500.0, 64).scaling(RopeScaling::DynamicNtkAlpha { alpha: 1.0 });
+    assert_eq!(one.build().expect("valid").0, inv_freq(500.0, 64));
+}
+
+#[test]
+fn dynamic_ntk_alpha_rejects_alpha_outside_its_domain_and_rotary_dim_2() {
+    for alpha in [0.5, 0.0, -1.0, f64::NAN, f64::INFINITY, 2e6] {
+        let spec = FrequencySpec::new(10_000.0, 64).scaling(RopeScaling::DynamicNtkAlpha { alpha });
+        match spec.build() {
+            Err(Error::Invalid {
+                arg: "scaling",
+                problem,
+            }) => assert!(problem.starts_with("alpha "), "{problem}"),
+            other => panic!("{alpha}: {other:?}"),
+        }
+    }
+    let two = FrequencySpec::new(10_000.0, 2).scaling(RopeScaling::DynamicNtkAlpha { alpha: 2.0 });
+    assert!(matches!(
+        two.build(),
+        Err(Error::Invalid {
+            arg: "rotary_dim",
+            ..
+        })
+    ));
+    // A base that overflows is rejected, not handed to the kernels.
+    let huge = FrequencySpec::new(1e305, 64).scaling(RopeScaling::DynamicNtkAlpha { alpha: 1e6 });
+    assert!(matches!(
+        huge.build(),
+        Err(Error::Invalid { arg: "scaling", .. })
+    ));
+}

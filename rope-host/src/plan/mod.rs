@@ -83,7 +83,7 @@ pub(crate) fn plan(
         .checked_mul(q.seq as u64)
         .ok_or_else(|| invalid("q", "batch * seq overflows u64"))?;
     let empty = tokens == 0 || heads == 0;
-    let positions = req.positions.check(q.batch, q.seq)?;
+    let positions = req.positions.check(q.batch, q.seq, cfg.half())?;
     let max_position = positions.max_implicit.filter(|_| !empty);
     let sincos = req.sincos.check(cfg, req.dtype, max_position)?;
     if empty {
@@ -315,10 +315,11 @@ fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
 /// as pairs.
 fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
     let cfg = &req.config;
-    let (half, rotary, head) = (
+    let (half, rotary, head, offset) = (
         cfg.half() as usize,
         cfg.rotary_dim() as usize,
         cfg.head_dim() as usize,
+        cfg.rotary_offset() as usize,
     );
     let es = req.dtype.size();
     let tensors: Vec<(u64, Layout)> = [Some(req.q), req.k]
@@ -333,7 +334,9 @@ fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
         let shape_ok = match cfg.style() {
             RopeStyle::Neox => half.is_multiple_of(lanes),
             RopeStyle::Interleaved => lanes.is_multiple_of(2) && rotary.is_multiple_of(lanes),
-        } && (!pass_through || (head - rotary).is_multiple_of(lanes));
+        } && (!pass_through || (head - rotary).is_multiple_of(lanes))
+            // The tensors' pointers start at the rotated slice.
+            && offset.is_multiple_of(lanes);
         // Wrapping arithmetic: `bytes` is a power of two, so alignment modulo 2^64 is exact.
         let aligned = tensors.iter().all(|(addr, l)| {
             addr.wrapping_add((l.offset as u64).wrapping_mul(es as u64))

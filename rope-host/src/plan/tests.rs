@@ -131,6 +131,65 @@ fn partial_rotary_copies_the_rest_only_out_of_place() {
 }
 
 /// `len` integers of `ty` at `ptr`.
+#[test]
+fn rotary_offset_shifts_the_pointers_and_limits_the_access_width() {
+    // DeepSeek-V3's q head: 192 features, the last 64 rotated (interleaved bf16).
+    let mla = |offset| {
+        RopeConfig::builder(192, RopeStyle::Interleaved)
+            .rotary_dim(64)
+            .rotary_offset(offset)
+            .build()
+            .expect("valid")
+    };
+    let mut r = request(mla(128), Layout::bshd(2, 3, 4, 192));
+    r.dtype = DType::BF16;
+    let p = valid(&r);
+    assert_eq!((p.lanes, p.rot_groups, groups(&p)), (8, 8, 8));
+    let out = tensor(Layout::bshd(2, 3, 4, 192), 1 << 24);
+    r.q.out = Some((out.x, out.x_layout));
+    // Out of place, the 128 pass-through elements take 16 more groups.
+    assert_eq!(groups(&valid(&r)), 8 + 16);
+    // An offset of 2 elements allows only pairs of elements.
+    let mut r2 = request(mla(2), Layout::bshd(2, 3, 4, 192));
+    r2.dtype = DType::BF16;
+    assert_eq!(valid(&r2).lanes, 2);
+    let args = crate::rope::encode_for_test(&r, &valid(&r));
+    assert_eq!(
+        args.x0,
+        (1 << 20) + 128 * 2,
+        "q starts at the rotated slice"
+    );
+    assert_eq!(args.out0, (1 << 24) + 128 * 2);
+    assert_eq!(args.rotary_offset, 128);
+}
+
+#[test]
+fn multi_axis_positions_are_checked_against_the_tokens_and_pairs() {
+    use crate::positions::RawAxisMap;
+    let config = neox(8);
+    let mut r = request(config, Layout::bshd(2, 3, 1, 8));
+    let map = |len| RawAxisMap {
+        axes: RawBuf { ptr: 1 << 30, len },
+        n_axes: 3,
+    };
+    r.positions = RawPositions::MultiAxis {
+        positions: ints(1 << 28, 18, IntType::I64),
+        axes: map(4),
+    };
+    valid(&r);
+    r.positions = RawPositions::MultiAxis {
+        positions: ints(1 << 28, 18, IntType::I64),
+        axes: map(3),
+    };
+    assert_eq!(invalid_arg(plan_of(&r)), "positions");
+    // The output may not overlap the positions or the axis map.
+    r.positions = RawPositions::MultiAxis {
+        positions: ints(1 << 20, 18, IntType::I64),
+        axes: map(4),
+    };
+    assert_eq!(invalid_arg(plan_of(&r)), "q");
+}
+
 fn ints(ptr: u64, len: usize, ty: IntType) -> RawInts {
     RawInts {
         buf: RawBuf { ptr, len },

@@ -50,6 +50,7 @@ fn in_kernel_sin_cos_is_accurate_to_position_2_pow_22() {
                     heads: 3,
                     head_dim: 2 * half,
                     rotary_dim: 2 * half,
+                    rotary_offset: 0,
                     layout: LayoutKind::Bshd,
                     k: KCase::None,
                     source: Source::Theta(theta),
@@ -301,6 +302,7 @@ fn scaling_families_match_the_reference_on_gpu() {
             max_position_embeddings: 4096,
             seq_len: 16384,
         },
+        RopeScaling::DynamicNtkAlpha { alpha: 1000.0 },
         RopeScaling::Yarn(Yarn::new(16.0, 4096)),
         RopeScaling::Llama3 {
             factor: 8.0,
@@ -362,6 +364,7 @@ fn scaling_families_match_the_reference_on_gpu() {
                 heads,
                 head_dim: d,
                 rotary_dim: d,
+                rotary_offset: 0,
                 layout: LayoutKind::Bshd,
                 k: KCase::None,
                 source: Source::Theta(500_000.0),
@@ -388,6 +391,8 @@ fn scaling_families_match_the_reference_on_gpu() {
 fn family_name(s: &RopeScaling) -> &'static str {
     match s {
         RopeScaling::Default => "default",
+        RopeScaling::Axial { .. } => "axial",
+        RopeScaling::DynamicNtkAlpha { .. } => "dynamic NTK alpha",
         RopeScaling::Linear { .. } => "linear",
         RopeScaling::DynamicNtk { .. } => "dynamic NTK",
         RopeScaling::Yarn(_) => "YaRN",

@@ -26,6 +26,7 @@ fn base(style: RopeStyle) -> Case {
         heads: 3,
         head_dim: 8,
         rotary_dim: 8,
+        rotary_offset: 0,
         layout: LayoutKind::Bshd,
         k: KCase::None,
         source: Source::Theta(10_000.0),

@@ -10,9 +10,9 @@ use rand::{RngExt, SeedableRng};
 use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use rope_host::cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use rope_host::{
-    DType, DeviceInts, Direction, IdsShape, IntType, Io, Layout, Positions, RawBuf, RawInts, RawIo,
-    RawOp, RawPositions, RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeOp, RopeStyle,
-    SinCos, TableFormat, TableShape, TensorMut,
+    ContextParallel, DType, DeviceInts, Direction, IdsShape, IntType, Io, Layout, Positions,
+    RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors, Rope,
+    RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, TensorMut,
 };
 use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
 use rope_tests::gpu::gpu_or_skip;
@@ -49,6 +49,16 @@ fn positions(kind: usize, batch: usize, seq: usize, seed: u64) -> PosCase {
             wide,
             shape: IdsShape::PerRow,
         },
+        7 | 8 => {
+            // Two ranks: whole sequences twice the local `seq`, cut at multiples of 4.
+            let cut = 4 * rng.random_range(0..=seq as u32 / 2);
+            PosCase::VarlenContextParallel {
+                cu_seqlens: vec![0, cut, 2 * seq as u32],
+                size: 2,
+                rank: rng.random_range(0..2),
+                wide,
+            }
+        }
         _ => {
             let cut = rng.random_range(0..=seq as u32);
             PosCase::Varlen {
@@ -60,8 +70,9 @@ fn positions(kind: usize, batch: usize, seq: usize, seed: u64) -> PosCase {
     }
 }
 
-/// Position kinds: offset, row offsets i64/i32, ids i64/i32, varlen i64/i32 (see `positions`).
-const KINDS: usize = 7;
+/// Position kinds: offset, row offsets i64/i32, ids i64/i32, varlen i64/i32, varlen split
+/// over two context-parallel ranks i64/i32 (see `positions`).
+const KINDS: usize = 9;
 
 /// Every position kind (device arrays in `i32` and `i64`) with every sin/cos source (tables of
 /// the tensors' type, `f32` tables, in-kernel) and both styles, bf16 and f32, q and a GQA k in
@@ -97,6 +108,7 @@ fn every_launch_kind_replays_from_a_cuda_graph() {
                     heads: 4,
                     head_dim: 16,
                     rotary_dim: 16,
+                    rotary_offset: 0,
                     layout: LayoutKind::Bshd,
                     k: KCase::Separate { heads: 2 },
                     source: match source {
@@ -172,7 +184,8 @@ fn replay<T: rope_reference::case::TestElem>(
 }
 
 /// Random malformed device metadata (row offsets and ids anywhere in `i32`/`i64`, `cu_seqlens`
-/// and offsets of any values: decreasing, negative, past the tensor) never make the kernel touch
+/// and offsets of any values: decreasing, negative, past the tensor, also with a
+/// context-parallel split of up to 65536 ranks) never make the kernel touch
 /// memory outside the tensors (guard regions around the output stay intact; run the bundle's
 /// `--sanitize` for the device's own check); with tables, every output is a finite rotation or
 /// NaN.
@@ -193,7 +206,7 @@ fn malformed_device_metadata_stays_inside_the_tensors() {
     let strategy = (
         proptest::collection::vec(values, 1..8),
         proptest::collection::vec(any::<i64>(), 8),
-        (0usize..3, any::<bool>(), any::<bool>(), any::<bool>()),
+        (0usize..4, any::<bool>(), any::<bool>(), any::<bool>()),
     );
     runner(200)
         .run(&strategy, |(main, aux, (kind, wide, table, neox))| {
@@ -229,7 +242,7 @@ fn malformed_case(
     } else {
         main.to_vec()
     };
-    let main = if kind == 2 && main.len() < 2 {
+    let main = if kind >= 2 && main.len() < 2 {
         vec![main[0], main[0]]
     } else {
         main
@@ -258,10 +271,19 @@ fn malformed_case(
             ids: main_dev.view(),
             shape: IdsShape::Shared,
         },
-        _ => Positions::Varlen {
+        2 => Positions::Varlen {
             cu_seqlens: main_dev.view(),
             offsets: Some(aux_dev.view()),
         },
+        _ => {
+            // Any split: the sizes multiply local token indices in the kernel's search.
+            let size = [2, 3, 8, ContextParallel::MAX_SIZE][aux[0].unsigned_abs() as usize % 4];
+            let rank = (aux[1].unsigned_abs() % u64::from(size)) as u32;
+            Positions::VarlenContextParallel {
+                cu_seqlens: main_dev.view(),
+                split: ContextParallel::new(size, rank).map_err(|e| fail(&e))?,
+            }
+        }
     };
     let tables = rope
         .build_tables::<f32>(THETA, 8, 64, TableFormat::Separate)

@@ -102,6 +102,7 @@ fn built_tables_reproduce_in_kernel_sin_cos_exactly() {
                 heads: 5,
                 head_dim: 64,
                 rotary_dim: 48,
+                rotary_offset: 0,
                 layout: LayoutKind::Bshd,
                 k: KCase::Separate { heads: 2 },
                 source: Source::Theta(500_000.0),

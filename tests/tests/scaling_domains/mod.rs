@@ -38,6 +38,8 @@ enum Domain {
     NonNegative,
     /// An attention factor: in `[1e-3, 1e3]`.
     Attention,
+    /// Dynamic NTK's `alpha`: in `[1, 2^20]`.
+    Alpha,
 }
 
 impl Domain {
@@ -58,6 +60,7 @@ impl Domain {
             Self::Positive => v.is_finite() && v > 0.0,
             Self::NonNegative => v.is_finite() && v >= 0.0,
             Self::Attention => in_range(ATTENTION_RANGE),
+            Self::Alpha => in_range((1.0, FACTOR_RANGE.1)),
         }
     }
 }
@@ -84,7 +87,21 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
     let mut extra = Vec::new();
     match &spec.scaling {
         RopeScaling::Default => {}
+        RopeScaling::Axial { axes_dim } => {
+            let widths_ok = (1..=4).contains(&axes_dim.len())
+                && axes_dim.iter().all(|&w| w > 0 && w % 2 == 0)
+                && axes_dim.iter().map(|&w| u64::from(w)).sum::<u64>() == u64::from(d);
+            if !widths_ok {
+                v.push(("scaling", "axes_dim"));
+            }
+        }
         RopeScaling::Linear { factor } => check(Domain::Factor, *factor, "factor"),
+        RopeScaling::DynamicNtkAlpha { alpha } => {
+            check(Domain::Alpha, *alpha, "alpha");
+            if d == 2 {
+                extra.push(("rotary_dim", ""));
+            }
+        }
         RopeScaling::DynamicNtk {
             factor,
             max_position_embeddings,
