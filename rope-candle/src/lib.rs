@@ -1,0 +1,41 @@
+//! rope-rs inside [candle](https://github.com/huggingface/candle): RoPE as candle custom ops
+//! whose CUDA forward launches rope-host on candle's own stream and buffers (strided views
+//! without copies) and whose backward is the transposed rotation, so gradients flow through
+//! `candle_core::backprop`.
+//!
+//! - [`rope`], [`rope_i`], [`rope_thd`]: `candle_nn::rotary_emb`'s signatures and tables; CPU
+//!   tensors go to candle_nn's implementation.
+//! - [`apply`] and [`apply_qk`] with a [`RopeSpec`]: device position ids, in-kernel sin/cos
+//!   ([`SinCos::Computed`], or [`SinCos::Frequencies`] for the scaling families), partial
+//!   rotary, `[b, h, s, d]` or `[b, s, h, d]`; CUDA only.
+//!
+//! Build: candle-core's `cuda` feature runs nvcc (see the crate's README), and rope-host is used
+//! with its default features off, so candle picks cudarc's linking mode and CUDA version.
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Tensor};
+//!
+//! fn main() -> candle_core::Result<()> {
+//!     let dev = Device::new_cuda(0)?;
+//!     let (b, h, t, d) = (1, 8, 16, 64);
+//!     let xs = Tensor::randn(0f32, 1., (b, h, t, d), &dev)?;
+//!     let cos = Tensor::randn(0f32, 1., (t, d / 2), &dev)?;
+//!     let sin = Tensor::randn(0f32, 1., (t, d / 2), &dev)?;
+//!     // Was: candle_nn::rotary_emb::rope(&xs, &cos, &sin)?
+//!     let ys = rope_candle::rope(&xs, &cos, &sin)?;
+//!     assert_eq!(ys.dtype(), DType::F32);
+//!     Ok(())
+//! }
+//! ```
+
+mod drop_in;
+mod error;
+mod layout;
+mod op;
+mod rich;
+
+pub use drop_in::{rope, rope_i, rope_thd};
+pub use error::Error;
+pub use layout::Axes;
+pub use rich::{Positions, RopeSpec, SinCos, apply, apply_qk, frequencies};
+pub use rope_host::{AngleMode, FrequencySpec, RopeScaling, RopeStyle};

@@ -1,0 +1,128 @@
+//! What candle_nn's functions cannot express: device position ids, in-kernel sin/cos with the
+//! scaling families, partial rotary, both layouts, and q and k in one call.
+
+use std::sync::Arc;
+
+use candle_core::{Device, Result, Tensor};
+use rope_host::{Direction, Frequencies, FrequencySpec, RopeStyle};
+
+use crate::error::invalid;
+use crate::layout::Axes;
+use crate::op::{Pos, RopeCandleOp, Source};
+
+/// Where sin/cos come from.
+#[derive(Clone, Debug)]
+pub enum SinCos {
+    /// Tables `[rows, rotary_dim / 2]` (or `[batch, rows, rotary_dim / 2]`) of `xs`'s dtype
+    /// or f32; positions read rows (offset positions only).
+    Tables {
+        /// The cosines.
+        cos: Tensor,
+        /// The sines.
+        sin: Tensor,
+    },
+    /// Computed in the kernel: `inv_freq_i = theta^(-2i/r)` in f64, cos/sin within one f32 ulp.
+    Computed {
+        /// The frequency base (`rope_theta`).
+        theta: f64,
+    },
+    /// Computed in the kernel from frequencies of any scaling family ([`frequencies`]).
+    Frequencies(Arc<Frequencies>),
+}
+
+/// Positions of the tokens.
+#[derive(Clone, Copy, Debug)]
+pub enum Positions<'a> {
+    /// `p = offset + s` (prefill from `offset`).
+    Offset(u32),
+    /// Device ids (i32 or i64 on the tensors' device): `[seq]`, shared by the batch rows, or
+    /// `[batch, seq]`. They survive CUDA-graph replay: write new ids into the same tensor.
+    Ids(&'a Tensor),
+}
+
+/// A RoPE application: style, layout, rotated width and sin/cos.
+#[derive(Clone, Debug)]
+pub struct RopeSpec {
+    /// Pairing: rotate-half (NeoX, Llama) or interleaved (GPT-J).
+    pub style: RopeStyle,
+    /// Which axes of the 4-D tensors are batch, seq, heads and head features.
+    pub axes: Axes,
+    /// Rotated features (partial rotary); `None` rotates the whole head.
+    pub rotary_dim: Option<u32>,
+    /// Where sin/cos come from.
+    pub sincos: SinCos,
+}
+
+/// Frequencies of `spec` (any scaling family: linear, dynamic NTK, YaRN, Llama 3, LongRoPE)
+/// uploaded once to `device`, for [`SinCos::Frequencies`].
+///
+/// # Errors
+/// A wrapped [`crate::Error`] when `device` is not CUDA or `spec` is invalid.
+pub fn frequencies(device: &Device, spec: &FrequencySpec) -> Result<Arc<Frequencies>> {
+    let Device::Cuda(dev) = device else {
+        return Err(invalid("device", "frequencies live on a CUDA device").into());
+    };
+    let rope = rope_host::Rope::new(dev.cuda_stream()).map_err(crate::Error::from)?;
+    Ok(Arc::new(
+        rope.frequencies(spec).map_err(crate::Error::from)?,
+    ))
+}
+
+/// `xs` rotated by `spec` at `positions`, as a new tensor; gradients flow to `xs` through
+/// backprop. CUDA only.
+///
+/// # Errors
+/// A wrapped [`crate::Error`] naming the argument (`xs`, `cos`, `ids`, `positions`,
+/// `rotary_dim`, ...) when the description is invalid or `xs` is not on a CUDA device.
+pub fn apply(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> Result<Tensor> {
+    if !xs.device().is_cuda() {
+        return Err(invalid(
+            "xs",
+            "rope_candle::apply runs on CUDA; on the CPU use rope_candle::rope (candle_nn's path)",
+        )
+        .into());
+    }
+    let (source, tables) = match &spec.sincos {
+        SinCos::Tables { cos, sin } => {
+            (Source::Tables, Some((cos.contiguous()?, sin.contiguous()?)))
+        }
+        SinCos::Computed { theta } => (Source::Computed { theta: *theta }, None),
+        SinCos::Frequencies(f) => (Source::Frequencies(f.clone()), None),
+    };
+    let pos = match positions {
+        Positions::Offset(o) => Pos::Offset(o),
+        Positions::Ids(_) => Pos::Ids,
+    };
+    let op = RopeCandleOp {
+        style: spec.style,
+        axes: spec.axes,
+        rotary_dim: spec.rotary_dim,
+        direction: Direction::Forward,
+        source,
+        pos,
+    };
+    match (tables, positions) {
+        (Some((cos, sin)), Positions::Offset(0)) => xs.apply_op3(&cos, &sin, op),
+        (Some(_), _) => Err(invalid(
+            "positions",
+            "tables go with Offset(0); select rows first (cos.index_select) or use computed sin/cos",
+        )
+        .into()),
+        (None, Positions::Offset(_)) => xs.apply_op1(op),
+        (None, Positions::Ids(ids)) => xs.apply_op2(ids, op),
+    }
+}
+
+/// q and k rotated by the same `spec` and `positions` in one call (two launches sharing the
+/// handle and the uploaded frequencies; q and k may have different head counts).
+///
+/// # Errors
+/// As [`apply`], for either tensor.
+pub fn apply_qk(
+    q: &Tensor,
+    k: &Tensor,
+    spec: &RopeSpec,
+    positions: Positions<'_>,
+) -> Result<(Tensor, Tensor)> {
+    Ok((apply(q, spec, positions)?, apply(k, spec, positions)?))
+}
