@@ -8,6 +8,8 @@
 //! - [`apply`] and [`apply_qk`] with a [`RopeSpec`]: device position ids, in-kernel sin/cos
 //!   ([`SinCos::Computed`], or [`SinCos::Frequencies`] for the scaling families), partial
 //!   rotary, `[b, h, s, d]` or `[b, s, h, d]`; CUDA only.
+//! - [`apply_inplace`] and [`apply_qk_inplace`]: the same, rotating the tensors where they are
+//!   (candle's in-place ops: strided views of a fused QKV tensor, no gradients); CUDA only.
 //!
 //! Build: candle-core's `cuda` feature runs nvcc (see the crate's README), and rope-host is used
 //! with its default features off, so candle picks cudarc's linking mode and CUDA version.
@@ -37,5 +39,7 @@ mod rich;
 pub use drop_in::{rope, rope_i, rope_thd};
 pub use error::Error;
 pub use layout::Axes;
-pub use rich::{Positions, RopeSpec, SinCos, apply, apply_qk, frequencies};
+pub use rich::{
+    Positions, RopeSpec, SinCos, apply, apply_inplace, apply_qk, apply_qk_inplace, frequencies,
+};
 pub use rope_host::{AngleMode, FrequencySpec, RopeScaling, RopeStyle};

@@ -4,7 +4,10 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, InplaceOp1, InplaceOp2, InplaceOp3, Layout, Shape,
+    Tensor,
+};
 use rope_host::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use rope_host::{
     DType, Direction, Frequencies, IdsShape, IntType, RawBuf, RawInts, RawIo, RawOp, RawPositions,
@@ -35,6 +38,17 @@ pub(crate) enum Pos {
     Offset(u32),
     /// Device ids passed as the op's second tensor: `[seq]` or `[batch, seq]`.
     Ids,
+}
+
+/// Where a launch writes: a fresh contiguous tensor, or `xs` itself (any strides).
+enum Target<'a, T> {
+    /// `out <- rope(x)`.
+    New {
+        x: &'a CudaSlice<T>,
+        out: &'a mut CudaSlice<T>,
+    },
+    /// `x <- rope(x)`.
+    InPlace(&'a mut CudaSlice<T>),
 }
 
 /// One RoPE launch: the style, axes, rotated width, direction and sources.
@@ -121,16 +135,45 @@ impl RopeCandleOp {
         // and passed-through features alike) before anything reads it; candle's stream orders
         // any later read after that launch.
         let mut out = unsafe { device.alloc::<T>(elems) }?;
-        self.launch_into(x, &mut out, dtype, layout, tables, ids, device)?;
+        let target = Target::New { x, out: &mut out };
+        self.launch_into(target, dtype, layout, tables, ids, device)?;
         Ok((CudaStorage::wrap_cuda_slice(out, device.clone()), shape))
     }
 
-    /// Binds, describes and launches `out <- rope(x)`; the guards end with this call.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches on candle's stream, rotating `xs` (any strides without overlap) where it is.
+    fn launch_in_place(
+        &self,
+        storage: &mut CudaStorage,
+        layout: &Layout,
+        tables: Option<[(&CudaStorage, &Layout); 2]>,
+        ids: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(), Error> {
+        let device = storage.device.clone();
+        let dtype = storage.dtype();
+        match &mut storage.slice {
+            CudaStorageSlice::F32(s) => {
+                let target = Target::InPlace(s);
+                self.launch_into(target, DType::F32, layout, tables, ids, &device)
+            }
+            CudaStorageSlice::F16(s) => {
+                let target = Target::InPlace(s);
+                self.launch_into(target, DType::F16, layout, tables, ids, &device)
+            }
+            CudaStorageSlice::BF16(s) => {
+                let target = Target::InPlace(s);
+                self.launch_into(target, DType::BF16, layout, tables, ids, &device)
+            }
+            _ => Err(invalid(
+                "xs",
+                format!("dtype {dtype:?}: only f32, f16 and bf16"),
+            )),
+        }
+    }
+
+    /// Binds, describes and launches into `target`; the guards end with this call.
     fn launch_into<T: DeviceRepr>(
         &self,
-        x: &CudaSlice<T>,
-        out: &mut CudaSlice<T>,
+        target: Target<'_, T>,
         dtype: DType,
         layout: &Layout,
         tables: Option<[(&CudaStorage, &Layout); 2]>,
@@ -144,27 +187,41 @@ impl RopeCandleOp {
         let [batch, seq, _, head_dim] = self.axes.bshd("xs", layout.dims())?;
         let config = self.config(head_dim)?;
         let rotary_dim = config.rotary_dim();
-        let elems = out.len();
-        let (x_ptr, _x_guard) = x.device_ptr(&stream);
-        let (out_ptr, _out_guard) = out.device_ptr_mut(&stream);
-        let io = RawIo::OutOfPlace {
-            input: RawTensor {
-                buf: RawBuf {
-                    ptr: x_ptr,
-                    len: x.len(),
-                },
-                layout: input,
-            },
-            output: RawTensor {
-                buf: RawBuf {
-                    ptr: out_ptr,
-                    len: elems,
-                },
-                layout: output,
-            },
+        let mut guards = Vec::new();
+        let io = match target {
+            Target::New { x, out } => {
+                let out_len = out.len();
+                let (x_ptr, x_guard) = x.device_ptr(&stream);
+                let (out_ptr, out_guard) = out.device_ptr_mut(&stream);
+                guards.extend([x_guard, out_guard]);
+                RawIo::OutOfPlace {
+                    input: RawTensor {
+                        buf: RawBuf {
+                            ptr: x_ptr,
+                            len: x.len(),
+                        },
+                        layout: input,
+                    },
+                    output: RawTensor {
+                        buf: RawBuf {
+                            ptr: out_ptr,
+                            len: out_len,
+                        },
+                        layout: output,
+                    },
+                }
+            }
+            Target::InPlace(x) => {
+                let len = x.len();
+                let (ptr, guard) = x.device_ptr_mut(&stream);
+                guards.push(guard);
+                RawIo::InPlace(RawTensor {
+                    buf: RawBuf { ptr, len },
+                    layout: input,
+                })
+            }
         };
 
-        let mut guards = Vec::new();
         let mut row_offsets: Option<CudaSlice<i64>> = None;
         let sincos = match (&self.source, tables) {
             (Source::Tables, Some([(cos, cos_l), (sin, sin_l)])) => {
@@ -246,10 +303,12 @@ impl RopeCandleOp {
         // SAFETY: `stream` is candle's stream of this device and `rope` was made on it, so the
         // context matches; every address comes from a `CudaSlice` of that device with its
         // length in elements of the stated type (tables and ids through `table_buf`/`ids_buf`,
-        // which add only in-range start offsets); the guards (`_x_guard`, `_out_guard`,
-        // `guards`, `_offsets_guard`) order the launch after earlier writes and live until it is
-        // queued; `out` is fresh, so nothing else writes it, and `row_offsets` and the
-        // frequencies were uploaded on this same stream before the launch.
+        // which add only in-range start offsets); the guards (`guards`, `_offsets_guard`) order
+        // the launch after earlier work on the buffers and live until it is queued; an
+        // out-of-place `out` is fresh, so nothing else writes it; an in-place `xs` is borrowed
+        // mutably from candle's storage (candle checked that no source shares it, and rope-host
+        // checks that its strides do not overlap); `row_offsets` and the frequencies were
+        // uploaded on this same stream before the launch.
         unsafe { rope.run_raw(&op, RawTensors::Q(io), stream.cu_stream()) }?;
         Ok(())
     }
@@ -457,5 +516,77 @@ impl CustomOp3 for RopeCandleOp {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         Ok((Some(grad.apply_op3(cos, sin, self.reversed())?), None, None))
+    }
+}
+
+impl InplaceOp1 for RopeCandleOp {
+    fn name(&self) -> &'static str {
+        self.name_of()
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Err(cpu_error(self))
+    }
+
+    fn cuda_fwd(&self, s: &mut CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        Ok(self.launch_in_place(s, l, None, None)?)
+    }
+}
+
+/// In place with position ids as the source.
+impl InplaceOp2 for RopeCandleOp {
+    fn name(&self) -> &'static str {
+        self.name_of()
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(cpu_error(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &mut CudaStorage,
+        l: &Layout,
+        ids: &CudaStorage,
+        ids_l: &Layout,
+    ) -> candle_core::Result<()> {
+        Ok(self.launch_in_place(s, l, None, Some((ids, ids_l)))?)
+    }
+}
+
+/// In place with cos and sin tables as the sources.
+impl InplaceOp3 for RopeCandleOp {
+    fn name(&self) -> &'static str {
+        self.name_of()
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(cpu_error(self))
+    }
+
+    fn cuda_fwd(
+        &self,
+        s: &mut CudaStorage,
+        l: &Layout,
+        cos: &CudaStorage,
+        cos_l: &Layout,
+        sin: &CudaStorage,
+        sin_l: &Layout,
+    ) -> candle_core::Result<()> {
+        Ok(self.launch_in_place(s, l, Some([(cos, cos_l), (sin, sin_l)]), None)?)
     }
 }

@@ -68,20 +68,11 @@ pub fn frequencies(device: &Device, spec: &FrequencySpec) -> Result<Arc<Frequenc
     ))
 }
 
-/// `xs` rotated by `spec` at `positions`, as a new tensor; gradients flow to `xs` through
-/// backprop. CUDA only.
-///
-/// # Errors
-/// A wrapped [`crate::Error`] naming the argument (`xs`, `cos`, `ids`, `positions`,
-/// `rotary_dim`, ...) when the description is invalid or `xs` is not on a CUDA device.
-pub fn apply(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> Result<Tensor> {
-    if !xs.device().is_cuda() {
-        return Err(invalid(
-            "xs",
-            "rope_candle::apply runs on CUDA; on the CPU use rope_candle::rope (candle_nn's path)",
-        )
-        .into());
-    }
+/// The op for `spec` at `positions`, and the tables it takes (contiguous).
+fn op_for(
+    spec: &RopeSpec,
+    positions: Positions<'_>,
+) -> Result<(RopeCandleOp, Option<(Tensor, Tensor)>)> {
     let (source, tables) = match &spec.sincos {
         SinCos::Tables { cos, sin } => {
             (Source::Tables, Some((cos.contiguous()?, sin.contiguous()?)))
@@ -93,6 +84,13 @@ pub fn apply(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> Result<T
         Positions::Offset(o) => Pos::Offset(o),
         Positions::Ids(_) => Pos::Ids,
     };
+    if tables.is_some() && !matches!(positions, Positions::Offset(0)) {
+        return Err(invalid(
+            "positions",
+            "tables go with Offset(0); select rows first (cos.index_select) or use computed sin/cos",
+        )
+        .into());
+    }
     let op = RopeCandleOp {
         style: spec.style,
         axes: spec.axes,
@@ -101,15 +99,54 @@ pub fn apply(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> Result<T
         source,
         pos,
     };
+    Ok((op, tables))
+}
+
+/// The error for a tensor not on a CUDA device.
+fn needs_cuda(function: &str) -> candle_core::Error {
+    invalid(
+        "xs",
+        format!(
+            "rope_candle::{function} runs on CUDA; on the CPU use rope_candle::rope (candle_nn's path)"
+        ),
+    )
+    .into()
+}
+
+/// `xs` rotated by `spec` at `positions`, as a new tensor; gradients flow to `xs` through
+/// backprop. CUDA only.
+///
+/// # Errors
+/// A wrapped [`crate::Error`] naming the argument (`xs`, `cos`, `ids`, `positions`,
+/// `rotary_dim`, ...) when the description is invalid or `xs` is not on a CUDA device.
+pub fn apply(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> Result<Tensor> {
+    if !xs.device().is_cuda() {
+        return Err(needs_cuda("apply"));
+    }
+    let (op, tables) = op_for(spec, positions)?;
     match (tables, positions) {
-        (Some((cos, sin)), Positions::Offset(0)) => xs.apply_op3(&cos, &sin, op),
-        (Some(_), _) => Err(invalid(
-            "positions",
-            "tables go with Offset(0); select rows first (cos.index_select) or use computed sin/cos",
-        )
-        .into()),
+        (Some((cos, sin)), _) => xs.apply_op3(&cos, &sin, op),
         (None, Positions::Offset(_)) => xs.apply_op1(op),
         (None, Positions::Ids(ids)) => xs.apply_op2(ids, op),
+    }
+}
+
+/// `xs` rotated by `spec` at `positions` where it is: any strided view without repeated
+/// elements (for example `q` narrowed out of a fused QKV tensor) is rotated inside its
+/// storage, the rest of the storage untouched. Like candle's other in-place ops it records no
+/// gradient: use [`apply`] for training. CUDA only.
+///
+/// # Errors
+/// As [`apply`]; also candle's error when a source tensor shares `xs`'s storage.
+pub fn apply_inplace(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> Result<()> {
+    if !xs.device().is_cuda() {
+        return Err(needs_cuda("apply_inplace"));
+    }
+    let (op, tables) = op_for(spec, positions)?;
+    match (tables, positions) {
+        (Some((cos, sin)), _) => xs.inplace_op3(&cos, &sin, &op),
+        (None, Positions::Offset(_)) => xs.inplace_op1(&op),
+        (None, Positions::Ids(ids)) => xs.inplace_op2(ids, &op),
     }
 }
 
@@ -125,4 +162,18 @@ pub fn apply_qk(
     positions: Positions<'_>,
 ) -> Result<(Tensor, Tensor)> {
     Ok((apply(q, spec, positions)?, apply(k, spec, positions)?))
+}
+
+/// q and k rotated in place by the same `spec` and `positions` (see [`apply_inplace`]).
+///
+/// # Errors
+/// As [`apply_inplace`], for either tensor.
+pub fn apply_qk_inplace(
+    q: &Tensor,
+    k: &Tensor,
+    spec: &RopeSpec,
+    positions: Positions<'_>,
+) -> Result<()> {
+    apply_inplace(q, spec, positions)?;
+    apply_inplace(k, spec, positions)
 }

@@ -293,6 +293,54 @@ mod strided_matches_reference {
         Ok(())
     }
 
+    /// `apply_inplace` on q and k narrowed out of a fused QKV tensor `[b, t, h + 2 kv, d]`
+    /// (strided views sharing one storage) writes exactly what `apply` returns for the same
+    /// views, for every sin/cos and position source, and leaves v untouched.
+    #[test]
+    fn in_place_on_fused_qkv_views_equals_out_of_place() -> Res {
+        let Some(dev) = gpu_or_skip(
+            "strided_matches_reference::in_place_on_fused_qkv_views_equals_out_of_place",
+        ) else {
+            return Ok(());
+        };
+        let (b, t, h, kv, d) = (2, 9, 4, 2, 64);
+        let ids = Tensor::from_vec(
+            (0..t as i64).map(|s| 3 * s + 1).collect::<Vec<_>>(),
+            t,
+            &dev,
+        )?;
+        let (cos, sin) = tables(t, d, 10_000.0, &dev)?;
+        for dtype in [DType::F32, DType::BF16] {
+            let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
+            for (sincos, positions) in [
+                (SinCos::Computed { theta: 10_000.0 }, Positions::Ids(&ids)),
+                (SinCos::Computed { theta: 10_000.0 }, Positions::Offset(5)),
+                (SinCos::Tables { cos, sin }, Positions::Offset(0)),
+            ] {
+                let spec = RopeSpec {
+                    style: RopeStyle::Neox,
+                    axes: Axes::Bshd,
+                    rotary_dim: None,
+                    sincos,
+                };
+                let qkv = Tensor::randn(0f32, 1., (b, t, h + 2 * kv, d), &dev)?.to_dtype(dtype)?;
+                let (q, k, v) = (
+                    qkv.narrow(2, 0, h)?,
+                    qkv.narrow(2, h, kv)?,
+                    qkv.narrow(2, h + kv, kv)?,
+                );
+                let (want_q, want_k) = rope_candle::apply_qk(&q, &k, &spec, positions)?;
+                let v_before = values(&v)?;
+                rope_candle::apply_qk_inplace(&q, &k, &spec, positions)?;
+                let what = format!("{dtype:?} {:?}", spec.sincos);
+                assert_eq!(values(&q)?, values(&want_q)?, "{what}: q");
+                assert_eq!(values(&k)?, values(&want_k)?, "{what}: k");
+                assert_eq!(values(&v)?, v_before, "{what}: v untouched");
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn computed_partial_rotary_with_device_ids() -> Res {
         let Some(dev) =
