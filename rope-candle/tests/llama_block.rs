@@ -14,21 +14,10 @@ use candle_transformers::models::llama::{Cache, Config, Llama};
 use candle_transformers::utils::repeat_kv;
 use rope_candle::{Axes, Positions, RopeSpec, RopeStyle, SinCos};
 
-type Res = candle_core::Result<()>;
+mod common;
+use common::gpu_or_skip;
 
-/// Device 0, or `None` after printing that `name` was skipped.
-fn gpu_or_skip(name: &str) -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(dev) => Some(dev),
-        Err(why) if std::env::var("ROPE_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
-            panic!("{name}: ROPE_REQUIRE_GPU=1 but no GPU: {why}")
-        }
-        Err(why) => {
-            let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {name}: {why}");
-            None
-        }
-    }
-}
+type Res = candle_core::Result<()>;
 
 /// Two layers, 4 query heads sharing 2 key/value heads (GQA), head_dim 16.
 fn config() -> Config {

@@ -36,6 +36,39 @@ fn base(style: RopeStyle) -> Case {
     }
 }
 
+/// Runs up to `cases` random cases of `strategy` on the GPU against the f64 reference
+/// ([`run_and_check`]), failing on the first mismatch, and reports per `form(case)`: cases,
+/// elements, largest error and the worst error/tolerance ratio, as `GPU {form}{what}`.
+pub(crate) fn check_random_cases(
+    name: &str,
+    cases: u32,
+    strategy: impl Strategy<Value = Case>,
+    form: impl Fn(&Case) -> String,
+    what: &str,
+) {
+    let Some((stream, rope)) = gpu_or_skip(name) else {
+        return;
+    };
+    let stats = std::cell::RefCell::new(BTreeMap::<String, (usize, Comparison)>::new());
+    runner(cases)
+        .run(&strategy, |case| {
+            let cmp = run_and_check(&case, &rope, &stream)
+                .map_err(|e| TestCaseError::fail(format!("{e}\n{case:?}")))?;
+            let mut s = stats.borrow_mut();
+            let entry = s.entry(form(&case)).or_default();
+            entry.0 += 1;
+            entry.1 = entry.1.merge(cmp);
+            Ok(())
+        })
+        .expect("GPU output matches the reference");
+    for (form, (cases, c)) in stats.into_inner() {
+        report(&format!(
+            "GPU {form}{what} vs f64 reference: {cases} random cases, {} elements, max abs error {:.3e}, worst error/tolerance {:.3}",
+            c.checked, c.max_abs_err, c.worst_ratio
+        ));
+    }
+}
+
 /// Every style, direction, dtype, layout (strided with gaps and offsets included), partial
 /// rotary, q alone or with k (separate with GQA head counts, or fused in one QKV buffer),
 /// sin/cos source and table format, position kind (packed varlen included), in or out of
@@ -45,27 +78,13 @@ fn base(style: RopeStyle) -> Case {
 /// written, nothing else touched.
 #[test]
 fn kernels_match_reference_on_random_cases() {
-    let Some((stream, rope)) = gpu_or_skip("kernels_match_reference_on_random_cases") else {
-        return;
-    };
-    let stats = std::cell::RefCell::new(BTreeMap::<String, (usize, Comparison)>::new());
-    runner(1500)
-        .run(&strategies::case(), |case| {
-            let cmp = run_and_check(&case, &rope, &stream)
-                .map_err(|e| TestCaseError::fail(format!("{e}\n{case:?}")))?;
-            let mut s = stats.borrow_mut();
-            let entry = s.entry(format!("{:?}", case.dtype)).or_default();
-            entry.0 += 1;
-            entry.1 = entry.1.merge(cmp);
-            Ok(())
-        })
-        .expect("GPU output matches the reference");
-    for (dtype, (cases, c)) in stats.into_inner() {
-        report(&format!(
-            "GPU {dtype} vs f64 reference: {cases} random cases, {} elements, max abs error {:.3e}, worst error/tolerance {:.3}",
-            c.checked, c.max_abs_err, c.worst_ratio
-        ));
-    }
+    check_random_cases(
+        "kernels_match_reference_on_random_cases",
+        1500,
+        strategies::case(),
+        |case| format!("{:?}", case.dtype),
+        "",
+    );
 }
 
 /// Packed sequences split over 1 to 8 context-parallel ranks (whole `cu_seqlens`, random
@@ -74,27 +93,13 @@ fn kernels_match_reference_on_random_cases() {
 /// positions match the reference's chunks.
 #[test]
 fn context_parallel_cases_match_reference() {
-    let Some((stream, rope)) = gpu_or_skip("context_parallel_cases_match_reference") else {
-        return;
-    };
-    let stats = std::cell::RefCell::new(BTreeMap::<String, (usize, Comparison)>::new());
-    runner(400)
-        .run(&strategies::context_parallel_case(), |case| {
-            let cmp = run_and_check(&case, &rope, &stream)
-                .map_err(|e| TestCaseError::fail(format!("{e}\n{case:?}")))?;
-            let mut s = stats.borrow_mut();
-            let entry = s.entry(format!("{:?}", case.dtype)).or_default();
-            entry.0 += 1;
-            entry.1 = entry.1.merge(cmp);
-            Ok(())
-        })
-        .expect("GPU output matches the reference");
-    for (dtype, (cases, c)) in stats.into_inner() {
-        report(&format!(
-            "GPU {dtype} context-parallel vs f64 reference: {cases} random cases, {} elements, max abs error {:.3e}, worst error/tolerance {:.3}",
-            c.checked, c.max_abs_err, c.worst_ratio
-        ));
-    }
+    check_random_cases(
+        "context_parallel_cases_match_reference",
+        400,
+        strategies::context_parallel_case(),
+        |case| format!("{:?}", case.dtype),
+        " context-parallel",
+    );
 }
 
 /// Backward applied to the forward output on the GPU returns the input (f32, to tolerance).

@@ -21,6 +21,7 @@ use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
 
 use super::super::{report, runner};
+use super::matches_reference::check_random_cases;
 
 /// The form a case exercises, for the summary.
 fn form(case: &Case) -> String {
@@ -49,27 +50,13 @@ fn form(case: &Case) -> String {
 /// and nothing else is touched.
 #[test]
 fn multi_axis_and_sliced_cases_match_reference() {
-    let Some((stream, rope)) = gpu_or_skip("multi_axis_and_sliced_cases_match_reference") else {
-        return;
-    };
-    let stats = std::cell::RefCell::new(BTreeMap::<String, (usize, Comparison)>::new());
-    runner(1200)
-        .run(&strategies::sliced_multi_axis_case(), |case| {
-            let cmp = run_and_check(&case, &rope, &stream)
-                .map_err(|e| TestCaseError::fail(format!("{e}\n{case:?}")))?;
-            let mut s = stats.borrow_mut();
-            let entry = s.entry(form(&case)).or_default();
-            entry.0 += 1;
-            entry.1 = entry.1.merge(cmp);
-            Ok(())
-        })
-        .expect("GPU output matches the reference");
-    for (form, (cases, c)) in stats.into_inner() {
-        report(&format!(
-            "GPU {form} vs f64 reference: {cases} random cases, {} elements, max abs error {:.3e}, worst error/tolerance {:.3}",
-            c.checked, c.max_abs_err, c.worst_ratio
-        ));
-    }
+    check_random_cases(
+        "multi_axis_and_sliced_cases_match_reference",
+        1200,
+        strategies::sliced_multi_axis_case(),
+        form,
+        "",
+    );
 }
 
 /// Every output element of a case after one launch, as bits (out-of-place outputs, or the
