@@ -92,6 +92,8 @@ def apply_rope(
     k_out: Any = None,
     backward: bool = False,
     stream: Optional[int] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> Any:
     """Rotates q (and k) by rotary position embedding (RoPE) on the GPU.
 
@@ -113,7 +115,13 @@ def apply_rope(
         ``[batch, seq]``, one position per token;
       - ``cu_seqlens``: ``[num_seqs + 1]`` cumulative lengths of packed sequences (3-D tensors):
         token ``t`` of sequence ``i`` at ``t - cu_seqlens[i]``, plus ``positions[i]`` when
-        ``positions`` is a tensor ``[num_seqs]`` (tokens already cached).
+        ``positions`` is a tensor ``[num_seqs]`` (tokens already cached);
+      - ``cu_seqlens`` with ``cp_size`` > 1 and ``cp_rank``: packed sequences split over
+        context-parallel ranks as Megatron-LM and Transformer Engine split them. ``cu_seqlens``
+        bounds the *whole* sequences (each length divisible by ``2 * cp_size``); q holds this
+        rank's ``L / cp_size`` tokens of each sequence of whole length ``L``, chunks ``cp_rank``
+        and ``2 * cp_size - 1 - cp_rank`` of its ``2 * cp_size`` equal chunks, and their
+        positions are derived in the kernel (no ``positions`` or ``position_ids``).
 
     sin/cos (one of):
       - ``theta`` (default 10000): ``inv_freq[i] = theta ** (-2i / rotary_dim)``, cos and sin
@@ -179,6 +187,8 @@ def apply_rope(
         scaling=scaling,
         rotary_dim=rotary_dim,
         backward=backward,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
     )
     if _torch_of(q) is not None:
         from rope_rs import torch as rope_torch

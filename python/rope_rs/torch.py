@@ -53,6 +53,8 @@ class Options(NamedTuple):
     angle: Optional[str]
     rotary_dim: Optional[int]
     backward: bool
+    cp_size: int
+    cp_rank: int
 
     def flipped(self) -> "Options":
         """The same launch in the other direction (the gradient's)."""
@@ -137,6 +139,8 @@ def options(
     scaling: Optional[dict] = None,
     rotary_dim: Optional[int] = None,
     backward: bool = False,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> Options:
     """The :class:`Options` of ``rope_rs.apply_rope``'s arguments for tensors like `q`: positions
     split into an int offset and a tensor, ``scaling`` and host ``inv_freq`` turned into a float64
@@ -185,6 +189,8 @@ def options(
         angle,
         rotary_dim,
         bool(backward),
+        int(cp_size),
+        int(cp_rank),
     )
 
 
@@ -244,6 +250,8 @@ def _launch(
         angle=o.angle,
         rotary_dim=o.rotary_dim,
         backward=o.backward,
+        cp_size=o.cp_size,
+        cp_rank=o.cp_rank,
         stream=_stream(q.device) if stream is None else stream,
         # On the current stream, the tensors' writers are already ordered before the launch.
         producer_sync=stream is not None,
@@ -296,7 +304,7 @@ class RopeFunction(torch.autograd.Function):
 _OPTIONS_SCHEMA = (
     "int offset, Tensor? row_offsets, Tensor? position_ids, Tensor? cu_seqlens, str? layout, str style, "
     "float? theta, Tensor? cos_sin_cache, Tensor? cos, Tensor? sin, Tensor? inv_freq, "
-    "float? attention_factor, str? angle, int? rotary_dim, bool backward"
+    "float? attention_factor, str? angle, int? rotary_dim, bool backward, int cp_size, int cp_rank"
 )
 
 
@@ -414,6 +422,8 @@ def apply_rope(
     k_out: Optional[Tensor] = None,
     backward: bool = False,
     stream: Optional[int] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``rope_rs.apply_rope`` for ``torch.Tensor``s (see its docstring); it dispatches here.
 
@@ -440,6 +450,8 @@ def apply_rope(
         scaling=scaling,
         rotary_dim=rotary_dim,
         backward=backward,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
     )
     compiling = torch.compiler.is_compiling()
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))

@@ -16,8 +16,9 @@ use pyo3::types::PyDict;
 use rope_host::cudarc::driver::result;
 use rope_host::cudarc::driver::sys::{CUstream, CUstreamCaptureStatus};
 use rope_host::{
-    AngleMode, DType, Direction, Error, Frequencies, IdsShape, InvFreq, RawBuf, RawIo, RawOp,
-    RawPositions, RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle, open_device,
+    AngleMode, ContextParallel, DType, Direction, Error, Frequencies, IdsShape, InvFreq, RawBuf,
+    RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle,
+    open_device,
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
@@ -248,6 +249,14 @@ pub(crate) enum PositionsArg<'a, 'py> {
         cu_seqlens: &'a Bound<'py, PyAny>,
         /// Per-sequence offsets.
         offsets: Option<&'a Bound<'py, PyAny>>,
+    },
+    /// Packed sequences split over context-parallel ranks: `cu_seqlens [num_seqs + 1]` of the
+    /// whole sequences.
+    VarlenContextParallel {
+        /// Cumulative whole-sequence lengths.
+        cu_seqlens: &'a Bound<'py, PyAny>,
+        /// The ranks and this rank.
+        split: ContextParallel,
     },
 }
 
@@ -587,6 +596,14 @@ fn raw_positions<'py>(
             RawPositions::Varlen {
                 cu_seqlens: cu,
                 offsets,
+            }
+        }
+        PositionsArg::VarlenContextParallel { cu_seqlens, split } => {
+            let d = held.borrow(cu_seqlens, "cu_seqlens")?;
+            let cu = dlpack::ints_1d(d, "cu_seqlens", "num_seqs + 1").map_err(arg_error)?;
+            RawPositions::VarlenContextParallel {
+                cu_seqlens: cu,
+                split: *split,
             }
         }
     })

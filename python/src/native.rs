@@ -6,10 +6,10 @@
 //! Here the Python arguments are read into `options.rs`'s and `launch.rs`'s descriptions;
 //! `launch.rs` borrows the tensors and launches.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
-use rope_host::{AngleMode, Direction, FrequencySpec, RopeStyle};
+use rope_host::{AngleMode, ContextParallel, Direction, FrequencySpec, RopeStyle};
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::launch::{self, Launch, Names, PositionsArg, SinCosArg, View, arg_error};
@@ -260,7 +260,7 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
     q, k=None, *, out=None, k_out=None, positions=None, position_ids=None, cu_seqlens=None,
     layout=None, style="neox", theta=None, cos_sin_cache=None, cos=None, sin=None,
     inv_freq=None, attention_factor=None, angle=None, scaling=None, rotary_dim=None,
-    backward=false, stream=0, producer_sync=true
+    backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0
 ))]
 #[allow(clippy::too_many_arguments)]
 fn apply_rope(
@@ -285,6 +285,8 @@ fn apply_rope(
     backward: bool,
     stream: u64,
     producer_sync: bool,
+    cp_size: u32,
+    cp_rank: u32,
 ) -> PyResult<()> {
     let style = parse_style(style)?;
     let layout = TensorLayout::parse(layout).map_err(arg_error)?;
@@ -292,6 +294,7 @@ fn apply_rope(
         positions_given(positions)?,
         position_ids.is_some(),
         cu_seqlens.is_some(),
+        (cp_size, cp_rank),
     )
     .map_err(arg_error)?;
     let positions_tensor = positions.filter(|p| !p.is_instance_of::<PyInt>());
@@ -305,6 +308,19 @@ fn apply_rope(
                 offsets: p.filter(|_| offsets),
             };
             (arg, if offsets { "positions" } else { "cu_seqlens" })
+        }
+        (PositionsKind::VarlenContextParallel { cp_size, cp_rank }, _, _, Some(cu)) => {
+            let split = ContextParallel::new(cp_size, cp_rank).map_err(|e| match e {
+                rope_host::Error::Invalid { arg, problem } => {
+                    PyValueError::new_err(format!("{arg}: {problem}"))
+                }
+                other => PyRuntimeError::new_err(other.to_string()),
+            })?;
+            let arg = PositionsArg::VarlenContextParallel {
+                cu_seqlens: cu,
+                split,
+            };
+            (arg, "cu_seqlens")
         }
         _ => unreachable!("options::positions checked that the chosen source's arguments exist"),
     };

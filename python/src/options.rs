@@ -29,20 +29,45 @@ pub enum PositionsKind {
         /// `positions` is a tensor of per-sequence offsets.
         offsets: bool,
     },
+    /// Packed sequences split over `cp_size > 1` context-parallel ranks: `cu_seqlens` of the
+    /// whole sequences, this rank `cp_rank`.
+    VarlenContextParallel {
+        /// The ranks.
+        cp_size: u32,
+        /// This rank.
+        cp_rank: u32,
+    },
 }
 
 /// Picks the position source from `positions=`, whether `position_ids=` and `cu_seqlens=`
-/// were given.
+/// were given, and the context-parallel split `(cp_size, cp_rank)` (`(1, 0)`: none).
 ///
 /// # Errors
-/// [`ArgError::Value`] naming the argument for contradicting combinations and an offset
-/// outside `0..2^32`.
+/// [`ArgError::Value`] naming the argument for contradicting combinations, an offset
+/// outside `0..2^32`, and a split other than `(1, 0)` without `cu_seqlens` or with
+/// per-sequence offsets (its range is rope-host's to check).
 pub fn positions(
     positions: PositionsGiven,
     position_ids: bool,
     cu_seqlens: bool,
+    (cp_size, cp_rank): (u32, u32),
 ) -> Result<PositionsKind, ArgError> {
     let value = |m: &str| Err(ArgError::Value(m.into()));
+    if (cp_size, cp_rank) != (1, 0) {
+        return match (positions, position_ids, cu_seqlens) {
+            (PositionsGiven::None | PositionsGiven::Int(0), false, true) => {
+                Ok(PositionsKind::VarlenContextParallel { cp_size, cp_rank })
+            }
+            (_, _, false) => value(
+                "cp_size: a context-parallel split needs cu_seqlens (the whole sequences' \
+                 boundaries)",
+            ),
+            _ => value(
+                "cp_size: with a context-parallel split, positions come from cu_seqlens alone \
+                 (no positions or position_ids)",
+            ),
+        };
+    }
     match (positions, position_ids, cu_seqlens) {
         (_, true, true) => value("position_ids: give position_ids or cu_seqlens, not both"),
         // An offset of 0 is the default, which the Python layer passes along with ids.
@@ -176,6 +201,9 @@ pub fn sincos(g: SinCosGiven) -> Result<SinCosKind, ArgError> {
 mod tests {
     use super::*;
 
+    /// No context-parallel split.
+    const NO_SPLIT: (u32, u32) = (1, 0);
+
     fn is_value<T: std::fmt::Debug>(r: Result<T, ArgError>, needle: &str) {
         match r {
             Err(ArgError::Value(m)) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
@@ -186,37 +214,76 @@ mod tests {
     #[test]
     fn positions_pick_one_source() {
         use PositionsGiven::{Int, None, Tensor};
-        assert_eq!(positions(None, false, false), Ok(PositionsKind::Offset(0)));
         assert_eq!(
-            positions(Int(7), false, false),
+            positions(None, false, false, NO_SPLIT),
+            Ok(PositionsKind::Offset(0))
+        );
+        assert_eq!(
+            positions(Int(7), false, false, NO_SPLIT),
             Ok(PositionsKind::Offset(7))
         );
         assert_eq!(
-            positions(Tensor, false, false),
+            positions(Tensor, false, false, NO_SPLIT),
             Ok(PositionsKind::RowOffsets)
         );
-        assert_eq!(positions(None, true, false), Ok(PositionsKind::Ids));
-        // What the Python layer passes with ids: the default offset.
-        assert_eq!(positions(Int(0), true, false), Ok(PositionsKind::Ids));
         assert_eq!(
-            positions(Tensor, false, true),
+            positions(None, true, false, NO_SPLIT),
+            Ok(PositionsKind::Ids)
+        );
+        // What the Python layer passes with ids: the default offset.
+        assert_eq!(
+            positions(Int(0), true, false, NO_SPLIT),
+            Ok(PositionsKind::Ids)
+        );
+        assert_eq!(
+            positions(Tensor, false, true, NO_SPLIT),
             Ok(PositionsKind::Varlen { offsets: true })
         );
         assert_eq!(
-            positions(Int(0), false, true),
+            positions(Int(0), false, true, NO_SPLIT),
             Ok(PositionsKind::Varlen { offsets: false })
         );
-        is_value(positions(Int(3), true, false), "positions: give positions");
         is_value(
-            positions(None, true, true),
+            positions(Int(3), true, false, NO_SPLIT),
+            "positions: give positions",
+        );
+        is_value(
+            positions(None, true, true, NO_SPLIT),
             "position_ids: give position_ids",
         );
-        is_value(positions(Int(3), false, true), "per-sequence offsets");
         is_value(
-            positions(Int(-1), false, false),
+            positions(Int(3), false, true, NO_SPLIT),
+            "per-sequence offsets",
+        );
+        is_value(
+            positions(Int(-1), false, false, NO_SPLIT),
             "positions must be an offset",
         );
-        is_value(positions(Int(1 << 32), false, false), "0..2^32");
+        is_value(positions(Int(1 << 32), false, false, NO_SPLIT), "0..2^32");
+    }
+
+    #[test]
+    fn context_parallel_splits_need_cu_seqlens_alone() {
+        use PositionsGiven::{Int, None, Tensor};
+        assert_eq!(
+            positions(None, false, true, (4, 1)),
+            Ok(PositionsKind::VarlenContextParallel {
+                cp_size: 4,
+                cp_rank: 1
+            })
+        );
+        // What the Python layer passes by default: offset 0; a rank alone is a split too.
+        assert_eq!(
+            positions(Int(0), false, true, (1, 1)),
+            Ok(PositionsKind::VarlenContextParallel {
+                cp_size: 1,
+                cp_rank: 1
+            })
+        );
+        is_value(positions(None, false, false, (2, 0)), "needs cu_seqlens");
+        is_value(positions(Tensor, false, true, (2, 0)), "cu_seqlens alone");
+        is_value(positions(None, true, true, (2, 0)), "cu_seqlens alone");
+        is_value(positions(None, true, false, (2, 0)), "needs cu_seqlens");
     }
 
     #[test]

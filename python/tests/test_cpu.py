@@ -243,6 +243,17 @@ class TestPositions:
         with pytest.raises(ValueError, match="positions must be an offset in 0..2"):
             rope_rs.apply_rope(q, positions=-1, inplace=True)
 
+    def test_context_parallel_splits_are_checked(self):
+        q, packed = q4(), FakeCuda((16, 4, 64))
+        with pytest.raises(ValueError, match="cp_size: a context-parallel split needs cu_seqlens"):
+            rope_rs.apply_rope(q, cp_size=2, inplace=True)
+        with pytest.raises(ValueError, match="cp_size: with a context-parallel split, positions come from cu_seqlens"):
+            rope_rs.apply_rope(packed, positions=ints(2), cu_seqlens=ints(3), cp_size=2, inplace=True)
+        with pytest.raises(ValueError, match="cp_rank: must be below cp_size 4, got 4"):
+            rope_rs.apply_rope(packed, cu_seqlens=ints(3), cp_size=4, cp_rank=4, inplace=True)
+        with pytest.raises(ValueError, match="cp_size: must lie in 1..=65536, got 0"):
+            rope_rs.apply_rope(packed, cu_seqlens=ints(3), cp_size=0, inplace=True)
+
     def test_wrong_types(self):
         q = q4()
         with pytest.raises(TypeError, match="positions must be an int"):

@@ -228,6 +228,25 @@ class TestPositions:
         check(k_out, reference(k[None], cos, sin, "interleaved")[0])
 
 
+    @pytest.mark.parametrize("cp_size", [1, 2, 4])
+    def test_context_parallel_ranks(self, cp_size):
+        # Whole sequences of 8, 16 and 24 tokens (divisible by 2 * cp_size), each rank's tokens
+        # cut as Megatron-LM does: chunks r and 2 * cp_size - 1 - r of 2 * cp_size.
+        whole = [8, 16, 24]
+        cu = torch.tensor([0, 8, 24, 48], device=DEV, dtype=torch.int32)
+        h, d = 2, 64
+        for rank in range(cp_size):
+            pos = []
+            for n in whole:
+                c = n // (2 * cp_size)
+                for chunk in (rank, 2 * cp_size - 1 - rank):
+                    pos += list(range(chunk * c, (chunk + 1) * c))
+            pos = torch.tensor(pos, device=DEV)[None]
+            q = randn(pos.shape[1], h, d, dtype=torch.bfloat16)
+            out = rope_rs.apply_rope(q, cu_seqlens=cu, cp_size=cp_size, cp_rank=rank)
+            check(out, reference(q[None], *cos_sin(pos, inv_freq64(10000.0, d)), "neox")[0])
+
+
 SOURCES = ["theta", "cache_f32", "cache_same", "tables_f32", "tables_same", "inv_freq_f64", "inv_freq_f32", "inv_freq_list"]
 
 
