@@ -3,7 +3,6 @@
 //! random cases, text tokens bit for bit equal to the one-position path, and malformed device
 //! maps and positions kept inside the arrays and tensors.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use proptest::prelude::*;
@@ -15,12 +14,12 @@ use rope_host::{
     RawAxisMap, RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors,
     Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
 };
-use rope_reference::case::{AxesCase, Case, Comparison, PosCase, TestElem, run_and_check};
+use rope_reference::case::{AxesCase, Case, PosCase, TestElem};
 use rope_reference::with_elem;
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
 
-use super::super::{report, runner};
+use super::super::runner;
 use super::matches_reference::check_random_cases;
 
 /// The form a case exercises, for the summary.
