@@ -345,7 +345,7 @@ pub(crate) use for_each_kernel;
 /// `pos_base`.
 #[macro_export]
 macro_rules! rope_kernel_params {
-    ($m:ident { $($pass:tt)* }) => {
+    ($m:ident { $($pass:tt)* } $($more:tt)*) => {
         $m! {
             { $($pass)* }
             x0: elem_ptr,
@@ -391,6 +391,7 @@ macro_rules! rope_kernel_params {
             pos_aux: byte_ptr,
             pos_count: u32,
             pos_base: i64,
+            $($more)*
         }
     };
 }
@@ -424,6 +425,7 @@ macro_rules! device_param_type {
     (elem_ptr_mut, $t:ty) => { *mut $t };
     (f64_ptr, $t:ty) => { *const f64 };
     (byte_ptr, $t:ty) => { *const u8 };
+    (byte_ptr_mut, $t:ty) => { *mut u8 };
     (nonzero_u32, $t:ty) => { ::core::num::NonZeroU32 };
     (u32, $t:ty) => { u32 };
     (u64, $t:ty) => { u64 };
@@ -446,6 +448,9 @@ macro_rules! host_param_type {
         u64
     };
     (byte_ptr) => {
+        u64
+    };
+    (byte_ptr_mut) => {
         u64
     };
     (nonzero_u32) => {
@@ -568,13 +573,197 @@ macro_rules! table_kernel_table {
 }
 for_each_table_kernel!(table_kernel_table);
 
-/// Every exported symbol of the PTX module: the RoPE kernels, then the table builders.
+/// Every exported symbol of the PTX module: the RoPE kernels, the table builders, then the
+/// fused kernels.
 pub fn all_symbols() -> impl Iterator<Item = &'static str> {
-    KernelName::ALL.into_iter().map(KernelName::symbol).chain(
-        TableKernelName::ALL
-            .into_iter()
-            .map(TableKernelName::symbol),
-    )
+    KernelName::ALL
+        .into_iter()
+        .map(KernelName::symbol)
+        .chain(
+            TableKernelName::ALL
+                .into_iter()
+                .map(TableKernelName::symbol),
+        )
+        .chain(
+            FusedKernelName::ALL
+                .into_iter()
+                .map(FusedKernelName::symbol),
+        )
+}
+
+/// The normalisation a fused kernel applies to each q and k head before rotating it, passed as
+/// its `norm` argument.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormCode {
+    /// No normalisation.
+    None = 0,
+    /// RMS normalisation times the weight: `x_e / sqrt(mean(x^2) + eps) * w_e`.
+    Rms = 1,
+    /// RMS normalisation times one plus the weight (Gemma): `... * (1 + w_e)`.
+    RmsOnePlus = 2,
+}
+
+impl NormCode {
+    /// Decodes a kernel argument; `None` for an unknown code.
+    #[inline(always)]
+    pub fn from_u32(code: u32) -> Option<Self> {
+        Some(match code {
+            0 => Self::None,
+            1 => Self::Rms,
+            2 => Self::RmsOnePlus,
+            _ => return None,
+        })
+    }
+}
+
+/// How a fused kernel stores an output, passed as its `q_format` and `cache_format` arguments.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FormatCode {
+    /// The tensors' element type.
+    Elem = 0,
+    /// FP8 E4M3 (`e4m3fn`) of the value divided by its scale, rounded to nearest even and
+    /// saturated at ±448 ([`crate::math::f32_to_e4m3`]).
+    E4m3 = 1,
+}
+
+/// One fused entry point (`rope-kernels/src/fused.rs`): `rope_fused_{style}_{source}_{dtype}`,
+/// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`].
+/// Forward only; `TableF32` only for `f16` and `bf16`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FusedKernelName {
+    /// Pairing.
+    pub style: RopeStyle,
+    /// Sin/cos source.
+    pub source: SinCosSource,
+    /// Element type of the inputs.
+    pub dtype: DType,
+    /// Access width.
+    pub access: Access,
+}
+
+/// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol: Style, Source, DType,
+/// storage type;`.
+macro_rules! for_each_fused_kernel {
+    ($m:ident) => {
+        $m! {
+            rope_fused_interleaved_table_f32, rope_fused_interleaved_table_f32_narrow: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32, rope_fused_interleaved_theta_f32_narrow: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_table32_f16, rope_fused_interleaved_table32_f16_narrow: Interleaved, TableF32, F16, Half;
+            rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow: Neox, Table, F16, Half;
+            rope_fused_neox_table32_f16, rope_fused_neox_table32_f16_narrow: Neox, TableF32, F16, Half;
+            rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_table32_bf16, rope_fused_interleaved_table32_bf16_narrow: Interleaved, TableF32, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow: Neox, Table, BF16, Bf16;
+            rope_fused_neox_table32_bf16, rope_fused_neox_table32_bf16_narrow: Neox, TableF32, BF16, Bf16;
+            rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow: Neox, Theta, BF16, Bf16;
+        }
+    };
+}
+#[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
+pub(crate) use for_each_fused_kernel;
+
+/// Defines [`FusedKernelName::ALL`] and [`FusedKernelName::symbol`] from the kernel list.
+macro_rules! fused_kernel_table {
+    ($($sym:ident, $narrow:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*) => {
+        impl FusedKernelName {
+            /// Every fused kernel.
+            pub const ALL: [FusedKernelName; 2 * [$(stringify!($sym)),*].len()] = [$(
+                FusedKernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    dtype: DType::$dt,
+                    access: Access::Wide,
+                },
+                FusedKernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    dtype: DType::$dt,
+                    access: Access::Narrow,
+                },
+            )*];
+
+            /// The exported PTX symbol.
+            pub const fn symbol(self) -> &'static str {
+                match (self.style, self.source, self.dtype, self.access) {
+                    // f32 tensors read f32 tables through the `Table` kernels.
+                    (_, SinCosSource::TableF32, DType::F32, _) => FusedKernelName {
+                        source: SinCosSource::Table,
+                        ..self
+                    }
+                    .symbol(),
+                    $(
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Wide) =>
+                            stringify!($sym),
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Narrow) =>
+                            stringify!($narrow),
+                    )*
+                }
+            }
+        }
+    };
+}
+for_each_fused_kernel!(fused_kernel_table);
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of every fused entry point
+/// (`rope-kernels/src/fused.rs`): those of [`rope_kernel_params!`], then the fused ones.
+///
+/// The RoPE parameters keep their meaning, with: the full head rotated (`rotary_dim =
+/// head_dim`, `rotary_offset = 0`); `groups` a power of two of at least `rot_groups` (the
+/// items of a token and head share a segment of a warp for the normalisation's sum; items
+/// `rot_groups..groups` only take part in it); `out0` addressed in elements of `q_format`
+/// (bytes for FP8) at `out0`'s strides; `out1` null when k's rotated heads are not written back
+/// to a tensor. Then: `v` with `heads_v` heads at its strides (copied to the cache only);
+/// `head_dim`; `norm` (a [`NormCode`]) with `q_norm_weight`, `k_norm_weight` (`head_dim`
+/// elements each) and `norm_eps`; `q_format` (a [`FormatCode`]) with `q_scale` (`f32`, index
+/// `head * q_scale_step`); `slots` (null: no cache write; else `tokens` `i64` when `slots_wide`
+/// is 1, `i32` when 0: token `t`'s cache slot, skipped when negative or at least
+/// `cache_slots`), `k_cache`, `v_cache` addressed in elements of `cache_format` as
+/// `(slot / block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot + head *
+/// cache_stride_head + e` (`block_magic`, `block_shift` from [`crate::divide::Divisor::new`]),
+/// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`.
+#[macro_export]
+macro_rules! fused_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $crate::rope_kernel_params! {
+            $m { $($pass)* }
+            v: elem_ptr,
+            heads_v: u32,
+            v_stride_batch: u64,
+            v_stride_seq: u64,
+            v_stride_head: u64,
+            head_dim: u32,
+            norm: u32,
+            q_norm_weight: elem_ptr,
+            k_norm_weight: elem_ptr,
+            norm_eps: f32,
+            q_format: u32,
+            q_scale: byte_ptr,
+            q_scale_step: u32,
+            slots: byte_ptr,
+            slots_wide: u32,
+            k_cache: byte_ptr_mut,
+            v_cache: byte_ptr_mut,
+            cache_stride_block: u64,
+            cache_stride_slot: u64,
+            cache_stride_head: u64,
+            block_size: nonzero_u32,
+            block_magic: u32,
+            block_shift: u32,
+            cache_slots: u64,
+            cache_format: u32,
+            k_scale: byte_ptr,
+            v_scale: byte_ptr,
+            kv_scale_step: u32,
+        }
+    };
 }
 
 #[cfg(test)]

@@ -82,6 +82,24 @@ impl Elem for Bf16 {
     }
 }
 
+/// FP8 E4M3 (`e4m3fn`) bits: converted by [`math::f32_to_e4m3`] (saturating) and
+/// [`math::e4m3_to_f32`]. The fused kernels store it; nothing loads it.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Fp8(u8);
+
+impl Elem for Fp8 {
+    const ZERO: Self = Fp8(0);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        math::e4m3_to_f32(self.0)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        Fp8(math::f32_to_e4m3(v))
+    }
+}
+
 /// Rounds `N` values to a 16-bit type two at a time with `pair` (which packs its first argument
 /// in bits 0..16 and its second in bits 16..32), wrapping the halves with `wrap`, and an odd
 /// last value with `single`.

@@ -1,5 +1,5 @@
 //! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
-//! paired f16 and bf16 conversions, the L2 prefetch and `trap`.
+//! paired f16 and bf16 conversions, the L2 prefetch, warp shuffles and `trap`.
 
 use core::arch::{asm, nvptx};
 
@@ -114,4 +114,30 @@ pub fn prefetch_l2<T>(ptr: *const T) {
             options(nostack, preserves_flags, readonly),
         )
     };
+}
+
+/// The lane of the warp holding this thread (`threadIdx.x % 32`: blocks are whole warps).
+#[inline(always)]
+pub fn lane_id() -> u32 {
+    thread_idx_x() & 31
+}
+
+/// `v` of the lane `lane_id() ^ lane_xor` (`shfl.sync.bfly.b32`), among the lanes of `members`,
+/// which must all execute this call and include that lane.
+#[inline(always)]
+pub fn shuffle_xor(v: f32, lane_xor: u32, members: u32) -> f32 {
+    let out: f32;
+    // SAFETY: a register exchange between the converged lanes of `members` (the caller's
+    // promise); no memory is touched.
+    unsafe {
+        asm!(
+            "shfl.sync.bfly.b32 {d}, {v}, {x}, 31, {m};",
+            d = out(reg32) out,
+            v = in(reg32) v,
+            x = in(reg32) lane_xor,
+            m = in(reg32) members,
+            options(nomem, nostack, preserves_flags),
+        )
+    };
+    out
 }

@@ -2,8 +2,8 @@
 //! `nvptx64-nvidia-cuda` backend (`cargo xtask ptx`).
 //!
 //! The crate has two faces:
-//! - on `nvptx64` it exports the `extern "ptx-kernel"` entry points of `rope` and `table` (one
-//!   file per kernel family), built on the few device intrinsics gathered in `intrinsics`;
+//! - on `nvptx64` it exports the `extern "ptx-kernel"` entry points of `rope`, `fused` and
+//!   `table` (one file per kernel family), built on the few device intrinsics gathered in `intrinsics`;
 //! - everywhere, including stable Rust on the host, it exposes the pure arithmetic in [`math`]
 //!   and [`divide`] and the launch contract in [`abi`], so the host library and the CPU tests
 //!   share them.
@@ -26,6 +26,8 @@ pub mod math;
 
 #[cfg(target_arch = "nvptx64")]
 mod elem;
+#[cfg(target_arch = "nvptx64")]
+pub mod fused;
 #[cfg(target_arch = "nvptx64")]
 mod intrinsics;
 #[cfg(target_arch = "nvptx64")]

@@ -171,6 +171,51 @@ pub fn f32_to_bf16(v: f32) -> u16 {
     ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
 }
 
+/// The largest finite FP8 E4M3 value (`e4m3fn`: 4 exponent bits of bias 7, 3 mantissa bits, no
+/// infinities, `0x7f`/`0xff` NaN).
+pub const E4M3_MAX: f32 = 448.0;
+
+/// Rounds an `f32` to FP8 E4M3 (`e4m3fn`) bits, to nearest with ties to even, saturating: a
+/// magnitude at or above [`E4M3_MAX`] (infinity included) gives `±448`, as the FP8 attention
+/// kernels expect of a scaled cache; NaN gives `0x7f` with the input's sign. Magnitudes below
+/// `2^-6` round to the subnormals `m * 2^-9`.
+#[inline(always)]
+pub fn f32_to_e4m3(v: f32) -> u8 {
+    let bits = v.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let a = bits & 0x7fff_ffff;
+    if a > 0x7f80_0000 {
+        return sign | 0x7f;
+    }
+    if a >= E4M3_MAX.to_bits() {
+        return sign | 0x7e;
+    }
+    if a < 0x3c80_0000 {
+        // Below 2^-6: a multiple of 2^-9. `a * 512` is exact and below 8, and adding and
+        // subtracting 2^23 rounds it to an integer, ties to even (8 is the smallest normal).
+        let m = (f32::from_bits(a) * 512.0 + 8_388_608.0) - 8_388_608.0;
+        return sign | m as u8;
+    }
+    // Keep 3 of the 23 mantissa bits, rounding to nearest even; a carry bumps the exponent, and
+    // below 448 the result stays at most 448 (exponent 15, mantissa 6).
+    let r = a + 0x7_ffff + ((a >> 20) & 1);
+    let exponent = (r >> 23) - (127 - 7);
+    sign | ((exponent << 3) | ((r >> 20) & 7)) as u8
+}
+
+/// The value of FP8 E4M3 (`e4m3fn`) bits as an `f32` (exact).
+#[inline(always)]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (i32::from((b >> 3) & 0xf), f32::from(b & 7));
+    let magnitude = match (e, b & 7) {
+        (15, 7) => f32::NAN,
+        (0, _) => m * (1.0 / 512.0),
+        _ => (1.0 + m / 8.0) * f32::from_bits(((e - 7 + 127) as u32) << 23),
+    };
+    sign * magnitude
+}
+
 #[cfg(test)]
 mod tests {
     extern crate std;
@@ -297,6 +342,78 @@ mod tests {
                 rope_cos_sin(0, 10_000f64.powf(-(i as f64) / 64.0)),
                 (1.0, 0.0)
             );
+        }
+    }
+
+    /// Every `e4m3fn` value, in increasing order of magnitude, as `(bits, value)`.
+    fn e4m3_values() -> std::vec::Vec<(u8, f64)> {
+        (0u8..0x7f)
+            .map(|b| (b, f64::from(e4m3_to_f32(b))))
+            .collect()
+    }
+
+    /// The nearest `e4m3fn` to `x` (ties to the even mantissa), saturating at 448, by search.
+    fn nearest_e4m3(x: f32) -> u8 {
+        let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+        let a = f64::from(x.abs());
+        if x.is_nan() {
+            return sign | 0x7f;
+        }
+        let values = e4m3_values();
+        let mut best = values[0];
+        for &(b, v) in &values {
+            let (d, best_d) = ((v - a).abs(), (best.1 - a).abs());
+            if d < best_d || (d == best_d && b & 1 == 0) {
+                best = (b, v);
+            }
+        }
+        sign | best.0
+    }
+
+    #[test]
+    fn e4m3_values_increase_and_reach_448() {
+        let values = e4m3_values();
+        assert!(values.windows(2).all(|w| w[0].1 < w[1].1));
+        assert_eq!(values[values.len() - 1].1, f64::from(E4M3_MAX));
+        assert_eq!(values[1].1, 2f64.powi(-9));
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        assert_eq!(e4m3_to_f32(0xfe), -448.0);
+    }
+
+    /// Rounding matches the nearest value by search (ties to even, saturation at 448) on every
+    /// value, every midpoint and its neighbours, and a sweep of `f32` bit patterns.
+    #[test]
+    fn e4m3_rounds_to_nearest_even_and_saturates() {
+        let values = e4m3_values();
+        let mut probes: std::vec::Vec<f32> = std::vec::Vec::new();
+        for w in values.windows(2) {
+            let mid = ((w[0].1 + w[1].1) / 2.0) as f32;
+            probes.extend([w[0].1 as f32, mid, f32::from_bits(mid.to_bits() + 1)]);
+            if mid.to_bits() > 0 {
+                probes.push(f32::from_bits(mid.to_bits() - 1));
+            }
+        }
+        probes.extend([
+            448.0,
+            464.0,
+            500.0,
+            1e30,
+            f32::INFINITY,
+            f32::MIN_POSITIVE,
+            0.0,
+        ]);
+        probes.extend(
+            (0..1u32 << 16).map(|i| f32::from_bits(i.wrapping_mul(65_537 * 4099) ^ i << 7)),
+        );
+        for x in probes {
+            for x in [x, -x] {
+                let (got, want) = (f32_to_e4m3(x), nearest_e4m3(x));
+                if x.is_nan() {
+                    assert_eq!(got & 0x7f, 0x7f);
+                } else {
+                    assert_eq!(got, want, "{x:e}: got {got:#04x}, nearest {want:#04x}");
+                }
+            }
         }
     }
 }

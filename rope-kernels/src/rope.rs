@@ -45,7 +45,7 @@ use crate::intrinsics::{
 use crate::math;
 
 /// Which elements form a pair; see the module documentation.
-trait Pairing {
+pub(crate) trait Pairing {
     /// `true` for rotate-half pairs `(x[i], x[i + half])`, `false` for `(x[2i], x[2i + 1])`.
     const NEOX: bool;
     /// Heads whose loads are issued together before their stores: bytes in flight per thread
@@ -56,14 +56,14 @@ trait Pairing {
 }
 
 /// GPT-J / RoFormer pairs `(x[2i], x[2i + 1])`.
-struct Interleaved;
+pub(crate) struct Interleaved;
 impl Pairing for Interleaved {
     const NEOX: bool = false;
     const HEADS_UNROLL: usize = 4;
 }
 
 /// GPT-NeoX rotate-half pairs `(x[i], x[i + half])`.
-struct Neox;
+pub(crate) struct Neox;
 impl Pairing for Neox {
     const NEOX: bool = true;
     const HEADS_UNROLL: usize = 2;
@@ -71,7 +71,7 @@ impl Pairing for Neox {
 
 /// Where cos/sin come from; see [`crate::abi::SinCosSource`]. Each source is generic over the
 /// tensors' element type `T` so that every entry point names its source as `Source<T>`.
-trait Source {
+pub(crate) trait Source {
     /// `true` for tables, `false` for `cos`/`sin` computed from `inv_freq`.
     const TABLE: bool;
     /// The tables' element type (unused for computed sin/cos).
@@ -80,7 +80,7 @@ trait Source {
 
 /// Tables of the tensors' element type: row `p` of `cos` and of `sin` starts at
 /// `p * table_stride`.
-struct Table<T>(PhantomData<T>);
+pub(crate) struct Table<T>(PhantomData<T>);
 impl<T: Elem> Source for Table<T> {
     const TABLE: bool = true;
     type Tab = T;
@@ -88,14 +88,14 @@ impl<T: Elem> Source for Table<T> {
 
 /// Tables of `f32` for 16-bit tensors (cos/sin not rounded to the tensors' type), laid out as
 /// [`Table`]'s.
-struct TableF32<T>(PhantomData<T>);
+pub(crate) struct TableF32<T>(PhantomData<T>);
 impl<T> Source for TableF32<T> {
     const TABLE: bool = true;
     type Tab = f32;
 }
 
 /// Computed from `inv_freq` (`half` `f64` values).
-struct Theta<T>(PhantomData<T>);
+pub(crate) struct Theta<T>(PhantomData<T>);
 impl<T> Source for Theta<T> {
     const TABLE: bool = false;
     type Tab = f32;
@@ -103,45 +103,45 @@ impl<T> Source for Theta<T> {
 
 /// One rotated tensor: input, output (equal when in place), heads and element strides.
 #[derive(Clone, Copy)]
-struct TensorArgs<T> {
-    x: *const T,
-    out: *mut T,
-    heads: u32,
-    x_strides: [u64; 3],
-    out_strides: [u64; 3],
+pub(crate) struct TensorArgs<T> {
+    pub(crate) x: *const T,
+    pub(crate) out: *mut T,
+    pub(crate) heads: u32,
+    pub(crate) x_strides: [u64; 3],
+    pub(crate) out_strides: [u64; 3],
 }
 
 /// The kernel arguments, gathered so the generic body takes one value.
 #[derive(Clone, Copy)]
-struct Args<T> {
+pub(crate) struct Args<T> {
     /// Tensor 0 (q) and tensor 1 (k, possibly without heads). Named fields rather than an
     /// array: a loop over an array of structs would put them in local memory.
-    q: TensorArgs<T>,
-    k: TensorArgs<T>,
-    tokens: u64,
-    seq: Divisor,
-    heads_per_chunk: u32,
-    groups: Divisor,
-    rot_groups: u32,
-    half: u32,
-    rotary_dim: u32,
-    rotary_offset: u32,
-    lanes: u32,
+    pub(crate) q: TensorArgs<T>,
+    pub(crate) k: TensorArgs<T>,
+    pub(crate) tokens: u64,
+    pub(crate) seq: Divisor,
+    pub(crate) heads_per_chunk: u32,
+    pub(crate) groups: Divisor,
+    pub(crate) rot_groups: u32,
+    pub(crate) half: u32,
+    pub(crate) rotary_dim: u32,
+    pub(crate) rotary_offset: u32,
+    pub(crate) lanes: u32,
     /// Tables of the source's element type ([`Source::Tab`]).
-    cos: *const u8,
-    sin: *const u8,
-    table_stride: u64,
-    table_positions: u64,
-    inv_freq: *const f64,
-    angle_mode: u32,
-    cs_scale: f32,
-    positions: u32,
-    pos_ptr: *const u8,
-    pos_aux: *const u8,
-    pos_count: u32,
-    pos_base: i64,
+    pub(crate) cos: *const u8,
+    pub(crate) sin: *const u8,
+    pub(crate) table_stride: u64,
+    pub(crate) table_positions: u64,
+    pub(crate) inv_freq: *const f64,
+    pub(crate) angle_mode: u32,
+    pub(crate) cs_scale: f32,
+    pub(crate) positions: u32,
+    pub(crate) pos_ptr: *const u8,
+    pub(crate) pos_aux: *const u8,
+    pub(crate) pos_count: u32,
+    pub(crate) pos_base: i64,
     /// `1.0` forward, `-1.0` backward (the transposed rotation).
-    sin_sign: f32,
+    pub(crate) sin_sign: f32,
 }
 
 /// The position of token `(b, s)`; for multi-axis positions, the token's index `b * seq + s`,
@@ -155,7 +155,7 @@ struct Args<T> {
 /// `pos_ptr` (and `pos_aux`) point at the arrays the position code describes (see
 /// [`PositionCode`]).
 #[inline(always)]
-unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
+pub(crate) unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
     let seq = a.seq.divisor.get() as u64;
     let Some(code) = PositionCode::from_u32(a.positions) else {
         trap()
@@ -245,7 +245,7 @@ unsafe fn varlen_position<T, I: Index>(a: &Args<T>, t: u64) -> i64 {
 /// (the second is the pairs' partners), `(2 j0, _)` interleaved (one vector holds the pairs).
 /// Loads, stores and prefetches all address a head through this.
 #[inline(always)]
-fn vector_offsets<P: Pairing>(j0: usize, half: usize) -> (usize, usize) {
+pub(crate) fn vector_offsets<P: Pairing>(j0: usize, half: usize) -> (usize, usize) {
     if P::NEOX {
         (j0, half + j0)
     } else {
@@ -259,7 +259,7 @@ fn vector_offsets<P: Pairing>(j0: usize, half: usize) -> (usize, usize) {
 /// `head` points at a head of at least `rotary_dim` elements; `j0` is this item's first pair;
 /// the alignment promised for `lanes` holds.
 #[inline(always)]
-unsafe fn load_head<T: Elem, P: Pairing, const L: usize>(
+pub(crate) unsafe fn load_head<T: Elem, P: Pairing, const L: usize>(
     head: *const T,
     j0: usize,
     half: usize,
@@ -294,26 +294,45 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
     sin: &[f32; L],
 ) {
     let (first, second) = vector_offsets::<P>(j0, half);
+    let [lo, hi] = rotate_values::<P, L>(|i, k| v[i][k].to_f32(), cos, sin);
     // Results are rounded in pairs (one `cvt.rn.bf16x2.f32` for bf16).
+    // SAFETY: the same element ranges `load_head` read, in the output head.
+    unsafe {
+        elem::store::<T, L>(out_head.add(first), T::from_f32_array(lo));
+        if P::NEOX {
+            elem::store::<T, L>(out_head.add(second), T::from_f32_array(hi));
+        }
+    }
+}
+
+/// One head's loaded vectors (as [`load_head`] returns them) widened to `f32`.
+#[inline(always)]
+pub(crate) fn widen<T: Elem, const L: usize>(v: [[T; L]; 2]) -> [[f32; L]; 2] {
+    v.map(|h| h.map(T::to_f32))
+}
+
+/// Rotates one head's vectors by this item's `cos` and `sin`, reading element `k` of vector
+/// `i` (laid out as [`load_head`] returns them) as `v(i, k)`, each just before its pair is
+/// rotated: NeoX pair `k` is `(v(0, k), v(1, k))`, interleaved pair `k` is
+/// `(v(0, 2k), v(0, 2k + 1))` (the second vector is then unused and returned as zeros).
+#[inline(always)]
+pub(crate) fn rotate_values<P: Pairing, const L: usize>(
+    v: impl Fn(usize, usize) -> f32,
+    cos: &[f32; L],
+    sin: &[f32; L],
+) -> [[f32; L]; 2] {
     let mut lo = [0.0f32; L];
     let mut hi = [0.0f32; L];
     if P::NEOX {
         unrolled(L, |k| {
-            (lo[k], hi[k]) = math::rotate(v[0][k].to_f32(), v[1][k].to_f32(), cos[k], sin[k]);
+            (lo[k], hi[k]) = math::rotate(v(0, k), v(1, k), cos[k], sin[k])
         });
-        // SAFETY: the same element ranges `load_head` read, in the output head.
-        unsafe {
-            elem::store::<T, L>(out_head.add(first), T::from_f32_array(lo));
-            elem::store::<T, L>(out_head.add(second), T::from_f32_array(hi));
-        }
     } else {
         unrolled(L / 2, |k| {
-            let (x0, x1) = (v[0][2 * k].to_f32(), v[0][2 * k + 1].to_f32());
-            (lo[2 * k], lo[2 * k + 1]) = math::rotate(x0, x1, cos[k], sin[k]);
+            (lo[2 * k], lo[2 * k + 1]) = math::rotate(v(0, 2 * k), v(0, 2 * k + 1), cos[k], sin[k]);
         });
-        // SAFETY: the same element range `load_head` read, in the output head.
-        unsafe { elem::store::<T, L>(out_head.add(first), T::from_f32_array(lo)) };
     }
+    [lo, hi]
 }
 
 /// Loads this item's elements of the `U` heads `h..h + U` of the concatenated q and k heads.
@@ -409,7 +428,7 @@ unsafe fn head<T>(a: &Args<T>, tok: &TokenBases<T>, h: usize) -> (*const T, *mut
 /// constant and the arrays stay in registers; a `for` loop over a large body is not unrolled
 /// by LLVM and would put them in local memory.
 #[inline(always)]
-fn unrolled(count: usize, mut f: impl FnMut(usize)) {
+pub(crate) fn unrolled(count: usize, mut f: impl FnMut(usize)) {
     if count > 8 {
         trap()
     }
@@ -434,7 +453,7 @@ fn head_range<T>(a: &Args<T>) -> (usize, usize) {
 /// # Safety
 /// The table or `inv_freq` promises of the entry points.
 #[inline(always)]
-unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
+pub(crate) unsafe fn cos_sin<T: Elem, S: Source, const L: usize>(
     a: &Args<T>,
     pos: i64,
     j0: usize,
@@ -852,8 +871,8 @@ macro_rules! params_struct {
     ({} $($param:ident: $kind:ident,)*) => {
         /// The parameters of every RoPE entry point, as `crate::rope_kernel_params!` lists
         /// them.
-        struct Params<T> {
-            $($param: crate::device_param_type!($kind, T),)*
+        pub(crate) struct Params<T> {
+            $(pub(crate) $param: crate::device_param_type!($kind, T),)*
         }
     };
 }
@@ -862,7 +881,7 @@ crate::rope_kernel_params!(params_struct {});
 impl<T> Args<T> {
     /// Gathers the entry point's parameters for the generic body.
     #[inline(always)]
-    fn new(p: Params<T>, direction: Direction) -> Self {
+    pub(crate) fn new(p: Params<T>, direction: Direction) -> Self {
         Args {
             q: TensorArgs {
                 x: p.x0,
