@@ -1,6 +1,6 @@
 //! The host side of the kernel ABI: one struct per kernel family, generated from the parameter
-//! lists in `rope-kernels/src/abi.rs` (`rope_kernel_params!`, `table_kernel_params!`), and the one
-//! launch every kernel goes through.
+//! lists in `rope-kernels/src/abi.rs` (`rope_kernel_params!`, `fused_kernel_params!`,
+//! `table_kernel_params!`), and the one launch every kernel goes through.
 
 use std::ffi::c_void;
 
@@ -63,6 +63,12 @@ rope_kernels::rope_kernel_params!(host_args {
     /// The arguments of every RoPE entry point (`rope-kernels/src/rope.rs`), device pointers
     /// as addresses.
     RopeArgs
+});
+
+rope_kernels::fused_kernel_params!(host_args {
+    /// The arguments of every fused entry point (`rope-kernels/src/fused.rs`): the RoPE
+    /// arguments, then the fused ones.
+    FusedArgs
 });
 
 rope_kernels::table_kernel_params!(host_args {

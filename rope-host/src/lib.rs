@@ -41,6 +41,7 @@
 mod bind;
 mod error;
 mod freq;
+mod fused;
 mod handle;
 mod kernel_args;
 mod layout;
@@ -57,6 +58,9 @@ pub use cudarc;
 pub use error::{Error, Result};
 pub use freq::{
     AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, axial_inv_freq, inv_freq,
+};
+pub use fused::{
+    CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
 };
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};

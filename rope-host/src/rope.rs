@@ -23,7 +23,7 @@ use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::RopeArgs;
 use crate::layout::Layout;
 use crate::op::{Io, QkIo, RopeConfig, RopeElem, RopeOp};
-use crate::plan::{Plan, Request, TensorReq, plan};
+use crate::plan::{Grid, Plan, Request, TensorReq, plan};
 use crate::positions::{PositionArgs, RawPositions};
 use crate::sincos::{RawSinCos, SinCosArgs};
 
@@ -345,13 +345,38 @@ pub(crate) fn encode_for_test(req: &Request, plan: &Plan) -> RopeArgs {
 
 /// The kernel's arguments from the validated request, its plan and the options' encodings.
 fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosArgs) -> RopeArgs {
+    let work = Work {
+        grid: &plan.grid,
+        tokens: plan.tokens,
+        rot_groups: plan.rot_groups,
+        lanes: plan.lanes,
+    };
+    encode_work(req, &work, positions, sincos)
+}
+
+/// What a launch's arguments take from its plan: the grid, the tokens, the rotating groups
+/// and the access width (the RoPE and the fused kernels' plans both have them).
+pub(crate) struct Work<'g> {
+    pub(crate) grid: &'g Grid,
+    pub(crate) tokens: u64,
+    pub(crate) rot_groups: u32,
+    pub(crate) lanes: u32,
+}
+
+/// The RoPE kernels' arguments from a validated request, its work and the options' encodings.
+pub(crate) fn encode_work(
+    req: &Request,
+    work: &Work<'_>,
+    positions: &PositionArgs,
+    sincos: &SinCosArgs,
+) -> RopeArgs {
     let es = req.dtype.size() as u64;
     let offset = req.config.rotary_offset();
     let q = TensorArgs::of(&req.q, es, offset);
     let k = req
         .k
         .map_or(TensorArgs::ABSENT, |k| TensorArgs::of(&k, es, offset));
-    let grid = &plan.grid;
+    let grid = work.grid;
     RopeArgs {
         x0: q.x,
         out0: q.out,
@@ -371,7 +396,7 @@ fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosA
         out1_stride_batch: k.out_strides[0],
         out1_stride_seq: k.out_strides[1],
         out1_stride_head: k.out_strides[2],
-        tokens: plan.tokens,
+        tokens: work.tokens,
         seq: grid.seq.divisor.get(),
         seq_magic: grid.seq.magic,
         seq_shift: grid.seq.shift,
@@ -379,11 +404,11 @@ fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosA
         groups: grid.groups.divisor.get(),
         groups_magic: grid.groups.magic,
         groups_shift: grid.groups.shift,
-        rot_groups: plan.rot_groups,
+        rot_groups: work.rot_groups,
         half: req.config.half(),
         rotary_dim: req.config.rotary_dim(),
         rotary_offset: req.config.rotary_offset(),
-        lanes: plan.lanes,
+        lanes: work.lanes,
         cos: sincos.cos,
         sin: sincos.sin,
         table_stride: sincos.table_stride,

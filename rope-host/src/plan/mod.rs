@@ -182,22 +182,26 @@ fn check_tensors(req: &Request) -> Result<()> {
 
 /// A byte range of device memory that a launch reads or writes, for overlap checks.
 #[derive(Clone, Copy, Debug)]
-struct Region {
-    start: u128,
-    end: u128,
-    written: bool,
-    /// The argument it belongs to (`q`, `q.output`, `k`, `k.output`) or what it holds.
-    name: &'static str,
-    of: Of,
+pub(crate) struct Region {
+    pub(crate) start: u128,
+    pub(crate) end: u128,
+    pub(crate) written: bool,
+    /// The argument it belongs to (`q`, `q.output`, `k`, `k.output`, ...) or what it holds.
+    pub(crate) name: &'static str,
+    pub(crate) of: Of,
 }
 
 /// What a [`Region`] belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Of {
+pub(crate) enum Of {
     /// Tensor q's input or output.
     Q,
     /// Tensor k's input or output.
     K,
+    /// Tensor v (the fused kernels' cache input).
+    V,
+    /// A paged cache the fused kernels write.
+    Cache,
     /// Something the kernel only reads: tables, ids, frequencies.
     Read,
 }
@@ -248,7 +252,7 @@ fn tensor_regions(
 }
 
 /// Checks that `layout` fits the configuration, the kernels' index types and its buffer.
-fn check_layout(
+pub(crate) fn check_layout(
     arg: &'static str,
     buf: RawBuf,
     layout: &Layout,
@@ -291,10 +295,11 @@ fn check_layout(
 
 /// Written regions may meet no other region: not another tensor, nor a table or ids the kernel
 /// reads (fused q and k share a buffer, their disjointness checked element by element).
-fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
+pub(crate) fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
     for (i, w) in regions.iter().enumerate().filter(|(_, r)| r.written) {
         for (j, r) in regions.iter().enumerate() {
-            let fused_pair = fused && r.of != Of::Read && w.of != r.of;
+            let tensor = |of| matches!(of, Of::Q | Of::K | Of::V);
+            let fused_pair = fused && tensor(r.of) && tensor(w.of) && w.of != r.of;
             // Ranges meet when each starts before the other ends; an empty one meets none.
             let meet = w.start < r.end && r.start < w.end && w.start < w.end && r.start < r.end;
             if i == j || fused_pair || !meet {
@@ -302,7 +307,7 @@ fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
             }
             let other = match r.of {
                 Of::Read => r.name,
-                Of::Q | Of::K => "another tensor of the launch",
+                Of::Q | Of::K | Of::V | Of::Cache => "another tensor of the launch",
             };
             return Err(invalid(w.name, format!("overlaps {other}")));
         }
@@ -314,13 +319,6 @@ fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
 /// non-empty tensor's address and strides allow; `None` when interleaved pairs cannot be read
 /// as pairs.
 fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
-    let cfg = &req.config;
-    let (half, rotary, head, offset) = (
-        cfg.half() as usize,
-        cfg.rotary_dim() as usize,
-        cfg.head_dim() as usize,
-        cfg.rotary_offset() as usize,
-    );
     let es = req.dtype.size();
     let tensors: Vec<(u64, Layout)> = [Some(req.q), req.k]
         .into_iter()
@@ -328,22 +326,46 @@ fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
         .flat_map(|t| t.layouts())
         .filter(|(_, l)| !l.is_empty())
         .collect();
+    widest_lanes(&req.config, es, pass_through, |lanes| {
+        tensors
+            .iter()
+            .all(|(addr, l)| layout_aligned(*addr, l, es, lanes))
+    })
+}
+
+/// Whether the layout `l` of `es`-byte elements in a buffer at `addr` starts at a multiple of
+/// `lanes` elements and strides by multiples of them.
+pub(crate) fn layout_aligned(addr: u64, l: &Layout, es: usize, lanes: usize) -> bool {
+    // Wrapping arithmetic: `lanes * es` is a power of two, so alignment modulo 2^64 is exact.
+    addr.wrapping_add((l.offset as u64).wrapping_mul(es as u64))
+        .is_multiple_of((lanes * es) as u64)
+        && l.strides.iter().all(|s| s.is_multiple_of(lanes))
+}
+
+/// The widest access, from the preferred width of the pairing and `es`-byte elements down to
+/// one element, that splits the pairs (and pass-through elements) of `cfg` into whole groups
+/// and for which `aligned(lanes)` holds; `None` when interleaved pairs cannot be read as pairs.
+pub(crate) fn widest_lanes(
+    cfg: &RopeConfig,
+    es: usize,
+    pass_through: bool,
+    aligned: impl Fn(usize) -> bool,
+) -> Option<u32> {
+    let (half, rotary, head, offset) = (
+        cfg.half() as usize,
+        cfg.rotary_dim() as usize,
+        cfg.head_dim() as usize,
+        cfg.rotary_offset() as usize,
+    );
     let mut lanes = preferred_lanes(cfg.style(), es) as usize;
     while lanes >= 1 {
-        let bytes = (lanes * es) as u64;
         let shape_ok = match cfg.style() {
             RopeStyle::Neox => half.is_multiple_of(lanes),
             RopeStyle::Interleaved => lanes.is_multiple_of(2) && rotary.is_multiple_of(lanes),
         } && (!pass_through || (head - rotary).is_multiple_of(lanes))
             // The tensors' pointers start at the rotated slice.
             && offset.is_multiple_of(lanes);
-        // Wrapping arithmetic: `bytes` is a power of two, so alignment modulo 2^64 is exact.
-        let aligned = tensors.iter().all(|(addr, l)| {
-            addr.wrapping_add((l.offset as u64).wrapping_mul(es as u64))
-                .is_multiple_of(bytes)
-                && l.strides.iter().all(|s| s.is_multiple_of(lanes))
-        });
-        if shape_ok && aligned {
+        if shape_ok && aligned(lanes) {
             return Some(lanes as u32);
         }
         lanes /= 2;

@@ -1,0 +1,559 @@
+//! Fused launches: [`Rope::run_fused`]. Mirrors `rope-kernels/src/fused.rs`.
+//!
+//! # Formula
+//! For each q and k head `x` of a token (forward, the whole head rotated, both pairings):
+//! 1. with [`QkNorm`]: `x_e <- x_e / sqrt(sum_e x_e^2 / head_dim + eps) * w_e` (`1 + w_e` for
+//!    [`NormWeight::OnePlus`]), in `f32`;
+//! 2. the rotation of [`Rope::run`];
+//! 3. q to its output ([`QOut`]: in place, out of place, or FP8 E4M3 of `q / scale`); k to its
+//!    output ([`KOut`]) and, with a [`KvCache`], k and v (v unchanged) into the cache slot of
+//!    the token (`slot_mapping[t]`; a negative slot is padding and writes nothing), in the
+//!    tensors' type or FP8 E4M3 of `value / scale`.
+//!
+//! Each output is rounded once, from `f32`. FP8 rounds to nearest even and saturates at ±448
+//! ([`rope_kernels::math::f32_to_e4m3`]).
+//!
+//! # Layouts
+//! q, k and v are [`Layout`]s (`[batch, seq, heads, head_dim]` at any strides with contiguous
+//! heads), separate or views into one QKV buffer ([`FusedIo::Packed`]). The cache is described
+//! by [`CacheLayout`]: vLLM's `[num_blocks, block_size, kv_heads, head_dim]`
+//! ([`CacheLayout::blocks_rows_heads`]) or `[num_blocks, kv_heads, block_size, head_dim]`
+//! ([`CacheLayout::blocks_heads_rows`]), or any strides; slot `s` is row `s % block_size` of
+//! block `s / block_size`. Token `t` is `b * seq + s` of q's layout.
+//!
+//! # A launch
+//! As [`Rope::run`]: bind, plan (`plan.rs`: validation, access width, grid), encode, launch.
+
+mod plan;
+#[cfg(test)]
+mod tests;
+
+use cudarc::driver::{CudaView, CudaViewMut};
+use rope_kernels::abi::{FormatCode, NormCode};
+
+use crate::bind::Binder;
+use crate::error::Result;
+use crate::handle::{FreqUse, Rope};
+use crate::kernel_args::FusedArgs;
+use crate::layout::Layout;
+use crate::op::{RopeElem, RopeOp, Tensor, TensorMut};
+use crate::positions::{DeviceInts, IntType, RawInts};
+use crate::rope::{Work, encode_work};
+use plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
+
+/// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
+/// OLMo 2): `x_e / sqrt(mean_e(x_e^2) + eps) * w_e`, computed in `f32`.
+#[derive(Debug)]
+pub struct QkNorm<'a, T> {
+    /// q's weights, `head_dim` elements.
+    pub q_weight: CudaView<'a, T>,
+    /// k's weights, `head_dim` elements.
+    pub k_weight: CudaView<'a, T>,
+    /// Added to the mean square; finite and not negative.
+    pub eps: f32,
+    /// How the weights multiply.
+    pub weight: NormWeight,
+}
+
+/// How [`QkNorm`]'s weights multiply the normalised head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NormWeight {
+    /// `x_hat * w` (Qwen3, OLMo 2, Llama-style RMSNorm).
+    Plain,
+    /// `x_hat * (1 + w)` (Gemma).
+    OnePlus,
+}
+
+/// The scale of FP8 stores, in device memory (so a graph replays with the current value):
+/// the stored value is `e4m3(x / scale)`.
+#[derive(Debug)]
+pub enum Fp8Scale<'a> {
+    /// One scale for the tensor.
+    PerTensor(CudaView<'a, f32>),
+    /// One scale per head of the tensor.
+    PerHead(CudaView<'a, f32>),
+}
+
+/// Where the rotated q goes.
+#[derive(Debug)]
+pub enum QOut<'a, T> {
+    /// Back into q.
+    InPlace(TensorMut<'a, T>),
+    /// Into another tensor of q's type and dimensions.
+    OutOfPlace {
+        /// Read only.
+        input: Tensor<'a, T>,
+        /// Written only.
+        output: TensorMut<'a, T>,
+    },
+    /// Into an FP8 E4M3 tensor (`u8` bits) of q's dimensions, as `e4m3(q / scale)`.
+    Fp8 {
+        /// Read only.
+        input: Tensor<'a, T>,
+        /// Written only, at its own strides (in bytes).
+        output: TensorMut<'a, u8>,
+        /// Per tensor or per q head.
+        scale: Fp8Scale<'a>,
+    },
+}
+
+/// Where the rotated k goes (besides the cache, with one).
+#[derive(Debug)]
+pub enum KOut<'a, T> {
+    /// Back into k.
+    InPlace(TensorMut<'a, T>),
+    /// Into another tensor of k's type and dimensions.
+    OutOfPlace {
+        /// Read only.
+        input: Tensor<'a, T>,
+        /// Written only.
+        output: TensorMut<'a, T>,
+    },
+    /// Only into the cache (a [`KvCache`] is required): k itself is read only.
+    CacheOnly(Tensor<'a, T>),
+}
+
+/// The tensors of a fused launch.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // Built once per launch and consumed at once.
+pub enum FusedIo<'a, T> {
+    /// q, k (and v for a cache) as their own views; views of one QKV buffer are fine when q and
+    /// k are only read ([`QOut::Fp8`], [`KOut::CacheOnly`]).
+    Separate {
+        /// q and where it goes.
+        q: QOut<'a, T>,
+        /// k and where it goes.
+        k: KOut<'a, T>,
+        /// v, required with a cache (copied into it), else `None`.
+        v: Option<Tensor<'a, T>>,
+    },
+    /// q, k and v as layouts in one QKV buffer (as a fused projection writes it): q and k are
+    /// rotated in place inside it, v is only read.
+    Packed {
+        /// The buffer.
+        data: CudaViewMut<'a, T>,
+        /// q's layout in it.
+        q: Layout,
+        /// k's layout in it.
+        k: Layout,
+        /// v's layout in it, required with a cache.
+        v: Option<Layout>,
+    },
+}
+
+/// The element layout of a paged KV cache (one for k's cache and v's): slot `s` is row
+/// `s % block_size` of block `s / block_size`, and element `e` of head `h` of that row is at
+/// `block * strides[0] + row * strides[1] + h * strides[2] + e`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// Blocks (pages).
+    pub num_blocks: usize,
+    /// Rows (tokens) per block.
+    pub block_size: usize,
+    /// Heads per row: k's heads.
+    pub kv_heads: usize,
+    /// Elements per head: the config's `head_dim`.
+    pub head_dim: usize,
+    /// Element strides of a block, a row and a head.
+    pub strides: [usize; 3],
+}
+
+impl CacheLayout {
+    /// vLLM's `[num_blocks, block_size, kv_heads, head_dim]` (FlashAttention's paged layout,
+    /// FlashInfer's NHD), contiguous.
+    pub fn blocks_rows_heads(
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
+        Self {
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            strides: [
+                block_size * kv_heads * head_dim,
+                kv_heads * head_dim,
+                head_dim,
+            ],
+        }
+    }
+
+    /// `[num_blocks, kv_heads, block_size, head_dim]` (FlashInfer's HND), contiguous.
+    pub fn blocks_heads_rows(
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
+        Self {
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            strides: [
+                kv_heads * block_size * head_dim,
+                head_dim,
+                block_size * head_dim,
+            ],
+        }
+    }
+}
+
+/// The caches k and v are written into, in the tensors' type or as FP8 E4M3.
+#[derive(Debug)]
+pub enum CacheData<'a, T> {
+    /// Elements of the tensors' type.
+    Elem {
+        /// k's cache.
+        k: CudaViewMut<'a, T>,
+        /// v's cache.
+        v: CudaViewMut<'a, T>,
+    },
+    /// FP8 E4M3 bits, `e4m3(value / scale)`.
+    Fp8 {
+        /// k's cache.
+        k: CudaViewMut<'a, u8>,
+        /// v's cache.
+        v: CudaViewMut<'a, u8>,
+        /// Per tensor or per kv head.
+        k_scale: Fp8Scale<'a>,
+        /// Per tensor or per kv head.
+        v_scale: Fp8Scale<'a>,
+    },
+}
+
+/// The paged-cache write of a fused launch.
+#[derive(Debug)]
+pub struct KvCache<'a, T> {
+    /// One slot per token (`batch * seq`, `i32` or `i64` as vLLM's `slot_mapping`); a negative
+    /// slot (padding) writes nothing. Device data: a slot past the cache is skipped too.
+    pub slot_mapping: DeviceInts<'a>,
+    /// The layout of both caches.
+    pub layout: CacheLayout,
+    /// The caches.
+    pub data: CacheData<'a, T>,
+}
+
+/// A fused operation: the rotation (whole head, forward) with an optional q/k normalisation.
+#[derive(Debug)]
+pub struct FusedOp<'a, T> {
+    /// The rotation: the config must rotate the whole head forward.
+    pub rope: RopeOp<'a, T>,
+    /// Per-head RMS normalisation before the rotation.
+    pub norm: Option<QkNorm<'a, T>>,
+}
+
+impl Rope {
+    /// Validates and launches one fused kernel: normalisation (optional), rotation of q and k,
+    /// and their stores (and v's, into the cache); asynchronous on the stream, allocating and
+    /// synchronizing nothing, so it can be captured in a CUDA graph (with computed sin/cos,
+    /// call [`Rope::prepare`] first).
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming the offending argument (nothing is launched and no
+    /// output is touched): as [`Rope::run_qk`], and `config` for a partial or backward
+    /// rotation, `norm` for bad weights or eps (or a head too wide for the normalisation's
+    /// sum), `v` and `cache` for tensors, layouts, slot mappings or scales that do not fit;
+    /// [`crate::Error::Driver`] when the launch fails.
+    pub fn run_fused<T: RopeElem>(
+        &self,
+        op: &FusedOp<'_, T>,
+        mut io: FusedIo<'_, T>,
+        mut cache: Option<KvCache<'_, T>>,
+    ) -> Result<()> {
+        let mut binder = Binder::new(&self.stream);
+        let req = bind(&mut binder, op, &mut io, cache.as_mut())?;
+        // SAFETY: the stream is the `Rope`'s; the binder checked every view's context and
+        // holds its length; the guards, dropped after the launch, order later uses after it.
+        unsafe { self.launch_fused(&req, FreqUse::OwnStream) }?;
+        drop(binder);
+        Ok(())
+    }
+
+    /// Plans, encodes and launches a fused request on the handle's stream.
+    ///
+    /// # Safety
+    /// Every address of `req` is device memory of this context holding the length given,
+    /// alive and not used by others until the kernel has finished on the stream.
+    unsafe fn launch_fused(&self, req: &FusedRequest, on: FreqUse) -> Result<()> {
+        let blocks = |k: rope_kernels::abi::FusedKernelName| self.module.blocks_per_sm(k.symbol());
+        let Some(plan) = plan_fused(req, &self.facts, &blocks)? else {
+            return Ok(());
+        };
+        let positions = req.rope.positions.encode(&plan.positions);
+        let sincos = req
+            .rope
+            .sincos
+            .encode(&plan.sincos, &req.rope.config, (self, on))?;
+        let work = Work {
+            grid: &plan.grid,
+            tokens: plan.tokens,
+            rot_groups: plan.rot_groups,
+            lanes: plan.lanes,
+        };
+        let rope = encode_work(&req.rope, &work, &positions, &sincos);
+        let args = encode(req, &plan, rope);
+        let function = self.module.function(plan.kernel.symbol());
+        // SAFETY: `FusedArgs` comes from `fused_kernel_params!`, the entry points' list. The
+        // plan proved what the entry points' `# Safety` asks: every tensor, output, weight,
+        // scale, slot array and cache holds what its layout and the kernel address (the cache
+        // for every slot below `cache_slots`), written regions overlap nothing else,
+        // pointers and strides are aligned to `lanes`, the whole head is rotated, and
+        // `groups` is a power of two of at most 32 with a norm; positions and sin/cos as for
+        // `Rope::run`. The function was loaded in this context.
+        unsafe {
+            args.launch(
+                self.stream.context(),
+                function,
+                plan.grid.config,
+                self.stream.cu_stream(),
+            )
+        }
+    }
+}
+
+/// Reduces the views to a [`FusedRequest`] of addresses, each checked to belong to the
+/// binder's context.
+fn bind<'s, T: RopeElem>(
+    binder: &mut Binder<'s>,
+    op: &'s FusedOp<'_, T>,
+    io: &'s mut FusedIo<'_, T>,
+    cache: Option<&'s mut KvCache<'_, T>>,
+) -> Result<FusedRequest> {
+    use crate::plan::TensorReq;
+    let tensor = |buf, layout, out| TensorReq {
+        x: buf,
+        x_layout: layout,
+        out,
+    };
+    let (q, q_fp8, k, k_written, v, packed) = match io {
+        FusedIo::Separate { q, k, v } => {
+            let (q, q_fp8) = match q {
+                QOut::InPlace(t) => (
+                    tensor(binder.write("q", &mut t.data)?, t.layout, None),
+                    None,
+                ),
+                QOut::OutOfPlace { input, output } => (
+                    tensor(
+                        binder.read("q", &input.data)?,
+                        input.layout,
+                        Some((binder.write("q.output", &mut output.data)?, output.layout)),
+                    ),
+                    None,
+                ),
+                QOut::Fp8 {
+                    input,
+                    output,
+                    scale,
+                } => (
+                    tensor(
+                        binder.read("q", &input.data)?,
+                        input.layout,
+                        Some((binder.write("q.output", &mut output.data)?, output.layout)),
+                    ),
+                    Some(bind_scale(binder, "q.scale", scale)?),
+                ),
+            };
+            let (k, k_written) = match k {
+                KOut::InPlace(t) => (
+                    tensor(binder.write("k", &mut t.data)?, t.layout, None),
+                    true,
+                ),
+                KOut::OutOfPlace { input, output } => (
+                    tensor(
+                        binder.read("k", &input.data)?,
+                        input.layout,
+                        Some((binder.write("k.output", &mut output.data)?, output.layout)),
+                    ),
+                    true,
+                ),
+                KOut::CacheOnly(t) => (tensor(binder.read("k", &t.data)?, t.layout, None), false),
+            };
+            let v = match v {
+                Some(t) => Some((binder.read("v", &t.data)?, t.layout)),
+                None => None,
+            };
+            (q, q_fp8, k, k_written, v, false)
+        }
+        FusedIo::Packed { data, q, k, v } => {
+            let buf = binder.write("q", data)?;
+            (
+                tensor(buf, *q, None),
+                None,
+                tensor(buf, *k, None),
+                true,
+                v.map(|l| (buf, l)),
+                true,
+            )
+        }
+    };
+    let norm = match &op.norm {
+        Some(n) => Some(RawNorm {
+            q_weight: binder.read("norm.q_weight", &n.q_weight)?,
+            k_weight: binder.read("norm.k_weight", &n.k_weight)?,
+            eps: n.eps,
+            code: match n.weight {
+                NormWeight::Plain => NormCode::Rms,
+                NormWeight::OnePlus => NormCode::RmsOnePlus,
+            },
+        }),
+        None => None,
+    };
+    let cache = match cache {
+        Some(c) => {
+            let slots = match &c.slot_mapping {
+                DeviceInts::I32(s) => RawInts {
+                    buf: binder.read("cache.slot_mapping", s)?,
+                    ty: IntType::I32,
+                },
+                DeviceInts::I64(s) => RawInts {
+                    buf: binder.read("cache.slot_mapping", s)?,
+                    ty: IntType::I64,
+                },
+            };
+            let (k, v, fp8) = match &mut c.data {
+                CacheData::Elem { k, v } => (
+                    binder.write("cache.k", k)?,
+                    binder.write("cache.v", v)?,
+                    None,
+                ),
+                CacheData::Fp8 {
+                    k,
+                    v,
+                    k_scale,
+                    v_scale,
+                } => (
+                    binder.write("cache.k", k)?,
+                    binder.write("cache.v", v)?,
+                    Some((
+                        bind_scale(binder, "cache.k_scale", k_scale)?,
+                        bind_scale(binder, "cache.v_scale", v_scale)?,
+                    )),
+                ),
+            };
+            Some(RawCache {
+                slots,
+                layout: c.layout,
+                k,
+                v,
+                fp8,
+            })
+        }
+        None => None,
+    };
+    Ok(FusedRequest {
+        rope: crate::plan::Request {
+            config: op.rope.config,
+            dtype: T::DTYPE,
+            q,
+            k: Some(k),
+            fused: packed,
+            positions: op.rope.positions.bind(binder)?,
+            sincos: op.rope.sincos.bind(binder)?,
+        },
+        q_fp8,
+        k_written,
+        v,
+        norm,
+        cache,
+    })
+}
+
+/// Binds an FP8 scale for reading.
+fn bind_scale<'s>(
+    binder: &mut Binder<'s>,
+    arg: &'static str,
+    scale: &'s Fp8Scale<'_>,
+) -> Result<RawScale> {
+    Ok(match scale {
+        Fp8Scale::PerTensor(s) => RawScale {
+            arg,
+            buf: binder.read(arg, s)?,
+            per_head: false,
+        },
+        Fp8Scale::PerHead(s) => RawScale {
+            arg,
+            buf: binder.read(arg, s)?,
+            per_head: true,
+        },
+    })
+}
+
+/// The fused kernel's arguments: the RoPE arguments of the request (q's output in bytes for
+/// FP8, k's output null when k is only cached) and the fused ones.
+fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeArgs) -> FusedArgs {
+    let mut out0 = rope.out0;
+    if req.q_fp8.is_some() {
+        // The output's offset counts bytes, not elements of the input's type.
+        let (buf, layout) = req.rope.q.out.expect("FP8 q has an output");
+        out0 = buf.ptr + layout.offset as u64;
+    }
+    let out1 = if req.k_written { rope.out1 } else { 0 };
+    let es = req.rope.dtype.size() as u64;
+    let (v, heads_v, v_strides) = match req.v {
+        Some((buf, l)) => (
+            buf.ptr + l.offset as u64 * es,
+            l.heads as u32,
+            l.strides.map(|s| s as u64),
+        ),
+        None => (0, 0, [0; 3]),
+    };
+    let (norm, q_norm_weight, k_norm_weight, norm_eps) = match req.norm {
+        Some(n) => (n.code as u32, n.q_weight.ptr, n.k_weight.ptr, n.eps),
+        None => (NormCode::None as u32, 0, 0, 0.0),
+    };
+    let scale = |s: Option<RawScale>| s.map_or((0, 0), |s| (s.buf.ptr, u32::from(s.per_head)));
+    let (q_format, (q_scale, q_scale_step)) = match req.q_fp8 {
+        Some(s) => (FormatCode::E4m3 as u32, scale(Some(s))),
+        None => (FormatCode::Elem as u32, (0, 0)),
+    };
+    let c = req.cache.as_ref();
+    let (k_scale, kv_scale_step) = scale(c.and_then(|c| c.fp8.map(|f| f.0)));
+    let (v_scale, _) = scale(c.and_then(|c| c.fp8.map(|f| f.1)));
+    let strides = c.map_or([0; 3], |c| c.layout.strides.map(|s| s as u64));
+    let block = plan.block;
+    macro_rules! with_rope {
+        ({ $r:ident } $($param:ident: $kind:ident,)*) => {
+            FusedArgs {
+                $($param: $r.$param,)*
+                v,
+                heads_v,
+                v_stride_batch: v_strides[0],
+                v_stride_seq: v_strides[1],
+                v_stride_head: v_strides[2],
+                head_dim: req.rope.config.head_dim(),
+                norm,
+                q_norm_weight,
+                k_norm_weight,
+                norm_eps,
+                q_format,
+                q_scale,
+                q_scale_step,
+                slots: c.map_or(0, |c| c.slots.buf.ptr),
+                slots_wide: u32::from(c.is_some_and(|c| c.slots.ty == IntType::I64)),
+                k_cache: c.map_or(0, |c| c.k.ptr),
+                v_cache: c.map_or(0, |c| c.v.ptr),
+                cache_stride_block: strides[0],
+                cache_stride_slot: strides[1],
+                cache_stride_head: strides[2],
+                block_size: block.divisor.get(),
+                block_magic: block.magic,
+                block_shift: block.shift,
+                cache_slots: plan.cache_slots,
+                cache_format: if c.is_some_and(|c| c.fp8.is_some()) {
+                    FormatCode::E4m3 as u32
+                } else {
+                    FormatCode::Elem as u32
+                },
+                k_scale,
+                v_scale,
+                kv_scale_step,
+            }
+        };
+    }
+    let mut args = rope_kernels::rope_kernel_params!(with_rope { rope });
+    (args.out0, args.out1) = (out0, out1);
+    args
+}

@@ -1,0 +1,483 @@
+//! The plan step of a fused launch, pure so that it is tested without a GPU: validation of
+//! the tensors, the normalisation, the scales and the cache (shapes, buffers, alignment,
+//! overlaps), the options' own checks, the access width, the kernel and the grid.
+
+use std::num::NonZeroU32;
+
+use rope_kernels::abi::{Access, Direction, FusedKernelName, NormCode, preferred_lanes};
+use rope_kernels::divide::Divisor;
+
+use super::CacheLayout;
+use crate::bind::RawBuf;
+use crate::error::{Result, invalid};
+use crate::handle::DeviceFacts;
+use crate::layout::{Layout, fused_are_disjoint};
+use crate::op::{RopeConfig, RopeStyle};
+use crate::plan::{
+    Grid, Of, Region, Request, check_layout, check_overlaps, grid, layout_aligned, widest_lanes,
+};
+use crate::positions::{PositionsPlan, RawInts};
+use crate::sincos::SinCosPlan;
+
+/// An FP8 scale array by address: one `f32`, or one per head.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawScale {
+    /// The argument it came from, for errors.
+    pub(crate) arg: &'static str,
+    pub(crate) buf: RawBuf,
+    pub(crate) per_head: bool,
+}
+
+/// The normalisation's weights by address.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawNorm {
+    pub(crate) q_weight: RawBuf,
+    pub(crate) k_weight: RawBuf,
+    pub(crate) eps: f32,
+    pub(crate) code: NormCode,
+}
+
+/// The cache write by address.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawCache {
+    pub(crate) slots: RawInts,
+    pub(crate) layout: CacheLayout,
+    pub(crate) k: RawBuf,
+    pub(crate) v: RawBuf,
+    /// FP8 caches' scales (k's, v's); `None` for caches of the tensors' type.
+    pub(crate) fp8: Option<(RawScale, RawScale)>,
+}
+
+/// Everything validation of a fused launch needs, in plain values.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FusedRequest {
+    /// q and k (always present) with their inputs and outputs, positions and sin/cos; q's
+    /// output is FP8 bits when `q_fp8` is set, and `fused` means one QKV buffer.
+    pub(crate) rope: Request,
+    pub(crate) q_fp8: Option<RawScale>,
+    /// Whether k's rotated heads are written to k (in place or its output), not only cached.
+    pub(crate) k_written: bool,
+    pub(crate) v: Option<(RawBuf, Layout)>,
+    pub(crate) norm: Option<RawNorm>,
+    pub(crate) cache: Option<RawCache>,
+}
+
+/// Everything a fused launch needs except the device pointers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FusedPlan {
+    pub(crate) kernel: FusedKernelName,
+    pub(crate) grid: Grid,
+    pub(crate) lanes: u32,
+    pub(crate) rot_groups: u32,
+    pub(crate) tokens: u64,
+    pub(crate) positions: PositionsPlan,
+    pub(crate) sincos: SinCosPlan,
+    /// The cache's block size (1 without a cache).
+    pub(crate) block: Divisor,
+    /// Slots the cache holds, `num_blocks * block_size` (0 without a cache).
+    pub(crate) cache_slots: u64,
+}
+
+/// Items of one token and head that the normalisation's warp-shuffle sum can span.
+const MAX_NORM_GROUPS: u32 = 32;
+
+/// Validates a fused request and computes its launch: `None` when there is nothing to do.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the first offending argument.
+pub(crate) fn plan_fused(
+    req: &FusedRequest,
+    facts: &DeviceFacts,
+    blocks_per_sm: &dyn Fn(FusedKernelName) -> u32,
+) -> Result<Option<FusedPlan>> {
+    let cfg = &req.rope.config;
+    check_config(cfg)?;
+    let es = req.rope.dtype.size();
+    let regions = check_tensors(req)?;
+    check_overlaps(&regions, req.rope.fused)?;
+    let q = &req.rope.q.x_layout;
+    let k = &req.rope.k.expect("a fused request has k").x_layout;
+    let heads = q.heads as u64 + k.heads as u64 + req.v.map_or(0, |(_, l)| l.heads as u64);
+    if heads > u32::MAX as u64 {
+        return Err(invalid(
+            "k",
+            "q, k and v together have more than u32::MAX heads",
+        ));
+    }
+    let tokens = (q.batch as u64)
+        .checked_mul(q.seq as u64)
+        .ok_or_else(|| invalid("q", "batch * seq overflows u64"))?;
+    let empty = tokens == 0 || heads == 0;
+    let positions = req.rope.positions.check(q.batch, q.seq, cfg.half())?;
+    let max_position = positions.max_implicit.filter(|_| !empty);
+    let sincos = req.rope.sincos.check(cfg, req.rope.dtype, max_position)?;
+    if let Some(c) = &req.cache {
+        check_ints(&c.slots, tokens)?;
+    }
+    if empty {
+        return Ok(None);
+    }
+    let lanes = widest_lanes(cfg, es, false, |lanes| aligned(req, lanes)).ok_or_else(|| {
+        invalid(
+            "q",
+            "interleaved pairs need every tensor address and stride aligned to two elements",
+        )
+    })?;
+    let pairs = match cfg.style() {
+        RopeStyle::Neox => lanes,
+        RopeStyle::Interleaved => lanes / 2,
+    };
+    let rot_groups = cfg.half() / pairs;
+    let groups = if req.norm.is_some() {
+        let groups = rot_groups.next_power_of_two();
+        if groups > MAX_NORM_GROUPS {
+            return Err(invalid(
+                "norm",
+                format!(
+                    "head_dim {} takes {rot_groups} accesses of {lanes} elements per head; the \
+                     normalisation sums over at most {MAX_NORM_GROUPS}",
+                    cfg.head_dim()
+                ),
+            ));
+        }
+        groups
+    } else {
+        rot_groups
+    };
+    let kernel = FusedKernelName {
+        style: cfg.style(),
+        source: sincos.source,
+        dtype: req.rope.dtype,
+        access: if lanes == preferred_lanes(cfg.style(), es) {
+            Access::Wide
+        } else {
+            Access::Narrow
+        },
+    };
+    let grid = grid(
+        (tokens, q.seq as u32),
+        groups,
+        heads as u32,
+        facts,
+        blocks_per_sm(kernel),
+    )?
+    .expect("tokens, seq, heads and groups are non-zero");
+    let (block, cache_slots) = match &req.cache {
+        Some(c) => (c.layout.block_size, cache_slots(&c.layout)),
+        None => (1, Some(0)),
+    };
+    Ok(Some(FusedPlan {
+        kernel,
+        grid,
+        lanes,
+        rot_groups,
+        tokens,
+        positions,
+        sincos,
+        block: Divisor::new(
+            NonZeroU32::new(block as u32).expect("check_cache proved 1 <= block_size <= u32::MAX"),
+        ),
+        cache_slots: cache_slots.expect("check_cache proved num_blocks * block_size fits"),
+    }))
+}
+
+/// The fused kernels rotate the whole head, forward.
+fn check_config(cfg: &RopeConfig) -> Result<()> {
+    if cfg.direction() != Direction::Forward {
+        return Err(invalid("config", "fused kernels rotate forward only"));
+    }
+    if cfg.rotary_dim() != cfg.head_dim() || cfg.rotary_offset() != 0 {
+        return Err(invalid(
+            "config",
+            format!(
+                "fused kernels rotate the whole head: rotary_dim {} at offset {} of head_dim {}",
+                cfg.rotary_dim(),
+                cfg.rotary_offset(),
+                cfg.head_dim()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks one layout in its buffer (elements of `es` bytes) and returns its region; a written
+/// layout must not map two elements to one address.
+fn region(
+    (arg, of): (&'static str, Of),
+    buf: RawBuf,
+    layout: &Layout,
+    cfg: &RopeConfig,
+    (es, written): (usize, bool),
+) -> Result<Region> {
+    check_layout(arg, buf, layout, cfg, es)?;
+    if written && !layout.is_non_overlapping() {
+        return Err(invalid(
+            arg,
+            "the layout maps different elements to one address",
+        ));
+    }
+    let start = u128::from(buf.ptr) + layout.offset as u128 * es as u128;
+    Ok(Region {
+        start,
+        end: start + layout.span().unwrap_or(0) as u128 * es as u128,
+        written,
+        name: arg,
+        of,
+    })
+}
+
+/// A read-only array of `bytes` at `ptr`.
+fn read_region(name: &'static str, (ptr, bytes): (u64, u64)) -> Region {
+    Region {
+        start: ptr as u128,
+        end: ptr as u128 + bytes as u128,
+        written: false,
+        name,
+        of: Of::Read,
+    }
+}
+
+/// Checks every tensor, weight, scale and cache, and returns the regions the launch reads and
+/// writes.
+fn check_tensors(req: &FusedRequest) -> Result<Vec<Region>> {
+    let (cfg, es) = (&req.rope.config, req.rope.dtype.size());
+    let q = &req.rope.q;
+    let k = req.rope.k.expect("a fused request has k");
+    let mut regions = vec![region(
+        ("q", Of::Q),
+        q.x,
+        &q.x_layout,
+        cfg,
+        (es, q.out.is_none()),
+    )?];
+    if let Some((buf, l)) = q.out {
+        let out_es = if req.q_fp8.is_some() { 1 } else { es };
+        same_dims("q.output", &l, &q.x_layout)?;
+        regions.push(region(("q.output", Of::Q), buf, &l, cfg, (out_es, true))?);
+    }
+    let k_in_place = k.out.is_none() && req.k_written;
+    regions.push(region(
+        ("k", Of::K),
+        k.x,
+        &k.x_layout,
+        cfg,
+        (es, k_in_place),
+    )?);
+    same_tokens("k", &k.x_layout, &q.x_layout)?;
+    if let Some((buf, l)) = k.out {
+        same_dims("k.output", &l, &k.x_layout)?;
+        regions.push(region(("k.output", Of::K), buf, &l, cfg, (es, true))?);
+    }
+    if req.rope.fused && !fused_are_disjoint(&q.x_layout, &k.x_layout) {
+        return Err(invalid(
+            "k",
+            "packed q and k must share batch and seq strides and address disjoint elements",
+        ));
+    }
+    match (req.v, &req.cache) {
+        (Some((buf, l)), Some(_)) => {
+            same_tokens("v", &l, &q.x_layout)?;
+            if l.heads != k.x_layout.heads {
+                return Err(invalid(
+                    "v",
+                    format!("has {} heads, k has {}", l.heads, k.x_layout.heads),
+                ));
+            }
+            if req.rope.fused
+                && !(fused_are_disjoint(&q.x_layout, &l) && fused_are_disjoint(&k.x_layout, &l))
+            {
+                return Err(invalid(
+                    "v",
+                    "packed v must share q's batch and seq strides and address elements of its own",
+                ));
+            }
+            regions.push(region(("v", Of::V), buf, &l, cfg, (es, false))?);
+        }
+        (Some(_), None) => {
+            return Err(invalid("v", "is only read to fill a cache; pass a KvCache"));
+        }
+        (None, Some(_)) => return Err(invalid("v", "a cache write needs v")),
+        (None, None) => {}
+    }
+    if let Some(n) = &req.norm {
+        if !n.eps.is_finite() || n.eps < 0.0 {
+            return Err(invalid(
+                "norm.eps",
+                format!("must be finite and not negative, got {}", n.eps),
+            ));
+        }
+        for (arg, w) in [("norm.q_weight", n.q_weight), ("norm.k_weight", n.k_weight)] {
+            if w.len != cfg.head_dim() as usize {
+                return Err(invalid(
+                    arg,
+                    format!(
+                        "holds {} elements, needs head_dim {}",
+                        w.len,
+                        cfg.head_dim()
+                    ),
+                ));
+            }
+            if !w.ptr.is_multiple_of(es as u64) {
+                return Err(invalid(arg, format!("is not aligned to {es} bytes")));
+            }
+            regions.push(read_region(arg, (w.ptr, (w.len * es) as u64)));
+        }
+    }
+    if let Some(s) = req.q_fp8 {
+        regions.push(check_scale(&s, q.x_layout.heads)?);
+    }
+    if let Some(c) = &req.cache {
+        regions.extend(check_cache(c, cfg, es, k.x_layout.heads)?);
+    }
+    let tables = req.rope.sincos.device_reads().into_iter();
+    regions.extend(tables.map(|r| read_region("the sin/cos tables", r)));
+    let arrays = req.rope.positions.device_reads().into_iter();
+    regions.extend(arrays.map(|r| read_region("the position arrays", r)));
+    Ok(regions)
+}
+
+/// An output's dimensions equal its input's.
+fn same_dims(arg: &'static str, out: &Layout, input: &Layout) -> Result<()> {
+    let dims = |l: &Layout| (l.batch, l.seq, l.heads, l.head_dim);
+    if dims(out) != dims(input) {
+        return Err(invalid(
+            arg,
+            format!("dimensions {out:?} differ from the input's {input:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A tensor's batch and seq equal q's.
+fn same_tokens(arg: &'static str, l: &Layout, q: &Layout) -> Result<()> {
+    if (l.batch, l.seq) != (q.batch, q.seq) {
+        return Err(invalid(
+            arg,
+            format!(
+                "batch and seq {:?} differ from q's {:?}",
+                (l.batch, l.seq),
+                (q.batch, q.seq)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// An FP8 scale holds one `f32`, or one per head, aligned; returns its region.
+fn check_scale(s: &RawScale, heads: usize) -> Result<Region> {
+    let want = if s.per_head { heads } else { 1 };
+    if s.buf.len != want {
+        let what = if s.per_head { "one per head" } else { "one" };
+        return Err(invalid(
+            s.arg,
+            format!("holds {} scales, needs {what}: {want}", s.buf.len),
+        ));
+    }
+    if !s.buf.ptr.is_multiple_of(4) {
+        return Err(invalid(s.arg, "is not aligned to 4 bytes"));
+    }
+    Ok(read_region(s.arg, (s.buf.ptr, 4 * want as u64)))
+}
+
+/// The slot mapping holds one integer per token, aligned.
+fn check_ints(slots: &RawInts, tokens: u64) -> Result<()> {
+    if slots.buf.len as u64 != tokens {
+        return Err(invalid(
+            "cache.slot_mapping",
+            format!(
+                "holds {} slots, needs one per token: {tokens}",
+                slots.buf.len
+            ),
+        ));
+    }
+    if !slots.buf.ptr.is_multiple_of(slots.ty.size()) {
+        return Err(invalid(
+            "cache.slot_mapping",
+            format!("is not {}-byte aligned", slots.ty.size()),
+        ));
+    }
+    Ok(())
+}
+
+/// `num_blocks * block_size`, the slots a cache holds, when it fits in `u64`.
+fn cache_slots(l: &CacheLayout) -> Option<u64> {
+    (l.num_blocks as u64).checked_mul(l.block_size as u64)
+}
+
+/// The cache as a [`Layout`] (`[num_blocks, block_size, kv_heads, head_dim]` at its strides),
+/// so the tensor checks apply to it.
+fn cache_as_layout(l: &CacheLayout) -> Result<Layout> {
+    Layout::strided(
+        [l.num_blocks, l.block_size, l.kv_heads, l.head_dim],
+        [l.strides[0], l.strides[1], l.strides[2], 1],
+        0,
+    )
+    .map_err(|_| invalid("cache.layout", format!("{l:?} overflows usize")))
+}
+
+/// Checks the cache layout against k and the config, both caches' buffers and the scales;
+/// returns their regions (the slot mapping's included).
+fn check_cache(c: &RawCache, cfg: &RopeConfig, es: usize, k_heads: usize) -> Result<Vec<Region>> {
+    let l = &c.layout;
+    if l.kv_heads != k_heads {
+        return Err(invalid(
+            "cache.layout",
+            format!("has {} kv heads, k has {k_heads}", l.kv_heads),
+        ));
+    }
+    if l.block_size == 0 || l.block_size > u32::MAX as usize {
+        return Err(invalid(
+            "cache.layout",
+            format!("block_size must be 1 to u32::MAX, got {}", l.block_size),
+        ));
+    }
+    if cache_slots(l).is_none() {
+        return Err(invalid(
+            "cache.layout",
+            "num_blocks * block_size overflows u64",
+        ));
+    }
+    let layout = cache_as_layout(l)?;
+    let ces = if c.fp8.is_some() { 1 } else { es };
+    let mut regions = Vec::new();
+    for (arg, buf) in [("cache.k", c.k), ("cache.v", c.v)] {
+        regions.push(region((arg, Of::Cache), buf, &layout, cfg, (ces, true))?);
+    }
+    if let Some((k_scale, v_scale)) = &c.fp8 {
+        regions.push(check_scale(k_scale, k_heads)?);
+        regions.push(check_scale(v_scale, k_heads)?);
+    }
+    let bytes = (c.slots.buf.len as u64).saturating_mul(c.slots.ty.size());
+    regions.push(read_region("cache.slot_mapping", (c.slots.buf.ptr, bytes)));
+    Ok(regions)
+}
+
+/// Whether every address and stride the kernel accesses with `lanes`-element vectors is
+/// aligned to them.
+fn aligned(req: &FusedRequest, lanes: usize) -> bool {
+    let es = req.rope.dtype.size();
+    let q = &req.rope.q;
+    let k = req.rope.k.expect("a fused request has k");
+    let out_es = if req.q_fp8.is_some() { 1 } else { es };
+    let mut layouts: Vec<(u64, Layout, usize)> =
+        vec![(q.x.ptr, q.x_layout, es), (k.x.ptr, k.x_layout, es)];
+    layouts.extend(q.out.map(|(b, l)| (b.ptr, l, out_es)));
+    layouts.extend(k.out.map(|(b, l)| (b.ptr, l, es)));
+    layouts.extend(req.v.map(|(b, l)| (b.ptr, l, es)));
+    if let Some(c) = &req.cache {
+        let ces = if c.fp8.is_some() { 1 } else { es };
+        if let Ok(l) = cache_as_layout(&c.layout) {
+            layouts.extend([(c.k.ptr, l, ces), (c.v.ptr, l, ces)]);
+        }
+    }
+    let weights = req.norm.is_none_or(|n| {
+        [n.q_weight.ptr, n.k_weight.ptr]
+            .iter()
+            .all(|p| p.is_multiple_of((lanes * es) as u64))
+    });
+    weights
+        && layouts
+            .iter()
+            .filter(|(_, l, _)| !l.is_empty())
+            .all(|(addr, l, es)| layout_aligned(*addr, l, *es, lanes))
+}

@@ -1,0 +1,288 @@
+//! Tests of the fused planner, without a GPU.
+
+use rope_kernels::abi::{Access, DType, FusedKernelName, NormCode};
+
+use super::CacheLayout;
+use super::plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
+use crate::Direction;
+use crate::bind::RawBuf;
+use crate::error::{Error, Result};
+use crate::handle::DeviceFacts;
+use crate::layout::Layout;
+use crate::op::{RopeConfig, RopeStyle};
+use crate::plan::{Request, TensorReq};
+use crate::positions::{IntType, RawInts, RawPositions};
+use crate::sincos::RawSinCos;
+
+/// Decode of Qwen3-8B-like shapes: 64 tokens, 32 q and 8 kv heads of 128.
+const TOKENS: usize = 64;
+const D: usize = 128;
+
+fn buf(ptr: u64, len: usize) -> RawBuf {
+    RawBuf { ptr, len }
+}
+
+fn tensor(ptr: u64, heads: usize) -> TensorReq {
+    let layout = Layout::thd(TOKENS, heads, D);
+    TensorReq {
+        x: buf(ptr, layout.end().expect("small")),
+        x_layout: layout,
+        out: None,
+    }
+}
+
+fn config(style: RopeStyle) -> RopeConfig {
+    RopeConfig::builder(D as u32, style).build().expect("valid")
+}
+
+/// q in place, k and v to a bf16 cache of 16 blocks of 16 slots, with the q/k norm; every
+/// buffer 16 MiB apart.
+fn request(style: RopeStyle) -> FusedRequest {
+    let layout = CacheLayout::blocks_rows_heads(16, 16, 8, D);
+    let cache_len = 16 * 16 * 8 * D;
+    FusedRequest {
+        rope: Request {
+            config: config(style),
+            dtype: DType::BF16,
+            q: tensor(1 << 24, 32),
+            k: Some(tensor(2 << 24, 8)),
+            fused: false,
+            positions: RawPositions::Offset(0),
+            sincos: RawSinCos::Computed { theta: 1e6 },
+        },
+        q_fp8: None,
+        k_written: false,
+        v: Some((buf(3 << 24, TOKENS * 8 * D), Layout::thd(TOKENS, 8, D))),
+        norm: Some(RawNorm {
+            q_weight: buf(4 << 24, D),
+            k_weight: buf(5 << 24, D),
+            eps: 1e-6,
+            code: NormCode::Rms,
+        }),
+        cache: Some(RawCache {
+            slots: RawInts {
+                buf: buf(6 << 24, TOKENS),
+                ty: IntType::I64,
+            },
+            layout,
+            k: buf(7 << 24, cache_len),
+            v: buf(8 << 24, cache_len),
+            fp8: None,
+        }),
+    }
+}
+
+fn plan_of(r: &FusedRequest) -> Result<Option<FusedPlan>> {
+    let facts = DeviceFacts {
+        sm_count: 132,
+        threads_per_sm: 2048,
+    };
+    plan_fused(r, &facts, &|_: FusedKernelName| 8)
+}
+
+fn invalid_arg(r: &FusedRequest) -> &'static str {
+    match plan_of(r) {
+        Err(Error::Invalid { arg, .. }) => arg,
+        other => panic!("expected Error::Invalid, got {other:?}"),
+    }
+}
+
+#[test]
+fn decode_with_norm_and_cache_plans_one_wide_launch_over_q_k_and_v_heads() {
+    for (style, lanes, groups) in [(RopeStyle::Neox, 4, 16), (RopeStyle::Interleaved, 8, 16)] {
+        let p = plan_of(&request(style)).expect("valid").expect("non-empty");
+        assert_eq!(p.kernel.access, Access::Wide);
+        assert_eq!((p.lanes, p.rot_groups), (lanes, groups));
+        assert_eq!(p.grid.groups.divisor.get(), groups);
+        assert_eq!(p.tokens, TOKENS as u64);
+        assert_eq!(p.cache_slots, 256);
+        // 48 heads split over blockIdx.y never leave one out.
+        let (y, per) = (p.grid.config.grid_dim.1, p.grid.heads_per_chunk);
+        assert!(y * per >= 48 && (y - 1) * per < 48);
+    }
+}
+
+/// With a norm, a head's items are rounded up to a power of two so that they share a warp
+/// segment; without one they are not; past 32 items per head the norm is refused.
+#[test]
+fn norm_groups_are_a_power_of_two_of_at_most_32() {
+    let mut r = request(RopeStyle::Interleaved);
+    let odd = |d: usize| {
+        let mut r = request(RopeStyle::Interleaved);
+        r.rope.config = RopeConfig::builder(d as u32, RopeStyle::Interleaved)
+            .build()
+            .expect("valid");
+        for t in [&mut r.rope.q, r.rope.k.as_mut().expect("k")] {
+            t.x_layout = Layout::thd(TOKENS, t.x_layout.heads, d);
+            t.x.len = t.x_layout.end().expect("small");
+        }
+        r.v = Some((buf(3 << 24, TOKENS * 8 * d), Layout::thd(TOKENS, 8, d)));
+        let cache = r.cache.as_mut().expect("cache");
+        cache.layout = CacheLayout::blocks_rows_heads(16, 16, 8, d);
+        cache.k.len = 16 * 16 * 8 * d;
+        cache.v.len = cache.k.len;
+        let norm = r.norm.as_mut().expect("norm");
+        norm.q_weight.len = d;
+        norm.k_weight.len = d;
+        r
+    };
+    // 80 = 10 accesses of 8: 16 groups, 10 of them rotating.
+    let p = plan_of(&odd(80)).expect("valid").expect("non-empty");
+    assert_eq!((p.rot_groups, p.grid.groups.divisor.get()), (10, 16));
+    let mut plain = odd(80);
+    plain.norm = None;
+    let p = plan_of(&plain).expect("valid").expect("non-empty");
+    assert_eq!(p.grid.groups.divisor.get(), 10);
+    // 512 = 64 accesses of 8.
+    assert_eq!(invalid_arg(&odd(512)), "norm");
+    r.norm = None;
+    assert!(plan_of(&r).is_ok());
+}
+
+#[test]
+fn rejects_partial_or_backward_rotation() {
+    let mut r = request(RopeStyle::Neox);
+    r.rope.config = RopeConfig::builder(D as u32, RopeStyle::Neox)
+        .rotary_dim(64)
+        .build()
+        .expect("valid");
+    assert_eq!(invalid_arg(&r), "config");
+    r.rope.config = RopeConfig::builder(D as u32, RopeStyle::Neox)
+        .direction(Direction::Backward)
+        .build()
+        .expect("valid");
+    assert_eq!(invalid_arg(&r), "config");
+}
+
+#[test]
+fn rejects_bad_norm_weights_and_eps() {
+    for eps in [f32::NAN, -1e-6, f32::INFINITY] {
+        let mut r = request(RopeStyle::Neox);
+        r.norm.as_mut().expect("norm").eps = eps;
+        assert_eq!(invalid_arg(&r), "norm.eps");
+    }
+    let mut r = request(RopeStyle::Neox);
+    r.norm.as_mut().expect("norm").q_weight.len = D - 1;
+    assert_eq!(invalid_arg(&r), "norm.q_weight");
+    let mut r = request(RopeStyle::Neox);
+    r.norm.as_mut().expect("norm").k_weight.ptr += 1;
+    assert_eq!(invalid_arg(&r), "norm.k_weight");
+}
+
+#[test]
+fn rejects_v_without_cache_and_cache_without_v() {
+    let mut r = request(RopeStyle::Neox);
+    r.cache = None;
+    assert_eq!(invalid_arg(&r), "v");
+    let mut r = request(RopeStyle::Neox);
+    r.v = None;
+    assert_eq!(invalid_arg(&r), "v");
+    let mut r = request(RopeStyle::Neox);
+    r.v = Some((buf(3 << 24, TOKENS * 4 * D), Layout::thd(TOKENS, 4, D)));
+    assert_eq!(invalid_arg(&r), "v");
+}
+
+#[test]
+fn rejects_caches_that_do_not_fit() {
+    let mut r = request(RopeStyle::Neox);
+    r.cache.as_mut().expect("cache").layout.kv_heads = 4;
+    assert_eq!(invalid_arg(&r), "cache.layout");
+    let mut r = request(RopeStyle::Neox);
+    r.cache.as_mut().expect("cache").layout.block_size = 0;
+    assert_eq!(invalid_arg(&r), "cache.layout");
+    let mut r = request(RopeStyle::Neox);
+    r.cache.as_mut().expect("cache").k.len -= 1;
+    assert_eq!(invalid_arg(&r), "cache.k");
+    let mut r = request(RopeStyle::Neox);
+    r.cache.as_mut().expect("cache").slots.buf.len = TOKENS - 1;
+    assert_eq!(invalid_arg(&r), "cache.slot_mapping");
+    // Rows that overlap each other: a slot stride smaller than a row.
+    let mut r = request(RopeStyle::Neox);
+    r.cache.as_mut().expect("cache").layout.strides[1] = D;
+    assert_eq!(invalid_arg(&r), "cache.k");
+    // v's cache is k's.
+    let mut r = request(RopeStyle::Neox);
+    let c = r.cache.as_mut().expect("cache");
+    c.v = c.k;
+    assert_eq!(invalid_arg(&r), "cache.k");
+    // The cache overlaps q.
+    let mut r = request(RopeStyle::Neox);
+    r.cache.as_mut().expect("cache").k.ptr = r.rope.q.x.ptr + 64;
+    assert_eq!(invalid_arg(&r), "q");
+}
+
+#[test]
+fn rejects_fp8_scales_of_the_wrong_length() {
+    let scale = |len, per_head| RawScale {
+        arg: "cache.k_scale",
+        buf: buf(9 << 24, len),
+        per_head,
+    };
+    for (len, per_head, ok) in [
+        (1, false, true),
+        (8, true, true),
+        (2, false, false),
+        (32, true, false),
+    ] {
+        let mut r = request(RopeStyle::Neox);
+        r.cache.as_mut().expect("cache").fp8 = Some((scale(len, per_head), scale(1, false)));
+        let c = r.cache.as_mut().expect("cache");
+        c.fp8.as_mut().expect("fp8").1.buf.ptr = 10 << 24;
+        c.fp8.as_mut().expect("fp8").1.arg = "cache.v_scale";
+        if ok {
+            assert!(plan_of(&r).is_ok(), "{len} {per_head}");
+        } else {
+            assert_eq!(invalid_arg(&r), "cache.k_scale");
+        }
+    }
+}
+
+/// An FP8 q output is addressed in bytes: its alignment to `lanes` bytes, not elements,
+/// decides the width.
+#[test]
+fn fp8_q_output_is_checked_in_bytes() {
+    let mut r = request(RopeStyle::Interleaved);
+    let out = Layout::thd(TOKENS, 32, D);
+    r.rope.q.out = Some((buf(11 << 24, out.end().expect("small")), out));
+    r.q_fp8 = Some(RawScale {
+        arg: "q.scale",
+        buf: buf(12 << 24, 1),
+        per_head: false,
+    });
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    assert_eq!(p.lanes, 8);
+    // An output 4 bytes off a multiple of 8 takes 4-lane accesses.
+    r.rope.q.out = Some((buf((11 << 24) + 4, out.end().expect("small")), out));
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    assert_eq!((p.lanes, p.kernel.access), (4, Access::Narrow));
+    // Too short by one byte.
+    r.rope.q.out = Some((buf(11 << 24, out.end().expect("small") - 1), out));
+    assert_eq!(invalid_arg(&r), "q.output");
+}
+
+/// Packed q, k and v must address disjoint elements of their buffer.
+#[test]
+fn packed_qkv_must_be_disjoint() {
+    let mut r = request(RopeStyle::Neox);
+    let row = (32 + 8 + 8) * D;
+    let at = |head: usize, heads: usize| {
+        Layout::strided([1, TOKENS, heads, D], [TOKENS * row, row, D, 1], head * D).expect("fits")
+    };
+    let qkv = buf(1 << 24, TOKENS * row);
+    r.rope.fused = true;
+    r.k_written = true;
+    r.rope.q = TensorReq {
+        x: qkv,
+        x_layout: at(0, 32),
+        out: None,
+    };
+    r.rope.k = Some(TensorReq {
+        x: qkv,
+        x_layout: at(32, 8),
+        out: None,
+    });
+    r.v = Some((qkv, at(40, 8)));
+    assert!(plan_of(&r).expect("valid").is_some());
+    r.v = Some((qkv, at(36, 8)));
+    assert_eq!(invalid_arg(&r), "v");
+}
