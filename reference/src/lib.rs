@@ -6,6 +6,8 @@
 //!   the reference, and [`with_elem!`], which turns a case's [`case::DTypeCase`] into its
 //!   element type.
 //! - [`rotate`]: an f32 rotation at explicit positions in one call.
+//! - [`fused`](mod@fused): the normalisation, one head's rotation and FP8 bounds of the fused
+//!   kernels.
 //!
 //! ```
 //! use ndarray::{Array2, Array4, s};
@@ -21,6 +23,7 @@
 //! ```
 
 pub mod case;
+pub mod fused;
 pub mod reference;
 pub mod rotate;
 

@@ -923,6 +923,7 @@ mod scaling_domains;
 mod gpu {
     pub mod accuracy;
     pub mod finite_outputs;
+    pub mod fused;
     pub mod matches_reference;
     pub mod multi_axis;
     pub mod rejects_invalid;

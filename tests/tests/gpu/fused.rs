@@ -1,0 +1,752 @@
+//! The fused kernels (`Rope::run_fused`) against the f64 reference: random shapes, both
+//! pairings, table and computed sin/cos, explicit and implicit positions, the q/k norm, every
+//! q and k destination, caches of both orders and both formats with padded, missing and
+//! out-of-range slots; cache bytes outside the written slots keep their poison. A graph
+//! replays a captured launch with new data and slots.
+
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use rope_host::{
+    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, KOut, KvCache,
+    Layout, NormWeight, Positions, QOut, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    TableData, TableFormat, Tensor, TensorMut,
+};
+use rope_kernels::math::e4m3_to_f32;
+use rope_reference::case::TestElem;
+use rope_reference::fused::{e4m3_bracket, rms_norm, rotate_head};
+use rope_reference::reference::inv_freq;
+use rope_tests::gpu::gpu_or_skip;
+
+use super::super::report;
+
+const THETA: f64 = 10_000.0;
+/// Positions stay below this (the tables' rows).
+const MAX_POSITION: usize = 96;
+/// The byte FP8 caches and outputs hold before a launch (the E4M3 value 61440 is not: 0x7b is
+/// 2^8 * 1.375 = 352, a value a launch may write, so only bytes outside the written slots are
+/// compared with it).
+const POISON: u8 = 0x7b;
+
+/// Where q goes.
+#[derive(Clone, Copy, Debug)]
+enum QMode {
+    InPlace,
+    Out,
+    Fp8 { per_head: bool },
+}
+
+/// Where k goes.
+#[derive(Clone, Copy, Debug)]
+enum KMode {
+    InPlace,
+    Out,
+    CacheOnly,
+}
+
+/// One random fused case.
+#[derive(Clone, Debug)]
+struct Case {
+    style: RopeStyle,
+    d: usize,
+    batch: usize,
+    seq: usize,
+    hq: usize,
+    hk: usize,
+    /// Per-token ids, or an offset.
+    ids: Option<Vec<i64>>,
+    offset: i64,
+    table: bool,
+    norm: Option<NormWeight>,
+    q: QMode,
+    k: KMode,
+    /// `(fp8, heads_first, block_size, num_blocks, slots, scale per head)`.
+    cache: Option<CacheCase>,
+    seed: u64,
+}
+
+#[derive(Clone, Debug)]
+struct CacheCase {
+    fp8: bool,
+    heads_first: bool,
+    block_size: usize,
+    num_blocks: usize,
+    slots: Vec<i64>,
+    per_head: bool,
+}
+
+impl Case {
+    fn random(seed: u64, dtype_size: usize) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let style = if rng.random_bool(0.5) {
+            RopeStyle::Neox
+        } else {
+            RopeStyle::Interleaved
+        };
+        let d = [64, 80, 128, 128, 256][rng.random_range(0..5)];
+        let (batch, seq): (usize, usize) = (rng.random_range(1..=3), rng.random_range(1..=9));
+        let tokens = batch * seq;
+        let ids = rng.random_bool(0.6).then(|| {
+            (0..tokens)
+                .map(|_| rng.random_range(0..MAX_POSITION as i64))
+                .collect()
+        });
+        // f32 interleaved heads of 256 take 64 accesses: too many for the norm's sum.
+        let norm_ok = !(dtype_size == 4 && style == RopeStyle::Interleaved && d == 256);
+        let norm = match rng.random_range(0..3) {
+            1 if norm_ok => Some(NormWeight::Plain),
+            2 if norm_ok => Some(NormWeight::OnePlus),
+            _ => None,
+        };
+        let q = match rng.random_range(0..4) {
+            0 => QMode::InPlace,
+            1 => QMode::Out,
+            n => QMode::Fp8 { per_head: n == 3 },
+        };
+        let cache = rng.random_bool(0.7).then(|| {
+            let block_size: usize = [1, 4, 16][rng.random_range(0..3)];
+            let num_blocks = (tokens + 3).div_ceil(block_size) + rng.random_range(0..3);
+            let capacity = num_blocks * block_size;
+            // Distinct slots in random order; some padding (-1), one past the cache at times.
+            let mut free: Vec<i64> = (0..capacity as i64).collect();
+            let slots = (0..tokens)
+                .map(|_| match rng.random_range(0..10) {
+                    0 | 1 => -1,
+                    2 => capacity as i64 + rng.random_range(0..5),
+                    _ => free.swap_remove(rng.random_range(0..free.len())),
+                })
+                .collect();
+            CacheCase {
+                fp8: rng.random_bool(0.5),
+                heads_first: rng.random_bool(0.5),
+                block_size,
+                num_blocks,
+                slots,
+                per_head: rng.random_bool(0.5),
+            }
+        });
+        let k = match (rng.random_range(0..3), &cache) {
+            (0, _) => KMode::InPlace,
+            (1, _) | (_, None) => KMode::Out,
+            _ => KMode::CacheOnly,
+        };
+        Case {
+            style,
+            d,
+            batch,
+            seq,
+            hq: rng.random_range(1..=5),
+            hk: rng.random_range(1..=3),
+            ids,
+            offset: rng.random_range(0..32),
+            table: rng.random_bool(0.5),
+            norm,
+            q,
+            k,
+            cache,
+            seed,
+        }
+    }
+
+    fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    fn position(&self, t: usize) -> i64 {
+        match &self.ids {
+            Some(ids) => ids[t],
+            None => self.offset + (t % self.seq) as i64,
+        }
+    }
+
+    fn cache_layout(&self, c: &CacheCase) -> CacheLayout {
+        if c.heads_first {
+            CacheLayout::blocks_heads_rows(c.num_blocks, c.block_size, self.hk, self.d)
+        } else {
+            CacheLayout::blocks_rows_heads(c.num_blocks, c.block_size, self.hk, self.d)
+        }
+    }
+}
+
+/// Host data of a case: inputs, weights and scales.
+struct Data<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    q_w: Vec<T>,
+    k_w: Vec<T>,
+    q_scale: Vec<f32>,
+    k_scale: Vec<f32>,
+    v_scale: Vec<f32>,
+}
+
+impl<T: TestElem> Data<T> {
+    fn random(c: &Case, rng: &mut StdRng) -> Self {
+        let vals = |rng: &mut StdRng, n: usize, lo: f64, hi: f64| -> Vec<T> {
+            (0..n)
+                .map(|_| T::from_f64(rng.random_range(lo..hi)))
+                .collect()
+        };
+        let per_token = |h: usize| c.tokens() * h * c.d;
+        let (wlo, whi) = match c.norm {
+            Some(NormWeight::OnePlus) => (-0.5, 0.5),
+            _ => (0.5, 1.5),
+        };
+        let scales = |rng: &mut StdRng, n: usize| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(0.01f32..0.2)).collect()
+        };
+        let heads = |per_head: bool, h: usize| if per_head { h } else { 1 };
+        let cache_heads = c.cache.as_ref().map_or(1, |cc| heads(cc.per_head, c.hk));
+        let q_heads = match c.q {
+            QMode::Fp8 { per_head } => heads(per_head, c.hq),
+            _ => 1,
+        };
+        let (q_scale, k_scale, v_scale) = (
+            scales(rng, q_heads),
+            scales(rng, cache_heads),
+            scales(rng, cache_heads),
+        );
+        Data {
+            q: vals(rng, per_token(c.hq), -2.0, 2.0),
+            k: vals(rng, per_token(c.hk), -2.0, 2.0),
+            v: vals(rng, per_token(c.hk), -2.0, 2.0),
+            q_w: vals(rng, c.d, wlo, whi),
+            k_w: vals(rng, c.d, wlo, whi),
+            q_scale,
+            k_scale,
+            v_scale,
+        }
+    }
+}
+
+/// The largest error of a case's checked outputs, as a share of its bound.
+#[derive(Clone, Copy, Debug, Default)]
+struct Worst {
+    ratio: f64,
+    checked: usize,
+}
+
+impl Worst {
+    fn add(&mut self, err: f64, bound: f64) {
+        self.ratio = self.ratio.max(err / bound);
+        self.checked += 1;
+    }
+}
+
+/// Device buffers of one case.
+struct Device<T> {
+    q: CudaSlice<T>,
+    q_out: CudaSlice<T>,
+    q8: CudaSlice<u8>,
+    k: CudaSlice<T>,
+    k_out: CudaSlice<T>,
+    v: CudaSlice<T>,
+    q_w: CudaSlice<T>,
+    k_w: CudaSlice<T>,
+    q_scale: CudaSlice<f32>,
+    k_scale: CudaSlice<f32>,
+    v_scale: CudaSlice<f32>,
+    ids: CudaSlice<i64>,
+    slots: CudaSlice<i64>,
+    k_cache: CudaSlice<T>,
+    v_cache: CudaSlice<T>,
+    k_cache8: CudaSlice<u8>,
+    v_cache8: CudaSlice<u8>,
+    tables: Option<rope_host::SinCosTables<T>>,
+}
+
+/// Elements of a cache of the case (0 without one).
+fn cache_len(c: &Case) -> usize {
+    c.cache
+        .as_ref()
+        .map_or(0, |cc| cc.num_blocks * cc.block_size * c.hk * c.d)
+}
+
+fn upload<T: TestElem>(
+    c: &Case,
+    data: &Data<T>,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+) -> Result<Device<T>, String> {
+    let e = |e: rope_host::cudarc::driver::DriverError| e.to_string();
+    let poison_t = |n: usize| -> Result<CudaSlice<T>, String> {
+        stream.clone_htod(&vec![T::poison(); n.max(1)]).map_err(e)
+    };
+    let poison_u8 = |n: usize| stream.clone_htod(&vec![POISON; n.max(1)]).map_err(e);
+    let ids: Vec<i64> = (0..c.tokens()).map(|t| c.position(t)).collect();
+    let slots = c.cache.as_ref().map_or(vec![0], |cc| cc.slots.clone());
+    let tables = if c.table {
+        Some(
+            rope.build_tables::<T>(THETA, c.d as u32, MAX_POSITION + 32, TableFormat::Separate)
+                .map_err(|e| e.to_string())?,
+        )
+    } else {
+        rope.prepare(THETA, c.d as u32).map_err(|e| e.to_string())?;
+        None
+    };
+    Ok(Device {
+        q: stream.clone_htod(&data.q).map_err(e)?,
+        q_out: poison_t(data.q.len())?,
+        q8: poison_u8(data.q.len())?,
+        k: stream.clone_htod(&data.k).map_err(e)?,
+        k_out: poison_t(data.k.len())?,
+        v: stream.clone_htod(&data.v).map_err(e)?,
+        q_w: stream.clone_htod(&data.q_w).map_err(e)?,
+        k_w: stream.clone_htod(&data.k_w).map_err(e)?,
+        q_scale: stream.clone_htod(&data.q_scale).map_err(e)?,
+        k_scale: stream.clone_htod(&data.k_scale).map_err(e)?,
+        v_scale: stream.clone_htod(&data.v_scale).map_err(e)?,
+        ids: stream.clone_htod(&ids).map_err(e)?,
+        slots: stream.clone_htod(&slots).map_err(e)?,
+        k_cache: poison_t(cache_len(c))?,
+        v_cache: poison_t(cache_len(c))?,
+        k_cache8: poison_u8(cache_len(c))?,
+        v_cache8: poison_u8(cache_len(c))?,
+        tables,
+    })
+}
+
+fn scale_of(per_head: bool, s: &CudaSlice<f32>) -> Fp8Scale<'_> {
+    if per_head {
+        Fp8Scale::PerHead(s.as_view())
+    } else {
+        Fp8Scale::PerTensor(s.as_view())
+    }
+}
+
+/// Launches the case on `rope` (its stream), reading and writing `dev`.
+fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_host::Result<()> {
+    let config = RopeConfig::builder(c.d as u32, c.style).build()?;
+    let positions = match &c.ids {
+        Some(_) => Positions::Ids {
+            ids: DeviceInts::I64(dev.ids.as_view()),
+            shape: IdsShape::PerRow,
+        },
+        None => Positions::Offset(c.offset as u32),
+    };
+    let sincos = match &dev.tables {
+        Some(t) => t.sincos(),
+        None => SinCos::Computed { theta: THETA },
+    };
+    let norm = c.norm.map(|weight| QkNorm {
+        q_weight: dev.q_w.as_view(),
+        k_weight: dev.k_w.as_view(),
+        eps: 1e-6,
+        weight,
+    });
+    let op = FusedOp {
+        rope: RopeOp {
+            config,
+            positions,
+            sincos,
+        },
+        norm,
+    };
+    let lq = Layout::bshd(c.batch, c.seq, c.hq, c.d);
+    let lk = Layout::bshd(c.batch, c.seq, c.hk, c.d);
+    let q = match c.q {
+        QMode::InPlace => QOut::InPlace(TensorMut {
+            data: dev.q.as_view_mut(),
+            layout: lq,
+        }),
+        QMode::Out => QOut::OutOfPlace {
+            input: Tensor {
+                data: dev.q.as_view(),
+                layout: lq,
+            },
+            output: TensorMut {
+                data: dev.q_out.as_view_mut(),
+                layout: lq,
+            },
+        },
+        QMode::Fp8 { per_head } => QOut::Fp8 {
+            input: Tensor {
+                data: dev.q.as_view(),
+                layout: lq,
+            },
+            output: TensorMut {
+                data: dev.q8.as_view_mut(),
+                layout: lq,
+            },
+            scale: scale_of(per_head, &dev.q_scale),
+        },
+    };
+    let k = match c.k {
+        KMode::InPlace => KOut::InPlace(TensorMut {
+            data: dev.k.as_view_mut(),
+            layout: lk,
+        }),
+        KMode::Out => KOut::OutOfPlace {
+            input: Tensor {
+                data: dev.k.as_view(),
+                layout: lk,
+            },
+            output: TensorMut {
+                data: dev.k_out.as_view_mut(),
+                layout: lk,
+            },
+        },
+        KMode::CacheOnly => KOut::CacheOnly(Tensor {
+            data: dev.k.as_view(),
+            layout: lk,
+        }),
+    };
+    let cache = c.cache.as_ref().map(|cc| KvCache {
+        slot_mapping: DeviceInts::I64(dev.slots.as_view()),
+        layout: c.cache_layout(cc),
+        data: if cc.fp8 {
+            CacheData::Fp8 {
+                k: dev.k_cache8.as_view_mut(),
+                v: dev.v_cache8.as_view_mut(),
+                k_scale: scale_of(cc.per_head, &dev.k_scale),
+                v_scale: scale_of(cc.per_head, &dev.v_scale),
+            }
+        } else {
+            CacheData::Elem {
+                k: dev.k_cache.as_view_mut(),
+                v: dev.v_cache.as_view_mut(),
+            }
+        },
+    });
+    let v = cache.as_ref().map(|_| Tensor {
+        data: dev.v.as_view(),
+        layout: lk,
+    });
+    rope.run_fused(&op, FusedIo::Separate { q, k, v }, cache)
+}
+
+/// The cos/sin of every pair at position `p`: from the downloaded table, or exact.
+fn cos_sin(c: &Case, table: Option<&(Vec<f64>, Vec<f64>)>, p: i64) -> (Vec<f64>, Vec<f64>) {
+    let half = c.d / 2;
+    match table {
+        Some((cos, sin)) => {
+            let row = p as usize * half;
+            (cos[row..row + half].to_vec(), sin[row..row + half].to_vec())
+        }
+        None => inv_freq(THETA, c.d)
+            .iter()
+            .map(|f| ((p as f64 * f).cos(), (p as f64 * f).sin()))
+            .unzip(),
+    }
+}
+
+/// Checks an output of the tensors' type: within `f32` arithmetic error, or (16-bit) one
+/// rounding, of the reference.
+fn check_elem<T: TestElem>(got: T, want: f64, scale: f64, worst: &mut Worst) -> Result<(), f64> {
+    let g = got.to_f64();
+    let bound = if size_of::<T>() == 4 {
+        4e-6 * scale.max(1e-3)
+    } else {
+        T::ulp(T::from_f64(want)) + 4e-6 * scale
+    };
+    let err = (g - want).abs();
+    worst.add(err, bound);
+    if err <= bound { Ok(()) } else { Err(g) }
+}
+
+/// Checks an FP8 byte: one of the two E4M3 values around `want / scale`.
+fn check_fp8(got: u8, want: f64, scale: f32, worst: &mut Worst) -> Result<(), f64> {
+    let g = f64::from(e4m3_to_f32(got));
+    let (lo, hi) = e4m3_bracket(want / f64::from(scale));
+    worst.add(if g >= lo && g <= hi { 0.0 } else { 2.0 }, 1.0);
+    if g >= lo && g <= hi { Ok(()) } else { Err(g) }
+}
+
+/// The reference of head `h` of token `t` of a tensor with `heads` heads: normalised (q and k
+/// with a norm) and rotated (q and k), with each element's term scale.
+fn reference_head<T: TestElem>(
+    c: &Case,
+    x: &[T],
+    heads: usize,
+    (t, h): (usize, usize),
+    w: Option<&[T]>,
+    table: Option<&(Vec<f64>, Vec<f64>)>,
+) -> (Vec<f64>, Vec<f64>) {
+    let at = (t * heads + h) * c.d;
+    let mut head: Vec<f64> = x[at..at + c.d].iter().map(|v| v.to_f64()).collect();
+    if let (Some(weight), Some(w)) = (c.norm, w) {
+        let w: Vec<f64> = w.iter().map(|v| v.to_f64()).collect();
+        head = rms_norm(&head, &w, 1e-6, weight == NormWeight::OnePlus);
+    }
+    let (cos, sin) = cos_sin(c, table, c.position(t));
+    rotate_head(&head, c.style, &cos, &sin)
+}
+
+/// Runs and checks one case; returns the worst error ratio.
+fn check_case<T: TestElem>(
+    c: &Case,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+) -> Result<Worst, String> {
+    let mut rng = StdRng::seed_from_u64(c.seed ^ 0x5eed);
+    let data = Data::<T>::random(c, &mut rng);
+    let mut dev = upload(c, &data, stream, rope)?;
+    launch(c, &mut dev, rope).map_err(|e| format!("launch: {e}"))?;
+    verify(c, &data, &dev, stream)
+}
+
+/// Compares every output and cache byte of a launched case with the reference.
+fn verify<T: TestElem>(
+    c: &Case,
+    data: &Data<T>,
+    dev: &Device<T>,
+    stream: &Arc<CudaStream>,
+) -> Result<Worst, String> {
+    let e = |e: rope_host::cudarc::driver::DriverError| e.to_string();
+    let table = match &dev.tables {
+        Some(t) => match t.data() {
+            TableData::Separate { cos, sin } => {
+                let down = |s| -> Result<Vec<f64>, String> {
+                    Ok(stream
+                        .clone_dtoh(s)
+                        .map_err(e)?
+                        .iter()
+                        .map(|v: &T| v.to_f64())
+                        .collect())
+                };
+                Some((down(cos)?, down(sin)?))
+            }
+            TableData::Combined(_) => unreachable!("built separate"),
+        },
+        None => None,
+    };
+    let table = table.as_ref();
+    let mut worst = Worst::default();
+    let fail = |what: &str, t: usize, h: usize, i: usize, got: f64, want: f64| {
+        format!("{what} token {t} head {h} element {i}: got {got}, want {want} ({c:?})")
+    };
+    // q.
+    let q_got_t = match c.q {
+        QMode::InPlace => Some(stream.clone_dtoh(&dev.q).map_err(e)?),
+        QMode::Out => Some(stream.clone_dtoh(&dev.q_out).map_err(e)?),
+        QMode::Fp8 { .. } => None,
+    };
+    let q8 = stream.clone_dtoh(&dev.q8).map_err(e)?;
+    for t in 0..c.tokens() {
+        for h in 0..c.hq {
+            let (want, scale) = reference_head(c, &data.q, c.hq, (t, h), Some(&data.q_w), table);
+            for i in 0..c.d {
+                let at = (t * c.hq + h) * c.d + i;
+                let r = match (&q_got_t, c.q) {
+                    (Some(got), _) => check_elem(got[at], want[i], scale[i], &mut worst),
+                    (None, QMode::Fp8 { per_head }) => {
+                        let s = data.q_scale[if per_head { h } else { 0 }];
+                        check_fp8(q8[at], want[i], s, &mut worst)
+                    }
+                    _ => unreachable!(),
+                };
+                r.map_err(|g| fail("q", t, h, i, g, want[i]))?;
+            }
+        }
+    }
+    // k in its tensor; unchanged when only cached.
+    let k_got = match c.k {
+        KMode::InPlace | KMode::CacheOnly => stream.clone_dtoh(&dev.k).map_err(e)?,
+        KMode::Out => stream.clone_dtoh(&dev.k_out).map_err(e)?,
+    };
+    for t in 0..c.tokens() {
+        for h in 0..c.hk {
+            let (want, scale) = reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
+            for i in 0..c.d {
+                let at = (t * c.hk + h) * c.d + i;
+                if let KMode::CacheOnly = c.k {
+                    if k_got[at].bits() != data.k[at].bits() {
+                        return Err(format!("k changed at {at} ({c:?})"));
+                    }
+                } else {
+                    check_elem(k_got[at], want[i], scale[i], &mut worst)
+                        .map_err(|g| fail("k", t, h, i, g, want[i]))?;
+                }
+            }
+        }
+    }
+    let Some(cc) = &c.cache else {
+        return Ok(worst);
+    };
+    let layout = c.cache_layout(cc);
+    let capacity = (cc.num_blocks * cc.block_size) as i64;
+    let (kc, vc, kc8, vc8) = (
+        stream.clone_dtoh(&dev.k_cache).map_err(e)?,
+        stream.clone_dtoh(&dev.v_cache).map_err(e)?,
+        stream.clone_dtoh(&dev.k_cache8).map_err(e)?,
+        stream.clone_dtoh(&dev.v_cache8).map_err(e)?,
+    );
+    let mut written = vec![false; cache_len(c)];
+    for t in 0..c.tokens() {
+        let slot = cc.slots[t];
+        if slot < 0 || slot >= capacity {
+            continue;
+        }
+        let (block, row) = (slot as usize / cc.block_size, slot as usize % cc.block_size);
+        for h in 0..c.hk {
+            let (k_want, k_scale_terms) =
+                reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
+            let s = if cc.per_head { h } else { 0 };
+            for i in 0..c.d {
+                let at =
+                    block * layout.strides[0] + row * layout.strides[1] + h * layout.strides[2] + i;
+                written[at] = true;
+                let v_want = data.v[(t * c.hk + h) * c.d + i].to_f64();
+                if cc.fp8 {
+                    check_fp8(kc8[at], k_want[i], data.k_scale[s], &mut worst)
+                        .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
+                    check_fp8(vc8[at], v_want, data.v_scale[s], &mut worst)
+                        .map_err(|g| fail("v cache", t, h, i, g, v_want))?;
+                } else {
+                    check_elem(kc[at], k_want[i], k_scale_terms[i], &mut worst)
+                        .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
+                    if vc[at].bits() != data.v[(t * c.hk + h) * c.d + i].bits() {
+                        return Err(fail("v cache", t, h, i, vc[at].to_f64(), v_want));
+                    }
+                }
+            }
+        }
+    }
+    // Every element outside the written slots keeps its poison, in both formats' caches.
+    for (at, w) in written.iter().enumerate() {
+        let untouched_t = |x: &[T]| x[at].bits() == T::poison().bits();
+        let elem_written = !cc.fp8 && *w;
+        let fp8_written = cc.fp8 && *w;
+        if !elem_written && !(untouched_t(&kc) && untouched_t(&vc)) {
+            return Err(format!(
+                "cache element {at} written outside the slots ({c:?})"
+            ));
+        }
+        if !fp8_written && (kc8[at] != POISON || vc8[at] != POISON) {
+            return Err(format!(
+                "FP8 cache byte {at} written outside the slots ({c:?})"
+            ));
+        }
+    }
+    Ok(worst)
+}
+
+fn run_cases<T: TestElem>(name: &str, cases: u64) {
+    let Some((stream, rope)) = gpu_or_skip(name) else {
+        return;
+    };
+    // The bundle's sanitizer runs cap the cases (kernels run far slower there).
+    let cap = std::env::var("ROPE_GPU_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(u64::MAX);
+    let cases = cases.min(cap);
+    let mut worst = Worst::default();
+    for seed in 0..cases {
+        let c = Case::random(seed * 7919 + size_of::<T>() as u64, size_of::<T>());
+        match check_case::<T>(&c, &stream, &rope) {
+            Ok(w) => {
+                worst.ratio = worst.ratio.max(w.ratio);
+                worst.checked += w.checked;
+            }
+            Err(e) => panic!("{name}: seed {seed}: {e}"),
+        }
+    }
+    report(&format!(
+        "{name}: {cases} cases, {} values checked, largest error {:.3} of its bound",
+        worst.checked, worst.ratio
+    ));
+}
+
+#[test]
+fn fused_f32_matches_reference() {
+    run_cases::<f32>("fused_f32_matches_reference", 120);
+}
+
+#[test]
+fn fused_f16_matches_reference() {
+    run_cases::<rope_host::half::f16>("fused_f16_matches_reference", 120);
+}
+
+#[test]
+fn fused_bf16_matches_reference() {
+    run_cases::<rope_host::half::bf16>("fused_bf16_matches_reference", 120);
+}
+
+/// A launch captured in a CUDA graph replays with the device data of the moment: new inputs,
+/// positions and slots give the reference of the new case.
+#[test]
+fn fused_launch_replays_in_a_graph_with_new_data() {
+    let Some((shared, _)) = gpu_or_skip("fused_launch_replays_in_a_graph_with_new_data") else {
+        return;
+    };
+    let ctx = CudaContext::new(shared.context().ordinal()).expect("device 0");
+    // SAFETY: this context object serves this test alone, on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().expect("stream");
+    let rope = Rope::new(stream.clone()).expect("handle");
+    for seed in [3u64, 11, 17, 29] {
+        let mut c = Case::random(seed, 2);
+        c.ids = Some((0..c.tokens()).map(|t| t as i64).collect());
+        c.table = false;
+        c.q = QMode::Out;
+        let data = Data::<rope_host::half::bf16>::random(&c, &mut StdRng::seed_from_u64(seed));
+        let mut dev = upload(&c, &data, &stream, &rope).expect("upload");
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("capture");
+        launch(&c, &mut dev, &rope).expect("captured launch");
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .expect("end capture")
+            .expect("a graph");
+        // New inputs, positions and slots, same shapes: replay, then check against them.
+        let mut next = c.clone();
+        let mut rng = StdRng::seed_from_u64(seed + 1000);
+        next.ids = Some(
+            (0..c.tokens())
+                .map(|_| rng.random_range(0..MAX_POSITION as i64))
+                .collect(),
+        );
+        if let (Some(cc), Some(nc)) = (&c.cache, &mut next.cache) {
+            let mut slots: Vec<i64> = (0..(cc.num_blocks * cc.block_size) as i64).collect();
+            slots.reverse();
+            nc.slots = slots[..c.tokens()].to_vec();
+            nc.slots[0] = -1;
+        }
+        let new = Data::<rope_host::half::bf16>::random(&next, &mut rng);
+        stream.memcpy_htod(&new.q, &mut dev.q).expect("q");
+        stream.memcpy_htod(&new.k, &mut dev.k).expect("k");
+        stream.memcpy_htod(&new.v, &mut dev.v).expect("v");
+        stream.memcpy_htod(&new.q_w, &mut dev.q_w).expect("q_w");
+        stream.memcpy_htod(&new.k_w, &mut dev.k_w).expect("k_w");
+        stream
+            .memcpy_htod(&new.k_scale, &mut dev.k_scale)
+            .expect("k_scale");
+        stream
+            .memcpy_htod(&new.v_scale, &mut dev.v_scale)
+            .expect("v_scale");
+        let ids = next.ids.clone().expect("ids");
+        stream.memcpy_htod(&ids, &mut dev.ids).expect("ids");
+        if let Some(nc) = &next.cache {
+            stream
+                .memcpy_htod(&nc.slots, &mut dev.slots)
+                .expect("slots");
+            let n = cache_len(&next);
+            stream
+                .memcpy_htod(&vec![rope_host::half::bf16::poison(); n], &mut dev.k_cache)
+                .expect("k cache");
+            stream
+                .memcpy_htod(&vec![rope_host::half::bf16::poison(); n], &mut dev.v_cache)
+                .expect("v cache");
+            stream
+                .memcpy_htod(&vec![POISON; n], &mut dev.k_cache8)
+                .expect("k cache8");
+            stream
+                .memcpy_htod(&vec![POISON; n], &mut dev.v_cache8)
+                .expect("v cache8");
+        }
+        graph.launch().expect("replay");
+        stream.synchronize().expect("sync");
+        // The replay read k in place as the new data; verify against the new case.
+        let worst =
+            verify(&next, &new, &dev, &stream).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        report(&format!(
+            "fused graph replay (seed {seed}): {} values, largest error {:.3} of its bound",
+            worst.checked, worst.ratio
+        ));
+    }
+}
