@@ -18,7 +18,7 @@ use rope_host::{
 use crate::timing::quartiles;
 
 /// Launches per timed region, and per graph.
-const LAUNCHES: usize = 100;
+pub(crate) const LAUNCHES: usize = 100;
 /// Timed regions per variant (after one untimed); the median is reported.
 const REGIONS: usize = 21;
 const THETA: f64 = 500_000.0;
@@ -153,7 +153,7 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
 }
 
 /// Microseconds per launch of `run`, which enqueues [`LAUNCHES`] launches, between two events.
-fn per_launch(
+pub(crate) fn per_launch(
     ctx: &Arc<CudaContext>,
     stream: &Arc<CudaStream>,
     run: &mut dyn FnMut() -> anyhow::Result<()>,

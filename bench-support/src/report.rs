@@ -26,6 +26,8 @@ pub struct Report {
     pub reference_copies: Vec<CopyRow>,
     /// A decode step eager and inside a CUDA graph, per launch.
     pub decode_graph: Vec<crate::decode::DecodeRow>,
+    /// The fused kernels at decode and prefill, eager and inside a CUDA graph, per launch.
+    pub fused: Vec<crate::fused::FusedRow>,
 }
 
 /// One measured case with one pairing, sin/cos source and direction.
@@ -144,6 +146,7 @@ mod tests {
                 eager_us: 3.64,
                 graph_us: 1.1,
             }],
+            fused: Vec::new(),
         }
     }
 
@@ -180,7 +183,8 @@ mod tests {
             ],
             "decode_graph": [
                 {"variant": "copy of the same bytes", "eager_us": 3.64, "graph_us": 1.1}
-            ]
+            ],
+            "fused": []
         });
         assert_eq!(got, want);
     }
@@ -194,6 +198,7 @@ mod tests {
         // Fields added since that report; every field it has keeps its name and shape.
         let top = got.as_object_mut().expect("an object");
         top.remove("decode_graph");
+        top.remove("fused");
         for row in top["rows"].as_array_mut().expect("rows") {
             let row = row.as_object_mut().expect("a row");
             row.remove("target_vs_copy");

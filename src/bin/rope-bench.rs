@@ -23,6 +23,7 @@ use rand::{RngExt, SeedableRng};
 use rope_bench_support::BenchDevice;
 use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
 use rope_bench_support::decode::{DecodeRow, decode_in_graphs};
+use rope_bench_support::fused::{FusedRow, fused_rows};
 use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, quartiles};
 use rope_host::{Direction, IdsShape, RopeStyle, TableFormat};
@@ -135,6 +136,12 @@ fn main() -> Result<()> {
         Vec::new()
     };
 
+    let fused = if only.is_empty() || only.iter().any(|o| o == "fused") {
+        fused_rows(gpu.ctx.ordinal()).context("fused kernels")?
+    } else {
+        Vec::new()
+    };
+
     let report = Report {
         device,
         driver_api: driver,
@@ -143,6 +150,7 @@ fn main() -> Result<()> {
         rows,
         reference_copies: copies,
         decode_graph,
+        fused,
     };
     std::fs::write(&json_path, report.to_json()).with_context(|| format!("writing {json_path}"))?;
     println!("JSON: {json_path}");
@@ -198,7 +206,41 @@ fn main() -> Result<()> {
         );
     }
     print_decode_graph(&report.decode_graph);
+    print_fused(&report.fused);
     Ok(())
+}
+
+/// Prints the fused rows: per launch, and the copy of the fused bytes and the unfused sequence
+/// over each (above 1: faster than that).
+fn print_fused(rows: &[FusedRow]) {
+    for shape in ["decode", "prefill"] {
+        let of = |v: &str| rows.iter().find(|r| r.shape == shape && r.variant == v);
+        let (Some(copy), Some(unfused)) =
+            (of("copy of the fused bytes"), of("unfused: rope + copies"))
+        else {
+            continue;
+        };
+        println!();
+        println!(
+            "fused {shape}, {} tokens, 32 q + 8 kv heads, d128, bf16, NeoX, computed sin/cos, i64 ids and slots:",
+            if shape == "decode" { 64 } else { 8192 }
+        );
+        println!(
+            "{:<28} {:>10} {:>10} {:>13} {:>13} {:>15}",
+            "per launch", "eager µs", "graph µs", "copy/eager", "copy/graph", "unfused/graph"
+        );
+        for r in rows.iter().filter(|r| r.shape == shape) {
+            println!(
+                "{:<28} {:>10.2} {:>10.2} {:>12.1}% {:>12.1}% {:>14.2}x",
+                r.variant,
+                r.eager_us,
+                r.graph_us,
+                100.0 * copy.eager_us / r.eager_us,
+                100.0 * copy.graph_us / r.graph_us,
+                unfused.graph_us / r.graph_us
+            );
+        }
+    }
 }
 
 /// Prints the decode-in-a-graph rows.

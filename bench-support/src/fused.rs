@@ -1,0 +1,306 @@
+//! The fused kernels (`Rope::run_fused`) at decode (batch 64, one token each) and prefill
+//! (8192 tokens), 32 q and 8 kv heads of 128 bf16, NeoX, `i64` device positions and slots, per
+//! launch eager and inside a CUDA graph of 100 launches, next to:
+//! - the copy of the bytes the fused kernel must move (q, k and v read, as many written),
+//! - the unfused sequence: rope-rs's q/k rotation plus device copies of the bytes a separate
+//!   norm (q and k read and written) and a separate cache write (k and v) move, at the copy
+//!   engine's speed: a lower bound for any unfused sequence of kernels.
+
+use std::sync::Arc;
+
+use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use rope_host::half::bf16;
+use rope_host::{
+    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, Io, KOut, KvCache,
+    Layout, NormWeight, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    Tensor, TensorMut,
+};
+
+use crate::decode::{LAUNCHES, per_launch};
+use crate::timing::quartiles;
+
+const REGIONS: usize = 11;
+const THETA: f64 = 1_000_000.0;
+const HQ: usize = 32;
+const HK: usize = 8;
+const D: usize = 128;
+const BLOCK: usize = 16;
+
+/// One measured variant of one shape.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct FusedRow {
+    /// `decode` or `prefill`.
+    pub shape: &'static str,
+    /// What was launched.
+    pub variant: &'static str,
+    /// Median per launch of 100 launches enqueued back to back, in µs.
+    pub eager_us: f64,
+    /// Median per launch inside a graph of 100 launches, in µs.
+    pub graph_us: f64,
+}
+
+/// What a variant launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Variant {
+    /// A device copy of q, k and v's bytes (each read once, written once).
+    Copy,
+    /// q/k RMS norm and rotation, in place.
+    NormRope,
+    /// Rotation of q in place, k and v into a bf16 cache.
+    RopeCache,
+    /// Norm, rotation, cache write: everything of a Qwen3 decode step.
+    NormRopeCache,
+    /// As `NormRopeCache` with FP8 q output and FP8 cache.
+    NormRopeCacheFp8,
+    /// rope-rs's rotation plus copies of the bytes of a separate norm and cache write.
+    Unfused,
+}
+
+const VARIANTS: [(Variant, &str); 6] = [
+    (Variant::Copy, "copy of the fused bytes"),
+    (Variant::NormRope, "norm + rope"),
+    (Variant::RopeCache, "rope + cache"),
+    (Variant::NormRopeCache, "norm + rope + cache"),
+    (Variant::NormRopeCacheFp8, "norm + rope + FP8 q, cache"),
+    (Variant::Unfused, "unfused: rope + copies"),
+];
+
+/// Device buffers of one shape.
+struct Buffers {
+    tokens: usize,
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    q8: CudaSlice<u8>,
+    qkv_src: CudaSlice<bf16>,
+    qkv_dst: CudaSlice<bf16>,
+    w: CudaSlice<bf16>,
+    scale: CudaSlice<f32>,
+    ids: CudaSlice<i64>,
+    slots: CudaSlice<i64>,
+    k_cache: CudaSlice<bf16>,
+    v_cache: CudaSlice<bf16>,
+    k_cache8: CudaSlice<u8>,
+    v_cache8: CudaSlice<u8>,
+}
+
+impl Buffers {
+    fn new(stream: &Arc<CudaStream>, tokens: usize) -> anyhow::Result<Self> {
+        let fill = |n: usize, k: f32| -> Vec<bf16> {
+            (0..n)
+                .map(|i| bf16::from_f32((i as f32 * k).sin()))
+                .collect()
+        };
+        let (qn, kn) = (tokens * HQ * D, tokens * HK * D);
+        let blocks = tokens.div_ceil(BLOCK) + 1;
+        let cache = blocks * BLOCK * HK * D;
+        // Slots in reverse order of the blocks, as a paged allocator hands them out.
+        let slots: Vec<i64> = (0..tokens as i64)
+            .map(|t| (tokens as i64 - 1 - t) + BLOCK as i64)
+            .collect();
+        Ok(Self {
+            tokens,
+            q: stream.clone_htod(&fill(qn, 0.37))?,
+            k: stream.clone_htod(&fill(kn, 0.53))?,
+            v: stream.clone_htod(&fill(kn, 0.29))?,
+            q8: stream.alloc_zeros(qn)?,
+            qkv_src: stream.clone_htod(&fill(qn + 2 * kn, 0.11))?,
+            qkv_dst: stream.alloc_zeros(qn + 2 * kn)?,
+            w: stream.clone_htod(&fill(D, 0.7))?,
+            scale: stream.clone_htod(&[0.05f32])?,
+            ids: stream.clone_htod(
+                &(0..tokens as i64)
+                    .map(|t| 1000 + t % 4096)
+                    .collect::<Vec<_>>(),
+            )?,
+            slots: stream.clone_htod(&slots)?,
+            k_cache: stream.alloc_zeros(cache)?,
+            v_cache: stream.alloc_zeros(cache)?,
+            k_cache8: stream.alloc_zeros(cache)?,
+            v_cache8: stream.alloc_zeros(cache)?,
+        })
+    }
+
+    /// Launches `variant` once.
+    fn run(
+        &mut self,
+        rope: &Rope,
+        stream: &Arc<CudaStream>,
+        variant: Variant,
+    ) -> anyhow::Result<()> {
+        let t = self.tokens;
+        let (lq, lk) = (Layout::thd(t, HQ, D), Layout::thd(t, HK, D));
+        let config = RopeConfig::builder(D as u32, RopeStyle::Neox).build()?;
+        let rope_op = || RopeOp {
+            config,
+            positions: Positions::Ids {
+                ids: DeviceInts::I64(self.ids.as_view()),
+                shape: IdsShape::PerRow,
+            },
+            sincos: SinCos::Computed { theta: THETA },
+        };
+        let norm = |on: bool| {
+            on.then(|| QkNorm {
+                q_weight: self.w.as_view(),
+                k_weight: self.w.as_view(),
+                eps: 1e-6,
+                weight: NormWeight::Plain,
+            })
+        };
+        let layout =
+            CacheLayout::blocks_rows_heads(self.k_cache.len() / (BLOCK * HK * D), BLOCK, HK, D);
+        match variant {
+            Variant::Copy => Ok(stream.memcpy_dtod(&self.qkv_src, &mut self.qkv_dst)?),
+            Variant::Unfused => {
+                let qk = QkIo::Separate {
+                    q: Io::InPlace(TensorMut {
+                        data: self.q.as_view_mut(),
+                        layout: lq,
+                    }),
+                    k: Io::InPlace(TensorMut {
+                        data: self.k.as_view_mut(),
+                        layout: lk,
+                    }),
+                };
+                rope.run_qk(&rope_op(), qk)?;
+                // The norm's bytes (q and k), then the cache write's (k and v).
+                let (qn, kn) = (t * HQ * D, t * HK * D);
+                let src = self.qkv_src.slice(0..qn + kn);
+                let mut dst = self.qkv_dst.slice_mut(0..qn + kn);
+                stream.memcpy_dtod(&src, &mut dst)?;
+                let src = self.qkv_src.slice(0..2 * kn);
+                let mut dst = self.qkv_dst.slice_mut(qn..qn + 2 * kn);
+                Ok(stream.memcpy_dtod(&src, &mut dst)?)
+            }
+            Variant::NormRope => {
+                let op = FusedOp {
+                    rope: rope_op(),
+                    norm: norm(true),
+                };
+                let io = FusedIo::Separate {
+                    q: QOut::InPlace(TensorMut {
+                        data: self.q.as_view_mut(),
+                        layout: lq,
+                    }),
+                    k: KOut::InPlace(TensorMut {
+                        data: self.k.as_view_mut(),
+                        layout: lk,
+                    }),
+                    v: None,
+                };
+                Ok(rope.run_fused(&op, io, None)?)
+            }
+            Variant::RopeCache | Variant::NormRopeCache | Variant::NormRopeCacheFp8 => {
+                let fp8 = variant == Variant::NormRopeCacheFp8;
+                let op = FusedOp {
+                    rope: rope_op(),
+                    norm: norm(variant != Variant::RopeCache),
+                };
+                let q = if fp8 {
+                    QOut::Fp8 {
+                        input: Tensor {
+                            data: self.q.as_view(),
+                            layout: lq,
+                        },
+                        output: TensorMut {
+                            data: self.q8.as_view_mut(),
+                            layout: lq,
+                        },
+                        scale: Fp8Scale::PerTensor(self.scale.as_view()),
+                    }
+                } else {
+                    QOut::InPlace(TensorMut {
+                        data: self.q.as_view_mut(),
+                        layout: lq,
+                    })
+                };
+                let io = FusedIo::Separate {
+                    q,
+                    k: KOut::CacheOnly(Tensor {
+                        data: self.k.as_view(),
+                        layout: lk,
+                    }),
+                    v: Some(Tensor {
+                        data: self.v.as_view(),
+                        layout: lk,
+                    }),
+                };
+                let data = if fp8 {
+                    CacheData::Fp8 {
+                        k: self.k_cache8.as_view_mut(),
+                        v: self.v_cache8.as_view_mut(),
+                        k_scale: Fp8Scale::PerTensor(self.scale.as_view()),
+                        v_scale: Fp8Scale::PerTensor(self.scale.as_view()),
+                    }
+                } else {
+                    CacheData::Elem {
+                        k: self.k_cache.as_view_mut(),
+                        v: self.v_cache.as_view_mut(),
+                    }
+                };
+                let cache = KvCache {
+                    slot_mapping: DeviceInts::I64(self.slots.as_view()),
+                    layout,
+                    data,
+                };
+                Ok(rope.run_fused(&op, io, Some(cache))?)
+            }
+        }
+    }
+}
+
+/// Measures every variant at decode and prefill on device `ordinal`, in a context object of
+/// its own with cudarc's event tracking off (graph capture needs it off).
+///
+/// # Errors
+/// Any driver or launch error.
+pub fn fused_rows(ordinal: usize) -> anyhow::Result<Vec<FusedRow>> {
+    let ctx = CudaContext::new(ordinal)?;
+    // SAFETY: this context object is used by this function alone, on one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream()?;
+    let rope = Rope::new(stream.clone())?;
+    rope.prepare(THETA, D as u32)?;
+    let mut rows = Vec::new();
+    for (shape, tokens) in [("decode", 64), ("prefill", 8192)] {
+        let mut bufs = Buffers::new(&stream, tokens)?;
+        stream.synchronize()?;
+        let mut graphs = Vec::new();
+        for (v, _) in VARIANTS {
+            bufs.run(&rope, &stream, v)?; // warm-up
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let captured = (0..LAUNCHES).try_for_each(|_| bufs.run(&rope, &stream, v));
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+            captured?;
+            graphs.push(graph?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?);
+        }
+        // Rotating order per region, so clock drift falls on every variant alike.
+        let mut times = vec![(Vec::new(), Vec::new()); VARIANTS.len()];
+        for i in 0..=REGIONS {
+            for j in (0..VARIANTS.len()).map(|j| (i + j) % VARIANTS.len()) {
+                let v = VARIANTS[j].0;
+                let eager = per_launch(&ctx, &stream, &mut || {
+                    (0..LAUNCHES).try_for_each(|_| bufs.run(&rope, &stream, v))
+                })?;
+                let graph = per_launch(&ctx, &stream, &mut || Ok(graphs[j].launch()?))?;
+                if i > 0 {
+                    times[j].0.push(eager);
+                    times[j].1.push(graph);
+                }
+            }
+        }
+        rows.extend(
+            VARIANTS
+                .iter()
+                .zip(times)
+                .map(|((_, name), (eager, graph))| FusedRow {
+                    shape,
+                    variant: name,
+                    eager_us: quartiles(eager)[1],
+                    graph_us: quartiles(graph)[1],
+                }),
+        );
+    }
+    Ok(rows)
+}
