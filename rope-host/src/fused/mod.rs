@@ -37,7 +37,8 @@ use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::FusedArgs;
 use crate::layout::Layout;
 use crate::op::{RopeElem, RopeOp, Tensor, TensorMut};
-use crate::positions::{DeviceInts, IntType, RawInts};
+use crate::plan::TensorReq;
+use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};
 use plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
 
@@ -322,25 +323,17 @@ fn bind<'s, T: RopeElem>(
     io: &'s mut FusedIo<'_, T>,
     cache: Option<&'s mut KvCache<'_, T>>,
 ) -> Result<FusedRequest> {
-    use crate::plan::TensorReq;
-    let tensor = |buf, layout, out| TensorReq {
+    let tensor = |buf, layout| TensorReq {
         x: buf,
         x_layout: layout,
-        out,
+        out: None,
     };
     let (q, q_fp8, k, k_written, v, packed) = match io {
         FusedIo::Separate { q, k, v } => {
             let (q, q_fp8) = match q {
-                QOut::InPlace(t) => (
-                    tensor(binder.write("q", &mut t.data)?, t.layout, None),
-                    None,
-                ),
+                QOut::InPlace(t) => (tensor(binder.write("q", &mut t.data)?, t.layout), None),
                 QOut::OutOfPlace { input, output } => (
-                    tensor(
-                        binder.read("q", &input.data)?,
-                        input.layout,
-                        Some((binder.write("q.output", &mut output.data)?, output.layout)),
-                    ),
+                    bind_out_of_place(binder, ("q", "q.output"), input, output)?,
                     None,
                 ),
                 QOut::Fp8 {
@@ -348,28 +341,17 @@ fn bind<'s, T: RopeElem>(
                     output,
                     scale,
                 } => (
-                    tensor(
-                        binder.read("q", &input.data)?,
-                        input.layout,
-                        Some((binder.write("q.output", &mut output.data)?, output.layout)),
-                    ),
+                    bind_out_of_place(binder, ("q", "q.output"), input, output)?,
                     Some(bind_scale(binder, "q.scale", scale)?),
                 ),
             };
             let (k, k_written) = match k {
-                KOut::InPlace(t) => (
-                    tensor(binder.write("k", &mut t.data)?, t.layout, None),
-                    true,
-                ),
+                KOut::InPlace(t) => (tensor(binder.write("k", &mut t.data)?, t.layout), true),
                 KOut::OutOfPlace { input, output } => (
-                    tensor(
-                        binder.read("k", &input.data)?,
-                        input.layout,
-                        Some((binder.write("k.output", &mut output.data)?, output.layout)),
-                    ),
+                    bind_out_of_place(binder, ("k", "k.output"), input, output)?,
                     true,
                 ),
-                KOut::CacheOnly(t) => (tensor(binder.read("k", &t.data)?, t.layout, None), false),
+                KOut::CacheOnly(t) => (tensor(binder.read("k", &t.data)?, t.layout), false),
             };
             let v = match v {
                 Some(t) => Some((binder.read("v", &t.data)?, t.layout)),
@@ -380,9 +362,9 @@ fn bind<'s, T: RopeElem>(
         FusedIo::Packed { data, q, k, v } => {
             let buf = binder.write("q", data)?;
             (
-                tensor(buf, *q, None),
+                tensor(buf, *q),
                 None,
-                tensor(buf, *k, None),
+                tensor(buf, *k),
                 true,
                 v.map(|l| (buf, l)),
                 true,
@@ -403,16 +385,7 @@ fn bind<'s, T: RopeElem>(
     };
     let cache = match cache {
         Some(c) => {
-            let slots = match &c.slot_mapping {
-                DeviceInts::I32(s) => RawInts {
-                    buf: binder.read("cache.slot_mapping", s)?,
-                    ty: IntType::I32,
-                },
-                DeviceInts::I64(s) => RawInts {
-                    buf: binder.read("cache.slot_mapping", s)?,
-                    ty: IntType::I64,
-                },
-            };
+            let slots = c.slot_mapping.bind("cache.slot_mapping", binder)?;
             let (k, v, fp8) = match &mut c.data {
                 CacheData::Elem { k, v } => (
                     binder.write("cache.k", k)?,
@@ -458,6 +431,21 @@ fn bind<'s, T: RopeElem>(
         v,
         norm,
         cache,
+    })
+}
+
+/// Binds a read input and a written output (of the input's type, or FP8 bits), named
+/// `names` in errors.
+fn bind_out_of_place<'s, T, O>(
+    binder: &mut Binder<'s>,
+    (x_name, out_name): (&'static str, &'static str),
+    input: &'s Tensor<'_, T>,
+    output: &'s mut TensorMut<'_, O>,
+) -> Result<TensorReq> {
+    Ok(TensorReq {
+        x: binder.read(x_name, &input.data)?,
+        x_layout: input.layout,
+        out: Some((binder.write(out_name, &mut output.data)?, output.layout)),
     })
 }
 

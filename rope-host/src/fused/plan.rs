@@ -14,7 +14,8 @@ use crate::handle::DeviceFacts;
 use crate::layout::{Layout, fused_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
-    Grid, Of, Region, Request, check_layout, check_overlaps, grid, layout_aligned, widest_lanes,
+    Grid, Of, Region, Request, check_overlaps, grid, layout_aligned, option_reads, read_region,
+    region, same_dims, widest_lanes,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
@@ -200,43 +201,6 @@ fn check_config(cfg: &RopeConfig) -> Result<()> {
     Ok(())
 }
 
-/// Checks one layout in its buffer (elements of `es` bytes) and returns its region; a written
-/// layout must not map two elements to one address.
-fn region(
-    (arg, of): (&'static str, Of),
-    buf: RawBuf,
-    layout: &Layout,
-    cfg: &RopeConfig,
-    (es, written): (usize, bool),
-) -> Result<Region> {
-    check_layout(arg, buf, layout, cfg, es)?;
-    if written && !layout.is_non_overlapping() {
-        return Err(invalid(
-            arg,
-            "the layout maps different elements to one address",
-        ));
-    }
-    let start = u128::from(buf.ptr) + layout.offset as u128 * es as u128;
-    Ok(Region {
-        start,
-        end: start + layout.span().unwrap_or(0) as u128 * es as u128,
-        written,
-        name: arg,
-        of,
-    })
-}
-
-/// A read-only array of `bytes` at `ptr`.
-fn read_region(name: &'static str, (ptr, bytes): (u64, u64)) -> Region {
-    Region {
-        start: ptr as u128,
-        end: ptr as u128 + bytes as u128,
-        written: false,
-        name,
-        of: Of::Read,
-    }
-}
-
 /// Checks every tensor, weight, scale and cache, and returns the regions the launch reads and
 /// writes.
 fn check_tensors(req: &FusedRequest) -> Result<Vec<Region>> {
@@ -329,23 +293,8 @@ fn check_tensors(req: &FusedRequest) -> Result<Vec<Region>> {
     if let Some(c) = &req.cache {
         regions.extend(check_cache(c, cfg, es, k.x_layout.heads)?);
     }
-    let tables = req.rope.sincos.device_reads().into_iter();
-    regions.extend(tables.map(|r| read_region("the sin/cos tables", r)));
-    let arrays = req.rope.positions.device_reads().into_iter();
-    regions.extend(arrays.map(|r| read_region("the position arrays", r)));
+    regions.extend(option_reads(&req.rope));
     Ok(regions)
-}
-
-/// An output's dimensions equal its input's.
-fn same_dims(arg: &'static str, out: &Layout, input: &Layout) -> Result<()> {
-    let dims = |l: &Layout| (l.batch, l.seq, l.heads, l.head_dim);
-    if dims(out) != dims(input) {
-        return Err(invalid(
-            arg,
-            format!("dimensions {out:?} differ from the input's {input:?}"),
-        ));
-    }
-    Ok(())
 }
 
 /// A tensor's batch and seq equal q's.

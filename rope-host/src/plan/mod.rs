@@ -166,18 +166,66 @@ fn check_tensors(req: &Request) -> Result<()> {
             ));
         }
     }
+    regions.extend(option_reads(req));
+    check_overlaps(&regions, req.fused)
+}
+
+/// The regions the request's options make the kernel read: the sin/cos tables and the
+/// position arrays.
+pub(crate) fn option_reads(req: &Request) -> impl Iterator<Item = Region> {
     let tables = req.sincos.device_reads().into_iter();
-    let reads = tables.map(|r| ("the sin/cos tables", r));
+    let reads = tables.map(|r| read_region("the sin/cos tables", r));
     let arrays = req.positions.device_reads().into_iter();
-    let ids = arrays.map(|r| ("the position arrays", r));
-    regions.extend(reads.chain(ids).map(|(name, (addr, bytes))| Region {
-        start: addr as u128,
-        end: addr as u128 + bytes as u128,
+    reads.chain(arrays.map(|r| read_region("the position arrays", r)))
+}
+
+/// A read-only array of `bytes` at `ptr`.
+pub(crate) fn read_region(name: &'static str, (ptr, bytes): (u64, u64)) -> Region {
+    Region {
+        start: ptr as u128,
+        end: ptr as u128 + bytes as u128,
         written: false,
         name,
         of: Of::Read,
-    }));
-    check_overlaps(&regions, req.fused)
+    }
+}
+
+/// Checks one layout in its buffer (elements of `es` bytes) and returns its region; a written
+/// layout must not map two elements to one address.
+pub(crate) fn region(
+    (arg, of): (&'static str, Of),
+    buf: RawBuf,
+    layout: &Layout,
+    cfg: &RopeConfig,
+    (es, written): (usize, bool),
+) -> Result<Region> {
+    check_layout(arg, buf, layout, cfg, es)?;
+    if written && !layout.is_non_overlapping() {
+        return Err(invalid(
+            arg,
+            "the layout maps different elements to one address",
+        ));
+    }
+    let start = u128::from(buf.ptr) + layout.offset as u128 * es as u128;
+    Ok(Region {
+        start,
+        end: start + layout.span().unwrap_or(0) as u128 * es as u128,
+        written,
+        name: arg,
+        of,
+    })
+}
+
+/// An output's dimensions equal its input's.
+pub(crate) fn same_dims(arg: &'static str, out: &Layout, input: &Layout) -> Result<()> {
+    let dims = |l: &Layout| (l.batch, l.seq, l.heads, l.head_dim);
+    if dims(out) != dims(input) {
+        return Err(invalid(
+            arg,
+            format!("dimensions {out:?} differ from the input's {input:?}"),
+        ));
+    }
+    Ok(())
 }
 
 /// A byte range of device memory that a launch reads or writes, for overlap checks.
@@ -221,32 +269,16 @@ fn tensor_regions(
     let input = (x_name, t.x, t.x_layout, t.out.is_none());
     let output = t.out.map(|(b, l)| (out_name, b, l, true));
     for (arg, buf, layout, written) in std::iter::once(input).chain(output) {
-        check_layout(arg, buf, &layout, config, elem_size)?;
-        if written && !layout.is_non_overlapping() {
-            return Err(invalid(
-                arg,
-                "the layout maps different elements to one address",
-            ));
-        }
-        let es = elem_size as u128;
-        let start = u128::from(buf.ptr) + layout.offset as u128 * es;
-        let span = layout.span().unwrap_or(0) as u128 * es;
-        regions.push(Region {
-            start,
-            end: start + span,
-            written,
-            name: arg,
-            of,
-        });
+        regions.push(region(
+            (arg, of),
+            buf,
+            &layout,
+            config,
+            (elem_size, written),
+        )?);
     }
     if let Some((_, o)) = t.out {
-        let l = &t.x_layout;
-        if (l.batch, l.seq, l.heads, l.head_dim) != (o.batch, o.seq, o.heads, o.head_dim) {
-            return Err(invalid(
-                out_name,
-                format!("dimensions {o:?} differ from the input's {l:?}"),
-            ));
-        }
+        same_dims(out_name, &o, &t.x_layout)?;
     }
     Ok(regions)
 }

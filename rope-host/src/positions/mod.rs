@@ -245,15 +245,19 @@ pub(crate) struct PositionArgs {
 }
 
 impl DeviceInts<'_> {
-    /// Binds the array for reading.
-    fn bind<'s>(&'s self, binder: &mut Binder<'s>) -> Result<RawInts> {
+    /// Binds the array for reading; `arg` names it in errors.
+    pub(crate) fn bind<'s>(
+        &'s self,
+        arg: &'static str,
+        binder: &mut Binder<'s>,
+    ) -> Result<RawInts> {
         Ok(match self {
             Self::I32(v) => RawInts {
-                buf: binder.read("positions", v)?,
+                buf: binder.read(arg, v)?,
                 ty: IntType::I32,
             },
             Self::I64(v) => RawInts {
-                buf: binder.read("positions", v)?,
+                buf: binder.read(arg, v)?,
                 ty: IntType::I64,
             },
         })
@@ -268,26 +272,31 @@ impl Positions<'_> {
     pub(crate) fn bind<'s>(&'s self, binder: &mut Binder<'s>) -> Result<RawPositions> {
         Ok(match self {
             Self::Offset(o) => RawPositions::Offset(*o),
-            Self::RowOffsets(offsets) => RawPositions::RowOffsets(offsets.bind(binder)?),
+            Self::RowOffsets(offsets) => {
+                RawPositions::RowOffsets(offsets.bind("positions", binder)?)
+            }
             Self::Ids { ids, shape } => RawPositions::Ids {
-                ids: ids.bind(binder)?,
+                ids: ids.bind("positions", binder)?,
                 shape: *shape,
             },
             Self::Varlen {
                 cu_seqlens,
                 offsets,
             } => RawPositions::Varlen {
-                cu_seqlens: cu_seqlens.bind(binder)?,
-                offsets: offsets.as_ref().map(|o| o.bind(binder)).transpose()?,
+                cu_seqlens: cu_seqlens.bind("positions", binder)?,
+                offsets: offsets
+                    .as_ref()
+                    .map(|o| o.bind("positions", binder))
+                    .transpose()?,
             },
             Self::VarlenContextParallel { cu_seqlens, split } => {
                 RawPositions::VarlenContextParallel {
-                    cu_seqlens: cu_seqlens.bind(binder)?,
+                    cu_seqlens: cu_seqlens.bind("positions", binder)?,
                     split: *split,
                 }
             }
             Self::MultiAxis { positions, axes } => RawPositions::MultiAxis {
-                positions: positions.bind(binder)?,
+                positions: positions.bind("positions", binder)?,
                 axes: RawAxisMap {
                     axes: binder.read("positions", &axes.axes)?,
                     n_axes: axes.n_axes,
