@@ -7,13 +7,18 @@
 //! For each q and k head `x` of token `t` (both pairings, forward, the full head rotated):
 //! - normalisation (`norm` not [`NormCode::None`]): `r = 1 / sqrt(sum_e x_e^2 / head_dim +
 //!   eps)`, `x_e <- x_e * r * w_e` (`w` q's or k's weights, `1 + w_e` for
-//!   [`NormCode::RmsOnePlus`]), all in `f32`;
-//! - rotation as in [`crate::rope`];
+//!   [`NormCode::RmsOnePlus`]), all in `f32`: the sum with fused multiply-adds, `r` from the
+//!   approximate reciprocal square root and one Newton step (about one `f32` ulp);
+//! - rotation as in [`crate::rope`], each result with one fused multiply-add;
 //! - q to `out0`; k to `out1` when given; with a cache, k and v (unrotated, unnormalised) to
 //!   slot `slots[t]` of `k_cache` and `v_cache`, skipped for a negative slot or one at or past
 //!   `cache_slots`;
-//! - each store rounds once to its format: the tensors' type, or FP8 E4M3 of `value / scale`
-//!   ([`crate::math::f32_to_e4m3`], saturating).
+//! - each store rounds once to its format: the tensors' type, or FP8 E4M3 of `value * (1 /
+//!   scale)` ([`crate::math::f32_to_e4m3`], saturating; the reciprocal to about one ulp).
+//!
+//! The kernel is bound by the instructions it issues (at prefill on an H200, Nsight Compute
+//! counted about as many as a copy of its bytes has time for), hence the fused multiply-adds
+//! and approximations above, none of which moves a 16-bit result by more than its rounding.
 //!
 //! # Layout
 //! q, k and v are `[batch, seq, heads, head_dim]` at their own strides (as in
@@ -24,22 +29,24 @@
 //!
 //! # Thread mapping
 //! A work item is one (token, group), as in [`crate::rope`], and walks the heads
-//! `blockIdx.y * heads_per_chunk ..` of the concatenation of q's, k's and v's heads, one head
-//! at a time: the item loads its `lanes` elements (two vectors for NeoX), and with
-//! normalisation the `groups` items of the token (a power of two, at most 32, consecutive
-//! lanes of one warp) add their squares with butterfly shuffles; items past `rot_groups` only
-//! take part in that sum. Sin/cos, the position and the cache slot are found once per item and
-//! serve every head.
+//! `blockIdx.y * heads_per_chunk ..` of the concatenation of q's, k's and v's heads in blocks
+//! of [`HEADS_UNROLL`] heads of one tensor: it loads its `lanes` elements (two vectors for NeoX)
+//! of every head of the block, then with normalisation the `groups` items of the token (a power
+//! of two, at most 32, consecutive lanes of one warp) add their squares with butterfly
+//! shuffles, then it rotates and stores. Items past `rot_groups` only take part in the sums;
+//! whole warps run the loop, so the shuffles always name all 32 lanes. Sin/cos, the position
+//! and the cache slot are found once per item and serve every head.
 
 use crate::abi::{Direction, FormatCode, NormCode, for_each_fused_kernel};
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
-    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, lane_id, shuffle_xor, thread_idx_x, trap,
+    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, rcp_approx, rsqrt_approx, shuffle_xor,
+    thread_idx_x, trap,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
-    load_head, position, rotate_values, unrolled, vector_offsets, widen,
+    load_head, position, rotate_values_with, unrolled, vector_offsets, widen,
 };
 
 /// The fused kernel's arguments: the RoPE arguments (q, k, positions, sin/cos) and the rest.
@@ -69,44 +76,130 @@ struct Fused<T> {
     kv_scale_step: u32,
 }
 
-/// Which tensor a head of the q, k, v concatenation belongs to, with its index there.
+/// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
+/// bytes of 16-bit elements, as [`crate::rope`]'s NeoX blocks. Four (as `rope` unrolls
+/// interleaved heads) took 96 registers in the interleaved 16-bit kernels without a cap, and
+/// spilled 200-250 bytes at the 64 of 1024 resident threads.
+const HEADS_UNROLL: usize = 2;
+
+/// Which of the three tensors a run of heads belongs to.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Head {
-    Q(usize),
-    K(usize),
-    V(usize),
+enum Kind {
+    Q,
+    K,
+    V,
 }
 
-/// Where one head's rotated (or copied) vectors go: the head's first element, the store
-/// format, and the scale of FP8 stores.
-struct Dest {
-    head: *mut u8,
-    format: u32,
+/// What a work item finds once and uses for every head: its token, its pairs, whether it
+/// rotates (items past `rot_groups`, and lanes past the last item, only join the norm's
+/// shuffles), its cos/sin and its cache slot.
+struct Item<const L: usize> {
+    token: (u64, u64),
+    j0: (usize, usize),
+    active: bool,
+    cos: [f32; L],
+    sin: [f32; L],
+    slot: Option<u64>,
+}
+
+/// The FP8 scales of one destination: `inv0` is the reciprocal of a per-tensor scale
+/// (`step == 0`), found once per block of heads rather than once per head.
+struct Scales {
+    fp8: bool,
     scale: *const f32,
+    step: u32,
+    inv0: f32,
 }
 
-/// The lanes of this thread's segment of `width` lanes (a power of two dividing 32) in its
-/// warp, as the member mask of a shuffle.
-#[inline(always)]
-fn segment_members(width: u32) -> u32 {
-    if width >= 32 {
-        u32::MAX
-    } else {
-        ((1u32 << width) - 1) << (lane_id() & !(width - 1))
+impl Scales {
+    /// The scales of stores in `format`.
+    ///
+    /// # Safety
+    /// For FP8, `scale` points at one `f32` per head at a step of `step` (0: one in all).
+    #[inline(always)]
+    unsafe fn new(format: u32, scale: *const f32, step: u32) -> Self {
+        let fp8 = format == FormatCode::E4m3 as u32;
+        // SAFETY: an FP8 destination has its scales (the caller's promise).
+        let inv0 = if fp8 && step == 0 {
+            reciprocal(unsafe { *scale })
+        } else {
+            0.0
+        };
+        Scales {
+            fp8,
+            scale,
+            step,
+            inv0,
+        }
+    }
+
+    /// The multiplier of head `i`'s FP8 stores, `None` for stores in the tensors' type.
+    ///
+    /// # Safety
+    /// `i` is a head of the destination.
+    #[inline(always)]
+    unsafe fn of(&self, i: usize) -> Option<f32> {
+        match (self.fp8, self.step) {
+            (false, _) => None,
+            (true, 0) => Some(self.inv0),
+            // SAFETY: one scale per head (the promise of `new`).
+            (true, _) => Some(reciprocal(unsafe {
+                *self.scale.add(i * self.step as usize)
+            })),
+        }
     }
 }
 
-/// The sum of `v` over the `width` lanes of this thread's segment (butterfly: every lane gets
-/// the same sum, since each step adds the same two values on both sides).
+/// `a * b + c` rounded once (`fma.rn.f32`): one instruction where a product and a sum are two,
+/// and the fused kernel is bound by how many it issues.
 #[inline(always)]
-fn segment_sum(v: f32, width: u32, members: u32) -> f32 {
-    let mut sum = v;
+fn mul_add(a: f32, b: f32, c: f32) -> f32 {
+    core::f32::math::mul_add(a, b, c)
+}
+
+/// Rotates one pair as [`crate::math::rotate`] does, each result with one product rounded
+/// into a fused multiply-add: `(fma(a, cos, -b sin), fma(b, cos, a sin))`.
+#[inline(always)]
+fn rotate_fma(a: f32, b: f32, cos: f32, sin: f32) -> (f32, f32) {
+    (mul_add(a, cos, -(b * sin)), mul_add(b, cos, a * sin))
+}
+
+/// `1 / x` to about one ulp: [`rcp_approx`] and one Newton step (`r += r (1 - x r)`), without
+/// the subroutine call of a correctly rounded division. Infinite or zero results are kept.
+#[inline(always)]
+fn reciprocal(x: f32) -> f32 {
+    let r = rcp_approx(x);
+    let e = mul_add(-x, r, 1.0);
+    if r.is_finite() && r != 0.0 {
+        mul_add(e, r, r)
+    } else {
+        r
+    }
+}
+
+/// `1 / sqrt(x)` to about one ulp: [`rsqrt_approx`] and one Newton step
+/// (`r (3 - x r^2) / 2`), without the subroutine call of a correctly rounded square root and
+/// division. An infinite result (`x = 0`) is kept.
+#[inline(always)]
+fn inverse_sqrt(x: f32) -> f32 {
+    let r = rsqrt_approx(x);
+    let refined = r * mul_add(0.5 * x * r, -r, 1.5);
+    if r.is_finite() { refined } else { r }
+}
+
+/// The sums of each of `v`'s values over the `width` lanes of this thread's segment of its
+/// warp (`width` a power of two dividing 32; butterfly: every lane gets the same sums, since
+/// each step adds the same two values on both sides). The `U` sums share each step, so their
+/// shuffles are in flight together. Every lane of the warp must call it (the shuffles name the
+/// whole warp, a constant mask that needs no convergence check).
+#[inline(always)]
+fn segment_sums<const U: usize>(mut v: [f32; U], width: u32) -> [f32; U] {
     let mut step = 1;
     while step < width {
-        sum += shuffle_xor(sum, step, members);
+        unrolled(U, |u| v[u] += shuffle_xor(v[u], step, u32::MAX));
         step <<= 1;
     }
-    sum
+    v
 }
 
 /// The heads that block row `blockIdx.y` handles, in the concatenation of q's, k's and v's.
@@ -144,50 +237,46 @@ unsafe fn cache_slot<T>(f: &Fused<T>, t: u64) -> Option<u64> {
     Some(block * f.cache_strides[0] + row * f.cache_strides[1])
 }
 
-/// Converts one head's vectors to `D` (FP8 after multiplying by `inv_scale`) and stores them
-/// where [`load_head`] reads a head's.
+/// Stores one head's vectors at `head` (a head of `T`, or of FP8 after multiplying by
+/// `inv_scale`) where [`load_head`] reads a head's.
 ///
 /// # Safety
-/// `head` points at a head of `D` elements that holds the item's elements, aligned to `L`.
+/// `head` points at a head of the format's elements that holds the item's elements, aligned
+/// to `L`.
 #[inline(always)]
-unsafe fn store_head<D: Elem, P: Pairing, const L: usize>(
-    head: *mut D,
+unsafe fn store_head<T: Elem, P: Pairing, const L: usize>(
+    head: *mut u8,
+    inv_scale: Option<f32>,
     (j0, half): (usize, usize),
     y: &[[f32; L]; 2],
-    inv_scale: Option<f32>,
 ) {
-    let (first, second) = vector_offsets::<P>(j0, half);
-    let scaled = |v: [f32; L]| match inv_scale {
-        Some(s) => v.map(|x| x * s),
-        None => v,
-    };
-    // SAFETY: the element ranges `load_head` reads, inside the head (the caller's promise).
-    unsafe {
-        elem::store::<D, L>(head.add(first), D::from_f32_array(scaled(y[0])));
-        if P::NEOX {
-            elem::store::<D, L>(head.add(second), D::from_f32_array(scaled(y[1])));
+    #[inline(always)]
+    unsafe fn put<D: Elem, P: Pairing, const L: usize>(
+        head: *mut D,
+        (first, second): (usize, usize),
+        y: [[f32; L]; 2],
+    ) {
+        // SAFETY: the element ranges `load_head` reads, inside the head (the caller's promise).
+        unsafe {
+            elem::store::<D, L>(head.add(first), D::from_f32_array(y[0]));
+            if P::NEOX {
+                elem::store::<D, L>(head.add(second), D::from_f32_array(y[1]));
+            }
         }
     }
-}
-
-/// Stores one head's result at `dest` in its format.
-///
-/// # Safety
-/// `dest.head` points at a head of the format's elements holding the item's elements, aligned
-/// to `L`; for FP8, `dest.scale` points at a readable `f32`.
-#[inline(always)]
-unsafe fn store<T: Elem, P: Pairing, const L: usize>(
-    dest: Dest,
-    j0: (usize, usize),
-    y: &[[f32; L]; 2],
-) {
+    let at = vector_offsets::<P>(j0, half);
     // SAFETY: the caller's promises.
     unsafe {
-        if dest.format == FormatCode::E4m3 as u32 {
-            let inv_scale = 1.0 / *dest.scale;
-            store_head::<Fp8, P, L>(dest.head.cast(), j0, y, Some(inv_scale));
-        } else {
-            store_head::<T, P, L>(dest.head.cast(), j0, y, None);
+        match inv_scale {
+            Some(s) => {
+                let mut scaled = *y;
+                unrolled(L, |k| {
+                    scaled[0][k] *= s;
+                    scaled[1][k] *= s;
+                });
+                put::<Fp8, P, L>(head.cast(), at, scaled)
+            }
+            None => put::<T, P, L>(head.cast(), at, *y),
         }
     }
 }
@@ -202,127 +291,214 @@ fn format_bytes<T>(format: u32) -> usize {
     }
 }
 
-/// Normalises, rotates and stores head `h` (of the q, k, v concatenation) of token `(b, s)`.
+/// Whether the launch stores anything for the heads of `kind`: not for v, nor for k without
+/// an output of its own, without a cache. The same in the whole grid, so a whole warp skips
+/// those heads together (a token without a slot only skips its cache stores).
+#[inline(always)]
+fn stores<T>(f: &Fused<T>, kind: Kind) -> bool {
+    match kind {
+        Kind::Q => true,
+        Kind::K => !f.rope.k.out.is_null() || !f.slots.is_null(),
+        Kind::V => !f.slots.is_null(),
+    }
+}
+
+/// Heads `first..last` of the q, k, v concatenation for this item, in blocks inside one tensor:
+/// [`HEADS_UNROLL`] heads while that many are left in the tensor, then two, then one.
+/// One loop with the tensor chosen at run time, so that one copy of each block's code serves
+/// q, k and v: a loop per tensor kept each tensor's loop-invariant values live through the
+/// whole item loop (over 80 registers).
 ///
 /// # Safety
-/// `h < q.heads + k.heads + heads_v`; `(b, s)` a token; `slot` from [`cache_slot`]; the
-/// promises of the entry points.
+/// `last <=` the heads of q, k and v; the item's token exists; the promises of the entry
+/// points.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn fused_head<T: Elem, P: Pairing, const L: usize>(
+unsafe fn item_heads<T: Elem, P: Pairing, const L: usize>(
     f: &Fused<T>,
-    (b, s): (u64, u64),
+    item: &Item<L>,
+    (first, last): (usize, usize),
+) {
+    let (hq, hk) = (f.rope.q.heads as usize, f.rope.k.heads as usize);
+    let mut h = first;
+    while h < last {
+        let (kind, start, end) = if h < hq {
+            (Kind::Q, 0, hq)
+        } else if h < hq + hk {
+            (Kind::K, hq, hq + hk)
+        } else {
+            (Kind::V, hq + hk, last)
+        };
+        let end = end.min(last);
+        if !stores(f, kind) {
+            h = end;
+            continue;
+        }
+        let (i, left) = (h - start, end - h);
+        // SAFETY (each block): heads i..i + U of the tensor lie before `end`.
+        unsafe {
+            if HEADS_UNROLL >= 4 && left >= 4 {
+                fused_block::<T, P, L, 4>(f, item, kind, i);
+                h += 4;
+            } else if HEADS_UNROLL >= 2 && left >= 2 {
+                fused_block::<T, P, L, 2>(f, item, kind, i);
+                h += 2;
+            } else {
+                fused_block::<T, P, L, 1>(f, item, kind, i);
+                h += 1;
+            }
+        }
+    }
+}
+
+/// `$body` for `$u` = 0, ..., `$count - 1` as straight-line code, for `$count <= 4`: as
+/// [`unrolled`], for bodies too large for LLVM to inline a closure of them (which then became a
+/// function with its captures in local memory).
+macro_rules! each_head {
+    ($count:expr, $u:ident => $body:block) => {
+        if $count > 4 {
+            trap()
+        }
+        each_head!(@ $count, $u, $body, 0 1 2 3)
+    };
+    (@ $count:expr, $u:ident, $body:block, $($k:literal)*) => {
+        $(if $k < $count {
+            let $u: usize = $k;
+            $body
+        })*
+    };
+}
+
+/// Heads `h..h + U` of tensor `kind`: every load, then the norm (with `norm`'s weights, as
+/// this item's elements), then the rotations and stores.
+///
+/// # Safety
+/// As [`tensor_heads`], for `h + U <= hi`.
+#[inline(always)]
+unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
+    f: &Fused<T>,
+    item: &Item<L>,
+    kind: Kind,
     h: usize,
-    (j0, half): (usize, usize),
-    active: bool,
-    members: u32,
-    (cos, sin): (&[f32; L], &[f32; L]),
-    slot: Option<u64>,
 ) {
     let a = &f.rope;
-    let (hq, hk) = (a.q.heads as usize, a.k.heads as usize);
-    // Values, not a reference to one of the three tensors: a reference chosen at run time
-    // would keep the arguments in local memory.
-    let (head, x, x_strides) = if h < hq {
-        (Head::Q(h), a.q.x, a.q.x_strides)
-    } else if h < hq + hk {
-        (Head::K(h - hq), a.k.x, a.k.x_strides)
-    } else {
-        (Head::V(h - hq - hk), f.v.x, f.v.x_strides)
-    };
-    let index = match head {
-        Head::Q(i) | Head::K(i) | Head::V(i) => i,
-    };
-    let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
-    let x_offset = token_offset(x_strides) + index as u64 * x_strides[2];
-    let mut v = [[0.0f32; L]; 2];
-    if active {
-        // SAFETY: head `index` of this tensor exists at its strides; j0 is this item's pair.
-        v = widen(unsafe { load_head::<T, P, L>(x.add(x_offset as usize), j0, half) });
-    }
-    let norm = f.norm != NormCode::None as u32;
-    if norm && !matches!(head, Head::V(_)) {
-        // Every lane of the segment takes this branch: the head and `norm` are the segment's.
-        let mut squares = 0.0f32;
-        unrolled(L, |k| squares += v[0][k] * v[0][k] + v[1][k] * v[1][k]);
-        let sum = segment_sum(squares, a.groups.divisor.get(), members);
-        let r = 1.0 / core::f32::math::sqrt(sum / f.head_dim as f32 + f.norm_eps);
-        if active {
-            let weights = if matches!(head, Head::Q(_)) {
-                f.q_norm_weight
-            } else {
-                f.k_norm_weight
-            };
-            // SAFETY: the weights hold head_dim elements aligned like a head.
-            let w = widen(unsafe { load_head::<T, P, L>(weights, j0, half) });
-            let one = if f.norm == NormCode::RmsOnePlus as u32 {
-                1.0
-            } else {
-                0.0
-            };
+    let norm = f.norm != NormCode::None as u32 && kind != Kind::V;
+    let mut w = [[0.0f32; L]; 2];
+    if norm && item.active {
+        let weights = if kind == Kind::Q {
+            f.q_norm_weight
+        } else {
+            f.k_norm_weight
+        };
+        // SAFETY: the weights hold head_dim elements aligned like a head.
+        w = widen(unsafe { load_head::<T, P, L>(weights, item.j0.0, item.j0.1) });
+        if f.norm == NormCode::RmsOnePlus as u32 {
             unrolled(L, |k| {
-                v[0][k] = v[0][k] * r * (w[0][k] + one);
-                v[1][k] = v[1][k] * r * (w[1][k] + one);
+                w[0][k] += 1.0;
+                w[1][k] += 1.0;
             });
         }
     }
-    if !active {
+    // SAFETY: FP8 destinations have their scales (the entry points' promise); the k and v
+    // scales serve only cache stores, which need a slot.
+    let scales = unsafe {
+        match kind {
+            Kind::Q => Scales::new(f.q_format, f.q_scale, f.q_scale_step),
+            _ if item.slot.is_none() => Scales::new(FormatCode::Elem as u32, f.k_scale, 0),
+            Kind::K => Scales::new(f.cache_format, f.k_scale, f.kv_scale_step),
+            Kind::V => Scales::new(f.cache_format, f.v_scale, f.kv_scale_step),
+        }
+    };
+    // Values, not a reference to one of the three tensors: a reference chosen at run time
+    // would keep the arguments in local memory.
+    let (x, x_strides) = match kind {
+        Kind::Q => (a.q.x, a.q.x_strides),
+        Kind::K => (a.k.x, a.k.x_strides),
+        Kind::V => (f.v.x, f.v.x_strides),
+    };
+    let (b, s) = item.token;
+    let (j0, half) = item.j0;
+    let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
+    let mut raw = [[[T::ZERO; L]; 2]; U];
+    if item.active {
+        let base = token_offset(x_strides);
+        unrolled(U, |u| {
+            let offset = base + (h + u) as u64 * x_strides[2];
+            // SAFETY: head h + u of this tensor exists at its strides; j0 is this item's pair.
+            raw[u] = unsafe { load_head::<T, P, L>(x.add(offset as usize), j0, half) };
+        });
+    }
+    let mut v = [[[0.0f32; L]; 2]; U];
+    unrolled(U, |u| v[u] = widen(raw[u]));
+    if norm {
+        // Every lane of the warp takes this branch: `norm` and the heads are the grid's.
+        let mut squares = [0.0f32; U];
+        unrolled(U, |u| {
+            unrolled(L, |k| {
+                squares[u] = mul_add(v[u][0][k], v[u][0][k], squares[u]);
+                if P::NEOX {
+                    squares[u] = mul_add(v[u][1][k], v[u][1][k], squares[u]);
+                }
+            })
+        });
+        let sums = segment_sums(squares, a.groups.divisor.get());
+        let inv_dim = 1.0 / f.head_dim as f32;
+        unrolled(U, |u| {
+            let r = inverse_sqrt(sums[u] * inv_dim + f.norm_eps);
+            unrolled(L, |k| {
+                v[u][0][k] = v[u][0][k] * r * w[0][k];
+                v[u][1][k] = v[u][1][k] * r * w[1][k];
+            });
+        });
+    }
+    if !item.active {
         return;
     }
-    let y = match head {
-        Head::V(_) => v,
-        _ => rotate_values::<P, L>(|i, k| v[i][k], cos, sin),
+    let cache_head = |cache: *mut u8, i: usize, slot: u64| {
+        cache.wrapping_add(
+            (slot + i as u64 * f.cache_strides[2]) as usize * format_bytes::<T>(f.cache_format),
+        )
     };
-    let cache_dest = |cache: *mut u8, scale: *const f32| {
-        slot.map(|slot| Dest {
-            head: cache.wrapping_add(
-                (slot + index as u64 * f.cache_strides[2]) as usize
-                    * format_bytes::<T>(f.cache_format),
-            ),
-            format: f.cache_format,
-            scale: scale.wrapping_add(index * f.kv_scale_step as usize),
-        })
-    };
-    let j0 = (j0, half);
-    // SAFETY (each store): the destinations address this head's elements inside their tensors
-    // or the cache's slot (the entry points' promises), aligned to `lanes`; scales exist for
-    // every head at their step.
-    unsafe {
-        match head {
-            Head::Q(i) => {
-                let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
-                let dest = Dest {
-                    head: a
-                        .q
-                        .out
-                        .cast::<u8>()
-                        .wrapping_add(offset as usize * format_bytes::<T>(f.q_format)),
-                    format: f.q_format,
-                    scale: f.q_scale.wrapping_add(i * f.q_scale_step as usize),
-                };
-                store::<T, P, L>(dest, j0, &y);
-            }
-            Head::K(i) => {
-                if !a.k.out.is_null() {
-                    let offset = token_offset(a.k.out_strides) + i as u64 * a.k.out_strides[2];
-                    let dest = Dest {
-                        head: a.k.out.add(offset as usize).cast(),
-                        format: FormatCode::Elem as u32,
-                        scale: core::ptr::null(),
-                    };
-                    store::<T, P, L>(dest, j0, &y);
+    each_head!(U, u => {
+        let i = h + u;
+        let y = match kind {
+            Kind::V => v[u],
+            _ => rotate_values_with::<P, L>(|p, k| v[u][p][k], &item.cos, &item.sin, rotate_fma),
+        };
+        // SAFETY (each store): the destinations address this head's elements inside their
+        // tensors or the cache's slot (the entry points' promises), aligned to `lanes`; FP8
+        // destinations have a scale per head at their step.
+        unsafe {
+            match kind {
+                Kind::Q => {
+                    let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
+                    let out = a.q.out.cast::<u8>();
+                    let head = out.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
+                    store_head::<T, P, L>(head, scales.of(i), item.j0, &y);
                 }
-                if let Some(dest) = cache_dest(f.k_cache, f.k_scale) {
-                    store::<T, P, L>(dest, j0, &y);
+                Kind::K => {
+                    if !a.k.out.is_null() {
+                        let offset = token_offset(a.k.out_strides) + i as u64 * a.k.out_strides[2];
+                        store_head::<T, P, L>(
+                            a.k.out.add(offset as usize).cast(),
+                            None,
+                            item.j0,
+                            &y,
+                        );
+                    }
+                    if let Some(slot) = item.slot {
+                        let head = cache_head(f.k_cache, i, slot);
+                        store_head::<T, P, L>(head, scales.of(i), item.j0, &y);
+                    }
                 }
-            }
-            Head::V(_) => {
-                if let Some(dest) = cache_dest(f.v_cache, f.v_scale) {
-                    store::<T, P, L>(dest, j0, &y);
+                Kind::V => {
+                    if let Some(slot) = item.slot {
+                        let head = cache_head(f.v_cache, i, slot);
+                        store_head::<T, P, L>(head, scales.of(i), item.j0, &y);
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 /// The kernel body for `L` elements per access.
@@ -341,14 +517,15 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     if NormCode::from_u32(f.norm).is_none() || (f.norm != 0 && groups > 32) {
         trap()
     }
-    let members = segment_members(groups);
     let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
-    // `total` is a multiple of `groups` and `step` of 32, so the lanes of a segment enter and
-    // leave the loop together.
-    while idx < total {
+    // Whole warps enter and leave the loop together (blocks and `step` are whole warps, and a
+    // warp's first lane decides), so the norm's shuffles always have all 32 lanes; lanes past
+    // the last item load and store nothing. A warp segment of `groups` lanes is one token.
+    while idx & !31 < total {
+        let in_range = idx < total;
         let (token, group) = a.groups.div_rem(idx);
         let (b, s) = a.seq.div_rem(token);
-        let active = (group as u32) < a.rot_groups;
+        let active = in_range && (group as u32) < a.rot_groups;
         let j0 = if active { group as usize * pairs } else { 0 };
         let mut cs = ([0.0f32; L], [0.0f32; L]);
         if active {
@@ -356,23 +533,22 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
             // frequency promises.
             cs = unsafe { cos_sin::<T, S, L>(a, position(a, b, s), j0, pairs) };
         }
-        // SAFETY: token < tokens.
-        let slot = unsafe { cache_slot(f, token) };
-        for h in first..last {
-            // SAFETY: h < last <= the heads of q, k and v.
-            unsafe {
-                fused_head::<T, P, L>(
-                    f,
-                    (b, s),
-                    h,
-                    (j0, half),
-                    active,
-                    members,
-                    (&cs.0, &cs.1),
-                    slot,
-                )
-            };
-        }
+        let item = Item {
+            token: (b, s),
+            j0: (j0, half),
+            active,
+            cos: cs.0,
+            sin: cs.1,
+            // SAFETY: token < tokens when in range.
+            slot: if in_range {
+                unsafe { cache_slot(f, token) }
+            } else {
+                None
+            },
+        };
+        // SAFETY: the heads exist (`head_range`); the token exists when the item is active (and
+        // nothing is loaded or stored otherwise).
+        unsafe { item_heads::<T, P, L>(f, &item, (first, last)) };
         idx += step;
     }
 }

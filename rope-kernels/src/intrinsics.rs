@@ -1,5 +1,6 @@
 //! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
-//! paired f16 and bf16 conversions, the L2 prefetch, warp shuffles and `trap`.
+//! paired f16 and bf16 conversions, approximate reciprocals, the L2 prefetch, warp shuffles and
+//! `trap`.
 
 use core::arch::{asm, nvptx};
 
@@ -116,13 +117,7 @@ pub fn prefetch_l2<T>(ptr: *const T) {
     };
 }
 
-/// The lane of the warp holding this thread (`threadIdx.x % 32`: blocks are whole warps).
-#[inline(always)]
-pub fn lane_id() -> u32 {
-    thread_idx_x() & 31
-}
-
-/// `v` of the lane `lane_id() ^ lane_xor` (`shfl.sync.bfly.b32`), among the lanes of `members`,
+/// `v` of the lane `lane ^ lane_xor` of this thread's warp (`shfl.sync.bfly.b32`), among the lanes of `members`,
 /// which must all execute this call and include that lane.
 #[inline(always)]
 pub fn shuffle_xor(v: f32, lane_xor: u32, members: u32) -> f32 {
@@ -141,3 +136,38 @@ pub fn shuffle_xor(v: f32, lane_xor: u32, members: u32) -> f32 {
     };
     out
 }
+
+/// Defines a function for a one-operand approximate `f32` instruction (no slow path, so no
+/// call: the correctly rounded `div`/`sqrt`/`rcp` sequences call a subroutine for rare operands,
+/// and registers live across that call are spilled).
+macro_rules! approx {
+    ($(#[$doc:meta])* $name:ident, $op:literal) => {
+        $(#[$doc])*
+        #[inline(always)]
+        pub fn $name(x: f32) -> f32 {
+            let y: f32;
+            // SAFETY: a register-only instruction.
+            unsafe {
+                asm!(
+                    concat!($op, " {y}, {x};"),
+                    y = out(reg32) y,
+                    x = in(reg32) x,
+                    options(pure, nomem, nostack, preserves_flags),
+                )
+            };
+            y
+        }
+    };
+}
+
+approx!(
+    /// `1 / x` to within one ulp (`rcp.approx.f32`; subnormals kept).
+    rcp_approx,
+    "rcp.approx.f32"
+);
+approx!(
+    /// `1 / sqrt(x)` to within 2^-22.9 relative (`rsqrt.approx.ftz.f32`: a subnormal `x` is
+    /// taken as zero, giving infinity).
+    rsqrt_approx,
+    "rsqrt.approx.ftz.f32"
+);

@@ -179,28 +179,28 @@ pub const E4M3_MAX: f32 = 448.0;
 /// magnitude at or above [`E4M3_MAX`] (infinity included) gives `±448`, as the FP8 attention
 /// kernels expect of a scaled cache; NaN gives `0x7f` with the input's sign. Magnitudes below
 /// `2^-6` round to the subnormals `m * 2^-9`.
+///
+/// Branch-free: every case is computed and one is selected, since a per-element branch
+/// diverges within a warp.
 #[inline(always)]
 pub fn f32_to_e4m3(v: f32) -> u8 {
+    const TWO_23: f32 = 8_388_608.0;
     let bits = v.to_bits();
     let sign = ((bits >> 24) & 0x80) as u8;
     let a = bits & 0x7fff_ffff;
-    if a > 0x7f80_0000 {
-        return sign | 0x7f;
-    }
-    if a >= E4M3_MAX.to_bits() {
-        return sign | 0x7e;
-    }
-    if a < 0x3c80_0000 {
-        // Below 2^-6: a multiple of 2^-9. `a * 512` is exact and below 8, and adding and
-        // subtracting 2^23 rounds it to an integer, ties to even (8 is the smallest normal).
-        let m = (f32::from_bits(a) * 512.0 + 8_388_608.0) - 8_388_608.0;
-        return sign | m as u8;
-    }
-    // Keep 3 of the 23 mantissa bits, rounding to nearest even; a carry bumps the exponent, and
-    // below 448 the result stays at most 448 (exponent 15, mantissa 6).
-    let r = a + 0x7_ffff + ((a >> 20) & 1);
-    let exponent = (r >> 23) - (127 - 7);
-    sign | ((exponent << 3) | ((r >> 20) & 7)) as u8
+    // At or above 2^-6: keep 3 of the 23 mantissa bits, rounding to nearest even; a carry bumps
+    // the exponent, and below 448 the result stays at most 448 (exponent 15, mantissa 6). Bits
+    // 20.. of the rounded value are then the exponent (bias 127) and the 3 kept bits.
+    let rounded = a.wrapping_add(0x7_ffff + ((a >> 20) & 1));
+    let normal = (rounded >> 20).wrapping_sub((127 - 7) << 3);
+    // Below 2^-6: a multiple of 2^-9. `a * 512` is exact and below 8, and adding 2^23 rounds it
+    // to an integer, ties to even, which the sum's low mantissa bits then hold (8 is the
+    // smallest normal's code, so a carry lands on it).
+    let subnormal = (f32::from_bits(a) * 512.0 + TWO_23).to_bits() - TWO_23.to_bits();
+    let code = if a < 0x3c80_0000 { subnormal } else { normal };
+    let code = if a >= E4M3_MAX.to_bits() { 0x7e } else { code };
+    let code = if a > 0x7f80_0000 { 0x7f } else { code };
+    sign | code as u8
 }
 
 /// The value of FP8 E4M3 (`e4m3fn`) bits as an `f32` (exact).

@@ -321,15 +321,26 @@ pub(crate) fn rotate_values<P: Pairing, const L: usize>(
     cos: &[f32; L],
     sin: &[f32; L],
 ) -> [[f32; L]; 2] {
+    rotate_values_with::<P, L>(v, cos, sin, math::rotate)
+}
+
+/// [`rotate_values`] with `rotate(a, b, cos, sin)` rotating each pair.
+#[inline(always)]
+pub(crate) fn rotate_values_with<P: Pairing, const L: usize>(
+    v: impl Fn(usize, usize) -> f32,
+    cos: &[f32; L],
+    sin: &[f32; L],
+    rotate: impl Fn(f32, f32, f32, f32) -> (f32, f32),
+) -> [[f32; L]; 2] {
     let mut lo = [0.0f32; L];
     let mut hi = [0.0f32; L];
     if P::NEOX {
         unrolled(L, |k| {
-            (lo[k], hi[k]) = math::rotate(v(0, k), v(1, k), cos[k], sin[k])
+            (lo[k], hi[k]) = rotate(v(0, k), v(1, k), cos[k], sin[k])
         });
     } else {
         unrolled(L / 2, |k| {
-            (lo[2 * k], lo[2 * k + 1]) = math::rotate(v(0, 2 * k), v(0, 2 * k + 1), cos[k], sin[k]);
+            (lo[2 * k], lo[2 * k + 1]) = rotate(v(0, 2 * k), v(0, 2 * k + 1), cos[k], sin[k]);
         });
     }
     [lo, hi]
@@ -706,7 +717,7 @@ unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
 /// Bytes per thread that [`prefetch_then_rotate`] requests ahead of the arithmetic: 8 heads of
 /// 16-bit NeoX pairs or interleaved elements, 4 of `f32` NeoX pairs. With every thread of an
 /// H200 resident that is at most 21 MiB in flight, well inside its 50 MiB L2.
-const PREFETCH_BYTES: usize = 128;
+pub(crate) const PREFETCH_BYTES: usize = 128;
 
 /// The kernel body for `L` elements per access.
 ///

@@ -4,7 +4,9 @@
 
 use std::num::NonZeroU32;
 
-use rope_kernels::abi::{Access, Direction, FusedKernelName, NormCode, preferred_lanes};
+use rope_kernels::abi::{
+    Access, BLOCK_THREADS, Direction, FusedKernelName, NormCode, preferred_lanes,
+};
 use rope_kernels::divide::Divisor;
 
 use super::CacheLayout;
@@ -155,12 +157,19 @@ pub(crate) fn plan_fused(
             Access::Narrow
         },
     };
+    // Chunks of heads only to fill the threads the kernel can hold at once: each chunk repeats
+    // the item's position, sin/cos and slot work, which the fused kernel's issue rate pays for.
+    let per_sm = blocks_per_sm(kernel);
+    let resident = DeviceFacts {
+        threads_per_sm: facts.threads_per_sm.min(per_sm.max(1) * BLOCK_THREADS),
+        ..*facts
+    };
     let grid = grid(
         (tokens, q.seq as u32),
         groups,
         heads as u32,
-        facts,
-        blocks_per_sm(kernel),
+        &resident,
+        per_sm,
     )?
     .expect("tokens, seq, heads and groups are non-zero");
     let (block, cache_slots) = match &req.cache {
