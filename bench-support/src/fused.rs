@@ -1,7 +1,8 @@
 //! The fused kernels (`Rope::run_fused`) at decode (batch 64, one token each) and prefill
 //! (8192 tokens), 32 q and 8 kv heads of 128 bf16, NeoX, `i64` device positions and slots, per
 //! launch eager and inside a CUDA graph of 100 launches, next to:
-//! - the copy of the bytes the fused kernel must move (q, k and v read, as many written),
+//! - a device copy of the bytes each fused variant must move (its own row: q and k for norm +
+//!   rope; q, k and v for the cache variants; three quarters of those bytes with FP8 stores),
 //! - the unfused sequence: rope-rs's q/k rotation plus device copies of the bytes a separate
 //!   norm (q and k read and written) and a separate cache write (k and v) move, at the copy
 //!   engine's speed: a lower bound for any unfused sequence of kernels.
@@ -38,13 +39,16 @@ pub struct FusedRow {
     pub eager_us: f64,
     /// Median per launch inside a graph of 100 launches, in µs.
     pub graph_us: f64,
+    /// The copy row of the bytes this variant moves (`None` for copies and the unfused
+    /// sequence).
+    pub own_copy: Option<&'static str>,
 }
 
 /// What a variant launches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Variant {
-    /// A device copy of q, k and v's bytes (each read once, written once).
-    Copy,
+    /// A device copy of some of q, k and v's bytes (each read once, written once).
+    Copy(Bytes),
     /// q/k RMS norm and rotation, in place.
     NormRope,
     /// Rotation of q in place, k and v into a bf16 cache.
@@ -57,13 +61,41 @@ enum Variant {
     Unfused,
 }
 
-const VARIANTS: [(Variant, &str); 6] = [
-    (Variant::Copy, "copy of the fused bytes"),
-    (Variant::NormRope, "norm + rope"),
-    (Variant::RopeCache, "rope + cache"),
-    (Variant::NormRopeCache, "norm + rope + cache"),
-    (Variant::NormRopeCacheFp8, "norm + rope + FP8 q, cache"),
-    (Variant::Unfused, "unfused: rope + copies"),
+/// How many bytes a copy variant moves: exactly what a fused variant reads (and writes as
+/// many of).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Bytes {
+    /// q and k: norm + rope in place.
+    Qk,
+    /// q, k and v: q in place, k and v into the cache.
+    Qkv,
+    /// Three quarters of q, k and v: read as bf16 (2 bytes), written as FP8 (1 byte), so
+    /// 3 bytes per element, as a copy of 1.5 bytes per element.
+    Qkv3of4,
+}
+
+const COPY_QK: &str = "copy of q, k";
+const COPY_QKV: &str = "copy of q, k, v";
+const COPY_FP8: &str = "copy of 3/4 of q, k, v";
+
+/// Each variant, its name, and the copy of its own bytes.
+const VARIANTS: [(Variant, &str, Option<&str>); 8] = [
+    (Variant::Copy(Bytes::Qk), COPY_QK, None),
+    (Variant::Copy(Bytes::Qkv), COPY_QKV, None),
+    (Variant::Copy(Bytes::Qkv3of4), COPY_FP8, None),
+    (Variant::NormRope, "norm + rope", Some(COPY_QK)),
+    (Variant::RopeCache, "rope + cache", Some(COPY_QKV)),
+    (
+        Variant::NormRopeCache,
+        "norm + rope + cache",
+        Some(COPY_QKV),
+    ),
+    (
+        Variant::NormRopeCacheFp8,
+        "norm + rope + FP8 q, cache",
+        Some(COPY_FP8),
+    ),
+    (Variant::Unfused, "unfused: rope + copies", Some(COPY_QKV)),
 ];
 
 /// Device buffers of one shape.
@@ -151,7 +183,17 @@ impl Buffers {
         let layout =
             CacheLayout::blocks_rows_heads(self.k_cache.len() / (BLOCK * HK * D), BLOCK, HK, D);
         match variant {
-            Variant::Copy => Ok(stream.memcpy_dtod(&self.qkv_src, &mut self.qkv_dst)?),
+            Variant::Copy(bytes) => {
+                let (qn, kn) = (t * HQ * D, t * HK * D);
+                let n = match bytes {
+                    Bytes::Qk => qn + kn,
+                    Bytes::Qkv => qn + 2 * kn,
+                    Bytes::Qkv3of4 => (qn + 2 * kn) * 3 / 4,
+                };
+                let src = self.qkv_src.slice(0..n);
+                let mut dst = self.qkv_dst.slice_mut(0..n);
+                Ok(stream.memcpy_dtod(&src, &mut dst)?)
+            }
             Variant::Unfused => {
                 let qk = QkIo::Separate {
                     q: Io::InPlace(TensorMut {
@@ -250,12 +292,16 @@ impl Buffers {
     }
 }
 
-/// Measures every variant at decode and prefill on device `ordinal`, in a context object of
-/// its own with cudarc's event tracking off (graph capture needs it off).
+/// Measures every variant at the shapes named in `shapes` (`decode`, `prefill`) on device
+/// `ordinal`, in a context object of its own with cudarc's event tracking off (graph capture
+/// needs it off). No shapes: no rows.
 ///
 /// # Errors
 /// Any driver or launch error.
-pub fn fused_rows(ordinal: usize) -> anyhow::Result<Vec<FusedRow>> {
+pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRow>> {
+    if shapes.is_empty() {
+        return Ok(Vec::new());
+    }
     let ctx = CudaContext::new(ordinal)?;
     // SAFETY: this context object is used by this function alone, on one stream.
     unsafe { ctx.disable_event_tracking() };
@@ -264,10 +310,13 @@ pub fn fused_rows(ordinal: usize) -> anyhow::Result<Vec<FusedRow>> {
     rope.prepare(THETA, D as u32)?;
     let mut rows = Vec::new();
     for (shape, tokens) in [("decode", 64), ("prefill", 8192)] {
+        if !shapes.contains(&shape) {
+            continue;
+        }
         let mut bufs = Buffers::new(&stream, tokens)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
-        for (v, _) in VARIANTS {
+        for (v, _, _) in VARIANTS {
             bufs.run(&rope, &stream, v)?; // warm-up
             stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
             let captured = (0..LAUNCHES).try_for_each(|_| bufs.run(&rope, &stream, v));
@@ -294,11 +343,12 @@ pub fn fused_rows(ordinal: usize) -> anyhow::Result<Vec<FusedRow>> {
             VARIANTS
                 .iter()
                 .zip(times)
-                .map(|((_, name), (eager, graph))| FusedRow {
+                .map(|((_, name, own_copy), (eager, graph))| FusedRow {
                     shape,
                     variant: name,
                     eager_us: quartiles(eager)[1],
                     graph_us: quartiles(graph)[1],
+                    own_copy: *own_copy,
                 }),
         );
     }
