@@ -304,7 +304,7 @@ fn stores<T>(f: &Fused<T>, kind: Kind) -> bool {
 }
 
 /// Heads `first..last` of the q, k, v concatenation for this item, in blocks inside one tensor:
-/// [`HEADS_UNROLL`] heads while that many are left in the tensor, then two, then one.
+/// [`HEADS_UNROLL`] heads while that many are left in the tensor, then one at a time.
 /// One loop with the tensor chosen at run time, so that one copy of each block's code serves
 /// q, k and v: a loop per tensor kept each tensor's loop-invariant values live through the
 /// whole item loop (over 80 registers).
@@ -336,12 +336,9 @@ unsafe fn item_heads<T: Elem, P: Pairing, const L: usize>(
         let (i, left) = (h - start, end - h);
         // SAFETY (each block): heads i..i + U of the tensor lie before `end`.
         unsafe {
-            if HEADS_UNROLL >= 4 && left >= 4 {
-                fused_block::<T, P, L, 4>(f, item, kind, i);
-                h += 4;
-            } else if HEADS_UNROLL >= 2 && left >= 2 {
-                fused_block::<T, P, L, 2>(f, item, kind, i);
-                h += 2;
+            if left >= HEADS_UNROLL {
+                fused_block::<T, P, L, HEADS_UNROLL>(f, item, kind, i);
+                h += HEADS_UNROLL;
             } else {
                 fused_block::<T, P, L, 1>(f, item, kind, i);
                 h += 1;
@@ -368,11 +365,11 @@ macro_rules! each_head {
     };
 }
 
-/// Heads `h..h + U` of tensor `kind`: every load, then the norm (with `norm`'s weights, as
-/// this item's elements), then the rotations and stores.
+/// Heads `h..h + U` of tensor `kind` (indices in that tensor): every load, then the norm (q and
+/// k, with their weights' elements of this item), then the rotations and stores.
 ///
 /// # Safety
-/// As [`tensor_heads`], for `h + U <= hi`.
+/// As [`item_heads`], for `h + U <=` the tensor's heads.
 #[inline(always)]
 unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     f: &Fused<T>,

@@ -117,8 +117,8 @@ pub fn prefetch_l2<T>(ptr: *const T) {
     };
 }
 
-/// `v` of the lane `lane ^ lane_xor` of this thread's warp (`shfl.sync.bfly.b32`), among the lanes of `members`,
-/// which must all execute this call and include that lane.
+/// `v` of the lane `lane ^ lane_xor` of this thread's warp (`shfl.sync.bfly.b32`), among the
+/// lanes of `members`, which must all execute this call and include that lane.
 #[inline(always)]
 pub fn shuffle_xor(v: f32, lane_xor: u32, members: u32) -> f32 {
     let out: f32;

@@ -717,7 +717,7 @@ unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
 /// Bytes per thread that [`prefetch_then_rotate`] requests ahead of the arithmetic: 8 heads of
 /// 16-bit NeoX pairs or interleaved elements, 4 of `f32` NeoX pairs. With every thread of an
 /// H200 resident that is at most 21 MiB in flight, well inside its 50 MiB L2.
-pub(crate) const PREFETCH_BYTES: usize = 128;
+const PREFETCH_BYTES: usize = 128;
 
 /// The kernel body for `L` elements per access.
 ///
