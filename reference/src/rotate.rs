@@ -1,4 +1,5 @@
-//! One out-of-place f32 rotation at explicit positions, from host data to host data.
+//! One out-of-place f32 rotation (at explicit positions, or as any op says), from host data
+//! to host data.
 
 use std::sync::Arc;
 
@@ -23,10 +24,7 @@ pub fn rotate_f32_at(
     ids: &[i64],
     sincos: SinCos<'_, f32>,
 ) -> anyhow::Result<Vec<f32>> {
-    let input = stream.clone_htod(x)?;
-    let mut out = stream.alloc_zeros::<f32>(x.len())?;
     let ids = stream.clone_htod(ids)?;
-    let layout = Layout::shd(seq, heads, d);
     let op = RopeOp {
         config: RopeConfig::builder(d as u32, style).build()?,
         positions: Positions::Ids {
@@ -35,6 +33,24 @@ pub fn rotate_f32_at(
         },
         sincos,
     };
+    rotate_f32(rope, stream, &op, x, (seq, heads, d))
+}
+
+/// Rotates `x`, a `[seq, heads, d]` f32 tensor, out of place as `op` says, and returns the
+/// output.
+///
+/// # Errors
+/// Any error of the upload, the launch or the download.
+pub fn rotate_f32(
+    rope: &Rope,
+    stream: &Arc<CudaStream>,
+    op: &RopeOp<'_, f32>,
+    x: &[f32],
+    (seq, heads, d): (usize, usize, usize),
+) -> anyhow::Result<Vec<f32>> {
+    let input = stream.clone_htod(x)?;
+    let mut out = stream.alloc_zeros::<f32>(x.len())?;
+    let layout = Layout::shd(seq, heads, d);
     let io = Io::OutOfPlace {
         input: Tensor {
             data: input.as_view(),
@@ -45,6 +61,6 @@ pub fn rotate_f32_at(
             layout,
         },
     };
-    rope.run(&op, io)?;
+    rope.run(op, io)?;
     Ok(stream.clone_dtoh(&out)?)
 }

@@ -12,7 +12,7 @@ use rope_host::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use rope_host::{
     AngleMode, AxisMap, DType, DeviceInts, FrequencySpec, IdsShape, IntType, Io, Layout, Positions,
     RawAxisMap, RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors,
-    Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
+    Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, TensorMut,
 };
 use rope_reference::case::{AxesCase, Case, PosCase, TestElem};
 use rope_reference::with_elem;
@@ -159,27 +159,16 @@ fn text_tokens_equal_the_one_position_result_in_both_angle_modes() {
                     .build()
                     .expect("config");
                 let run = |positions: Positions<'_>| -> Vec<u32> {
-                    let input = stream.clone_htod(&x).expect("upload");
-                    let mut out = stream.alloc_zeros::<f32>(x.len()).expect("alloc");
-                    let layout = Layout::shd(seq, heads, d);
                     let op = RopeOp {
                         config,
                         positions,
                         sincos: SinCos::Frequencies(&freqs),
                     };
-                    let io = Io::OutOfPlace {
-                        input: Tensor {
-                            data: input.as_view(),
-                            layout,
-                        },
-                        output: TensorMut {
-                            data: out.as_view_mut(),
-                            layout,
-                        },
-                    };
-                    rope.run(&op, io).expect("launch");
-                    let got = stream.clone_dtoh(&out).expect("download");
-                    got.into_iter().map(f32::to_bits).collect()
+                    rope_reference::rotate::rotate_f32(&rope, &stream, &op, &x, (seq, heads, d))
+                        .expect("rotation")
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect()
                 };
                 let (one, multi) = if wide {
                     let a = stream.clone_htod(&ids).expect("upload");
