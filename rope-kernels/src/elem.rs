@@ -14,11 +14,15 @@ pub trait Elem: Copy {
     fn to_f32(self) -> f32;
     /// Rounds an `f32` to this type, to nearest even (identity for `f32`).
     fn from_f32(v: f32) -> Self;
-    /// Rounds `N` values as [`Elem::from_f32`] does each (types with a paired conversion
-    /// instruction override it).
+    /// Rounds `N` values as [`Elem::from_f32`] does each and stores them at `p` with one
+    /// access, as [`store`] (types with a paired conversion instruction override it).
+    ///
+    /// # Safety
+    /// As [`store`].
     #[inline(always)]
-    fn from_f32_array<const N: usize>(v: [f32; N]) -> [Self; N] {
-        v.map(Self::from_f32)
+    unsafe fn store_rounded<const N: usize>(p: *mut Self, v: [f32; N]) {
+        // SAFETY: the caller's promise.
+        unsafe { store(p, v.map(Self::from_f32)) }
     }
 }
 
@@ -54,8 +58,9 @@ impl Elem for Half {
     }
     /// Two values per `cvt.rn.f16x2.f32`, the same rounding as [`Elem::from_f32`].
     #[inline(always)]
-    fn from_f32_array<const N: usize>(v: [f32; N]) -> [Self; N] {
-        round_pairs(v, intrinsics::f32x2_to_f16x2, Half, Self::from_f32)
+    unsafe fn store_rounded<const N: usize>(p: *mut Self, v: [f32; N]) {
+        // SAFETY: the caller's promise.
+        unsafe { store_pairs(p, v, intrinsics::f32x2_to_f16x2, Self::from_f32) }
     }
 }
 
@@ -77,8 +82,9 @@ impl Elem for Bf16 {
     /// Two values per `cvt.rn.bf16x2.f32`; the same rounding as [`math::f32_to_bf16`] for
     /// every non-NaN input.
     #[inline(always)]
-    fn from_f32_array<const N: usize>(v: [f32; N]) -> [Self; N] {
-        round_pairs(v, intrinsics::f32x2_to_bf16x2, Bf16, Self::from_f32)
+    unsafe fn store_rounded<const N: usize>(p: *mut Self, v: [f32; N]) {
+        // SAFETY: the caller's promise.
+        unsafe { store_pairs(p, v, intrinsics::f32x2_to_bf16x2, Self::from_f32) }
     }
 }
 
@@ -100,26 +106,32 @@ impl Elem for Fp8 {
     }
 }
 
-/// Rounds `N` values to a 16-bit type two at a time with `pair` (which packs its first argument
-/// in bits 0..16 and its second in bits 16..32), wrapping the halves with `wrap`, and an odd
-/// last value with `single`.
+/// Stores `N` values of a 16-bit type (`N` at most 8) rounded two at a time by `pair` (which
+/// packs its first argument in bits 0..16 and its second in bits 16..32), as the 32-bit words
+/// the conversions return: splitting each word into its two elements and joining them again
+/// cost two instructions per pair. An odd `N` rounds each value with `single`.
+///
+/// # Safety
+/// As [`store`].
 #[inline(always)]
-fn round_pairs<E: Elem, const N: usize>(
+unsafe fn store_pairs<E: Elem, const N: usize>(
+    p: *mut E,
     v: [f32; N],
     pair: impl Fn(f32, f32) -> u32,
-    wrap: impl Fn(u16) -> E,
     single: impl Fn(f32) -> E,
-) -> [E; N] {
-    let mut out = [E::ZERO; N];
-    for i in 0..N / 2 {
-        let packed = pair(v[2 * i], v[2 * i + 1]);
-        out[2 * i] = wrap(packed as u16);
-        out[2 * i + 1] = wrap((packed >> 16) as u16);
+) {
+    // `% N` keeps every index in bounds in the arms that do not run.
+    let word = |i: usize| pair(v[2 * i % N], v[(2 * i + 1) % N]);
+    // SAFETY (each arm): `N` 16-bit elements are `N / 2` words, with the same size and
+    // alignment; the caller's promise.
+    unsafe {
+        match N {
+            8 => store::<u32, 4>(p.cast(), [word(0), word(1), word(2), word(3)]),
+            4 => store::<u32, 2>(p.cast(), [word(0), word(1)]),
+            2 => store::<u32, 1>(p.cast(), [word(0)]),
+            _ => store(p, v.map(single)),
+        }
     }
-    if N % 2 == 1 {
-        out[N - 1] = single(v[N - 1]);
-    }
-    out
 }
 
 #[repr(C, align(16))]
@@ -141,7 +153,7 @@ struct Align2<A>(A);
 /// `p` points at `N` readable `T`, aligned to `N * size_of::<T>()` bytes, which is 2, 4, 8 or
 /// 16.
 #[inline(always)]
-pub unsafe fn load<T: Elem, const N: usize>(p: *const T) -> [T; N] {
+pub unsafe fn load<T: Copy, const N: usize>(p: *const T) -> [T; N] {
     // SAFETY (all arms): the caller promises `N` readable elements aligned to their total size,
     // and the arm is chosen by that size, so the wrapper's size and alignment equal it.
     unsafe {
@@ -161,7 +173,7 @@ pub unsafe fn load<T: Elem, const N: usize>(p: *const T) -> [T; N] {
 /// `p` points at `N` writable `T`, aligned to `N * size_of::<T>()` bytes, which is 2, 4, 8 or
 /// 16.
 #[inline(always)]
-pub unsafe fn store<T: Elem, const N: usize>(p: *mut T, v: [T; N]) {
+pub unsafe fn store<T: Copy, const N: usize>(p: *mut T, v: [T; N]) {
     // SAFETY (all arms): as in `load`, for writes.
     unsafe {
         match N * size_of::<T>() {

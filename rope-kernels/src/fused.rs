@@ -7,8 +7,9 @@
 //! For each q and k head `x` of token `t` (both pairings, forward, the full head rotated):
 //! - normalisation (`norm` not [`NormCode::None`]): `r = 1 / sqrt(sum_e x_e^2 / head_dim +
 //!   eps)`, `x_e <- x_e * r * w_e` (`w` q's or k's weights, `1 + w_e` for
-//!   [`NormCode::RmsOnePlus`]), all in `f32`: the sum with fused multiply-adds, `r` from the
-//!   approximate reciprocal square root and one Newton step (about one `f32` ulp);
+//!   [`NormCode::RmsOnePlus`]), all in `f32`: the sum with fused multiply-adds, the mean plus
+//!   `eps` as one (`sum * (1 / head_dim) + eps`), `r` from the approximate reciprocal square
+//!   root and one Newton step (about one `f32` ulp);
 //! - rotation as in [`crate::rope`], each result with one fused multiply-add;
 //! - q to `out0`; k to `out1` when given; with a cache, k and v (unrotated, unnormalised) to
 //!   slot `slots[t]` of `k_cache` and `v_cache`, skipped for a negative slot or one at or past
@@ -39,7 +40,7 @@
 
 use crate::abi::{Direction, FormatCode, NormCode, for_each_fused_kernel};
 use crate::divide::Divisor;
-use crate::elem::{self, Bf16, Elem, Fp8, Half};
+use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
     block_dim_x, block_idx_x, block_idx_y, grid_dim_x, rcp_approx, rsqrt_approx, shuffle_xor,
     thread_idx_x, trap,
@@ -100,6 +101,11 @@ struct Item<const L: usize> {
     cos: [f32; L],
     sin: [f32; L],
     slot: Option<u64>,
+    /// The lanes of a token (the norm's shuffle width), `1 / head_dim` and the norm's epsilon:
+    /// the grid's, kept here with the rest the blocks read.
+    groups: u32,
+    inv_dim: f32,
+    eps: f32,
 }
 
 /// The FP8 scales of one destination: `inv0` is the reciprocal of a per-tensor scale
@@ -193,7 +199,20 @@ fn inverse_sqrt(x: f32) -> f32 {
 /// shuffles are in flight together. Every lane of the warp must call it (the shuffles name the
 /// whole warp, a constant mask that needs no convergence check).
 #[inline(always)]
-fn segment_sums<const U: usize>(mut v: [f32; U], width: u32) -> [f32; U] {
+fn segment_sums<const U: usize>(v: [f32; U], width: u32) -> [f32; U] {
+    // The widths of heads of 64, 128 and 256 elements at the widest accesses, as straight-line
+    // code: a loop over a run-time width costs a compare, a branch and a shift per step.
+    match width {
+        8 => butterfly(v, 8),
+        16 => butterfly(v, 16),
+        32 => butterfly(v, 32),
+        _ => butterfly(v, width),
+    }
+}
+
+/// [`segment_sums`]'s steps, unrolled where `width` is a constant.
+#[inline(always)]
+fn butterfly<const U: usize>(mut v: [f32; U], width: u32) -> [f32; U] {
     let mut step = 1;
     while step < width {
         unrolled(U, |u| v[u] += shuffle_xor(v[u], step, u32::MAX));
@@ -202,14 +221,15 @@ fn segment_sums<const U: usize>(mut v: [f32; U], width: u32) -> [f32; U] {
     v
 }
 
-/// The heads that block row `blockIdx.y` handles, in the concatenation of q's, k's and v's.
+/// The heads that block row `blockIdx.y` handles, in the concatenation of q's, k's and v's
+/// (the host keeps their sum within `u32`).
 #[inline(always)]
-fn head_range<T>(f: &Fused<T>) -> (usize, usize) {
+fn head_range<T>(f: &Fused<T>) -> (u32, u32) {
     let a = &f.rope;
     let heads = a.q.heads as u64 + a.k.heads as u64 + f.v.heads as u64;
     let first = (block_idx_y() as u64 * a.heads_per_chunk as u64).min(heads);
     let last = (first + a.heads_per_chunk as u64).min(heads);
-    (first as usize, last as usize)
+    (first as u32, last as u32)
 }
 
 /// The element offset of token `t`'s cache slot (block and row), or `None` when the token
@@ -258,9 +278,9 @@ unsafe fn store_head<T: Elem, P: Pairing, const L: usize>(
     ) {
         // SAFETY: the element ranges `load_head` reads, inside the head (the caller's promise).
         unsafe {
-            elem::store::<D, L>(head.add(first), D::from_f32_array(y[0]));
+            D::store_rounded(head.add(first), y[0]);
             if P::NEOX {
-                elem::store::<D, L>(head.add(second), D::from_f32_array(y[1]));
+                D::store_rounded(head.add(second), y[1]);
             }
         }
     }
@@ -316,14 +336,14 @@ fn stores<T>(f: &Fused<T>, kind: Kind) -> bool {
 unsafe fn item_heads<T: Elem, P: Pairing, const L: usize>(
     f: &Fused<T>,
     item: &Item<L>,
-    (first, last): (usize, usize),
+    (first, last): (u32, u32),
 ) {
-    let (hq, hk) = (f.rope.q.heads as usize, f.rope.k.heads as usize);
+    let (hq, hk) = (f.rope.q.heads, f.rope.k.heads);
     let mut h = first;
     while h < last {
         let (kind, start, end) = if h < hq {
             (Kind::Q, 0, hq)
-        } else if h < hq + hk {
+        } else if h - hq < hk {
             (Kind::K, hq, hq + hk)
         } else {
             (Kind::V, hq + hk, last)
@@ -336,9 +356,9 @@ unsafe fn item_heads<T: Elem, P: Pairing, const L: usize>(
         let (i, left) = (h - start, end - h);
         // SAFETY (each block): heads i..i + U of the tensor lie before `end`.
         unsafe {
-            if left >= HEADS_UNROLL {
+            if left >= HEADS_UNROLL as u32 {
                 fused_block::<T, P, L, HEADS_UNROLL>(f, item, kind, i);
-                h += HEADS_UNROLL;
+                h += HEADS_UNROLL as u32;
             } else {
                 fused_block::<T, P, L, 1>(f, item, kind, i);
                 h += 1;
@@ -375,8 +395,9 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     f: &Fused<T>,
     item: &Item<L>,
     kind: Kind,
-    h: usize,
+    h: u32,
 ) {
+    let h = h as usize;
     let a = &f.rope;
     let norm = f.norm != NormCode::None as u32 && kind != Kind::V;
     let mut w = [[0.0f32; L]; 2];
@@ -437,10 +458,9 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
                 }
             })
         });
-        let sums = segment_sums(squares, a.groups.divisor.get());
-        let inv_dim = 1.0 / f.head_dim as f32;
+        let sums = segment_sums(squares, item.groups);
         unrolled(U, |u| {
-            let r = inverse_sqrt(sums[u] * inv_dim + f.norm_eps);
+            let r = inverse_sqrt(mul_add(sums[u], item.inv_dim, item.eps));
             unrolled(L, |k| {
                 v[u][0][k] = v[u][0][k] * r * w[0][k];
                 v[u][1][k] = v[u][1][k] * r * w[1][k];
@@ -511,6 +531,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
     let (first, last) = head_range(f);
     let half = a.half as usize;
+    let inv_dim = 1.0 / f.head_dim as f32;
     if NormCode::from_u32(f.norm).is_none() || (f.norm != 0 && groups > 32) {
         trap()
     }
@@ -542,6 +563,9 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
             } else {
                 None
             },
+            groups,
+            inv_dim,
+            eps: f.norm_eps,
         };
         // SAFETY: the heads exist (`head_range`); the token exists when the item is active (and
         // nothing is loaded or stored otherwise).

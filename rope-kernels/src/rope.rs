@@ -298,9 +298,9 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
     // Results are rounded in pairs (one `cvt.rn.bf16x2.f32` for bf16).
     // SAFETY: the same element ranges `load_head` read, in the output head.
     unsafe {
-        elem::store::<T, L>(out_head.add(first), T::from_f32_array(lo));
+        T::store_rounded(out_head.add(first), lo);
         if P::NEOX {
-            elem::store::<T, L>(out_head.add(second), T::from_f32_array(hi));
+            T::store_rounded(out_head.add(second), hi);
         }
     }
 }
