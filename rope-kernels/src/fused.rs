@@ -17,9 +17,10 @@
 //! - each store rounds once to its format: the tensors' type, or FP8 E4M3 of `value * (1 /
 //!   scale)` ([`crate::math::f32_to_e4m3`], saturating; the reciprocal to about one ulp).
 //!
-//! The kernel is bound by the instructions it issues (at prefill on an H200, Nsight Compute
-//! counted about as many as a copy of its bytes has time for), hence the fused multiply-adds
-//! and approximations above, none of which moves a 16-bit result by more than its rounding.
+//! Each block's chain of latencies (its loads, the norm's dependent shuffle steps, the
+//! reciprocal square root, the stores) and its instructions bound the kernel at prefill, at the
+//! 28 or so warps that 64 registers leave resident; hence the fused multiply-adds and
+//! approximations above, none of which moves a 16-bit result by more than its rounding.
 //!
 //! # Layout
 //! q, k and v are `[batch, seq, heads, head_dim]` at their own strides (as in
