@@ -1,7 +1,7 @@
 //! Rotary position embedding (RoPE) on NVIDIA GPUs, with kernels written in Rust.
 //!
 //! The kernels (crate `rope-kernels`) are compiled to PTX by rustc's NVPTX backend and embedded
-//! here ([`PTX`]); at run time only the CUDA driver is needed, loaded dynamically, so this crate
+//! here ([`PTX`], and [`PTX_SM89`] for the fused kernels on sm_89 and newer); at run time only the CUDA driver is needed, loaded dynamically, so this crate
 //! builds on stable Rust on machines with no CUDA installed.
 //!
 //! Both pairings ([`RopeStyle::Interleaved`], GPT-J; [`RopeStyle::Neox`], rotate-half),
@@ -65,7 +65,7 @@ pub use fused::{
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
-pub use module::{PTX, open_device};
+pub use module::{PTX, PTX_ARCH_VAR, PTX_SM89, open_device};
 pub use op::{
     DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
     TensorMut,

@@ -80,6 +80,27 @@ paired_round!(
     "cvt.rn.f16x2.f32"
 );
 
+/// Rounds two `f32` to FP8 E4M3 (`e4m3fn`) with one `cvt.rn.satfinite.e4m3x2.f32` (sm_89+, so
+/// only in the PTX built for sm_89): `lo` in bits 0..8 and `hi` in bits 8..16; to nearest even,
+/// saturating to `±448` (infinities included), NaN to a NaN code. For every non-NaN input the
+/// same bits as [`crate::math::f32_to_e4m3`].
+#[cfg(target_feature = "sm_89")]
+#[inline(always)]
+pub fn f32x2_to_e4m3x2(lo: f32, hi: f32) -> u16 {
+    let packed: u16;
+    // SAFETY: a register-only conversion.
+    unsafe {
+        asm!(
+            "cvt.rn.satfinite.e4m3x2.f32 {d}, {hi}, {lo};",
+            d = out(reg16) packed,
+            hi = in(reg32) hi,
+            lo = in(reg32) lo,
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+    packed
+}
+
 /// Widens the IEEE binary16 value in the low 16 bits of `bits` to `f32` (exact). Taking a
 /// 32-bit register keeps vectors of 16-bit elements packed two to a register until each is
 /// converted.

@@ -7,33 +7,72 @@ use anyhow::{Context, Result, bail, ensure};
 
 use crate::{cargo, root};
 
-/// Flags for every crate of the PTX build, `core` included, so they all agree.
-const RUSTFLAGS: &str = "-Zunstable-options -Cpanic=immediate-abort -Ctarget-cpu=sm_80";
 const TARGET: &str = "nvptx64-nvidia-cuda";
-/// The committed PTX, embedded by `rope-host`.
-pub const PTX_PATH: &str = "rope-host/ptx/kernels.ptx";
+
+/// One PTX build: the GPU architecture rustc targets, the committed file `rope-host` embeds,
+/// and the target directory (one per architecture, so the two builds do not rebuild each other).
+struct Arch {
+    cpu: &'static str,
+    /// Extra target features: the PTX ISA version the architecture's instructions need.
+    features: &'static str,
+    path: &'static str,
+    dir: &'static str,
+    /// Whether only the fused kernels' entry points are kept (the only ones whose code differs
+    /// between the two builds), so that every binary embedding both files grows by the least.
+    fused_only: bool,
+}
+
+/// The builds: every kernel for sm_80 (Ampere and newer), and the fused kernels again for sm_89
+/// (Ada, Hopper and newer), where their `cfg(target_feature = "sm_89")` code uses an instruction
+/// sm_80 lacks (the paired FP8 conversion). The host takes each kernel from the newest build the
+/// device runs.
+const ARCHS: [Arch; 2] = [
+    Arch {
+        cpu: "sm_80",
+        features: "",
+        path: "rope-host/ptx/kernels.ptx",
+        dir: "ptx",
+        fused_only: false,
+    },
+    Arch {
+        cpu: "sm_89",
+        // `cvt.rn.satfinite.e4m3x2.f32` needs PTX ISA 8.1 on sm_89 (7.8 on sm_90).
+        features: " -Ctarget-feature=+ptx81",
+        path: "rope-host/ptx/kernels_sm89.ptx",
+        dir: "ptx-sm89",
+        fused_only: true,
+    },
+];
 
 pub fn run(check: bool) -> Result<()> {
-    let ptx = build()?;
-    let path = root().join(PTX_PATH);
-    if check {
-        let committed =
-            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        ensure!(
-            committed == ptx,
-            "{PTX_PATH} is stale: it does not match rope-kernels's source; run `cargo xtask ptx` and commit it"
-        );
-        println!("{PTX_PATH} is up to date ({} lines)", ptx.lines().count());
-    } else {
-        fs::write(&path, &ptx).with_context(|| format!("writing {}", path.display()))?;
-        println!("wrote {PTX_PATH} ({} lines)", ptx.lines().count());
+    for arch in &ARCHS {
+        let ptx = build(arch)?;
+        let path = root().join(arch.path);
+        let name = arch.path;
+        if check {
+            let committed =
+                fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            ensure!(
+                committed == ptx,
+                "{name} is stale: it does not match rope-kernels's source; run `cargo xtask ptx` and commit it"
+            );
+            println!("{name} is up to date ({} lines)", ptx.lines().count());
+        } else {
+            fs::write(&path, &ptx).with_context(|| format!("writing {}", path.display()))?;
+            println!("wrote {name} ({} lines)", ptx.lines().count());
+        }
     }
     Ok(())
 }
 
-/// Builds the kernel crate to PTX and returns the checked text.
-fn build() -> Result<String> {
-    let target_dir = root().join("target").join("ptx");
+/// Builds the kernel crate to PTX for `arch` and returns the checked text. The flags go to
+/// every crate of the build, `core` included, so they all agree.
+fn build(arch: &Arch) -> Result<String> {
+    let target_dir = root().join("target").join(arch.dir);
+    let rustflags = format!(
+        "-Zunstable-options -Cpanic=immediate-abort -Ctarget-cpu={}{}",
+        arch.cpu, arch.features
+    );
     let status = cargo()
         .args([
             "rustc",
@@ -48,15 +87,35 @@ fn build() -> Result<String> {
         .arg("--target-dir")
         .arg(&target_dir)
         .args(["--", "--emit=asm"])
-        .env("RUSTFLAGS", RUSTFLAGS)
+        .env("RUSTFLAGS", rustflags)
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
         .status()
-        .context("running cargo for the PTX build")?;
-    ensure!(status.success(), "the PTX build failed");
+        .with_context(|| format!("running cargo for the {} PTX build", arch.cpu))?;
+    ensure!(status.success(), "the {} PTX build failed", arch.cpu);
     let deps = target_dir.join(TARGET).join("release").join("deps");
-    let ptx = fs::read_to_string(newest_asm(&deps)?)?;
+    let mut ptx = fs::read_to_string(newest_asm(&deps)?)?;
     validate(&ptx)?;
+    if arch.fused_only {
+        ptx = fused_entries_only(&ptx);
+    }
     Ok(with_launch_bounds(&ptx))
+}
+
+/// `ptx` without the entry points that are not fused kernels: the module header and global
+/// declarations before the first entry stay (rustc's PTX has nothing else outside entries).
+fn fused_entries_only(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len());
+    let mut keep = true;
+    for line in ptx.lines() {
+        if let Some(rest) = line.strip_prefix(".visible .entry ") {
+            keep = rest.starts_with("rope_fused_");
+        }
+        if keep {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// The most recently written `rope_kernels-*.s` (cargo keeps older ones from other flags).
@@ -149,7 +208,7 @@ fn validate(ptx: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{min_blocks_per_sm, with_launch_bounds};
+    use super::{fused_entries_only, min_blocks_per_sm, with_launch_bounds};
     use rope_kernels::abi::{BLOCK_THREADS, all_symbols};
 
     /// An entry point as rustc writes it: name, parameter list, body.
@@ -163,6 +222,23 @@ mod tests {
             ".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n\
              .maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {blocks}\n{{\n\tret;\n}}\n"
         )
+    }
+
+    #[test]
+    fn the_fused_only_build_keeps_the_header_and_exactly_the_fused_entries() {
+        let header = ".version 8.1\n.target sm_89\n.address_size 64\n";
+        let ptx: String = std::iter::once(header.to_string())
+            .chain(all_symbols().map(entry))
+            .collect();
+        let want: String = std::iter::once(header.to_string())
+            .chain(
+                all_symbols()
+                    .filter(|s| s.starts_with("rope_fused_"))
+                    .map(entry),
+            )
+            .collect();
+        assert_eq!(fused_entries_only(&ptx), want);
+        assert!(want.contains(".entry rope_fused_neox_theta_bf16("));
     }
 
     #[test]
