@@ -8,8 +8,8 @@
 //! - normalisation (`norm` not [`NormCode::None`]): `r = 1 / sqrt(sum_e x_e^2 / head_dim +
 //!   eps)`, `x_e <- x_e * r * w_e` (`w` q's or k's weights, `1 + w_e` for
 //!   [`NormCode::RmsOnePlus`]), all in `f32`: the sum with fused multiply-adds, the mean plus
-//!   `eps` as one (`sum * (1 / head_dim) + eps`), `r` from the approximate reciprocal square
-//!   root and one Newton step (about one `f32` ulp);
+//!   `eps` as one (`sum * (1 / head_dim) + eps`, the reciprocal to about one ulp), `r` from the
+//!   approximate reciprocal square root and one Newton step (about one `f32` ulp);
 //! - rotation as in [`crate::rope`], each result with one fused multiply-add;
 //! - q to `out0`; k to `out1` when given; with a cache, k and v (unrotated, unnormalised) to
 //!   slot `slots[t]` of `k_cache` and `v_cache`, skipped for a negative slot or one at or past
@@ -95,18 +95,27 @@ enum Kind {
 /// What a work item finds once and uses for every head: its token, its pairs, whether it
 /// rotates (items past `rot_groups`, and lanes past the last item, only join the norm's
 /// shuffles), its cos/sin and its cache slot.
+///
+/// Indices that fit are kept in 32 bits (the host keeps `seq` and `head_dim` within `u32`): the
+/// kernel holds this through every block at 64 registers, and each 64-bit field was a register
+/// more, which ptxas spilled.
 struct Item<const L: usize> {
-    token: (u64, u64),
-    j0: (usize, usize),
+    /// Batch row and sequence index.
+    token: (u64, u32),
+    /// The first pair and `half` (see [`vector_offsets`]).
+    j0: (u32, u32),
     active: bool,
     cos: [f32; L],
     sin: [f32; L],
     slot: Option<u64>,
-    /// The lanes of a token (the norm's shuffle width), `1 / head_dim` and the norm's epsilon:
-    /// the grid's, kept here with the rest the blocks read.
-    groups: u32,
-    inv_dim: f32,
-    eps: f32,
+}
+
+impl<const L: usize> Item<L> {
+    /// The item's first pair and `half`, as [`load_head`] takes them.
+    #[inline(always)]
+    fn pairs(&self) -> (usize, usize) {
+        (self.j0.0 as usize, self.j0.1 as usize)
+    }
 }
 
 /// The FP8 scales of one destination: `inv0` is the reciprocal of a per-tensor scale
@@ -409,7 +418,7 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
             f.k_norm_weight
         };
         // SAFETY: the weights hold head_dim elements aligned like a head.
-        w = widen(unsafe { load_head::<T, P, L>(weights, item.j0.0, item.j0.1) });
+        w = widen(unsafe { load_head::<T, P, L>(weights, item.pairs().0, item.pairs().1) });
         if f.norm == NormCode::RmsOnePlus as u32 {
             unrolled(L, |k| {
                 w[0][k] += 1.0;
@@ -434,8 +443,8 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
         Kind::K => (a.k.x, a.k.x_strides),
         Kind::V => (f.v.x, f.v.x_strides),
     };
-    let (b, s) = item.token;
-    let (j0, half) = item.j0;
+    let (b, s) = (item.token.0, item.token.1 as u64);
+    let (j0, half) = item.pairs();
     let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
     let mut raw = [[[T::ZERO; L]; 2]; U];
     if item.active {
@@ -459,9 +468,11 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
                 }
             })
         });
-        let sums = segment_sums(squares, item.groups);
+        let sums = segment_sums(squares, a.groups.divisor.get());
+        // Recomputed per block (four instructions) rather than held in a register throughout.
+        let inv_dim = reciprocal(f.head_dim as f32);
         unrolled(U, |u| {
-            let r = inverse_sqrt(mul_add(sums[u], item.inv_dim, item.eps));
+            let r = inverse_sqrt(mul_add(sums[u], inv_dim, f.norm_eps));
             unrolled(L, |k| {
                 v[u][0][k] = v[u][0][k] * r * w[0][k];
                 v[u][1][k] = v[u][1][k] * r * w[1][k];
@@ -491,7 +502,7 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
                     let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
                     let out = a.q.out.cast::<u8>();
                     let head = out.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
-                    store_head::<T, P, L>(head, scales.of(i), item.j0, &y);
+                    store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
                 }
                 Kind::K => {
                     if !a.k.out.is_null() {
@@ -499,19 +510,19 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
                         store_head::<T, P, L>(
                             a.k.out.add(offset as usize).cast(),
                             None,
-                            item.j0,
+                            (j0, half),
                             &y,
                         );
                     }
                     if let Some(slot) = item.slot {
                         let head = cache_head(f.k_cache, i, slot);
-                        store_head::<T, P, L>(head, scales.of(i), item.j0, &y);
+                        store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
                     }
                 }
                 Kind::V => {
                     if let Some(slot) = item.slot {
                         let head = cache_head(f.v_cache, i, slot);
-                        store_head::<T, P, L>(head, scales.of(i), item.j0, &y);
+                        store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
                     }
                 }
             }
@@ -532,7 +543,6 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
     let (first, last) = head_range(f);
     let half = a.half as usize;
-    let inv_dim = 1.0 / f.head_dim as f32;
     if NormCode::from_u32(f.norm).is_none() || (f.norm != 0 && groups > 32) {
         trap()
     }
@@ -553,8 +563,8 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
             cs = unsafe { cos_sin::<T, S, L>(a, position(a, b, s), j0, pairs) };
         }
         let item = Item {
-            token: (b, s),
-            j0: (j0, half),
+            token: (b, s as u32),
+            j0: (j0 as u32, half as u32),
             active,
             cos: cs.0,
             sin: cs.1,
@@ -564,9 +574,6 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
             } else {
                 None
             },
-            groups,
-            inv_dim,
-            eps: f.norm_eps,
         };
         // SAFETY: the heads exist (`head_range`); the token exists when the item is active (and
         // nothing is loaded or stored otherwise).
