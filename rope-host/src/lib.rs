@@ -1,8 +1,9 @@
 //! Rotary position embedding (RoPE) on NVIDIA GPUs, with kernels written in Rust.
 //!
 //! The kernels (crate `rope-kernels`) are compiled to PTX by rustc's NVPTX backend and embedded
-//! here ([`PTX`], and [`PTX_SM89`] for the fused kernels on sm_89 and newer); at run time only the CUDA driver is needed, loaded dynamically, so this crate
-//! builds on stable Rust on machines with no CUDA installed.
+//! here ([`PTX`], and [`PTX_SM89`] for the fused kernels on sm_89 and newer); at run time only
+//! the CUDA driver is needed, loaded dynamically, so this crate builds on stable Rust on machines
+//! with no CUDA installed.
 //!
 //! Both pairings ([`RopeStyle::Interleaved`], GPT-J; [`RopeStyle::Neox`], rotate-half),
 //! forward and backward ([`Direction`]), partial rotary ([`RopeConfigBuilder::rotary_dim`]),

@@ -60,8 +60,9 @@ fn probe_driver() -> Result<()> {
 pub(crate) struct Module {
     ctx: Arc<CudaContext>,
     functions: Vec<Loaded>,
-    /// [`PTX`]'s module and, where loaded, [`PTX_SM89`]'s.
-    _modules: [Option<Arc<CudaModule>>; 2],
+    _module: Arc<CudaModule>,
+    /// [`PTX_SM89`]'s module, where loaded.
+    _fused: Option<Arc<CudaModule>>,
 }
 
 /// One kernel function and how many blocks of it one multiprocessor holds.
@@ -127,7 +128,8 @@ impl Module {
         Ok(Self {
             ctx: ctx.clone(),
             functions,
-            _modules: [Some(module), fused],
+            _module: module,
+            _fused: fused,
         })
     }
 }

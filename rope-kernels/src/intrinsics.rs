@@ -47,18 +47,19 @@ pub fn trap() -> ! {
 }
 
 /// Defines a function rounding two `f32` to nearest even with one paired `cvt.rn.*x2.f32`
-/// (sm_80+): `lo` in bits 0..16 and `hi` in bits 16..32 of the result.
+/// into a word `$word` (register class `$class`) of two elements: `lo` in its low half and `hi`
+/// in its high half.
 macro_rules! paired_round {
-    ($(#[$doc:meta])* $name:ident, $cvt:literal) => {
-        $(#[$doc])*
+    ($(#[$attr:meta])* $name:ident, $cvt:literal, $word:ty, $class:ident) => {
+        $(#[$attr])*
         #[inline(always)]
-        pub fn $name(lo: f32, hi: f32) -> u32 {
-            let packed: u32;
+        pub fn $name(lo: f32, hi: f32) -> $word {
+            let packed: $word;
             // SAFETY: a register-only conversion.
             unsafe {
                 asm!(
                     concat!($cvt, " {d}, {hi}, {lo};"),
-                    d = out(reg32) packed,
+                    d = out($class) packed,
                     hi = in(reg32) hi,
                     lo = in(reg32) lo,
                     options(pure, nomem, nostack, preserves_flags),
@@ -70,36 +71,30 @@ macro_rules! paired_round {
 }
 
 paired_round!(
-    /// Rounds two `f32` to bfloat16 (`cvt.rn.bf16x2.f32`); NaN becomes the canonical bf16 NaN.
+    /// Rounds two `f32` to bfloat16 (`cvt.rn.bf16x2.f32`, sm_80+); NaN becomes the canonical
+    /// bf16 NaN.
     f32x2_to_bf16x2,
-    "cvt.rn.bf16x2.f32"
+    "cvt.rn.bf16x2.f32",
+    u32,
+    reg32
 );
 paired_round!(
     /// Rounds two `f32` to IEEE binary16 (`cvt.rn.f16x2.f32`).
     f32x2_to_f16x2,
-    "cvt.rn.f16x2.f32"
+    "cvt.rn.f16x2.f32",
+    u32,
+    reg32
 );
-
-/// Rounds two `f32` to FP8 E4M3 (`e4m3fn`) with one `cvt.rn.satfinite.e4m3x2.f32` (sm_89+, so
-/// only in the PTX built for sm_89): `lo` in bits 0..8 and `hi` in bits 8..16; to nearest even,
-/// saturating to `±448` (infinities included), NaN to a NaN code. For every non-NaN input the
-/// same bits as [`crate::math::f32_to_e4m3`].
-#[cfg(target_feature = "sm_89")]
-#[inline(always)]
-pub fn f32x2_to_e4m3x2(lo: f32, hi: f32) -> u16 {
-    let packed: u16;
-    // SAFETY: a register-only conversion.
-    unsafe {
-        asm!(
-            "cvt.rn.satfinite.e4m3x2.f32 {d}, {hi}, {lo};",
-            d = out(reg16) packed,
-            hi = in(reg32) hi,
-            lo = in(reg32) lo,
-            options(pure, nomem, nostack, preserves_flags),
-        )
-    };
-    packed
-}
+paired_round!(
+    /// Rounds two `f32` to FP8 E4M3 (`e4m3fn`) with one `cvt.rn.satfinite.e4m3x2.f32` (sm_89+,
+    /// so only in the PTX built for sm_89): saturating to `±448` (infinities included), NaN to
+    /// a NaN code. For every non-NaN input the same bits as [`crate::math::f32_to_e4m3`].
+    #[cfg(target_feature = "sm_89")]
+    f32x2_to_e4m3x2,
+    "cvt.rn.satfinite.e4m3x2.f32",
+    u16,
+    reg16
+);
 
 /// Widens the IEEE binary16 value in the low 16 bits of `bits` to `f32` (exact). Taking a
 /// 32-bit register keeps vectors of 16-bit elements packed two to a register until each is

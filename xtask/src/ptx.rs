@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 
+use rope_kernels::abi::FusedKernelName;
+
 use crate::{cargo, root};
 
 const TARGET: &str = "nvptx64-nvidia-cuda";
@@ -101,14 +103,16 @@ fn build(arch: &Arch) -> Result<String> {
     Ok(with_launch_bounds(&ptx))
 }
 
-/// `ptx` without the entry points that are not fused kernels: the module header and global
+/// `ptx` without the entry points that are not fused kernels ([`FusedKernelName::ALL`], the
+/// list the host also takes from the fused-only PTX): the module header and global
 /// declarations before the first entry stay (rustc's PTX has nothing else outside entries).
 fn fused_entries_only(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len());
     let mut keep = true;
     for line in ptx.lines() {
         if let Some(rest) = line.strip_prefix(".visible .entry ") {
-            keep = rest.starts_with("rope_fused_");
+            let name = rest.split('(').next().unwrap_or_default();
+            keep = FusedKernelName::ALL.iter().any(|k| k.symbol() == name);
         }
         if keep {
             out.push_str(line);
@@ -209,7 +213,7 @@ fn validate(ptx: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::{fused_entries_only, min_blocks_per_sm, with_launch_bounds};
-    use rope_kernels::abi::{BLOCK_THREADS, all_symbols};
+    use rope_kernels::abi::{BLOCK_THREADS, FusedKernelName, all_symbols};
 
     /// An entry point as rustc writes it: name, parameter list, body.
     fn entry(name: &str) -> String {
@@ -231,11 +235,7 @@ mod tests {
             .chain(all_symbols().map(entry))
             .collect();
         let want: String = std::iter::once(header.to_string())
-            .chain(
-                all_symbols()
-                    .filter(|s| s.starts_with("rope_fused_"))
-                    .map(entry),
-            )
+            .chain(FusedKernelName::ALL.iter().map(|k| entry(k.symbol())))
             .collect();
         assert_eq!(fused_entries_only(&ptx), want);
         assert!(want.contains(".entry rope_fused_neox_theta_bf16("));
