@@ -670,13 +670,14 @@ unsafe fn load_pairs<E: Elem, const L: usize>(p: *const E, pairs: usize) -> [f32
     out
 }
 
-/// Computed sin/cos. In place, this item's elements of its first heads, up to
-/// [`PREFETCH_BYTES`], are first requested into L2 ([`prefetch_l2`]), so that the memory system
+/// Computed sin/cos. In place, an item with several heads first requests its elements of its
+/// first heads, up to [`PREFETCH_BYTES`], into L2 ([`prefetch_l2`]), so that the memory system
 /// fetches them while the `f64` arithmetic runs; then the heads are rotated, their loads mostly
 /// hitting L2. A prefetch holds no register, where a load issued ahead of the arithmetic holds
 /// its result through it (at the 48-register limit ptxas moved such loads after the
 /// arithmetic). Out of place, where the outputs take L2 lines of their own, prefetching
-/// measured slower than none, so there the arithmetic simply comes first.
+/// measured slower than none. An item with one head loads it ahead instead (see
+/// [`rotate_heads`]).
 ///
 /// # Safety
 /// `last <= q.heads + k.heads`; `tok` from [`token_bases`]; `j0 + pairs <= half`; the
@@ -687,16 +688,16 @@ unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
     tok: &TokenBases<T>,
     (first, last): (usize, usize),
     (j0, half): (usize, usize),
-    pos: i64,
+    (pos, wide): (i64, bool),
     in_place: bool,
 ) {
-    let pairs = if P::NEOX { L } else { L / 2 };
     let head_bytes = L * size_of::<T>() * if P::NEOX { 2 } else { 1 };
     let ahead = if in_place {
         PREFETCH_BYTES / head_bytes
     } else {
         0
     };
+    let ahead = if wide && last == first + 1 { 0 } else { ahead };
     for h in first..last.min(first + ahead) {
         // SAFETY: head h exists.
         let x = unsafe { head(a, tok, h).0 };
@@ -709,8 +710,7 @@ unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
     }
     // SAFETY: the caller's promises.
     unsafe {
-        let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
-        rotate_heads::<T, P, L>(a, tok, (first, last), (j0, half), &cos, &sin);
+        rotate_heads::<T, P, S, L>(a, tok, (first, last), (j0, half), (pos, wide));
     }
 }
 
@@ -719,12 +719,13 @@ unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
 /// H200 resident that is at most 21 MiB in flight, well inside its 50 MiB L2.
 const PREFETCH_BYTES: usize = 128;
 
-/// The kernel body for `L` elements per access.
+/// The kernel body for `L` elements per access; `wide` in the wide kernels (see
+/// [`rotate_heads`]).
 ///
 /// # Safety
 /// The promises of the entry points (see [`rope_neox_table_fwd_f32`]).
 #[inline(always)]
-unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
+unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>, wide: bool) {
     let pairs = if P::NEOX { L } else { L / 2 };
     let total = a.tokens * a.groups.divisor.get() as u64;
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
@@ -747,10 +748,16 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
             // SAFETY: j0 + pairs <= half; the heads exist; the table / inv_freq promises.
             unsafe {
                 if S::TABLE {
-                    let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
-                    rotate_heads::<T, P, L>(a, &tok, heads, (j0, half), &cos, &sin)
+                    rotate_heads::<T, P, S, L>(a, &tok, heads, (j0, half), (pos, wide))
                 } else {
-                    prefetch_then_rotate::<T, P, S, L>(a, &tok, heads, (j0, half), pos, in_place)
+                    prefetch_then_rotate::<T, P, S, L>(
+                        a,
+                        &tok,
+                        heads,
+                        (j0, half),
+                        (pos, wide),
+                        in_place,
+                    )
                 }
             }
         } else {
@@ -792,19 +799,40 @@ unsafe fn token_bases<T>(a: &Args<T>, (b, s): (u64, u64)) -> TokenBases<T> {
     }
 }
 
-/// Rotates heads `first..last` (of q's and k's heads together) of token `(b, s)`.
+/// Rotates heads `first..last` (of q's and k's heads together) of token `(b, s)` by the cos/sin
+/// of position `pos` ([`cos_sin`]). In the `wide` kernels, an item with one head (small token
+/// counts, where the grid gives every head its own block row) issues that head's loads before
+/// [`cos_sin`] runs, so that their latency overlaps the position and table reads or the
+/// arithmetic: there that chain is the whole launch. Items with more heads find cos/sin first:
+/// holding their first block's loads through it measured slower at prefill (fewer loads in
+/// flight per round, or spills), and their later blocks overlap one another's latency. (The
+/// narrow kernels, with several bodies, spilled with the one-head path.)
 ///
 /// # Safety
-/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`; the promises of [`load_head`].
+/// `b < batch`, `s < seq`, `last <= q.heads + k.heads`; the promises of [`load_head`] and of
+/// [`cos_sin`].
 #[inline(always)]
-unsafe fn rotate_heads<T: Elem, P: Pairing, const L: usize>(
+unsafe fn rotate_heads<T: Elem, P: Pairing, S: Source, const L: usize>(
     a: &Args<T>,
     tok: &TokenBases<T>,
     (first, last): (usize, usize),
-    j0: (usize, usize),
-    cos: &[f32; L],
-    sin: &[f32; L],
+    (j0, half): (usize, usize),
+    (pos, wide): (i64, bool),
 ) {
+    let pairs = if P::NEOX { L } else { L / 2 };
+    if wide && last == first + 1 {
+        // SAFETY: head `first` exists; j0 + pairs <= half; the caller's promises.
+        unsafe {
+            let v = load_head::<T, P, L>(head(a, tok, first).0, j0, half);
+            let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
+            rotate_store_head::<T, P, L>(head(a, tok, first).1, j0, half, v, &cos, &sin);
+        }
+        return;
+    }
+    // SAFETY: j0 + pairs <= half; the caller's promises.
+    let (cos, sin) = unsafe { cos_sin::<T, S, L>(a, pos, j0, pairs) };
+    let (cos, sin) = (&cos, &sin);
+    let j0 = (j0, half);
     let mut h = first;
     while h + P::HEADS_UNROLL <= last {
         // SAFETY: h + HEADS_UNROLL <= last. (A const generic cannot name `P::HEADS_UNROLL`
@@ -866,12 +894,12 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const WIDE: bool>(a: &Args<T>
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (WIDE, T::SIZE, a.lanes, P::NEOX) {
-            (true, 4, 4, _) => body::<T, P, S, 4>(a),
-            (true, 2, 8, false) => body::<T, P, S, 8>(a),
-            (true, 2, 4, true) => body::<T, P, S, 4>(a),
-            (false, 2, 4, false) => body::<T, P, S, 4>(a),
-            (false, _, 2, _) => body::<T, P, S, 2>(a),
-            (false, _, 1, true) => body::<T, P, S, 1>(a),
+            (true, 4, 4, _) => body::<T, P, S, 4>(a, true),
+            (true, 2, 8, false) => body::<T, P, S, 8>(a, true),
+            (true, 2, 4, true) => body::<T, P, S, 4>(a, true),
+            (false, 2, 4, false) => body::<T, P, S, 4>(a, false),
+            (false, _, 2, _) => body::<T, P, S, 2>(a, false),
+            (false, _, 1, true) => body::<T, P, S, 1>(a, false),
             _ => trap(),
         }
     }
