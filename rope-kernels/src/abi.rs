@@ -9,6 +9,11 @@ use core::num::{NonZeroU32, NonZeroU64};
 /// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth).
 pub const BLOCK_THREADS: u32 = 128;
 
+/// The most work items (tokens times accesses per head) of one fused launch: the fused kernels
+/// index them in 32 bits, and with at most this many items (and the grid of blocks they fill)
+/// an index plus the grid's stride stays below 2^32.
+pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
+
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
 /// [`KernelName::min_blocks_per_sm`] asks for more: `cargo xtask ptx` writes it as
 /// `.minnctapersm` with `.maxntid` into every entry point (rustc has no launch-bounds

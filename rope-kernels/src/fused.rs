@@ -39,7 +39,7 @@
 //! whole warps run the loop, so the shuffles always name all 32 lanes. Sin/cos, the position
 //! and the cache slot are found once per item and serve every head.
 
-use crate::abi::{Direction, FormatCode, NormCode, for_each_fused_kernel};
+use crate::abi::{Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, for_each_fused_kernel};
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
@@ -96,18 +96,37 @@ enum Kind {
 /// rotates (items past `rot_groups`, and lanes past the last item, only join the norm's
 /// shuffles), its cos/sin and its cache slot.
 ///
-/// Indices that fit are kept in 32 bits (the host keeps `seq` and `head_dim` within `u32`): the
-/// kernel holds this through every block at 64 registers, and each 64-bit field was a register
-/// more, which ptxas spilled.
+/// Indices are kept in 32 bits (the host keeps `seq` and `head_dim` within `u32`, the work items
+/// within [`MAX_FUSED_ITEMS`]): the kernel holds this through every block at 64 registers, and
+/// each 64-bit field was a register more, which ptxas spilled.
 struct Item<const L: usize> {
-    /// Batch row and sequence index.
-    token: (u64, u32),
+    /// Batch row and sequence index (below the items, so within `u32`).
+    token: (u32, u32),
     /// The first pair and `half` (see [`vector_offsets`]).
     j0: (u32, u32),
     active: bool,
     cos: [f32; L],
     sin: [f32; L],
-    slot: Option<u64>,
+    slot: Slot,
+}
+
+/// A cache slot's element offset, or none: one 64-bit register where `Option<u64>` takes a
+/// second for its tag (an offset is below the cache's size, so never `u64::MAX`).
+#[derive(Clone, Copy)]
+struct Slot(u64);
+
+impl Slot {
+    const NONE: Slot = Slot(u64::MAX);
+
+    #[inline(always)]
+    fn new(offset: Option<u64>) -> Self {
+        offset.map_or(Slot::NONE, Slot)
+    }
+
+    #[inline(always)]
+    fn get(self) -> Option<u64> {
+        (self.0 != u64::MAX).then_some(self.0)
+    }
 }
 
 impl<const L: usize> Item<L> {
@@ -431,7 +450,7 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     let scales = unsafe {
         match kind {
             Kind::Q => Scales::new(f.q_format, f.q_scale, f.q_scale_step),
-            _ if item.slot.is_none() => Scales::new(FormatCode::Elem as u32, f.k_scale, 0),
+            _ if item.slot.get().is_none() => Scales::new(FormatCode::Elem as u32, f.k_scale, 0),
             Kind::K => Scales::new(f.cache_format, f.k_scale, f.kv_scale_step),
             Kind::V => Scales::new(f.cache_format, f.v_scale, f.kv_scale_step),
         }
@@ -443,7 +462,7 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
         Kind::K => (a.k.x, a.k.x_strides),
         Kind::V => (f.v.x, f.v.x_strides),
     };
-    let (b, s) = (item.token.0, item.token.1 as u64);
+    let (b, s) = (item.token.0 as u64, item.token.1 as u64);
     let (j0, half) = item.pairs();
     let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
     let mut raw = [[[T::ZERO; L]; 2]; U];
@@ -514,13 +533,13 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
                             &y,
                         );
                     }
-                    if let Some(slot) = item.slot {
+                    if let Some(slot) = item.slot.get() {
                         let head = cache_head(f.k_cache, i, slot);
                         store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
                     }
                 }
                 Kind::V => {
-                    if let Some(slot) = item.slot {
+                    if let Some(slot) = item.slot.get() {
                         let head = cache_head(f.v_cache, i, slot);
                         store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
                     }
@@ -540,19 +559,23 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     let pairs = if P::NEOX { L } else { L / 2 };
     let groups = a.groups.divisor.get();
     let total = a.tokens * groups as u64;
-    let step = grid_dim_x() as u64 * block_dim_x() as u64;
     let (first, last) = head_range(f);
     let half = a.half as usize;
     if NormCode::from_u32(f.norm).is_none() || (f.norm != 0 && groups > 32) {
         trap()
     }
-    let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
+    // The loop runs on 32-bit indices: the host keeps the items within `MAX_FUSED_ITEMS` and the
+    // grid to the blocks they fill, so `idx + step` stays below 2^31 + 32. (The clamp keeps any
+    // larger count in range; a trap there instead made ptxas spill three times as much.)
+    let total = total.min(MAX_FUSED_ITEMS) as u32;
+    let step = grid_dim_x() * block_dim_x();
+    let mut idx = block_idx_x() * block_dim_x() + thread_idx_x();
     // Whole warps enter and leave the loop together (blocks and `step` are whole warps, and a
     // warp's first lane decides), so the norm's shuffles always have all 32 lanes; lanes past
     // the last item load and store nothing. A warp segment of `groups` lanes is one token.
     while idx & !31 < total {
         let in_range = idx < total;
-        let (token, group) = a.groups.div_rem(idx);
+        let (token, group) = a.groups.div_rem(idx as u64);
         let (b, s) = a.seq.div_rem(token);
         let active = in_range && (group as u32) < a.rot_groups;
         let j0 = if active { group as usize * pairs } else { 0 };
@@ -563,17 +586,17 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
             cs = unsafe { cos_sin::<T, S, L>(a, position(a, b, s), j0, pairs) };
         }
         let item = Item {
-            token: (b, s as u32),
+            token: (b as u32, s as u32),
             j0: (j0 as u32, half as u32),
             active,
             cos: cs.0,
             sin: cs.1,
             // SAFETY: token < tokens when in range.
-            slot: if in_range {
+            slot: Slot::new(if in_range {
                 unsafe { cache_slot(f, token) }
             } else {
                 None
-            },
+            }),
         };
         // SAFETY: the heads exist (`head_range`); the token exists when the item is active (and
         // nothing is loaded or stored otherwise).

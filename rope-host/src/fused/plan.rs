@@ -5,7 +5,7 @@
 use std::num::NonZeroU32;
 
 use rope_kernels::abi::{
-    Access, BLOCK_THREADS, Direction, FusedKernelName, NormCode, preferred_lanes,
+    Access, BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, NormCode, preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
 
@@ -147,6 +147,16 @@ pub(crate) fn plan_fused(
     } else {
         rot_groups
     };
+    // The fused kernels index their work items in 32 bits.
+    if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {
+        return Err(invalid(
+            "q",
+            format!(
+                "{tokens} tokens of {groups} accesses per head are more than the fused kernels' \
+                 {MAX_FUSED_ITEMS} work items"
+            ),
+        ));
+    }
     let kernel = FusedKernelName {
         style: cfg.style(),
         source: sincos.source,

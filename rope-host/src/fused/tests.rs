@@ -1,6 +1,6 @@
 //! Tests of the fused planner, without a GPU.
 
-use rope_kernels::abi::{Access, DType, FusedKernelName, NormCode};
+use rope_kernels::abi::{Access, DType, FusedKernelName, MAX_FUSED_ITEMS, NormCode};
 
 use super::CacheLayout;
 use super::plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
@@ -285,4 +285,33 @@ fn packed_qkv_must_be_disjoint() {
     assert!(plan_of(&r).expect("valid").is_some());
     r.v = Some((qkv, at(36, 8)));
     assert_eq!(invalid_arg(&r), "v");
+}
+
+/// The fused kernels index work items (tokens times accesses per head) in 32 bits: up to
+/// `MAX_FUSED_ITEMS` items plan, one token more is refused.
+#[test]
+fn work_items_are_limited_to_what_32_bit_indices_hold() {
+    let with_tokens = |tokens: usize| {
+        let mut r = request(RopeStyle::Neox);
+        let x = |ptr: u64, heads: usize| {
+            let layout = Layout::thd(tokens, heads, D);
+            TensorReq {
+                x: buf(ptr, layout.end().expect("fits")),
+                x_layout: layout,
+                out: None,
+            }
+        };
+        r.rope.q = x(1 << 44, 32);
+        r.rope.k = Some(x(1 << 46, 8));
+        r.v = None;
+        r.cache = None;
+        r
+    };
+    // NeoX bf16 heads of 128 take 16 accesses each.
+    let most = MAX_FUSED_ITEMS as usize / 16;
+    let p = plan_of(&with_tokens(most))
+        .expect("valid")
+        .expect("non-empty");
+    assert_eq!(p.tokens, most as u64);
+    assert_eq!(invalid_arg(&with_tokens(most + 1)), "q");
 }
