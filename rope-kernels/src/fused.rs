@@ -15,7 +15,8 @@
 //!   slot `slots[t]` of `k_cache` and `v_cache`, skipped for a negative slot or one at or past
 //!   `cache_slots`;
 //! - each store rounds once to its format: the tensors' type, or FP8 E4M3 of `value * (1 /
-//!   scale)` ([`crate::math::f32_to_e4m3`], saturating; the reciprocal to about one ulp).
+//!   scale)` ([`crate::math::f32_to_e4m3`], saturating; the reciprocal from `rcp.approx`, within
+//!   one `f32` ulp: E4M3 keeps 3 bits).
 //!
 //! Each block's chain of latencies (its loads, the norm's dependent shuffle steps, the
 //! reciprocal square root, the stores) and its instructions bound the kernel at prefill, at the
@@ -137,13 +138,13 @@ impl<const L: usize> Item<L> {
     }
 }
 
-/// The FP8 scales of one destination: `inv0` is the reciprocal of a per-tensor scale
-/// (`step == 0`), found once per block of heads rather than once per head.
+/// The FP8 scales of one destination. Each head's reciprocal is found where its stores use it
+/// (one `rcp.approx`): set up ahead of a block, a per-tensor scale's ran (predicated off) in
+/// every block of 16-bit outputs too, and its register through the block made ptxas spill.
 struct Scales {
     fp8: bool,
     scale: *const f32,
     step: u32,
-    inv0: f32,
 }
 
 impl Scales {
@@ -153,18 +154,10 @@ impl Scales {
     /// For FP8, `scale` points at one `f32` per head at a step of `step` (0: one in all).
     #[inline(always)]
     unsafe fn new(format: u32, scale: *const f32, step: u32) -> Self {
-        let fp8 = format == FormatCode::E4m3 as u32;
-        // SAFETY: an FP8 destination has its scales (the caller's promise).
-        let inv0 = if fp8 && step == 0 {
-            reciprocal(unsafe { *scale })
-        } else {
-            0.0
-        };
         Scales {
-            fp8,
+            fp8: format == FormatCode::E4m3 as u32,
             scale,
             step,
-            inv0,
         }
     }
 
@@ -174,14 +167,9 @@ impl Scales {
     /// `i` is a head of the destination.
     #[inline(always)]
     unsafe fn of(&self, i: usize) -> Option<f32> {
-        match (self.fp8, self.step) {
-            (false, _) => None,
-            (true, 0) => Some(self.inv0),
-            // SAFETY: one scale per head (the promise of `new`).
-            (true, _) => Some(reciprocal(unsafe {
-                *self.scale.add(i * self.step as usize)
-            })),
-        }
+        // SAFETY: one scale per head at `step`, or one (the promise of `new`).
+        self.fp8
+            .then(|| rcp_approx(unsafe { *self.scale.add(i * self.step as usize) }))
     }
 }
 
