@@ -552,9 +552,10 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     if NormCode::from_u32(f.norm).is_none() || (f.norm != 0 && groups > 32) {
         trap()
     }
-    // The loop runs on 32-bit indices: the host keeps the items within `MAX_FUSED_ITEMS` and the
-    // grid to the blocks they fill, so `idx + step` stays below 2^31 + 32. (The clamp keeps any
-    // larger count in range; a trap there instead made ptxas spill three times as much.)
+    // The loop runs on 32-bit indices: the host keeps the items within `MAX_FUSED_ITEMS` (2^30)
+    // and the grid to the blocks they fill, so `idx` stays below 2^30 + 32, `step` below 2^30 +
+    // 128 and their sum below 2^32. (The clamp keeps any larger count in range; a trap there
+    // instead made ptxas spill three times as much.)
     let total = total.min(MAX_FUSED_ITEMS) as u32;
     let step = grid_dim_x() * block_dim_x();
     let mut idx = block_idx_x() * block_dim_x() + thread_idx_x();
