@@ -548,6 +548,9 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     let groups = a.groups.divisor.get();
     let total = a.tokens * groups as u64;
     let (first, last) = head_range(f);
+    // Uniform per block row: a row of v's heads alone (at decode, where each row holds one
+    // head) needs no position or cos/sin.
+    let rotates = first < a.q.heads + a.k.heads;
     let half = a.half as usize;
     if NormCode::from_u32(f.norm).is_none() || (f.norm != 0 && groups > 32) {
         trap()
@@ -569,7 +572,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
         let active = in_range && (group as u32) < a.rot_groups;
         let j0 = if active { group as usize * pairs } else { 0 };
         let mut cs = ([0.0f32; L], [0.0f32; L]);
-        if active {
+        if active && rotates {
             // SAFETY: (b, s) is a token; j0 + pairs <= half; the position, table and
             // frequency promises.
             cs = unsafe { cos_sin::<T, S, L>(a, position(a, b, s), j0, pairs) };
