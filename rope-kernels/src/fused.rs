@@ -38,7 +38,8 @@
 //! of two, at most 32, consecutive lanes of one warp) add their squares with butterfly
 //! shuffles, then it rotates and stores. Items past `rot_groups` only take part in the sums;
 //! whole warps run the loop, so the shuffles always name all 32 lanes. Sin/cos, the position
-//! and the cache slot are found once per item and serve every head.
+//! and the cache slot are found once per item and serve every head (rows of v's heads alone
+//! find no sin/cos).
 
 use crate::abi::{Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, for_each_fused_kernel};
 use crate::divide::Divisor;
