@@ -107,9 +107,8 @@ impl Module {
         let fused = (capability >= (8, 9) && !forced_sm80)
             .then(|| ctx.load_module(Ptx::from_src(PTX_SM89)).ok())
             .flatten();
-        let is_fused = |symbol: &str| FusedKernelName::ALL.iter().any(|k| k.symbol() == symbol);
         let module_of = |symbol: &str| match &fused {
-            Some(newer) if is_fused(symbol) => newer,
+            Some(newer) if FusedKernelName::from_symbol(symbol).is_some() => newer,
             _ => &module,
         };
         let functions = rope_kernels::abi::all_symbols()

@@ -717,6 +717,14 @@ macro_rules! fused_kernel_table {
 }
 for_each_fused_kernel!(fused_kernel_table);
 
+impl FusedKernelName {
+    /// The fused kernel exported as `symbol`, if one is.
+    #[inline]
+    pub fn from_symbol(symbol: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.symbol() == symbol)
+    }
+}
+
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every fused entry point
 /// (`rope-kernels/src/fused.rs`): those of [`rope_kernel_params!`], then the fused ones.
 ///

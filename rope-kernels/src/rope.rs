@@ -697,7 +697,11 @@ unsafe fn prefetch_then_rotate<T: Elem, P: Pairing, S: Source, const L: usize>(
     } else {
         0
     };
-    let ahead = if wide && last == first + 1 { 0 } else { ahead };
+    let ahead = if loads_before_cos_sin(wide, (first, last)) {
+        0
+    } else {
+        ahead
+    };
     for h in first..last.min(first + ahead) {
         // SAFETY: head h exists.
         let x = unsafe { head(a, tok, h).0 };
@@ -799,6 +803,13 @@ unsafe fn token_bases<T>(a: &Args<T>, (b, s): (u64, u64)) -> TokenBases<T> {
     }
 }
 
+/// Whether an item loads its heads `first..last` before finding cos/sin ([`rotate_heads`]):
+/// one head, in the `wide` kernels.
+#[inline(always)]
+fn loads_before_cos_sin(wide: bool, (first, last): (usize, usize)) -> bool {
+    wide && last == first + 1
+}
+
 /// Rotates heads `first..last` (of q's and k's heads together) of token `(b, s)` by the cos/sin
 /// of position `pos` ([`cos_sin`]). In the `wide` kernels, an item with one head (small token
 /// counts, where the grid gives every head its own block row) issues that head's loads before
@@ -820,7 +831,7 @@ unsafe fn rotate_heads<T: Elem, P: Pairing, S: Source, const L: usize>(
     (pos, wide): (i64, bool),
 ) {
     let pairs = if P::NEOX { L } else { L / 2 };
-    if wide && last == first + 1 {
+    if loads_before_cos_sin(wide, (first, last)) {
         // SAFETY: head `first` exists; j0 + pairs <= half; the caller's promises.
         unsafe {
             let v = load_head::<T, P, L>(head(a, tok, first).0, j0, half);

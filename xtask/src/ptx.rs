@@ -103,16 +103,17 @@ fn build(arch: &Arch) -> Result<String> {
     Ok(with_launch_bounds(&ptx))
 }
 
-/// `ptx` without the entry points that are not fused kernels ([`FusedKernelName::ALL`], the
-/// list the host also takes from the fused-only PTX): the module header and global
-/// declarations before the first entry stay (rustc's PTX has nothing else outside entries).
+/// `ptx` without the entry points that are not fused kernels ([`FusedKernelName::from_symbol`],
+/// which the host also asks which kernels to take from the fused-only PTX): the module header
+/// and global declarations before the first entry stay (rustc's PTX has nothing else outside
+/// entries).
 fn fused_entries_only(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len());
     let mut keep = true;
     for line in ptx.lines() {
         if let Some(rest) = line.strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or_default();
-            keep = FusedKernelName::ALL.iter().any(|k| k.symbol() == name);
+            keep = FusedKernelName::from_symbol(name).is_some();
         }
         if keep {
             out.push_str(line);
