@@ -237,6 +237,7 @@ impl Rope {
         Ok(crate::DeviceAxisMap {
             axes,
             n_axes: map.n_axes(),
+            item_axes: map.item_axes(),
         })
     }
 

@@ -72,8 +72,8 @@ pub use op::{
     TensorMut,
 };
 pub use positions::{
-    AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, Positions, RawAxisMap,
-    RawInts, RawPositions,
+    AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, ItemAxes, Positions,
+    RawAxisMap, RawInts, RawPositions,
 };
 pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
 pub use sincos::{RawSinCos, SinCos, TableShape};

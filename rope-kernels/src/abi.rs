@@ -107,14 +107,23 @@ pub enum PositionCode {
     VarlenI32 = 7,
     /// As [`PositionCode::VarlenI32`] with `i64` arrays.
     VarlenI64 = 8,
+    /// Multi-axis positions whose work-item groups each lie on one axis (mRoPE's and FLUX's
+    /// maps when their sections are multiples of the pairs per item): the positions array of
+    /// [`PositionCode::MultiAxisI32`], the axes given per rotating group by the [`GroupAxes`]
+    /// in `pos_base` instead of per pair by `pos_aux` (not read). A work item reads the one
+    /// position of its group's axis, `min(axis, pos_count - 1)`.
+    GroupAxesI32 = 9,
+    /// As [`PositionCode::GroupAxesI32`] with an `i64` array.
+    GroupAxesI64 = 10,
     /// Multi-axis positions (mRoPE, N-D axial RoPE): `pos_ptr` points at `pos_count` rows of
     /// `tokens` `i32` (`[n_axes, batch * seq]`, row `a` holding axis `a`'s position of token
     /// `b * seq + s`), `pos_aux` at `half` `u8` axis indices: pair `j` rotates by the position
     /// of axis `min(axes[j], pos_count - 1)` (the clamp keeps malformed device maps inside the
-    /// array). `pos_count` is 1 to [`MAX_AXES`].
-    MultiAxisI32 = 9,
+    /// array). `pos_count` is 1 to [`MAX_AXES`]. The largest codes: the kernels test
+    /// `code >= MultiAxisI32` for the per-pair path.
+    MultiAxisI32 = 11,
     /// As [`PositionCode::MultiAxisI32`] with an `i64` array.
-    MultiAxisI64 = 10,
+    MultiAxisI64 = 12,
 }
 
 /// The most position axes of [`PositionCode::MultiAxisI32`] and [`PositionCode::MultiAxisI64`].
@@ -134,8 +143,10 @@ impl PositionCode {
             6 => Self::IdsI64PerRow,
             7 => Self::VarlenI32,
             8 => Self::VarlenI64,
-            9 => Self::MultiAxisI32,
-            10 => Self::MultiAxisI64,
+            9 => Self::GroupAxesI32,
+            10 => Self::GroupAxesI64,
+            11 => Self::MultiAxisI32,
+            12 => Self::MultiAxisI64,
             _ => return None,
         })
     }
@@ -184,6 +195,50 @@ pub const fn pass_through_start(g: u32, lanes: u32, rotary_offset: u32, rotary_d
 #[inline(always)]
 pub fn clamped_axis(entry: u8, n_axes: u32) -> u32 {
     u32::from(entry).min(n_axes.saturating_sub(1))
+}
+
+/// The position axis of each rotating work-item group of a multi-axis launch whose groups
+/// each lie on one axis, for [`PositionCode::GroupAxesI32`]: group `g` (pairs
+/// `g * pairs..(g + 1) * pairs`) on axis `bits >> 2 g & 3`, at most [`GroupAxes::MAX_GROUPS`]
+/// groups. Passed as the kernel's `pos_base`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GroupAxes(u64);
+
+impl GroupAxes {
+    /// The most groups `pos_base` holds, two bits each.
+    pub const MAX_GROUPS: usize = 32;
+
+    /// The groups of `pairs` consecutive pairs of `map` (pair `j` on axis `map[j]`); `None`
+    /// when the pairs of some group take different axes, `map` does not split into at most
+    /// [`GroupAxes::MAX_GROUPS`] whole groups, or an axis is above 3.
+    #[inline]
+    pub fn new(map: &[u8], pairs: usize) -> Option<Self> {
+        if pairs == 0 || !map.len().is_multiple_of(pairs) || map.len() / pairs > Self::MAX_GROUPS {
+            return None;
+        }
+        let mut bits = 0u64;
+        for (g, group) in map.chunks(pairs).enumerate() {
+            let axis = group[0];
+            if u32::from(axis) >= MAX_AXES || group.iter().any(|&a| a != axis) {
+                return None;
+            }
+            bits |= u64::from(axis) << (2 * g);
+        }
+        Some(Self(bits))
+    }
+
+    /// The kernel's `pos_base`.
+    #[inline]
+    pub fn to_base(self) -> i64 {
+        self.0 as i64
+    }
+
+    /// The axis of rotating group `group` (below [`GroupAxes::MAX_GROUPS`]) under the groups
+    /// encoded in `base` ([`GroupAxes::to_base`]).
+    #[inline(always)]
+    pub fn axis_in_base(base: i64, group: u32) -> u32 {
+        (base as u64).wrapping_shr(2 * group) as u32 & 3
+    }
 }
 
 /// A context-parallel split of packed sequences, as Megatron-LM and Transformer Engine balance
@@ -903,6 +958,53 @@ mod tests {
             ContextParallelSplit::from_base(0),
             ContextParallelSplit::NONE
         );
+    }
+
+    /// Every map whose groups of `pairs` pairs each take one axis decodes, group by group, to
+    /// its own axes through the kernel's `pos_base`; any other map (a group of two axes, a
+    /// partial group, more than 32 groups) has no group axes.
+    #[test]
+    fn group_axes_in_pos_base_give_every_group_its_map_axis() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..4000 {
+            let pairs = 1usize << next(4);
+            let groups = 1 + next(40) as usize;
+            let mut map: Vec<u8> = (0..groups * pairs).map(|j| (j / pairs) as u8 % 4).collect();
+            for a in map.iter_mut() {
+                if next(8) == 0 {
+                    *a = next(4) as u8;
+                }
+            }
+            if next(8) == 0 {
+                map.pop();
+            }
+            let whole = map.len().is_multiple_of(pairs) && map.len() / pairs <= 32;
+            let uniform = map.chunks(pairs).all(|g| g.iter().all(|&a| a == g[0]));
+            match GroupAxes::new(&map, pairs) {
+                Some(g) => {
+                    assert!(whole && uniform, "{map:?} {pairs}");
+                    for (j, &a) in map.iter().enumerate() {
+                        let got = GroupAxes::axis_in_base(g.to_base(), (j / pairs) as u32);
+                        assert_eq!(got, u32::from(a), "{map:?} {pairs}");
+                    }
+                }
+                None => assert!(!(whole && uniform), "{map:?} {pairs}"),
+            }
+        }
+        assert_eq!(GroupAxes::new(&[0, 4], 1), None);
+        assert_eq!(GroupAxes::new(&[], 1).map(GroupAxes::to_base), Some(0));
+        assert_eq!(GroupAxes::new(&[1, 1], 0), None);
+        assert_eq!(
+            GroupAxes::new(&[3; 32], 1).map(GroupAxes::to_base),
+            Some(-1)
+        );
+        assert_eq!(GroupAxes::new(&[3; 33], 1), None);
     }
 
     #[test]

@@ -576,7 +576,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
         if active && rotates {
             // SAFETY: (b, s) is a token; j0 + pairs <= half; the position, table and
             // frequency promises.
-            cs = unsafe { cos_sin::<T, S, L>(a, position(a, b, s), j0, pairs) };
+            cs = unsafe { cos_sin::<T, S, L>(a, position(a, b, s, group as u32), j0, pairs) };
         }
         let item = Item {
             token: (b as u32, s as u32),

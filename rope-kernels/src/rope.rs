@@ -34,7 +34,7 @@
 use core::marker::PhantomData;
 
 use crate::abi::{
-    ContextParallelSplit, Direction, PositionCode, clamped_axis, for_each_kernel,
+    ContextParallelSplit, Direction, GroupAxes, PositionCode, clamped_axis, for_each_kernel,
     pass_through_start,
 };
 use crate::divide::Divisor;
@@ -144,8 +144,9 @@ pub(crate) struct Args<T> {
     pub(crate) sin_sign: f32,
 }
 
-/// The position of token `(b, s)`; for multi-axis positions, the token's index `b * seq + s`,
-/// from which [`cos_sin`] reads each pair's position.
+/// The position of token `(b, s)` for the work items of rotating group `group`; for per-pair
+/// multi-axis positions, the token's index `b * seq + s`, from which [`cos_sin`] reads each
+/// pair's position.
 ///
 /// Device arrays are read as they are: a position outside a table makes the token's outputs NaN
 /// (see [`cos_sin`]), and malformed `cu_seqlens` only give wrong positions, never an access
@@ -155,14 +156,15 @@ pub(crate) struct Args<T> {
 /// `pos_ptr` (and `pos_aux`) point at the arrays the position code describes (see
 /// [`PositionCode`]).
 #[inline(always)]
-pub(crate) unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
+pub(crate) unsafe fn position<T>(a: &Args<T>, b: u64, s: u64, group: u32) -> i64 {
     let seq = a.seq.divisor.get() as u64;
     let Some(code) = PositionCode::from_u32(a.positions) else {
         trap()
     };
     let at = |i: u64| i as usize;
     // SAFETY: b < batch and s < seq because b * seq + s < tokens = batch * seq; the caller
-    // promises the array sizes listed in `PositionCode`, which these indices stay inside.
+    // promises the array sizes listed in `PositionCode`, which these indices stay inside (a
+    // group's axis is clamped below `pos_count`, at least 1 for the multi-axis codes).
     unsafe {
         let i32s = a.pos_ptr.cast::<i32>();
         let i64s = a.pos_ptr.cast::<i64>();
@@ -176,6 +178,12 @@ pub(crate) unsafe fn position<T>(a: &Args<T>, b: u64, s: u64) -> i64 {
             PositionCode::IdsI64PerRow => *i64s.add(at(b * seq + s)),
             PositionCode::VarlenI32 => varlen_position::<T, i32>(a, b * seq + s),
             PositionCode::VarlenI64 => varlen_position::<T, i64>(a, b * seq + s),
+            PositionCode::GroupAxesI32 | PositionCode::GroupAxesI64 => {
+                let axis =
+                    GroupAxes::axis_in_base(a.pos_base, group).min(a.pos_count.saturating_sub(1));
+                let wide = code == PositionCode::GroupAxesI64;
+                axis_position(a, wide, axis, b * seq + s)
+            }
             // Each pair reads its own axis's position: `cos_sin` takes the token's index.
             PositionCode::MultiAxisI32 | PositionCode::MultiAxisI64 => (b * seq + s) as i64,
         }
@@ -746,7 +754,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>, wide
         if group < a.rot_groups {
             let j0 = group as usize * pairs;
             // SAFETY: (b, s) is a token of the batch; the position arrays are promised.
-            let pos = unsafe { position(a, b, s) };
+            let pos = unsafe { position(a, b, s, group) };
             // SAFETY: b < batch, s < seq.
             let tok = unsafe { token_bases(a, (b, s)) };
             // SAFETY: j0 + pairs <= half; the heads exist; the table / inv_freq promises.

@@ -192,7 +192,7 @@ pub(crate) fn plan_fused(
         lanes,
         rot_groups,
         tokens,
-        positions,
+        positions: positions.for_items(pairs),
         sincos,
         block: Divisor::new(
             NonZeroU32::new(block as u32).expect("check_cache proved 1 <= block_size <= u32::MAX"),

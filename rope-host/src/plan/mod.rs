@@ -133,7 +133,7 @@ pub(crate) fn plan(
         lanes,
         rot_groups,
         tokens,
-        positions,
+        positions: positions.for_items(pairs_per_item),
         sincos,
     }))
 }

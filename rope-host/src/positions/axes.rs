@@ -3,7 +3,7 @@
 //! layouts), its upload ([`DeviceAxisMap`]) and its raw form ([`RawAxisMap`]).
 
 use cudarc::driver::{CudaSlice, DevicePtr};
-use rope_kernels::abi::MAX_AXES;
+use rope_kernels::abi::{GroupAxes, MAX_AXES};
 
 use crate::bind::RawBuf;
 use crate::error::{Result, invalid};
@@ -122,6 +122,39 @@ impl AxisMap {
     pub fn axes(&self) -> &[u8] {
         &self.axes
     }
+
+    /// What a launch needs of the map to read one position per work item where it can.
+    pub fn item_axes(&self) -> ItemAxes {
+        ItemAxes {
+            groups: ItemAxes::PAIRS.map(|pairs| GroupAxes::new(&self.axes, pairs as usize)),
+        }
+    }
+}
+
+/// An axis map's groups of 1, 2 and 4 consecutive pairs (the pairs of one work item, by access
+/// width) where each group lies on one axis: a launch whose work items' pairs all share an axis
+/// reads one position per item, as one-position launches do, instead of one per pair through
+/// the map. [`ItemAxes::UNKNOWN`] for a map known only by address: every pair then reads its
+/// axis from the map. Made by [`AxisMap::item_axes`]; the map's [`DeviceAxisMap::raw`] carries
+/// it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ItemAxes {
+    groups: [Option<GroupAxes>; 3],
+}
+
+impl ItemAxes {
+    /// Nothing known of the map's contents.
+    pub const UNKNOWN: Self = Self { groups: [None; 3] };
+
+    /// The pairs per work item of each entry (1, 2 or 4: `preferred_lanes` is at most 4 NeoX
+    /// pairs or 8 interleaved elements).
+    const PAIRS: [u32; 3] = [1, 2, 4];
+
+    /// The groups' axes for `pairs` pairs per work item, when each group lies on one axis.
+    pub(crate) fn for_pairs(self, pairs: u32) -> Option<GroupAxes> {
+        let i = Self::PAIRS.iter().position(|&p| p == pairs)?;
+        self.groups[i]
+    }
 }
 
 /// Checks `mrope_section` against `rotary_dim`; returns `rotary_dim / 2`.
@@ -175,6 +208,7 @@ pub(crate) fn check_axes_dim(axes_dim: &[u32], rotary_dim: u32) -> Result<()> {
 pub struct DeviceAxisMap {
     pub(crate) axes: CudaSlice<u8>,
     pub(crate) n_axes: u32,
+    pub(crate) item_axes: ItemAxes,
 }
 
 impl DeviceAxisMap {
@@ -200,6 +234,7 @@ impl DeviceAxisMap {
                 len: self.axes.len(),
             },
             n_axes: self.n_axes,
+            item_axes: self.item_axes,
         }
     }
 }
@@ -212,4 +247,8 @@ pub struct RawAxisMap {
     pub axes: RawBuf,
     /// Rows of the positions array, 1 to 4.
     pub n_axes: u32,
+    /// The map's groups of pairs that lie on one axis ([`AxisMap::item_axes`] of the map at
+    /// `axes`), or [`ItemAxes::UNKNOWN`]. Groups that disagree with the device map give wrong
+    /// positions, never an access outside the arrays.
+    pub item_axes: ItemAxes,
 }

@@ -24,7 +24,7 @@ use crate::error::{Result, invalid};
 mod axes;
 
 pub(crate) use axes::check_axes_dim;
-pub use axes::{AxisMap, DeviceAxisMap, RawAxisMap};
+pub use axes::{AxisMap, DeviceAxisMap, ItemAxes, RawAxisMap};
 
 /// The shape of an explicit position-id array.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -225,14 +225,37 @@ pub enum RawPositions {
     },
 }
 
-/// What validation found: the kernel's position code and scalars, and the largest position of
-/// [`Positions::Offset`] (tables must hold it).
+/// What validation found: the kernel's position code and scalars, the largest position of
+/// [`Positions::Offset`] (tables must hold it) and, for multi-axis positions, the map's
+/// [`ItemAxes`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct PositionsPlan {
     pub(crate) code: PositionCode,
     pub(crate) base: i64,
     pub(crate) count: u32,
     pub(crate) max_implicit: Option<u64>,
+    pub(crate) item_axes: ItemAxes,
+}
+
+impl PositionsPlan {
+    /// The plan for launches of `pairs` pairs per work item: multi-axis positions whose map puts
+    /// each item's pairs on one axis take the group-axes codes (one position per item, the
+    /// map not read), the rest stay as they are.
+    pub(crate) fn for_items(self, pairs: u32) -> Self {
+        let code = match self.code {
+            PositionCode::MultiAxisI32 => PositionCode::GroupAxesI32,
+            PositionCode::MultiAxisI64 => PositionCode::GroupAxesI64,
+            _ => return self,
+        };
+        match self.item_axes.for_pairs(pairs) {
+            Some(groups) => Self {
+                code,
+                base: groups.to_base(),
+                ..self
+            },
+            None => self,
+        }
+    }
 }
 
 /// The encoded position arguments.
@@ -300,6 +323,7 @@ impl Positions<'_> {
                 axes: RawAxisMap {
                     axes: binder.read("positions", &axes.axes)?,
                     n_axes: axes.n_axes,
+                    item_axes: axes.item_axes,
                 },
             },
         })
@@ -347,6 +371,7 @@ impl RawPositions {
             base,
             count,
             max_implicit,
+            item_axes: ItemAxes::UNKNOWN,
         };
         let wide = |ints: &RawInts, i32_code, i64_code| match ints.ty {
             IntType::I32 => i32_code,
@@ -434,7 +459,10 @@ impl RawPositions {
                     PositionCode::MultiAxisI32,
                     PositionCode::MultiAxisI64,
                 );
-                plan(code, 0, n, None)
+                PositionsPlan {
+                    item_axes: axes.item_axes,
+                    ..plan(code, 0, n, None)
+                }
             }
         })
     }

@@ -1,6 +1,7 @@
 //! The position kinds' validation and encoding, without a GPU.
 
 use super::*;
+use rope_kernels::abi::GroupAxes;
 
 fn ints(ptr: u64, len: usize, ty: IntType) -> RawInts {
     RawInts {
@@ -152,6 +153,7 @@ fn multi(len: usize, ty: IntType, map_len: usize, n_axes: u32) -> RawPositions {
                 len: map_len,
             },
             n_axes,
+            item_axes: ItemAxes::UNKNOWN,
         },
     }
 }
@@ -178,6 +180,7 @@ fn multi_axis_positions_hold_one_row_per_axis_and_a_map_of_half_pairs() {
         axes: RawAxisMap {
             axes: RawBuf { ptr: 0, len: 4 },
             n_axes: 3,
+            item_axes: ItemAxes::UNKNOWN,
         },
     };
     assert_eq!(arg_of(misaligned.check(2, 5, 4)), "positions");
@@ -186,4 +189,57 @@ fn multi_axis_positions_hold_one_row_per_axis_and_a_map_of_half_pairs() {
         (args.positions, args.pos_aux, args.pos_count),
         (PositionCode::MultiAxisI32 as u32, 1 << 20, 3)
     );
+}
+
+/// A multi-axis launch whose work items' pairs each lie on one axis (Qwen2.5-VL's sections
+/// with 2 or 4 pairs per item) takes the group-axes code, its groups' axes in `pos_base`; one
+/// pair per item (64 groups, more than `pos_base` holds), an interleaved map, or a map known
+/// only by address keep the per-pair code.
+#[test]
+fn multi_axis_items_on_one_axis_take_the_group_axes_code() {
+    let mrope = AxisMap::mrope([16, 24, 24], 128).expect("valid");
+    let raw = |item_axes| RawPositions::MultiAxis {
+        positions: ints(0, 30, IntType::I64),
+        axes: RawAxisMap {
+            axes: RawBuf {
+                ptr: 1 << 20,
+                len: 64,
+            },
+            n_axes: 3,
+            item_axes,
+        },
+    };
+    let plan = raw(mrope.item_axes()).check(2, 5, 64).expect("valid");
+    assert_eq!(plan.code, PositionCode::MultiAxisI64);
+    for pairs in [2u32, 4] {
+        let items = plan.for_items(pairs);
+        assert_eq!(items.code, PositionCode::GroupAxesI64, "{pairs} pairs");
+        for group in 0..64 / pairs {
+            let axis = GroupAxes::axis_in_base(items.base, group);
+            assert_eq!(axis, u32::from(mrope.axes()[(group * pairs) as usize]));
+        }
+        let args = raw(mrope.item_axes()).encode(&items);
+        assert_eq!(
+            (args.positions, args.pos_base, args.pos_count),
+            (PositionCode::GroupAxesI64 as u32, items.base, 3)
+        );
+    }
+    assert_eq!(plan.for_items(1), plan);
+    let unknown = raw(ItemAxes::UNKNOWN).check(2, 5, 64).expect("valid");
+    assert_eq!(unknown.for_items(4), unknown);
+    let interleaved = AxisMap::mrope_interleaved([16, 24, 24], 128).expect("valid");
+    let plan = raw(interleaved.item_axes()).check(2, 5, 64).expect("valid");
+    assert_eq!(plan.for_items(2).code, PositionCode::MultiAxisI64);
+    // Sections that are multiples of two pairs but not of four.
+    let two = AxisMap::mrope([18, 22, 24], 128).expect("valid");
+    let plan = raw(two.item_axes()).check(2, 5, 64).expect("valid");
+    assert_eq!(plan.for_items(2).code, PositionCode::GroupAxesI64);
+    assert_eq!(plan.for_items(4).code, PositionCode::MultiAxisI64);
+    // One-position codes are left alone.
+    let ids = RawPositions::Ids {
+        ids: ints(0, 10, IntType::I32),
+        shape: IdsShape::PerRow,
+    };
+    let plan = ids.check(2, 5, 64).expect("valid");
+    assert_eq!(plan.for_items(4), plan);
 }

@@ -10,9 +10,9 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rope_host::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use rope_host::{
-    AngleMode, AxisMap, DType, DeviceInts, FrequencySpec, IdsShape, IntType, Io, Layout, Positions,
-    RawAxisMap, RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors,
-    Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, TensorMut,
+    AngleMode, AxisMap, DType, DeviceInts, FrequencySpec, IdsShape, IntType, Io, ItemAxes, Layout,
+    Positions, RawAxisMap, RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
+    RawTensors, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, TensorMut,
 };
 use rope_reference::case::{AxesCase, Case, PosCase, TestElem};
 use rope_reference::with_elem;
@@ -280,6 +280,7 @@ fn malformed_axis_maps_and_positions_stay_inside_the_arrays() {
                             len: half,
                         },
                         n_axes: n_axes as u32,
+                        item_axes: ItemAxes::UNKNOWN,
                     },
                 },
                 sincos: if table {
@@ -349,6 +350,151 @@ fn malformed_axis_maps_and_positions_stay_inside_the_arrays() {
             "seed {seed}: unwritten"
         );
     }
+}
+
+/// Launches whose work items' pairs each share one axis (mRoPE and axial maps with sections
+/// that are multiples of the pairs per item) read one position per item; they give exactly, bit
+/// for bit, what the per-pair path gives for the same map known only by address
+/// ([`ItemAxes::UNKNOWN`]), with positions inside and outside the table (NaN), negative ones,
+/// both pairings, tables and computed sin/cos, i32 and i64 positions. An unaligned map (every
+/// launch on the per-pair path) is the control.
+#[test]
+fn group_axes_launches_equal_the_per_pair_path_bit_for_bit() {
+    let Some((stream, rope)) =
+        gpu_or_skip("group_axes_launches_equal_the_per_pair_path_bit_for_bit")
+    else {
+        return;
+    };
+    let (tokens, heads) = (37usize, 3usize);
+    let maps = [
+        AxisMap::mrope([16, 24, 24], 128),
+        AxisMap::axial(&[16, 56, 56], 128),
+        AxisMap::mrope([8, 12, 12], 64),
+        AxisMap::axial(&[8, 8, 8, 8], 32),
+        AxisMap::mrope([6, 13, 13], 64),
+    ];
+    let mut launches = 0;
+    for (m, map) in maps.into_iter().enumerate() {
+        let map = map.expect("valid map");
+        let (n_axes, half) = (map.n_axes() as usize, map.axes().len());
+        let d = 2 * half;
+        let tables = rope
+            .build_tables::<f32>(10_000.0, d as u32, 100, TableFormat::Combined)
+            .expect("tables");
+        let cache = match tables.data() {
+            rope_host::TableData::Combined(c) => c,
+            rope_host::TableData::Separate { .. } => unreachable!("built combined"),
+        };
+        rope.prepare(10_000.0, d as u32).expect("prepare");
+        let device_map = rope.axis_map(&map).expect("upload");
+        let mut rng = StdRng::seed_from_u64(m as u64);
+        let x: Vec<f32> = (0..tokens * heads * d)
+            .map(|_| rng.random_range(-4.0..4.0))
+            .collect();
+        let positions: Vec<i64> = (0..n_axes * tokens)
+            .map(|_| match rng.random_range(0..8) {
+                0 => rng.random_range(-50..0),
+                1 => rng.random_range(100..200),
+                _ => rng.random_range(0..100),
+            })
+            .collect();
+        let narrow: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let input = stream.clone_htod(&x).expect("upload");
+        let (pos64, pos32) = (
+            stream.clone_htod(&positions).expect("upload"),
+            stream.clone_htod(&narrow).expect("upload"),
+        );
+        stream.synchronize().expect("uploads complete");
+        for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+            for table in [false, true] {
+                for wide in [false, true] {
+                    let run = |item_axes: ItemAxes| -> Vec<u32> {
+                        let mut out = stream.alloc_zeros::<f32>(x.len()).expect("alloc");
+                        let layout = Layout::thd(tokens, heads, d);
+                        let positions = RawInts {
+                            buf: RawBuf {
+                                ptr: if wide {
+                                    pos64.device_ptr(&stream).0
+                                } else {
+                                    pos32.device_ptr(&stream).0
+                                },
+                                len: positions.len(),
+                            },
+                            ty: if wide { IntType::I64 } else { IntType::I32 },
+                        };
+                        let op = RawOp {
+                            config: RopeConfig::builder(d as u32, style)
+                                .build()
+                                .expect("config"),
+                            dtype: DType::F32,
+                            positions: RawPositions::MultiAxis {
+                                positions,
+                                axes: RawAxisMap {
+                                    item_axes,
+                                    ..device_map.raw()
+                                },
+                            },
+                            sincos: if table {
+                                RawSinCos::CosSinCache {
+                                    cache: RawBuf {
+                                        ptr: cache.device_ptr(&stream).0,
+                                        len: cache.len(),
+                                    },
+                                    dtype: DType::F32,
+                                    shape: TableShape {
+                                        max_position: 100,
+                                        rotary_dim: d as u32,
+                                    },
+                                }
+                            } else {
+                                RawSinCos::Computed { theta: 10_000.0 }
+                            },
+                        };
+                        let io = RawIo::OutOfPlace {
+                            input: RawTensor {
+                                buf: RawBuf {
+                                    ptr: input.device_ptr(&stream).0,
+                                    len: x.len(),
+                                },
+                                layout,
+                            },
+                            output: RawTensor {
+                                buf: RawBuf {
+                                    ptr: out.device_ptr_mut(&stream).0,
+                                    len: x.len(),
+                                },
+                                layout,
+                            },
+                        };
+                        // SAFETY: the handle's own stream; every address is a live allocation
+                        // of its context with the lengths given (input, positions and map as
+                        // uploaded and synchronized, the output allocated on this stream, the
+                        // cache as built), freed only after the download below; nothing else
+                        // writes them.
+                        unsafe { rope.run_raw(&op, RawTensors::Q(io), stream.cu_stream()) }
+                            .expect("launch");
+                        let got = stream.clone_dtoh(&out).expect("download");
+                        got.into_iter().map(f32::to_bits).collect()
+                    };
+                    let (grouped, per_pair) = (run(map.item_axes()), run(ItemAxes::UNKNOWN));
+                    let what = format!("map {m} {style:?} table {table} i64 {wide}");
+                    assert!(
+                        grouped.iter().any(|&b| !f32::from_bits(b).is_nan()),
+                        "{what}: no finite output"
+                    );
+                    if table {
+                        assert!(
+                            grouped.iter().any(|&b| f32::from_bits(b).is_nan()),
+                            "{what}: no position outside the table"
+                        );
+                    }
+                    assert!(grouped == per_pair, "{what}: the paths differ");
+                    launches += 1;
+                }
+            }
+        }
+    }
+    println!("group_axes_launches_equal_the_per_pair_path_bit_for_bit: {launches} launch pairs");
 }
 
 /// Multi-axis descriptions that disagree with the launch are refused before anything runs,

@@ -171,6 +171,7 @@ fn multi_axis_positions_are_checked_against_the_tokens_and_pairs() {
     let map = |len| RawAxisMap {
         axes: RawBuf { ptr: 1 << 30, len },
         n_axes: 3,
+        item_axes: crate::positions::ItemAxes::UNKNOWN,
     };
     r.positions = RawPositions::MultiAxis {
         positions: ints(1 << 28, 18, IntType::I64),
