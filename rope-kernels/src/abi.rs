@@ -163,6 +163,12 @@ pub enum Access {
     /// NeoX pairs): a separate kernel, so the common wide kernel carries none of these paths'
     /// registers.
     Narrow,
+    /// The preferred width, for launches whose grid gives every head a block row of its own
+    /// (`heads_per_chunk = 1`: decode steps and other small launches) and that copy no
+    /// pass-through elements: each thread rotates one work item of one head, with no grid-stride
+    /// loop, its head's loads issued before its position and cos/sin. RoPE kernels only (the
+    /// fused kernels' names map it to [`Access::Wide`]).
+    OneHead,
 }
 
 /// Elements per access of the [`Access::Wide`] kernels: 16 bytes, except for NeoX pairs of
@@ -313,7 +319,8 @@ impl ContextParallelSplit {
 
 /// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example
 /// `rope_neox_theta_fwd_f32` (`table32` for [`SinCosSource::TableF32`]), with the suffix
-/// `_narrow` for [`Access::Narrow`]. Every combination exists, but `TableF32` only for `f16` and
+/// `_narrow` for [`Access::Narrow`] and `_one_head` for [`Access::OneHead`]. Every combination
+/// exists, but `TableF32` only for `f16` and
 /// `bf16`; all have the same parameter list.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {
@@ -330,44 +337,44 @@ pub struct KernelName {
 }
 
 /// Calls `$m!` with every kernel as
-/// `wide symbol, narrow symbol: Style, Source, Direction, DType, storage type;`:
+/// `wide symbol, narrow symbol, one-head symbol: Style, Source, Direction, DType, storage type;`:
 /// the one list from which the kernel crate defines the entry points and [`KernelName`] its
 /// table, so the two cannot disagree.
 macro_rules! for_each_kernel {
     ($m:ident) => {
         $m! {
-            rope_interleaved_table_fwd_f32, rope_interleaved_table_fwd_f32_narrow: Interleaved, Table, Forward, F32, f32;
-            rope_interleaved_table_bwd_f32, rope_interleaved_table_bwd_f32_narrow: Interleaved, Table, Backward, F32, f32;
-            rope_interleaved_theta_fwd_f32, rope_interleaved_theta_fwd_f32_narrow: Interleaved, Theta, Forward, F32, f32;
-            rope_interleaved_theta_bwd_f32, rope_interleaved_theta_bwd_f32_narrow: Interleaved, Theta, Backward, F32, f32;
-            rope_neox_table_fwd_f32, rope_neox_table_fwd_f32_narrow: Neox, Table, Forward, F32, f32;
-            rope_neox_table_bwd_f32, rope_neox_table_bwd_f32_narrow: Neox, Table, Backward, F32, f32;
-            rope_neox_theta_fwd_f32, rope_neox_theta_fwd_f32_narrow: Neox, Theta, Forward, F32, f32;
-            rope_neox_theta_bwd_f32, rope_neox_theta_bwd_f32_narrow: Neox, Theta, Backward, F32, f32;
-            rope_interleaved_table_fwd_f16, rope_interleaved_table_fwd_f16_narrow: Interleaved, Table, Forward, F16, Half;
-            rope_interleaved_table32_fwd_f16, rope_interleaved_table32_fwd_f16_narrow: Interleaved, TableF32, Forward, F16, Half;
-            rope_interleaved_table_bwd_f16, rope_interleaved_table_bwd_f16_narrow: Interleaved, Table, Backward, F16, Half;
-            rope_interleaved_table32_bwd_f16, rope_interleaved_table32_bwd_f16_narrow: Interleaved, TableF32, Backward, F16, Half;
-            rope_interleaved_theta_fwd_f16, rope_interleaved_theta_fwd_f16_narrow: Interleaved, Theta, Forward, F16, Half;
-            rope_interleaved_theta_bwd_f16, rope_interleaved_theta_bwd_f16_narrow: Interleaved, Theta, Backward, F16, Half;
-            rope_neox_table_fwd_f16, rope_neox_table_fwd_f16_narrow: Neox, Table, Forward, F16, Half;
-            rope_neox_table32_fwd_f16, rope_neox_table32_fwd_f16_narrow: Neox, TableF32, Forward, F16, Half;
-            rope_neox_table_bwd_f16, rope_neox_table_bwd_f16_narrow: Neox, Table, Backward, F16, Half;
-            rope_neox_table32_bwd_f16, rope_neox_table32_bwd_f16_narrow: Neox, TableF32, Backward, F16, Half;
-            rope_neox_theta_fwd_f16, rope_neox_theta_fwd_f16_narrow: Neox, Theta, Forward, F16, Half;
-            rope_neox_theta_bwd_f16, rope_neox_theta_bwd_f16_narrow: Neox, Theta, Backward, F16, Half;
-            rope_interleaved_table_fwd_bf16, rope_interleaved_table_fwd_bf16_narrow: Interleaved, Table, Forward, BF16, Bf16;
-            rope_interleaved_table32_fwd_bf16, rope_interleaved_table32_fwd_bf16_narrow: Interleaved, TableF32, Forward, BF16, Bf16;
-            rope_interleaved_table_bwd_bf16, rope_interleaved_table_bwd_bf16_narrow: Interleaved, Table, Backward, BF16, Bf16;
-            rope_interleaved_table32_bwd_bf16, rope_interleaved_table32_bwd_bf16_narrow: Interleaved, TableF32, Backward, BF16, Bf16;
-            rope_interleaved_theta_fwd_bf16, rope_interleaved_theta_fwd_bf16_narrow: Interleaved, Theta, Forward, BF16, Bf16;
-            rope_interleaved_theta_bwd_bf16, rope_interleaved_theta_bwd_bf16_narrow: Interleaved, Theta, Backward, BF16, Bf16;
-            rope_neox_table_fwd_bf16, rope_neox_table_fwd_bf16_narrow: Neox, Table, Forward, BF16, Bf16;
-            rope_neox_table32_fwd_bf16, rope_neox_table32_fwd_bf16_narrow: Neox, TableF32, Forward, BF16, Bf16;
-            rope_neox_table_bwd_bf16, rope_neox_table_bwd_bf16_narrow: Neox, Table, Backward, BF16, Bf16;
-            rope_neox_table32_bwd_bf16, rope_neox_table32_bwd_bf16_narrow: Neox, TableF32, Backward, BF16, Bf16;
-            rope_neox_theta_fwd_bf16, rope_neox_theta_fwd_bf16_narrow: Neox, Theta, Forward, BF16, Bf16;
-            rope_neox_theta_bwd_bf16, rope_neox_theta_bwd_bf16_narrow: Neox, Theta, Backward, BF16, Bf16;
+            rope_interleaved_table_fwd_f32, rope_interleaved_table_fwd_f32_narrow, rope_interleaved_table_fwd_f32_one_head: Interleaved, Table, Forward, F32, f32;
+            rope_interleaved_table_bwd_f32, rope_interleaved_table_bwd_f32_narrow, rope_interleaved_table_bwd_f32_one_head: Interleaved, Table, Backward, F32, f32;
+            rope_interleaved_theta_fwd_f32, rope_interleaved_theta_fwd_f32_narrow, rope_interleaved_theta_fwd_f32_one_head: Interleaved, Theta, Forward, F32, f32;
+            rope_interleaved_theta_bwd_f32, rope_interleaved_theta_bwd_f32_narrow, rope_interleaved_theta_bwd_f32_one_head: Interleaved, Theta, Backward, F32, f32;
+            rope_neox_table_fwd_f32, rope_neox_table_fwd_f32_narrow, rope_neox_table_fwd_f32_one_head: Neox, Table, Forward, F32, f32;
+            rope_neox_table_bwd_f32, rope_neox_table_bwd_f32_narrow, rope_neox_table_bwd_f32_one_head: Neox, Table, Backward, F32, f32;
+            rope_neox_theta_fwd_f32, rope_neox_theta_fwd_f32_narrow, rope_neox_theta_fwd_f32_one_head: Neox, Theta, Forward, F32, f32;
+            rope_neox_theta_bwd_f32, rope_neox_theta_bwd_f32_narrow, rope_neox_theta_bwd_f32_one_head: Neox, Theta, Backward, F32, f32;
+            rope_interleaved_table_fwd_f16, rope_interleaved_table_fwd_f16_narrow, rope_interleaved_table_fwd_f16_one_head: Interleaved, Table, Forward, F16, Half;
+            rope_interleaved_table32_fwd_f16, rope_interleaved_table32_fwd_f16_narrow, rope_interleaved_table32_fwd_f16_one_head: Interleaved, TableF32, Forward, F16, Half;
+            rope_interleaved_table_bwd_f16, rope_interleaved_table_bwd_f16_narrow, rope_interleaved_table_bwd_f16_one_head: Interleaved, Table, Backward, F16, Half;
+            rope_interleaved_table32_bwd_f16, rope_interleaved_table32_bwd_f16_narrow, rope_interleaved_table32_bwd_f16_one_head: Interleaved, TableF32, Backward, F16, Half;
+            rope_interleaved_theta_fwd_f16, rope_interleaved_theta_fwd_f16_narrow, rope_interleaved_theta_fwd_f16_one_head: Interleaved, Theta, Forward, F16, Half;
+            rope_interleaved_theta_bwd_f16, rope_interleaved_theta_bwd_f16_narrow, rope_interleaved_theta_bwd_f16_one_head: Interleaved, Theta, Backward, F16, Half;
+            rope_neox_table_fwd_f16, rope_neox_table_fwd_f16_narrow, rope_neox_table_fwd_f16_one_head: Neox, Table, Forward, F16, Half;
+            rope_neox_table32_fwd_f16, rope_neox_table32_fwd_f16_narrow, rope_neox_table32_fwd_f16_one_head: Neox, TableF32, Forward, F16, Half;
+            rope_neox_table_bwd_f16, rope_neox_table_bwd_f16_narrow, rope_neox_table_bwd_f16_one_head: Neox, Table, Backward, F16, Half;
+            rope_neox_table32_bwd_f16, rope_neox_table32_bwd_f16_narrow, rope_neox_table32_bwd_f16_one_head: Neox, TableF32, Backward, F16, Half;
+            rope_neox_theta_fwd_f16, rope_neox_theta_fwd_f16_narrow, rope_neox_theta_fwd_f16_one_head: Neox, Theta, Forward, F16, Half;
+            rope_neox_theta_bwd_f16, rope_neox_theta_bwd_f16_narrow, rope_neox_theta_bwd_f16_one_head: Neox, Theta, Backward, F16, Half;
+            rope_interleaved_table_fwd_bf16, rope_interleaved_table_fwd_bf16_narrow, rope_interleaved_table_fwd_bf16_one_head: Interleaved, Table, Forward, BF16, Bf16;
+            rope_interleaved_table32_fwd_bf16, rope_interleaved_table32_fwd_bf16_narrow, rope_interleaved_table32_fwd_bf16_one_head: Interleaved, TableF32, Forward, BF16, Bf16;
+            rope_interleaved_table_bwd_bf16, rope_interleaved_table_bwd_bf16_narrow, rope_interleaved_table_bwd_bf16_one_head: Interleaved, Table, Backward, BF16, Bf16;
+            rope_interleaved_table32_bwd_bf16, rope_interleaved_table32_bwd_bf16_narrow, rope_interleaved_table32_bwd_bf16_one_head: Interleaved, TableF32, Backward, BF16, Bf16;
+            rope_interleaved_theta_fwd_bf16, rope_interleaved_theta_fwd_bf16_narrow, rope_interleaved_theta_fwd_bf16_one_head: Interleaved, Theta, Forward, BF16, Bf16;
+            rope_interleaved_theta_bwd_bf16, rope_interleaved_theta_bwd_bf16_narrow, rope_interleaved_theta_bwd_bf16_one_head: Interleaved, Theta, Backward, BF16, Bf16;
+            rope_neox_table_fwd_bf16, rope_neox_table_fwd_bf16_narrow, rope_neox_table_fwd_bf16_one_head: Neox, Table, Forward, BF16, Bf16;
+            rope_neox_table32_fwd_bf16, rope_neox_table32_fwd_bf16_narrow, rope_neox_table32_fwd_bf16_one_head: Neox, TableF32, Forward, BF16, Bf16;
+            rope_neox_table_bwd_bf16, rope_neox_table_bwd_bf16_narrow, rope_neox_table_bwd_bf16_one_head: Neox, Table, Backward, BF16, Bf16;
+            rope_neox_table32_bwd_bf16, rope_neox_table32_bwd_bf16_narrow, rope_neox_table32_bwd_bf16_one_head: Neox, TableF32, Backward, BF16, Bf16;
+            rope_neox_theta_fwd_bf16, rope_neox_theta_fwd_bf16_narrow, rope_neox_theta_fwd_bf16_one_head: Neox, Theta, Forward, BF16, Bf16;
+            rope_neox_theta_bwd_bf16, rope_neox_theta_bwd_bf16_narrow, rope_neox_theta_bwd_bf16_one_head: Neox, Theta, Backward, BF16, Bf16;
         }
     };
 }
@@ -551,10 +558,13 @@ impl KernelName {
 
 /// Defines [`KernelName::ALL`] and [`KernelName::symbol`] from the kernel list.
 macro_rules! kernel_table {
-    ($($sym:ident, $narrow:ident: $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*) => {
+    (
+        $($sym:ident, $narrow:ident, $one_head:ident:
+            $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*
+    ) => {
         impl KernelName {
             /// Every kernel, in the order the host loads them.
-            pub const ALL: [KernelName; 2 * [$(stringify!($sym)),*].len()] = [$(
+            pub const ALL: [KernelName; 3 * [$(stringify!($sym)),*].len()] = [$(
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -568,6 +578,13 @@ macro_rules! kernel_table {
                     direction: Direction::$dir,
                     dtype: DType::$dt,
                     access: Access::Narrow,
+                },
+                KernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    direction: Direction::$dir,
+                    dtype: DType::$dt,
+                    access: Access::OneHead,
                 },
             )*];
 
@@ -586,6 +603,8 @@ macro_rules! kernel_table {
                             Access::Wide) => stringify!($sym),
                         (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
                             Access::Narrow) => stringify!($narrow),
+                        (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
+                            Access::OneHead) => stringify!($one_head),
                     )*
                 }
             }
@@ -753,6 +772,12 @@ macro_rules! fused_kernel_table {
             /// The exported PTX symbol.
             pub const fn symbol(self) -> &'static str {
                 match (self.style, self.source, self.dtype, self.access) {
+                    // No fused kernel is one-head only.
+                    (_, _, _, Access::OneHead) => FusedKernelName {
+                        access: Access::Wide,
+                        ..self
+                    }
+                    .symbol(),
                     // f32 tensors read f32 tables through the `Table` kernels.
                     (_, SinCosSource::TableF32, DType::F32, _) => FusedKernelName {
                         source: SinCosSource::Table,

@@ -58,6 +58,15 @@ impl Divisor {
             (n / d, n % d)
         }
     }
+
+    /// `(n / d, n % d)` for a 32-bit index: [`Divisor::div_rem`] without the wide fallback
+    /// (the sum `n + (n magic >> 32)` still takes 33 bits).
+    #[inline(always)]
+    pub fn div_rem_u32(self, n: u32) -> (u32, u32) {
+        let hi = (u64::from(n) * u64::from(self.magic)) >> 32;
+        let q = ((u64::from(n) + hi) >> self.shift) as u32;
+        (q, n.wrapping_sub(q.wrapping_mul(self.divisor.get())))
+    }
 }
 
 #[cfg(test)]
@@ -74,6 +83,8 @@ mod tests {
         let hi = (n * v.magic as u64) >> 32;
         assert_eq!((n + hi) >> v.shift, n / d, "{n} / {d} by magic {v:?}");
         assert_eq!(v.div_rem(n), (n / d, n % d));
+        let (q, r) = v.div_rem_u32(n as u32);
+        assert_eq!((u64::from(q), u64::from(r)), (n / d, n % d));
     }
 
     #[test]

@@ -34,8 +34,8 @@
 use core::marker::PhantomData;
 
 use crate::abi::{
-    ContextParallelSplit, Direction, GroupAxes, PositionCode, clamped_axis, for_each_kernel,
-    pass_through_start,
+    Access, ContextParallelSplit, Direction, GroupAxes, PositionCode, clamped_axis,
+    for_each_kernel, pass_through_start,
 };
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
@@ -901,24 +901,75 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
     }
 }
 
+/// The one-head body ([`Access::OneHead`]): this thread's work item `blockIdx.x * blockDim.x +
+/// threadIdx.x` (token and rotating group) of head `blockIdx.y` of q's and k's heads together,
+/// or nothing past the last item. Its loads are issued first, then its position and cos/sin
+/// found while they are in flight. No loop, no head range and no pass-through copy: per thread
+/// only the index split, one tensor's addresses and the rotation (at decode, where every head
+/// has its own block row, the general body's loop and head bookkeeping were most of the
+/// instructions a thread ran).
+///
+/// # Safety
+/// The promises of the entry points, and those of [`Access::OneHead`]: `gridDim.y` is
+/// `q.heads + k.heads`, there are no pass-through groups (`groups = rot_groups`) and
+/// `tokens * groups < 2^32`.
+#[inline(always)]
+unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
+    let pairs = if P::NEOX { L } else { L / 2 };
+    let idx = block_idx_x() * block_dim_x() + thread_idx_x();
+    if u64::from(idx) >= a.tokens * u64::from(a.rot_groups) {
+        return;
+    }
+    let (token, group) = a.groups.div_rem_u32(idx);
+    let (b, s) = a.seq.div_rem_u32(token);
+    let (b, s) = (u64::from(b), u64::from(s));
+    let (j0, half) = (group as usize * pairs, a.half as usize);
+    // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
+    // promised. Found first: its chain (the position, then the table rows) is the longest.
+    let pos = unsafe { position(a, b, s, group) };
+    let h = block_idx_y();
+    let (t, h) = if h < a.q.heads {
+        (&a.q, h)
+    } else {
+        (&a.k, h - a.q.heads)
+    };
+    let at =
+        |strides: &[u64; 3]| (b * strides[0] + s * strides[1] + u64::from(h) * strides[2]) as usize;
+    // SAFETY: head h of that tensor exists (gridDim.y covers q's and k's heads), j0 + pairs <=
+    // half; the promises of `load_head` and `cos_sin`.
+    unsafe {
+        let (x, out) = (t.x.add(at(&t.x_strides)), t.out.add(at(&t.out_strides)));
+        let v = load_head::<T, P, L>(x, j0, half);
+        let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
+        rotate_store_head::<T, P, L>(out, j0, half, v, &cos, &sin);
+    }
+}
+
 /// Picks the monomorphized body for the `lanes` argument: the [preferred] body for the
-/// wide kernels, one of the narrower ones for the `_narrow` kernels.
+/// wide and one-head kernels, one of the narrower ones for the `_narrow` kernels.
 ///
 /// [preferred]: crate::abi::preferred_lanes
 ///
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const WIDE: bool>(a: &Args<T>) {
+unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(a: &Args<T>) {
+    const WIDE: u8 = Access::Wide as u8;
+    const NARROW: u8 = Access::Narrow as u8;
+    const ONE_HEAD: u8 = Access::OneHead as u8;
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
-        match (WIDE, T::SIZE, a.lanes, P::NEOX) {
-            (true, 4, 4, _) => body::<T, P, S, 4>(a, true),
-            (true, 2, 8, false) => body::<T, P, S, 8>(a, true),
-            (true, 2, 4, true) => body::<T, P, S, 4>(a, true),
-            (false, 2, 4, false) => body::<T, P, S, 4>(a, false),
-            (false, _, 2, _) => body::<T, P, S, 2>(a, false),
-            (false, _, 1, true) => body::<T, P, S, 1>(a, false),
+        match (ACCESS, T::SIZE, a.lanes, P::NEOX) {
+            (WIDE, 4, 4, _) => body::<T, P, S, 4>(a, true),
+            (WIDE, 2, 8, false) => body::<T, P, S, 8>(a, true),
+            (WIDE, 2, 4, true) => body::<T, P, S, 4>(a, true),
+            // One-head kernels take the preferred width only: no `lanes` to read.
+            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4>(a),
+            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8>(a),
+            (ONE_HEAD, 2, _, true) => one_head_body::<T, P, S, 4>(a),
+            (NARROW, 2, 4, false) => body::<T, P, S, 4>(a, false),
+            (NARROW, _, 2, _) => body::<T, P, S, 2>(a, false),
+            (NARROW, _, 1, true) => body::<T, P, S, 1>(a, false),
             _ => trap(),
         }
     }
@@ -989,23 +1040,29 @@ impl<T> Args<T> {
     }
 }
 
-/// Defines one exported entry point per (pairing, source, direction, dtype), wide and narrow.
+/// Defines one exported entry point per (pairing, source, direction, dtype), wide, narrow and
+/// one-head.
 macro_rules! rope_kernel {
-    ($($wide:ident, $narrow:ident: $pairing:ident, $source:ident, $dir:ident, $dt:ident, $t:ty;)*) => {$(
-        crate::rope_kernel_params!(rope_entry { $wide, true: $pairing, $source, $dir, $t });
-        crate::rope_kernel_params!(rope_entry { $narrow, false: $pairing, $source, $dir, $t });
+    (
+        $($wide:ident, $narrow:ident, $one_head:ident:
+            $pairing:ident, $source:ident, $dir:ident, $dt:ident, $t:ty;)*
+    ) => {$(
+        crate::rope_kernel_params!(rope_entry { $wide, Wide: $pairing, $source, $dir, $t });
+        crate::rope_kernel_params!(rope_entry { $narrow, Narrow: $pairing, $source, $dir, $t });
+        crate::rope_kernel_params!(rope_entry { $one_head, OneHead: $pairing, $source, $dir, $t });
     )*};
 }
 
 /// One entry point with the parameter list of [`crate::rope_kernel_params!`].
 macro_rules! rope_entry {
     (
-        { $name:ident, $is_wide:literal: $pairing:ident, $source:ident, $dir:ident, $t:ty }
+        { $name:ident, $access:ident: $pairing:ident, $source:ident, $dir:ident, $t:ty }
         $($param:ident: $kind:ident,)*
     ) => {
         /// One RoPE entry point; its name says the pairing, the sin/cos source, the direction,
-        /// the element type and (`_narrow`) whether accesses are narrower than the preferred
-        /// width. See the module documentation for the formula and mapping, and
+        /// the element type and whether accesses are narrower than the preferred width
+        /// (`_narrow`) or each thread rotates one item of its block row's one head
+        /// (`_one_head`, with the further promises of `one_head_body`). See the module documentation for the formula and mapping, and
         /// `rope_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
@@ -1028,7 +1085,7 @@ macro_rules! rope_entry {
         ) {
             let args = Args::new(Params::<$t> { $($param,)* }, Direction::$dir);
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe { dispatch::<$t, $pairing, $source<$t>, $is_wide>(&args) }
+            unsafe { dispatch::<$t, $pairing, $source<$t>, { Access::$access as u8 }>(&args) }
         }
     };
 }

@@ -127,6 +127,21 @@ pub(crate) fn plan(
         blocks_per_sm(kernel),
     )?
     .expect("tokens, seq, heads and groups are non-zero");
+    // Every head in a block row of its own and nothing to pass through: the one-head kernel,
+    // one work item per thread, on the same grid (whose x covers every item when there are
+    // fewer than 2^32).
+    let one_head = kernel.access == Access::Wide
+        && pass_groups == 0
+        && grid.heads_per_chunk == 1
+        && tokens.saturating_mul(u64::from(rot_groups)) < 1 << 32;
+    let kernel = KernelName {
+        access: if one_head {
+            Access::OneHead
+        } else {
+            kernel.access
+        },
+        ..kernel
+    };
     Ok(Some(Plan {
         kernel,
         grid,

@@ -130,6 +130,46 @@ fn partial_rotary_copies_the_rest_only_out_of_place() {
     assert_eq!((p.rot_groups, groups(&p)), (8, 24));
 }
 
+/// A decode step (64 tokens, 32 + 8 heads of 128: every head gets a block row) takes the
+/// one-head kernel on the same grid; a prefill (heads share block rows), a launch with
+/// pass-through elements to copy, or one of narrow accesses keeps its kernel.
+#[test]
+fn decode_sized_launches_take_the_one_head_kernel() {
+    let mut r = request(neox(128), Layout::bshd(64, 1, 32, 128));
+    r.dtype = DType::BF16;
+    r.k = Some(tensor(Layout::bshd(64, 1, 8, 128), 1 << 30));
+    let p = valid(&r);
+    assert_eq!(p.kernel.access, Access::OneHead);
+    assert_eq!(
+        (p.grid.heads_per_chunk, p.grid.config.grid_dim),
+        (1, (8, 40, 1))
+    );
+    assert_eq!(p.kernel.symbol(), "rope_neox_theta_fwd_bf16_one_head");
+    let mut prefill = request(neox(128), Layout::bshd(1, 8192, 32, 128));
+    prefill.dtype = DType::BF16;
+    let p = valid(&prefill);
+    assert!(p.grid.heads_per_chunk > 1);
+    assert_eq!(p.kernel.access, Access::Wide);
+    let partial = RopeConfig::builder(128, RopeStyle::Neox)
+        .rotary_dim(64)
+        .build()
+        .expect("valid");
+    let layout = Layout::bshd(1, 2, 3, 128);
+    let mut r = request(partial, layout);
+    assert_eq!(valid(&r).kernel.access, Access::OneHead, "in place");
+    r.q.out = Some((
+        RawBuf {
+            ptr: 1 << 30,
+            len: 768,
+        },
+        layout,
+    ));
+    assert_eq!(valid(&r).kernel.access, Access::Wide, "pass-through copies");
+    let mut r = request(neox(6), Layout::bshd(2, 3, 4, 6));
+    r.q.x.ptr += 4;
+    assert_eq!(valid(&r).kernel.access, Access::Narrow);
+}
+
 /// `len` integers of `ty` at `ptr`.
 #[test]
 fn rotary_offset_shifts_the_pointers_and_limits_the_access_width() {
