@@ -30,6 +30,10 @@
 //! into L2 before the arithmetic). Every access moves `lanes` elements at once: when alignment
 //! allows, the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
 //! elements).
+//!
+//! The `_one_head` kernels ([`Access::OneHead`]) serve launches whose grid gives every head a
+//! block row of its own and that copy nothing through (decode steps): each thread rotates the one
+//! work item `blockIdx.x * blockDim.x + threadIdx.x` of head `blockIdx.y`, with no loop.
 
 use core::marker::PhantomData;
 
