@@ -8,7 +8,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use rope_host::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use rope_host::{
     AngleMode, AxisMap, DType, DeviceInts, FrequencySpec, IdsShape, IntType, Io, ItemAxes, Layout,
     Positions, RawAxisMap, RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
@@ -204,6 +204,71 @@ fn text_tokens_equal_the_one_position_result_in_both_angle_modes() {
     }
 }
 
+/// An f32 multi-axis launch description by address: head size `d`, `positions` and `axes`,
+/// sin/cos from the combined f32 `cache` of 100 positions (built for `d`) or computed with
+/// theta 10 000 when there is none.
+fn f32_multi_axis_op(
+    (d, style): (usize, RopeStyle),
+    positions: RawInts,
+    axes: RawAxisMap,
+    cache: Option<RawBuf>,
+) -> RawOp {
+    RawOp {
+        config: RopeConfig::builder(d as u32, style)
+            .build()
+            .expect("config"),
+        dtype: DType::F32,
+        positions: RawPositions::MultiAxis { positions, axes },
+        sincos: match cache {
+            Some(cache) => RawSinCos::CosSinCache {
+                cache,
+                dtype: DType::F32,
+                shape: TableShape {
+                    max_position: 100,
+                    rotary_dim: d as u32,
+                },
+            },
+            None => RawSinCos::Computed { theta: 10_000.0 },
+        },
+    }
+}
+
+/// Launches `op` on the handle's stream, out of place from `input` to `output` (each with its
+/// layout, addressing inside its buffer).
+///
+/// # Safety
+/// The addresses in `op` (positions, axis map, cache) are live allocations of the handle's
+/// context with the lengths given, complete on its stream and written by nothing else until
+/// the launch completes.
+unsafe fn run_f32(
+    rope: &Rope,
+    op: &RawOp,
+    (input, layout): (&CudaSlice<f32>, Layout),
+    (output, out_layout): (&mut CudaSlice<f32>, Layout),
+) {
+    let stream = rope.stream().clone();
+    let out_len = output.len();
+    let io = RawIo::OutOfPlace {
+        input: RawTensor {
+            buf: RawBuf {
+                ptr: input.device_ptr(&stream).0,
+                len: input.len(),
+            },
+            layout,
+        },
+        output: RawTensor {
+            buf: RawBuf {
+                ptr: output.device_ptr_mut(&stream).0,
+                len: out_len,
+            },
+            layout: out_layout,
+        },
+    };
+    // SAFETY: the caller's promises for `op`; the tensors are live allocations of the lengths
+    // given, used on this stream only.
+    unsafe { rope.run_raw(op, RawTensors::Q(io), stream.cu_stream()) }.expect("launch");
+}
+
 /// Device axis maps are not validated on the host: a map with entries far past `n_axes`
 /// (up to 255) gives exactly what the map clamped to the last axis gives, positions of any
 /// value (negative, past the table, past `i32`) give NaN with tables or finite garbage with
@@ -261,65 +326,31 @@ fn malformed_axis_maps_and_positions_stay_inside_the_arrays() {
                 guard,
             )
             .expect("unit stride");
-            let op = RawOp {
-                config: RopeConfig::builder(d as u32, style)
-                    .build()
-                    .expect("config"),
-                dtype: DType::F32,
-                positions: RawPositions::MultiAxis {
-                    positions: RawInts {
-                        buf: RawBuf {
-                            ptr: pos.device_ptr(&stream).0,
-                            len: positions.len(),
-                        },
-                        ty: IntType::I64,
-                    },
-                    axes: RawAxisMap {
-                        axes: RawBuf {
-                            ptr: map.device_ptr(&stream).0,
-                            len: half,
-                        },
-                        n_axes: n_axes as u32,
-                        item_axes: ItemAxes::UNKNOWN,
-                    },
+            let positions = RawInts {
+                buf: RawBuf {
+                    ptr: pos.device_ptr(&stream).0,
+                    len: positions.len(),
                 },
-                sincos: if table {
-                    RawSinCos::CosSinCache {
-                        cache: RawBuf {
-                            ptr: cache.device_ptr(&stream).0,
-                            len: cache.len(),
-                        },
-                        dtype: DType::F32,
-                        shape: TableShape {
-                            max_position: 100,
-                            rotary_dim: d as u32,
-                        },
-                    }
-                } else {
-                    RawSinCos::Computed { theta: 10_000.0 }
-                },
+                ty: IntType::I64,
             };
-            let io = RawIo::OutOfPlace {
-                input: RawTensor {
-                    buf: RawBuf {
-                        ptr: input.device_ptr(&stream).0,
-                        len: x.len(),
-                    },
-                    layout,
+            let axes = RawAxisMap {
+                axes: RawBuf {
+                    ptr: map.device_ptr(&stream).0,
+                    len: half,
                 },
-                output: RawTensor {
-                    buf: RawBuf {
-                        ptr: out.device_ptr_mut(&stream).0,
-                        len: poison.len(),
-                    },
-                    layout: out_layout,
-                },
+                n_axes: n_axes as u32,
+                item_axes: ItemAxes::UNKNOWN,
             };
+            let cache = table.then(|| RawBuf {
+                ptr: cache.device_ptr(&stream).0,
+                len: cache.len(),
+            });
+            let op = f32_multi_axis_op((d, style), positions, axes, cache);
             // SAFETY: the handle's own stream; every address is a live allocation of its
             // context with the lengths given (input and positions as uploaded, the map `half`
             // bytes, the output `poison.len()` f32, the cache as built), complete (synchronized
             // above) and freed only after the download below; nothing else writes them.
-            unsafe { rope.run_raw(&op, RawTensors::Q(io), stream.cu_stream()) }.expect("launch");
+            unsafe { run_f32(&rope, &op, (&input, layout), (&mut out, out_layout)) };
             let got = stream.clone_dtoh(&out).expect("download");
             let (before, rest) = got.split_at(guard);
             let (inside, after) = rest.split_at(x.len());
@@ -422,57 +453,21 @@ fn group_axes_launches_equal_the_per_pair_path_bit_for_bit() {
                             },
                             ty: if wide { IntType::I64 } else { IntType::I32 },
                         };
-                        let op = RawOp {
-                            config: RopeConfig::builder(d as u32, style)
-                                .build()
-                                .expect("config"),
-                            dtype: DType::F32,
-                            positions: RawPositions::MultiAxis {
-                                positions,
-                                axes: RawAxisMap {
-                                    item_axes,
-                                    ..device_map.raw()
-                                },
-                            },
-                            sincos: if table {
-                                RawSinCos::CosSinCache {
-                                    cache: RawBuf {
-                                        ptr: cache.device_ptr(&stream).0,
-                                        len: cache.len(),
-                                    },
-                                    dtype: DType::F32,
-                                    shape: TableShape {
-                                        max_position: 100,
-                                        rotary_dim: d as u32,
-                                    },
-                                }
-                            } else {
-                                RawSinCos::Computed { theta: 10_000.0 }
-                            },
+                        let axes = RawAxisMap {
+                            item_axes,
+                            ..device_map.raw()
                         };
-                        let io = RawIo::OutOfPlace {
-                            input: RawTensor {
-                                buf: RawBuf {
-                                    ptr: input.device_ptr(&stream).0,
-                                    len: x.len(),
-                                },
-                                layout,
-                            },
-                            output: RawTensor {
-                                buf: RawBuf {
-                                    ptr: out.device_ptr_mut(&stream).0,
-                                    len: x.len(),
-                                },
-                                layout,
-                            },
-                        };
+                        let cache = table.then(|| RawBuf {
+                            ptr: cache.device_ptr(&stream).0,
+                            len: cache.len(),
+                        });
+                        let op = f32_multi_axis_op((d, style), positions, axes, cache);
                         // SAFETY: the handle's own stream; every address is a live allocation
                         // of its context with the lengths given (input, positions and map as
                         // uploaded and synchronized, the output allocated on this stream, the
                         // cache as built), freed only after the download below; nothing else
                         // writes them.
-                        unsafe { rope.run_raw(&op, RawTensors::Q(io), stream.cu_stream()) }
-                            .expect("launch");
+                        unsafe { run_f32(&rope, &op, (&input, layout), (&mut out, layout)) };
                         let got = stream.clone_dtoh(&out).expect("download");
                         got.into_iter().map(f32::to_bits).collect()
                     };
