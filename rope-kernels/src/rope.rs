@@ -829,7 +829,9 @@ fn loads_before_cos_sin(wide: bool, (first, last): (usize, usize)) -> bool {
 /// arithmetic: there that chain is the whole launch. Items with more heads find cos/sin first:
 /// holding their first block's loads through it measured slower at prefill (fewer loads in
 /// flight per round, or spills), and their later blocks overlap one another's latency. (The
-/// narrow kernels, with several bodies, spilled with the one-head path.)
+/// narrow kernels, with several bodies, spilled with the one-head path.) Launches that copy no
+/// pass-through elements take the one-head kernels ([`one_head_body`]) instead; here the path
+/// serves those that do.
 ///
 /// # Safety
 /// `b < batch`, `s < seq`, `last <= q.heads + k.heads`; the promises of [`load_head`] and of
@@ -907,8 +909,9 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
 
 /// The one-head body ([`Access::OneHead`]): this thread's work item `blockIdx.x * blockDim.x +
 /// threadIdx.x` (token and rotating group) of head `blockIdx.y` of q's and k's heads together,
-/// or nothing past the last item. Its loads are issued first, then its position and cos/sin
-/// found while they are in flight. No loop, no head range and no pass-through copy: per thread
+/// or nothing past the last item. It finds its position first (its chain, the position and then
+/// the table rows or the `f64` arithmetic, is the longest), issues its head's loads, then finds
+/// cos/sin while they are in flight. No loop, no head range and no pass-through copy: per thread
 /// only the index split, one tensor's addresses and the rotation (at decode, where every head
 /// has its own block row, the general body's loop and head bookkeeping were most of the
 /// instructions a thread ran).
@@ -929,7 +932,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     let (b, s) = (u64::from(b), u64::from(s));
     let (j0, half) = (group as usize * pairs, a.half as usize);
     // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
-    // promised. Found first: its chain (the position, then the table rows) is the longest.
+    // promised.
     let pos = unsafe { position(a, b, s, group) };
     let h = block_idx_y();
     let (t, h) = if h < a.q.heads {
@@ -1065,9 +1068,9 @@ macro_rules! rope_entry {
     ) => {
         /// One RoPE entry point; its name says the pairing, the sin/cos source, the direction,
         /// the element type and whether accesses are narrower than the preferred width
-        /// (`_narrow`) or each thread rotates one item of its block row's one head
-        /// (`_one_head`, with the further promises of `one_head_body`). See the module documentation for the formula and mapping, and
-        /// `rope_kernel_params!` in `abi.rs` for the parameters.
+        /// (`_narrow`) or each thread rotates one item of its block row's one head (`_one_head`,
+        /// with the further promises of `one_head_body`). See the module documentation for the
+        /// formula and mapping, and `rope_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
         /// - each `xn`/`outn`, less `rotary_offset` elements, addresses every element of its

@@ -134,13 +134,13 @@ pub(crate) fn plan(
         && pass_groups == 0
         && grid.heads_per_chunk == 1
         && tokens.saturating_mul(u64::from(rot_groups)) < 1 << 32;
-    let kernel = KernelName {
-        access: if one_head {
-            Access::OneHead
-        } else {
-            kernel.access
-        },
-        ..kernel
+    let kernel = if one_head {
+        KernelName {
+            access: Access::OneHead,
+            ..kernel
+        }
+    } else {
+        kernel
     };
     Ok(Some(Plan {
         kernel,
