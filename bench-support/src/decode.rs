@@ -1,7 +1,8 @@
 //! A serving loop's decode step, eager and inside a CUDA graph: batch 64, one token each, 32 q
 //! and 8 k heads of 128 bf16 in place, positions on the device (explicit ids or per-row
 //! offsets, `i64` as vLLM passes them), sin/cos computed in the kernel or read from a bf16
-//! `cos_sin_cache`, each timed per launch next to a device copy of the same bytes.
+//! `cos_sin_cache`, each timed per launch next to a device copy of the same bytes, and each
+//! again with programmatic dependent launch (`StreamOverlap::Programmatic`, rows marked `PDL`).
 
 use std::sync::Arc;
 
@@ -12,7 +13,7 @@ use rope_host::cudarc::driver::{CudaContext, CudaStream};
 use rope_host::half::bf16;
 use rope_host::{
     DeviceInts, IdsShape, Io, Layout, Positions, QkIo, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
-    TableFormat, TensorMut,
+    StreamOverlap, TableFormat, TensorMut,
 };
 
 use crate::timing::quartiles;
@@ -31,7 +32,8 @@ const D: usize = 128;
 /// One decode variant's time per launch.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DecodeRow {
-    /// What was launched: `copy`, or `{ids|row offsets}, {computed|cos_sin_cache}`.
+    /// What was launched: `copy`, or `{ids|row offsets}, {computed|cos_sin_cache}`, with `,
+    /// PDL` for programmatic dependent launch.
     pub variant: String,
     /// Median per launch of 100 launches enqueued back to back, in µs.
     pub eager_us: f64,
@@ -50,8 +52,16 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
     // SAFETY: this context object is used by this function alone, on one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    let rope = Rope::new(stream.clone())?;
-    rope.prepare(THETA, D as u32)?;
+    // One handle per overlap, each with the frequencies prepared (graph capture needs them).
+    let handle = |overlap| -> anyhow::Result<Rope> {
+        let rope = Rope::new(stream.clone())?.with_overlap(overlap);
+        rope.prepare(THETA, D as u32)?;
+        Ok(rope)
+    };
+    let (serial, programmatic) = (
+        handle(StreamOverlap::None)?,
+        handle(StreamOverlap::Programmatic)?,
+    );
     let qn = BATCH * HQ * D;
     let kn = BATCH * HK * D;
     let fill = |n: usize, k: f32| -> Vec<bf16> {
@@ -66,25 +76,40 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
     let positions: Vec<i64> = (1000..1000 + BATCH as i64).collect();
     let ids = stream.clone_htod(&positions)?;
     let offsets = stream.clone_htod(&positions)?;
-    let cache = rope.build_tables::<bf16>(THETA, D as u32, 2048, TableFormat::Combined)?;
+    let cache = serial.build_tables::<bf16>(THETA, D as u32, 2048, TableFormat::Combined)?;
     stream.synchronize()?;
 
     let config = RopeConfig::builder(D as u32, RopeStyle::Neox).build()?;
-    // (name, positions by row offsets, sin/cos from the cache); `None` is the copy.
-    let variants: Vec<(String, Option<(bool, bool)>)> =
+    // A RoPE variant: positions by row offsets (else ids), sin/cos from the cache (else
+    // computed), and the launches' overlap.
+    type Launch = (bool, bool, StreamOverlap);
+    // `None` is the copy.
+    let variants: Vec<(String, Option<Launch>)> =
         std::iter::once(("copy of the same bytes".into(), None))
             .chain(
-                [("ids", false), ("row offsets", true)]
-                    .into_iter()
-                    .flat_map(|(p, by_row)| {
-                        [("computed", false), ("cos_sin_cache", true)]
-                            .map(move |(t, table)| (format!("{p}, {t}"), Some((by_row, table))))
-                    }),
+                [
+                    ("", StreamOverlap::None),
+                    (", PDL", StreamOverlap::Programmatic),
+                ]
+                .into_iter()
+                .flat_map(|(o, overlap)| {
+                    [("ids", false), ("row offsets", true)]
+                        .into_iter()
+                        .flat_map(move |(p, by_row)| {
+                            [("computed", false), ("cos_sin_cache", true)].map(move |(t, table)| {
+                                (format!("{p}, {t}{o}"), Some((by_row, table, overlap)))
+                            })
+                        })
+                }),
             )
             .collect();
-    let mut run = |variant: Option<(bool, bool)>| -> anyhow::Result<()> {
-        let Some((by_row, table)) = variant else {
+    let mut run = |variant: Option<Launch>| -> anyhow::Result<()> {
+        let Some((by_row, table, overlap)) = variant else {
             return Ok(stream.memcpy_dtod(&copy_src, &mut copy_dst)?);
+        };
+        let rope = match overlap {
+            StreamOverlap::None => &serial,
+            StreamOverlap::Programmatic => &programmatic,
         };
         let positions = if by_row {
             Positions::RowOffsets(DeviceInts::I64(offsets.as_view()))

@@ -5,7 +5,10 @@
 //!   rope; q, k and v for the cache variants; three quarters of those bytes with FP8 stores),
 //! - the unfused sequence: rope-rs's q/k rotation plus device copies of the bytes a separate
 //!   norm (q and k read and written) and a separate cache write (k and v) move, at the copy
-//!   engine's speed: a lower bound for any unfused sequence of kernels.
+//!   engine's speed: a lower bound for any unfused sequence of kernels;
+//! - each fused variant and the unfused sequence again with programmatic dependent launch
+//!   (`StreamOverlap::Programmatic`, rows marked `PDL`; the same launches as the others where
+//!   the device has no sm_90 kernels).
 
 use std::sync::Arc;
 
@@ -15,7 +18,7 @@ use rope_host::half::bf16;
 use rope_host::{
     CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, Io, KOut, KvCache,
     Layout, NormWeight, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
-    Tensor, TensorMut,
+    StreamOverlap, Tensor, TensorMut,
 };
 
 use crate::decode::{LAUNCHES, per_launch};
@@ -78,24 +81,82 @@ const COPY_QK: &str = "copy of q, k";
 const COPY_QKV: &str = "copy of q, k, v";
 const COPY_FP8: &str = "copy of 3/4 of q, k, v";
 
-/// Each variant, its name, and the copy of its own bytes.
-const VARIANTS: [(Variant, &str, Option<&str>); 8] = [
-    (Variant::Copy(Bytes::Qk), COPY_QK, None),
-    (Variant::Copy(Bytes::Qkv), COPY_QKV, None),
-    (Variant::Copy(Bytes::Qkv3of4), COPY_FP8, None),
-    (Variant::NormRope, "norm + rope", Some(COPY_QK)),
-    (Variant::RopeCache, "rope + cache", Some(COPY_QKV)),
+/// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
+/// before (the rotation's, for the unfused sequence).
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 13] = [
+    (Variant::Copy(Bytes::Qk), COPY_QK, None, StreamOverlap::None),
+    (
+        Variant::Copy(Bytes::Qkv),
+        COPY_QKV,
+        None,
+        StreamOverlap::None,
+    ),
+    (
+        Variant::Copy(Bytes::Qkv3of4),
+        COPY_FP8,
+        None,
+        StreamOverlap::None,
+    ),
+    (
+        Variant::NormRope,
+        "norm + rope",
+        Some(COPY_QK),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::RopeCache,
+        "rope + cache",
+        Some(COPY_QKV),
+        StreamOverlap::None,
+    ),
     (
         Variant::NormRopeCache,
         "norm + rope + cache",
         Some(COPY_QKV),
+        StreamOverlap::None,
     ),
     (
         Variant::NormRopeCacheFp8,
         "norm + rope + FP8 q, cache",
         Some(COPY_FP8),
+        StreamOverlap::None,
     ),
-    (Variant::Unfused, "unfused: rope + copies", Some(COPY_QKV)),
+    (
+        Variant::Unfused,
+        "unfused: rope + copies",
+        Some(COPY_QKV),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::NormRope,
+        "norm + rope, PDL",
+        Some(COPY_QK),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::RopeCache,
+        "rope + cache, PDL",
+        Some(COPY_QKV),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::NormRopeCache,
+        "norm + rope + cache, PDL",
+        Some(COPY_QKV),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::NormRopeCacheFp8,
+        "norm + rope + FP8 q, cache, PDL",
+        Some(COPY_FP8),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::Unfused,
+        "unfused: rope + copies, PDL",
+        Some(COPY_QKV),
+        StreamOverlap::Programmatic,
+    ),
 ];
 
 /// Device buffers of one shape.
@@ -306,8 +367,20 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     // SAFETY: this context object is used by this function alone, on one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    let rope = Rope::new(stream.clone())?;
-    rope.prepare(THETA, D as u32)?;
+    // One handle per overlap, each with the frequencies prepared (graph capture needs them).
+    let handle = |overlap| -> anyhow::Result<Rope> {
+        let rope = Rope::new(stream.clone())?.with_overlap(overlap);
+        rope.prepare(THETA, D as u32)?;
+        Ok(rope)
+    };
+    let (serial, programmatic) = (
+        handle(StreamOverlap::None)?,
+        handle(StreamOverlap::Programmatic)?,
+    );
+    let rope_for = |overlap| match overlap {
+        StreamOverlap::None => &serial,
+        StreamOverlap::Programmatic => &programmatic,
+    };
     let mut rows = Vec::new();
     for (shape, tokens) in [("decode", 64), ("prefill", 8192)] {
         if !shapes.contains(&shape) {
@@ -316,10 +389,11 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         let mut bufs = Buffers::new(&stream, tokens)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
-        for (v, _, _) in VARIANTS {
-            bufs.run(&rope, &stream, v)?; // warm-up
+        for (v, _, _, overlap) in VARIANTS {
+            let rope = rope_for(overlap);
+            bufs.run(rope, &stream, v)?; // warm-up
             stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let captured = (0..LAUNCHES).try_for_each(|_| bufs.run(&rope, &stream, v));
+            let captured = (0..LAUNCHES).try_for_each(|_| bufs.run(rope, &stream, v));
             let graph = stream.end_capture(CUgraphInstantiate_flags(0));
             captured?;
             graphs.push(graph?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?);
@@ -328,9 +402,10 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         let mut times = vec![(Vec::new(), Vec::new()); VARIANTS.len()];
         for i in 0..=REGIONS {
             for j in (0..VARIANTS.len()).map(|j| (i + j) % VARIANTS.len()) {
-                let v = VARIANTS[j].0;
+                let (v, _, _, overlap) = VARIANTS[j];
+                let rope = rope_for(overlap);
                 let eager = per_launch(&ctx, &stream, &mut || {
-                    (0..LAUNCHES).try_for_each(|_| bufs.run(&rope, &stream, v))
+                    (0..LAUNCHES).try_for_each(|_| bufs.run(rope, &stream, v))
                 })?;
                 let graph = per_launch(&ctx, &stream, &mut || Ok(graphs[j].launch()?))?;
                 if i > 0 {
@@ -343,7 +418,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             VARIANTS
                 .iter()
                 .zip(times)
-                .map(|((_, name, own_copy), (eager, graph))| FusedRow {
+                .map(|((_, name, own_copy, _), (eager, graph))| FusedRow {
                     shape,
                     variant: name,
                     eager_us: quartiles(eager)[1],

@@ -65,6 +65,30 @@ pub(crate) enum FreqUse {
     OtherStream,
 }
 
+/// How a launch may overlap the kernel before it on the same stream.
+///
+/// The default, [`StreamOverlap::None`], is the stream's usual order: a kernel starts after the
+/// previous work has completed. [`StreamOverlap::Programmatic`] asks for programmatic dependent
+/// launch (compute capability 9.0 and newer): the launch carries the driver's programmatic stream
+/// serialization attribute, so its blocks may be scheduled as the previous kernel's blocks
+/// finish, before that kernel has completed; they wait (`griddepcontrol.wait`) until it has
+/// completed and its writes are visible before they read or write any memory. Results are the
+/// same either way; what overlaps is the launch latency of one kernel with the end of the one
+/// before, which is most of a decode step's time inside a CUDA graph. It applies to the kernels
+/// built for it ([`PTX_SM90`](crate::PTX_SM90): the one-head kernels decode steps take, and the
+/// fused kernels); every other launch, and every launch on older devices, is ordered as with
+/// [`StreamOverlap::None`]. The kernels do not trigger their dependents early, so a launch
+/// after them starts no sooner than it would after any kernel. Captured in a CUDA graph, such
+/// launches become programmatic edges (a driver of CUDA 12.3 or newer).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StreamOverlap {
+    /// Every launch starts after the previous work on its stream has completed.
+    #[default]
+    None,
+    /// Programmatic dependent launch where the device and the kernel support it.
+    Programmatic,
+}
+
 /// Runs RoPE kernels on one stream. Cheap to create: the module is loaded once per context and
 /// shared by every `Rope` of that context.
 #[derive(Debug)]
@@ -74,6 +98,8 @@ pub struct Rope {
     pub(crate) facts: DeviceFacts,
     /// Default frequency vectors on the device, by `(theta bits, rotary_dim)`.
     inv_freq: Mutex<FreqCache>,
+    /// How launches may overlap the kernel before them.
+    overlap: StreamOverlap,
 }
 
 impl Rope {
@@ -97,7 +123,34 @@ impl Rope {
             module,
             facts,
             inv_freq: Mutex::new(FreqCache::default()),
+            overlap: StreamOverlap::None,
         })
+    }
+
+    /// The handle with its launches overlapping the kernel before them as `overlap` says (see
+    /// [`StreamOverlap`]; [`StreamOverlap::None`] for a new handle). Applies to every launch of
+    /// this handle, [`Rope::run_raw`]'s on other streams included.
+    #[must_use]
+    pub fn with_overlap(mut self, overlap: StreamOverlap) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
+    /// How this handle's launches may overlap the kernel before them.
+    pub fn overlap(&self) -> StreamOverlap {
+        self.overlap
+    }
+
+    /// The overlap a launch of the kernel `symbol` gets: [`StreamOverlap::Programmatic`] only
+    /// where the handle asks for it and the kernel was loaded from the build that waits for the
+    /// previous grid.
+    pub(crate) fn overlap_for(&self, symbol: &str) -> StreamOverlap {
+        match self.overlap {
+            StreamOverlap::Programmatic if self.module.dependent_launch(symbol) => {
+                StreamOverlap::Programmatic
+            }
+            _ => StreamOverlap::None,
+        }
     }
 
     /// The stream launches go to.

@@ -1,9 +1,9 @@
 //! Rotary position embedding (RoPE) on NVIDIA GPUs, with kernels written in Rust.
 //!
 //! The kernels (crate `rope-kernels`) are compiled to PTX by rustc's NVPTX backend and embedded
-//! here ([`PTX`], and [`PTX_SM89`] for the fused kernels on sm_89 and newer); at run time only
-//! the CUDA driver is needed, loaded dynamically, so this crate builds on stable Rust on machines
-//! with no CUDA installed.
+//! here ([`PTX`]; [`PTX_SM89`] and [`PTX_SM90`] for the kernels with newer code on sm_89 and on
+//! sm_90 and newer); at run time only the CUDA driver is needed, loaded dynamically, so this
+//! crate builds on stable Rust on machines with no CUDA installed.
 //!
 //! Both pairings ([`RopeStyle::Interleaved`], GPT-J; [`RopeStyle::Neox`], rotate-half),
 //! forward and backward ([`Direction`]), partial rotary ([`RopeConfigBuilder::rotary_dim`]),
@@ -15,7 +15,8 @@
 //! Positions other than a constant offset live in device memory ([`DeviceInts`]), so launches
 //! allocate, copy and synchronize nothing and can be captured in CUDA graphs (see
 //! [`Rope::prepare`]); memory and streams owned by other frameworks go through the `unsafe`
-//! [`Rope::run_raw`].
+//! [`Rope::run_raw`]. Decode steps and fused launches can overlap the kernel before them on
+//! Hopper and newer ([`StreamOverlap::Programmatic`]).
 //!
 //! ```no_run
 //! use rope_host::{
@@ -64,9 +65,9 @@ pub use fused::{
     CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
 };
 pub use half;
-pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
+pub use handle::{FREQUENCY_CACHE, KernelResources, Rope, StreamOverlap};
 pub use layout::Layout;
-pub use module::{PTX, PTX_ARCH_VAR, PTX_SM89, open_device};
+pub use module::{PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
 pub use op::{
     DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
     TensorMut,

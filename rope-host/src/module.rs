@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
-use rope_kernels::abi::{BLOCK_THREADS, FusedKernelName};
+use rope_kernels::abi::{BLOCK_THREADS, FusedKernelName, takes_dependent_launch};
 
 use crate::error::Result;
 
@@ -12,15 +12,23 @@ use crate::error::Result;
 /// `cargo xtask ptx` and committed.
 pub const PTX: &str = include_str!("../ptx/kernels.ptx");
 
-/// The fused kernels built again for sm_89 (Ada, Hopper) and newer, where their FP8 stores use
-/// the hardware's paired conversion (`cvt.rn.satfinite.e4m3x2.f32`, one instruction per two
-/// values) instead of rounding in software; PTX ISA 8.1, so a driver of CUDA 12.1 or newer. On
-/// those devices the fused kernels come from this module and every other kernel from [`PTX`]
-/// (see [`PTX_ARCH_VAR`]).
+/// The fused kernels built again for sm_89 (Ada) and newer, where their FP8 stores use the
+/// hardware's paired conversion (`cvt.rn.satfinite.e4m3x2.f32`, one instruction per two values)
+/// instead of rounding in software; PTX ISA 8.1, so a driver of CUDA 12.1 or newer. On sm_89
+/// devices the fused kernels come from this module and every other kernel from [`PTX`] (see
+/// [`PTX_ARCH_VAR`]).
 pub const PTX_SM89: &str = include_str!("../ptx/kernels_sm89.ptx");
 
-/// The environment variable that, set to `sm_80`, makes every context take all its kernels from
-/// [`PTX`] even where [`PTX_SM89`] would run: for testing the sm_80 kernels on a newer GPU.
+/// The fused and one-head kernels built again for sm_90 (Hopper) and newer: the paired FP8
+/// conversion as in [`PTX_SM89`], and programmatic dependent launch (`griddepcontrol.wait`:
+/// each kernel waits for the previous grid before its first global access; see
+/// [`crate::StreamOverlap`]). PTX ISA 7.8. On those devices these kernels come from this module
+/// and every other kernel from [`PTX`].
+pub const PTX_SM90: &str = include_str!("../ptx/kernels_sm90.ptx");
+
+/// The environment variable that caps the builds a context takes kernels from: `sm_80` takes
+/// every kernel from [`PTX`], `sm_89` the fused ones from [`PTX_SM89`] and the rest from
+/// [`PTX`], even where a newer build would run: for testing the older kernels on a newer GPU.
 /// Other values are ignored.
 pub const PTX_ARCH_VAR: &str = "ROPE_PTX_ARCH";
 
@@ -60,9 +68,9 @@ fn probe_driver() -> Result<()> {
 pub(crate) struct Module {
     ctx: Arc<CudaContext>,
     functions: Vec<Loaded>,
-    _module: Arc<CudaModule>,
-    /// [`PTX_SM89`]'s module, where loaded.
-    _fused: Option<Arc<CudaModule>>,
+    /// The modules the functions come from ([`PTX`], and [`PTX_SM89`] or [`PTX_SM90`] where
+    /// loaded), kept alive with them.
+    _modules: Vec<Arc<CudaModule>>,
 }
 
 /// One kernel function and how many blocks of it one multiprocessor holds.
@@ -73,6 +81,45 @@ struct Loaded {
     /// Blocks of `BLOCK_THREADS` threads resident per multiprocessor (at least 1), from the
     /// driver's occupancy calculation for the registers the JIT compiler gave the kernel.
     blocks_per_sm: u32,
+    /// Whether the function comes from [`PTX_SM90`], so that it waits for the previous grid
+    /// before touching memory and may be launched with programmatic stream serialization.
+    dependent_launch: bool,
+}
+
+/// The newest of the embedded builds a context takes kernels from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Build {
+    Sm80,
+    Sm89,
+    Sm90,
+}
+
+impl Build {
+    /// The newest build a device of compute capability `capability` runs, capped by
+    /// [`PTX_ARCH_VAR`]'s value `cap` when it names an older one.
+    fn for_device(capability: (i32, i32), cap: Option<&str>) -> Self {
+        let newest = match capability {
+            c if c >= (9, 0) => Build::Sm90,
+            c if c >= (8, 9) => Build::Sm89,
+            _ => Build::Sm80,
+        };
+        let cap = match cap {
+            Some("sm_80") => Build::Sm80,
+            Some("sm_89") => Build::Sm89,
+            _ => Build::Sm90,
+        };
+        newest.min(cap)
+    }
+
+    /// Whether this build has its own code of the kernel `symbol` (the others come from
+    /// [`PTX`]).
+    fn has(self, symbol: &str) -> bool {
+        match self {
+            Build::Sm80 => true,
+            Build::Sm89 => FusedKernelName::from_symbol(symbol).is_some(),
+            Build::Sm90 => takes_dependent_launch(symbol),
+        }
+    }
 }
 
 impl Module {
@@ -88,14 +135,21 @@ impl Module {
         &self.loaded(symbol).function
     }
 
+    /// Whether the function exported as `symbol` may be launched with programmatic stream
+    /// serialization (it comes from [`PTX_SM90`] and waits for the previous grid).
+    pub(crate) fn dependent_launch(&self, symbol: &str) -> bool {
+        self.loaded(symbol).dependent_launch
+    }
+
     /// Blocks of `BLOCK_THREADS` threads of the kernel `symbol` that one multiprocessor of
     /// this device holds at once (at least 1).
     pub(crate) fn blocks_per_sm(&self, symbol: &str) -> u32 {
         self.loaded(symbol).blocks_per_sm
     }
 
-    /// Loads [`PTX`] and, from compute capability 8.9 on, [`PTX_SM89`] for the fused kernels
-    /// (unless [`PTX_ARCH_VAR`] asks for sm_80 alone, or the driver rejects the newer PTX ISA).
+    /// Loads [`PTX`] and the newest partial build the device runs: [`PTX_SM90`] from compute
+    /// capability 9.0 on, [`PTX_SM89`] on 8.9 (unless [`PTX_ARCH_VAR`] caps the build, or the
+    /// driver rejects the newer PTX ISA: then the kernels come from [`PTX`]).
     fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
         use cudarc::driver::sys::CUdevice_attribute::{
             CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
@@ -103,17 +157,20 @@ impl Module {
         };
         let module = ctx.load_module(Ptx::from_src(PTX))?;
         let capability = (ctx.attribute(MAJOR)?, ctx.attribute(MINOR)?);
-        let forced_sm80 = std::env::var(PTX_ARCH_VAR).is_ok_and(|v| v == "sm_80");
-        let fused = (capability >= (8, 9) && !forced_sm80)
-            .then(|| ctx.load_module(Ptx::from_src(PTX_SM89)).ok())
-            .flatten();
-        let module_of = |symbol: &str| match &fused {
-            Some(newer) if FusedKernelName::from_symbol(symbol).is_some() => newer,
-            _ => &module,
-        };
+        let cap = std::env::var(PTX_ARCH_VAR).ok();
+        let newer = match Build::for_device(capability, cap.as_deref()) {
+            Build::Sm80 => None,
+            b @ Build::Sm89 => Some((b, PTX_SM89)),
+            b @ Build::Sm90 => Some((b, PTX_SM90)),
+        }
+        .and_then(|(b, src)| Some((b, ctx.load_module(Ptx::from_src(src)).ok()?)));
         let functions = rope_kernels::abi::all_symbols()
             .map(|symbol| {
-                let function = module_of(symbol).load_function(symbol)?;
+                let (from, build) = match &newer {
+                    Some((b, m)) if b.has(symbol) => (m, *b),
+                    _ => (&module, Build::Sm80),
+                };
+                let function = from.load_function(symbol)?;
                 let blocks_per_sm = function
                     .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)?
                     .max(1);
@@ -121,14 +178,16 @@ impl Module {
                     symbol,
                     function,
                     blocks_per_sm,
+                    dependent_launch: build == Build::Sm90,
                 })
             })
             .collect::<Result<_>>()?;
         Ok(Self {
             ctx: ctx.clone(),
             functions,
-            _module: module,
-            _fused: fused,
+            _modules: std::iter::once(module)
+                .chain(newer.map(|(_, m)| m))
+                .collect(),
         })
     }
 }
@@ -152,4 +211,89 @@ pub(crate) fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<Module>> {
     let m = Arc::new(Module::load(ctx)?);
     cache.push(Arc::downgrade(&m));
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Build, PTX, PTX_SM89, PTX_SM90};
+    use rope_kernels::abi::{FusedKernelName, all_symbols, takes_dependent_launch};
+
+    /// The entry points of `ptx` with their bodies, in order.
+    fn entries(ptx: &str) -> Vec<(&str, &str)> {
+        let mut out = Vec::new();
+        let mut rest = ptx;
+        while let Some(at) = rest.find(".visible .entry ") {
+            let body = &rest[at + ".visible .entry ".len()..];
+            let end = body.find(".visible .entry ").unwrap_or(body.len());
+            let name = body.split('(').next().unwrap_or_default();
+            out.push((name, &body[..end]));
+            rest = &body[end..];
+        }
+        out
+    }
+
+    #[test]
+    fn each_device_takes_the_newest_build_it_runs_unless_capped() {
+        for (capability, cap, want) in [
+            ((8, 0), None, Build::Sm80),
+            ((8, 6), None, Build::Sm80),
+            ((8, 9), None, Build::Sm89),
+            ((9, 0), None, Build::Sm90),
+            ((12, 0), None, Build::Sm90),
+            ((9, 0), Some("sm_89"), Build::Sm89),
+            ((9, 0), Some("sm_80"), Build::Sm80),
+            ((8, 9), Some("sm_80"), Build::Sm80),
+            // A cap only lowers the build.
+            ((8, 0), Some("sm_89"), Build::Sm80),
+            ((9, 0), Some("sm_100"), Build::Sm90),
+        ] {
+            assert_eq!(
+                Build::for_device(capability, cap),
+                want,
+                "{capability:?} {cap:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_build_holds_exactly_the_kernels_the_host_takes_from_it() {
+        for (build, ptx) in [
+            (Build::Sm80, PTX),
+            (Build::Sm89, PTX_SM89),
+            (Build::Sm90, PTX_SM90),
+        ] {
+            let mut have: Vec<&str> = entries(ptx).into_iter().map(|(name, _)| name).collect();
+            let mut want: Vec<&str> = all_symbols().filter(|s| build.has(s)).collect();
+            have.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(have, want, "{build:?}");
+        }
+        assert!(all_symbols().any(|s| FusedKernelName::from_symbol(s).is_some()));
+    }
+
+    /// A kernel launched with programmatic stream serialization may start while the previous
+    /// grid still runs: it must wait for it before any global access.
+    #[test]
+    fn every_sm90_kernel_waits_for_the_previous_grid_before_touching_global_memory() {
+        assert!(PTX_SM90.contains(".target sm_90"));
+        let all = entries(PTX_SM90);
+        assert!(!all.is_empty());
+        for (name, body) in all {
+            assert!(takes_dependent_launch(name), "{name}");
+            let wait = body
+                .find("griddepcontrol.wait;")
+                .unwrap_or_else(|| panic!("{name} has no griddepcontrol.wait"));
+            // No early trigger: the next grid is scheduled as this one's blocks exit (an
+            // explicit trigger at the start made decode launches in a graph slower).
+            assert!(!body.contains("griddepcontrol.launch_dependents"), "{name}");
+            for access in ["ld.global", "st.global", "atom.", "red."] {
+                if let Some(first) = body.find(access) {
+                    assert!(wait < first, "{name}: {access} before the wait");
+                }
+            }
+        }
+        // The sm_80 and sm_89 builds have no grid dependency control (their devices lack it,
+        // and the host never launches them with the attribute).
+        assert!(!PTX.contains("griddepcontrol") && !PTX_SM89.contains("griddepcontrol"));
+    }
 }

@@ -253,7 +253,16 @@ impl Rope {
         // head_dim` and `lanes` divides the offset; the grid keeps blockIdx.y *
         // heads_per_chunk below q.heads + k.heads.
         // The function was loaded in the context the stream belongs to.
-        unsafe { args.launch(self.stream.context(), function, plan.grid.config, stream) }
+        // With programmatic overlap the function comes from `PTX_SM90` (`overlap_for`).
+        unsafe {
+            args.launch(
+                self.stream.context(),
+                function,
+                plan.grid.config,
+                stream,
+                self.overlap_for(plan.kernel.symbol()),
+            )
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use rope_kernels::abi::{BLOCK_THREADS, TableKernelName};
 
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
-use crate::handle::{FreqUse, Rope};
+use crate::handle::{FreqUse, Rope, StreamOverlap};
 use crate::kernel_args::TableArgs;
 use crate::op::RopeElem;
 use crate::sincos::{SinCos, TableShape};
@@ -229,7 +229,15 @@ impl Rope {
         // cos and sin elements are distinct), and `inv_freq` holds `half` f64. The buffers live
         // in `data`, returned to the caller; cudarc's drop of a `CudaSlice` waits on the stream,
         // so they outlive the kernel. The function was loaded in the stream's context.
-        unsafe { args.launch(stream.context(), func, config, stream.cu_stream()) }?;
+        unsafe {
+            args.launch(
+                stream.context(),
+                func,
+                config,
+                stream.cu_stream(),
+                StreamOverlap::None,
+            )
+        }?;
         // The guards record the writes on the stream; they end before the tables move out.
         drop(guards);
         Ok(SinCosTables { data, shape })

@@ -40,13 +40,17 @@
 //! whole warps run the loop, so the shuffles always name all 32 lanes. Sin/cos, the position
 //! and the cache slot are found once per item and serve every head (rows of v's heads alone
 //! find no sin/cos).
+//!
+//! Built for sm_90, each kernel takes part in programmatic dependent launch: it waits for the
+//! grid before it after its set-up, before its first global access (see
+//! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, for_each_fused_kernel};
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
     block_dim_x, block_idx_x, block_idx_y, grid_dim_x, rcp_approx, rsqrt_approx, shuffle_xor,
-    thread_idx_x, trap,
+    thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
@@ -563,6 +567,9 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     let total = total.min(MAX_FUSED_ITEMS) as u32;
     let step = grid_dim_x() * block_dim_x();
     let mut idx = block_idx_x() * block_dim_x() + thread_idx_x();
+    // Every global access is in the loop: the set-up above overlaps the previous grid in a
+    // programmatic dependent launch (sm_90 builds; nothing before sm_90).
+    wait_for_prior_grids();
     // Whole warps enter and leave the loop together (blocks and `step` are whole warps, and a
     // warp's first lane decides), so the norm's shuffles always have all 32 lanes; lanes past
     // the last item load and store nothing. A warp segment of `groups` lanes is one token.

@@ -1,6 +1,6 @@
 //! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
-//! paired f16 and bf16 conversions, approximate reciprocals, the L2 prefetch, warp shuffles and
-//! `trap`.
+//! paired f16 and bf16 conversions, approximate reciprocals, the L2 prefetch, warp shuffles,
+//! programmatic dependent launch and `trap`.
 
 use core::arch::{asm, nvptx};
 
@@ -44,6 +44,21 @@ pub fn grid_dim_x() -> u32 {
 pub fn trap() -> ! {
     // SAFETY: `trap` ends the kernel; it has no memory effects a caller relies on.
     unsafe { nvptx::trap() }
+}
+
+/// Blocks until every grid this launch depends on programmatically (the kernel before it on
+/// its stream, when the host launched it with programmatic stream serialization) has completed
+/// and its memory operations are visible (`griddepcontrol.wait`, sm_90+). Returns at once in a
+/// launch without such a dependency. On targets before sm_90 it is nothing: the host never
+/// launches those builds' kernels with the attribute. A kernel calls it before its first
+/// global load or store; the `asm` may read and write memory, so none is moved above it.
+#[inline(always)]
+pub fn wait_for_prior_grids() {
+    #[cfg(target_feature = "sm_90")]
+    // SAFETY: `griddepcontrol.wait` only delays this thread; it has no operands.
+    unsafe {
+        asm!("griddepcontrol.wait;", options(nostack, preserves_flags))
+    };
 }
 
 /// Defines a function rounding two `f32` to nearest even with one paired `cvt.rn.*x2.f32`

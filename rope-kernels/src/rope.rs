@@ -45,6 +45,7 @@ use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
 use crate::intrinsics::{
     block_dim_x, block_idx_x, block_idx_y, grid_dim_x, prefetch_l2, thread_idx_x, trap,
+    wait_for_prior_grids,
 };
 use crate::math;
 
@@ -916,6 +917,10 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
 /// has its own block row, the general body's loop and head bookkeeping were most of the
 /// instructions a thread ran).
 ///
+/// Built for sm_90, it takes part in programmatic dependent launch: it waits for the grid before
+/// it ([`wait_for_prior_grids`]) before its first global access, so that the host may launch it
+/// with the attribute and its launch overlap the end of the previous kernel.
+///
 /// # Safety
 /// The promises of the entry points, and those of [`Access::OneHead`]: `gridDim.y` is
 /// `q.heads + k.heads`, there are no pass-through groups (`groups = rot_groups`) and
@@ -931,6 +936,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     let (b, s) = a.seq.div_rem_u32(token);
     let (b, s) = (u64::from(b), u64::from(s));
     let (j0, half) = (group as usize * pairs, a.half as usize);
+    wait_for_prior_grids();
     // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
     // promised.
     let pos = unsafe { position(a, b, s, group) };

@@ -228,7 +228,7 @@ fn print_fused(rows: &[FusedRow]) {
             if shape == "decode" { 64 } else { 8192 }
         );
         println!(
-            "{:<28} {:>10} {:>10} {:>13} {:>13} {:>15}",
+            "{:<32} {:>10} {:>10} {:>13} {:>13} {:>15}",
             "per launch",
             "eager µs",
             "graph µs",
@@ -236,13 +236,20 @@ fn print_fused(rows: &[FusedRow]) {
             "own copy/graph",
             "unfused/graph"
         );
+        // Rows with programmatic dependent launch against the unfused sequence with it.
+        let pdl_unfused = of("unfused: rope + copies, PDL").unwrap_or(unfused);
         for r in rows.iter().filter(|r| r.shape == shape) {
+            let unfused = if r.variant.ends_with(", PDL") {
+                pdl_unfused
+            } else {
+                unfused
+            };
             let share = |pick: fn(&FusedRow) -> f64| match r.own_copy.and_then(of) {
                 Some(c) => format!("{:.1}%", 100.0 * pick(c) / pick(r)),
                 None => "-".to_string(),
             };
             println!(
-                "{:<28} {:>10.2} {:>10.2} {:>13} {:>13} {:>14.2}x",
+                "{:<32} {:>10.2} {:>10.2} {:>13} {:>13} {:>14.2}x",
                 r.variant,
                 r.eager_us,
                 r.graph_us,
@@ -262,12 +269,12 @@ fn print_decode_graph(rows: &[DecodeRow]) {
     println!();
     println!("decode b64 s1, 32 q + 8 k heads, d128, bf16, in place, NeoX, i64 device positions:");
     println!(
-        "{:<28} {:>16} {:>22}",
+        "{:<32} {:>16} {:>22}",
         "per launch", "eager (100)", "in a 100-launch graph"
     );
     for r in rows {
         println!(
-            "{:<28} {:>13.2} µs {:>19.2} µs",
+            "{:<32} {:>13.2} µs {:>19.2} µs",
             r.variant, r.eager_us, r.graph_us
         );
     }

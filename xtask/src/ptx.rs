@@ -5,36 +5,58 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use rope_kernels::abi::FusedKernelName;
+use rope_kernels::abi::{FusedKernelName, takes_dependent_launch};
 
 use crate::{cargo, root};
 
 const TARGET: &str = "nvptx64-nvidia-cuda";
 
 /// One PTX build: the GPU architecture rustc targets, the committed file `rope-host` embeds,
-/// and the target directory (one per architecture, so the two builds do not rebuild each other).
+/// and the target directory (one per architecture, so the builds do not rebuild each other).
 struct Arch {
     cpu: &'static str,
     /// Extra target features: the PTX ISA version the architecture's instructions need.
     features: &'static str,
     path: &'static str,
     dir: &'static str,
-    /// Whether only the fused kernels' entry points are kept (the only ones whose code differs
-    /// between the two builds), so that every binary embedding both files grows by the least.
-    fused_only: bool,
+    /// The entry points kept: only those whose code differs from the sm_80 build's, so that
+    /// every binary embedding the files grows by the least.
+    entries: Entries,
 }
 
-/// The builds: every kernel for sm_80 (Ampere and newer), and the fused kernels again for sm_89
-/// (Ada, Hopper and newer), where their `cfg(target_feature = "sm_89")` code uses an instruction
-/// sm_80 lacks (the paired FP8 conversion). The host takes each kernel from the newest build the
-/// device runs.
-const ARCHS: [Arch; 2] = [
+/// Which entry points a build keeps.
+#[derive(Clone, Copy)]
+enum Entries {
+    All,
+    /// The fused kernels ([`FusedKernelName::from_symbol`], which the host also asks).
+    Fused,
+    /// The kernels that take part in programmatic dependent launch
+    /// ([`takes_dependent_launch`], which the host also asks).
+    DependentLaunch,
+}
+
+impl Entries {
+    fn keeps(self, symbol: &str) -> bool {
+        match self {
+            Entries::All => true,
+            Entries::Fused => FusedKernelName::from_symbol(symbol).is_some(),
+            Entries::DependentLaunch => takes_dependent_launch(symbol),
+        }
+    }
+}
+
+/// The builds: every kernel for sm_80 (Ampere and newer); the fused kernels again for sm_89
+/// (Ada), where their `cfg(target_feature = "sm_89")` code uses an instruction sm_80 lacks (the
+/// paired FP8 conversion); the fused and one-head kernels again for sm_90 (Hopper and newer),
+/// where they also take part in programmatic dependent launch (`griddepcontrol`). The host
+/// takes each kernel from the newest build the device runs.
+const ARCHS: [Arch; 3] = [
     Arch {
         cpu: "sm_80",
         features: "",
         path: "rope-host/ptx/kernels.ptx",
         dir: "ptx",
-        fused_only: false,
+        entries: Entries::All,
     },
     Arch {
         cpu: "sm_89",
@@ -42,7 +64,16 @@ const ARCHS: [Arch; 2] = [
         features: " -Ctarget-feature=+ptx81",
         path: "rope-host/ptx/kernels_sm89.ptx",
         dir: "ptx-sm89",
-        fused_only: true,
+        entries: Entries::Fused,
+    },
+    Arch {
+        cpu: "sm_90",
+        // `griddepcontrol` and the paired FP8 conversion need PTX ISA 7.8 on sm_90, the
+        // version rustc's LLVM writes for sm_90 anyway.
+        features: "",
+        path: "rope-host/ptx/kernels_sm90.ptx",
+        dir: "ptx-sm90",
+        entries: Entries::DependentLaunch,
     },
 ];
 
@@ -97,23 +128,20 @@ fn build(arch: &Arch) -> Result<String> {
     let deps = target_dir.join(TARGET).join("release").join("deps");
     let mut ptx = fs::read_to_string(newest_asm(&deps)?)?;
     validate(&ptx)?;
-    if arch.fused_only {
-        ptx = fused_entries_only(&ptx);
+    if !matches!(arch.entries, Entries::All) {
+        ptx = entries_only(&ptx, arch.entries);
     }
     Ok(with_launch_bounds(&ptx))
 }
 
-/// `ptx` without the entry points that are not fused kernels ([`FusedKernelName::from_symbol`],
-/// which the host also asks which kernels to take from the fused-only PTX): the module header
-/// and global declarations before the first entry stay (rustc's PTX has nothing else outside
-/// entries).
-fn fused_entries_only(ptx: &str) -> String {
+/// `ptx` with only the entry points `entries` keeps: the module header and global
+/// declarations before the first entry stay (rustc's PTX has nothing else outside entries).
+fn entries_only(ptx: &str, entries: Entries) -> String {
     let mut out = String::with_capacity(ptx.len());
     let mut keep = true;
     for line in ptx.lines() {
         if let Some(rest) = line.strip_prefix(".visible .entry ") {
-            let name = rest.split('(').next().unwrap_or_default();
-            keep = FusedKernelName::from_symbol(name).is_some();
+            keep = entries.keeps(rest.split('(').next().unwrap_or_default());
         }
         if keep {
             out.push_str(line);
@@ -213,8 +241,10 @@ fn validate(ptx: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{fused_entries_only, min_blocks_per_sm, with_launch_bounds};
-    use rope_kernels::abi::{BLOCK_THREADS, FusedKernelName, all_symbols};
+    use super::{Entries, entries_only, min_blocks_per_sm, with_launch_bounds};
+    use rope_kernels::abi::{
+        BLOCK_THREADS, FusedKernelName, KernelName, all_symbols, takes_dependent_launch,
+    };
 
     /// An entry point as rustc writes it: name, parameter list, body.
     fn entry(name: &str) -> String {
@@ -230,16 +260,34 @@ mod tests {
     }
 
     #[test]
-    fn the_fused_only_build_keeps_the_header_and_exactly_the_fused_entries() {
+    fn the_partial_builds_keep_the_header_and_exactly_their_entries() {
         let header = ".version 8.1\n.target sm_89\n.address_size 64\n";
         let ptx: String = std::iter::once(header.to_string())
             .chain(all_symbols().map(entry))
             .collect();
-        let want: String = std::iter::once(header.to_string())
+        let fused: String = std::iter::once(header.to_string())
             .chain(FusedKernelName::ALL.iter().map(|k| entry(k.symbol())))
             .collect();
-        assert_eq!(fused_entries_only(&ptx), want);
-        assert!(want.contains(".entry rope_fused_neox_theta_bf16("));
+        assert_eq!(entries_only(&ptx, Entries::Fused), fused);
+        assert!(fused.contains(".entry rope_fused_neox_theta_bf16("));
+        let dependent = entries_only(&ptx, Entries::DependentLaunch);
+        let kept: Vec<&str> = dependent
+            .lines()
+            .filter_map(|l| l.strip_prefix(".visible .entry "))
+            .map(|l| l.split('(').next().unwrap_or_default())
+            .collect();
+        // The one-head kernels, then the fused ones, in the full build's order.
+        let want: Vec<&str> = all_symbols()
+            .filter(|s| takes_dependent_launch(s))
+            .collect();
+        assert_eq!(kept, want);
+        assert_eq!(
+            kept.len(),
+            KernelName::ALL.len() / 3 + FusedKernelName::ALL.len()
+        );
+        assert!(kept.contains(&"rope_neox_table_fwd_bf16_one_head"));
+        assert!(!kept.contains(&"rope_neox_table_fwd_bf16"));
+        assert!(dependent.starts_with(header));
     }
 
     #[test]

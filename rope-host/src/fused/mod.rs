@@ -304,12 +304,14 @@ impl Rope {
         // pointers and strides are aligned to `lanes`, the whole head is rotated, and
         // `groups` is a power of two of at most 32 with a norm; positions and sin/cos as for
         // `Rope::run`. The function was loaded in this context.
+        // With programmatic overlap the function comes from `PTX_SM90` (`overlap_for`).
         unsafe {
             args.launch(
                 self.stream.context(),
                 function,
                 plan.grid.config,
                 self.stream.cu_stream(),
+                self.overlap_for(plan.kernel.symbol()),
             )
         }
     }
