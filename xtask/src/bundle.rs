@@ -1,6 +1,7 @@
 //! `cargo xtask gpu-bundle`: release test executables, the demo, the benchmark and a runner in
 //! one folder; with the Python package's wheel, tests, benchmark and runner in `python/` when
-//! the wheel was built (the README's Set up commands).
+//! the wheel was built (the README's Set up commands). The executables travel compressed with
+//! `xz` (each embeds the PTX text, which compresses about tenfold); `run.sh` unpacks them.
 
 use std::fs;
 use std::io::BufRead;
@@ -23,15 +24,25 @@ const RUNNER: &str = r#"#!/bin/sh
 # TOOL (default: memcheck), failing on any reported error; ROPE_GPU_CASES (default 300 there)
 # caps the random cases of each GPU property test, since the sanitizer slows kernels by orders
 # of magnitude.
+#
+# run.sh --unpack: only unpacks the executables (each travels as NAME.xz; every mode unpacks
+# first), for running rope-bench or one test executable by hand.
 cd "$(dirname "$0")" || exit 1
+for packed in rope-bench.xz rope-demo.xz tests/*.xz; do
+    [ -f "$packed" ] || continue
+    [ -f "${packed%.xz}" ] || xz --decompress --keep "$packed" || exit 1
+    chmod +x "${packed%.xz}"
+done
+[ "$1" = "--unpack" ] && exit 0
 export ROPE_REQUIRE_GPU=1
 status=0
+executables=$(ls tests/* | grep -v '\.xz$')
 if [ "$1" = "--sanitize" ]; then
     shift
     tools=${*:-memcheck}
     export ROPE_GPU_CASES=${ROPE_GPU_CASES:-300}
     for tool in $tools; do
-        for t in tests/*; do
+        for t in $executables; do
             echo "== compute-sanitizer --tool $tool $t"
             compute-sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 \
                 --require-cuda-init no "$t" --test-threads=1 || status=1
@@ -40,15 +51,18 @@ if [ "$1" = "--sanitize" ]; then
     echo "== bundle exit status: $status"
     exit $status
 fi
-for t in tests/*; do
+for t in $executables; do
     echo "== $t"
     "$t" --test-threads=4 || status=1
 done
-# The fused kernels' tests again on the sm_80 PTX, which a device of compute capability 8.9 or
-# newer otherwise never loads (its FP8 stores round in software there).
-for t in tests/*; do
-    echo "== ROPE_PTX_ARCH=sm_80 $t fused"
-    ROPE_PTX_ARCH=sm_80 "$t" --test-threads=4 fused || status=1
+# The fused kernels' tests (and the programmatic-launch chains, then ordered) again on the older
+# builds a newer device otherwise never loads: sm_89's (hardware FP8 stores, no grid dependency
+# control) and sm_80's (FP8 stores rounded in software).
+for arch in sm_89 sm_80; do
+    for t in $executables; do
+        echo "== ROPE_PTX_ARCH=$arch $t fused programmatic"
+        ROPE_PTX_ARCH=$arch "$t" --test-threads=4 fused programmatic || status=1
+    done
 done
 echo "== rope-demo"
 ./rope-demo || status=1
@@ -123,6 +137,7 @@ pub fn run() -> Result<()> {
         copy(exe, &out)?;
     }
 
+    pack(&out)?;
     let runner = out.join("run.sh");
     fs::write(&runner, RUNNER)?;
     make_executable(&runner)?;
@@ -134,7 +149,7 @@ pub fn run() -> Result<()> {
         "gpu-bundle is {total} bytes, over the {MAX_BYTES}-byte limit"
     );
     println!(
-        "gpu-bundle/: {} test executables, rope-demo and rope-bench{}, {:.1} MiB; on the GPU machine run gpu-bundle/run.sh (tests, demo), gpu-bundle/rope-bench (benchmark){}",
+        "gpu-bundle/: {} test executables, rope-demo and rope-bench{}, {:.1} MiB; on the GPU machine run gpu-bundle/run.sh (tests, demo), gpu-bundle/run.sh --unpack then gpu-bundle/rope-bench (benchmark){}",
         tests.len(),
         if python {
             ", the Python wheel and tests"
@@ -229,6 +244,27 @@ fn executables(args: &[&str]) -> Result<Vec<PathBuf>> {
     }
     ensure!(child.wait()?.success(), "cargo {} failed", args.join(" "));
     Ok(found)
+}
+
+/// Compresses every executable in `dir` and `dir/tests` with `xz` (each `NAME` becomes
+/// `NAME.xz`; `run.sh` unpacks them on the GPU machine).
+fn pack(dir: &Path) -> Result<()> {
+    let mut files = Vec::new();
+    for d in [dir.to_path_buf(), dir.join("tests")] {
+        for entry in fs::read_dir(&d)? {
+            let path = entry?.path();
+            if path.is_file() {
+                files.push(path);
+            }
+        }
+    }
+    let status = std::process::Command::new("xz")
+        .args(["--threads=0", "-6"])
+        .args(&files)
+        .status()
+        .context("running xz to compress the bundle's executables (install xz-utils)")?;
+    ensure!(status.success(), "xz failed on {files:?}");
+    Ok(())
 }
 
 /// Copies the file `exe` into `dir` under its own name.
