@@ -52,16 +52,7 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
     // SAFETY: this context object is used by this function alone, on one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    // One handle per overlap, each with the frequencies prepared (graph capture needs them).
-    let handle = |overlap| -> anyhow::Result<Rope> {
-        let rope = Rope::new(stream.clone())?.with_overlap(overlap);
-        rope.prepare(THETA, D as u32)?;
-        Ok(rope)
-    };
-    let (serial, programmatic) = (
-        handle(StreamOverlap::None)?,
-        handle(StreamOverlap::Programmatic)?,
-    );
+    let handles = Handles::new(&stream, THETA, D as u32)?;
     let qn = BATCH * HQ * D;
     let kn = BATCH * HK * D;
     let fill = |n: usize, k: f32| -> Vec<bf16> {
@@ -76,7 +67,12 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
     let positions: Vec<i64> = (1000..1000 + BATCH as i64).collect();
     let ids = stream.clone_htod(&positions)?;
     let offsets = stream.clone_htod(&positions)?;
-    let cache = serial.build_tables::<bf16>(THETA, D as u32, 2048, TableFormat::Combined)?;
+    let cache = handles.get(StreamOverlap::None).build_tables::<bf16>(
+        THETA,
+        D as u32,
+        2048,
+        TableFormat::Combined,
+    )?;
     stream.synchronize()?;
 
     let config = RopeConfig::builder(D as u32, RopeStyle::Neox).build()?;
@@ -107,10 +103,7 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
         let Some((by_row, table, overlap)) = variant else {
             return Ok(stream.memcpy_dtod(&copy_src, &mut copy_dst)?);
         };
-        let rope = match overlap {
-            StreamOverlap::None => &serial,
-            StreamOverlap::Programmatic => &programmatic,
-        };
+        let rope = handles.get(overlap);
         let positions = if by_row {
             Positions::RowOffsets(DeviceInts::I64(offsets.as_view()))
         } else {
@@ -175,6 +168,39 @@ pub fn decode_in_graphs(ordinal: usize) -> anyhow::Result<Vec<DecodeRow>> {
             graph_us: quartiles(graph)[1],
         })
         .collect())
+}
+
+/// One handle per [`StreamOverlap`] on one stream, each with the default frequencies of
+/// `(theta, rotary_dim)` prepared (graph capture needs them).
+pub(crate) struct Handles {
+    serial: Rope,
+    programmatic: Rope,
+}
+
+impl Handles {
+    pub(crate) fn new(
+        stream: &Arc<CudaStream>,
+        theta: f64,
+        rotary_dim: u32,
+    ) -> anyhow::Result<Self> {
+        let handle = |overlap| -> anyhow::Result<Rope> {
+            let rope = Rope::new(stream.clone())?.with_overlap(overlap);
+            rope.prepare(theta, rotary_dim)?;
+            Ok(rope)
+        };
+        Ok(Self {
+            serial: handle(StreamOverlap::None)?,
+            programmatic: handle(StreamOverlap::Programmatic)?,
+        })
+    }
+
+    /// The handle whose launches overlap as `overlap` says.
+    pub(crate) fn get(&self, overlap: StreamOverlap) -> &Rope {
+        match overlap {
+            StreamOverlap::None => &self.serial,
+            StreamOverlap::Programmatic => &self.programmatic,
+        }
+    }
 }
 
 /// Microseconds per launch of `run`, which enqueues [`LAUNCHES`] launches, between two events.

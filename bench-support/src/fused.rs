@@ -21,7 +21,7 @@ use rope_host::{
     StreamOverlap, Tensor, TensorMut,
 };
 
-use crate::decode::{LAUNCHES, per_launch};
+use crate::decode::{Handles, LAUNCHES, per_launch};
 use crate::timing::quartiles;
 
 const REGIONS: usize = 11;
@@ -367,20 +367,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     // SAFETY: this context object is used by this function alone, on one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    // One handle per overlap, each with the frequencies prepared (graph capture needs them).
-    let handle = |overlap| -> anyhow::Result<Rope> {
-        let rope = Rope::new(stream.clone())?.with_overlap(overlap);
-        rope.prepare(THETA, D as u32)?;
-        Ok(rope)
-    };
-    let (serial, programmatic) = (
-        handle(StreamOverlap::None)?,
-        handle(StreamOverlap::Programmatic)?,
-    );
-    let rope_for = |overlap| match overlap {
-        StreamOverlap::None => &serial,
-        StreamOverlap::Programmatic => &programmatic,
-    };
+    let handles = Handles::new(&stream, THETA, D as u32)?;
     let mut rows = Vec::new();
     for (shape, tokens) in [("decode", 64), ("prefill", 8192)] {
         if !shapes.contains(&shape) {
@@ -390,7 +377,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         stream.synchronize()?;
         let mut graphs = Vec::new();
         for (v, _, _, overlap) in VARIANTS {
-            let rope = rope_for(overlap);
+            let rope = handles.get(overlap);
             bufs.run(rope, &stream, v)?; // warm-up
             stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
             let captured = (0..LAUNCHES).try_for_each(|_| bufs.run(rope, &stream, v));
@@ -403,7 +390,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         for i in 0..=REGIONS {
             for j in (0..VARIANTS.len()).map(|j| (i + j) % VARIANTS.len()) {
                 let (v, _, _, overlap) = VARIANTS[j];
-                let rope = rope_for(overlap);
+                let rope = handles.get(overlap);
                 let eager = per_launch(&ctx, &stream, &mut || {
                     (0..LAUNCHES).try_for_each(|_| bufs.run(rope, &stream, v))
                 })?;
