@@ -1,7 +1,8 @@
 /* A stand-in for the CUDA driver (libcuda.so.1) on machines without one, so that test binaries
    of candle's `cuda` feature, which link the driver, link and start; every entry returns
    CUDA_ERROR_NO_DEVICE (100), so GPU tests skip. The names are the driver functions such a
-   binary references (candle-core 0.11.1, cudarc 0.19.10). Never installed next to a real driver. */
+   binary references (candle-core 0.11.1, cudarc 0.19.10, rope-host's launches). Never
+   installed next to a real driver. */
 int cuCtxDestroy_v2(void) { return 100; }
 int cuCtxGetCurrent(void) { return 100; }
 int cuCtxSetCurrent(void) { return 100; }
@@ -15,6 +16,7 @@ int cuEventRecord(void) { return 100; }
 int cuGetErrorString(void) { return 100; }
 int cuInit(void) { return 100; }
 int cuLaunchKernel(void) { return 100; }
+int cuLaunchKernelEx(void) { return 100; }
 int cuMemAllocAsync(void) { return 100; }
 int cuMemAlloc_v2(void) { return 100; }
 int cuMemFreeAsync(void) { return 100; }
