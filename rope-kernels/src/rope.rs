@@ -923,8 +923,10 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
 ///
 /// # Safety
 /// The promises of the entry points, and those of [`Access::OneHead`]: `gridDim.y` is
-/// `q.heads + k.heads`, there are no pass-through groups (`groups = rot_groups`) and
-/// `tokens * groups < 2^32`.
+/// `q.heads + k.heads`, there are no pass-through groups (`groups = rot_groups`),
+/// `tokens * groups < 2^32`, and every tensor and output spans fewer than 2^32 elements
+/// (`(batch - 1) * stride_batch + (seq - 1) * stride_seq + (heads - 1) * stride_head +
+/// head_dim`).
 #[inline(always)]
 unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
     let pairs = if P::NEOX { L } else { L / 2 };
@@ -933,8 +935,8 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
         return;
     }
     let (token, group) = a.groups.div_rem_u32(idx);
-    let (b, s) = a.seq.div_rem_u32(token);
-    let (b, s) = (u64::from(b), u64::from(s));
+    let (b32, s32) = a.seq.div_rem_u32(token);
+    let (b, s) = (u64::from(b32), u64::from(s32));
     let (j0, half) = (group as usize * pairs, a.half as usize);
     wait_for_prior_grids();
     // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
@@ -946,8 +948,14 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     } else {
         (&a.k, h - a.q.heads)
     };
-    let at =
-        |strides: &[u64; 3]| (b * strides[0] + s * strides[1] + u64::from(h) * strides[2]) as usize;
+    // In 32 bits: every tensor spans fewer than 2^32 elements (the one-head promise), so each
+    // index times its stride and their sum fit (a dimension of size 1 has index 0, whatever
+    // its stride).
+    let at = |strides: &[u64; 3]| {
+        b32.wrapping_mul(strides[0] as u32)
+            .wrapping_add(s32.wrapping_mul(strides[1] as u32))
+            .wrapping_add(h.wrapping_mul(strides[2] as u32)) as usize
+    };
     // SAFETY: head h of that tensor exists (gridDim.y covers q's and k's heads), j0 + pairs <=
     // half; the promises of `load_head` and `cos_sin`.
     unsafe {

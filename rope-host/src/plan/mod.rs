@@ -129,11 +129,12 @@ pub(crate) fn plan(
     .expect("tokens, seq, heads and groups are non-zero");
     // Every head in a block row of its own and nothing to pass through: the one-head kernel,
     // one work item per thread, on the same grid (whose x covers every item when there are
-    // fewer than 2^32).
+    // fewer than 2^32), with 32-bit element offsets (every tensor spans fewer than 2^32).
     let one_head = kernel.access == Access::Wide
         && pass_groups == 0
         && grid.heads_per_chunk == 1
-        && tokens.saturating_mul(u64::from(rot_groups)) < 1 << 32;
+        && tokens.saturating_mul(u64::from(rot_groups)) < 1 << 32
+        && spans_below_2_32(req);
     let kernel = if one_head {
         KernelName {
             access: Access::OneHead,
@@ -378,6 +379,16 @@ fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
             .iter()
             .all(|(addr, l)| layout_aligned(*addr, l, es, lanes))
     })
+}
+
+/// Whether every layout of `req`'s tensors (inputs and outputs) spans fewer than 2^32
+/// elements, so that the one-head kernels' 32-bit offsets cannot wrap.
+fn spans_below_2_32(req: &Request) -> bool {
+    [Some(req.q), req.k]
+        .into_iter()
+        .flatten()
+        .flat_map(|t| t.layouts())
+        .all(|(_, l)| l.span().is_some_and(|s| (s as u64) < 1 << 32))
 }
 
 /// Whether the layout `l` of `es`-byte elements in a buffer at `addr` starts at a multiple of

@@ -132,7 +132,8 @@ fn partial_rotary_copies_the_rest_only_out_of_place() {
 
 /// A decode step (64 tokens, 32 + 8 heads of 128: every head gets a block row) takes the
 /// one-head kernel on the same grid; a prefill (heads share block rows), a launch with
-/// pass-through elements to copy, or one of narrow accesses keeps its kernel.
+/// pass-through elements to copy, one of narrow accesses, or one with a tensor spanning 2^32
+/// elements keeps its kernel.
 #[test]
 fn decode_sized_launches_take_the_one_head_kernel() {
     let mut r = request(neox(128), Layout::bshd(64, 1, 32, 128));
@@ -145,6 +146,19 @@ fn decode_sized_launches_take_the_one_head_kernel() {
         (1, (8, 40, 1))
     );
     assert_eq!(p.kernel.symbol(), "rope_neox_theta_fwd_bf16_one_head");
+    // A tensor spanning 2^32 elements or more (here through its batch stride) keeps the wide
+    // kernel: the one-head kernels compute offsets in 32 bits.
+    let far = Layout::strided([64, 1, 32, 128], [1 << 27, 4096, 128, 1], 0).expect("layout");
+    let mut r = request(neox(128), far);
+    r.dtype = DType::BF16;
+    r.k = Some(tensor(Layout::bshd(64, 1, 8, 128), 1 << 40));
+    assert!(far.span().is_some_and(|s| s as u64 >= 1 << 32));
+    let p = valid(&r);
+    assert_eq!((p.kernel.access, p.grid.heads_per_chunk), (Access::Wide, 1));
+    let near = Layout::strided([64, 1, 32, 128], [1 << 20, 4096, 128, 1], 0).expect("layout");
+    let mut r = request(neox(128), near);
+    r.dtype = DType::BF16;
+    assert_eq!(valid(&r).kernel.access, Access::OneHead);
     let mut prefill = request(neox(128), Layout::bshd(1, 8192, 32, 128));
     prefill.dtype = DType::BF16;
     let p = valid(&prefill);
