@@ -94,6 +94,7 @@ def apply_rope(
     stream: Optional[int] = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    pdl: bool = False,
 ) -> Any:
     """Rotates q (and k) by rotary position embedding (RoPE) on the GPU.
 
@@ -157,7 +158,11 @@ def apply_rope(
     or read what is written, meanwhile. Frequencies computed on the host (``scaling``,
     ``inv_freq`` floats, ``angle="f32"``, and each ``theta``'s) are uploaded once per process on
     first use: inside a CUDA graph capture that raises ValueError, so make the same call once
-    before capturing.
+    before capturing. ``pdl=True`` asks for programmatic dependent launch (compute capability
+    9.0 and newer): the launch may start before the kernel ahead of it on the stream has
+    completed, and waits for it before touching memory; the results are the same. It applies
+    to decode-sized launches (every head its own block row); others, and older GPUs, launch as
+    usual. Captured in a CUDA graph it needs a driver of CUDA 12.3 or newer.
 
     PyTorch: with q or k requiring grad, the call is recorded for autograd (its backward is
     ``backward=True`` on the gradients); under ``torch.compile`` it becomes the custom operators
@@ -189,6 +194,7 @@ def apply_rope(
         backward=backward,
         cp_size=cp_size,
         cp_rank=cp_rank,
+        pdl=pdl,
     )
     if _torch_of(q) is not None:
         from rope_rs import torch as rope_torch
@@ -216,6 +222,7 @@ def rotary_embedding(
     is_neox: bool,
     *,
     stream: Optional[int] = None,
+    pdl: bool = False,
 ) -> None:
     """vLLM's ``rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)``:
     rotates query and key in place.
@@ -225,11 +232,12 @@ def rotary_embedding(
     contiguous last dimension; ``key`` may be None; ``cos_sin_cache``: ``[max_position,
     rotary_dim]``, cos half then sin half, float32 or query's dtype; ``is_neox``: rotate-half
     pairs, else interleaved. The first ``rotary_dim`` features of each head rotate. Launched on
-    ``stream``, by default PyTorch's current stream (as vLLM's op). Raises as ``apply_rope``.
+    ``stream``, by default PyTorch's current stream (as vLLM's op); ``pdl`` as in
+    ``apply_rope``. Raises as ``apply_rope``.
     """
     stream, sync = _stream(query, stream)
     _native.rotary_embedding(
-        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync
+        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync, pdl=pdl
     )
 
 
@@ -242,17 +250,19 @@ def apply_rope_with_cos_sin_cache_inplace(
     is_neox: bool = True,
     *,
     stream: Optional[int] = None,
+    pdl: bool = False,
 ) -> None:
     """FlashInfer's ``apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size,
     cos_sin_cache, is_neox=True)``: rotates query ``[nnz, num_q_heads * head_size]`` and key
     ``[nnz, num_k_heads * head_size]`` in place at ``positions`` ``[nnz]`` with
     ``cos_sin_cache`` ``[max_seq_len, rotary_dim]`` (cosines, then sines; FlashInfer requires
     float32, rope-rs also takes query's dtype). The same operation as vLLM's
-    :func:`rotary_embedding`; launched on PyTorch's current stream unless ``stream`` is given.
+    :func:`rotary_embedding`; launched on PyTorch's current stream unless ``stream`` is given
+    (``pdl`` as in ``apply_rope``).
     """
     stream, sync = _stream(query, stream)
     _native.rotary_embedding(
-        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync
+        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync, pdl=pdl
     )
 
 

@@ -29,6 +29,9 @@ def apply_rope(
     backward: bool = False,
     stream: int = 0,
     producer_sync: bool = True,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    pdl: bool = False,
 ) -> None:
     """Rotates q (and k) by RoPE on ``stream``: into ``out``/``k_out`` when given, else in place.
 
@@ -41,6 +44,8 @@ def apply_rope(
     ``attention_factor``), ``cos_sin_cache`` ``[max_position, rotary_dim]`` or ``cos``/``sin``
     ``[max_position, rotary_dim / 2]``. ``stream``: a ``CUstream`` handle (0: legacy default);
     ``producer_sync=False`` passes ``stream=-1`` to ``__dlpack__`` (the caller ordered the writes).
+    ``cp_size``/``cp_rank``: context-parallel split of ``cu_seqlens`` sequences. ``pdl``:
+    programmatic dependent launch (sm_90+, decode-sized launches; same results).
     Raises TypeError, ValueError naming the argument, RuntimeError (CUDA driver).
     """
 
@@ -54,6 +59,7 @@ def rotary_embedding(
     *,
     stream: int = 0,
     producer_sync: bool = True,
+    pdl: bool = False,
 ) -> None:
     """vLLM's ``rotary_embedding``: rotates query and key ``[num_tokens, num_heads * head_size]``
     in place at ``positions`` ``[num_tokens]`` with ``cos_sin_cache`` ``[max_position,

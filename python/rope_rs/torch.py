@@ -55,6 +55,7 @@ class Options(NamedTuple):
     backward: bool
     cp_size: int
     cp_rank: int
+    pdl: bool
 
     def flipped(self) -> "Options":
         """The same launch in the other direction (the gradient's)."""
@@ -141,6 +142,7 @@ def options(
     backward: bool = False,
     cp_size: int = 1,
     cp_rank: int = 0,
+    pdl: bool = False,
 ) -> Options:
     """The :class:`Options` of ``rope_rs.apply_rope``'s arguments for tensors like `q`: positions
     split into an int offset and a tensor, ``scaling`` and host ``inv_freq`` turned into a float64
@@ -191,6 +193,7 @@ def options(
         bool(backward),
         int(cp_size),
         int(cp_rank),
+        bool(pdl),
     )
 
 
@@ -252,6 +255,7 @@ def _launch(
         backward=o.backward,
         cp_size=o.cp_size,
         cp_rank=o.cp_rank,
+        pdl=o.pdl,
         stream=_stream(q.device) if stream is None else stream,
         # On the current stream, the tensors' writers are already ordered before the launch.
         producer_sync=stream is not None,
@@ -304,7 +308,7 @@ class RopeFunction(torch.autograd.Function):
 _OPTIONS_SCHEMA = (
     "int offset, Tensor? row_offsets, Tensor? position_ids, Tensor? cu_seqlens, str? layout, str style, "
     "float? theta, Tensor? cos_sin_cache, Tensor? cos, Tensor? sin, Tensor? inv_freq, "
-    "float? attention_factor, str? angle, int? rotary_dim, bool backward, int cp_size, int cp_rank"
+    "float? attention_factor, str? angle, int? rotary_dim, bool backward, int cp_size, int cp_rank, bool pdl"
 )
 
 
@@ -424,6 +428,7 @@ def apply_rope(
     stream: Optional[int] = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    pdl: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """``rope_rs.apply_rope`` for ``torch.Tensor``s (see its docstring); it dispatches here.
 
@@ -452,6 +457,7 @@ def apply_rope(
         backward=backward,
         cp_size=cp_size,
         cp_rank=cp_rank,
+        pdl=pdl,
     )
     compiling = torch.compiler.is_compiling()
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))

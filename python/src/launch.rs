@@ -18,17 +18,19 @@ use rope_host::cudarc::driver::sys::{CUstream, CUstreamCaptureStatus};
 use rope_host::{
     AngleMode, ContextParallel, DType, Direction, Error, Frequencies, IdsShape, InvFreq, RawBuf,
     RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle,
-    open_device,
+    StreamOverlap, open_device,
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
 use crate::scaling::{self, Base, Value};
 
-/// One [`Rope`] per CUDA device, on its primary context (the one PyTorch uses).
-static ROPES: Mutex<BTreeMap<i32, Arc<Rope>>> = Mutex::new(BTreeMap::new());
+/// One [`Rope`] per CUDA device and [`StreamOverlap`] (`pdl=`), on the device's primary context
+/// (the one PyTorch uses).
+static ROPES: Mutex<BTreeMap<(i32, StreamOverlap), Arc<Rope>>> = Mutex::new(BTreeMap::new());
 
-/// The `(device, theta bits, rotary_dim)` whose default frequencies [`Rope::prepare`] holds.
-static PREPARED: Mutex<BTreeSet<(i32, u64, u32)>> = Mutex::new(BTreeSet::new());
+/// The `(device, overlap, theta bits, rotary_dim)` whose default frequencies [`Rope::prepare`]
+/// holds (each handle keeps its own).
+static PREPARED: Mutex<BTreeSet<(i32, StreamOverlap, u64, u32)>> = Mutex::new(BTreeSet::new());
 
 /// A host-computed frequency vector's identity: device, `inv_freq` bits, attention factor
 /// bits, angle mode.
@@ -45,9 +47,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn rope_for(device: i32) -> PyResult<Arc<Rope>> {
+fn rope_for(device: i32, overlap: StreamOverlap) -> PyResult<Arc<Rope>> {
     let mut ropes = lock(&ROPES);
-    if let Some(rope) = ropes.get(&device) {
+    if let Some(rope) = ropes.get(&(device, overlap)) {
         return Ok(rope.clone());
     }
     let ordinal = usize::try_from(device)
@@ -60,10 +62,11 @@ fn rope_for(device: i32) -> PyResult<Arc<Rope>> {
     // `PREPARED`), so no event is needed; events recorded while PyTorch captures a CUDA graph
     // would break the capture.
     unsafe { ctx.disable_event_tracking() };
-    let rope =
-        Rope::new(ctx.default_stream()).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    let rope = Rope::new(ctx.default_stream())
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?
+        .with_overlap(overlap);
     let rope = Arc::new(rope);
-    ropes.insert(device, rope.clone());
+    ropes.insert((device, overlap), rope.clone());
     Ok(rope)
 }
 
@@ -311,6 +314,8 @@ pub(crate) struct Launch<'a, 'py> {
     pub stream: u64,
     /// Whether the producers must order their writes before `stream` (see [`dlpack_stream`]).
     pub producer_sync: bool,
+    /// How the launch may overlap the kernel before it on `stream` (`pdl=`).
+    pub overlap: StreamOverlap,
 }
 
 /// The borrowed tensors of a launch: alive until it is enqueued.
@@ -497,7 +502,7 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     // A theta not yet prepared on this device is checked here, before the device is used.
     let unprepared = match sincos {
         RawSinCos::Computed { theta } => {
-            let key = (device, theta.to_bits(), rotary_dim);
+            let key = (device, l.overlap, theta.to_bits(), rotary_dim);
             let prepared = lock(&PREPARED).contains(&key);
             if !prepared {
                 rope_host::FrequencySpec::new(theta, rotary_dim)
@@ -509,7 +514,7 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
         _ => None,
     };
     // Everything checked so far needed no driver; from here on the device is used.
-    let rope = rope_for(device)?;
+    let rope = rope_for(device, l.overlap)?;
     if let Some((key, theta)) = unprepared {
         // Other streams may read only prepared frequencies (`run_raw`'s `# Safety`).
         if capturing(&rope, stream) {
@@ -620,7 +625,7 @@ fn raw_sincos<'py>(
 ) -> PyResult<(RawSinCos, u32, Option<Arc<Frequencies>>)> {
     let device = held.device;
     let host = |inv_freq: &[f64], attention: f64, angle: AngleMode| -> PyResult<_> {
-        let rope = rope_for(device)?;
+        let rope = rope_for(device, StreamOverlap::None)?;
         let f = host_frequencies(&rope, device, (inv_freq, attention, angle), (names, stream))?;
         Ok((f.raw(), rotary_dim.unwrap_or(f.rotary_dim()), Some(f)))
     };

@@ -9,7 +9,7 @@
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
-use rope_host::{AngleMode, ContextParallel, Direction, FrequencySpec, RopeStyle};
+use rope_host::{AngleMode, ContextParallel, Direction, FrequencySpec, RopeStyle, StreamOverlap};
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::launch::{self, Launch, Names, PositionsArg, SinCosArg, View, arg_error};
@@ -122,6 +122,16 @@ fn scaling_entries(scaling: &Bound<'_, PyAny>) -> PyResult<Vec<(String, Value)>>
 }
 
 /// `attention_factor=`, checked against [`ATTENTION_RANGE`]; 1 when not given.
+/// The launches' overlap for `pdl=`: programmatic dependent launch where the device and kernel
+/// support it (see `rope_host::StreamOverlap`).
+fn overlap(pdl: bool) -> StreamOverlap {
+    if pdl {
+        StreamOverlap::Programmatic
+    } else {
+        StreamOverlap::None
+    }
+}
+
 fn attention(attention_factor: Option<f64>) -> PyResult<f64> {
     let a = attention_factor.unwrap_or(1.0);
     let (lo, hi) = ATTENTION_RANGE;
@@ -252,6 +262,12 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
 /// `angle="f32"`) are uploaded once per process on first use and kept; an upload cannot happen
 /// while `stream` is capturing a CUDA graph, so make the same call once before capturing.
 ///
+/// `pdl=True` asks for programmatic dependent launch (compute capability 9.0 and newer): the
+/// launch may start before the kernel ahead of it on `stream` has completed, and the kernel
+/// waits for that one before it touches memory (same results; the decode-sized launches and
+/// fused kernels built for it, others launch as usual; captured in a CUDA graph it needs a
+/// driver of CUDA 12.3 or newer).
+///
 /// Raises TypeError for an argument of the wrong Python type, ValueError naming the argument
 /// for an invalid tensor or option (nothing is launched then), RuntimeError when the CUDA
 /// driver fails.
@@ -260,7 +276,7 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
     q, k=None, *, out=None, k_out=None, positions=None, position_ids=None, cu_seqlens=None,
     layout=None, style="neox", theta=None, cos_sin_cache=None, cos=None, sin=None,
     inv_freq=None, attention_factor=None, angle=None, scaling=None, rotary_dim=None,
-    backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0
+    backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0, pdl=false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn apply_rope(
@@ -287,6 +303,7 @@ fn apply_rope(
     producer_sync: bool,
     cp_size: u32,
     cp_rank: u32,
+    pdl: bool,
 ) -> PyResult<()> {
     let style = parse_style(style)?;
     let layout = TensorLayout::parse(layout).map_err(arg_error)?;
@@ -357,6 +374,7 @@ fn apply_rope(
         },
         stream,
         producer_sync,
+        overlap: overlap(pdl),
     })
 }
 
@@ -370,11 +388,12 @@ fn apply_rope(
 /// rotate-half pairs (else interleaved). The first `rotary_dim` features of each head rotate.
 ///
 /// Launched asynchronously on `stream` (a `CUstream` handle as an int; 0, the default, is the
-/// legacy default stream), with the caller's guarantees of `apply_rope` (`producer_sync` as
-/// there). Raises as `apply_rope` does.
+/// legacy default stream), with the caller's guarantees of `apply_rope` (`producer_sync` and
+/// `pdl` as there). Raises as `apply_rope` does.
 #[pyfunction]
 #[pyo3(signature = (
-    positions, query, key, head_size, cos_sin_cache, is_neox, *, stream=0, producer_sync=true
+    positions, query, key, head_size, cos_sin_cache, is_neox, *, stream=0, producer_sync=true,
+    pdl=false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn rotary_embedding(
@@ -386,6 +405,7 @@ fn rotary_embedding(
     is_neox: bool,
     stream: u64,
     producer_sync: bool,
+    pdl: bool,
 ) -> PyResult<()> {
     launch::launch(Launch {
         q: query,
@@ -412,6 +432,7 @@ fn rotary_embedding(
         direction: Direction::Forward,
         stream,
         producer_sync,
+        overlap: overlap(pdl),
     })
 }
 

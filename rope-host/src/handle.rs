@@ -80,7 +80,7 @@ pub(crate) enum FreqUse {
 /// [`StreamOverlap::None`]. The kernels do not trigger their dependents early, so a launch
 /// after them starts no sooner than it would after any kernel. Captured in a CUDA graph, such
 /// launches become programmatic edges (a driver of CUDA 12.3 or newer).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum StreamOverlap {
     /// Every launch starts after the previous work on its stream has completed.
     #[default]
