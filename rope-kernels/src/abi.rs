@@ -807,9 +807,9 @@ impl FusedKernelName {
 
 /// Whether the kernel exported as `symbol` takes part in programmatic dependent launch when
 /// built for sm_90: the fused kernels and the [`Access::OneHead`] ones (decode steps, where a
-/// launch is short enough for the previous one's tail to matter). Their sm_90 code lets the next
-/// grid start at once and waits for the previous grid before its first global access; the sm_90
-/// build keeps only these entry points, and the host launches only these with the attribute.
+/// launch is short enough for the previous one's tail to matter). Their sm_90 code waits for the
+/// previous grid before its first global access; the sm_90 build keeps only these entry points,
+/// and the host launches only these with the attribute.
 #[inline]
 pub fn takes_dependent_launch(symbol: &str) -> bool {
     FusedKernelName::from_symbol(symbol).is_some()
