@@ -879,6 +879,16 @@ mod tests {
 
     use super::*;
 
+    /// A xorshift64 generator from `seed` (non-zero): each call gives the next state modulo `n`.
+    fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        }
+    }
+
     /// For every head size, rotated width, offset and access width the host accepts (`lanes`
     /// dividing the offset, the rotated width and the pass-through count), the pass-through
     /// groups cover exactly
@@ -928,13 +938,7 @@ mod tests {
     /// finds the right sequence for every local token.
     #[test]
     fn context_parallel_ranks_hold_their_two_chunks_of_every_sequence() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
         for size in 1..=8u32 {
             for _ in 0..20 {
                 let lens: Vec<i64> = (0..1 + next(4))
@@ -1003,13 +1007,7 @@ mod tests {
     /// partial group, more than 32 groups) has no group axes.
     #[test]
     fn group_axes_in_pos_base_give_every_group_its_map_axis() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
         for _ in 0..4000 {
             let pairs = 1usize << next(4);
             let groups = 1 + next(40) as usize;

@@ -7,8 +7,8 @@
 use std::io::Write;
 use std::sync::{Arc, OnceLock};
 
-use rope_host::cudarc::driver::CudaStream;
-use rope_host::{Rope, open_device};
+use rope_host::cudarc::driver::{CudaSlice, CudaStream};
+use rope_host::{Rope, SinCosTables, TableData, open_device};
 
 /// A stream on device 0 and a RoPE handle on it.
 type Device = (Arc<CudaStream>, Arc<Rope>);
@@ -43,5 +43,16 @@ pub fn gpu_or_skip(name: &str) -> Option<Device> {
             let _ = writeln!(std::io::stderr(), "SKIPPED (no GPU): {name}: {why}");
             None
         }
+    }
+}
+
+/// The `cos_sin_cache` of tables built with `TableFormat::Combined`.
+///
+/// # Panics
+/// When the tables are separate.
+pub fn combined_cache<T>(tables: &SinCosTables<T>) -> &CudaSlice<T> {
+    match tables.data() {
+        TableData::Combined(cache) => cache,
+        TableData::Separate { .. } => panic!("tables built separate, expected combined"),
     }
 }

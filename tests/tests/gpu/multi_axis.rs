@@ -16,7 +16,7 @@ use rope_host::{
 };
 use rope_reference::case::{AxesCase, Case, PosCase, TestElem};
 use rope_reference::with_elem;
-use rope_tests::gpu::gpu_or_skip;
+use rope_tests::gpu::{combined_cache, gpu_or_skip};
 use rope_tests::strategies;
 
 use super::super::runner;
@@ -233,6 +233,14 @@ fn f32_multi_axis_op(
     }
 }
 
+/// `slice`'s device address on `stream` and its whole length, as `run_raw` takes buffers.
+fn raw_buf<T>(slice: &CudaSlice<T>, stream: &Arc<CudaStream>) -> RawBuf {
+    RawBuf {
+        ptr: slice.device_ptr(stream).0,
+        len: slice.len(),
+    }
+}
+
 /// Launches `op` on the handle's stream, out of place from `input` to `output` (each with its
 /// layout, addressing inside its buffer).
 ///
@@ -250,10 +258,7 @@ unsafe fn run_f32(
     let out_len = output.len();
     let io = RawIo::OutOfPlace {
         input: RawTensor {
-            buf: RawBuf {
-                ptr: input.device_ptr(&stream).0,
-                len: input.len(),
-            },
+            buf: raw_buf(input, &stream),
             layout,
         },
         output: RawTensor {
@@ -285,10 +290,7 @@ fn malformed_axis_maps_and_positions_stay_inside_the_arrays() {
     let tables = rope
         .build_tables::<f32>(10_000.0, d as u32, 100, TableFormat::Combined)
         .expect("tables");
-    let cache = match tables.data() {
-        rope_host::TableData::Combined(c) => c,
-        rope_host::TableData::Separate { .. } => unreachable!("built combined"),
-    };
+    let cache = combined_cache(&tables);
     rope.prepare(10_000.0, d as u32).expect("prepare");
     for seed in 0..24u64 {
         let mut rng = StdRng::seed_from_u64(seed);
@@ -327,24 +329,15 @@ fn malformed_axis_maps_and_positions_stay_inside_the_arrays() {
             )
             .expect("unit stride");
             let positions = RawInts {
-                buf: RawBuf {
-                    ptr: pos.device_ptr(&stream).0,
-                    len: positions.len(),
-                },
+                buf: raw_buf(&pos, &stream),
                 ty: IntType::I64,
             };
             let axes = RawAxisMap {
-                axes: RawBuf {
-                    ptr: map.device_ptr(&stream).0,
-                    len: half,
-                },
+                axes: raw_buf(&map, &stream),
                 n_axes: n_axes as u32,
                 item_axes: ItemAxes::UNKNOWN,
             };
-            let cache = table.then(|| RawBuf {
-                ptr: cache.device_ptr(&stream).0,
-                len: cache.len(),
-            });
+            let cache = table.then(|| raw_buf(cache, &stream));
             let op = f32_multi_axis_op((d, style), positions, axes, cache);
             // SAFETY: the handle's own stream; every address is a live allocation of its
             // context with the lengths given (input and positions as uploaded, the map `half`
@@ -412,10 +405,7 @@ fn group_axes_launches_equal_the_per_pair_path_bit_for_bit() {
         let tables = rope
             .build_tables::<f32>(10_000.0, d as u32, 100, TableFormat::Combined)
             .expect("tables");
-        let cache = match tables.data() {
-            rope_host::TableData::Combined(c) => c,
-            rope_host::TableData::Separate { .. } => unreachable!("built combined"),
-        };
+        let cache = combined_cache(&tables);
         rope.prepare(10_000.0, d as u32).expect("prepare");
         let device_map = rope.axis_map(&map).expect("upload");
         let mut rng = StdRng::seed_from_u64(m as u64);
@@ -443,13 +433,10 @@ fn group_axes_launches_equal_the_per_pair_path_bit_for_bit() {
                         let mut out = stream.alloc_zeros::<f32>(x.len()).expect("alloc");
                         let layout = Layout::thd(tokens, heads, d);
                         let positions = RawInts {
-                            buf: RawBuf {
-                                ptr: if wide {
-                                    pos64.device_ptr(&stream).0
-                                } else {
-                                    pos32.device_ptr(&stream).0
-                                },
-                                len: positions.len(),
+                            buf: if wide {
+                                raw_buf(&pos64, &stream)
+                            } else {
+                                raw_buf(&pos32, &stream)
                             },
                             ty: if wide { IntType::I64 } else { IntType::I32 },
                         };
@@ -457,10 +444,7 @@ fn group_axes_launches_equal_the_per_pair_path_bit_for_bit() {
                             item_axes,
                             ..device_map.raw()
                         };
-                        let cache = table.then(|| RawBuf {
-                            ptr: cache.device_ptr(&stream).0,
-                            len: cache.len(),
-                        });
+                        let cache = table.then(|| raw_buf(cache, &stream));
                         let op = f32_multi_axis_op((d, style), positions, axes, cache);
                         // SAFETY: the handle's own stream; every address is a live allocation
                         // of its context with the lengths given (input, positions and map as

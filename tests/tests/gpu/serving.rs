@@ -15,7 +15,7 @@ use rope_host::{
     RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, TensorMut,
 };
 use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
-use rope_tests::gpu::gpu_or_skip;
+use rope_tests::gpu::{combined_cache, gpu_or_skip};
 
 use super::super::{report, runner};
 
@@ -402,10 +402,7 @@ fn raw_pointers_and_streams_match_the_safe_api() {
         max_position: 64,
         rotary_dim: d as u32,
     };
-    let cache = match tables.data() {
-        rope_host::TableData::Combined(c) => c,
-        rope_host::TableData::Separate { .. } => unreachable!("built combined"),
-    };
+    let cache = combined_cache(&tables);
     let raw_op = RawOp {
         config,
         dtype: DType::BF16,
