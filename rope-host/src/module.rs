@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
-use rope_kernels::abi::{BLOCK_THREADS, FusedKernelName, takes_dependent_launch};
+use rope_kernels::abi::{BLOCK_THREADS, PtxBuild};
 
 use crate::error::Result;
 
@@ -86,40 +86,20 @@ struct Loaded {
     dependent_launch: bool,
 }
 
-/// The newest of the embedded builds a context takes kernels from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-enum Build {
-    Sm80,
-    Sm89,
-    Sm90,
-}
-
-impl Build {
-    /// The newest build a device of compute capability `capability` runs, capped by
-    /// [`PTX_ARCH_VAR`]'s value `cap` when it names an older one.
-    fn for_device(capability: (i32, i32), cap: Option<&str>) -> Self {
-        let newest = match capability {
-            c if c >= (9, 0) => Build::Sm90,
-            c if c >= (8, 9) => Build::Sm89,
-            _ => Build::Sm80,
-        };
-        let cap = match cap {
-            Some("sm_80") => Build::Sm80,
-            Some("sm_89") => Build::Sm89,
-            _ => Build::Sm90,
-        };
-        newest.min(cap)
-    }
-
-    /// Whether this build has its own code of the kernel `symbol` (the others come from
-    /// [`PTX`]).
-    fn has(self, symbol: &str) -> bool {
-        match self {
-            Build::Sm80 => true,
-            Build::Sm89 => FusedKernelName::from_symbol(symbol).is_some(),
-            Build::Sm90 => takes_dependent_launch(symbol),
-        }
-    }
+/// The newest embedded build a device of compute capability `capability` runs, capped by
+/// [`PTX_ARCH_VAR`]'s value `cap` when it names an older one.
+fn newest_build(capability: (i32, i32), cap: Option<&str>) -> PtxBuild {
+    let newest = match capability {
+        c if c >= (9, 0) => PtxBuild::Sm90,
+        c if c >= (8, 9) => PtxBuild::Sm89,
+        _ => PtxBuild::Sm80,
+    };
+    let cap = match cap {
+        Some("sm_80") => PtxBuild::Sm80,
+        Some("sm_89") => PtxBuild::Sm89,
+        _ => PtxBuild::Sm90,
+    };
+    newest.min(cap)
 }
 
 impl Module {
@@ -158,17 +138,17 @@ impl Module {
         let module = ctx.load_module(Ptx::from_src(PTX))?;
         let capability = (ctx.attribute(MAJOR)?, ctx.attribute(MINOR)?);
         let cap = std::env::var(PTX_ARCH_VAR).ok();
-        let newer = match Build::for_device(capability, cap.as_deref()) {
-            Build::Sm80 => None,
-            b @ Build::Sm89 => Some((b, PTX_SM89)),
-            b @ Build::Sm90 => Some((b, PTX_SM90)),
+        let newer = match newest_build(capability, cap.as_deref()) {
+            PtxBuild::Sm80 => None,
+            b @ PtxBuild::Sm89 => Some((b, PTX_SM89)),
+            b @ PtxBuild::Sm90 => Some((b, PTX_SM90)),
         }
         .and_then(|(b, src)| Some((b, ctx.load_module(Ptx::from_src(src)).ok()?)));
         let functions = rope_kernels::abi::all_symbols()
             .map(|symbol| {
                 let (from, build) = match &newer {
-                    Some((b, m)) if b.has(symbol) => (m, *b),
-                    _ => (&module, Build::Sm80),
+                    Some((b, m)) if b.holds(symbol) => (m, *b),
+                    _ => (&module, PtxBuild::Sm80),
                 };
                 let function = from.load_function(symbol)?;
                 let blocks_per_sm = function
@@ -178,7 +158,7 @@ impl Module {
                     symbol,
                     function,
                     blocks_per_sm,
-                    dependent_launch: build == Build::Sm90,
+                    dependent_launch: build == PtxBuild::Sm90,
                 })
             })
             .collect::<Result<_>>()?;
@@ -215,8 +195,8 @@ pub(crate) fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<Module>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Build, PTX, PTX_SM89, PTX_SM90};
-    use rope_kernels::abi::{FusedKernelName, all_symbols, takes_dependent_launch};
+    use super::{PTX, PTX_SM89, PTX_SM90, newest_build};
+    use rope_kernels::abi::{FusedKernelName, PtxBuild, all_symbols, takes_dependent_launch};
 
     /// The entry points of `ptx` with their bodies, in order.
     fn entries(ptx: &str) -> Vec<(&str, &str)> {
@@ -235,20 +215,20 @@ mod tests {
     #[test]
     fn each_device_takes_the_newest_build_it_runs_unless_capped() {
         for (capability, cap, want) in [
-            ((8, 0), None, Build::Sm80),
-            ((8, 6), None, Build::Sm80),
-            ((8, 9), None, Build::Sm89),
-            ((9, 0), None, Build::Sm90),
-            ((12, 0), None, Build::Sm90),
-            ((9, 0), Some("sm_89"), Build::Sm89),
-            ((9, 0), Some("sm_80"), Build::Sm80),
-            ((8, 9), Some("sm_80"), Build::Sm80),
+            ((8, 0), None, PtxBuild::Sm80),
+            ((8, 6), None, PtxBuild::Sm80),
+            ((8, 9), None, PtxBuild::Sm89),
+            ((9, 0), None, PtxBuild::Sm90),
+            ((12, 0), None, PtxBuild::Sm90),
+            ((9, 0), Some("sm_89"), PtxBuild::Sm89),
+            ((9, 0), Some("sm_80"), PtxBuild::Sm80),
+            ((8, 9), Some("sm_80"), PtxBuild::Sm80),
             // A cap only lowers the build.
-            ((8, 0), Some("sm_89"), Build::Sm80),
-            ((9, 0), Some("sm_100"), Build::Sm90),
+            ((8, 0), Some("sm_89"), PtxBuild::Sm80),
+            ((9, 0), Some("sm_100"), PtxBuild::Sm90),
         ] {
             assert_eq!(
-                Build::for_device(capability, cap),
+                newest_build(capability, cap),
                 want,
                 "{capability:?} {cap:?}"
             );
@@ -258,12 +238,12 @@ mod tests {
     #[test]
     fn each_build_holds_exactly_the_kernels_the_host_takes_from_it() {
         for (build, ptx) in [
-            (Build::Sm80, PTX),
-            (Build::Sm89, PTX_SM89),
-            (Build::Sm90, PTX_SM90),
+            (PtxBuild::Sm80, PTX),
+            (PtxBuild::Sm89, PTX_SM89),
+            (PtxBuild::Sm90, PTX_SM90),
         ] {
             let mut have: Vec<&str> = entries(ptx).into_iter().map(|(name, _)| name).collect();
-            let mut want: Vec<&str> = all_symbols().filter(|s| build.has(s)).collect();
+            let mut want: Vec<&str> = all_symbols().filter(|s| build.holds(s)).collect();
             have.sort_unstable();
             want.sort_unstable();
             assert_eq!(have, want, "{build:?}");

@@ -805,6 +805,34 @@ impl FusedKernelName {
     }
 }
 
+/// The PTX builds `rope-host` embeds, oldest first, and which entry points each holds: a device
+/// takes each kernel from the newest build it runs that holds it. Both `cargo xtask ptx` (which
+/// keeps only these entry points in each file) and the host's module loader ask
+/// [`PtxBuild::holds`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PtxBuild {
+    /// Every kernel, for sm_80 (Ampere) and newer.
+    Sm80,
+    /// The fused kernels again, for sm_89 (Ada): their FP8 stores use the paired hardware
+    /// conversion.
+    Sm89,
+    /// The fused and one-head kernels again, for sm_90 (Hopper) and newer: the paired FP8
+    /// conversion, and programmatic dependent launch ([`takes_dependent_launch`]).
+    Sm90,
+}
+
+impl PtxBuild {
+    /// Whether this build holds the entry point `symbol` (one of [`all_symbols`]).
+    #[inline]
+    pub fn holds(self, symbol: &str) -> bool {
+        match self {
+            PtxBuild::Sm80 => true,
+            PtxBuild::Sm89 => FusedKernelName::from_symbol(symbol).is_some(),
+            PtxBuild::Sm90 => takes_dependent_launch(symbol),
+        }
+    }
+}
+
 /// Whether the kernel exported as `symbol` takes part in programmatic dependent launch when
 /// built for sm_90: the fused kernels and the [`Access::OneHead`] ones (decode steps, where a
 /// launch is short enough for the previous one's tail to matter). Their sm_90 code waits for the

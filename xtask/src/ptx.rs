@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 
-use rope_kernels::abi::{FusedKernelName, takes_dependent_launch};
+use rope_kernels::abi::PtxBuild;
 
 use crate::{cargo, root};
 
@@ -19,30 +19,10 @@ struct Arch {
     features: &'static str,
     path: &'static str,
     dir: &'static str,
-    /// The entry points kept: only those whose code differs from the sm_80 build's, so that
-    /// every binary embedding the files grows by the least.
-    entries: Entries,
-}
-
-/// Which entry points a build keeps.
-#[derive(Clone, Copy)]
-enum Entries {
-    All,
-    /// The fused kernels ([`FusedKernelName::from_symbol`], which the host also asks).
-    Fused,
-    /// The kernels that take part in programmatic dependent launch
-    /// ([`takes_dependent_launch`], which the host also asks).
-    DependentLaunch,
-}
-
-impl Entries {
-    fn keeps(self, symbol: &str) -> bool {
-        match self {
-            Entries::All => true,
-            Entries::Fused => FusedKernelName::from_symbol(symbol).is_some(),
-            Entries::DependentLaunch => takes_dependent_launch(symbol),
-        }
-    }
+    /// Which build this is: the entry points kept are those it holds ([`PtxBuild::holds`]),
+    /// only those whose code differs from the sm_80 build's, so that every binary embedding the
+    /// files grows by the least.
+    build: PtxBuild,
 }
 
 /// The builds: every kernel for sm_80 (Ampere and newer); the fused kernels again for sm_89
@@ -56,7 +36,7 @@ const ARCHS: [Arch; 3] = [
         features: "",
         path: "rope-host/ptx/kernels.ptx",
         dir: "ptx",
-        entries: Entries::All,
+        build: PtxBuild::Sm80,
     },
     Arch {
         cpu: "sm_89",
@@ -64,7 +44,7 @@ const ARCHS: [Arch; 3] = [
         features: " -Ctarget-feature=+ptx81",
         path: "rope-host/ptx/kernels_sm89.ptx",
         dir: "ptx-sm89",
-        entries: Entries::Fused,
+        build: PtxBuild::Sm89,
     },
     Arch {
         cpu: "sm_90",
@@ -73,7 +53,7 @@ const ARCHS: [Arch; 3] = [
         features: "",
         path: "rope-host/ptx/kernels_sm90.ptx",
         dir: "ptx-sm90",
-        entries: Entries::DependentLaunch,
+        build: PtxBuild::Sm90,
     },
 ];
 
@@ -128,20 +108,20 @@ fn build(arch: &Arch) -> Result<String> {
     let deps = target_dir.join(TARGET).join("release").join("deps");
     let mut ptx = fs::read_to_string(newest_asm(&deps)?)?;
     validate(&ptx)?;
-    if !matches!(arch.entries, Entries::All) {
-        ptx = entries_only(&ptx, arch.entries);
+    if arch.build != PtxBuild::Sm80 {
+        ptx = entries_only(&ptx, arch.build);
     }
     Ok(with_launch_bounds(&ptx))
 }
 
-/// `ptx` with only the entry points `entries` keeps: the module header and global
-/// declarations before the first entry stay (rustc's PTX has nothing else outside entries).
-fn entries_only(ptx: &str, entries: Entries) -> String {
+/// `ptx` with only the entry points `build` holds: the module header and global declarations
+/// before the first entry stay (rustc's PTX has nothing else outside entries).
+fn entries_only(ptx: &str, build: PtxBuild) -> String {
     let mut out = String::with_capacity(ptx.len());
     let mut keep = true;
     for line in ptx.lines() {
         if let Some(rest) = line.strip_prefix(".visible .entry ") {
-            keep = entries.keeps(rest.split('(').next().unwrap_or_default());
+            keep = build.holds(rest.split('(').next().unwrap_or_default());
         }
         if keep {
             out.push_str(line);
@@ -241,9 +221,9 @@ fn validate(ptx: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Entries, entries_only, min_blocks_per_sm, with_launch_bounds};
+    use super::{entries_only, min_blocks_per_sm, with_launch_bounds};
     use rope_kernels::abi::{
-        BLOCK_THREADS, FusedKernelName, KernelName, all_symbols, takes_dependent_launch,
+        BLOCK_THREADS, FusedKernelName, KernelName, PtxBuild, all_symbols, takes_dependent_launch,
     };
 
     /// An entry point as rustc writes it: name, parameter list, body.
@@ -268,9 +248,9 @@ mod tests {
         let fused: String = std::iter::once(header.to_string())
             .chain(FusedKernelName::ALL.iter().map(|k| entry(k.symbol())))
             .collect();
-        assert_eq!(entries_only(&ptx, Entries::Fused), fused);
+        assert_eq!(entries_only(&ptx, PtxBuild::Sm89), fused);
         assert!(fused.contains(".entry rope_fused_neox_theta_bf16("));
-        let dependent = entries_only(&ptx, Entries::DependentLaunch);
+        let dependent = entries_only(&ptx, PtxBuild::Sm90);
         let kept: Vec<&str> = dependent
             .lines()
             .filter_map(|l| l.strip_prefix(".visible .entry "))
