@@ -9,9 +9,10 @@ use core::num::{NonZeroU32, NonZeroU64};
 /// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth).
 pub const BLOCK_THREADS: u32 = 128;
 
-/// The most work items (tokens times accesses per head) of one fused launch: the fused kernels
-/// index them in 32 bits, and with at most this many items (and the grid of blocks they fill)
-/// an index plus the grid's stride stays below 2^32.
+/// The most work items (tokens times accesses per head) of one fused launch in the item loop
+/// (`heads_per_chunk` not 0): the fused kernels index them in 32 bits, and with at most this
+/// many items (and the grid of blocks they fill) an index plus the grid's stride stays below
+/// 2^32.
 pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
@@ -166,8 +167,10 @@ pub enum Access {
     /// The preferred width, for launches whose grid gives every head a block row of its own
     /// (`heads_per_chunk = 1`: decode steps and other small launches) and that copy no
     /// pass-through elements: each thread rotates one work item of one head, with no grid-stride
-    /// loop, its head's loads issued before its position and cos/sin. RoPE kernels only (the
-    /// fused kernels' names map it to [`Access::Wide`]).
+    /// loop, its head's loads issued before its position and cos/sin. The fused kernels of
+    /// this access take one thread per (token, head, access) on a grid of their own: one block
+    /// row per token (`blockIdx.z * gridDim.y + blockIdx.y`), the token's heads (q's, k's,
+    /// v's) times `groups` on `blockIdx.x` in blocks of [`BLOCK_THREADS`].
     OneHead,
 }
 
@@ -708,7 +711,9 @@ pub enum FormatCode {
 }
 
 /// One fused entry point (`rope-kernels/src/fused.rs`): `rope_fused_{style}_{source}_{dtype}`,
-/// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`].
+/// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`]
+/// and `_one_head` for [`Access::OneHead`] (one thread per head access: launches that fit in
+/// the threads resident at once).
 /// Forward only; `TableF32` only for `f16` and `bf16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedKernelName {
@@ -722,27 +727,27 @@ pub struct FusedKernelName {
     pub access: Access,
 }
 
-/// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol: Style, Source, DType,
-/// storage type;`.
+/// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, one-head symbol: Style,
+/// Source, DType, storage type;`.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
-            rope_fused_interleaved_table_f32, rope_fused_interleaved_table_f32_narrow: Interleaved, Table, F32, f32;
-            rope_fused_interleaved_theta_f32, rope_fused_interleaved_theta_f32_narrow: Interleaved, Theta, F32, f32;
-            rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow: Neox, Table, F32, f32;
-            rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow: Neox, Theta, F32, f32;
-            rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow: Interleaved, Table, F16, Half;
-            rope_fused_interleaved_table32_f16, rope_fused_interleaved_table32_f16_narrow: Interleaved, TableF32, F16, Half;
-            rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow: Interleaved, Theta, F16, Half;
-            rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow: Neox, Table, F16, Half;
-            rope_fused_neox_table32_f16, rope_fused_neox_table32_f16_narrow: Neox, TableF32, F16, Half;
-            rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow: Neox, Theta, F16, Half;
-            rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow: Interleaved, Table, BF16, Bf16;
-            rope_fused_interleaved_table32_bf16, rope_fused_interleaved_table32_bf16_narrow: Interleaved, TableF32, BF16, Bf16;
-            rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow: Interleaved, Theta, BF16, Bf16;
-            rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow: Neox, Table, BF16, Bf16;
-            rope_fused_neox_table32_bf16, rope_fused_neox_table32_bf16_narrow: Neox, TableF32, BF16, Bf16;
-            rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow: Neox, Theta, BF16, Bf16;
+            rope_fused_interleaved_table_f32, rope_fused_interleaved_table_f32_narrow, rope_fused_interleaved_table_f32_one_head: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32, rope_fused_interleaved_theta_f32_narrow, rope_fused_interleaved_theta_f32_one_head: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow, rope_fused_neox_table_f32_one_head: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow, rope_fused_neox_theta_f32_one_head: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow, rope_fused_interleaved_table_f16_one_head: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_table32_f16, rope_fused_interleaved_table32_f16_narrow, rope_fused_interleaved_table32_f16_one_head: Interleaved, TableF32, F16, Half;
+            rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow, rope_fused_interleaved_theta_f16_one_head: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow, rope_fused_neox_table_f16_one_head: Neox, Table, F16, Half;
+            rope_fused_neox_table32_f16, rope_fused_neox_table32_f16_narrow, rope_fused_neox_table32_f16_one_head: Neox, TableF32, F16, Half;
+            rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow, rope_fused_neox_theta_f16_one_head: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow, rope_fused_interleaved_table_bf16_one_head: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_table32_bf16, rope_fused_interleaved_table32_bf16_narrow, rope_fused_interleaved_table32_bf16_one_head: Interleaved, TableF32, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow, rope_fused_interleaved_theta_bf16_one_head: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_one_head: Neox, Table, BF16, Bf16;
+            rope_fused_neox_table32_bf16, rope_fused_neox_table32_bf16_narrow, rope_fused_neox_table32_bf16_one_head: Neox, TableF32, BF16, Bf16;
+            rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_one_head: Neox, Theta, BF16, Bf16;
         }
     };
 }
@@ -751,10 +756,10 @@ pub(crate) use for_each_fused_kernel;
 
 /// Defines [`FusedKernelName::ALL`] and [`FusedKernelName::symbol`] from the kernel list.
 macro_rules! fused_kernel_table {
-    ($($sym:ident, $narrow:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*) => {
+    ($($sym:ident, $narrow:ident, $one_head:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*) => {
         impl FusedKernelName {
             /// Every fused kernel.
-            pub const ALL: [FusedKernelName; 2 * [$(stringify!($sym)),*].len()] = [$(
+            pub const ALL: [FusedKernelName; 3 * [$(stringify!($sym)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -767,17 +772,17 @@ macro_rules! fused_kernel_table {
                     dtype: DType::$dt,
                     access: Access::Narrow,
                 },
+                FusedKernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    dtype: DType::$dt,
+                    access: Access::OneHead,
+                },
             )*];
 
             /// The exported PTX symbol.
             pub const fn symbol(self) -> &'static str {
                 match (self.style, self.source, self.dtype, self.access) {
-                    // No fused kernel is one-head only.
-                    (_, _, _, Access::OneHead) => FusedKernelName {
-                        access: Access::Wide,
-                        ..self
-                    }
-                    .symbol(),
                     // f32 tensors read f32 tables through the `Table` kernels.
                     (_, SinCosSource::TableF32, DType::F32, _) => FusedKernelName {
                         source: SinCosSource::Table,
@@ -789,6 +794,8 @@ macro_rules! fused_kernel_table {
                             stringify!($sym),
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Narrow) =>
                             stringify!($narrow),
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::OneHead) =>
+                            stringify!($one_head),
                     )*
                 }
             }

@@ -21,8 +21,12 @@ pub trait Elem: Copy {
     /// As [`store`].
     #[inline(always)]
     unsafe fn store_rounded<const N: usize>(p: *mut Self, v: [f32; N]) {
+        // Straight-line rather than `v.map(..)`: inside a large kernel LLVM kept `map` as a
+        // call with the array in local memory.
+        let mut out = [Self::ZERO; N];
+        crate::rope::unrolled(N, |k| out[k] = Self::from_f32(v[k]));
         // SAFETY: the caller's promise.
-        unsafe { store(p, v.map(Self::from_f32)) }
+        unsafe { store(p, out) }
     }
 }
 
@@ -35,6 +39,11 @@ impl Elem for f32 {
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
         v
+    }
+    #[inline(always)]
+    unsafe fn store_rounded<const N: usize>(p: *mut Self, v: [f32; N]) {
+        // SAFETY: the caller's promise.
+        unsafe { store(p, v) }
     }
 }
 
@@ -138,7 +147,11 @@ unsafe fn store_pairs<E: Elem, W: Copy, const N: usize>(
             8 => store::<W, 4>(p.cast(), [word(0), word(1), word(2), word(3)]),
             4 => store::<W, 2>(p.cast(), [word(0), word(1)]),
             2 => store::<W, 1>(p.cast(), [word(0)]),
-            _ => store(p, v.map(single)),
+            _ => {
+                let mut out = [E::ZERO; N];
+                crate::rope::unrolled(N, |k| out[k] = single(v[k]));
+                store(p, out)
+            }
         }
     }
 }

@@ -31,7 +31,8 @@
 //! `s % block_size`.
 //!
 //! # Thread mapping
-//! A work item is one (token, group), as in [`crate::rope`], and walks the heads
+//! The wide and narrow kernels: a work item is one (token, group), as in [`crate::rope`], and
+//! walks the heads
 //! `blockIdx.y * heads_per_chunk ..` of the concatenation of q's, k's and v's heads in blocks
 //! of [`HEADS_UNROLL`] heads of one tensor: it loads its `lanes` elements (two vectors for NeoX)
 //! of every head of the block, then with normalisation the `groups` items of the token (a power
@@ -41,16 +42,26 @@
 //! and the cache slot are found once per item and serve every head (rows of v's heads alone
 //! find no sin/cos).
 //!
+//! The one-head kernels (launches whose every head access fits in the threads resident at
+//! once: decode steps): one thread per (token, head, group), one block row per token, no loop.
+//! Each thread issues its head's loads, then reads its table rows, or takes its pairs' cos/sin
+//! from the block's shared buffer (each of the block's first `half` threads computes one pair of
+//! the token), then normalises, rotates and stores as above. A launch's length is then one
+//! head's chain, where the item loop's is the chain of every head of the item in turn; at
+//! prefill the same mapping executed 2.6x the item loop's instructions (the position, sin/cos
+//! and address work repeated for every head), which bounds the fused kernels there.
+//!
 //! Built for sm_90, each kernel takes part in programmatic dependent launch: it waits for the
 //! grid before it after its set-up, before its first global access (see
 //! `crate::intrinsics::wait_for_prior_grids`).
 
-use crate::abi::{Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, for_each_fused_kernel};
+use crate::abi::{Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, for_each_fused_kernel};
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
-    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, rcp_approx, rsqrt_approx, shuffle_xor,
-    thread_idx_x, trap, wait_for_prior_grids,
+    SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
+    rcp_approx, rsqrt_approx, shared_f32, shuffle_xor, sync_threads, thread_idx_x, trap,
+    wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
@@ -542,7 +553,237 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     });
 }
 
-/// The kernel body for `L` elements per access.
+/// This thread's head: its tensor and index there, from `head` in the concatenation of q's,
+/// k's and v's heads; `None` past the last (the block's tail).
+#[inline(always)]
+fn head_of<T>(f: &Fused<T>, head: u32) -> Option<(Kind, u32)> {
+    let (hq, hk) = (f.rope.q.heads, f.rope.k.heads);
+    if head < hq {
+        Some((Kind::Q, head))
+    } else if head - hq < hk {
+        Some((Kind::K, head - hq))
+    } else if head - hq - hk < f.v.heads {
+        Some((Kind::V, head - hq - hk))
+    } else {
+        None
+    }
+}
+
+/// Cos and sin of pairs `j0..j0 + pairs` of token `(b, s)` from in-kernel arithmetic shared by
+/// the block: thread `e` computes the token's pair `e` (for `e < half`; its position from its
+/// rotating group of `pairs` pairs, as [`cos_sin`] finds it) into the shared buffer, the threads
+/// wait for each other, then each reads its own pairs (`read`: the threads that rotate). Every
+/// thread of the block must call it, with the same token.
+///
+/// One pair per thread, no loop: the position's code (a match over every position kind) inside
+/// a loop took the kernels to 62-64 registers, or spilled under a cap.
+///
+/// # Safety
+/// `half <= blockDim.x` and `2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; `j0 + pairs <=
+/// half`; the position and frequency promises.
+#[inline(always)]
+unsafe fn shared_cos_sin<T: Elem, S: Source, const L: usize>(
+    a: &Args<T>,
+    (b, s): (u64, u64),
+    (j0, pairs): (usize, usize),
+    read: bool,
+) -> ([f32; L], [f32; L]) {
+    let buf = shared_f32();
+    let half = a.half as usize;
+    let e = thread_idx_x() as usize;
+    if e < half {
+        // SAFETY: e < half, the pairs the position and frequency arrays describe; the buffer
+        // holds 2 * half <= SHARED_F32 values.
+        unsafe {
+            let pos = position(a, b, s, (e / pairs) as u32);
+            let (c, sn) = cos_sin::<T, S, 1>(a, pos, e, 1);
+            *buf.add(e) = c[0];
+            *buf.add(half + e) = sn[0];
+        }
+    }
+    sync_threads();
+    let mut cs = ([0.0f32; L], [0.0f32; L]);
+    if read {
+        // SAFETY: j0 + pairs <= half, written above by the block before the barrier.
+        unsafe {
+            unrolled(pairs, |k| {
+                cs.0[k] = *buf.add(j0 + k);
+                cs.1[k] = *buf.add(half + j0 + k);
+            });
+        }
+    }
+    cs
+}
+
+/// The one-head body ([`Access::OneHead`]) for `L` elements per access: this thread's work
+/// item is one (head, group)
+/// of token `blockIdx.z * gridDim.y + blockIdx.y`, at `blockIdx.x * blockDim.x + threadIdx.x`
+/// in the order (head of the q, k, v concatenation, group). It issues its head's loads, finds
+/// its cos/sin (table rows; or from the block's shared arithmetic), then normalises (with the
+/// sums of its head's `groups` lanes), rotates and stores.
+///
+/// # Safety
+/// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; the heads times
+/// `groups`, rounded up to blocks, fit in `u32`.
+#[inline(always)]
+unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
+    let a = &f.rope;
+    let pairs = if P::NEOX { L } else { L / 2 };
+    let groups = a.groups.divisor.get();
+    let norm = f.norm != NormCode::None as u32;
+    if NormCode::from_u32(f.norm).is_none() || (norm && groups > 32) {
+        trap()
+    }
+    let token = u64::from(block_idx_z()) * u64::from(grid_dim_y()) + u64::from(block_idx_y());
+    // Whole blocks leave together: the barrier and the shuffles below need every thread.
+    if token >= a.tokens {
+        return;
+    }
+    let (b, s) = a.seq.div_rem(token);
+    let first = block_idx_x() * block_dim_x();
+    let (head, group) = a.groups.div_rem_u32(first + thread_idx_x());
+    let this = head_of(f, head);
+    let active = group < a.rot_groups && this.is_some_and(|(kind, _)| stores(f, kind));
+    let rotates = active && this.is_some_and(|(kind, _)| kind != Kind::V);
+    let (kind, i) = this.unwrap_or((Kind::V, 0));
+    let (j0, half) = (group as usize * pairs, a.half as usize);
+    let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
+    let (x, x_strides) = match kind {
+        Kind::Q => (a.q.x, a.q.x_strides),
+        Kind::K => (a.k.x, a.k.x_strides),
+        Kind::V => (f.v.x, f.v.x_strides),
+    };
+    // Every global access comes after this: the set-up above overlaps the previous grid in a
+    // programmatic dependent launch (sm_90 builds; nothing before sm_90).
+    wait_for_prior_grids();
+    let load = || {
+        let mut raw = [[T::ZERO; L]; 2];
+        if active {
+            let offset = token_offset(x_strides) + u64::from(i) * x_strides[2];
+            // SAFETY: head i of this tensor exists at its strides; j0 is this item's first pair.
+            raw = unsafe { load_head::<T, P, L>(x.add(offset as usize), j0, half) };
+        }
+        raw
+    };
+    let shared = !S::TABLE && half <= block_dim_x() as usize && 2 * half <= SHARED_F32;
+    // The head's loads are in flight while the table rows are read or sin/cos computed.
+    let early = Some(load());
+    let (cos, sin) = if shared {
+        // Uniform in the block: whether its first head is q's or k's (only rows of v's heads
+        // alone, at the end of the concatenation, need no sin/cos).
+        if head_of(f, first / groups).is_some_and(|(kind, _)| kind != Kind::V) {
+            // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); j0 +
+            // pairs <= half; every thread of the block is here with the same token.
+            unsafe { shared_cos_sin::<T, S, L>(a, (b, s), (j0, pairs), rotates) }
+        } else {
+            ([0.0; L], [0.0; L])
+        }
+    } else if rotates {
+        // SAFETY: (b, s) is a token; j0 + pairs <= half; the position, table and frequency
+        // promises.
+        unsafe { cos_sin::<T, S, L>(a, position(a, b, s, group), j0, pairs) }
+    } else {
+        ([0.0; L], [0.0; L])
+    };
+    let mut v = widen(early.unwrap_or_else(load));
+    if norm {
+        // Every thread of the launch takes this branch, so the shuffles have the whole warp.
+        let mut w = [[0.0f32; L]; 2];
+        if rotates {
+            let weights = if kind == Kind::Q {
+                f.q_norm_weight
+            } else {
+                f.k_norm_weight
+            };
+            // SAFETY: the weights hold head_dim elements aligned like a head.
+            w = widen(unsafe { load_head::<T, P, L>(weights, j0, half) });
+            if f.norm == NormCode::RmsOnePlus as u32 {
+                unrolled(L, |k| {
+                    w[0][k] += 1.0;
+                    w[1][k] += 1.0;
+                });
+            }
+        }
+        let mut squares = 0.0f32;
+        unrolled(L, |k| {
+            squares = mul_add(v[0][k], v[0][k], squares);
+            if P::NEOX {
+                squares = mul_add(v[1][k], v[1][k], squares);
+            }
+        });
+        let [sum] = segment_sums([squares], groups);
+        let r = inverse_sqrt(mul_add(sum, reciprocal(f.head_dim as f32), f.norm_eps));
+        if kind != Kind::V {
+            unrolled(L, |k| {
+                v[0][k] = v[0][k] * r * w[0][k];
+                v[1][k] = v[1][k] * r * w[1][k];
+            });
+        }
+    }
+    if !active {
+        return;
+    }
+    let y = if rotates {
+        rotate_values_with::<P, L>(|p, k| v[p][k], &cos, &sin, rotate_fma)
+    } else {
+        v
+    };
+    // SAFETY: token < tokens.
+    let slot = unsafe { cache_slot(f, token) };
+    let cache_head = |cache: *mut u8, slot: u64| {
+        cache.wrapping_add(
+            (slot + u64::from(i) * f.cache_strides[2]) as usize * format_bytes::<T>(f.cache_format),
+        )
+    };
+    let i = i as usize;
+    // SAFETY (each store): the destinations address this head's elements inside their tensors
+    // or the cache's slot (the entry points' promises), aligned to `lanes`; FP8 destinations
+    // have a scale per head at their step.
+    unsafe {
+        match kind {
+            Kind::Q => {
+                let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
+                let head = a.q.out.cast::<u8>();
+                let head = head.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
+                let scales = Scales::new(f.q_format, f.q_scale, f.q_scale_step);
+                store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
+            }
+            Kind::K => {
+                if !a.k.out.is_null() {
+                    let offset = token_offset(a.k.out_strides) + i as u64 * a.k.out_strides[2];
+                    store_head::<T, P, L>(
+                        a.k.out.add(offset as usize).cast(),
+                        None,
+                        (j0, half),
+                        &y,
+                    );
+                }
+                if let Some(slot) = slot {
+                    let scales = Scales::new(f.cache_format, f.k_scale, f.kv_scale_step);
+                    store_head::<T, P, L>(
+                        cache_head(f.k_cache, slot),
+                        scales.of(i),
+                        (j0, half),
+                        &y,
+                    );
+                }
+            }
+            Kind::V => {
+                if let Some(slot) = slot {
+                    let scales = Scales::new(f.cache_format, f.v_scale, f.kv_scale_step);
+                    store_head::<T, P, L>(
+                        cache_head(f.v_cache, slot),
+                        scales.of(i),
+                        (j0, half),
+                        &y,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The kernel body for `L` elements per access (the wide and narrow kernels).
 ///
 /// # Safety
 /// The promises of the entry points.
@@ -610,16 +851,23 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const WIDE: bool>(f: &Fused<T>) {
+unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T>) {
+    const WIDE: u8 = Access::Wide as u8;
+    const NARROW: u8 = Access::Narrow as u8;
+    const ONE_HEAD: u8 = Access::OneHead as u8;
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
-        match (WIDE, T::SIZE, f.rope.lanes, P::NEOX) {
-            (true, 4, 4, _) => body::<T, P, S, 4>(f),
-            (true, 2, 8, false) => body::<T, P, S, 8>(f),
-            (true, 2, 4, true) => body::<T, P, S, 4>(f),
-            (false, 2, 4, false) => body::<T, P, S, 4>(f),
-            (false, _, 2, _) => body::<T, P, S, 2>(f),
-            (false, _, 1, true) => body::<T, P, S, 1>(f),
+        match (ACCESS, T::SIZE, f.rope.lanes, P::NEOX) {
+            (WIDE, 4, 4, _) => body::<T, P, S, 4>(f),
+            (WIDE, 2, 8, false) => body::<T, P, S, 8>(f),
+            (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
+            // One-head kernels take the preferred width only: no `lanes` to read.
+            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4>(f),
+            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8>(f),
+            (ONE_HEAD, 2, _, true) => one_head_body::<T, P, S, 4>(f),
+            (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
+            (NARROW, _, 2, _) => body::<T, P, S, 2>(f),
+            (NARROW, _, 1, true) => body::<T, P, S, 1>(f),
             _ => trap(),
         }
     }
@@ -692,21 +940,26 @@ impl<T> Fused<T> {
 
 /// Defines one exported entry point per (pairing, source, dtype), wide and narrow.
 macro_rules! fused_kernel {
-    ($($wide:ident, $narrow:ident: $pairing:ident, $source:ident, $dt:ident, $t:ty;)*) => {$(
-        crate::fused_kernel_params!(fused_entry { $wide, true: $pairing, $source, $t });
-        crate::fused_kernel_params!(fused_entry { $narrow, false: $pairing, $source, $t });
+    (
+        $($wide:ident, $narrow:ident, $one_head:ident:
+            $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
+    ) => {$(
+        crate::fused_kernel_params!(fused_entry { $wide, Wide: $pairing, $source, $t });
+        crate::fused_kernel_params!(fused_entry { $narrow, Narrow: $pairing, $source, $t });
+        crate::fused_kernel_params!(fused_entry { $one_head, OneHead: $pairing, $source, $t });
     )*};
 }
 
 /// One entry point with the parameter list of [`crate::fused_kernel_params!`].
 macro_rules! fused_entry {
     (
-        { $name:ident, $is_wide:literal: $pairing:ident, $source:ident, $t:ty }
+        { $name:ident, $access:ident: $pairing:ident, $source:ident, $t:ty }
         $($param:ident: $kind:ident,)*
     ) => {
         /// One fused entry point; its name says the pairing, the sin/cos source, the element
-        /// type and (`_narrow`) whether accesses are narrower than the preferred width. See the
-        /// module documentation, and `fused_kernel_params!` in `abi.rs` for the parameters.
+        /// type and the access (`_narrow`: narrower than the preferred width; `_one_head`: one
+        /// thread per head access, on the grid of `one_head_body`). See the module
+        /// documentation, and `fused_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
         /// The promises of the RoPE entry points (`crate::rope`) for q and k (with `out1` null
@@ -726,7 +979,7 @@ macro_rules! fused_entry {
         ) {
             let args = Fused::new(FusedParams::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe { dispatch::<$t, $pairing, $source<$t>, $is_wide>(&args) }
+            unsafe { dispatch::<$t, $pairing, $source<$t>, { Access::$access as u8 }>(&args) }
         }
     };
 }

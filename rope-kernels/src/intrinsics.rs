@@ -1,8 +1,9 @@
 //! The only module that touches `core::arch::nvptx` or inline PTX: thread and block indices,
 //! paired f16 and bf16 conversions, approximate reciprocals, the L2 prefetch, warp shuffles,
-//! programmatic dependent launch and `trap`.
+//! the fused kernels' shared buffer and the block barrier, programmatic dependent launch and
+//! `trap`.
 
-use core::arch::{asm, nvptx};
+use core::arch::{asm, global_asm, nvptx};
 
 /// `threadIdx.x`.
 #[inline(always)]
@@ -25,6 +26,20 @@ pub fn block_idx_y() -> u32 {
     unsafe { nvptx::_block_idx_y() }
 }
 
+/// `blockIdx.z`.
+#[inline(always)]
+pub fn block_idx_z() -> u32 {
+    // SAFETY: reading the %ctaid.z special register has no preconditions in a kernel.
+    unsafe { nvptx::_block_idx_z() }
+}
+
+/// `gridDim.y`.
+#[inline(always)]
+pub fn grid_dim_y() -> u32 {
+    // SAFETY: reading the %nctaid.y special register has no preconditions in a kernel.
+    unsafe { nvptx::_grid_dim_y() }
+}
+
 /// `blockDim.x`.
 #[inline(always)]
 pub fn block_dim_x() -> u32 {
@@ -37,6 +52,39 @@ pub fn block_dim_x() -> u32 {
 pub fn grid_dim_x() -> u32 {
     // SAFETY: reading the %nctaid.x special register has no preconditions in a kernel.
     unsafe { nvptx::_grid_dim_x() }
+}
+
+/// `f32` values in the block's shared buffer ([`shared_f32`]): 4 KiB.
+pub const SHARED_F32: usize = 1024;
+
+// The module's one shared-memory variable (rustc has no address space for a `static` in shared
+// memory, so it is declared in PTX). Only kernels that take its address get it allocated.
+global_asm!(".shared .align 16 .b8 rope_fused_shared[4096];");
+
+/// A generic pointer to the block's shared buffer of [`SHARED_F32`] `f32` (`cvta.shared`):
+/// ordinary loads and stores through it reach shared memory. Its contents are the block's,
+/// undefined until a thread of the block writes them.
+#[inline(always)]
+pub fn shared_f32() -> *mut f32 {
+    let p: *mut f32;
+    // SAFETY: converts the shared variable's address to a generic one; no memory is touched.
+    unsafe {
+        asm!(
+            "cvta.shared.u64 {p}, rope_fused_shared;",
+            p = out(reg64) p,
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+    p
+}
+
+/// `__syncthreads()` (`bar.sync 0`): waits until every thread of the block arrives, and makes
+/// the shared-memory writes before it visible to the block's reads after it. Every thread of
+/// the block must reach it. The `asm` may read and write memory, so no access moves across it.
+#[inline(always)]
+pub fn sync_threads() {
+    // SAFETY: a barrier over the block; the callers reach it with every thread.
+    unsafe { asm!("bar.sync 0;", options(nostack, preserves_flags)) };
 }
 
 /// Aborts the kernel (the launch then fails with an illegal-instruction error on the host).

@@ -16,8 +16,8 @@ use crate::handle::DeviceFacts;
 use crate::layout::{Layout, fused_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
-    Grid, Of, Region, Request, check_overlaps, grid, layout_aligned, option_reads, read_region,
-    region, same_dims, widest_lanes,
+    Grid, Of, Region, Request, check_overlaps, fused_grid, grid, layout_aligned, option_reads,
+    read_region, region, same_dims, widest_lanes,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
@@ -147,16 +147,6 @@ pub(crate) fn plan_fused(
     } else {
         rot_groups
     };
-    // The fused kernels index their work items in 32 bits.
-    if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {
-        return Err(invalid(
-            "q",
-            format!(
-                "{tokens} tokens of {groups} accesses per head are more than the fused kernels' \
-                 {MAX_FUSED_ITEMS} work items"
-            ),
-        ));
-    }
     let kernel = FusedKernelName {
         style: cfg.style(),
         source: sincos.source,
@@ -174,14 +164,46 @@ pub(crate) fn plan_fused(
         threads_per_sm: facts.threads_per_sm.min(per_sm.max(1) * BLOCK_THREADS),
         ..*facts
     };
-    let grid = grid(
-        (tokens, q.seq as u32),
-        groups,
-        heads as u32,
-        &resident,
-        per_sm,
-    )?
-    .expect("tokens, seq, heads and groups are non-zero");
+    // A launch at the preferred width whose every (token, head, access) fits in the threads
+    // resident at once (decode steps) takes the one-head kernels: one thread per head access,
+    // no head loop, so its length is one head's chain. Larger launches take the item loop, which
+    // shares each item's position, sin/cos and slot work across its heads (one thread per head
+    // access executed 2.6x the instructions at prefill, where the kernel is bound by its issue
+    // rate).
+    let threads = tokens.saturating_mul(heads).saturating_mul(groups as u64);
+    let resident_threads = resident.sm_count as u64 * resident.threads_per_sm as u64;
+    let one_head = threads <= resident_threads && kernel.access == Access::Wide;
+    let kernel = FusedKernelName {
+        access: if one_head {
+            Access::OneHead
+        } else {
+            kernel.access
+        },
+        ..kernel
+    };
+    let grid = if one_head {
+        fused_grid((tokens, q.seq as u32), groups, heads as u32)?
+            .expect("tokens, seq, heads and groups are non-zero")
+    } else {
+        // The fused kernels index their work items in 32 bits.
+        if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {
+            return Err(invalid(
+                "q",
+                format!(
+                    "{tokens} tokens of {groups} accesses per head are more than the fused kernels' \
+                     {MAX_FUSED_ITEMS} work items"
+                ),
+            ));
+        }
+        grid(
+            (tokens, q.seq as u32),
+            groups,
+            heads as u32,
+            &resident,
+            per_sm,
+        )?
+        .expect("tokens, seq, heads and groups are non-zero")
+    };
     let (block, cache_slots) = match &req.cache {
         Some(c) => (c.layout.block_size, cache_slots(&c.layout)),
         None => (1, Some(0)),

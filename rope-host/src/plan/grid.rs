@@ -92,6 +92,64 @@ pub(crate) fn grid(
     }))
 }
 
+/// The grid of the one-head fused kernels ([`rope_kernels::abi::Access::OneHead`]): one block row per token (`blockIdx.z * gridDim.y + blockIdx.y`,
+/// `gridDim.y` at most 65535), and on `blockIdx.x` the token's `heads * groups` work items (head
+/// of the q, k, v concatenation, then group) in blocks of [`BLOCK_THREADS`]. Consecutive blocks
+/// take consecutive heads of one token, so the launch walks each tensor in address order.
+/// `heads_per_chunk` is `heads` (the fused kernels do not read it).
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `q` when the tokens exceed `65535^2`, or the heads times
+/// `groups` exceed `u32::MAX - BLOCK_THREADS` (the kernels index a token's items in `u32`).
+pub(crate) fn fused_grid(
+    (tokens, seq): (u64, u32),
+    groups: u32,
+    heads: u32,
+) -> Result<Option<Grid>> {
+    const MAX_GRID_YZ: u64 = 65_535;
+    let (Some(seq), Some(groups_nz)) = (NonZeroU32::new(seq), NonZeroU32::new(groups)) else {
+        return Ok(None);
+    };
+    if tokens == 0 || heads == 0 {
+        return Ok(None);
+    }
+    let items = heads as u64 * groups as u64;
+    if items > (u32::MAX - BLOCK_THREADS) as u64 {
+        return Err(invalid(
+            "q",
+            format!(
+                "{heads} heads of {groups} accesses are more than the fused kernels index \
+                 per token ({})",
+                u32::MAX - BLOCK_THREADS
+            ),
+        ));
+    }
+    if tokens > MAX_GRID_YZ * MAX_GRID_YZ {
+        return Err(invalid(
+            "q",
+            format!(
+                "{tokens} tokens are more than a fused launch's grid holds ({})",
+                MAX_GRID_YZ * MAX_GRID_YZ
+            ),
+        ));
+    }
+    let rows = tokens.min(MAX_GRID_YZ);
+    Ok(Some(Grid {
+        config: LaunchConfig {
+            grid_dim: (
+                items.div_ceil(BLOCK_THREADS as u64) as u32,
+                rows as u32,
+                tokens.div_ceil(rows) as u32,
+            ),
+            block_dim: (BLOCK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        },
+        heads_per_chunk: heads,
+        seq: Divisor::new(seq),
+        groups: Divisor::new(groups_nz),
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +250,24 @@ mod tests {
             .expect("fits")
             .expect("non-empty");
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (2, 16));
+    }
+
+    /// The fused grid gives every token a block row: `gridDim.y` up to 65535 rows, then rows of
+    /// 65535 on `gridDim.z`; a token's heads times items in blocks of 128 on `gridDim.x`.
+    #[test]
+    fn fused_grid_takes_one_block_row_per_token() {
+        let g = |tokens: u64| {
+            fused_grid((tokens, 1), 16, 48)
+                .expect("fits")
+                .expect("non-empty")
+                .config
+                .grid_dim
+        };
+        assert_eq!(g(64), (6, 64, 1));
+        assert_eq!(g(65_535), (6, 65_535, 1));
+        assert_eq!(g(65_536), (6, 65_535, 2));
+        assert_eq!(g(65_535 * 65_535), (6, 65_535, 65_535));
+        assert!(fused_grid((65_535 * 65_535 + 1, 1), 16, 48).is_err());
+        assert!(fused_grid((1, 1), 32, u32::MAX / 16).is_err());
     }
 }

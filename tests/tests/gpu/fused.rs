@@ -78,18 +78,41 @@ struct CacheCase {
     per_head: bool,
 }
 
+/// How large a random case is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Size {
+    /// A few tokens and heads: launches that fit in the threads a GPU holds at once, which the
+    /// one-head fused kernels run with one thread per head access.
+    Small,
+    /// Thousands of tokens and 17-23 q and k heads: more work items than any of this
+    /// project's GPUs holds at once, which the wide fused kernels run as a loop over each
+    /// item's heads.
+    Large,
+}
+
 impl Case {
     fn random(seed: u64, dtype_size: usize) -> Self {
+        Self::random_sized(seed, dtype_size, Size::Small)
+    }
+
+    fn random_sized(seed: u64, dtype_size: usize, size: Size) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
         let style = if rng.random_bool(0.5) {
             RopeStyle::Neox
         } else {
             RopeStyle::Interleaved
         };
-        let d = [64, 80, 128, 128, 256][rng.random_range(0..5)];
-        let (batch, seq): (usize, usize) = (rng.random_range(1..=3), rng.random_range(1..=9));
+        let d = match size {
+            Size::Small => [64, 80, 128, 128, 256][rng.random_range(0..5)],
+            Size::Large => [64, 128][rng.random_range(0..2)],
+        };
+        let (batch, seq): (usize, usize) = match size {
+            Size::Small => (rng.random_range(1..=3), rng.random_range(1..=9)),
+            Size::Large => (rng.random_range(1..=2), rng.random_range(2500..=3000)),
+        };
         let tokens = batch * seq;
-        let ids = rng.random_bool(0.6).then(|| {
+        // Large cases take ids below the tables' positions (offsets would run past them).
+        let ids = (size == Size::Large || rng.random_bool(0.6)).then(|| {
             (0..tokens)
                 .map(|_| rng.random_range(0..MAX_POSITION as i64))
                 .collect()
@@ -138,7 +161,10 @@ impl Case {
             d,
             batch,
             seq,
-            hq: rng.random_range(1..=5),
+            hq: match size {
+                Size::Small => rng.random_range(1..=5),
+                Size::Large => rng.random_range(16..=20),
+            },
             hk: rng.random_range(1..=3),
             ids,
             offset: rng.random_range(0..32),
@@ -635,8 +661,15 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
         .unwrap_or(u64::MAX);
     let cases = cases.min(cap);
     let mut worst = Worst::default();
+    // Every twentieth case at prefill size (the wide kernels' item loop), the rest small (the
+    // one-head kernels, one thread per head access).
     for seed in 0..cases {
-        let c = Case::random(seed * 7919 + size_of::<T>() as u64, size_of::<T>());
+        let size = if seed % 20 == 19 {
+            Size::Large
+        } else {
+            Size::Small
+        };
+        let c = Case::random_sized(seed * 7919 + size_of::<T>() as u64, size_of::<T>(), size);
         match check_case::<T>(&c, &stream, &rope) {
             Ok(w) => {
                 worst.ratio = worst.ratio.max(w.ratio);
