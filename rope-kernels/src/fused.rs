@@ -356,6 +356,77 @@ fn stores<T>(f: &Fused<T>, kind: Kind) -> bool {
     }
 }
 
+/// The FP8 scales of the stores of tensor `kind`'s heads: q's output's, or the cache's (k's and
+/// v's only write FP8 into a cache, so a token without a slot takes none).
+///
+/// # Safety
+/// FP8 destinations have their scales (the entry points' promise).
+#[inline(always)]
+unsafe fn scales_for<T>(f: &Fused<T>, kind: Kind, has_slot: bool) -> Scales {
+    // SAFETY: the entry points' promise; the k and v scales serve only cache stores, which need
+    // a slot.
+    unsafe {
+        match kind {
+            Kind::Q => Scales::new(f.q_format, f.q_scale, f.q_scale_step),
+            _ if !has_slot => Scales::new(FormatCode::Elem as u32, f.k_scale, 0),
+            Kind::K => Scales::new(f.cache_format, f.k_scale, f.kv_scale_step),
+            Kind::V => Scales::new(f.cache_format, f.v_scale, f.kv_scale_step),
+        }
+    }
+}
+
+/// Stores head `i` of tensor `kind` of token `(b, s)`, its values `y` (rotated and normalised,
+/// or v's as read), to every destination the launch has for it: q's output; k's output and
+/// its cache slot; v's cache slot (`slot`: the token's slot offset, if it writes the cache).
+///
+/// # Safety
+/// The destinations address this head's elements inside their tensors or the cache's slot (the
+/// entry points' promises), aligned to `lanes`; `scales` come from [`scales_for`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
+    f: &Fused<T>,
+    (kind, i): (Kind, usize),
+    (b, s): (u64, u64),
+    slot: Option<u64>,
+    scales: &Scales,
+    pairs: (usize, usize),
+    y: &[[f32; L]; 2],
+) {
+    let a = &f.rope;
+    let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
+    let cache_head = |cache: *mut u8, slot: u64| {
+        cache.wrapping_add(
+            (slot + i as u64 * f.cache_strides[2]) as usize * format_bytes::<T>(f.cache_format),
+        )
+    };
+    // SAFETY (each store): the caller's promises.
+    unsafe {
+        match kind {
+            Kind::Q => {
+                let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
+                let out = a.q.out.cast::<u8>();
+                let head = out.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
+                store_head::<T, P, L>(head, scales.of(i), pairs, y);
+            }
+            Kind::K => {
+                if !a.k.out.is_null() {
+                    let offset = token_offset(a.k.out_strides) + i as u64 * a.k.out_strides[2];
+                    store_head::<T, P, L>(a.k.out.add(offset as usize).cast(), None, pairs, y);
+                }
+                if let Some(slot) = slot {
+                    store_head::<T, P, L>(cache_head(f.k_cache, slot), scales.of(i), pairs, y);
+                }
+            }
+            Kind::V => {
+                if let Some(slot) = slot {
+                    store_head::<T, P, L>(cache_head(f.v_cache, slot), scales.of(i), pairs, y);
+                }
+            }
+        }
+    }
+}
+
 /// Heads `first..last` of the q, k, v concatenation for this item, in blocks inside one tensor:
 /// [`HEADS_UNROLL`] heads while that many are left in the tensor, then one at a time.
 /// One loop with the tensor chosen at run time, so that one copy of each block's code serves
@@ -449,16 +520,8 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
             });
         }
     }
-    // SAFETY: FP8 destinations have their scales (the entry points' promise); the k and v
-    // scales serve only cache stores, which need a slot.
-    let scales = unsafe {
-        match kind {
-            Kind::Q => Scales::new(f.q_format, f.q_scale, f.q_scale_step),
-            _ if item.slot.get().is_none() => Scales::new(FormatCode::Elem as u32, f.k_scale, 0),
-            Kind::K => Scales::new(f.cache_format, f.k_scale, f.kv_scale_step),
-            Kind::V => Scales::new(f.cache_format, f.v_scale, f.kv_scale_step),
-        }
-    };
+    // SAFETY: FP8 destinations have their scales (the entry points' promise).
+    let scales = unsafe { scales_for(f, kind, item.slot.get().is_some()) };
     // Values, not a reference to one of the three tensors: a reference chosen at run time
     // would keep the arguments in local memory.
     let (x, x_strides) = match kind {
@@ -505,51 +568,18 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     if !item.active {
         return;
     }
-    let cache_head = |cache: *mut u8, i: usize, slot: u64| {
-        cache.wrapping_add(
-            (slot + i as u64 * f.cache_strides[2]) as usize * format_bytes::<T>(f.cache_format),
-        )
-    };
     each_head!(U, u => {
         let i = h + u;
         let y = match kind {
             Kind::V => v[u],
             _ => rotate_values_with::<P, L>(|p, k| v[u][p][k], &item.cos, &item.sin, rotate_fma),
         };
-        // SAFETY (each store): the destinations address this head's elements inside their
-        // tensors or the cache's slot (the entry points' promises), aligned to `lanes`; FP8
-        // destinations have a scale per head at their step.
+        // SAFETY: head i of this tensor and the item's token and slot, whose destinations the
+        // entry points promise; `scales` from `scales_for`.
         unsafe {
-            match kind {
-                Kind::Q => {
-                    let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
-                    let out = a.q.out.cast::<u8>();
-                    let head = out.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
-                    store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
-                }
-                Kind::K => {
-                    if !a.k.out.is_null() {
-                        let offset = token_offset(a.k.out_strides) + i as u64 * a.k.out_strides[2];
-                        store_head::<T, P, L>(
-                            a.k.out.add(offset as usize).cast(),
-                            None,
-                            (j0, half),
-                            &y,
-                        );
-                    }
-                    if let Some(slot) = item.slot.get() {
-                        let head = cache_head(f.k_cache, i, slot);
-                        store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
-                    }
-                }
-                Kind::V => {
-                    if let Some(slot) = item.slot.get() {
-                        let head = cache_head(f.v_cache, i, slot);
-                        store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
-                    }
-                }
-            }
-        }
+            let slot = item.slot.get();
+            store_outputs::<T, P, L>(f, (kind, i), (b, s), slot, &scales, (j0, half), &y)
+        };
     });
 }
 
@@ -730,56 +760,11 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     };
     // SAFETY: token < tokens.
     let slot = unsafe { cache_slot(f, token) };
-    let cache_head = |cache: *mut u8, slot: u64| {
-        cache.wrapping_add(
-            (slot + u64::from(i) * f.cache_strides[2]) as usize * format_bytes::<T>(f.cache_format),
-        )
-    };
-    let i = i as usize;
-    // SAFETY (each store): the destinations address this head's elements inside their tensors
-    // or the cache's slot (the entry points' promises), aligned to `lanes`; FP8 destinations
-    // have a scale per head at their step.
+    // SAFETY: head i of this tensor and token (b, s), whose destinations the entry points
+    // promise; FP8 destinations have their scales.
     unsafe {
-        match kind {
-            Kind::Q => {
-                let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
-                let head = a.q.out.cast::<u8>();
-                let head = head.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
-                let scales = Scales::new(f.q_format, f.q_scale, f.q_scale_step);
-                store_head::<T, P, L>(head, scales.of(i), (j0, half), &y);
-            }
-            Kind::K => {
-                if !a.k.out.is_null() {
-                    let offset = token_offset(a.k.out_strides) + i as u64 * a.k.out_strides[2];
-                    store_head::<T, P, L>(
-                        a.k.out.add(offset as usize).cast(),
-                        None,
-                        (j0, half),
-                        &y,
-                    );
-                }
-                if let Some(slot) = slot {
-                    let scales = Scales::new(f.cache_format, f.k_scale, f.kv_scale_step);
-                    store_head::<T, P, L>(
-                        cache_head(f.k_cache, slot),
-                        scales.of(i),
-                        (j0, half),
-                        &y,
-                    );
-                }
-            }
-            Kind::V => {
-                if let Some(slot) = slot {
-                    let scales = Scales::new(f.cache_format, f.v_scale, f.kv_scale_step);
-                    store_head::<T, P, L>(
-                        cache_head(f.v_cache, slot),
-                        scales.of(i),
-                        (j0, half),
-                        &y,
-                    );
-                }
-            }
-        }
+        let scales = scales_for(f, kind, slot.is_some());
+        store_outputs::<T, P, L>(f, (kind, i as usize), (b, s), slot, &scales, (j0, half), &y);
     }
 }
 
