@@ -427,6 +427,64 @@ unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
+/// The norm's weights at this item's elements of a head of tensor `kind` (q's or k's), in
+/// `f32`, with `1` added for [`NormCode::RmsOnePlus`].
+///
+/// # Safety
+/// The weights hold `head_dim` elements aligned like a head; `j0` is this item's first pair.
+#[inline(always)]
+unsafe fn norm_weights<T: Elem, P: Pairing, const L: usize>(
+    f: &Fused<T>,
+    kind: Kind,
+    (j0, half): (usize, usize),
+) -> [[f32; L]; 2] {
+    let weights = if kind == Kind::Q {
+        f.q_norm_weight
+    } else {
+        f.k_norm_weight
+    };
+    // SAFETY: the caller's promise.
+    let mut w = widen(unsafe { load_head::<T, P, L>(weights, j0, half) });
+    if f.norm == NormCode::RmsOnePlus as u32 {
+        unrolled(L, |k| {
+            w[0][k] += 1.0;
+            w[1][k] += 1.0;
+        });
+    }
+    w
+}
+
+/// The sum of the squares of one head's loaded values (as [`load_head`] lays them out), with
+/// fused multiply-adds.
+#[inline(always)]
+fn sum_squares<P: Pairing, const L: usize>(v: &[[f32; L]; 2]) -> f32 {
+    let mut sum = 0.0f32;
+    unrolled(L, |k| {
+        sum = mul_add(v[0][k], v[0][k], sum);
+        if P::NEOX {
+            sum = mul_add(v[1][k], v[1][k], sum);
+        }
+    });
+    sum
+}
+
+/// Normalises one head's values in place: `x_e <- x_e * r * w_e` with `r = 1 / sqrt(sum *
+/// inv_dim + eps)` from the head's sum of squares.
+#[inline(always)]
+fn normalise<const L: usize>(
+    v: &mut [[f32; L]; 2],
+    w: &[[f32; L]; 2],
+    sum: f32,
+    inv_dim: f32,
+    eps: f32,
+) {
+    let r = inverse_sqrt(mul_add(sum, inv_dim, eps));
+    unrolled(L, |k| {
+        v[0][k] = v[0][k] * r * w[0][k];
+        v[1][k] = v[1][k] * r * w[1][k];
+    });
+}
+
 /// Heads `first..last` of the q, k, v concatenation for this item, in blocks inside one tensor:
 /// [`HEADS_UNROLL`] heads while that many are left in the tensor, then one at a time.
 /// One loop with the tensor chosen at run time, so that one copy of each block's code serves
@@ -506,19 +564,8 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     let norm = f.norm != NormCode::None as u32 && kind != Kind::V;
     let mut w = [[0.0f32; L]; 2];
     if norm && item.active {
-        let weights = if kind == Kind::Q {
-            f.q_norm_weight
-        } else {
-            f.k_norm_weight
-        };
         // SAFETY: the weights hold head_dim elements aligned like a head.
-        w = widen(unsafe { load_head::<T, P, L>(weights, item.pairs().0, item.pairs().1) });
-        if f.norm == NormCode::RmsOnePlus as u32 {
-            unrolled(L, |k| {
-                w[0][k] += 1.0;
-                w[1][k] += 1.0;
-            });
-        }
+        w = unsafe { norm_weights::<T, P, L>(f, kind, item.pairs()) };
     }
     // SAFETY: FP8 destinations have their scales (the entry points' promise).
     let scales = unsafe { scales_for(f, kind, item.slot.get().is_some()) };
@@ -546,23 +593,12 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     if norm {
         // Every lane of the warp takes this branch: `norm` and the heads are the grid's.
         let mut squares = [0.0f32; U];
-        unrolled(U, |u| {
-            unrolled(L, |k| {
-                squares[u] = mul_add(v[u][0][k], v[u][0][k], squares[u]);
-                if P::NEOX {
-                    squares[u] = mul_add(v[u][1][k], v[u][1][k], squares[u]);
-                }
-            })
-        });
+        unrolled(U, |u| squares[u] = sum_squares::<P, L>(&v[u]));
         let sums = segment_sums(squares, a.groups.divisor.get());
         // Recomputed per block (four instructions) rather than held in a register throughout.
         let inv_dim = reciprocal(f.head_dim as f32);
         unrolled(U, |u| {
-            let r = inverse_sqrt(mul_add(sums[u], inv_dim, f.norm_eps));
-            unrolled(L, |k| {
-                v[u][0][k] = v[u][0][k] * r * w[0][k];
-                v[u][1][k] = v[u][1][k] * r * w[1][k];
-            });
+            normalise(&mut v[u], &w, sums[u], inv_dim, f.norm_eps)
         });
     }
     if !item.active {
@@ -686,22 +722,18 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     // Every global access comes after this: the set-up above overlaps the previous grid in a
     // programmatic dependent launch (sm_90 builds; nothing before sm_90).
     wait_for_prior_grids();
-    let load = || {
-        let mut raw = [[T::ZERO; L]; 2];
-        if active {
-            let offset = token_offset(x_strides) + u64::from(i) * x_strides[2];
-            // SAFETY: head i of this tensor exists at its strides; j0 is this item's first pair.
-            raw = unsafe { load_head::<T, P, L>(x.add(offset as usize), j0, half) };
-        }
-        raw
-    };
-    let shared = !S::TABLE && half <= block_dim_x() as usize && 2 * half <= SHARED_F32;
     // The head's loads are in flight while the table rows are read or sin/cos computed.
-    let early = Some(load());
+    let mut raw = [[T::ZERO; L]; 2];
+    if active {
+        let offset = token_offset(x_strides) + u64::from(i) * x_strides[2];
+        // SAFETY: head i of this tensor exists at its strides; j0 is this item's first pair.
+        raw = unsafe { load_head::<T, P, L>(x.add(offset as usize), j0, half) };
+    }
+    let shared = !S::TABLE && half <= block_dim_x() as usize && 2 * half <= SHARED_F32;
     let (cos, sin) = if shared {
         // Uniform in the block: whether its first head is q's or k's (only rows of v's heads
         // alone, at the end of the concatenation, need no sin/cos).
-        if head_of(f, first / groups).is_some_and(|(kind, _)| kind != Kind::V) {
+        if head_of(f, a.groups.div_rem_u32(first).0).is_some_and(|(kind, _)| kind != Kind::V) {
             // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); j0 +
             // pairs <= half; every thread of the block is here with the same token.
             unsafe { shared_cos_sin::<T, S, L>(a, (b, s), (j0, pairs), rotates) }
@@ -715,39 +747,17 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     } else {
         ([0.0; L], [0.0; L])
     };
-    let mut v = widen(early.unwrap_or_else(load));
+    let mut v = widen(raw);
     if norm {
         // Every thread of the launch takes this branch, so the shuffles have the whole warp.
         let mut w = [[0.0f32; L]; 2];
         if rotates {
-            let weights = if kind == Kind::Q {
-                f.q_norm_weight
-            } else {
-                f.k_norm_weight
-            };
             // SAFETY: the weights hold head_dim elements aligned like a head.
-            w = widen(unsafe { load_head::<T, P, L>(weights, j0, half) });
-            if f.norm == NormCode::RmsOnePlus as u32 {
-                unrolled(L, |k| {
-                    w[0][k] += 1.0;
-                    w[1][k] += 1.0;
-                });
-            }
+            w = unsafe { norm_weights::<T, P, L>(f, kind, (j0, half)) };
         }
-        let mut squares = 0.0f32;
-        unrolled(L, |k| {
-            squares = mul_add(v[0][k], v[0][k], squares);
-            if P::NEOX {
-                squares = mul_add(v[1][k], v[1][k], squares);
-            }
-        });
-        let [sum] = segment_sums([squares], groups);
-        let r = inverse_sqrt(mul_add(sum, reciprocal(f.head_dim as f32), f.norm_eps));
+        let [sum] = segment_sums([sum_squares::<P, L>(&v)], groups);
         if kind != Kind::V {
-            unrolled(L, |k| {
-                v[0][k] = v[0][k] * r * w[0][k];
-                v[1][k] = v[1][k] * r * w[1][k];
-            });
+            normalise(&mut v, &w, sum, reciprocal(f.head_dim as f32), f.norm_eps);
         }
     }
     if !active {
