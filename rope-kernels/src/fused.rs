@@ -356,6 +356,25 @@ fn stores<T>(f: &Fused<T>, kind: Kind) -> bool {
     }
 }
 
+/// Tensor `kind`'s input and its batch, seq and head strides: values, not a reference to one
+/// of the three tensors (a reference chosen at run time kept the arguments in local memory).
+#[inline(always)]
+fn input_of<T>(f: &Fused<T>, kind: Kind) -> (*const T, [u64; 3]) {
+    let a = &f.rope;
+    match kind {
+        Kind::Q => (a.q.x, a.q.x_strides),
+        Kind::K => (a.k.x, a.k.x_strides),
+        Kind::V => (f.v.x, f.v.x_strides),
+    }
+}
+
+/// The element offset of head `i` of token `(b, s)` in a tensor of batch, seq and head
+/// `strides`.
+#[inline(always)]
+fn head_offset(strides: [u64; 3], (b, s): (u64, u64), i: u64) -> u64 {
+    b * strides[0] + s * strides[1] + i * strides[2]
+}
+
 /// The FP8 scales of the stores of tensor `kind`'s heads: q's output's, or the cache's (k's and
 /// v's only write FP8 into a cache, so a token without a slot takes none).
 ///
@@ -394,7 +413,6 @@ unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
     y: &[[f32; L]; 2],
 ) {
     let a = &f.rope;
-    let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
     let cache_head = |cache: *mut u8, slot: u64| {
         cache.wrapping_add(
             (slot + i as u64 * f.cache_strides[2]) as usize * format_bytes::<T>(f.cache_format),
@@ -404,14 +422,14 @@ unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
     unsafe {
         match kind {
             Kind::Q => {
-                let offset = token_offset(a.q.out_strides) + i as u64 * a.q.out_strides[2];
+                let offset = head_offset(a.q.out_strides, (b, s), i as u64);
                 let out = a.q.out.cast::<u8>();
                 let head = out.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
                 store_head::<T, P, L>(head, scales.of(i), pairs, y);
             }
             Kind::K => {
                 if !a.k.out.is_null() {
-                    let offset = token_offset(a.k.out_strides) + i as u64 * a.k.out_strides[2];
+                    let offset = head_offset(a.k.out_strides, (b, s), i as u64);
                     store_head::<T, P, L>(a.k.out.add(offset as usize).cast(), None, pairs, y);
                 }
                 if let Some(slot) = slot {
@@ -569,21 +587,13 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     }
     // SAFETY: FP8 destinations have their scales (the entry points' promise).
     let scales = unsafe { scales_for(f, kind, item.slot.get().is_some()) };
-    // Values, not a reference to one of the three tensors: a reference chosen at run time
-    // would keep the arguments in local memory.
-    let (x, x_strides) = match kind {
-        Kind::Q => (a.q.x, a.q.x_strides),
-        Kind::K => (a.k.x, a.k.x_strides),
-        Kind::V => (f.v.x, f.v.x_strides),
-    };
+    let (x, x_strides) = input_of(f, kind);
     let (b, s) = (item.token.0 as u64, item.token.1 as u64);
     let (j0, half) = item.pairs();
-    let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
     let mut raw = [[[T::ZERO; L]; 2]; U];
     if item.active {
-        let base = token_offset(x_strides);
         unrolled(U, |u| {
-            let offset = base + (h + u) as u64 * x_strides[2];
+            let offset = head_offset(x_strides, (b, s), (h + u) as u64);
             // SAFETY: head h + u of this tensor exists at its strides; j0 is this item's pair.
             raw[u] = unsafe { load_head::<T, P, L>(x.add(offset as usize), j0, half) };
         });
@@ -713,19 +723,14 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     let rotates = active && this.is_some_and(|(kind, _)| kind != Kind::V);
     let (kind, i) = this.unwrap_or((Kind::V, 0));
     let (j0, half) = (group as usize * pairs, a.half as usize);
-    let token_offset = |strides: [u64; 3]| b * strides[0] + s * strides[1];
-    let (x, x_strides) = match kind {
-        Kind::Q => (a.q.x, a.q.x_strides),
-        Kind::K => (a.k.x, a.k.x_strides),
-        Kind::V => (f.v.x, f.v.x_strides),
-    };
+    let (x, x_strides) = input_of(f, kind);
     // Every global access comes after this: the set-up above overlaps the previous grid in a
     // programmatic dependent launch (sm_90 builds; nothing before sm_90).
     wait_for_prior_grids();
     // The head's loads are in flight while the table rows are read or sin/cos computed.
     let mut raw = [[T::ZERO; L]; 2];
     if active {
-        let offset = token_offset(x_strides) + u64::from(i) * x_strides[2];
+        let offset = head_offset(x_strides, (b, s), u64::from(i));
         // SAFETY: head i of this tensor exists at its strides; j0 is this item's first pair.
         raw = unsafe { load_head::<T, P, L>(x.add(offset as usize), j0, half) };
     }
