@@ -15,6 +15,12 @@ pub const BLOCK_THREADS: u32 = 128;
 /// 2^32.
 pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
 
+/// Heads of one tensor that each thread of the fused one-head kernels ([`Access::OneHead`])
+/// takes: consecutive heads `U m .. U m + U` of the same token and pairs, which share the
+/// thread's index splits, position, cos/sin, norm weights and cache slot. Each tensor's
+/// `heads.div_ceil(U) * groups` threads form blocks of [`BLOCK_THREADS`] of their own.
+pub const ONE_HEAD_FUSED_HEADS: u32 = 2;
+
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
 /// [`KernelName::min_blocks_per_sm`] asks for more: `cargo xtask ptx` writes it as
 /// `.minnctapersm` with `.maxntid` into every entry point (rustc has no launch-bounds
@@ -727,6 +733,20 @@ pub struct FusedKernelName {
     pub access: Access,
 }
 
+impl FusedKernelName {
+    /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
+    /// 1280 threads' worth (48 registers, no spills on sm_90) for the one-head NeoX kernels of
+    /// 16-bit elements, whose loads are all they keep in flight, so that more threads hold more
+    /// bytes in flight at prefill; [`MIN_BLOCKS_PER_SM`] for the others (the interleaved 16-bit
+    /// one-head kernels spilled 48-64 bytes at 48 registers, the item loops more).
+    pub const fn min_blocks_per_sm(self) -> u32 {
+        match (self.access, self.style, self.dtype) {
+            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => 1280 / BLOCK_THREADS,
+            _ => MIN_BLOCKS_PER_SM,
+        }
+    }
+}
+
 /// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, one-head symbol: Style,
 /// Source, DType, storage type;`.
 macro_rules! for_each_fused_kernel {
@@ -869,7 +889,9 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// `cache_slots`), `k_cache`, `v_cache` addressed in elements of `cache_format` as
 /// `(slot / block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot + head *
 /// cache_stride_head + e` (`block_magic`, `block_shift` from [`crate::divide::Divisor::new`]),
-/// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`.
+/// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`; for the one-head kernels
+/// ([`Access::OneHead`]), `q_blocks` and `k_blocks`, the blocks of each token's row that q's and
+/// k's heads take (v's take the rest; 0 for the other kernels, which do not read them).
 #[macro_export]
 macro_rules! fused_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -903,6 +925,8 @@ macro_rules! fused_kernel_params {
             k_scale: byte_ptr,
             v_scale: byte_ptr,
             kv_scale_step: u32,
+            q_blocks: u32,
+            k_blocks: u32,
         }
     };
 }

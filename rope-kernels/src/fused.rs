@@ -55,13 +55,16 @@
 //! grid before it after its set-up, before its first global access (see
 //! `crate::intrinsics::wait_for_prior_grids`).
 
-use crate::abi::{Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, for_each_fused_kernel};
+use crate::abi::{
+    Access, BLOCK_THREADS, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_HEADS,
+    for_each_fused_kernel,
+};
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
-    rcp_approx, rsqrt_approx, shared_f32, shuffle_xor, sync_threads, thread_idx_x, trap,
-    wait_for_prior_grids,
+    rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32, shuffle_xor,
+    sync_threads, thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
@@ -93,6 +96,9 @@ struct Fused<T> {
     k_scale: *const f32,
     v_scale: *const f32,
     kv_scale_step: u32,
+    /// The one-head grid's blocks per token row of q's and k's heads.
+    q_blocks: u32,
+    k_blocks: u32,
 }
 
 /// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
@@ -394,9 +400,11 @@ unsafe fn scales_for<T>(f: &Fused<T>, kind: Kind, has_slot: bool) -> Scales {
     }
 }
 
-/// Stores head `i` of tensor `kind` of token `(b, s)`, its values `y` (rotated and normalised,
-/// or v's as read), to every destination the launch has for it: q's output; k's output and
-/// its cache slot; v's cache slot (`slot`: the token's slot offset, if it writes the cache).
+/// Stores head `i` of tensor `kind` of the token, its values `y` (rotated and normalised, or v's
+/// as read), to every destination the launch has for it: q's output; k's output and its cache
+/// slot; v's cache slot (`slot`: the token's slot offset, if it writes the cache). `at(strides)`
+/// is the element offset of this head of the token in a tensor of those batch, seq and head
+/// strides (in the width each body's promises allow).
 ///
 /// # Safety
 /// The destinations address this head's elements inside their tensors or the cache's slot (the
@@ -406,7 +414,7 @@ unsafe fn scales_for<T>(f: &Fused<T>, kind: Kind, has_slot: bool) -> Scales {
 unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
     f: &Fused<T>,
     (kind, i): (Kind, usize),
-    (b, s): (u64, u64),
+    at: impl Fn([u64; 3]) -> usize,
     slot: Option<u64>,
     scales: &Scales,
     pairs: (usize, usize),
@@ -422,15 +430,13 @@ unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
     unsafe {
         match kind {
             Kind::Q => {
-                let offset = head_offset(a.q.out_strides, (b, s), i as u64);
                 let out = a.q.out.cast::<u8>();
-                let head = out.wrapping_add(offset as usize * format_bytes::<T>(f.q_format));
+                let head = out.wrapping_add(at(a.q.out_strides) * format_bytes::<T>(f.q_format));
                 store_head::<T, P, L>(head, scales.of(i), pairs, y);
             }
             Kind::K => {
                 if !a.k.out.is_null() {
-                    let offset = head_offset(a.k.out_strides, (b, s), i as u64);
-                    store_head::<T, P, L>(a.k.out.add(offset as usize).cast(), None, pairs, y);
+                    store_head::<T, P, L>(a.k.out.add(at(a.k.out_strides)).cast(), None, pairs, y);
                 }
                 if let Some(slot) = slot {
                     store_head::<T, P, L>(cache_head(f.k_cache, slot), scales.of(i), pairs, y);
@@ -445,24 +451,30 @@ unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
-/// The norm's weights at this item's elements of a head of tensor `kind` (q's or k's), in
-/// `f32`, with `1` added for [`NormCode::RmsOnePlus`].
+/// The norm's weights at this item's elements of a head of tensor `kind` (q's or k's), as
+/// loaded (see [`weights_f32`]).
 ///
 /// # Safety
 /// The weights hold `head_dim` elements aligned like a head; `j0` is this item's first pair.
 #[inline(always)]
-unsafe fn norm_weights<T: Elem, P: Pairing, const L: usize>(
+unsafe fn load_weights<T: Elem, P: Pairing, const L: usize>(
     f: &Fused<T>,
     kind: Kind,
     (j0, half): (usize, usize),
-) -> [[f32; L]; 2] {
+) -> [[T; L]; 2] {
     let weights = if kind == Kind::Q {
         f.q_norm_weight
     } else {
         f.k_norm_weight
     };
     // SAFETY: the caller's promise.
-    let mut w = widen(unsafe { load_head::<T, P, L>(weights, j0, half) });
+    unsafe { load_head::<T, P, L>(weights, j0, half) }
+}
+
+/// Loaded norm weights in `f32`, with `1` added for [`NormCode::RmsOnePlus`].
+#[inline(always)]
+fn weights_f32<T: Elem, const L: usize>(f: &Fused<T>, raw: [[T; L]; 2]) -> [[f32; L]; 2] {
+    let mut w = widen(raw);
     if f.norm == NormCode::RmsOnePlus as u32 {
         unrolled(L, |k| {
             w[0][k] += 1.0;
@@ -470,6 +482,21 @@ unsafe fn norm_weights<T: Elem, P: Pairing, const L: usize>(
         });
     }
     w
+}
+
+/// The norm's weights at this item's elements of a head of tensor `kind` (q's or k's), in
+/// `f32`, with `1` added for [`NormCode::RmsOnePlus`].
+///
+/// # Safety
+/// As [`load_weights`].
+#[inline(always)]
+unsafe fn norm_weights<T: Elem, P: Pairing, const L: usize>(
+    f: &Fused<T>,
+    kind: Kind,
+    pairs: (usize, usize),
+) -> [[f32; L]; 2] {
+    // SAFETY: the caller's promise.
+    weights_f32(f, unsafe { load_weights::<T, P, L>(f, kind, pairs) })
 }
 
 /// The sum of the squares of one head's loaded values (as [`load_head`] lays them out), with
@@ -624,39 +651,35 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
         // entry points promise; `scales` from `scales_for`.
         unsafe {
             let slot = item.slot.get();
-            store_outputs::<T, P, L>(f, (kind, i), (b, s), slot, &scales, (j0, half), &y)
+            let at = |strides: [u64; 3]| head_offset(strides, (b, s), i as u64) as usize;
+            store_outputs::<T, P, L>(f, (kind, i), at, slot, &scales, (j0, half), &y)
         };
     });
 }
 
-/// This thread's head: its tensor and index there, from `head` in the concatenation of q's,
-/// k's and v's heads; `None` past the last (the block's tail).
+/// The element offset of head `i` of token `(b, s)` at `strides`, in 32 bits: the one-head
+/// kernels run only where every tensor spans fewer than 2^32 elements, so each index times its
+/// stride and their sum fit (a dimension of size 1 has index 0, whatever its stride).
 #[inline(always)]
-fn head_of<T>(f: &Fused<T>, head: u32) -> Option<(Kind, u32)> {
-    let (hq, hk) = (f.rope.q.heads, f.rope.k.heads);
-    if head < hq {
-        Some((Kind::Q, head))
-    } else if head - hq < hk {
-        Some((Kind::K, head - hq))
-    } else if head - hq - hk < f.v.heads {
-        Some((Kind::V, head - hq - hk))
-    } else {
-        None
-    }
+fn offset_u32(strides: [u64; 3], (b, s): (u32, u32), i: u32) -> u32 {
+    b.wrapping_mul(strides[0] as u32)
+        .wrapping_add(s.wrapping_mul(strides[1] as u32))
+        .wrapping_add(i.wrapping_mul(strides[2] as u32))
 }
 
 /// Cos and sin of pairs `j0..j0 + pairs` of token `(b, s)` from in-kernel arithmetic shared by
 /// the block: thread `e` computes the token's pair `e` (for `e < half`; its position from its
 /// rotating group of `pairs` pairs, as [`cos_sin`] finds it) into the shared buffer, the threads
-/// wait for each other, then each reads its own pairs (`read`: the threads that rotate). Every
-/// thread of the block must call it, with the same token.
+/// wait for each other, then each reads its own pairs with one shared-memory access per array
+/// (`read`: the threads that rotate). Every thread of the block must call it, with the same
+/// token.
 ///
 /// One pair per thread, no loop: the position's code (a match over every position kind) inside
 /// a loop took the kernels to 62-64 registers, or spilled under a cap.
 ///
 /// # Safety
-/// `half <= blockDim.x` and `2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; `j0 + pairs <=
-/// half`; the position and frequency promises.
+/// `half <= BLOCK_THREADS` and `2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; `j0` is a
+/// multiple of `pairs` and `j0 + pairs <= half`; the position and frequency promises.
 #[inline(always)]
 unsafe fn shared_cos_sin<T: Elem, S: Source, const L: usize>(
     a: &Args<T>,
@@ -664,45 +687,100 @@ unsafe fn shared_cos_sin<T: Elem, S: Source, const L: usize>(
     (j0, pairs): (usize, usize),
     read: bool,
 ) -> ([f32; L], [f32; L]) {
-    let buf = shared_f32();
-    let half = a.half as usize;
-    let e = thread_idx_x() as usize;
+    let half = a.half;
+    let e = thread_idx_x();
     if e < half {
         // SAFETY: e < half, the pairs the position and frequency arrays describe; the buffer
         // holds 2 * half <= SHARED_F32 values.
         unsafe {
-            let pos = position(a, b, s, (e / pairs) as u32);
-            let (c, sn) = cos_sin::<T, S, 1>(a, pos, e, 1);
-            *buf.add(e) = c[0];
-            *buf.add(half + e) = sn[0];
+            let pos = position(a, b, s, e / pairs as u32);
+            let (c, sn) = cos_sin::<T, S, 1>(a, pos, e as usize, 1);
+            shared_store_f32(e, c[0]);
+            shared_store_f32(half + e, sn[0]);
         }
     }
     sync_threads();
     let mut cs = ([0.0f32; L], [0.0f32; L]);
     if read {
-        // SAFETY: j0 + pairs <= half, written above by the block before the barrier.
+        // SAFETY: j0 + pairs <= half, written above by the block before the barrier; j0 is a
+        // multiple of `pairs` and `half` of `pairs` too (the pairs come in whole groups), so
+        // both reads are aligned to their width.
+        let (j0, half) = (j0 as u32, half);
         unsafe {
-            unrolled(pairs, |k| {
-                cs.0[k] = *buf.add(j0 + k);
-                cs.1[k] = *buf.add(half + j0 + k);
-            });
+            match pairs {
+                4 => {
+                    let (c, sn) = (shared_load_f32s::<4>(j0), shared_load_f32s::<4>(half + j0));
+                    unrolled(4, |k| (cs.0[k % L], cs.1[k % L]) = (c[k], sn[k]));
+                }
+                2 => {
+                    let (c, sn) = (shared_load_f32s::<2>(j0), shared_load_f32s::<2>(half + j0));
+                    unrolled(2, |k| (cs.0[k % L], cs.1[k % L]) = (c[k], sn[k]));
+                }
+                _ => unrolled(pairs, |k| {
+                    let k32 = k as u32;
+                    cs.0[k % L] = shared_load_f32s::<1>(j0 + k32)[0];
+                    cs.1[k % L] = shared_load_f32s::<1>(half + j0 + k32)[0];
+                }),
+            }
         }
     }
     cs
 }
 
-/// The one-head body ([`Access::OneHead`]) for `L` elements per access: this thread's work
-/// item is one (head, group)
-/// of token `blockIdx.z * gridDim.y + blockIdx.y`, at `blockIdx.x * blockDim.x + threadIdx.x`
-/// in the order (head of the q, k, v concatenation, group). It issues its head's loads, finds
-/// its cos/sin (table rows; or from the block's shared arithmetic), then normalises (with the
-/// sums of its head's `groups` lanes), rotates and stores.
+/// The FP8 multipliers (`1 / scale`) of `U` consecutive heads from `i0` of a destination whose
+/// scales are `scale[head * step]`: one reciprocal for a per-tensor scale (`step` 0), one per
+/// live head otherwise. `rcp.approx.ftz` (within one `f32` ulp of a normal scale; E4M3 keeps 3
+/// bits).
 ///
 /// # Safety
-/// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; the heads times
-/// `groups`, rounded up to blocks, fit in `u32`.
+/// `scale` holds one `f32` (`step` 0) or one per head, for every head `i0 + u` with `live[u]`;
+/// `live[0]` when any is.
+#[inline(always)]
+unsafe fn fp8_multipliers<const U: usize>(
+    scale: *const f32,
+    step: u32,
+    i0: u32,
+    live: [bool; U],
+) -> [f32; U] {
+    // SAFETY: head i0 is live (the caller's promise), so its scale exists.
+    let first = rcp_approx_ftz(unsafe { *scale.add((i0 * step) as usize) });
+    let mut m = [first; U];
+    if step != 0 {
+        unrolled(U, |u| {
+            if u > 0 && live[u] {
+                // SAFETY: head i0 + u is live, so its scale exists.
+                m[u] = rcp_approx_ftz(unsafe { *scale.add((i0 + u as u32) as usize) });
+            }
+        });
+    }
+    m
+}
+
+/// The one-head body ([`Access::OneHead`]) for `L` elements per access: one thread per
+/// [`ONE_HEAD_FUSED_HEADS`] consecutive heads and one group of token `blockIdx.z * gridDim.y +
+/// blockIdx.y`. `blockIdx.x` runs over q's `q_blocks` blocks, then k's `k_blocks`, then v's, so
+/// the tensor, its pointers, strides and stores are the same in the whole block; in it, thread
+/// `n = blockIdx.x' * BLOCK_THREADS + threadIdx.x` (`blockIdx.x'` the block's index within its
+/// tensor) takes heads `U (n / groups) ..` and group `n % groups`. It issues its heads' loads,
+/// finds its cos/sin (table rows; or from the block's shared arithmetic), then normalises (with
+/// the sums of each head's `groups` lanes), rotates and stores, with element offsets in 32 bits.
+/// Lanes past the tensor's last head or its `rot_groups` load and store nothing but take part
+/// in the barrier and the shuffles.
+///
+/// At prefill the kernel is bound by the instructions it issues, so what a thread does besides
+/// its loads and stores is shared by its heads (the index splits by magic numbers, the tensor
+/// chosen per block, the offsets, the position and cos/sin, the norm weights, the cache slot,
+/// the FP8 multipliers), and each store format is a branch uniform in the block rather than
+/// predicated code every thread issues.
+///
+/// # Safety
+/// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; `q_blocks` and
+/// `k_blocks` are q's and k's blocks per token (`heads.div_ceil(U) * groups` threads in blocks
+/// of [`BLOCK_THREADS`]) and `gridDim.x` adds v's; every tensor and output spans fewer than 2^32
+/// elements.
 #[inline(always)]
 unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
+    const U: usize = ONE_HEAD_FUSED_HEADS as usize;
     let a = &f.rope;
     let pairs = if P::NEOX { L } else { L / 2 };
     let groups = a.groups.divisor.get();
@@ -710,76 +788,169 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     if NormCode::from_u32(f.norm).is_none() || (norm && groups > 32) {
         trap()
     }
-    let token = u64::from(block_idx_z()) * u64::from(grid_dim_y()) + u64::from(block_idx_y());
+    // Below 2^32: the host's grid has at most 65535 rows of 65535 tokens.
+    let token = block_idx_z() * grid_dim_y() + block_idx_y();
     // Whole blocks leave together: the barrier and the shuffles below need every thread.
-    if token >= a.tokens {
+    if u64::from(token) >= a.tokens {
         return;
     }
-    let (b, s) = a.seq.div_rem(token);
-    let first = block_idx_x() * block_dim_x();
-    let (head, group) = a.groups.div_rem_u32(first + thread_idx_x());
-    let this = head_of(f, head);
-    let active = group < a.rot_groups && this.is_some_and(|(kind, _)| stores(f, kind));
-    let rotates = active && this.is_some_and(|(kind, _)| kind != Kind::V);
-    let (kind, i) = this.unwrap_or((Kind::V, 0));
+    let bx = block_idx_x();
+    let (kind, block, heads) = if bx < f.q_blocks {
+        (Kind::Q, bx, a.q.heads)
+    } else if bx - f.q_blocks < f.k_blocks {
+        (Kind::K, bx - f.q_blocks, a.k.heads)
+    } else {
+        (Kind::V, bx - f.q_blocks - f.k_blocks, f.v.heads)
+    };
+    if !stores(f, kind) {
+        return;
+    }
+    let (m, group) = a.groups.div_rem_u32(block * BLOCK_THREADS + thread_idx_x());
+    let i0 = m * U as u32;
+    let mut live = [false; U];
+    unrolled(U, |u| {
+        live[u] = i0 + (u as u32) < heads && group < a.rot_groups
+    });
+    // The first head is live whenever any is.
+    let active = live[0];
+    let rotates = kind != Kind::V;
+    let (b, s) = a.seq.div_rem_u32(token);
     let (j0, half) = (group as usize * pairs, a.half as usize);
     let (x, x_strides) = input_of(f, kind);
+    let (first, head_stride) = (offset_u32(x_strides, (b, s), i0), x_strides[2] as u32);
     // Every global access comes after this: the set-up above overlaps the previous grid in a
     // programmatic dependent launch (sm_90 builds; nothing before sm_90).
     wait_for_prior_grids();
-    // The head's loads are in flight while the table rows are read or sin/cos computed.
-    let mut raw = [[T::ZERO; L]; 2];
-    if active {
-        let offset = head_offset(x_strides, (b, s), u64::from(i));
-        // SAFETY: head i of this tensor exists at its strides; j0 is this item's first pair.
-        raw = unsafe { load_head::<T, P, L>(x.add(offset as usize), j0, half) };
-    }
-    let shared = !S::TABLE && half <= block_dim_x() as usize && 2 * half <= SHARED_F32;
-    let (cos, sin) = if shared {
-        // Uniform in the block: whether its first head is q's or k's (only rows of v's heads
-        // alone, at the end of the concatenation, need no sin/cos).
-        if head_of(f, a.groups.div_rem_u32(first).0).is_some_and(|(kind, _)| kind != Kind::V) {
-            // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); j0 +
-            // pairs <= half; every thread of the block is here with the same token.
-            unsafe { shared_cos_sin::<T, S, L>(a, (b, s), (j0, pairs), rotates) }
-        } else {
-            ([0.0; L], [0.0; L])
+    // The heads' loads are in flight while the table rows are read or sin/cos computed.
+    let mut raw = [[[T::ZERO; L]; 2]; U];
+    unrolled(U, |u| {
+        if live[u] {
+            let at = first + u as u32 * head_stride;
+            // SAFETY: head i0 + u of this tensor exists at its strides (its offset within the
+            // span, below 2^32); j0 is this thread's first pair.
+            raw[u] = unsafe { load_head::<T, P, L>(x.add(at as usize), j0, half) };
         }
-    } else if rotates {
+    });
+    // With tables, the norm's weights (as loaded: fewer registers) are in flight with the
+    // heads; with sin/cos computed they are loaded after the block's barrier (held across it,
+    // the computed kernels spilled at 48 registers).
+    let normed = norm && rotates;
+    let weights = || {
+        let mut raw = [[T::ZERO; L]; 2];
+        if normed && active {
+            // SAFETY: the weights hold head_dim elements aligned like a head.
+            raw = unsafe { load_weights::<T, P, L>(f, kind, (j0, half)) };
+        }
+        raw
+    };
+    let early_weights = if S::TABLE {
+        weights()
+    } else {
+        [[T::ZERO; L]; 2]
+    };
+    let (b64, s64) = (u64::from(b), u64::from(s));
+    let shared = !S::TABLE && a.half <= BLOCK_THREADS && 2 * half <= SHARED_F32;
+    let (cos, sin) = if !rotates {
+        ([0.0; L], [0.0; L])
+    } else if shared {
+        // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); j0 is a multiple
+        // of pairs and j0 + pairs <= half; every thread of the block is here (the tensor, and
+        // so `rotates`, is the block's) with the same token.
+        unsafe { shared_cos_sin::<T, S, L>(a, (b64, s64), (j0, pairs), active) }
+    } else if active {
         // SAFETY: (b, s) is a token; j0 + pairs <= half; the position, table and frequency
         // promises.
-        unsafe { cos_sin::<T, S, L>(a, position(a, b, s, group), j0, pairs) }
+        unsafe { cos_sin::<T, S, L>(a, position(a, b64, s64, group), j0, pairs) }
     } else {
         ([0.0; L], [0.0; L])
     };
-    let mut v = widen(raw);
-    if norm {
-        // Every thread of the launch takes this branch, so the shuffles have the whole warp.
-        let mut w = [[0.0f32; L]; 2];
-        if rotates {
-            // SAFETY: the weights hold head_dim elements aligned like a head.
-            w = unsafe { norm_weights::<T, P, L>(f, kind, (j0, half)) };
-        }
-        let [sum] = segment_sums([sum_squares::<P, L>(&v)], groups);
-        if kind != Kind::V {
-            normalise(&mut v, &w, sum, reciprocal(f.head_dim as f32), f.norm_eps);
-        }
+    let mut v = [[[0.0f32; L]; 2]; U];
+    unrolled(U, |u| v[u] = widen(raw[u]));
+    if normed {
+        // Uniform in the block, so the shuffles have the whole warp.
+        let w = weights_f32(f, if S::TABLE { early_weights } else { weights() });
+        let mut squares = [0.0f32; U];
+        unrolled(U, |u| squares[u] = sum_squares::<P, L>(&v[u]));
+        let sums = segment_sums(squares, groups);
+        // Exact for powers of two, within one ulp otherwise.
+        let inv_dim = rcp_approx_ftz(f.head_dim as f32);
+        unrolled(U, |u| {
+            normalise(&mut v[u], &w, sums[u], inv_dim, f.norm_eps)
+        });
     }
     if !active {
         return;
     }
-    let y = if rotates {
-        rotate_values_with::<P, L>(|p, k| v[p][k], &cos, &sin, rotate_fma)
-    } else {
-        v
+    let y = |u: usize| {
+        if rotates {
+            rotate_values_with::<P, L>(|p, k| v[u][p][k], &cos, &sin, rotate_fma)
+        } else {
+            v[u]
+        }
     };
-    // SAFETY: token < tokens.
-    let slot = unsafe { cache_slot(f, token) };
-    // SAFETY: head i of this tensor and token (b, s), whose destinations the entry points
-    // promise; FP8 destinations have their scales.
+    let at = (j0, half);
+    // SAFETY (every store below): head i0 + u of the tensor and token (b, s) exists when
+    // `live[u]`, and the entry points promise its destinations (spanning fewer than 2^32
+    // elements, aligned to `lanes`) and FP8 destinations' scales.
     unsafe {
-        let scales = scales_for(f, kind, slot.is_some());
-        store_outputs::<T, P, L>(f, (kind, i as usize), (b, s), slot, &scales, (j0, half), &y);
+        match kind {
+            Kind::Q => {
+                let out = a.q.out.cast::<u8>();
+                let (first, stride) = (
+                    offset_u32(a.q.out_strides, (b, s), i0),
+                    a.q.out_strides[2] as u32,
+                );
+                if f.q_format == FormatCode::E4m3 as u32 {
+                    let mul = fp8_multipliers(f.q_scale, f.q_scale_step, i0, live);
+                    each_head!(U, u => { if live[u] {
+                        let head = out.add((first + u as u32 * stride) as usize);
+                        store_head::<T, P, L>(head, Some(mul[u]), at, &y(u));
+                    } });
+                } else {
+                    let out = out.cast::<T>();
+                    each_head!(U, u => { if live[u] {
+                        let head = out.add((first + u as u32 * stride) as usize);
+                        store_head::<T, P, L>(head.cast(), None, at, &y(u));
+                    } });
+                }
+            }
+            _ => {
+                // SAFETY: token < tokens.
+                let slot = cache_slot(f, u64::from(token));
+                if kind == Kind::K && !a.k.out.is_null() {
+                    let out = a.k.out;
+                    let (first, stride) = (
+                        offset_u32(a.k.out_strides, (b, s), i0),
+                        a.k.out_strides[2] as u32,
+                    );
+                    each_head!(U, u => { if live[u] {
+                        let head = out.add((first + u as u32 * stride) as usize);
+                        store_head::<T, P, L>(head.cast(), None, at, &y(u));
+                    } });
+                }
+                if let Some(slot) = slot {
+                    let (cache, scale) = match kind {
+                        Kind::K => (f.k_cache, f.k_scale),
+                        _ => (f.v_cache, f.v_scale),
+                    };
+                    let stride = f.cache_strides[2];
+                    let first = slot + u64::from(i0) * stride;
+                    if f.cache_format == FormatCode::E4m3 as u32 {
+                        let mul = fp8_multipliers(scale, f.kv_scale_step, i0, live);
+                        each_head!(U, u => { if live[u] {
+                            let head = cache.add((first + u as u64 * stride) as usize);
+                            store_head::<T, P, L>(head, Some(mul[u]), at, &y(u));
+                        } });
+                    } else {
+                        let cache = cache.cast::<T>();
+                        each_head!(U, u => { if live[u] {
+                            let head = cache.add((first + u as u64 * stride) as usize);
+                            store_head::<T, P, L>(head.cast(), None, at, &y(u));
+                        } });
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -934,6 +1105,8 @@ impl<T> Fused<T> {
             k_scale: p.k_scale.cast(),
             v_scale: p.v_scale.cast(),
             kv_scale_step: p.kv_scale_step,
+            q_blocks: p.q_blocks,
+            k_blocks: p.k_blocks,
         }
     }
 }

@@ -54,28 +54,67 @@ pub fn grid_dim_x() -> u32 {
     unsafe { nvptx::_grid_dim_x() }
 }
 
-/// `f32` values in the block's shared buffer ([`shared_f32`]): 4 KiB.
+/// `f32` values in the block's shared buffer ([`shared_store_f32`], [`shared_load_f32s`]): 4 KiB.
 pub const SHARED_F32: usize = 1024;
 
 // The module's one shared-memory variable (rustc has no address space for a `static` in shared
 // memory, so it is declared in PTX). Only kernels that take its address get it allocated.
 global_asm!(".shared .align 16 .b8 rope_fused_shared[4096];");
 
-/// A generic pointer to the block's shared buffer of [`SHARED_F32`] `f32` (`cvta.shared`):
-/// ordinary loads and stores through it reach shared memory. Its contents are the block's,
-/// undefined until a thread of the block writes them.
+/// Stores `v` at element `i` of the block's shared buffer with `st.shared` (a generic
+/// pointer to it, from `cvta.shared`, kept generic accesses in ptxas's code).
+///
+/// # Safety
+/// `i < SHARED_F32`.
 #[inline(always)]
-pub fn shared_f32() -> *mut f32 {
-    let p: *mut f32;
-    // SAFETY: converts the shared variable's address to a generic one; no memory is touched.
+pub unsafe fn shared_store_f32(i: u32, v: f32) {
+    // SAFETY: i < SHARED_F32, inside the 4 KiB buffer (the caller's promise).
     unsafe {
         asm!(
-            "cvta.shared.u64 {p}, rope_fused_shared;",
-            p = out(reg64) p,
-            options(pure, nomem, nostack, preserves_flags),
+            "{{ .reg .u32 rope_sh; mov.u32 rope_sh, rope_fused_shared; add.u32 rope_sh, rope_sh, {o}; st.shared.f32 [rope_sh], {v}; }}",
+            o = in(reg32) i * 4,
+            v = in(reg32) v,
+            options(nostack, preserves_flags),
         )
     };
-    p
+}
+
+/// Loads `N` (1, 2 or 4) consecutive `f32` of the block's shared buffer from element `i` with one
+/// `ld.shared` (`.v2`, `.v4` for 2 and 4).
+///
+/// # Safety
+/// `i + N <= SHARED_F32` and `i` a multiple of `N`.
+#[inline(always)]
+pub unsafe fn shared_load_f32s<const N: usize>(i: u32) -> [f32; N] {
+    let mut v = [0.0f32; N];
+    let o = i * 4;
+    // SAFETY: inside the buffer and aligned to the access (the caller's promise); the `asm`
+    // reads shared memory only, and the barrier before it (a memory-clobbering `asm`) orders it
+    // after the writes.
+    unsafe {
+        match N {
+            4 => asm!(
+                "{{ .reg .u32 rope_sh; mov.u32 rope_sh, rope_fused_shared; add.u32 rope_sh, rope_sh, {o}; ld.shared.v4.f32 {{{a}, {b}, {c}, {d}}}, [rope_sh]; }}",
+                o = in(reg32) o,
+                a = out(reg32) v[0], b = out(reg32) v[1 % N], c = out(reg32) v[2 % N], d = out(reg32) v[3 % N],
+                options(nostack, preserves_flags, readonly),
+            ),
+            2 => asm!(
+                "{{ .reg .u32 rope_sh; mov.u32 rope_sh, rope_fused_shared; add.u32 rope_sh, rope_sh, {o}; ld.shared.v2.f32 {{{a}, {b}}}, [rope_sh]; }}",
+                o = in(reg32) o,
+                a = out(reg32) v[0], b = out(reg32) v[1 % N],
+                options(nostack, preserves_flags, readonly),
+            ),
+            1 => asm!(
+                "{{ .reg .u32 rope_sh; mov.u32 rope_sh, rope_fused_shared; add.u32 rope_sh, rope_sh, {o}; ld.shared.f32 {a}, [rope_sh]; }}",
+                o = in(reg32) o,
+                a = out(reg32) v[0],
+                options(nostack, preserves_flags, readonly),
+            ),
+            _ => trap(),
+        }
+    }
+    v
 }
 
 /// `__syncthreads()` (`bar.sync 0`): waits until every thread of the block arrives, and makes
@@ -243,6 +282,12 @@ approx!(
     /// `1 / x` to within one ulp (`rcp.approx.f32`; subnormals kept).
     rcp_approx,
     "rcp.approx.f32"
+);
+approx!(
+    /// `1 / x` to within one ulp for normal `x` and results (`rcp.approx.ftz.f32`: one
+    /// instruction, where [`rcp_approx`] scales subnormal operands around it).
+    rcp_approx_ftz,
+    "rcp.approx.ftz.f32"
 );
 approx!(
     /// `1 / sqrt(x)` to within 2^-22.9 relative (`rsqrt.approx.ftz.f32`: a subnormal `x` is

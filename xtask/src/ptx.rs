@@ -181,7 +181,10 @@ fn with_launch_bounds(ptx: &str) -> String {
 
 /// The `.minnctapersm` of the entry point `symbol`.
 fn min_blocks_per_sm(symbol: &str) -> u32 {
-    use rope_kernels::abi::{KernelName, MIN_BLOCKS_PER_SM};
+    use rope_kernels::abi::{FusedKernelName, KernelName, MIN_BLOCKS_PER_SM};
+    if let Some(k) = FusedKernelName::from_symbol(symbol) {
+        return k.min_blocks_per_sm();
+    }
     KernelName::ALL
         .into_iter()
         .find(|k| k.symbol() == symbol)

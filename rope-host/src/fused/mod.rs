@@ -540,6 +540,8 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 k_scale,
                 v_scale,
                 kv_scale_step,
+                q_blocks: plan.one_head_blocks[0],
+                k_blocks: plan.one_head_blocks[1],
             }
         };
     }

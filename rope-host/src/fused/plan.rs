@@ -16,8 +16,8 @@ use crate::handle::DeviceFacts;
 use crate::layout::{Layout, fused_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
-    Grid, Of, Region, Request, check_overlaps, fused_grid, grid, layout_aligned, option_reads,
-    read_region, region, same_dims, widest_lanes,
+    Grid, Of, Region, Request, check_overlaps, fused_grid, grid, layout_aligned, one_head_blocks,
+    option_reads, read_region, region, same_dims, spans_below_2_32, widest_lanes,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
@@ -79,6 +79,8 @@ pub(crate) struct FusedPlan {
     pub(crate) block: Divisor,
     /// Slots the cache holds, `num_blocks * block_size` (0 without a cache).
     pub(crate) cache_slots: u64,
+    /// The one-head kernels' blocks per token of q's and of k's heads (0 for the item loop).
+    pub(crate) one_head_blocks: [u32; 2],
 }
 
 /// Items of one token and head that the normalisation's warp-shuffle sum can span.
@@ -164,15 +166,16 @@ pub(crate) fn plan_fused(
         threads_per_sm: facts.threads_per_sm.min(per_sm.max(1) * BLOCK_THREADS),
         ..*facts
     };
-    // A launch at the preferred width whose every (token, head, access) fits in the threads
-    // resident at once (decode steps) takes the one-head kernels: one thread per head access,
-    // no head loop, so its length is one head's chain. Larger launches take the item loop, which
-    // shares each item's position, sin/cos and slot work across its heads (one thread per head
-    // access executed 2.6x the instructions at prefill, where the kernel is bound by its issue
-    // rate).
-    let threads = tokens.saturating_mul(heads).saturating_mul(groups as u64);
-    let resident_threads = resident.sm_count as u64 * resident.threads_per_sm as u64;
-    let one_head = threads <= resident_threads && kernel.access == Access::Wide;
+    // A launch at the preferred width whose tensors each span fewer than 2^32 elements takes
+    // the one-head kernels: one thread per head access, no head loop (at decode its length is
+    // one head's chain; at prefill its many resident threads keep more loads in flight than
+    // the item loop, which holds one block of heads per thread), with 32-bit element offsets.
+    // Other launches take the item loop.
+    let one_head = kernel.access == Access::Wide
+        && spans_below_2_32(&req.rope)
+        && req
+            .v
+            .is_none_or(|(_, l)| l.span().is_some_and(|s| (s as u64) < 1 << 32));
     let kernel = FusedKernelName {
         access: if one_head {
             Access::OneHead
@@ -182,8 +185,13 @@ pub(crate) fn plan_fused(
         ..kernel
     };
     let grid = if one_head {
-        fused_grid((tokens, q.seq as u32), groups, heads as u32)?
-            .expect("tokens, seq, heads and groups are non-zero")
+        let hv = req.v.map_or(0, |(_, l)| l.heads as u32);
+        fused_grid(
+            (tokens, q.seq as u32),
+            groups,
+            [q.heads as u32, k.heads as u32, hv],
+        )?
+        .expect("tokens, seq, heads and groups are non-zero")
     } else {
         // The fused kernels index their work items in 32 bits.
         if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {
@@ -220,6 +228,11 @@ pub(crate) fn plan_fused(
             NonZeroU32::new(block as u32).expect("check_cache proved 1 <= block_size <= u32::MAX"),
         ),
         cache_slots: cache_slots.expect("check_cache proved num_blocks * block_size fits"),
+        one_head_blocks: if one_head {
+            [q.heads, k.heads].map(|h| one_head_blocks(h as u32, groups))
+        } else {
+            [0; 2]
+        },
     }))
 }
 

@@ -96,40 +96,45 @@ fn decode_with_norm_and_cache_plans_one_wide_launch_over_q_k_and_v_heads() {
         assert_eq!(p.grid.groups.divisor.get(), groups);
         assert_eq!(p.tokens, TOKENS as u64);
         assert_eq!(p.cache_slots, 256);
-        // 64 tokens of 48 heads of 16 items fit in the threads resident at once: the one-head
-        // kernel, one block row per token, a token's 48 x 16 items in blocks of 128.
-        assert_eq!(p.grid.config.grid_dim, (6, TOKENS as u32, 1));
+        // The one-head kernel, one block row per token: q's 32 heads take 16 x 16 threads (two
+        // heads each), two blocks of 128; k's and v's 8 heads one block each.
+        assert_eq!(p.grid.config.grid_dim, (4, TOKENS as u32, 1));
+        assert_eq!(p.one_head_blocks, [2, 1]);
     }
 }
 
-/// Launches larger than the threads resident at once take the wide kernel's item loop, its 48
-/// heads split over `blockIdx.y` without leaving one out; up to that size, the one-head kernel.
+/// Launches at the preferred width take the one-head kernels at any size (decode and prefill)
+/// while every tensor spans fewer than 2^32 elements (their offsets are 32-bit); a larger
+/// tensor takes the wide kernel's item loop, its 48 heads split over `blockIdx.y` without
+/// leaving one out.
 #[test]
-fn launches_past_the_resident_threads_take_the_item_loop() {
+fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     let with_tokens = |tokens: usize| {
         let mut r = request(RopeStyle::Neox);
         for (t, heads, ptr) in [
             (&mut r.rope.q, 32, 1u64 << 40),
-            (r.rope.k.as_mut().expect("k"), 8, 1 << 41),
+            (r.rope.k.as_mut().expect("k"), 8, 1 << 44),
         ] {
             t.x_layout = Layout::thd(tokens, heads, D);
             t.x = buf(ptr, t.x_layout.end().expect("fits"));
         }
         let v = Layout::thd(tokens, 8, D);
-        r.v = Some((buf(1 << 42, v.end().expect("fits")), v));
-        r.cache.as_mut().expect("cache").slots.buf = buf(1 << 43, tokens);
+        r.v = Some((buf(1 << 45, v.end().expect("fits")), v));
+        r.cache.as_mut().expect("cache").slots.buf = buf(1 << 46, tokens);
         r
     };
-    // 132 multiprocessors of 1024 resident threads (8 blocks of 128): 135168 threads, 176
-    // tokens of 48 x 16.
-    let p = plan_of(&with_tokens(176))
+    let p = plan_of(&with_tokens(8192))
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::OneHead);
-    assert_eq!(p.grid.config.grid_dim, (6, 176, 1));
-    let p = plan_of(&with_tokens(177))
+    assert_eq!(p.grid.config.grid_dim, (4, 8192, 1));
+    assert_eq!(p.one_head_blocks, [2, 1]);
+    // q of 2^20 tokens of 32 x 128 spans 2^32 elements.
+    let p = plan_of(&with_tokens(1 << 20))
         .expect("valid")
         .expect("non-empty");
+    assert_eq!(p.kernel.access, Access::Wide);
+    assert_eq!(p.one_head_blocks, [0, 0]);
     let (y, per) = (p.grid.config.grid_dim.1, p.grid.heads_per_chunk);
     assert!(per > 0 && y * per >= 48 && (y - 1) * per < 48);
 }

@@ -3,7 +3,7 @@
 use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
-use rope_kernels::abi::BLOCK_THREADS;
+use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_HEADS};
 use rope_kernels::divide::Divisor;
 
 use crate::error::{Result, invalid};
@@ -92,33 +92,43 @@ pub(crate) fn grid(
     }))
 }
 
-/// The grid of the one-head fused kernels ([`rope_kernels::abi::Access::OneHead`]): one block row per token (`blockIdx.z * gridDim.y + blockIdx.y`,
-/// `gridDim.y` at most 65535), and on `blockIdx.x` the token's `heads * groups` work items (head
-/// of the q, k, v concatenation, then group) in blocks of [`BLOCK_THREADS`]. Consecutive blocks
-/// take consecutive heads of one token, so the launch walks each tensor in address order.
-/// `heads_per_chunk` is `heads` (the fused kernels do not read it).
+/// Blocks of [`BLOCK_THREADS`] a tensor of `heads` heads of `groups` accesses takes per token in
+/// the one-head fused grid ([`fused_grid`]): a thread per [`ONE_HEAD_FUSED_HEADS`] heads and
+/// group. Callers keep `heads * groups` within `u32`.
+pub(crate) fn one_head_blocks(heads: u32, groups: u32) -> u32 {
+    (heads.div_ceil(ONE_HEAD_FUSED_HEADS) * groups).div_ceil(BLOCK_THREADS)
+}
+
+/// The grid of the one-head fused kernels ([`rope_kernels::abi::Access::OneHead`]): one block
+/// row per token (`blockIdx.z * gridDim.y + blockIdx.y`, `gridDim.y` at most 65535), and on
+/// `blockIdx.x` q's blocks, then k's, then v's: each tensor's threads (one per
+/// [`ONE_HEAD_FUSED_HEADS`] heads and group: `heads.div_ceil(U) * groups`) in blocks of
+/// [`BLOCK_THREADS`] of that tensor alone, so that the tensor is the same in a whole block. Consecutive blocks take consecutive heads of one token, so the launch
+/// walks each tensor in address order. `heads_per_chunk` is the three tensors' heads together
+/// (the fused kernels do not read it).
 ///
 /// # Errors
-/// [`crate::Error::Invalid`] naming `q` when the tokens exceed `65535^2`, or the heads times
-/// `groups` exceed `u32::MAX - BLOCK_THREADS` (the kernels index a token's items in `u32`).
+/// [`crate::Error::Invalid`] naming `q` when the tokens exceed `65535^2`, or the heads of all
+/// three tensors times `groups` exceed `u32::MAX - BLOCK_THREADS` (the kernels index a token's
+/// items in `u32`).
 pub(crate) fn fused_grid(
     (tokens, seq): (u64, u32),
     groups: u32,
-    heads: u32,
+    heads: [u32; 3],
 ) -> Result<Option<Grid>> {
     const MAX_GRID_YZ: u64 = 65_535;
     let (Some(seq), Some(groups_nz)) = (NonZeroU32::new(seq), NonZeroU32::new(groups)) else {
         return Ok(None);
     };
-    if tokens == 0 || heads == 0 {
+    let all: u64 = heads.iter().map(|&h| u64::from(h)).sum();
+    if tokens == 0 || all == 0 {
         return Ok(None);
     }
-    let items = heads as u64 * groups as u64;
-    if items > (u32::MAX - BLOCK_THREADS) as u64 {
+    if all * u64::from(groups) > u64::from(u32::MAX - BLOCK_THREADS) {
         return Err(invalid(
             "q",
             format!(
-                "{heads} heads of {groups} accesses are more than the fused kernels index \
+                "{all} heads of {groups} accesses are more than the fused kernels index \
                  per token ({})",
                 u32::MAX - BLOCK_THREADS
             ),
@@ -133,18 +143,18 @@ pub(crate) fn fused_grid(
             ),
         ));
     }
+    let blocks: u64 = heads
+        .iter()
+        .map(|&h| u64::from(one_head_blocks(h, groups)))
+        .sum();
     let rows = tokens.min(MAX_GRID_YZ);
     Ok(Some(Grid {
         config: LaunchConfig {
-            grid_dim: (
-                items.div_ceil(BLOCK_THREADS as u64) as u32,
-                rows as u32,
-                tokens.div_ceil(rows) as u32,
-            ),
+            grid_dim: (blocks as u32, rows as u32, tokens.div_ceil(rows) as u32),
             block_dim: (BLOCK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         },
-        heads_per_chunk: heads,
+        heads_per_chunk: all as u32,
         seq: Divisor::new(seq),
         groups: Divisor::new(groups_nz),
     }))
@@ -257,17 +267,37 @@ mod tests {
     #[test]
     fn fused_grid_takes_one_block_row_per_token() {
         let g = |tokens: u64| {
-            fused_grid((tokens, 1), 16, 48)
+            fused_grid((tokens, 1), 16, [32, 8, 8])
                 .expect("fits")
                 .expect("non-empty")
                 .config
                 .grid_dim
         };
-        assert_eq!(g(64), (6, 64, 1));
-        assert_eq!(g(65_535), (6, 65_535, 1));
-        assert_eq!(g(65_536), (6, 65_535, 2));
-        assert_eq!(g(65_535 * 65_535), (6, 65_535, 65_535));
-        assert!(fused_grid((65_535 * 65_535 + 1, 1), 16, 48).is_err());
-        assert!(fused_grid((1, 1), 32, u32::MAX / 16).is_err());
+        assert_eq!(g(64), (4, 64, 1));
+        assert_eq!(g(65_535), (4, 65_535, 1));
+        assert_eq!(g(65_536), (4, 65_535, 2));
+        assert_eq!(g(65_535 * 65_535), (4, 65_535, 65_535));
+        assert!(fused_grid((65_535 * 65_535 + 1, 1), 16, [32, 8, 8]).is_err());
+        assert!(fused_grid((1, 1), 32, [u32::MAX / 64, u32::MAX / 64, 0]).is_err());
+    }
+
+    /// Each tensor's heads take whole blocks of their own: a tensor never shares a block.
+    #[test]
+    fn fused_grid_rounds_each_tensor_to_whole_blocks() {
+        let x = |heads: [u32; 3]| {
+            fused_grid((1, 1), 16, heads)
+                .expect("fits")
+                .expect("non-empty")
+                .config
+                .grid_dim
+                .0
+        };
+        // Threads of two heads each: q's 32, k's 16 and v's 16 take a block each, where
+        // together they would fill one.
+        assert_eq!(x([3, 1, 1]), 3);
+        // q's 5 * 16 threads take one block, 17 heads' 9 * 16 two; no v takes none.
+        assert_eq!(x([9, 1, 0]), 2);
+        assert_eq!(x([17, 1, 0]), 3);
+        assert_eq!(x([32, 8, 8]), 4);
     }
 }

@@ -7,7 +7,7 @@ mod grid;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use grid::{Grid, fused_grid, grid};
+pub(crate) use grid::{Grid, fused_grid, grid, one_head_blocks};
 use rope_kernels::abi::{Access, DType, KernelName, preferred_lanes};
 
 use crate::bind::RawBuf;
@@ -383,7 +383,7 @@ fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
 
 /// Whether every layout of `req`'s tensors (inputs and outputs) spans fewer than 2^32
 /// elements, so that the one-head kernels' 32-bit offsets cannot wrap.
-fn spans_below_2_32(req: &Request) -> bool {
+pub(crate) fn spans_below_2_32(req: &Request) -> bool {
     [Some(req.q), req.k]
         .into_iter()
         .flatten()
