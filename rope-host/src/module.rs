@@ -32,6 +32,12 @@ pub const PTX_SM90: &str = include_str!("../ptx/kernels_sm90.ptx");
 /// Other values are ignored.
 pub const PTX_ARCH_VAR: &str = "ROPE_PTX_ARCH";
 
+/// Environment variable read when a context loads the kernels: `1` makes every fused launch
+/// take the item loop (`Access::Wide` or `Narrow`) where it would take the one-head kernels, so
+/// that tests reach the item loop's wide kernels, which otherwise serve only tensors spanning
+/// 2^32 elements or more. Other values are ignored.
+pub const FUSED_ITEM_LOOP_VAR: &str = "ROPE_FUSED_ITEM_LOOP";
+
 /// Opens device `ordinal` (its primary context), or explains why it cannot.
 ///
 /// # Errors
@@ -68,6 +74,9 @@ fn probe_driver() -> Result<()> {
 pub(crate) struct Module {
     ctx: Arc<CudaContext>,
     functions: Vec<Loaded>,
+    /// Whether fused launches may take the one-head kernels (not when [`FUSED_ITEM_LOOP_VAR`]
+    /// is `1`).
+    pub(crate) fused_one_head: bool,
     /// The modules the functions come from ([`PTX`], and [`PTX_SM89`] or [`PTX_SM90`] where
     /// loaded), kept alive with them.
     _modules: Vec<Arc<CudaModule>>,
@@ -165,6 +174,7 @@ impl Module {
         Ok(Self {
             ctx: ctx.clone(),
             functions,
+            fused_one_head: std::env::var(FUSED_ITEM_LOOP_VAR).ok().as_deref() != Some("1"),
             _modules: std::iter::once(module)
                 .chain(newer.map(|(_, m)| m))
                 .collect(),

@@ -64,7 +64,7 @@ use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
     rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32, shuffle_xor,
-    sync_threads, thread_idx_x, trap, wait_for_prior_grids,
+    sync_threads_count, thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
@@ -271,13 +271,13 @@ fn head_range<T>(f: &Fused<T>) -> (u32, u32) {
     (first as u32, last as u32)
 }
 
-/// The element offset of token `t`'s cache slot (block and row), or `None` when the token
-/// writes no cache (no slots, or a slot that is negative or past the cache).
+/// Token `t`'s cache slot, or `None` when the token writes no cache (no slots, or a slot that
+/// is negative or past the cache).
 ///
 /// # Safety
 /// `slots` is null or holds `tokens` integers of its width; `t < tokens`.
 #[inline(always)]
-unsafe fn cache_slot<T>(f: &Fused<T>, t: u64) -> Option<u64> {
+unsafe fn slot_of<T>(f: &Fused<T>, t: u64) -> Option<u64> {
     if f.slots.is_null() {
         return None;
     }
@@ -289,11 +289,32 @@ unsafe fn cache_slot<T>(f: &Fused<T>, t: u64) -> Option<u64> {
             *f.slots.cast::<i32>().add(t as usize) as i64
         }
     };
-    if slot < 0 || slot as u64 >= f.cache_slots {
-        return None;
-    }
-    let (block, row) = f.block.div_rem(slot as u64);
+    (slot >= 0 && (slot as u64) < f.cache_slots).then_some(slot as u64)
+}
+
+/// The element offset of token `t`'s cache slot (block and row), or `None` when the token
+/// writes no cache (see [`slot_of`]).
+///
+/// # Safety
+/// As [`slot_of`].
+#[inline(always)]
+unsafe fn cache_slot<T>(f: &Fused<T>, t: u64) -> Option<u64> {
+    // SAFETY: the caller's promise.
+    let slot = unsafe { slot_of(f, t) }?;
+    let (block, row) = f.block.div_rem(slot);
     Some(block * f.cache_strides[0] + row * f.cache_strides[1])
+}
+
+/// [`cache_slot`] with the slot divided in 32 bits, for caches of at most 2^32 slots.
+///
+/// # Safety
+/// As [`slot_of`], and `cache_slots <= 2^32`.
+#[inline(always)]
+unsafe fn cache_slot_u32<T>(f: &Fused<T>, t: u64) -> Option<u64> {
+    // SAFETY: the caller's promise; a slot below cache_slots fits in u32.
+    let slot = unsafe { slot_of(f, t) }? as u32;
+    let (block, row) = f.block.div_rem_u32(slot);
+    Some(u64::from(block) * f.cache_strides[0] + u64::from(row) * f.cache_strides[1])
 }
 
 /// Stores one head's vectors at `head` (a head of `T`, or of FP8 after multiplying by
@@ -671,8 +692,8 @@ fn offset_u32(strides: [u64; 3], (b, s): (u32, u32), i: u32) -> u32 {
 /// the block: thread `e` computes the token's pair `e` (for `e < half`; its position from its
 /// rotating group of `pairs` pairs, as [`cos_sin`] finds it) into the shared buffer, the threads
 /// wait for each other, then each reads its own pairs with one shared-memory access per array
-/// (`read`: the threads that rotate). Every thread of the block must call it, with the same
-/// token.
+/// (`read`: the threads that rotate). The block's first `meeting` threads (at least `half`, a
+/// multiple of 32) call it, with the same token; the others have left.
 ///
 /// One pair per thread, no loop: the position's code (a match over every position kind) inside
 /// a loop took the kernels to 62-64 registers, or spilled under a cap.
@@ -686,6 +707,7 @@ unsafe fn shared_cos_sin<T: Elem, S: Source, const L: usize>(
     (b, s): (u64, u64),
     (j0, pairs): (usize, usize),
     read: bool,
+    meeting: u32,
 ) -> ([f32; L], [f32; L]) {
     let half = a.half;
     let e = thread_idx_x();
@@ -699,7 +721,7 @@ unsafe fn shared_cos_sin<T: Elem, S: Source, const L: usize>(
             shared_store_f32(half + e, sn[0]);
         }
     }
-    sync_threads();
+    sync_threads_count(meeting);
     let mut cs = ([0.0f32; L], [0.0f32; L]);
     if read {
         // SAFETY: j0 + pairs <= half, written above by the block before the barrier; j0 is a
@@ -765,7 +787,9 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// finds its cos/sin (table rows; or from the block's shared arithmetic), then normalises (with
 /// the sums of each head's `groups` lanes), rotates and stores, with element offsets in 32 bits.
 /// Lanes past the tensor's last head or its `rot_groups` load and store nothing but take part
-/// in the barrier and the shuffles.
+/// in the barrier and the shuffles; whole warps past the tensor's threads (a tensor of 8 heads
+/// of 16 groups fills half a block) leave at once unless they compute cos/sin for the block,
+/// and the barrier counts the warps that stay.
 ///
 /// At prefill the kernel is bound by the instructions it issues, so what a thread does besides
 /// its loads and stores is shared by its heads (the index splits by magic numbers, the tensor
@@ -777,7 +801,7 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; `q_blocks` and
 /// `k_blocks` are q's and k's blocks per token (`heads.div_ceil(U) * groups` threads in blocks
 /// of [`BLOCK_THREADS`]) and `gridDim.x` adds v's; every tensor and output spans fewer than 2^32
-/// elements.
+/// elements; the cache holds at most 2^32 slots.
 #[inline(always)]
 unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     const U: usize = ONE_HEAD_FUSED_HEADS as usize;
@@ -805,7 +829,24 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     if !stores(f, kind) {
         return;
     }
-    let (m, group) = a.groups.div_rem_u32(block * BLOCK_THREADS + thread_idx_x());
+    let rotates = kind != Kind::V;
+    let shared = !S::TABLE && a.half <= BLOCK_THREADS && 2 * a.half as usize <= SHARED_F32;
+    // Whole warps past the tensor's threads leave now, unless they compute cos/sin for the
+    // block (threads below `half`); the rest meet at a barrier counting them (a multiple of 32).
+    let (threads, tid) = (heads.div_ceil(U as u32) * groups, thread_idx_x());
+    let busy = threads
+        .saturating_sub(block * BLOCK_THREADS)
+        .min(BLOCK_THREADS);
+    let meeting = if rotates && shared {
+        busy.max(a.half)
+    } else {
+        busy
+    }
+    .next_multiple_of(32);
+    if tid >= meeting {
+        return;
+    }
+    let (m, group) = a.groups.div_rem_u32(block * BLOCK_THREADS + tid);
     let i0 = m * U as u32;
     let mut live = [false; U];
     unrolled(U, |u| {
@@ -813,7 +854,6 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     });
     // The first head is live whenever any is.
     let active = live[0];
-    let rotates = kind != Kind::V;
     let (b, s) = a.seq.div_rem_u32(token);
     let (j0, half) = (group as usize * pairs, a.half as usize);
     let (x, x_strides) = input_of(f, kind);
@@ -849,14 +889,13 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
         [[T::ZERO; L]; 2]
     };
     let (b64, s64) = (u64::from(b), u64::from(s));
-    let shared = !S::TABLE && a.half <= BLOCK_THREADS && 2 * half <= SHARED_F32;
     let (cos, sin) = if !rotates {
         ([0.0; L], [0.0; L])
     } else if shared {
         // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); j0 is a multiple
         // of pairs and j0 + pairs <= half; every thread of the block is here (the tensor, and
         // so `rotates`, is the block's) with the same token.
-        unsafe { shared_cos_sin::<T, S, L>(a, (b64, s64), (j0, pairs), active) }
+        unsafe { shared_cos_sin::<T, S, L>(a, (b64, s64), (j0, pairs), active, meeting) }
     } else if active {
         // SAFETY: (b, s) is a token; j0 + pairs <= half; the position, table and frequency
         // promises.
@@ -915,8 +954,9 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
                 }
             }
             _ => {
-                // SAFETY: token < tokens.
-                let slot = cache_slot(f, u64::from(token));
+                // SAFETY: token < tokens; the cache holds at most 2^32 slots (the one-head
+                // promise).
+                let slot = cache_slot_u32(f, u64::from(token));
                 if kind == Kind::K && !a.k.out.is_null() {
                     let out = a.k.out;
                     let (first, stride) = (

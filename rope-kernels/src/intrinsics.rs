@@ -117,13 +117,15 @@ pub unsafe fn shared_load_f32s<const N: usize>(i: u32) -> [f32; N] {
     v
 }
 
-/// `__syncthreads()` (`bar.sync 0`): waits until every thread of the block arrives, and makes
-/// the shared-memory writes before it visible to the block's reads after it. Every thread of
-/// the block must reach it. The `asm` may read and write memory, so no access moves across it.
+/// `bar.sync 0, threads`: waits until `threads` threads of the block (a multiple of 32, whole
+/// warps) arrive, and makes the shared-memory writes before it visible to the reads after it
+/// among them. Exactly that many threads must reach it; the others may have left the kernel.
+/// The `asm` may read and write memory, so no access moves across it.
 #[inline(always)]
-pub fn sync_threads() {
-    // SAFETY: a barrier over the block; the callers reach it with every thread.
-    unsafe { asm!("bar.sync 0;", options(nostack, preserves_flags)) };
+pub fn sync_threads_count(threads: u32) {
+    // SAFETY: a barrier over `threads` threads of the block; the callers reach it with that
+    // many.
+    unsafe { asm!("bar.sync 0, {n};", n = in(reg32) threads, options(nostack, preserves_flags)) };
 }
 
 /// Aborts the kernel (the launch then fails with an illegal-instruction error on the host).

@@ -64,6 +64,12 @@ for arch in sm_89 sm_80; do
         ROPE_PTX_ARCH=$arch "$t" --test-threads=4 fused programmatic || status=1
     done
 done
+# The fused tests again on the item loop, which the one-head kernels replace wherever every
+# tensor spans fewer than 2^32 elements.
+for t in $executables; do
+    echo "== ROPE_FUSED_ITEM_LOOP=1 $t fused"
+    ROPE_FUSED_ITEM_LOOP=1 "$t" --test-threads=4 fused || status=1
+done
 echo "== rope-demo"
 ./rope-demo || status=1
 echo "== bundle exit status: $status"

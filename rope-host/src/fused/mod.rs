@@ -280,7 +280,7 @@ impl Rope {
     /// alive and not used by others until the kernel has finished on the stream.
     unsafe fn launch_fused(&self, req: &FusedRequest, on: FreqUse) -> Result<()> {
         let blocks = |k: rope_kernels::abi::FusedKernelName| self.module.blocks_per_sm(k.symbol());
-        let Some(plan) = plan_fused(req, &self.facts, &blocks)? else {
+        let Some(plan) = plan_fused(req, &self.facts, &blocks, self.module.fused_one_head)? else {
             return Ok(());
         };
         let positions = req.rope.positions.encode(&plan.positions);

@@ -87,6 +87,8 @@ pub(crate) struct FusedPlan {
 const MAX_NORM_GROUPS: u32 = 32;
 
 /// Validates a fused request and computes its launch: `None` when there is nothing to do.
+/// `one_head_allowed` false keeps every launch on the item loop (see
+/// [`crate::FUSED_ITEM_LOOP_VAR`]).
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming the first offending argument.
@@ -94,6 +96,7 @@ pub(crate) fn plan_fused(
     req: &FusedRequest,
     facts: &DeviceFacts,
     blocks_per_sm: &dyn Fn(FusedKernelName) -> u32,
+    one_head_allowed: bool,
 ) -> Result<Option<FusedPlan>> {
     let cfg = &req.rope.config;
     check_config(cfg)?;
@@ -166,16 +169,21 @@ pub(crate) fn plan_fused(
         threads_per_sm: facts.threads_per_sm.min(per_sm.max(1) * BLOCK_THREADS),
         ..*facts
     };
-    // A launch at the preferred width whose tensors each span fewer than 2^32 elements takes
-    // the one-head kernels: one thread per head access, no head loop (at decode its length is
-    // one head's chain; at prefill its many resident threads keep more loads in flight than
-    // the item loop, which holds one block of heads per thread), with 32-bit element offsets.
-    // Other launches take the item loop.
-    let one_head = kernel.access == Access::Wide
+    // A launch at the preferred width whose tensors each span fewer than 2^32 elements (and
+    // whose cache holds at most 2^32 slots) takes the one-head kernels: a thread per two heads
+    // and access, no head loop (at decode its length is one head's chain; at prefill its many
+    // resident threads keep more loads in flight than the item loop, which holds one block of
+    // heads per thread), with 32-bit element offsets and slot division. Other launches take
+    // the item loop.
+    let one_head = one_head_allowed
+        && kernel.access == Access::Wide
         && spans_below_2_32(&req.rope)
         && req
             .v
-            .is_none_or(|(_, l)| l.span().is_some_and(|s| (s as u64) < 1 << 32));
+            .is_none_or(|(_, l)| l.span().is_some_and(|s| (s as u64) < 1 << 32))
+        && req
+            .cache
+            .is_none_or(|c| cache_slots(&c.layout).is_some_and(|n| n <= 1 << 32));
     let kernel = FusedKernelName {
         access: if one_head {
             Access::OneHead

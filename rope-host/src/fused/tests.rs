@@ -77,7 +77,7 @@ fn plan_of(r: &FusedRequest) -> Result<Option<FusedPlan>> {
         sm_count: 132,
         threads_per_sm: 2048,
     };
-    plan_fused(r, &facts, &|_: FusedKernelName| 8)
+    plan_fused(r, &facts, &|_: FusedKernelName| 8, true)
 }
 
 fn invalid_arg(r: &FusedRequest) -> &'static str {
@@ -129,6 +129,15 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     assert_eq!(p.kernel.access, Access::OneHead);
     assert_eq!(p.grid.config.grid_dim, (4, 8192, 1));
     assert_eq!(p.one_head_blocks, [2, 1]);
+    // The item loop when the one-head kernels are not allowed (the tests' override).
+    let facts = DeviceFacts {
+        sm_count: 132,
+        threads_per_sm: 2048,
+    };
+    let p = plan_fused(&with_tokens(8192), &facts, &|_: FusedKernelName| 8, false)
+        .expect("valid")
+        .expect("non-empty");
+    assert_eq!(p.kernel.access, Access::Wide);
     // q of 2^20 tokens of 32 x 128 spans 2^32 elements.
     let p = plan_of(&with_tokens(1 << 20))
         .expect("valid")
