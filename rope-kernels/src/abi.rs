@@ -174,9 +174,12 @@ pub enum Access {
     /// (`heads_per_chunk = 1`: decode steps and other small launches) and that copy no
     /// pass-through elements: each thread rotates one work item of one head, with no grid-stride
     /// loop, its head's loads issued before its position and cos/sin. The fused kernels of
-    /// this access take one thread per (token, head, access) on a grid of their own: one block
-    /// row per token (`blockIdx.z * gridDim.y + blockIdx.y`), the token's heads (q's, k's,
-    /// v's) times `groups` on `blockIdx.x` in blocks of [`BLOCK_THREADS`].
+    /// this access take one thread per ([`ONE_HEAD_FUSED_HEADS`] heads of one tensor, access)
+    /// of each token on a grid of their own: one block row per token
+    /// (`blockIdx.z * gridDim.y + blockIdx.y`), and on `blockIdx.x` q's threads in blocks of
+    /// [`BLOCK_THREADS`], then k's, then v's (`q_blocks`, `k_blocks` of
+    /// [`crate::fused_kernel_params!`]); at decode and prefill alike, where every tensor spans fewer
+    /// than 2^32 elements.
     OneHead,
 }
 
@@ -718,8 +721,8 @@ pub enum FormatCode {
 
 /// One fused entry point (`rope-kernels/src/fused.rs`): `rope_fused_{style}_{source}_{dtype}`,
 /// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`]
-/// and `_one_head` for [`Access::OneHead`] (one thread per head access: launches that fit in
-/// the threads resident at once).
+/// and `_one_head` for [`Access::OneHead`] (a thread per [`ONE_HEAD_FUSED_HEADS`] heads and one
+/// access: launches at the preferred width whose tensors span fewer than 2^32 elements).
 /// Forward only; `TableF32` only for `f16` and `bf16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedKernelName {

@@ -18,10 +18,10 @@
 //!   scale)` ([`crate::math::f32_to_e4m3`], saturating; the reciprocal from `rcp.approx`, within
 //!   one `f32` ulp: E4M3 keeps 3 bits).
 //!
-//! Each block's chain of latencies (its loads, the norm's dependent shuffle steps, the
-//! reciprocal square root, the stores) and its instructions bound the kernel at prefill, at the
-//! 28 or so warps that 64 registers leave resident; hence the fused multiply-adds and
-//! approximations above, none of which moves a 16-bit result by more than its rounding.
+//! The instructions each thread issues, and each block's chain of latencies (its loads, the
+//! norm's dependent shuffle steps, the reciprocal square root, the stores), bound the kernels
+//! at prefill; hence the fused multiply-adds and approximations above, none of which moves a
+//! 16-bit result by more than its rounding.
 //!
 //! # Layout
 //! q, k and v are `[batch, seq, heads, head_dim]` at their own strides (as in
@@ -42,14 +42,15 @@
 //! and the cache slot are found once per item and serve every head (rows of v's heads alone
 //! find no sin/cos).
 //!
-//! The one-head kernels (launches whose every head access fits in the threads resident at
-//! once: decode steps): one thread per (token, head, group), one block row per token, no loop.
-//! Each thread issues its head's loads, then reads its table rows, or takes its pairs' cos/sin
-//! from the block's shared buffer (each of the block's first `half` threads computes one pair of
-//! the token), then normalises, rotates and stores as above. A launch's length is then one
-//! head's chain, where the item loop's is the chain of every head of the item in turn; at
-//! prefill the same mapping executed 2.6x the item loop's instructions (the position, sin/cos
-//! and address work repeated for every head), which bounds the fused kernels there.
+//! The one-head kernels (every launch at the preferred width whose tensors span fewer than
+//! 2^32 elements, decode and prefill alike): one thread per [`ONE_HEAD_FUSED_HEADS`] heads of
+//! one tensor and one group, one block row per token, blocks of one tensor each, no loop. Each
+//! thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
+//! the block's shared buffer (each of the block's first `half` threads computes one pair of the
+//! token), then normalises, rotates and stores as above. A launch's length is then one head's
+//! chain, where the item loop's is the chain of every head of the item in turn; at prefill the
+//! mapping's many resident threads keep more loads in flight than the item loop's one block of
+//! heads per thread, once its per-thread set-up is shared by two heads (see `one_head_body`).
 //!
 //! Built for sm_90, each kernel takes part in programmatic dependent launch: it waits for the
 //! grid before it after its set-up, before its first global access (see
