@@ -935,39 +935,20 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     unsafe {
         match kind {
             Kind::Q => {
-                let out = a.q.out.cast::<u8>();
-                let (first, stride) = (
-                    offset_u32(a.q.out_strides, (b, s), i0),
-                    a.q.out_strides[2] as u32,
-                );
-                if f.q_format == FormatCode::E4m3 as u32 {
-                    let mul = fp8_multipliers(f.q_scale, f.q_scale_step, i0, live);
-                    each_head!(U, u => { if live[u] {
-                        let head = out.add((first + u as u32 * stride) as usize);
-                        store_head::<T, P, L>(head, Some(mul[u]), at, &y(u));
-                    } });
-                } else {
-                    let out = out.cast::<T>();
-                    each_head!(U, u => { if live[u] {
-                        let head = out.add((first + u as u32 * stride) as usize);
-                        store_head::<T, P, L>(head.cast(), None, at, &y(u));
-                    } });
-                }
+                let fp8 = f.q_format == FormatCode::E4m3 as u32;
+                let first = offset_u32(a.q.out_strides, (b, s), i0);
+                let heads = (u64::from(first), u64::from(a.q.out_strides[2] as u32));
+                let scales = fp8.then_some((f.q_scale, f.q_scale_step));
+                store_heads::<T, P, L, U>(a.q.out.cast(), heads, (live, i0), scales, at, &y);
             }
             _ => {
                 // SAFETY: token < tokens; the cache holds at most 2^32 slots (the one-head
                 // promise).
                 let slot = cache_slot_u32(f, u64::from(token));
                 if kind == Kind::K && !a.k.out.is_null() {
-                    let out = a.k.out;
-                    let (first, stride) = (
-                        offset_u32(a.k.out_strides, (b, s), i0),
-                        a.k.out_strides[2] as u32,
-                    );
-                    each_head!(U, u => { if live[u] {
-                        let head = out.add((first + u as u32 * stride) as usize);
-                        store_head::<T, P, L>(head.cast(), None, at, &y(u));
-                    } });
+                    let first = offset_u32(a.k.out_strides, (b, s), i0);
+                    let heads = (u64::from(first), u64::from(a.k.out_strides[2] as u32));
+                    store_heads::<T, P, L, U>(a.k.out.cast(), heads, (live, i0), None, at, &y);
                 }
                 if let Some(slot) = slot {
                     let (cache, scale) = match kind {
@@ -975,21 +956,49 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
                         _ => (f.v_cache, f.v_scale),
                     };
                     let stride = f.cache_strides[2];
-                    let first = slot + u64::from(i0) * stride;
-                    if f.cache_format == FormatCode::E4m3 as u32 {
-                        let mul = fp8_multipliers(scale, f.kv_scale_step, i0, live);
-                        each_head!(U, u => { if live[u] {
-                            let head = cache.add((first + u as u64 * stride) as usize);
-                            store_head::<T, P, L>(head, Some(mul[u]), at, &y(u));
-                        } });
-                    } else {
-                        let cache = cache.cast::<T>();
-                        each_head!(U, u => { if live[u] {
-                            let head = cache.add((first + u as u64 * stride) as usize);
-                            store_head::<T, P, L>(head.cast(), None, at, &y(u));
-                        } });
-                    }
+                    let heads = (slot + u64::from(i0) * stride, stride);
+                    let fp8 = f.cache_format == FormatCode::E4m3 as u32;
+                    let scales = fp8.then_some((scale, f.kv_scale_step));
+                    store_heads::<T, P, L, U>(cache, heads, (live, i0), scales, at, &y);
                 }
+            }
+        }
+    }
+}
+
+/// Stores the one-head body's live heads `i0 + u` (`live[u]`), each's values `y(u)`, into a
+/// destination whose head `i0 + u` starts `first + u * stride` elements of its format after
+/// `base`: FP8 of the values times `1 / scale` with `scales` (`scale[head * step]`), else the
+/// tensors' type.
+///
+/// # Safety
+/// Those heads lie inside the destination, aligned to `lanes`; FP8 destinations' scales hold
+/// one `f32` (step 0) or one per head.
+#[inline(always)]
+unsafe fn store_heads<T: Elem, P: Pairing, const L: usize, const U: usize>(
+    base: *mut u8,
+    (first, stride): (u64, u64),
+    (live, i0): ([bool; U], u32),
+    scales: Option<(*const f32, u32)>,
+    at: (usize, usize),
+    y: &impl Fn(usize) -> [[f32; L]; 2],
+) {
+    // SAFETY (each store): the caller's promises.
+    unsafe {
+        match scales {
+            Some((scale, step)) => {
+                let mul = fp8_multipliers(scale, step, i0, live);
+                each_head!(U, u => { if live[u] {
+                    let head = base.add((first + u as u64 * stride) as usize);
+                    store_head::<T, P, L>(head, Some(mul[u]), at, &y(u));
+                } });
+            }
+            None => {
+                let base = base.cast::<T>();
+                each_head!(U, u => { if live[u] {
+                    let head = base.add((first + u as u64 * stride) as usize);
+                    store_head::<T, P, L>(head.cast(), None, at, &y(u));
+                } });
             }
         }
     }
