@@ -81,12 +81,12 @@ struct CacheCase {
 /// How large a random case is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Size {
-    /// A few tokens and heads: launches that fit in the threads a GPU holds at once, which the
-    /// one-head fused kernels run with one thread per head access.
+    /// A few tokens and heads: decode-sized launches, fewer threads than a GPU holds at once.
     Small,
-    /// Thousands of tokens and 17-23 q and k heads: more work items than any of this
-    /// project's GPUs holds at once, which the wide fused kernels run as a loop over each
-    /// item's heads.
+    /// Thousands of tokens and 17-23 q and k heads (odd counts leave a thread's second head
+    /// empty): prefill-sized launches, more threads than any of this project's GPUs holds at
+    /// once. Both sizes run on the one-head fused kernels, and on the item loop when
+    /// `ROPE_FUSED_ITEM_LOOP=1` (as `gpu-bundle/run.sh` runs them again).
     Large,
 }
 
