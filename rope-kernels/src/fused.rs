@@ -69,7 +69,7 @@ use crate::intrinsics::{
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
-    load_head, position, rotate_values_with, unrolled, vector_offsets, widen,
+    load_head, offset_u32, position, rotate_values_with, unrolled, vector_offsets, widen,
 };
 
 /// The fused kernel's arguments: the RoPE arguments (q, k, positions, sin/cos) and the rest.
@@ -677,16 +677,6 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
             store_outputs::<T, P, L>(f, (kind, i), at, slot, &scales, (j0, half), &y)
         };
     });
-}
-
-/// The element offset of head `i` of token `(b, s)` at `strides`, in 32 bits: the one-head
-/// kernels run only where every tensor spans fewer than 2^32 elements, so each index times its
-/// stride and their sum fit (a dimension of size 1 has index 0, whatever its stride).
-#[inline(always)]
-fn offset_u32(strides: [u64; 3], (b, s): (u32, u32), i: u32) -> u32 {
-    b.wrapping_mul(strides[0] as u32)
-        .wrapping_add(s.wrapping_mul(strides[1] as u32))
-        .wrapping_add(i.wrapping_mul(strides[2] as u32))
 }
 
 /// Cos and sin of pairs `j0..j0 + pairs` of token `(b, s)` from in-kernel arithmetic shared by

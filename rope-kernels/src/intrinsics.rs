@@ -80,7 +80,7 @@ pub unsafe fn shared_store_f32(i: u32, v: f32) {
 }
 
 /// Loads `N` (1, 2 or 4) consecutive `f32` of the block's shared buffer from element `i` with one
-/// `ld.shared` (`.v2`, `.v4` for 2 and 4).
+/// `ld.shared` (a vector load of two or four for 2 and 4).
 ///
 /// # Safety
 /// `i + N <= SHARED_F32` and `i` a multiple of `N`.

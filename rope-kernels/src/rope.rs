@@ -948,14 +948,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     } else {
         (&a.k, h - a.q.heads)
     };
-    // In 32 bits: every tensor spans fewer than 2^32 elements (the one-head promise), so each
-    // index times its stride and their sum fit (a dimension of size 1 has index 0, whatever
-    // its stride).
-    let at = |strides: &[u64; 3]| {
-        b32.wrapping_mul(strides[0] as u32)
-            .wrapping_add(s32.wrapping_mul(strides[1] as u32))
-            .wrapping_add(h.wrapping_mul(strides[2] as u32)) as usize
-    };
+    let at = |strides: &[u64; 3]| offset_u32(*strides, (b32, s32), h) as usize;
     // SAFETY: head h of that tensor exists (gridDim.y covers q's and k's heads), j0 + pairs <=
     // half; the promises of `load_head` and `cos_sin`.
     unsafe {
@@ -964,6 +957,17 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
         let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
         rotate_store_head::<T, P, L>(out, j0, half, v, &cos, &sin);
     }
+}
+
+/// The element offset of head `i` of token `(b, s)` at `strides`, in 32 bits, for the one-head
+/// kernels (this module's and the fused ones): they run only where every tensor spans fewer
+/// than 2^32 elements, so each index times its stride and their sum fit (a dimension of size 1
+/// has index 0, whatever its stride).
+#[inline(always)]
+pub(crate) fn offset_u32(strides: [u64; 3], (b, s): (u32, u32), i: u32) -> u32 {
+    b.wrapping_mul(strides[0] as u32)
+        .wrapping_add(s.wrapping_mul(strides[1] as u32))
+        .wrapping_add(i.wrapping_mul(strides[2] as u32))
 }
 
 /// Picks the monomorphized body for the `lanes` argument: the [preferred] body for the
