@@ -17,7 +17,7 @@ use crate::layout::{Layout, fused_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
     Grid, Of, Region, Request, check_overlaps, fused_grid, grid, layout_aligned, one_head_blocks,
-    option_reads, read_region, region, same_dims, spans_below_2_32, widest_lanes,
+    option_reads, read_region, region, same_dims, span_below_2_32, spans_below_2_32, widest_lanes,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
@@ -178,9 +178,7 @@ pub(crate) fn plan_fused(
     let one_head = one_head_allowed
         && kernel.access == Access::Wide
         && spans_below_2_32(&req.rope)
-        && req
-            .v
-            .is_none_or(|(_, l)| l.span().is_some_and(|s| (s as u64) < 1 << 32))
+        && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
         && req
             .cache
             .is_none_or(|c| cache_slots(&c.layout).is_some_and(|n| n <= 1 << 32));

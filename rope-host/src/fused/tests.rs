@@ -73,11 +73,16 @@ fn request(style: RopeStyle) -> FusedRequest {
 }
 
 fn plan_of(r: &FusedRequest) -> Result<Option<FusedPlan>> {
+    plan_with(r, true)
+}
+
+/// `r` planned on an H200-like device, the one-head kernels allowed or not.
+fn plan_with(r: &FusedRequest, one_head_allowed: bool) -> Result<Option<FusedPlan>> {
     let facts = DeviceFacts {
         sm_count: 132,
         threads_per_sm: 2048,
     };
-    plan_fused(r, &facts, &|_: FusedKernelName| 8, true)
+    plan_fused(r, &facts, &|_: FusedKernelName| 8, one_head_allowed)
 }
 
 fn invalid_arg(r: &FusedRequest) -> &'static str {
@@ -130,11 +135,7 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     assert_eq!(p.grid.config.grid_dim, (4, 8192, 1));
     assert_eq!(p.one_head_blocks, [2, 1]);
     // The item loop when the one-head kernels are not allowed (the tests' override).
-    let facts = DeviceFacts {
-        sm_count: 132,
-        threads_per_sm: 2048,
-    };
-    let p = plan_fused(&with_tokens(8192), &facts, &|_: FusedKernelName| 8, false)
+    let p = plan_with(&with_tokens(8192), false)
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::Wide);

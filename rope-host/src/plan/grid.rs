@@ -103,9 +103,10 @@ pub(crate) fn one_head_blocks(heads: u32, groups: u32) -> u32 {
 /// row per token (`blockIdx.z * gridDim.y + blockIdx.y`, `gridDim.y` at most 65535), and on
 /// `blockIdx.x` q's blocks, then k's, then v's: each tensor's threads (one per
 /// [`ONE_HEAD_FUSED_HEADS`] heads and group: `heads.div_ceil(U) * groups`) in blocks of
-/// [`BLOCK_THREADS`] of that tensor alone, so that the tensor is the same in a whole block. Consecutive blocks take consecutive heads of one token, so the launch
-/// walks each tensor in address order. `heads_per_chunk` is the three tensors' heads together
-/// (the fused kernels do not read it).
+/// [`BLOCK_THREADS`] of that tensor alone, so that the tensor is the same in a whole block.
+/// Consecutive blocks take consecutive heads of one token, so the launch walks each tensor in
+/// address order. `heads_per_chunk` is the three tensors' heads together (the fused kernels do
+/// not read it).
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming `q` when the tokens exceed `65535^2`, or the heads of all

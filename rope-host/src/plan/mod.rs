@@ -388,7 +388,12 @@ pub(crate) fn spans_below_2_32(req: &Request) -> bool {
         .into_iter()
         .flatten()
         .flat_map(|t| t.layouts())
-        .all(|(_, l)| l.span().is_some_and(|s| (s as u64) < 1 << 32))
+        .all(|(_, l)| span_below_2_32(&l))
+}
+
+/// Whether `l` spans fewer than 2^32 elements (see [`spans_below_2_32`]).
+pub(crate) fn span_below_2_32(l: &Layout) -> bool {
+    l.span().is_some_and(|s| (s as u64) < 1 << 32)
 }
 
 /// Whether the layout `l` of `es`-byte elements in a buffer at `addr` starts at a multiple of
