@@ -18,8 +18,17 @@ pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
 /// Heads of one tensor that each thread of the fused one-head kernels ([`Access::OneHead`])
 /// takes: consecutive heads `U m .. U m + U` of the same token and pairs, which share the
 /// thread's index splits, position, cos/sin, norm weights and cache slot. Each tensor's
-/// `heads.div_ceil(U) * groups` threads form blocks of [`BLOCK_THREADS`] of their own.
+/// `heads.div_ceil(U) * groups` threads of a token form warps of their own.
 pub const ONE_HEAD_FUSED_HEADS: u32 = 2;
+
+/// The most warps in one block of the fused one-head kernels ([`Access::OneHead`]): a token's
+/// warps (q's, then k's, then v's) are cut into the fewest equal blocks of at most this many,
+/// each block computing the token's cos/sin once for its q and k warps. Measured on an H200
+/// (32 q and 8 kv heads of 128, bf16, NeoX; share of the copy of each fusion's own bytes at
+/// prefill): five (12 warps as 4 + 4 + 4, 10 as 5 + 5) beat four (10 as 4 + 4 + 2: norm + rope
+/// 4 points lower), six (12 as 6 + 6: 1.5-2.3 points lower) and whole tokens (12 warps in one
+/// block: 3-9 points lower; every warp waits at the barrier for the block's cos/sin).
+pub const ONE_HEAD_FUSED_MAX_WARPS: u32 = 5;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
 /// [`KernelName::min_blocks_per_sm`] asks for more: `cargo xtask ptx` writes it as
@@ -176,10 +185,10 @@ pub enum Access {
     /// loop, its head's loads issued before its position and cos/sin. The fused kernels of
     /// this access take one thread per ([`ONE_HEAD_FUSED_HEADS`] heads of one tensor, access)
     /// of each token on a grid of their own: one block row per token
-    /// (`blockIdx.z * gridDim.y + blockIdx.y`), and on `blockIdx.x` q's threads in blocks of
-    /// [`BLOCK_THREADS`], then k's, then v's (`q_blocks`, `k_blocks` of
-    /// [`crate::fused_kernel_params!`]); at decode and prefill alike, where every tensor spans fewer
-    /// than 2^32 elements.
+    /// (`blockIdx.z * gridDim.y + blockIdx.y`), and on `blockIdx.x` the token's warps of q's
+    /// threads, then k's, then v's (`q_warps`, `k_warps`, `v_warps` of
+    /// [`crate::fused_kernel_params!`]) in blocks of at most [`ONE_HEAD_FUSED_MAX_WARPS`]
+    /// warps; at decode and prefill alike, where every tensor spans fewer than 2^32 elements.
     OneHead,
 }
 
@@ -737,15 +746,23 @@ pub struct FusedKernelName {
 }
 
 impl FusedKernelName {
-    /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
-    /// 1280 threads' worth (48 registers, no spills on sm_90) for the one-head NeoX kernels of
-    /// 16-bit elements, whose loads are all they keep in flight, so that more threads hold more
-    /// bytes in flight at prefill; [`MIN_BLOCKS_PER_SM`] for the others (the interleaved 16-bit
-    /// one-head kernels spilled 48-64 bytes at 48 registers, the item loops more).
+    /// The blocks of [`BLOCK_THREADS`] per multiprocessor this kernel's launch bounds promise
+    /// (its `.minnctapersm`), for the wide and narrow kernels: [`MIN_BLOCKS_PER_SM`] (their
+    /// item loops spilled at fewer registers).
     pub const fn min_blocks_per_sm(self) -> u32 {
+        MIN_BLOCKS_PER_SM
+    }
+
+    /// The registers per thread the one-head kernels ([`Access::OneHead`]) are held to (their
+    /// `.maxnreg`, with `.maxntid` of [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 48 for the NeoX kernels
+    /// of 16-bit elements, whose loads are all they keep in flight, so that more threads hold
+    /// more bytes in flight at prefill (no spills on sm_90); 64 for the others (the interleaved
+    /// 16-bit ones spilled at 48). `None` for the other kernels.
+    pub const fn one_head_registers(self) -> Option<u32> {
         match (self.access, self.style, self.dtype) {
-            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => 1280 / BLOCK_THREADS,
-            _ => MIN_BLOCKS_PER_SM,
+            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(48),
+            (Access::OneHead, _, _) => Some(64),
+            _ => None,
         }
     }
 }
@@ -893,8 +910,9 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// `(slot / block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot + head *
 /// cache_stride_head + e` (`block_magic`, `block_shift` from [`crate::divide::Divisor::new`]),
 /// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`; for the one-head kernels
-/// ([`Access::OneHead`]), `q_blocks` and `k_blocks`, the blocks of each token's row that q's and
-/// k's heads take (v's take the rest; 0 for the other kernels, which do not read them).
+/// ([`Access::OneHead`]), `q_warps`, `k_warps` and `v_warps`, the warps of each token's threads
+/// for q's, k's and v's heads (0 for a tensor the launch stores nothing of, and for the other
+/// kernels, which do not read them).
 #[macro_export]
 macro_rules! fused_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -928,8 +946,9 @@ macro_rules! fused_kernel_params {
             k_scale: byte_ptr,
             v_scale: byte_ptr,
             kv_scale_step: u32,
-            q_blocks: u32,
-            k_blocks: u32,
+            q_warps: u32,
+            k_warps: u32,
+            v_warps: u32,
         }
     };
 }

@@ -44,8 +44,8 @@
 //!
 //! The one-head kernels (every launch at the preferred width whose tensors span fewer than
 //! 2^32 elements, decode and prefill alike): one thread per [`ONE_HEAD_FUSED_HEADS`] heads of
-//! one tensor and one group, one block row per token, blocks of one tensor each, no loop. Each
-//! thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
+//! one tensor and one group, one block row per token, each warp of one tensor (a block holds up
+//! to [`crate::abi::ONE_HEAD_FUSED_MAX_WARPS`] of the token's q, k and v warps), no loop. Each thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
 //! the block's shared buffer (each of the block's first `half` threads computes one pair of the
 //! token), then normalises, rotates and stores as above. A launch's length is then one head's
 //! chain, where the item loop's is the chain of every head of the item in turn; at prefill the
@@ -57,7 +57,7 @@
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    Access, BLOCK_THREADS, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_HEADS,
+    Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_HEADS,
     for_each_fused_kernel,
 };
 use crate::divide::Divisor;
@@ -97,9 +97,10 @@ struct Fused<T> {
     k_scale: *const f32,
     v_scale: *const f32,
     kv_scale_step: u32,
-    /// The one-head grid's blocks per token row of q's and k's heads.
-    q_blocks: u32,
-    k_blocks: u32,
+    /// The one-head kernels' warps per token of q's, k's and v's threads (in that order).
+    q_warps: u32,
+    k_warps: u32,
+    v_warps: u32,
 }
 
 /// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
@@ -679,62 +680,59 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
     });
 }
 
-/// Cos and sin of pairs `j0..j0 + pairs` of token `(b, s)` from in-kernel arithmetic shared by
-/// the block: thread `e` computes the token's pair `e` (for `e < half`; its position from its
-/// rotating group of `pairs` pairs, as [`cos_sin`] finds it) into the shared buffer, the threads
-/// wait for each other, then each reads its own pairs with one shared-memory access per array
-/// (`read`: the threads that rotate). The block's first `meeting` threads (at least `half`, a
-/// multiple of 32) call it, with the same token; the others have left.
-///
-/// One pair per thread, no loop: the position's code (a match over every position kind) inside
-/// a loop took the kernels to 62-64 registers, or spilled under a cap.
+/// Computes pair `e = threadIdx.x` (for `e < half`) of token `(b, s)`'s cos and sin into the
+/// block's shared array: cos at `e`, sin at `half + e`; the position of pair `e` is its
+/// rotating group's (`e / pairs`), as [`cos_sin`] finds it. One pair per thread, no loop: the
+/// position's code (a match over every position kind) inside a loop took the kernels to 62-64
+/// registers, or spilled under a cap.
 ///
 /// # Safety
-/// `half <= BLOCK_THREADS` and `2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; `j0` is a
-/// multiple of `pairs` and `j0 + pairs <= half`; the position and frequency promises.
+/// `2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; the position and frequency promises.
 #[inline(always)]
-unsafe fn shared_cos_sin<T: Elem, S: Source, const L: usize>(
-    a: &Args<T>,
-    (b, s): (u64, u64),
-    (j0, pairs): (usize, usize),
-    read: bool,
-    meeting: u32,
-) -> ([f32; L], [f32; L]) {
-    let half = a.half;
-    let e = thread_idx_x();
+unsafe fn share_cos_sin<T: Elem, S: Source>(a: &Args<T>, (b, s): (u32, u32), pairs: usize) {
+    let (half, e) = (a.half, thread_idx_x());
     if e < half {
         // SAFETY: e < half, the pairs the position and frequency arrays describe; the buffer
         // holds 2 * half <= SHARED_F32 values.
         unsafe {
-            let pos = position(a, b, s, e / pairs as u32);
+            let pos = position(a, u64::from(b), u64::from(s), e / pairs as u32);
             let (c, sn) = cos_sin::<T, S, 1>(a, pos, e as usize, 1);
             shared_store_f32(e, c[0]);
             shared_store_f32(half + e, sn[0]);
         }
     }
-    sync_threads_count(meeting);
+}
+
+/// Reads cos and sin of pairs `j0..j0 + pairs` from the block's shared array (as
+/// [`share_cos_sin`] writes it), with one shared-memory access per array.
+///
+/// # Safety
+/// `2 * half <=` [`SHARED_F32`]; `j0` is a multiple of `pairs`, `j0 + pairs <= half`, and
+/// `half` a multiple of `pairs` (the pairs come in whole groups), so both reads are aligned to
+/// their width; the array was written before a barrier this thread has passed since.
+#[inline(always)]
+unsafe fn read_cos_sin<const L: usize>(
+    half: u32,
+    (j0, pairs): (usize, usize),
+) -> ([f32; L], [f32; L]) {
     let mut cs = ([0.0f32; L], [0.0f32; L]);
-    if read {
-        // SAFETY: j0 + pairs <= half, written above by the block before the barrier; j0 is a
-        // multiple of `pairs` and `half` of `pairs` too (the pairs come in whole groups), so
-        // both reads are aligned to their width.
-        let (j0, half) = (j0 as u32, half);
-        unsafe {
-            match pairs {
-                4 => {
-                    let (c, sn) = (shared_load_f32s::<4>(j0), shared_load_f32s::<4>(half + j0));
-                    unrolled(4, |k| (cs.0[k % L], cs.1[k % L]) = (c[k], sn[k]));
-                }
-                2 => {
-                    let (c, sn) = (shared_load_f32s::<2>(j0), shared_load_f32s::<2>(half + j0));
-                    unrolled(2, |k| (cs.0[k % L], cs.1[k % L]) = (c[k], sn[k]));
-                }
-                _ => unrolled(pairs, |k| {
-                    let k32 = k as u32;
-                    cs.0[k % L] = shared_load_f32s::<1>(j0 + k32)[0];
-                    cs.1[k % L] = shared_load_f32s::<1>(half + j0 + k32)[0];
-                }),
+    let (c0, s0) = (j0 as u32, half + j0 as u32);
+    // SAFETY: the caller's promises.
+    unsafe {
+        match pairs {
+            4 => {
+                let (c, sn) = (shared_load_f32s::<4>(c0), shared_load_f32s::<4>(s0));
+                unrolled(4, |k| (cs.0[k % L], cs.1[k % L]) = (c[k], sn[k]));
             }
+            2 => {
+                let (c, sn) = (shared_load_f32s::<2>(c0), shared_load_f32s::<2>(s0));
+                unrolled(2, |k| (cs.0[k % L], cs.1[k % L]) = (c[k], sn[k]));
+            }
+            _ => unrolled(pairs, |k| {
+                let k32 = k as u32;
+                cs.0[k % L] = shared_load_f32s::<1>(c0 + k32)[0];
+                cs.1[k % L] = shared_load_f32s::<1>(s0 + k32)[0];
+            }),
         }
     }
     cs
@@ -769,30 +767,33 @@ unsafe fn fp8_multipliers<const U: usize>(
     m
 }
 
-/// The one-head body ([`Access::OneHead`]) for `L` elements per access: one thread per
-/// [`ONE_HEAD_FUSED_HEADS`] consecutive heads and one group of token `blockIdx.z * gridDim.y +
-/// blockIdx.y`. `blockIdx.x` runs over q's `q_blocks` blocks, then k's `k_blocks`, then v's, so
-/// the tensor, its pointers, strides and stores are the same in the whole block; in it, thread
-/// `n = blockIdx.x' * BLOCK_THREADS + threadIdx.x` (`blockIdx.x'` the block's index within its
-/// tensor) takes heads `U (n / groups) ..` and group `n % groups`. It issues its heads' loads,
-/// finds its cos/sin (table rows; or from the block's shared arithmetic), then normalises (with
-/// the sums of each head's `groups` lanes), rotates and stores, with element offsets in 32 bits.
-/// Lanes past the tensor's last head or its `rot_groups` load and store nothing but take part
-/// in the barrier and the shuffles; whole warps past the tensor's threads (a tensor of 8 heads
-/// of 16 groups fills half a block) leave at once unless they compute cos/sin for the block,
-/// and the barrier counts the warps that stay.
+/// The one-head body ([`Access::OneHead`]) for `L` elements per access.
 ///
-/// At prefill the kernel is bound by the instructions it issues, so what a thread does besides
-/// its loads and stores is shared by its heads (the index splits by magic numbers, the tensor
-/// chosen per block, the offsets, the position and cos/sin, the norm weights, the cache slot,
-/// the FP8 multipliers), and each store format is a branch uniform in the block rather than
-/// predicated code every thread issues.
+/// A token's threads form a sequence of warps: q's `q_warps`, then k's `k_warps`, then v's
+/// `v_warps`, each tensor's threads (one per [`ONE_HEAD_FUSED_HEADS`] consecutive heads and one
+/// group: thread `n` of a tensor takes heads `U (n / groups) ..` and group `n % groups`) in
+/// warps of their own, so the tensor, its pointers, strides and stores are the same in a whole
+/// warp. Block `blockIdx.x` holds warps `blockIdx.x * blockDim.x / 32 ..` of the sequence of
+/// token `blockIdx.z * gridDim.y + blockIdx.y`, so that one cos/sin computation serves every
+/// q and k warp of the block.
+///
+/// A thread issues its heads' loads, finds its cos/sin (table rows; or from the block's shared
+/// arithmetic), then normalises (with the sums of each head's `groups` lanes), rotates and
+/// stores, with element offsets in 32 bits. Lanes past the tensor's last head or its
+/// `rot_groups` load and store nothing but take part in the barrier and the shuffles; warps
+/// past the sequence leave at once unless they compute cos/sin for the block, and the barrier
+/// counts the warps that stay.
+///
+/// At prefill the kernels are bound by the instructions they issue, so what a thread does
+/// besides its loads and stores is shared by its heads (the index splits by magic numbers, the
+/// offsets, the position and cos/sin, the norm weights, the cache slot, the FP8 multipliers),
+/// and each store format is a branch uniform in the warp rather than predicated code every
+/// thread issues.
 ///
 /// # Safety
-/// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; `q_blocks` and
-/// `k_blocks` are q's and k's blocks per token (`heads.div_ceil(U) * groups` threads in blocks
-/// of [`BLOCK_THREADS`]) and `gridDim.x` adds v's; every tensor and output spans fewer than 2^32
-/// elements; the cache holds at most 2^32 slots.
+/// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; `blockDim.x` is a
+/// multiple of 32; every tensor and output spans fewer than 2^32 elements; the cache holds at
+/// most 2^32 slots.
 #[inline(always)]
 unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     const U: usize = ONE_HEAD_FUSED_HEADS as usize;
@@ -800,7 +801,8 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     let pairs = if P::NEOX { L } else { L / 2 };
     let groups = a.groups.divisor.get();
     let norm = f.norm != NormCode::None as u32;
-    if NormCode::from_u32(f.norm).is_none() || (norm && groups > 32) {
+    let (tid, block_threads) = (thread_idx_x(), block_dim_x());
+    if NormCode::from_u32(f.norm).is_none() || (norm && groups > 32) || block_threads % 32 != 0 {
         trap()
     }
     // Below 2^32: the host's grid has at most 65535 rows of 65535 tokens.
@@ -809,44 +811,43 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     if u64::from(token) >= a.tokens {
         return;
     }
-    let bx = block_idx_x();
-    let (kind, block, heads) = if bx < f.q_blocks {
-        (Kind::Q, bx, a.q.heads)
-    } else if bx - f.q_blocks < f.k_blocks {
-        (Kind::K, bx - f.q_blocks, a.k.heads)
+    let first_warp = block_idx_x() * (block_threads / 32);
+    let warp = first_warp + tid / 32;
+    let qk_warps = f.q_warps + f.k_warps;
+    let all_warps = qk_warps + f.v_warps;
+    let (kind, warp_in_tensor, heads) = if warp < f.q_warps {
+        (Kind::Q, warp, a.q.heads)
+    } else if warp < qk_warps {
+        (Kind::K, warp - f.q_warps, a.k.heads)
     } else {
-        (Kind::V, bx - f.q_blocks - f.k_blocks, f.v.heads)
+        (Kind::V, warp - qk_warps, f.v.heads)
     };
-    if !stores(f, kind) {
-        return;
-    }
-    let rotates = kind != Kind::V;
-    let shared = !S::TABLE && a.half <= BLOCK_THREADS && 2 * a.half as usize <= SHARED_F32;
-    // Whole warps past the tensor's threads leave now, unless they compute cos/sin for the
-    // block (threads below `half`); the rest meet at a barrier counting them (a multiple of 32).
-    let (threads, tid) = (heads.div_ceil(U as u32) * groups, thread_idx_x());
-    let busy = threads
-        .saturating_sub(block * BLOCK_THREADS)
-        .min(BLOCK_THREADS);
-    let meeting = if rotates && shared {
-        busy.max(a.half)
-    } else {
-        busy
-    }
-    .next_multiple_of(32);
+    let half = a.half;
+    // Uniform in the block: a block of v's warps alone finds no cos/sin.
+    let shared = !S::TABLE
+        && first_warp < qk_warps
+        && half <= block_threads
+        && 2 * half as usize <= SHARED_F32;
+    // The block's first warps hold its part of the sequence and, with shared cos/sin, the
+    // warps of its first `half` threads: the warps that stay are the longer of the two.
+    let meeting = (all_warps.saturating_sub(first_warp) * 32)
+        .min(block_threads)
+        .max(if shared { half.next_multiple_of(32) } else { 0 });
     if tid >= meeting {
         return;
     }
-    let (m, group) = a.groups.div_rem_u32(block * BLOCK_THREADS + tid);
+    let (m, group) = a.groups.div_rem_u32(warp_in_tensor * 32 + tid % 32);
     let i0 = m * U as u32;
+    let working = warp < all_warps && stores(f, kind);
     let mut live = [false; U];
     unrolled(U, |u| {
-        live[u] = i0 + (u as u32) < heads && group < a.rot_groups
+        live[u] = working && i0 + (u as u32) < heads && group < a.rot_groups
     });
     // The first head is live whenever any is.
     let active = live[0];
+    let rotates = kind != Kind::V;
     let (b, s) = a.seq.div_rem_u32(token);
-    let (j0, half) = (group as usize * pairs, a.half as usize);
+    let (j0, half_z) = (group as usize * pairs, half as usize);
     let (x, x_strides) = input_of(f, kind);
     let (first, head_stride) = (offset_u32(x_strides, (b, s), i0), x_strides[2] as u32);
     // Every global access comes after this: the set-up above overlaps the previous grid in a
@@ -859,7 +860,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
             let at = first + u as u32 * head_stride;
             // SAFETY: head i0 + u of this tensor exists at its strides (its offset within the
             // span, below 2^32); j0 is this thread's first pair.
-            raw[u] = unsafe { load_head::<T, P, L>(x.add(at as usize), j0, half) };
+            raw[u] = unsafe { load_head::<T, P, L>(x.add(at as usize), j0, half_z) };
         }
     });
     // With tables, the norm's weights (as loaded: fewer registers) are in flight with the
@@ -870,7 +871,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
         let mut raw = [[T::ZERO; L]; 2];
         if normed && active {
             // SAFETY: the weights hold head_dim elements aligned like a head.
-            raw = unsafe { load_weights::<T, P, L>(f, kind, (j0, half)) };
+            raw = unsafe { load_weights::<T, P, L>(f, kind, (j0, half_z)) };
         }
         raw
     };
@@ -879,25 +880,27 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     } else {
         [[T::ZERO; L]; 2]
     };
-    let (b64, s64) = (u64::from(b), u64::from(s));
-    let (cos, sin) = if !rotates {
+    if shared {
+        // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); every thread
+        // of the block that stays is here, with the same token.
+        unsafe { share_cos_sin::<T, S>(a, (b, s), pairs) };
+        sync_threads_count(meeting);
+    }
+    let (cos, sin) = if !(rotates && active) {
         ([0.0; L], [0.0; L])
     } else if shared {
-        // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); j0 is a multiple
-        // of pairs and j0 + pairs <= half; every thread of the block is here (the tensor, and
-        // so `rotates`, is the block's) with the same token.
-        unsafe { shared_cos_sin::<T, S, L>(a, (b64, s64), (j0, pairs), active, meeting) }
-    } else if active {
+        // SAFETY: j0 + pairs <= half, j0 and half multiples of pairs; the buffer was written
+        // before the barrier above.
+        unsafe { read_cos_sin::<L>(half, (j0, pairs)) }
+    } else {
         // SAFETY: (b, s) is a token; j0 + pairs <= half; the position, table and frequency
         // promises.
-        unsafe { cos_sin::<T, S, L>(a, position(a, b64, s64, group), j0, pairs) }
-    } else {
-        ([0.0; L], [0.0; L])
+        unsafe { cos_sin::<T, S, L>(a, position(a, u64::from(b), u64::from(s), group), j0, pairs) }
     };
     let mut v = [[[0.0f32; L]; 2]; U];
     unrolled(U, |u| v[u] = widen(raw[u]));
     if normed {
-        // Uniform in the block, so the shuffles have the whole warp.
+        // Uniform in the warp, so the shuffles have the whole warp.
         let w = weights_f32(f, if S::TABLE { early_weights } else { weights() });
         let mut squares = [0.0f32; U];
         unrolled(U, |u| squares[u] = sum_squares::<P, L>(&v[u]));
@@ -918,7 +921,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
             v[u]
         }
     };
-    let at = (j0, half);
+    let at = (j0, half_z);
     // SAFETY (every store below): head i0 + u of the tensor and token (b, s) exists when
     // `live[u]`, and the entry points promise its destinations (spanning fewer than 2^32
     // elements, aligned to `lanes`) and FP8 destinations' scales.
@@ -1145,8 +1148,9 @@ impl<T> Fused<T> {
             k_scale: p.k_scale.cast(),
             v_scale: p.v_scale.cast(),
             kv_scale_step: p.kv_scale_step,
-            q_blocks: p.q_blocks,
-            k_blocks: p.k_blocks,
+            q_warps: p.q_warps,
+            k_warps: p.k_warps,
+            v_warps: p.v_warps,
         }
     }
 }

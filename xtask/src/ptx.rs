@@ -151,32 +151,44 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
         .context("the PTX build wrote no rope_kernels-*.s")
 }
 
-/// Adds `.maxntid BLOCK_THREADS, 1, 1` and `.minnctapersm` (the kernel's
-/// [`KernelName::min_blocks_per_sm`], [`MIN_BLOCKS_PER_SM`] for the table builders) to every
-/// entry point, between its parameter list and its body: the launch bounds rustc cannot
+/// Adds each entry point's launch bounds ([`launch_bounds`]: `.maxntid BLOCK_THREADS, 1, 1`
+/// and `.minnctapersm`, the kernel's [`KernelName::min_blocks_per_sm`] or
+/// [`MIN_BLOCKS_PER_SM`] for the table builders; `.maxntid` and `.maxnreg` for the one-head
+/// fused kernels) between its parameter list and its body: the launch bounds rustc cannot
 /// express.
 ///
 /// [`KernelName::min_blocks_per_sm`]: rope_kernels::abi::KernelName::min_blocks_per_sm
 /// [`MIN_BLOCKS_PER_SM`]: rope_kernels::abi::MIN_BLOCKS_PER_SM
 fn with_launch_bounds(ptx: &str) -> String {
-    use rope_kernels::abi::BLOCK_THREADS;
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut blocks = None;
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
         if let Some(rest) = line.strip_prefix(".visible .entry ") {
-            blocks = Some(min_blocks_per_sm(
-                rest.split('(').next().unwrap_or_default(),
-            ));
-        } else if let (Some(n), ")") = (blocks, line.trim()) {
-            out.push_str(&format!(
-                ".maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {n}\n"
-            ));
+            blocks = Some(launch_bounds(rest.split('(').next().unwrap_or_default()));
+        } else if let (Some(bounds), ")") = (&blocks, line.trim()) {
+            out.push_str(bounds);
             blocks = None;
         }
     }
     out
+}
+
+/// The launch-bound directives of the entry point `symbol`: for the one-head fused kernels,
+/// whose blocks hold up to `ONE_HEAD_FUSED_MAX_WARPS` warps of a token, `.maxntid` of that many
+/// threads and `.maxnreg` (their `one_head_registers`); for the others `.maxntid
+/// BLOCK_THREADS` and `.minnctapersm`.
+fn launch_bounds(symbol: &str) -> String {
+    use rope_kernels::abi::{BLOCK_THREADS, FusedKernelName, ONE_HEAD_FUSED_MAX_WARPS};
+    if let Some(regs) = FusedKernelName::from_symbol(symbol).and_then(|k| k.one_head_registers()) {
+        let threads = 32 * ONE_HEAD_FUSED_MAX_WARPS;
+        return format!(".maxntid {threads}, 1, 1\n.maxnreg {regs}\n");
+    }
+    format!(
+        ".maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {}\n",
+        min_blocks_per_sm(symbol)
+    )
 }
 
 /// The `.minnctapersm` of the entry point `symbol`.
@@ -224,7 +236,7 @@ fn validate(ptx: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{entries_only, min_blocks_per_sm, with_launch_bounds};
+    use super::{entries_only, launch_bounds, min_blocks_per_sm, with_launch_bounds};
     use rope_kernels::abi::{
         BLOCK_THREADS, FusedKernelName, KernelName, PtxBuild, all_symbols, takes_dependent_launch,
     };
@@ -234,11 +246,10 @@ mod tests {
         format!(".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n{{\n\tret;\n}}\n")
     }
 
-    /// What `with_launch_bounds` should make of [`entry`] with `blocks` per multiprocessor.
-    fn bounded(name: &str, blocks: u32) -> String {
+    /// What `with_launch_bounds` should make of [`entry`] with the directives `bounds`.
+    fn bounded(name: &str, bounds: &str) -> String {
         format!(
-            ".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n\
-             .maxntid {BLOCK_THREADS}, 1, 1\n.minnctapersm {blocks}\n{{\n\tret;\n}}\n"
+            ".visible .entry {name}(\n\t.param .u64 {name}_param_0\n)\n{bounds}{{\n\tret;\n}}\n"
         )
     }
 
@@ -277,9 +288,35 @@ mod tests {
     fn every_entry_gets_the_bounds_its_kernel_name_asks_for() {
         let ptx: String = all_symbols().map(entry).collect();
         let want: String = all_symbols()
-            .map(|s| bounded(s, min_blocks_per_sm(s)))
+            .map(|s| bounded(s, &launch_bounds(s)))
             .collect();
         assert_eq!(with_launch_bounds(&ptx), want);
+        // The one-head fused kernels: blocks of up to five warps, 48 registers for NeoX 16-bit
+        // elements, 64 for the others; the fused item loops 1024 threads resident.
+        for (symbol, bounds) in [
+            (
+                "rope_fused_neox_theta_bf16_one_head",
+                ".maxntid 160, 1, 1\n.maxnreg 48\n",
+            ),
+            (
+                "rope_fused_neox_table_f16_one_head",
+                ".maxntid 160, 1, 1\n.maxnreg 48\n",
+            ),
+            (
+                "rope_fused_interleaved_theta_bf16_one_head",
+                ".maxntid 160, 1, 1\n.maxnreg 64\n",
+            ),
+            (
+                "rope_fused_neox_theta_f32_one_head",
+                ".maxntid 160, 1, 1\n.maxnreg 64\n",
+            ),
+            (
+                "rope_fused_neox_theta_bf16",
+                ".maxntid 128, 1, 1\n.minnctapersm 8\n",
+            ),
+        ] {
+            assert_eq!(launch_bounds(symbol), bounds, "{symbol}");
+        }
         // The wide NeoX 16-bit kernels keep 1280 threads resident, f16 computed excepted; the
         // others 1024.
         for (symbol, threads) in [

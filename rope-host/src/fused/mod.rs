@@ -540,8 +540,9 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 k_scale,
                 v_scale,
                 kv_scale_step,
-                q_blocks: plan.one_head_blocks[0],
-                k_blocks: plan.one_head_blocks[1],
+                q_warps: plan.one_head_warps[0],
+                k_warps: plan.one_head_warps[1],
+                v_warps: plan.one_head_warps[2],
             }
         };
     }

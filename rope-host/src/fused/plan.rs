@@ -16,7 +16,7 @@ use crate::handle::DeviceFacts;
 use crate::layout::{Layout, fused_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
-    Grid, Of, Region, Request, check_overlaps, fused_grid, grid, layout_aligned, one_head_blocks,
+    Grid, Of, Region, Request, check_overlaps, fused_grid, grid, layout_aligned, one_head_warps,
     option_reads, read_region, region, same_dims, span_below_2_32, spans_below_2_32, widest_lanes,
 };
 use crate::positions::{PositionsPlan, RawInts};
@@ -79,8 +79,9 @@ pub(crate) struct FusedPlan {
     pub(crate) block: Divisor,
     /// Slots the cache holds, `num_blocks * block_size` (0 without a cache).
     pub(crate) cache_slots: u64,
-    /// The one-head kernels' blocks per token of q's and of k's heads (0 for the item loop).
-    pub(crate) one_head_blocks: [u32; 2],
+    /// The one-head kernels' warps per token of q's, k's and v's threads (0 for the item loop,
+    /// and for a tensor the launch stores nothing of).
+    pub(crate) one_head_warps: [u32; 3],
 }
 
 /// Items of one token and head that the normalisation's warp-shuffle sum can span.
@@ -190,14 +191,25 @@ pub(crate) fn plan_fused(
         },
         ..kernel
     };
+    // k's heads are stored when written back or cached; v's only with the cache.
+    let k_stored = req.k_written || req.cache.is_some();
+    let one_head_warps = [
+        q.heads as u32,
+        if k_stored { k.heads as u32 } else { 0 },
+        req.v
+            .filter(|_| req.cache.is_some())
+            .map_or(0, |(_, l)| l.heads as u32),
+    ]
+    .map(|h| {
+        if one_head {
+            one_head_warps(h, groups)
+        } else {
+            0
+        }
+    });
     let grid = if one_head {
-        let hv = req.v.map_or(0, |(_, l)| l.heads as u32);
-        fused_grid(
-            (tokens, q.seq as u32),
-            groups,
-            [q.heads as u32, k.heads as u32, hv],
-        )?
-        .expect("tokens, seq, heads and groups are non-zero")
+        fused_grid((tokens, q.seq as u32), groups, one_head_warps)?
+            .expect("tokens, seq, heads and groups are non-zero")
     } else {
         // The fused kernels index their work items in 32 bits.
         if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {
@@ -234,11 +246,7 @@ pub(crate) fn plan_fused(
             NonZeroU32::new(block as u32).expect("check_cache proved 1 <= block_size <= u32::MAX"),
         ),
         cache_slots: cache_slots.expect("check_cache proved num_blocks * block_size fits"),
-        one_head_blocks: if one_head {
-            [q.heads, k.heads].map(|h| one_head_blocks(h as u32, groups))
-        } else {
-            [0; 2]
-        },
+        one_head_warps,
     }))
 }
 

@@ -101,10 +101,12 @@ fn decode_with_norm_and_cache_plans_one_wide_launch_over_q_k_and_v_heads() {
         assert_eq!(p.grid.groups.divisor.get(), groups);
         assert_eq!(p.tokens, TOKENS as u64);
         assert_eq!(p.cache_slots, 256);
-        // The one-head kernel, one block row per token: q's 32 heads take 16 x 16 threads (two
-        // heads each), two blocks of 128; k's and v's 8 heads one block each.
-        assert_eq!(p.grid.config.grid_dim, (4, TOKENS as u32, 1));
-        assert_eq!(p.one_head_blocks, [2, 1]);
+        // The one-head kernel: q's 32 heads take 16 x 16 threads (two heads each), eight
+        // warps; k's and v's 8 heads two each: 12 warps, three blocks of four (at most five
+        // warps a block) per token, a block row per token.
+        assert_eq!(p.grid.config.grid_dim, (3, TOKENS as u32, 1));
+        assert_eq!(p.grid.config.block_dim, (128, 1, 1));
+        assert_eq!(p.one_head_warps, [8, 2, 2]);
     }
 }
 
@@ -132,8 +134,8 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::OneHead);
-    assert_eq!(p.grid.config.grid_dim, (4, 8192, 1));
-    assert_eq!(p.one_head_blocks, [2, 1]);
+    assert_eq!(p.grid.config.grid_dim, (3, 8192, 1));
+    assert_eq!(p.one_head_warps, [8, 2, 2]);
     // The item loop when the one-head kernels are not allowed (the tests' override).
     let p = plan_with(&with_tokens(8192), false)
         .expect("valid")
@@ -144,7 +146,7 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::Wide);
-    assert_eq!(p.one_head_blocks, [0, 0]);
+    assert_eq!(p.one_head_warps, [0, 0, 0]);
     let (y, per) = (p.grid.config.grid_dim.1, p.grid.heads_per_chunk);
     assert!(per > 0 && y * per >= 48 && (y - 1) * per < 48);
 }

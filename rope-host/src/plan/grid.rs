@@ -3,7 +3,7 @@
 use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
-use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_HEADS};
+use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MAX_WARPS};
 use rope_kernels::divide::Divisor;
 
 use crate::error::{Result, invalid};
@@ -92,46 +92,42 @@ pub(crate) fn grid(
     }))
 }
 
-/// Blocks of [`BLOCK_THREADS`] a tensor of `heads` heads of `groups` accesses takes per token in
-/// the one-head fused grid ([`fused_grid`]): a thread per [`ONE_HEAD_FUSED_HEADS`] heads and
-/// group. Callers keep `heads * groups` within `u32`.
-pub(crate) fn one_head_blocks(heads: u32, groups: u32) -> u32 {
-    (heads.div_ceil(ONE_HEAD_FUSED_HEADS) * groups).div_ceil(BLOCK_THREADS)
+/// Warps a tensor of `heads` heads of `groups` accesses takes per token in the one-head fused
+/// grid ([`fused_grid`]): a thread per [`ONE_HEAD_FUSED_HEADS`] heads and group, in warps of
+/// that tensor alone. Callers keep `heads * groups` within `u32`.
+pub(crate) fn one_head_warps(heads: u32, groups: u32) -> u32 {
+    (heads.div_ceil(ONE_HEAD_FUSED_HEADS) * groups).div_ceil(32)
 }
 
 /// The grid of the one-head fused kernels ([`rope_kernels::abi::Access::OneHead`]): one block
 /// row per token (`blockIdx.z * gridDim.y + blockIdx.y`, `gridDim.y` at most 65535), and on
-/// `blockIdx.x` q's blocks, then k's, then v's: each tensor's threads (one per
-/// [`ONE_HEAD_FUSED_HEADS`] heads and group: `heads.div_ceil(U) * groups`) in blocks of
-/// [`BLOCK_THREADS`] of that tensor alone, so that the tensor is the same in a whole block.
-/// Consecutive blocks take consecutive heads of one token, so the launch walks each tensor in
-/// address order. `heads_per_chunk` is the three tensors' heads together (the fused kernels do
-/// not read it).
+/// `blockIdx.x` the token's sequence of `warps` (q's, k's, v's: see [`one_head_warps`]) cut
+/// into the fewest equal blocks of at most [`ONE_HEAD_FUSED_MAX_WARPS`] warps, so that a block's
+/// cos/sin arithmetic serves as many heads as it can. `heads_per_chunk` is 0 (the one-head
+/// kernels do not read it).
 ///
 /// # Errors
-/// [`crate::Error::Invalid`] naming `q` when the tokens exceed `65535^2`, or the heads of all
-/// three tensors times `groups` exceed `u32::MAX - BLOCK_THREADS` (the kernels index a token's
-/// items in `u32`).
+/// [`crate::Error::Invalid`] naming `q` when the tokens exceed `65535^2`, or a token's warps
+/// times 32 exceed `u32::MAX` (the kernels index a tensor's threads in `u32`).
 pub(crate) fn fused_grid(
     (tokens, seq): (u64, u32),
     groups: u32,
-    heads: [u32; 3],
+    warps: [u32; 3],
 ) -> Result<Option<Grid>> {
     const MAX_GRID_YZ: u64 = 65_535;
     let (Some(seq), Some(groups_nz)) = (NonZeroU32::new(seq), NonZeroU32::new(groups)) else {
         return Ok(None);
     };
-    let all: u64 = heads.iter().map(|&h| u64::from(h)).sum();
+    let all: u64 = warps.iter().map(|&w| u64::from(w)).sum();
     if tokens == 0 || all == 0 {
         return Ok(None);
     }
-    if all * u64::from(groups) > u64::from(u32::MAX - BLOCK_THREADS) {
+    if all * 32 > u64::from(u32::MAX) {
         return Err(invalid(
             "q",
             format!(
-                "{all} heads of {groups} accesses are more than the fused kernels index \
-                 per token ({})",
-                u32::MAX - BLOCK_THREADS
+                "{all} warps per token are more than the fused kernels index ({})",
+                u32::MAX / 32
             ),
         ));
     }
@@ -144,18 +140,16 @@ pub(crate) fn fused_grid(
             ),
         ));
     }
-    let blocks: u64 = heads
-        .iter()
-        .map(|&h| u64::from(one_head_blocks(h, groups)))
-        .sum();
+    let blocks = all.div_ceil(u64::from(ONE_HEAD_FUSED_MAX_WARPS));
+    let threads = all.div_ceil(blocks) as u32 * 32;
     let rows = tokens.min(MAX_GRID_YZ);
     Ok(Some(Grid {
         config: LaunchConfig {
             grid_dim: (blocks as u32, rows as u32, tokens.div_ceil(rows) as u32),
-            block_dim: (BLOCK_THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         },
-        heads_per_chunk: all as u32,
+        heads_per_chunk: 0,
         seq: Divisor::new(seq),
         groups: Divisor::new(groups_nz),
     }))
@@ -263,42 +257,43 @@ mod tests {
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (2, 16));
     }
 
-    /// The fused grid gives every token a block row: `gridDim.y` up to 65535 rows, then rows of
-    /// 65535 on `gridDim.z`; a token's heads times items in blocks of 128 on `gridDim.x`.
-    #[test]
-    fn fused_grid_takes_one_block_row_per_token() {
-        let g = |tokens: u64| {
-            fused_grid((tokens, 1), 16, [32, 8, 8])
-                .expect("fits")
-                .expect("non-empty")
-                .config
-                .grid_dim
-        };
-        assert_eq!(g(64), (4, 64, 1));
-        assert_eq!(g(65_535), (4, 65_535, 1));
-        assert_eq!(g(65_536), (4, 65_535, 2));
-        assert_eq!(g(65_535 * 65_535), (4, 65_535, 65_535));
-        assert!(fused_grid((65_535 * 65_535 + 1, 1), 16, [32, 8, 8]).is_err());
-        assert!(fused_grid((1, 1), 32, [u32::MAX / 64, u32::MAX / 64, 0]).is_err());
+    /// The one-head grid of `tokens` tokens and `warps`: its grid and block dimensions.
+    fn one_head(tokens: u64, warps: [u32; 3]) -> ((u32, u32, u32), u32) {
+        let g = fused_grid((tokens, 1), 16, warps)
+            .expect("fits")
+            .expect("non-empty");
+        (g.config.grid_dim, g.config.block_dim.0)
     }
 
-    /// Each tensor's heads take whole blocks of their own: a tensor never shares a block.
+    /// A token's warps are cut into the fewest equal blocks of at most `ONE_HEAD_FUSED_MAX_WARPS`
+    /// warps; a tensor may share a block with another (each warp holds one tensor's threads).
     #[test]
-    fn fused_grid_rounds_each_tensor_to_whole_blocks() {
-        let x = |heads: [u32; 3]| {
-            fused_grid((1, 1), 16, heads)
-                .expect("fits")
-                .expect("non-empty")
-                .config
-                .grid_dim
-                .0
+    fn fused_grid_cuts_each_tokens_warps_into_the_fewest_equal_blocks() {
+        let max = ONE_HEAD_FUSED_MAX_WARPS;
+        for warps in [[8u32, 2, 2], [1, 1, 0], [16, 4, 4], [40, 8, 8], [3, 0, 0]] {
+            let all: u32 = warps.iter().sum();
+            let ((x, _, _), threads) = one_head(64, warps);
+            assert_eq!(x, all.div_ceil(max));
+            assert!(threads % 32 == 0 && threads / 32 <= max);
+            // Equal blocks: the last holds fewer warps than the others by less than a warp
+            // per block.
+            assert!(x * threads / 32 >= all && (x * threads / 32) - all < x);
+        }
+    }
+
+    /// The fused grid gives every token a block row: `gridDim.y` up to 65535 rows, then rows of
+    /// 65535 on `gridDim.z`.
+    #[test]
+    fn fused_grid_takes_one_block_row_per_token() {
+        let rows = |tokens: u64| {
+            let ((_, y, z), _) = one_head(tokens, [8, 2, 2]);
+            (y, z)
         };
-        // Threads of two heads each: q's 32, k's 16 and v's 16 take a block each, where
-        // together they would fill one.
-        assert_eq!(x([3, 1, 1]), 3);
-        // q's 5 * 16 threads take one block, 17 heads' 9 * 16 two; no v takes none.
-        assert_eq!(x([9, 1, 0]), 2);
-        assert_eq!(x([17, 1, 0]), 3);
-        assert_eq!(x([32, 8, 8]), 4);
+        assert_eq!(rows(64), (64, 1));
+        assert_eq!(rows(65_535), (65_535, 1));
+        assert_eq!(rows(65_536), (65_535, 2));
+        assert_eq!(rows(65_535 * 65_535), (65_535, 65_535));
+        assert!(fused_grid((65_535 * 65_535 + 1, 1), 16, [8, 2, 2]).is_err());
+        assert!(fused_grid((1, 1), 32, [u32::MAX / 32, 1, 0]).is_err());
     }
 }

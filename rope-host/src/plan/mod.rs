@@ -7,7 +7,7 @@ mod grid;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use grid::{Grid, fused_grid, grid, one_head_blocks};
+pub(crate) use grid::{Grid, fused_grid, grid, one_head_warps};
 use rope_kernels::abi::{Access, DType, KernelName, preferred_lanes};
 
 use crate::bind::RawBuf;
