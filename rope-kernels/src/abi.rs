@@ -746,13 +746,6 @@ pub struct FusedKernelName {
 }
 
 impl FusedKernelName {
-    /// The blocks of [`BLOCK_THREADS`] per multiprocessor this kernel's launch bounds promise
-    /// (its `.minnctapersm`), for the wide and narrow kernels: [`MIN_BLOCKS_PER_SM`] (their
-    /// item loops spilled at fewer registers).
-    pub const fn min_blocks_per_sm(self) -> u32 {
-        MIN_BLOCKS_PER_SM
-    }
-
     /// The registers per thread the one-head kernels ([`Access::OneHead`]) are held to (their
     /// `.maxnreg`, with `.maxntid` of [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 48 for the NeoX kernels
     /// of 16-bit elements, whose loads are all they keep in flight, so that more threads hold

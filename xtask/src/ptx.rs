@@ -153,9 +153,9 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
 
 /// Adds each entry point's launch bounds ([`launch_bounds`]: `.maxntid BLOCK_THREADS, 1, 1`
 /// and `.minnctapersm`, the kernel's [`KernelName::min_blocks_per_sm`] or
-/// [`MIN_BLOCKS_PER_SM`] for the table builders; `.maxntid` and `.maxnreg` for the one-head
-/// fused kernels) between its parameter list and its body: the launch bounds rustc cannot
-/// express.
+/// [`MIN_BLOCKS_PER_SM`] for the table builders and the fused item loops; `.maxntid` and
+/// `.maxnreg` for the one-head fused kernels) between its parameter list and its body: the
+/// launch bounds rustc cannot express.
 ///
 /// [`KernelName::min_blocks_per_sm`]: rope_kernels::abi::KernelName::min_blocks_per_sm
 /// [`MIN_BLOCKS_PER_SM`]: rope_kernels::abi::MIN_BLOCKS_PER_SM
@@ -193,10 +193,7 @@ fn launch_bounds(symbol: &str) -> String {
 
 /// The `.minnctapersm` of the entry point `symbol`.
 fn min_blocks_per_sm(symbol: &str) -> u32 {
-    use rope_kernels::abi::{FusedKernelName, KernelName, MIN_BLOCKS_PER_SM};
-    if let Some(k) = FusedKernelName::from_symbol(symbol) {
-        return k.min_blocks_per_sm();
-    }
+    use rope_kernels::abi::{KernelName, MIN_BLOCKS_PER_SM};
     KernelName::ALL
         .into_iter()
         .find(|k| k.symbol() == symbol)
