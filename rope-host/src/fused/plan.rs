@@ -170,6 +170,13 @@ pub(crate) fn plan_fused(
         threads_per_sm: facts.threads_per_sm.min(per_sm.max(1) * BLOCK_THREADS),
         ..*facts
     };
+    let (block, cache_slots) = match &req.cache {
+        Some(c) => (
+            c.layout.block_size,
+            cache_slots(&c.layout).expect("check_cache proved num_blocks * block_size fits"),
+        ),
+        None => (1, 0),
+    };
     // A launch at the preferred width whose tensors each span fewer than 2^32 elements (and
     // whose cache holds at most 2^32 slots) takes the one-head kernels: a thread per two heads
     // and access, no head loop (at decode its length is one head's chain; at prefill its many
@@ -180,9 +187,7 @@ pub(crate) fn plan_fused(
         && kernel.access == Access::Wide
         && spans_below_2_32(&req.rope)
         && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
-        && req
-            .cache
-            .is_none_or(|c| cache_slots(&c.layout).is_some_and(|n| n <= 1 << 32));
+        && cache_slots <= 1 << 32;
     let kernel = FusedKernelName {
         access: if one_head {
             Access::OneHead
@@ -230,10 +235,6 @@ pub(crate) fn plan_fused(
         )?
         .expect("tokens, seq, heads and groups are non-zero")
     };
-    let (block, cache_slots) = match &req.cache {
-        Some(c) => (c.layout.block_size, cache_slots(&c.layout)),
-        None => (1, Some(0)),
-    };
     Ok(Some(FusedPlan {
         kernel,
         grid,
@@ -245,7 +246,7 @@ pub(crate) fn plan_fused(
         block: Divisor::new(
             NonZeroU32::new(block as u32).expect("check_cache proved 1 <= block_size <= u32::MAX"),
         ),
-        cache_slots: cache_slots.expect("check_cache proved num_blocks * block_size fits"),
+        cache_slots,
         one_head_warps,
     }))
 }
