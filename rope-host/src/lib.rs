@@ -67,7 +67,9 @@ pub use fused::{
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope, StreamOverlap};
 pub use layout::Layout;
-pub use module::{FUSED_ITEM_LOOP_VAR, PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
+pub use module::{
+    FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR, PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device,
+};
 pub use op::{
     DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
     TensorMut,

@@ -16,10 +16,21 @@ pub const BLOCK_THREADS: u32 = 128;
 pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
 
 /// Heads of one tensor that each thread of the fused one-head kernels ([`Access::OneHead`])
-/// takes: consecutive heads `U m .. U m + U` of the same token and pairs, which share the
-/// thread's index splits, position, cos/sin, norm weights and cache slot. Each tensor's
-/// `heads.div_ceil(U) * groups` threads of a token form warps of their own.
+/// takes by default (their `thread_heads` argument): consecutive heads `U m .. U m + U` of the
+/// same token and pairs, which share the thread's index splits, position, cos/sin, norm weights
+/// and cache slot. Each tensor's `heads.div_ceil(U) * groups` threads of a token form warps of
+/// their own.
 pub const ONE_HEAD_FUSED_HEADS: u32 = 2;
+
+/// Heads per thread of the NeoX 16-bit one-head fused kernels
+/// ([`FusedKernelName::takes_many_heads`]) for launches of many waves (prefill): the thread's
+/// set-up, its share of the block's cos/sin and its norm weights serve four heads, where those
+/// launches are bound by the instructions they issue. Measured (32 q and 8 kv heads of 128,
+/// bf16, 8192 tokens; share of the copy of each fusion's own bytes, graph) against two heads per
+/// thread: H200 norm + rope 84.1 -> 89.3%, rope + cache 90.6 -> 93.3%, norm + rope + cache
+/// 84.4 -> 89.1%, FP8 67.4 -> 76.9%; H100 95.9 -> 95.5%, 96.3 -> 96.5%, 95.1 -> 95.6%,
+/// 87.5 -> 94.3%. At decode (64 tokens) two heads per thread keep each thread's chain short.
+pub const ONE_HEAD_FUSED_MANY_HEADS: u32 = 4;
 
 /// The most warps in one block of the fused one-head kernels ([`Access::OneHead`]): a token's
 /// warps (q's, then k's, then v's) are cut into the fewest equal blocks of at most this many,
@@ -747,16 +758,26 @@ pub struct FusedKernelName {
 
 impl FusedKernelName {
     /// The registers per thread the one-head kernels ([`Access::OneHead`]) are held to (their
-    /// `.maxnreg`, with `.maxntid` of [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 48 for the NeoX kernels
-    /// of 16-bit elements, whose loads are all they keep in flight, so that more threads hold
-    /// more bytes in flight at prefill (no spills on sm_90); 64 for the others (the interleaved
-    /// 16-bit ones spilled at 48). `None` for the other kernels.
+    /// `.maxnreg`, with `.maxntid` of [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 64, which the NeoX
+    /// 16-bit kernels' four heads per thread ([`ONE_HEAD_FUSED_MANY_HEADS`]) need (on sm_90, 8-40
+    /// bytes of spills at 64, none at 72; 64 measured faster at prefill on an H200, level on an
+    /// H100) and the interleaved 16-bit ones need for two (they spilled at 48). `None` for the
+    /// other kernels.
     pub const fn one_head_registers(self) -> Option<u32> {
-        match (self.access, self.style, self.dtype) {
-            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(48),
-            (Access::OneHead, _, _) => Some(64),
+        match self.access {
+            Access::OneHead => Some(64),
             _ => None,
         }
+    }
+
+    /// Whether this one-head kernel also takes [`ONE_HEAD_FUSED_MANY_HEADS`] heads per thread
+    /// (its `thread_heads` argument; every one-head kernel takes [`ONE_HEAD_FUSED_HEADS`]): the
+    /// NeoX kernels of 16-bit elements, the only ones measured with four.
+    pub const fn takes_many_heads(self) -> bool {
+        matches!(
+            (self.access, self.style, self.dtype),
+            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16)
+        )
     }
 }
 
@@ -905,7 +926,9 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`; for the one-head kernels
 /// ([`Access::OneHead`]), `q_warps`, `k_warps` and `v_warps`, the warps of each token's threads
 /// for q's, k's and v's heads (0 for a tensor the launch stores nothing of, and for the other
-/// kernels, which do not read them).
+/// kernels, which do not read them), and `thread_heads`, the heads of one tensor each thread
+/// takes ([`ONE_HEAD_FUSED_HEADS`], or [`ONE_HEAD_FUSED_MANY_HEADS`] where
+/// [`FusedKernelName::takes_many_heads`]; not read by the other kernels).
 #[macro_export]
 macro_rules! fused_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -942,6 +965,7 @@ macro_rules! fused_kernel_params {
             q_warps: u32,
             k_warps: u32,
             v_warps: u32,
+            thread_heads: u32,
         }
     };
 }

@@ -43,21 +43,23 @@
 //! find no sin/cos).
 //!
 //! The one-head kernels (every launch at the preferred width whose tensors span fewer than
-//! 2^32 elements, decode and prefill alike): one thread per [`ONE_HEAD_FUSED_HEADS`] heads of
+//! 2^32 elements, decode and prefill alike): one thread per [`ONE_HEAD_FUSED_HEADS`] heads (the
+//! NeoX 16-bit kernels: [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`] in launches of many waves) of
 //! one tensor and one group, one block row per token, each warp of one tensor (a block holds up
 //! to [`crate::abi::ONE_HEAD_FUSED_MAX_WARPS`] of the token's q, k and v warps), no loop. Each thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
 //! the block's shared buffer (each of the block's first `half` threads computes one pair of the
 //! token), then normalises, rotates and stores as above. A launch's length is then one head's
 //! chain, where the item loop's is the chain of every head of the item in turn; at prefill the
 //! mapping's many resident threads keep more loads in flight than the item loop's one block of
-//! heads per thread, once its per-thread set-up is shared by two heads (see `one_head_body`).
+//! heads per thread, once its per-thread set-up is shared by two or four heads (see
+//! `one_head_body`).
 //!
 //! Built for sm_90, each kernel takes part in programmatic dependent launch: it waits for the
 //! grid before it after its set-up, before its first global access (see
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_HEADS,
+    Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_MANY_HEADS,
     for_each_fused_kernel,
 };
 use crate::divide::Divisor;
@@ -101,6 +103,8 @@ struct Fused<T> {
     q_warps: u32,
     k_warps: u32,
     v_warps: u32,
+    /// The one-head kernels' heads of one tensor per thread.
+    thread_heads: u32,
 }
 
 /// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
@@ -770,8 +774,8 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// The one-head body ([`Access::OneHead`]) for `L` elements per access.
 ///
 /// A token's threads form a sequence of warps: q's `q_warps`, then k's `k_warps`, then v's
-/// `v_warps`, each tensor's threads (one per [`ONE_HEAD_FUSED_HEADS`] consecutive heads and one
-/// group: thread `n` of a tensor takes heads `U (n / groups) ..` and group `n % groups`) in
+/// `v_warps`, each tensor's threads (one per `U` consecutive heads and one group: thread `n` of
+/// a tensor takes heads `U (n / groups) ..` and group `n % groups`) in
 /// warps of their own, so the tensor, its pointers, strides and stores are the same in a whole
 /// warp. Block `blockIdx.x` holds warps `blockIdx.x * blockDim.x / 32 ..` of the sequence of
 /// token `blockIdx.z * gridDim.y + blockIdx.y`, so that one cos/sin computation serves every
@@ -795,8 +799,9 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// multiple of 32; every tensor and output spans fewer than 2^32 elements; the cache holds at
 /// most 2^32 slots.
 #[inline(always)]
-unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
-    const U: usize = ONE_HEAD_FUSED_HEADS as usize;
+unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(
+    f: &Fused<T>,
+) {
     let a = &f.rope;
     let pairs = if P::NEOX { L } else { L / 2 };
     let groups = a.groups.divisor.get();
@@ -865,7 +870,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fuse
     });
     // With tables, the norm's weights (as loaded: fewer registers) are in flight with the
     // heads; with sin/cos computed they are loaded after the block's barrier (held across it,
-    // the computed kernels spilled at 48 registers).
+    // they spilled the computed kernels at their register cap).
     let normed = norm && rotates;
     let weights = || {
         let mut raw = [[T::ZERO; L]; 2];
@@ -1075,10 +1080,14 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T
             (WIDE, 4, 4, _) => body::<T, P, S, 4>(f),
             (WIDE, 2, 8, false) => body::<T, P, S, 8>(f),
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
-            // One-head kernels take the preferred width only: no `lanes` to read.
-            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4>(f),
-            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8>(f),
-            (ONE_HEAD, 2, _, true) => one_head_body::<T, P, S, 4>(f),
+            // One-head kernels take the preferred width only: no `lanes` to read. Only the
+            // NeoX 16-bit ones take four heads per thread (`thread_heads`, uniform in the grid).
+            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4, 2>(f),
+            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8, 2>(f),
+            (ONE_HEAD, 2, _, true) => match f.thread_heads {
+                ONE_HEAD_FUSED_MANY_HEADS => one_head_body::<T, P, S, 4, 4>(f),
+                _ => one_head_body::<T, P, S, 4, 2>(f),
+            },
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(f),
             (NARROW, _, 1, true) => body::<T, P, S, 1>(f),
@@ -1151,6 +1160,7 @@ impl<T> Fused<T> {
             q_warps: p.q_warps,
             k_warps: p.k_warps,
             v_warps: p.v_warps,
+            thread_heads: p.thread_heads,
         }
     }
 }

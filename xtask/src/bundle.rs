@@ -70,6 +70,14 @@ for t in $executables; do
     echo "== ROPE_FUSED_ITEM_LOOP=1 $t fused"
     ROPE_FUSED_ITEM_LOOP=1 "$t" --test-threads=4 fused || status=1
 done
+# And with the NeoX 16-bit one-head kernels' heads per thread pinned to four, then two, which
+# they otherwise choose by the launch's size (four for prefill-sized launches only).
+for n in 4 2; do
+    for t in $executables; do
+        echo "== ROPE_FUSED_THREAD_HEADS=$n $t fused"
+        ROPE_FUSED_THREAD_HEADS=$n "$t" --test-threads=4 fused || status=1
+    done
+done
 echo "== rope-demo"
 ./rope-demo || status=1
 echo "== bundle exit status: $status"

@@ -40,6 +40,7 @@ use crate::op::{RopeElem, RopeOp, Tensor, TensorMut};
 use crate::plan::TensorReq;
 use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};
+pub(crate) use plan::FusedChoice;
 use plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
 
 /// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
@@ -280,7 +281,7 @@ impl Rope {
     /// alive and not used by others until the kernel has finished on the stream.
     unsafe fn launch_fused(&self, req: &FusedRequest, on: FreqUse) -> Result<()> {
         let blocks = |k: rope_kernels::abi::FusedKernelName| self.module.blocks_per_sm(k.symbol());
-        let Some(plan) = plan_fused(req, &self.facts, &blocks, self.module.fused_one_head)? else {
+        let Some(plan) = plan_fused(req, &self.facts, &blocks, self.module.fused_choice)? else {
             return Ok(());
         };
         let positions = req.rope.positions.encode(&plan.positions);
@@ -543,6 +544,7 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 q_warps: plan.one_head_warps[0],
                 k_warps: plan.one_head_warps[1],
                 v_warps: plan.one_head_warps[2],
+                thread_heads: plan.thread_heads,
             }
         };
     }

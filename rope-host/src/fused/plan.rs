@@ -5,7 +5,8 @@
 use std::num::NonZeroU32;
 
 use rope_kernels::abi::{
-    Access, BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, NormCode, preferred_lanes,
+    Access, BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, NormCode,
+    ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS, preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
 
@@ -82,14 +83,49 @@ pub(crate) struct FusedPlan {
     /// The one-head kernels' warps per token of q's, k's and v's threads (0 for the item loop,
     /// and for a tensor the launch stores nothing of).
     pub(crate) one_head_warps: [u32; 3],
+    /// The one-head kernels' heads of one tensor per thread ([`ONE_HEAD_FUSED_HEADS`] for the
+    /// item loop, which does not read it).
+    pub(crate) thread_heads: u32,
+}
+
+/// Which fused kernels launches may take: the tests pin them through the environment
+/// ([`crate::FUSED_ITEM_LOOP_VAR`], [`crate::FUSED_THREAD_HEADS_VAR`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FusedChoice {
+    /// The item loop for every launch.
+    ItemLoop,
+    /// The one-head kernels wherever they serve, with heads per thread by the launch's size.
+    Auto,
+    /// The one-head kernels wherever they serve, with this many heads per thread where the
+    /// kernel takes it ([`FusedKernelName::takes_many_heads`]; else [`ONE_HEAD_FUSED_HEADS`]).
+    ThreadHeads(u32),
+}
+
+/// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).
+const REGISTERS_PER_SM: u32 = 65_536;
+
+/// Heads per thread of one-head `kernel` for a launch of `tokens` tokens whose two-heads grid
+/// has `warps` warps per token: [`ONE_HEAD_FUSED_MANY_HEADS`] where the kernel takes them and
+/// that grid's threads are more than twice what `facts`' device holds at once at the kernel's
+/// registers (many waves: at prefill the launch is bound by the instructions it issues, and
+/// four heads share a thread's set-up), else [`ONE_HEAD_FUSED_HEADS`] (decode: each thread's
+/// chain stays short, and the launch fills the device anyway).
+fn thread_heads(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> u32 {
+    let registers = kernel.one_head_registers().unwrap_or(1).max(1);
+    let resident = u64::from(facts.sm_count)
+        * u64::from(facts.threads_per_sm.min(REGISTERS_PER_SM / registers));
+    if kernel.takes_many_heads() && tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident {
+        ONE_HEAD_FUSED_MANY_HEADS
+    } else {
+        ONE_HEAD_FUSED_HEADS
+    }
 }
 
 /// Items of one token and head that the normalisation's warp-shuffle sum can span.
 const MAX_NORM_GROUPS: u32 = 32;
 
 /// Validates a fused request and computes its launch: `None` when there is nothing to do.
-/// `one_head_allowed` false keeps every launch on the item loop (see
-/// [`crate::FUSED_ITEM_LOOP_VAR`]).
+/// `choice` pins the kernels for tests (see [`FusedChoice`]).
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming the first offending argument.
@@ -97,7 +133,7 @@ pub(crate) fn plan_fused(
     req: &FusedRequest,
     facts: &DeviceFacts,
     blocks_per_sm: &dyn Fn(FusedKernelName) -> u32,
-    one_head_allowed: bool,
+    choice: FusedChoice,
 ) -> Result<Option<FusedPlan>> {
     let cfg = &req.rope.config;
     check_config(cfg)?;
@@ -183,7 +219,7 @@ pub(crate) fn plan_fused(
     // resident threads keep more loads in flight than the item loop, which holds one block of
     // heads per thread), with 32-bit element offsets and slot division. Other launches take
     // the item loop.
-    let one_head = one_head_allowed
+    let one_head = choice != FusedChoice::ItemLoop
         && kernel.access == Access::Wide
         && spans_below_2_32(&req.rope)
         && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
@@ -198,20 +234,29 @@ pub(crate) fn plan_fused(
     };
     // k's heads are stored when written back or cached; v's only with the cache.
     let k_stored = req.k_written || req.cache.is_some();
-    let one_head_warps = [
+    let stored_heads = [
         q.heads as u32,
         if k_stored { k.heads as u32 } else { 0 },
         req.v
             .filter(|_| req.cache.is_some())
             .map_or(0, |(_, l)| l.heads as u32),
-    ]
-    .map(|h| {
-        if one_head {
-            one_head_warps(h, groups)
-        } else {
-            0
-        }
-    });
+    ];
+    let warps_at = |heads: u32| stored_heads.map(|h| one_head_warps(h, groups, heads));
+    let thread_heads = match choice {
+        FusedChoice::ThreadHeads(n) if kernel.takes_many_heads() => n,
+        FusedChoice::Auto if one_head => thread_heads(
+            kernel,
+            facts,
+            tokens,
+            warps_at(ONE_HEAD_FUSED_HEADS).iter().sum(),
+        ),
+        _ => ONE_HEAD_FUSED_HEADS,
+    };
+    let one_head_warps = if one_head {
+        warps_at(thread_heads)
+    } else {
+        [0; 3]
+    };
     let grid = if one_head {
         fused_grid((tokens, q.seq as u32), groups, one_head_warps)?
             .expect("tokens, seq, heads and groups are non-zero")
@@ -248,6 +293,7 @@ pub(crate) fn plan_fused(
         ),
         cache_slots,
         one_head_warps,
+        thread_heads,
     }))
 }
 

@@ -3,7 +3,7 @@
 use rope_kernels::abi::{Access, DType, FusedKernelName, MAX_FUSED_ITEMS, NormCode};
 
 use super::CacheLayout;
-use super::plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
+use super::plan::{FusedChoice, FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
 use crate::Direction;
 use crate::bind::RawBuf;
 use crate::error::{Error, Result};
@@ -73,16 +73,16 @@ fn request(style: RopeStyle) -> FusedRequest {
 }
 
 fn plan_of(r: &FusedRequest) -> Result<Option<FusedPlan>> {
-    plan_with(r, true)
+    plan_with(r, FusedChoice::Auto)
 }
 
-/// `r` planned on an H200-like device, the one-head kernels allowed or not.
-fn plan_with(r: &FusedRequest, one_head_allowed: bool) -> Result<Option<FusedPlan>> {
+/// `r` planned on an H200-like device with the kernels `choice` allows.
+fn plan_with(r: &FusedRequest, choice: FusedChoice) -> Result<Option<FusedPlan>> {
     let facts = DeviceFacts {
         sm_count: 132,
         threads_per_sm: 2048,
     };
-    plan_fused(r, &facts, &|_: FusedKernelName| 8, one_head_allowed)
+    plan_fused(r, &facts, &|_: FusedKernelName| 8, choice)
 }
 
 fn invalid_arg(r: &FusedRequest) -> &'static str {
@@ -134,10 +134,11 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::OneHead);
-    assert_eq!(p.grid.config.grid_dim, (3, 8192, 1));
-    assert_eq!(p.one_head_warps, [8, 2, 2]);
+    // Four heads per thread at this size: 4 + 1 + 1 warps, two blocks of three per token.
+    assert_eq!(p.grid.config.grid_dim, (2, 8192, 1));
+    assert_eq!(p.one_head_warps, [4, 1, 1]);
     // The item loop when the one-head kernels are not allowed (the tests' override).
-    let p = plan_with(&with_tokens(8192), false)
+    let p = plan_with(&with_tokens(8192), FusedChoice::ItemLoop)
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::Wide);
@@ -149,6 +150,47 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     assert_eq!(p.one_head_warps, [0, 0, 0]);
     let (y, per) = (p.grid.config.grid_dim.1, p.grid.heads_per_chunk);
     assert!(per > 0 && y * per >= 48 && (y - 1) * per < 48);
+}
+
+/// The NeoX 16-bit one-head kernels take four heads per thread once the two-heads grid's
+/// threads are more than twice what the device holds at once at 64 registers (132 x 1024
+/// threads on the H200-like device: past 704 tokens of 12 warps); the other one-head kernels
+/// and smaller launches take two, and the tests' override pins either where the kernel takes
+/// four.
+#[test]
+fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
+    let with_tokens = |style: RopeStyle, tokens: usize| {
+        let mut r = request(style);
+        for (t, heads, ptr) in [
+            (&mut r.rope.q, 32, 1u64 << 40),
+            (r.rope.k.as_mut().expect("k"), 8, 1 << 44),
+        ] {
+            t.x_layout = Layout::thd(tokens, heads, D);
+            t.x = buf(ptr, t.x_layout.end().expect("fits"));
+        }
+        let v = Layout::thd(tokens, 8, D);
+        r.v = Some((buf(1 << 45, v.end().expect("fits")), v));
+        r.cache.as_mut().expect("cache").slots.buf = buf(1 << 46, tokens);
+        r
+    };
+    let planned = |style, tokens, choice| {
+        let p = plan_with(&with_tokens(style, tokens), choice)
+            .expect("valid")
+            .expect("non-empty");
+        assert_eq!(p.kernel.access, Access::OneHead);
+        (p.thread_heads, p.one_head_warps)
+    };
+    let auto = FusedChoice::Auto;
+    assert_eq!(planned(RopeStyle::Neox, 704, auto), (2, [8, 2, 2]));
+    assert_eq!(planned(RopeStyle::Neox, 705, auto), (4, [4, 1, 1]));
+    assert_eq!(planned(RopeStyle::Interleaved, 8192, auto), (2, [8, 2, 2]));
+    let pinned = FusedChoice::ThreadHeads;
+    assert_eq!(planned(RopeStyle::Neox, 64, pinned(4)), (4, [4, 1, 1]));
+    assert_eq!(planned(RopeStyle::Neox, 8192, pinned(2)), (2, [8, 2, 2]));
+    assert_eq!(
+        planned(RopeStyle::Interleaved, 64, pinned(4)),
+        (2, [8, 2, 2])
+    );
 }
 
 /// With a norm, a head's items are rounded up to a power of two so that they share a warp

@@ -3,7 +3,7 @@
 use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
-use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MAX_WARPS};
+use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_MAX_WARPS};
 use rope_kernels::divide::Divisor;
 
 use crate::error::{Result, invalid};
@@ -93,10 +93,10 @@ pub(crate) fn grid(
 }
 
 /// Warps a tensor of `heads` heads of `groups` accesses takes per token in the one-head fused
-/// grid ([`fused_grid`]): a thread per [`ONE_HEAD_FUSED_HEADS`] heads and group, in warps of
-/// that tensor alone. Callers keep `heads * groups` within `u32`.
-pub(crate) fn one_head_warps(heads: u32, groups: u32) -> u32 {
-    (heads.div_ceil(ONE_HEAD_FUSED_HEADS) * groups).div_ceil(32)
+/// grid ([`fused_grid`]): a thread per `thread_heads` heads and group, in warps of that tensor
+/// alone. Callers keep `heads * groups` within `u32`.
+pub(crate) fn one_head_warps(heads: u32, groups: u32, thread_heads: u32) -> u32 {
+    (heads.div_ceil(thread_heads) * groups).div_ceil(32)
 }
 
 /// The grid of the one-head fused kernels ([`rope_kernels::abi::Access::OneHead`]): one block

@@ -85,8 +85,10 @@ enum Size {
     Small,
     /// Thousands of tokens and 17-23 q and k heads (odd counts leave a thread's second head
     /// empty): prefill-sized launches, more threads than any of this project's GPUs holds at
-    /// once. Both sizes run on the one-head fused kernels, and on the item loop when
-    /// `ROPE_FUSED_ITEM_LOOP=1` (as `gpu-bundle/run.sh` runs them again).
+    /// once. Both sizes run on the one-head fused kernels (the NeoX 16-bit ones with four heads
+    /// per thread at this size, two at the small one, either when `ROPE_FUSED_THREAD_HEADS`
+    /// pins it), and on the item loop when `ROPE_FUSED_ITEM_LOOP=1` (as `gpu-bundle/run.sh`
+    /// runs them again).
     Large,
 }
 
@@ -661,8 +663,7 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
         .unwrap_or(u64::MAX);
     let cases = cases.min(cap);
     let mut worst = Worst::default();
-    // Every twentieth case at prefill size (the wide kernels' item loop), the rest small (the
-    // one-head kernels, one thread per head access).
+    // Every twentieth case at prefill size, the rest small (see `Size`).
     for seed in 0..cases {
         let size = if seed % 20 == 19 {
             Size::Large
