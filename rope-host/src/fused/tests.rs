@@ -85,6 +85,23 @@ fn plan_with(r: &FusedRequest, choice: FusedChoice) -> Result<Option<FusedPlan>>
     plan_fused(r, &facts, &|_: FusedKernelName| 8, choice)
 }
 
+/// [`request`] of `style` at `tokens` tokens (32 q, 8 k and 8 v heads of 128, one slot each),
+/// its tensors far apart in the address space.
+fn with_tokens(style: RopeStyle, tokens: usize) -> FusedRequest {
+    let mut r = request(style);
+    for (t, heads, ptr) in [
+        (&mut r.rope.q, 32, 1u64 << 40),
+        (r.rope.k.as_mut().expect("k"), 8, 1 << 44),
+    ] {
+        t.x_layout = Layout::thd(tokens, heads, D);
+        t.x = buf(ptr, t.x_layout.end().expect("fits"));
+    }
+    let v = Layout::thd(tokens, 8, D);
+    r.v = Some((buf(1 << 45, v.end().expect("fits")), v));
+    r.cache.as_mut().expect("cache").slots.buf = buf(1 << 46, tokens);
+    r
+}
+
 fn invalid_arg(r: &FusedRequest) -> &'static str {
     match plan_of(r) {
         Err(Error::Invalid { arg, .. }) => arg,
@@ -116,21 +133,7 @@ fn decode_with_norm_and_cache_plans_one_wide_launch_over_q_k_and_v_heads() {
 /// leaving one out.
 #[test]
 fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
-    let with_tokens = |tokens: usize| {
-        let mut r = request(RopeStyle::Neox);
-        for (t, heads, ptr) in [
-            (&mut r.rope.q, 32, 1u64 << 40),
-            (r.rope.k.as_mut().expect("k"), 8, 1 << 44),
-        ] {
-            t.x_layout = Layout::thd(tokens, heads, D);
-            t.x = buf(ptr, t.x_layout.end().expect("fits"));
-        }
-        let v = Layout::thd(tokens, 8, D);
-        r.v = Some((buf(1 << 45, v.end().expect("fits")), v));
-        r.cache.as_mut().expect("cache").slots.buf = buf(1 << 46, tokens);
-        r
-    };
-    let p = plan_of(&with_tokens(8192))
+    let p = plan_of(&with_tokens(RopeStyle::Neox, 8192))
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::OneHead);
@@ -138,12 +141,12 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     assert_eq!(p.grid.config.grid_dim, (2, 8192, 1));
     assert_eq!(p.one_head_warps, [4, 1, 1]);
     // The item loop when the one-head kernels are not allowed (the tests' override).
-    let p = plan_with(&with_tokens(8192), FusedChoice::ItemLoop)
+    let p = plan_with(&with_tokens(RopeStyle::Neox, 8192), FusedChoice::ItemLoop)
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::Wide);
     // q of 2^20 tokens of 32 x 128 spans 2^32 elements.
-    let p = plan_of(&with_tokens(1 << 20))
+    let p = plan_of(&with_tokens(RopeStyle::Neox, 1 << 20))
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::Wide);
@@ -159,20 +162,6 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
 /// four.
 #[test]
 fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
-    let with_tokens = |style: RopeStyle, tokens: usize| {
-        let mut r = request(style);
-        for (t, heads, ptr) in [
-            (&mut r.rope.q, 32, 1u64 << 40),
-            (r.rope.k.as_mut().expect("k"), 8, 1 << 44),
-        ] {
-            t.x_layout = Layout::thd(tokens, heads, D);
-            t.x = buf(ptr, t.x_layout.end().expect("fits"));
-        }
-        let v = Layout::thd(tokens, 8, D);
-        r.v = Some((buf(1 << 45, v.end().expect("fits")), v));
-        r.cache.as_mut().expect("cache").slots.buf = buf(1 << 46, tokens);
-        r
-    };
     let planned = |style, tokens, choice| {
         let p = plan_with(&with_tokens(style, tokens), choice)
             .expect("valid")
@@ -382,7 +371,7 @@ fn packed_qkv_must_be_disjoint() {
 /// `MAX_FUSED_ITEMS` items plan, one token more is refused.
 #[test]
 fn work_items_are_limited_to_what_32_bit_indices_hold() {
-    let with_tokens = |tokens: usize| {
+    let q_k_at = |tokens: usize| {
         let mut r = request(RopeStyle::Neox);
         let x = |ptr: u64, heads: usize| {
             let layout = Layout::thd(tokens, heads, D);
@@ -400,9 +389,7 @@ fn work_items_are_limited_to_what_32_bit_indices_hold() {
     };
     // NeoX bf16 heads of 128 take 16 accesses each.
     let most = MAX_FUSED_ITEMS as usize / 16;
-    let p = plan_of(&with_tokens(most))
-        .expect("valid")
-        .expect("non-empty");
+    let p = plan_of(&q_k_at(most)).expect("valid").expect("non-empty");
     assert_eq!(p.tokens, most as u64);
-    assert_eq!(invalid_arg(&with_tokens(most + 1)), "q");
+    assert_eq!(invalid_arg(&q_k_at(most + 1)), "q");
 }
