@@ -43,9 +43,10 @@
 //! find no sin/cos).
 //!
 //! The one-head kernels (every launch at the preferred width whose tensors span fewer than
-//! 2^32 elements, decode and prefill alike): one thread per [`ONE_HEAD_FUSED_HEADS`] heads (the
-//! NeoX 16-bit kernels: [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`] in launches of many waves) of
-//! one tensor and one group, one block row per token, each warp of one tensor (a block holds up
+//! 2^32 elements, decode and prefill alike): one thread per
+//! [`crate::abi::ONE_HEAD_FUSED_HEADS`] heads (the NeoX 16-bit kernels:
+//! [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`] in launches of many waves) of one tensor and one
+//! group, one block row per token, each warp of one tensor (a block holds up
 //! to [`crate::abi::ONE_HEAD_FUSED_MAX_WARPS`] of the token's q, k and v warps), no loop. Each thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
 //! the block's shared buffer (each of the block's first `half` threads computes one pair of the
 //! token), then normalises, rotates and stores as above. A launch's length is then one head's
@@ -796,8 +797,8 @@ unsafe fn fp8_multipliers<const U: usize>(
 ///
 /// # Safety
 /// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; `blockDim.x` is a
-/// multiple of 32; every tensor and output spans fewer than 2^32 elements; the cache holds at
-/// most 2^32 slots.
+/// multiple of 32; `q_warps`, `k_warps` and `v_warps` count `U` heads per thread; every tensor
+/// and output spans fewer than 2^32 elements; the cache holds at most 2^32 slots.
 #[inline(always)]
 unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(
     f: &Fused<T>,

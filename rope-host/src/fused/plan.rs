@@ -111,10 +111,15 @@ const REGISTERS_PER_SM: u32 = 65_536;
 /// four heads share a thread's set-up), else [`ONE_HEAD_FUSED_HEADS`] (decode: each thread's
 /// chain stays short, and the launch fills the device anyway).
 fn thread_heads(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> u32 {
-    let registers = kernel.one_head_registers().unwrap_or(1).max(1);
+    let Some(registers) = kernel
+        .one_head_registers()
+        .filter(|&r| r > 0 && kernel.takes_many_heads())
+    else {
+        return ONE_HEAD_FUSED_HEADS;
+    };
     let resident = u64::from(facts.sm_count)
         * u64::from(facts.threads_per_sm.min(REGISTERS_PER_SM / registers));
-    if kernel.takes_many_heads() && tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident {
+    if tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident {
         ONE_HEAD_FUSED_MANY_HEADS
     } else {
         ONE_HEAD_FUSED_HEADS
