@@ -27,9 +27,10 @@ pub const ONE_HEAD_FUSED_HEADS: u32 = 2;
 /// set-up, its share of the block's cos/sin and its norm weights serve four heads, where those
 /// launches are bound by the instructions they issue. Measured (32 q and 8 kv heads of 128,
 /// bf16, 8192 tokens; share of the copy of each fusion's own bytes, graph) against two heads per
-/// thread: H200 norm + rope 84.1 -> 89.3%, rope + cache 90.6 -> 93.3%, norm + rope + cache
-/// 84.4 -> 89.1%, FP8 67.4 -> 76.9%; H100 95.9 -> 95.5%, 96.3 -> 96.5%, 95.1 -> 95.6%,
-/// 87.5 -> 94.3%. At decode (64 tokens) two heads per thread keep each thread's chain short.
+/// thread at 48 registers: H200 norm + rope 83.9 -> 88.4%, rope + cache 90.1 -> 92.3%, norm +
+/// rope + cache 84.2 -> 88.3%, FP8 67.6 -> 77.6%; H100 95.9 -> 95.1%, 96.3 -> 96.1%,
+/// 95.1 -> 95.0%, 87.6 -> 94.3%. At decode (64 tokens) two heads per thread keep each thread's
+/// chain short.
 pub const ONE_HEAD_FUSED_MANY_HEADS: u32 = 4;
 
 /// The most warps in one block of the fused one-head kernels ([`Access::OneHead`]): a token's
