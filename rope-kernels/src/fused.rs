@@ -46,8 +46,9 @@
 //! 2^32 elements, decode and prefill alike): one thread per
 //! [`crate::abi::ONE_HEAD_FUSED_HEADS`] heads (the NeoX 16-bit kernels:
 //! [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`] in launches of many waves) of one tensor and one
-//! group, one block row per token, each warp of one tensor (a block holds up
-//! to [`crate::abi::ONE_HEAD_FUSED_MAX_WARPS`] of the token's q, k and v warps), no loop. Each thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
+//! group, one block row per token, each warp of one tensor (a block holds up to
+//! [`crate::abi::ONE_HEAD_FUSED_MAX_WARPS`] of the token's q, k and v warps), no loop. Each
+//! thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
 //! the block's shared buffer (each of the block's first `half` threads computes one pair of the
 //! token), then normalises, rotates and stores as above. A launch's length is then one head's
 //! chain, where the item loop's is the chain of every head of the item in turn; at prefill the
@@ -776,9 +777,8 @@ unsafe fn fp8_multipliers<const U: usize>(
 ///
 /// A token's threads form a sequence of warps: q's `q_warps`, then k's `k_warps`, then v's
 /// `v_warps`, each tensor's threads (one per `U` consecutive heads and one group: thread `n` of
-/// a tensor takes heads `U (n / groups) ..` and group `n % groups`) in
-/// warps of their own, so the tensor, its pointers, strides and stores are the same in a whole
-/// warp. Block `blockIdx.x` holds warps `blockIdx.x * blockDim.x / 32 ..` of the sequence of
+/// a tensor takes heads `U (n / groups) ..` and group `n % groups`) in warps of their own, so
+/// the tensor, its pointers, strides and stores are the same in a whole warp. Block `blockIdx.x` holds warps `blockIdx.x * blockDim.x / 32 ..` of the sequence of
 /// token `blockIdx.z * gridDim.y + blockIdx.y`, so that one cos/sin computation serves every
 /// q and k warp of the block.
 ///

@@ -110,7 +110,7 @@ const REGISTERS_PER_SM: u32 = 65_536;
 /// registers (many waves: at prefill the launch is bound by the instructions it issues, and
 /// four heads share a thread's set-up), else [`ONE_HEAD_FUSED_HEADS`] (decode: each thread's
 /// chain stays short, and the launch fills the device anyway).
-fn thread_heads(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> u32 {
+fn heads_by_size(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> u32 {
     let Some(registers) = kernel
         .one_head_registers()
         .filter(|&r| r > 0 && kernel.takes_many_heads())
@@ -219,8 +219,8 @@ pub(crate) fn plan_fused(
         None => (1, 0),
     };
     // A launch at the preferred width whose tensors each span fewer than 2^32 elements (and
-    // whose cache holds at most 2^32 slots) takes the one-head kernels: a thread per two heads
-    // and access, no head loop (at decode its length is one head's chain; at prefill its many
+    // whose cache holds at most 2^32 slots) takes the one-head kernels: a thread per two (or
+    // four: `heads_by_size`) heads and access, no head loop (at decode its length is one head's chain; at prefill its many
     // resident threads keep more loads in flight than the item loop, which holds one block of
     // heads per thread), with 32-bit element offsets and slot division. Other launches take
     // the item loop.
@@ -249,7 +249,7 @@ pub(crate) fn plan_fused(
     let warps_at = |heads: u32| stored_heads.map(|h| one_head_warps(h, groups, heads));
     let thread_heads = match choice {
         FusedChoice::ThreadHeads(n) if kernel.takes_many_heads() => n,
-        FusedChoice::Auto if one_head => thread_heads(
+        FusedChoice::Auto if one_head => heads_by_size(
             kernel,
             facts,
             tokens,
