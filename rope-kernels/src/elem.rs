@@ -12,6 +12,14 @@ pub trait Elem: Copy {
     const SIZE: usize = size_of::<Self>();
     /// Widens to `f32` exactly.
     fn to_f32(self) -> f32;
+    /// Widens `N` values as [`Elem::to_f32`] does each (types stored two to a 32-bit word
+    /// override it to widen whole words).
+    #[inline(always)]
+    fn widen<const N: usize>(v: [Self; N]) -> [f32; N] {
+        let mut out = [0.0f32; N];
+        crate::rope::unrolled(N, |k| out[k] = v[k].to_f32());
+        out
+    }
     /// Rounds an `f32` to this type, to nearest even (identity for `f32`).
     fn from_f32(v: f32) -> Self;
     /// Rounds `N` values as [`Elem::from_f32`] does each and stores them at `p` with one
@@ -83,6 +91,20 @@ impl Elem for Bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         math::bf16_to_f32(self.0)
+    }
+    /// Pairs of values as the 32-bit words a load holds them in, one instruction per value
+    /// ([`intrinsics::bf16x2_to_f32x2`]).
+    #[inline(always)]
+    fn widen<const N: usize>(v: [Self; N]) -> [f32; N] {
+        let mut out = [0.0f32; N];
+        crate::rope::unrolled(N / 2, |k| {
+            let word = u32::from(v[2 * k].0) | u32::from(v[2 * k + 1].0) << 16;
+            [out[2 * k], out[2 * k + 1]] = intrinsics::bf16x2_to_f32x2(word);
+        });
+        if N % 2 == 1 {
+            out[N - 1] = v[N - 1].to_f32();
+        }
+        out
     }
     #[inline(always)]
     fn from_f32(v: f32) -> Self {

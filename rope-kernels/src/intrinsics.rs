@@ -222,6 +222,27 @@ pub fn f16_bits_to_f32(bits: u32) -> f32 {
     v
 }
 
+/// Widens the two bfloat16 values packed in `word` (the first in the low half, as a 32-bit
+/// load of them holds them) to `f32` (exact: a shift and a mask). Inline PTX keeps the word
+/// whole: from a 64-bit load LLVM took the second word's first value with a 64-bit shift and
+/// a mask, two instructions where this takes one.
+#[inline(always)]
+pub fn bf16x2_to_f32x2(word: u32) -> [f32; 2] {
+    let (lo, hi): (f32, f32);
+    // SAFETY: register-only bit operations.
+    unsafe {
+        asm!(
+            "shl.b32 {lo}, {w}, 16;",
+            "and.b32 {hi}, {w}, 0xffff0000;",
+            w = in(reg32) word,
+            lo = out(reg32) lo,
+            hi = out(reg32) hi,
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+    [lo, hi]
+}
+
 /// Asks for the cache line holding `ptr` to be brought into L2 (`prefetch.global.L2`): no
 /// register receives it, so the request stays in flight through arithmetic that follows it.
 #[inline(always)]

@@ -321,7 +321,7 @@ unsafe fn rotate_store_head<T: Elem, P: Pairing, const L: usize>(
 /// One head's loaded vectors (as [`load_head`] returns them) widened to `f32`.
 #[inline(always)]
 pub(crate) fn widen<T: Elem, const L: usize>(v: [[T; L]; 2]) -> [[f32; L]; 2] {
-    v.map(|h| h.map(T::to_f32))
+    v.map(T::widen)
 }
 
 /// Rotates one head's vectors by this item's `cos` and `sin`, reading element `k` of vector
