@@ -16,21 +16,23 @@ pub const BLOCK_THREADS: u32 = 128;
 pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
 
 /// Heads of one tensor that each thread of the fused one-head kernels ([`Access::OneHead`])
-/// takes by default (their `thread_heads` argument): consecutive heads `U m .. U m + U` of the
-/// same token and pairs, which share the thread's index splits, position, cos/sin, norm weights
-/// and cache slot. Each tensor's `heads.div_ceil(U) * groups` threads of a token form warps of
-/// their own.
+/// takes: consecutive heads `U m .. U m + U` of the same token and pairs, which share the
+/// thread's index splits, position, cos/sin, norm weights and cache slot. Each tensor's
+/// `heads.div_ceil(U) * groups` threads of a token form warps of their own.
 pub const ONE_HEAD_FUSED_HEADS: u32 = 2;
 
-/// Heads per thread of the NeoX 16-bit one-head fused kernels
-/// ([`FusedKernelName::takes_many_heads`]) for launches of many waves (prefill): the thread's
-/// set-up, its share of the block's cos/sin and its norm weights serve four heads, where those
-/// launches are bound by the instructions they issue. Measured (32 q and 8 kv heads of 128,
-/// bf16, 8192 tokens; share of the copy of each fusion's own bytes, graph) against two heads per
-/// thread at 48 registers: H200 norm + rope 83.9 -> 88.4%, rope + cache 90.1 -> 92.3%, norm +
-/// rope + cache 84.2 -> 88.3%, FP8 67.6 -> 77.6%; H100 95.9 -> 95.1%, 96.3 -> 96.1%,
-/// 95.1 -> 95.0%, 87.6 -> 94.3%. At decode (64 tokens) two heads per thread keep each thread's
-/// chain short.
+/// Heads per thread of the four-heads fused kernels ([`Access::FourHeads`]), the NeoX 16-bit
+/// kernels for launches of many waves (prefill): the thread's set-up, its share of the block's
+/// cos/sin and its norm weights serve four heads, where those launches are bound by the
+/// instructions they issue. Measured (32 q and 8 kv heads of 128, bf16, 8192 tokens; share of
+/// the copy of each fusion's own bytes, graph) against two heads per thread at 48 registers:
+/// H200 norm + rope 83.9 -> 88.4%, rope + cache 90.1 -> 92.3%, norm + rope + cache
+/// 84.2 -> 88.3%, FP8 67.6 -> 77.6%; H100 95.9 -> 95.1%, 96.3 -> 96.1%, 95.1 -> 95.0%,
+/// 87.6 -> 94.3% (both bodies in the one-head kernels at 64 registers). As kernels of their own
+/// (the one-head kernels back at 48): H200 88.6 -> 89.6%, 92.3 -> 93.2%, 88.3 -> 89.3%,
+/// 77.6 -> 78.3%; H100 95.0 -> 95.5%, 96.2 -> 96.5%, 95.0 -> 95.6%, 94.4 -> 94.7%; decode in
+/// a graph 0.03-0.06 us faster on both. At decode (64 tokens) two heads per thread keep each
+/// thread's chain short.
 pub const ONE_HEAD_FUSED_MANY_HEADS: u32 = 4;
 
 /// The most warps in one block of the fused one-head kernels ([`Access::OneHead`]): a token's
@@ -202,6 +204,12 @@ pub enum Access {
     /// [`crate::fused_kernel_params!`]) in blocks of at most [`ONE_HEAD_FUSED_MAX_WARPS`]
     /// warps; at decode and prefill alike, where every tensor spans fewer than 2^32 elements.
     OneHead,
+    /// The fused NeoX kernels of 16-bit elements only ([`FusedKernelName::four_heads`]): the
+    /// one-head mapping with [`ONE_HEAD_FUSED_MANY_HEADS`] heads of one tensor per thread, for
+    /// launches of many waves. Kernels of their own, so that the one-head kernels keep the
+    /// registers two heads need (48) and these the 64 four need. The RoPE kernels have none: a
+    /// [`KernelName`] of this access names its one-head kernel.
+    FourHeads,
 }
 
 /// Elements per access of the [`Access::Wide`] kernels: 16 bytes, except for NeoX pairs of
@@ -631,6 +639,12 @@ macro_rules! kernel_table {
                         ..self
                     }
                     .symbol(),
+                    // The RoPE kernels take one head per thread.
+                    (_, _, _, _, Access::FourHeads) => KernelName {
+                        access: Access::OneHead,
+                        ..self
+                    }
+                    .symbol(),
                     $(
                         (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
                             Access::Wide) => stringify!($sym),
@@ -741,10 +755,11 @@ pub enum FormatCode {
 }
 
 /// One fused entry point (`rope-kernels/src/fused.rs`): `rope_fused_{style}_{source}_{dtype}`,
-/// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`]
-/// and `_one_head` for [`Access::OneHead`] (a thread per [`ONE_HEAD_FUSED_HEADS`] heads and one
-/// access: launches at the preferred width whose tensors span fewer than 2^32 elements).
-/// Forward only; `TableF32` only for `f16` and `bf16`.
+/// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`],
+/// `_one_head` for [`Access::OneHead`] (a thread per [`ONE_HEAD_FUSED_HEADS`] heads and one
+/// access: launches at the preferred width whose tensors span fewer than 2^32 elements) and
+/// `_four_heads` for [`Access::FourHeads`] (NeoX, `f16` and `bf16` only). Forward only;
+/// `TableF32` only for `f16` and `bf16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedKernelName {
     /// Pairing.
@@ -758,32 +773,38 @@ pub struct FusedKernelName {
 }
 
 impl FusedKernelName {
-    /// The registers per thread the one-head kernels ([`Access::OneHead`]) are held to (their
-    /// `.maxnreg`, with `.maxntid` of [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 64, which the NeoX
-    /// 16-bit kernels' four heads per thread ([`ONE_HEAD_FUSED_MANY_HEADS`]) need (on sm_90, 8-40
-    /// bytes of spills at 64, none at 72; 64 measured faster at prefill on an H200, level on an
-    /// H100) and the interleaved 16-bit ones need for two (they spilled at 48). `None` for the
-    /// other kernels.
+    /// The registers per thread the one-head and four-heads kernels ([`Access::OneHead`],
+    /// [`Access::FourHeads`]) are held to (their `.maxnreg`, with `.maxntid` of
+    /// [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 48 for the NeoX one-head kernels of 16-bit elements,
+    /// whose loads are all they keep in flight, so that more threads hold more bytes in flight
+    /// (no spills on sm_90); 64 for the other one-head kernels (the interleaved 16-bit ones
+    /// spilled at 48) and for the four-heads kernels (8-40 bytes of spills on sm_90 at 64, none
+    /// at 72; 64 measured faster at prefill on an H200, level on an H100). `None` for the other
+    /// kernels.
     pub const fn one_head_registers(self) -> Option<u32> {
-        match self.access {
-            Access::OneHead => Some(64),
+        match (self.access, self.style, self.dtype) {
+            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(48),
+            (Access::OneHead | Access::FourHeads, _, _) => Some(64),
             _ => None,
         }
     }
 
-    /// Whether this one-head kernel also takes [`ONE_HEAD_FUSED_MANY_HEADS`] heads per thread
-    /// (its `thread_heads` argument; every one-head kernel takes [`ONE_HEAD_FUSED_HEADS`]): the
-    /// NeoX kernels of 16-bit elements, the only ones measured with four.
-    pub const fn takes_many_heads(self) -> bool {
-        matches!(
-            (self.access, self.style, self.dtype),
-            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16)
-        )
+    /// The four-heads kernel ([`Access::FourHeads`]) of this one-head kernel, if it has one:
+    /// the NeoX kernels of 16-bit elements, the only ones measured with four heads per thread.
+    pub const fn four_heads(self) -> Option<Self> {
+        match (self.access, self.style, self.dtype) {
+            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(FusedKernelName {
+                access: Access::FourHeads,
+                ..self
+            }),
+            _ => None,
+        }
     }
 }
 
 /// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, one-head symbol: Style,
-/// Source, DType, storage type;`.
+/// Source, DType, storage type;`, then `@four_heads` and every four-heads kernel (NeoX) as
+/// `symbol: Source, DType, storage type;`.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -803,6 +824,13 @@ macro_rules! for_each_fused_kernel {
             rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_one_head: Neox, Table, BF16, Bf16;
             rope_fused_neox_table32_bf16, rope_fused_neox_table32_bf16_narrow, rope_fused_neox_table32_bf16_one_head: Neox, TableF32, BF16, Bf16;
             rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_one_head: Neox, Theta, BF16, Bf16;
+            @four_heads
+            rope_fused_neox_table_f16_four_heads: Table, F16, Half;
+            rope_fused_neox_table32_f16_four_heads: TableF32, F16, Half;
+            rope_fused_neox_theta_f16_four_heads: Theta, F16, Half;
+            rope_fused_neox_table_bf16_four_heads: Table, BF16, Bf16;
+            rope_fused_neox_table32_bf16_four_heads: TableF32, BF16, Bf16;
+            rope_fused_neox_theta_bf16_four_heads: Theta, BF16, Bf16;
         }
     };
 }
@@ -811,10 +839,14 @@ pub(crate) use for_each_fused_kernel;
 
 /// Defines [`FusedKernelName::ALL`] and [`FusedKernelName::symbol`] from the kernel list.
 macro_rules! fused_kernel_table {
-    ($($sym:ident, $narrow:ident, $one_head:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*) => {
+    (
+        $($sym:ident, $narrow:ident, $one_head:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
+        @four_heads $($four:ident: $fsrc:ident, $fdt:ident, $ft:ty;)*
+    ) => {
         impl FusedKernelName {
             /// Every fused kernel.
-            pub const ALL: [FusedKernelName; 3 * [$(stringify!($sym)),*].len()] = [$(
+            pub const ALL: [FusedKernelName; 3 * [$(stringify!($sym)),*].len()
+                + [$(stringify!($four)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -832,6 +864,13 @@ macro_rules! fused_kernel_table {
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
                     access: Access::OneHead,
+                },
+            )* $(
+                FusedKernelName {
+                    style: RopeStyle::Neox,
+                    source: SinCosSource::$fsrc,
+                    dtype: DType::$fdt,
+                    access: Access::FourHeads,
                 },
             )*];
 
@@ -852,6 +891,16 @@ macro_rules! fused_kernel_table {
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::OneHead) =>
                             stringify!($one_head),
                     )*
+                    $(
+                        (RopeStyle::Neox, SinCosSource::$fsrc, DType::$fdt, Access::FourHeads) =>
+                            stringify!($four),
+                    )*
+                    // Kernels without four-heads kernels take two heads per thread.
+                    (_, _, _, Access::FourHeads) => FusedKernelName {
+                        access: Access::OneHead,
+                        ..self
+                    }
+                    .symbol(),
                 }
             }
         }
@@ -924,12 +973,10 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// `cache_slots`), `k_cache`, `v_cache` addressed in elements of `cache_format` as
 /// `(slot / block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot + head *
 /// cache_stride_head + e` (`block_magic`, `block_shift` from [`crate::divide::Divisor::new`]),
-/// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`; for the one-head kernels
-/// ([`Access::OneHead`]), `q_warps`, `k_warps` and `v_warps`, the warps of each token's threads
-/// for q's, k's and v's heads (0 for a tensor the launch stores nothing of, and for the other
-/// kernels, which do not read them), and `thread_heads`, the heads of one tensor each thread
-/// takes ([`ONE_HEAD_FUSED_HEADS`], or [`ONE_HEAD_FUSED_MANY_HEADS`] where
-/// [`FusedKernelName::takes_many_heads`]; not read by the other kernels).
+/// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`; for the one-head and four-heads
+/// kernels ([`Access::OneHead`], [`Access::FourHeads`]), `q_warps`, `k_warps` and `v_warps`,
+/// the warps of each token's threads for q's, k's and v's heads (0 for a tensor the launch
+/// stores nothing of, and for the other kernels, which do not read them).
 #[macro_export]
 macro_rules! fused_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -966,7 +1013,6 @@ macro_rules! fused_kernel_params {
             q_warps: u32,
             k_warps: u32,
             v_warps: u32,
-            thread_heads: u32,
         }
     };
 }

@@ -44,9 +44,9 @@
 //!
 //! The one-head kernels (every launch at the preferred width whose tensors span fewer than
 //! 2^32 elements, decode and prefill alike): one thread per
-//! [`crate::abi::ONE_HEAD_FUSED_HEADS`] heads (the NeoX 16-bit kernels:
-//! [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`] in launches of many waves) of one tensor and one
-//! group, one block row per token, each warp of one tensor (a block holds up to
+//! [`crate::abi::ONE_HEAD_FUSED_HEADS`] heads (the four-heads kernels, NeoX 16-bit in launches
+//! of many waves: [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`]) of one tensor and one group, one
+//! block row per token, each warp of one tensor (a block holds up to
 //! [`crate::abi::ONE_HEAD_FUSED_MAX_WARPS`] of the token's q, k and v warps), no loop. Each
 //! thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
 //! the block's shared buffer (each of the block's first `half` threads computes one pair of the
@@ -61,9 +61,13 @@
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_MANY_HEADS,
-    for_each_fused_kernel,
+    Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_HEADS,
+    ONE_HEAD_FUSED_MANY_HEADS, for_each_fused_kernel,
 };
+
+/// [`ONE_HEAD_FUSED_HEADS`] and [`ONE_HEAD_FUSED_MANY_HEADS`] as the body's const parameter.
+const ONE_HEAD_FUSED_HEADS_U: usize = ONE_HEAD_FUSED_HEADS as usize;
+const FOUR_HEADS_U: usize = ONE_HEAD_FUSED_MANY_HEADS as usize;
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
@@ -101,12 +105,11 @@ struct Fused<T> {
     k_scale: *const f32,
     v_scale: *const f32,
     kv_scale_step: u32,
-    /// The one-head kernels' warps per token of q's, k's and v's threads (in that order).
+    /// The one-head and four-heads kernels' warps per token of q's, k's and v's threads (in
+    /// that order).
     q_warps: u32,
     k_warps: u32,
     v_warps: u32,
-    /// The one-head kernels' heads of one tensor per thread.
-    thread_heads: u32,
 }
 
 /// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
@@ -1075,20 +1078,19 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T
     const WIDE: u8 = Access::Wide as u8;
     const NARROW: u8 = Access::Narrow as u8;
     const ONE_HEAD: u8 = Access::OneHead as u8;
+    const FOUR_HEADS: u8 = Access::FourHeads as u8;
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (ACCESS, T::SIZE, f.rope.lanes, P::NEOX) {
             (WIDE, 4, 4, _) => body::<T, P, S, 4>(f),
             (WIDE, 2, 8, false) => body::<T, P, S, 8>(f),
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
-            // One-head kernels take the preferred width only: no `lanes` to read. Only the
-            // NeoX 16-bit ones take four heads per thread (`thread_heads`, uniform in the grid).
-            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4, 2>(f),
-            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8, 2>(f),
-            (ONE_HEAD, 2, _, true) => match f.thread_heads {
-                ONE_HEAD_FUSED_MANY_HEADS => one_head_body::<T, P, S, 4, 4>(f),
-                _ => one_head_body::<T, P, S, 4, 2>(f),
-            },
+            // One-head and four-heads kernels take the preferred width only: no `lanes` to
+            // read. Four-heads kernels exist for NeoX 16-bit elements only.
+            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4, ONE_HEAD_FUSED_HEADS_U>(f),
+            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8, ONE_HEAD_FUSED_HEADS_U>(f),
+            (ONE_HEAD, 2, _, true) => one_head_body::<T, P, S, 4, ONE_HEAD_FUSED_HEADS_U>(f),
+            (FOUR_HEADS, 2, _, true) => one_head_body::<T, P, S, 4, FOUR_HEADS_U>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(f),
             (NARROW, _, 1, true) => body::<T, P, S, 1>(f),
@@ -1161,21 +1163,27 @@ impl<T> Fused<T> {
             q_warps: p.q_warps,
             k_warps: p.k_warps,
             v_warps: p.v_warps,
-            thread_heads: p.thread_heads,
         }
     }
 }
 
-/// Defines one exported entry point per (pairing, source, dtype), wide and narrow.
+/// Defines one exported entry point per (pairing, source, dtype) and access: wide, narrow and
+/// one-head, then the four-heads entry points.
 macro_rules! fused_kernel {
     (
         $($wide:ident, $narrow:ident, $one_head:ident:
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
-    ) => {$(
-        crate::fused_kernel_params!(fused_entry { $wide, Wide: $pairing, $source, $t });
-        crate::fused_kernel_params!(fused_entry { $narrow, Narrow: $pairing, $source, $t });
-        crate::fused_kernel_params!(fused_entry { $one_head, OneHead: $pairing, $source, $t });
-    )*};
+        @four_heads $($four:ident: $fsource:ident, $fdt:ident, $ft:ty;)*
+    ) => {
+        $(
+            crate::fused_kernel_params!(fused_entry { $wide, Wide: $pairing, $source, $t });
+            crate::fused_kernel_params!(fused_entry { $narrow, Narrow: $pairing, $source, $t });
+            crate::fused_kernel_params!(fused_entry { $one_head, OneHead: $pairing, $source, $t });
+        )*
+        $(
+            crate::fused_kernel_params!(fused_entry { $four, FourHeads: Neox, $fsource, $ft });
+        )*
+    };
 }
 
 /// One entry point with the parameter list of [`crate::fused_kernel_params!`].
@@ -1185,9 +1193,10 @@ macro_rules! fused_entry {
         $($param:ident: $kind:ident,)*
     ) => {
         /// One fused entry point; its name says the pairing, the sin/cos source, the element
-        /// type and the access (`_narrow`: narrower than the preferred width; `_one_head`: one
-        /// thread per head access, on the grid of `one_head_body`). See the module
-        /// documentation, and `fused_kernel_params!` in `abi.rs` for the parameters.
+        /// type and the access (`_narrow`: narrower than the preferred width; `_one_head`, and
+        /// `_four_heads`: a thread per two, or four, heads and access, on the grid of
+        /// `one_head_body`). See the module documentation, and `fused_kernel_params!` in
+        /// `abi.rs` for the parameters.
         ///
         /// # Safety
         /// The promises of the RoPE entry points (`crate::rope`) for q and k (with `out1` null

@@ -288,15 +288,24 @@ mod tests {
             .map(|s| bounded(s, &launch_bounds(s)))
             .collect();
         assert_eq!(with_launch_bounds(&ptx), want);
-        // The one-head fused kernels: blocks of up to five warps, 64 registers (the NeoX 16-bit
-        // ones' four heads per thread need them); the fused item loops 1024 threads resident.
+        // The one-head and four-heads fused kernels: blocks of up to five warps; 48 registers
+        // for the NeoX 16-bit one-head ones, 64 for the others; the fused item loops 1024
+        // threads resident.
         for (symbol, bounds) in [
             (
                 "rope_fused_neox_theta_bf16_one_head",
-                ".maxntid 160, 1, 1\n.maxnreg 64\n",
+                ".maxntid 160, 1, 1\n.maxnreg 48\n",
             ),
             (
                 "rope_fused_neox_table_f16_one_head",
+                ".maxntid 160, 1, 1\n.maxnreg 48\n",
+            ),
+            (
+                "rope_fused_neox_theta_bf16_four_heads",
+                ".maxntid 160, 1, 1\n.maxnreg 64\n",
+            ),
+            (
+                "rope_fused_neox_table32_f16_four_heads",
                 ".maxntid 160, 1, 1\n.maxnreg 64\n",
             ),
             (

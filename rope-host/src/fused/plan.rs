@@ -83,9 +83,6 @@ pub(crate) struct FusedPlan {
     /// The one-head kernels' warps per token of q's, k's and v's threads (0 for the item loop,
     /// and for a tensor the launch stores nothing of).
     pub(crate) one_head_warps: [u32; 3],
-    /// The one-head kernels' heads of one tensor per thread ([`ONE_HEAD_FUSED_HEADS`] for the
-    /// item loop, which does not read it).
-    pub(crate) thread_heads: u32,
 }
 
 /// Which fused kernels launches may take: the tests pin them through the environment
@@ -96,24 +93,25 @@ pub(crate) enum FusedChoice {
     ItemLoop,
     /// The one-head kernels wherever they serve, with heads per thread by the launch's size.
     Auto,
-    /// The one-head kernels wherever they serve, with this many heads per thread where the
-    /// kernel takes it ([`FusedKernelName::takes_many_heads`]; else [`ONE_HEAD_FUSED_HEADS`]).
+    /// The one-head kernels wherever they serve, with this many heads per thread where a kernel
+    /// takes it ([`ONE_HEAD_FUSED_MANY_HEADS`]: the four-heads kernels,
+    /// [`FusedKernelName::four_heads`]; else [`ONE_HEAD_FUSED_HEADS`]).
     ThreadHeads(u32),
 }
 
 /// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).
 const REGISTERS_PER_SM: u32 = 65_536;
 
-/// Heads per thread of one-head `kernel` for a launch of `tokens` tokens whose two-heads grid
-/// has `warps` warps per token: [`ONE_HEAD_FUSED_MANY_HEADS`] where the kernel takes them and
-/// that grid's threads are more than twice what `facts`' device holds at once at the kernel's
-/// registers (many waves: at prefill the launch is bound by the instructions it issues, and
+/// Heads per thread for a launch of one-head `kernel` over `tokens` tokens whose grid has
+/// `warps` warps per token: [`ONE_HEAD_FUSED_MANY_HEADS`] (its four-heads kernel) where it has
+/// one and that grid's threads are more than twice what `facts`' device holds of it at once at
+/// its registers (many waves: at prefill the launch is bound by the instructions it issues, and
 /// four heads share a thread's set-up), else [`ONE_HEAD_FUSED_HEADS`] (decode: each thread's
 /// chain stays short, and the launch fills the device anyway).
 fn heads_by_size(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> u32 {
     let Some(registers) = kernel
         .one_head_registers()
-        .filter(|&r| r > 0 && kernel.takes_many_heads())
+        .filter(|&r| r > 0 && kernel.four_heads().is_some())
     else {
         return ONE_HEAD_FUSED_HEADS;
     };
@@ -248,7 +246,9 @@ pub(crate) fn plan_fused(
     ];
     let warps_at = |heads: u32| stored_heads.map(|h| one_head_warps(h, groups, heads));
     let thread_heads = match choice {
-        FusedChoice::ThreadHeads(n) if kernel.takes_many_heads() => n,
+        FusedChoice::ThreadHeads(ONE_HEAD_FUSED_MANY_HEADS) if kernel.four_heads().is_some() => {
+            ONE_HEAD_FUSED_MANY_HEADS
+        }
         FusedChoice::Auto if one_head => heads_by_size(
             kernel,
             facts,
@@ -256,6 +256,10 @@ pub(crate) fn plan_fused(
             warps_at(ONE_HEAD_FUSED_HEADS).iter().sum(),
         ),
         _ => ONE_HEAD_FUSED_HEADS,
+    };
+    let kernel = match kernel.four_heads() {
+        Some(four) if thread_heads == ONE_HEAD_FUSED_MANY_HEADS => four,
+        _ => kernel,
     };
     let one_head_warps = if one_head {
         warps_at(thread_heads)
@@ -298,7 +302,6 @@ pub(crate) fn plan_fused(
         ),
         cache_slots,
         one_head_warps,
-        thread_heads,
     }))
 }
 

@@ -127,16 +127,16 @@ fn decode_with_norm_and_cache_plans_one_wide_launch_over_q_k_and_v_heads() {
     }
 }
 
-/// Launches at the preferred width take the one-head kernels at any size (decode and prefill)
-/// while every tensor spans fewer than 2^32 elements (their offsets are 32-bit); a larger
-/// tensor takes the wide kernel's item loop, its 48 heads split over `blockIdx.y` without
-/// leaving one out.
+/// Launches at the preferred width take the one-head (or four-heads) kernels at any size
+/// (decode and prefill) while every tensor spans fewer than 2^32 elements (their offsets are
+/// 32-bit); a larger tensor takes the wide kernel's item loop, its 48 heads split over
+/// `blockIdx.y` without leaving one out.
 #[test]
 fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     let p = plan_of(&with_tokens(RopeStyle::Neox, 8192))
         .expect("valid")
         .expect("non-empty");
-    assert_eq!(p.kernel.access, Access::OneHead);
+    assert_eq!(p.kernel.access, Access::FourHeads);
     // Four heads per thread at this size: 4 + 1 + 1 warps, two blocks of three per token.
     assert_eq!(p.grid.config.grid_dim, (2, 8192, 1));
     assert_eq!(p.one_head_warps, [4, 1, 1]);
@@ -155,23 +155,29 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     assert!(per > 0 && y * per >= 48 && (y - 1) * per < 48);
 }
 
-/// The NeoX 16-bit one-head kernels take four heads per thread once the two-heads grid's
-/// threads are more than twice what the device holds at once at 64 registers (132 x 1024
-/// threads on the H200-like device: past 704 tokens of 12 warps); the other one-head kernels
-/// and smaller launches take two, and the tests' override pins either where the kernel takes
-/// four.
+/// NeoX 16-bit launches take the four-heads kernels once the two-heads grid's threads are more
+/// than twice what the device holds of the one-head kernel at once at its 48 registers
+/// (132 x 1365 threads on the H200-like device: past 938 tokens of 12 warps); the other
+/// one-head kernels and smaller launches take two heads per thread, and the tests' override
+/// pins either where a four-heads kernel exists.
 #[test]
 fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
     let planned = |style, tokens, choice| {
         let p = plan_with(&with_tokens(style, tokens), choice)
             .expect("valid")
             .expect("non-empty");
-        assert_eq!(p.kernel.access, Access::OneHead);
-        (p.thread_heads, p.one_head_warps)
+        let heads = match p.kernel.access {
+            Access::OneHead => 2,
+            Access::FourHeads => 4,
+            other => panic!("{other:?}"),
+        };
+        (heads, p.one_head_warps)
     };
     let auto = FusedChoice::Auto;
-    assert_eq!(planned(RopeStyle::Neox, 704, auto), (2, [8, 2, 2]));
-    assert_eq!(planned(RopeStyle::Neox, 705, auto), (4, [4, 1, 1]));
+    // 132 SMs hold 1365 threads each at the two-heads kernel's 48 registers; a token takes
+    // 12 warps of them.
+    assert_eq!(planned(RopeStyle::Neox, 938, auto), (2, [8, 2, 2]));
+    assert_eq!(planned(RopeStyle::Neox, 939, auto), (4, [4, 1, 1]));
     assert_eq!(planned(RopeStyle::Interleaved, 8192, auto), (2, [8, 2, 2]));
     let pinned = FusedChoice::ThreadHeads;
     assert_eq!(planned(RopeStyle::Neox, 64, pinned(4)), (4, [4, 1, 1]));
