@@ -64,10 +64,6 @@ use crate::abi::{
     Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_HEADS,
     ONE_HEAD_FUSED_MANY_HEADS, for_each_fused_kernel,
 };
-
-/// [`ONE_HEAD_FUSED_HEADS`] and [`ONE_HEAD_FUSED_MANY_HEADS`] as the body's const parameter.
-const ONE_HEAD_FUSED_HEADS_U: usize = ONE_HEAD_FUSED_HEADS as usize;
-const FOUR_HEADS_U: usize = ONE_HEAD_FUSED_MANY_HEADS as usize;
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
@@ -79,6 +75,10 @@ use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
     load_head, offset_u32, position, rotate_values_with, unrolled, vector_offsets, widen,
 };
+
+/// [`ONE_HEAD_FUSED_HEADS`] and [`ONE_HEAD_FUSED_MANY_HEADS`] as the body's const parameter.
+const ONE_HEAD_FUSED_HEADS_U: usize = ONE_HEAD_FUSED_HEADS as usize;
+const FOUR_HEADS_U: usize = ONE_HEAD_FUSED_MANY_HEADS as usize;
 
 /// The fused kernel's arguments: the RoPE arguments (q, k, positions, sin/cos) and the rest.
 struct Fused<T> {
