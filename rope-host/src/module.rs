@@ -39,10 +39,11 @@ pub const PTX_ARCH_VAR: &str = "ROPE_PTX_ARCH";
 /// 2^32 elements or more. Other values are ignored.
 pub const FUSED_ITEM_LOOP_VAR: &str = "ROPE_FUSED_ITEM_LOOP";
 
-/// Environment variable read when a context loads the kernels: `2` or `4` makes every launch of
-/// the NeoX 16-bit one-head fused kernels take that many heads per thread, which they otherwise
-/// choose by the launch's size (four for launches of many waves), so that tests reach both at
-/// any size. Other values are ignored; [`FUSED_ITEM_LOOP_VAR`] comes first.
+/// Environment variable read when a context loads the kernels: `2` or `4` makes every NeoX
+/// 16-bit fused launch that takes the one-head mapping take two heads per thread (the one-head
+/// kernels) or four (the four-heads kernels), which the launch's size otherwise chooses (four
+/// for launches of many waves), so that tests reach both at any size. Other values are
+/// ignored; [`FUSED_ITEM_LOOP_VAR`] comes first.
 pub const FUSED_THREAD_HEADS_VAR: &str = "ROPE_FUSED_THREAD_HEADS";
 
 /// The fused kernels the environment pins ([`FUSED_ITEM_LOOP_VAR`], [`FUSED_THREAD_HEADS_VAR`]).

@@ -776,14 +776,16 @@ unsafe fn fp8_multipliers<const U: usize>(
     m
 }
 
-/// The one-head body ([`Access::OneHead`]) for `L` elements per access.
+/// The one-head body ([`Access::OneHead`], and [`Access::FourHeads`] with `U` four) for `L`
+/// elements per access.
 ///
 /// A token's threads form a sequence of warps: q's `q_warps`, then k's `k_warps`, then v's
 /// `v_warps`, each tensor's threads (one per `U` consecutive heads and one group: thread `n` of
 /// a tensor takes heads `U (n / groups) ..` and group `n % groups`) in warps of their own, so
-/// the tensor, its pointers, strides and stores are the same in a whole warp. Block `blockIdx.x` holds warps `blockIdx.x * blockDim.x / 32 ..` of the sequence of
-/// token `blockIdx.z * gridDim.y + blockIdx.y`, so that one cos/sin computation serves every
-/// q and k warp of the block.
+/// the tensor, its pointers, strides and stores are the same in a whole warp. Block
+/// `blockIdx.x` holds warps `blockIdx.x * blockDim.x / 32 ..` of the sequence of token
+/// `blockIdx.z * gridDim.y + blockIdx.y`, so that one cos/sin computation serves every q and k
+/// warp of the block.
 ///
 /// A thread issues its heads' loads, finds its cos/sin (table rows; or from the block's shared
 /// arithmetic), then normalises (with the sums of each head's `groups` lanes), rotates and

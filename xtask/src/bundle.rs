@@ -70,8 +70,9 @@ for t in $executables; do
     echo "== ROPE_FUSED_ITEM_LOOP=1 $t fused"
     ROPE_FUSED_ITEM_LOOP=1 "$t" --test-threads=4 fused || status=1
 done
-# And with the NeoX 16-bit one-head kernels' heads per thread pinned to four, then two, which
-# they otherwise choose by the launch's size (four for prefill-sized launches only).
+# And with NeoX 16-bit launches pinned to four heads per thread (the four-heads kernels), then
+# two (the one-head kernels), which the launch's size otherwise chooses (four for prefill-sized
+# launches only).
 for n in 4 2; do
     for t in $executables; do
         echo "== ROPE_FUSED_THREAD_HEADS=$n $t fused"

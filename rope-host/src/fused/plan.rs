@@ -102,26 +102,18 @@ pub(crate) enum FusedChoice {
 /// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).
 const REGISTERS_PER_SM: u32 = 65_536;
 
-/// Heads per thread for a launch of one-head `kernel` over `tokens` tokens whose grid has
-/// `warps` warps per token: [`ONE_HEAD_FUSED_MANY_HEADS`] (its four-heads kernel) where it has
-/// one and that grid's threads are more than twice what `facts`' device holds of it at once at
-/// its registers (many waves: at prefill the launch is bound by the instructions it issues, and
-/// four heads share a thread's set-up), else [`ONE_HEAD_FUSED_HEADS`] (decode: each thread's
-/// chain stays short, and the launch fills the device anyway).
-fn heads_by_size(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> u32 {
-    let Some(registers) = kernel
-        .one_head_registers()
-        .filter(|&r| r > 0 && kernel.four_heads().is_some())
-    else {
-        return ONE_HEAD_FUSED_HEADS;
+/// Whether a launch of one-head `kernel` over `tokens` tokens, `warps` warps per token, has
+/// more than twice the threads `facts`' device holds of it at once at its registers: many
+/// waves, where the launch is bound by the instructions it issues and four heads per thread
+/// share a thread's set-up (prefill); otherwise two keep each thread's chain short, and the
+/// launch fills the device anyway (decode).
+fn many_waves(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> bool {
+    let Some(registers) = kernel.one_head_registers().filter(|&r| r > 0) else {
+        return false;
     };
     let resident = u64::from(facts.sm_count)
         * u64::from(facts.threads_per_sm.min(REGISTERS_PER_SM / registers));
-    if tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident {
-        ONE_HEAD_FUSED_MANY_HEADS
-    } else {
-        ONE_HEAD_FUSED_HEADS
-    }
+    tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident
 }
 
 /// Items of one token and head that the normalisation's warp-shuffle sum can span.
@@ -218,10 +210,10 @@ pub(crate) fn plan_fused(
     };
     // A launch at the preferred width whose tensors each span fewer than 2^32 elements (and
     // whose cache holds at most 2^32 slots) takes the one-head kernels: a thread per two (or
-    // four: `heads_by_size`) heads and access, no head loop (at decode its length is one head's chain; at prefill its many
-    // resident threads keep more loads in flight than the item loop, which holds one block of
-    // heads per thread), with 32-bit element offsets and slot division. Other launches take
-    // the item loop.
+    // four: the four-heads kernels, `many_waves`) heads and access, no head loop (at decode
+    // its length is one head's chain; at prefill its many resident threads keep more loads in
+    // flight than the item loop, which holds one block of heads per thread), with 32-bit
+    // element offsets and slot division. Other launches take the item loop.
     let one_head = choice != FusedChoice::ItemLoop
         && kernel.access == Access::Wide
         && spans_below_2_32(&req.rope)
@@ -245,21 +237,20 @@ pub(crate) fn plan_fused(
             .map_or(0, |(_, l)| l.heads as u32),
     ];
     let warps_at = |heads: u32| stored_heads.map(|h| one_head_warps(h, groups, heads));
-    let thread_heads = match choice {
-        FusedChoice::ThreadHeads(ONE_HEAD_FUSED_MANY_HEADS) if kernel.four_heads().is_some() => {
-            ONE_HEAD_FUSED_MANY_HEADS
-        }
-        FusedChoice::Auto if one_head => heads_by_size(
+    // Only a one-head kernel has a four-heads kernel, so the item loop never takes one.
+    let four_heads = kernel.four_heads().filter(|_| match choice {
+        FusedChoice::ThreadHeads(n) => n == ONE_HEAD_FUSED_MANY_HEADS,
+        FusedChoice::Auto => many_waves(
             kernel,
             facts,
             tokens,
             warps_at(ONE_HEAD_FUSED_HEADS).iter().sum(),
         ),
-        _ => ONE_HEAD_FUSED_HEADS,
-    };
-    let kernel = match kernel.four_heads() {
-        Some(four) if thread_heads == ONE_HEAD_FUSED_MANY_HEADS => four,
-        _ => kernel,
+        FusedChoice::ItemLoop => false,
+    });
+    let (kernel, thread_heads) = match four_heads {
+        Some(four) => (four, ONE_HEAD_FUSED_MANY_HEADS),
+        None => (kernel, ONE_HEAD_FUSED_HEADS),
     };
     let one_head_warps = if one_head {
         warps_at(thread_heads)

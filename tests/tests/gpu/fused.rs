@@ -85,10 +85,9 @@ enum Size {
     Small,
     /// Thousands of tokens and 17-23 q and k heads (odd counts leave a thread's second head
     /// empty): prefill-sized launches, more threads than any of this project's GPUs holds at
-    /// once. Both sizes run on the one-head fused kernels (the NeoX 16-bit ones with four heads
-    /// per thread at this size, two at the small one, either when `ROPE_FUSED_THREAD_HEADS`
-    /// pins it), and on the item loop when `ROPE_FUSED_ITEM_LOOP=1` (as `gpu-bundle/run.sh`
-    /// runs them again).
+    /// once. Both sizes run on the one-head fused kernels (NeoX 16-bit launches of this size on
+    /// the four-heads kernels, either when `ROPE_FUSED_THREAD_HEADS` pins it), and on the item
+    /// loop when `ROPE_FUSED_ITEM_LOOP=1` (as `gpu-bundle/run.sh` runs them again).
     Large,
 }
 
