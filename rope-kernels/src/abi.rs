@@ -782,9 +782,10 @@ impl FusedKernelName {
     /// at 72; 64 measured faster at prefill on an H200, level on an H100). `None` for the other
     /// kernels.
     pub const fn one_head_registers(self) -> Option<u32> {
-        match (self.access, self.style, self.dtype) {
-            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(48),
-            (Access::OneHead | Access::FourHeads, _, _) => Some(64),
+        match self.access {
+            // The one-head kernels that have four-heads kernels beside them keep two heads.
+            Access::OneHead if self.four_heads().is_some() => Some(48),
+            Access::OneHead | Access::FourHeads => Some(64),
             _ => None,
         }
     }
