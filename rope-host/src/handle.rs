@@ -18,6 +18,9 @@ pub(crate) struct DeviceFacts {
     /// Threads one multiprocessor holds at once (2048 on sm_80 and sm_90, 1536 on sm_86 and
     /// sm_89).
     pub(crate) threads_per_sm: u32,
+    /// Peak DRAM bandwidth in GB/s: twice the memory clock times the bus width (3352 on an
+    /// H100 SXM, 4915 on an H200).
+    pub(crate) dram_gb_per_s: u32,
 }
 
 /// Per-thread resources of one kernel as compiled for the device; see [`Rope::resources`].
@@ -117,6 +120,13 @@ impl Rope {
             threads_per_sm: attribute(
                 CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR,
             )?,
+            // kHz times bits, two transfers a clock: kHz * bits / 4e6 is GB/s.
+            dram_gb_per_s: (u64::from(attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+            )?) * u64::from(attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+            )?) / 4_000_000)
+                .min(u64::from(u32::MAX)) as u32,
         };
         Ok(Self {
             stream,

@@ -210,7 +210,47 @@ pub enum Access {
     /// registers two heads need (48) and these the 64 four need. The RoPE kernels have none: a
     /// [`KernelName`] of this access names its one-head kernel.
     FourHeads,
+    /// The fused NeoX kernels of 16-bit elements and heads of [`ROWS_HEAD_DIM`] elements for
+    /// sm_90 ([`FusedKernelName::rows`]): a persistent grid whose blocks walk tokens
+    /// `blockIdx.x, blockIdx.x + gridDim.x, ..`; the bulk copy engine brings each token's rows
+    /// of q's, k's and v's heads (each tensor's heads contiguous) into one of the block's
+    /// shared buffers, up to [`ROWS_MAX_STAGES`] tokens ahead, and each warp takes
+    /// [`ROWS_HEADS_STEPS`] steps over heads of one tensor, [`ROWS_GROUPS`] lanes per head
+    /// and four pairs per lane. The RoPE kernels have none: a [`KernelName`] of this access
+    /// names its one-head kernel.
+    Rows,
 }
+
+/// The head size of the rows kernels ([`Access::Rows`]).
+pub const ROWS_HEAD_DIM: u32 = 128;
+
+/// Lanes per head of the rows kernels ([`Access::Rows`]): four NeoX pairs each.
+pub const ROWS_GROUPS: u32 = ROWS_HEAD_DIM / 8;
+
+/// Heads a warp of the rows kernels ([`Access::Rows`]) holds per step.
+pub const ROWS_HEADS_PER_STEP: u32 = 32 / ROWS_GROUPS;
+
+/// Steps over heads each warp of the rows kernels ([`Access::Rows`]) takes per token, so
+/// `ROWS_HEADS_STEPS *` [`ROWS_HEADS_PER_STEP`] heads per warp.
+pub const ROWS_HEADS_STEPS: u32 = 4;
+
+/// The most warps in one block of the rows kernels ([`Access::Rows`]): every warp of a token
+/// and the producer warp.
+pub const ROWS_MAX_WARPS: u32 = 24;
+
+/// The most token buffers a block of the rows kernels ([`Access::Rows`]) holds (one mbarrier
+/// each, in the [`ROWS_DATA_OFFSET`] bytes before the buffers).
+pub const ROWS_MAX_STAGES: u32 = 4;
+
+/// Bytes after the rows in each token buffer of the rows kernels ([`Access::Rows`]): the
+/// token's cos and sin in `f32`, `ROWS_HEAD_DIM / 2` pairs.
+pub const ROWS_COS_SIN_BYTES: u32 = 4 * ROWS_HEAD_DIM;
+
+/// Where the rows kernels' token buffers start in their dynamic shared memory (bytes): the
+/// mbarriers come first, a "full" and an "empty" one per buffer. The kernels find their
+/// buffers' count from the launch's dynamic shared memory: `(bytes - ROWS_DATA_OFFSET) /
+/// (bytes of a token's rows +` [`ROWS_COS_SIN_BYTES`]`)`.
+pub const ROWS_DATA_OFFSET: u32 = 128;
 
 /// Elements per access of the [`Access::Wide`] kernels: 16 bytes, except for NeoX pairs of
 /// 16-bit elements, 8 bytes. A work item then rotates at most four pairs per head, so a token
@@ -640,7 +680,7 @@ macro_rules! kernel_table {
                     }
                     .symbol(),
                     // The RoPE kernels take one head per thread.
-                    (_, _, _, _, Access::FourHeads) => KernelName {
+                    (_, _, _, _, Access::FourHeads | Access::Rows) => KernelName {
                         access: Access::OneHead,
                         ..self
                     }
@@ -773,20 +813,45 @@ pub struct FusedKernelName {
 }
 
 impl FusedKernelName {
-    /// The registers per thread the one-head and four-heads kernels ([`Access::OneHead`],
-    /// [`Access::FourHeads`]) are held to (their `.maxnreg`, with `.maxntid` of
+    /// The registers per thread the one-head, four-heads and rows kernels ([`Access::OneHead`],
+    /// [`Access::FourHeads`], [`Access::Rows`]) are held to (their `.maxnreg`, with `.maxntid` of
     /// [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 48 for the NeoX one-head kernels of 16-bit elements,
     /// whose loads are all they keep in flight, so that more threads hold more bytes in flight
     /// (no spills on sm_90); 64 for the other one-head kernels (the interleaved 16-bit ones
     /// spilled at 48) and for the four-heads kernels (8-40 bytes of spills on sm_90 at 64, none
-    /// at 72; 64 measured faster at prefill on an H200, level on an H100). `None` for the other
-    /// kernels.
+    /// at 72; 64 measured faster at prefill on an H200, level on an H100); 72 for the rows
+    /// kernels ([`Access::Rows`], `.maxntid` of [`ROWS_MAX_WARPS`] warps), none spilled, where
+    /// 64 spilled 16-36 bytes and was slower at prefill on an H200 (FP8 87% of its copy against
+    /// 91%), and four blocks of up to seven warps still fit an sm_90 multiprocessor's 64 Ki
+    /// registers. `None` for the other kernels.
     pub const fn one_head_registers(self) -> Option<u32> {
         match self.access {
             // The one-head kernels that have four-heads kernels beside them keep two heads.
             Access::OneHead if self.four_heads().is_some() => Some(48),
             Access::OneHead | Access::FourHeads => Some(64),
+            Access::Rows => Some(72),
             _ => None,
+        }
+    }
+
+    /// The rows kernel ([`Access::Rows`]) of this one-head kernel, if it has one: the NeoX
+    /// kernels of 16-bit elements.
+    pub const fn rows(self) -> Option<Self> {
+        match (self.access, self.style, self.dtype) {
+            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(FusedKernelName {
+                access: Access::Rows,
+                ..self
+            }),
+            _ => None,
+        }
+    }
+
+    /// The threads one block of this kernel may hold (its `.maxntid`), for the one-head, four-heads
+    /// and rows kernels.
+    pub const fn max_block_threads(self) -> u32 {
+        match self.access {
+            Access::Rows => 32 * ROWS_MAX_WARPS,
+            _ => 32 * ONE_HEAD_FUSED_MAX_WARPS,
         }
     }
 
@@ -805,7 +870,7 @@ impl FusedKernelName {
 
 /// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, one-head symbol: Style,
 /// Source, DType, storage type;`, then `@four_heads` and every four-heads kernel (NeoX) as
-/// `symbol: Source, DType, storage type;`.
+/// `symbol: Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -832,6 +897,13 @@ macro_rules! for_each_fused_kernel {
             rope_fused_neox_table_bf16_four_heads: Table, BF16, Bf16;
             rope_fused_neox_table32_bf16_four_heads: TableF32, BF16, Bf16;
             rope_fused_neox_theta_bf16_four_heads: Theta, BF16, Bf16;
+            @rows
+            rope_fused_neox_table_f16_rows: Table, F16, Half;
+            rope_fused_neox_table32_f16_rows: TableF32, F16, Half;
+            rope_fused_neox_theta_f16_rows: Theta, F16, Half;
+            rope_fused_neox_table_bf16_rows: Table, BF16, Bf16;
+            rope_fused_neox_table32_bf16_rows: TableF32, BF16, Bf16;
+            rope_fused_neox_theta_bf16_rows: Theta, BF16, Bf16;
         }
     };
 }
@@ -843,11 +915,12 @@ macro_rules! fused_kernel_table {
     (
         $($sym:ident, $narrow:ident, $one_head:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fsrc:ident, $fdt:ident, $ft:ty;)*
+        @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
     ) => {
         impl FusedKernelName {
             /// Every fused kernel.
             pub const ALL: [FusedKernelName; 3 * [$(stringify!($sym)),*].len()
-                + [$(stringify!($four)),*].len()] = [$(
+                + [$(stringify!($four)),*].len() + [$(stringify!($rows)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -873,6 +946,13 @@ macro_rules! fused_kernel_table {
                     dtype: DType::$fdt,
                     access: Access::FourHeads,
                 },
+            )* $(
+                FusedKernelName {
+                    style: RopeStyle::Neox,
+                    source: SinCosSource::$rsrc,
+                    dtype: DType::$rdt,
+                    access: Access::Rows,
+                },
             )*];
 
             /// The exported PTX symbol.
@@ -896,8 +976,12 @@ macro_rules! fused_kernel_table {
                         (RopeStyle::Neox, SinCosSource::$fsrc, DType::$fdt, Access::FourHeads) =>
                             stringify!($four),
                     )*
-                    // Kernels without four-heads kernels take two heads per thread.
-                    (_, _, _, Access::FourHeads) => FusedKernelName {
+                    $(
+                        (RopeStyle::Neox, SinCosSource::$rsrc, DType::$rdt, Access::Rows) =>
+                            stringify!($rows),
+                    )*
+                    // Kernels without four-heads or rows kernels take two heads per thread.
+                    (_, _, _, Access::FourHeads | Access::Rows) => FusedKernelName {
                         access: Access::OneHead,
                         ..self
                     }

@@ -76,6 +76,9 @@ use crate::rope::{
     load_head, offset_u32, position, rotate_values_with, unrolled, vector_offsets, widen,
 };
 
+#[cfg(target_feature = "sm_90")]
+mod rows;
+
 /// [`ONE_HEAD_FUSED_HEADS`] and [`ONE_HEAD_FUSED_MANY_HEADS`] as the body's const parameter.
 const ONE_HEAD_FUSED_HEADS_U: usize = ONE_HEAD_FUSED_HEADS as usize;
 const FOUR_HEADS_U: usize = ONE_HEAD_FUSED_MANY_HEADS as usize;
@@ -282,49 +285,69 @@ fn head_range<T>(f: &Fused<T>) -> (u32, u32) {
     (first as u32, last as u32)
 }
 
-/// Token `t`'s cache slot, or `None` when the token writes no cache (no slots, or a slot that
-/// is negative or past the cache).
+/// Token `t`'s entry of `slots`, widened.
 ///
 /// # Safety
-/// `slots` is null or holds `tokens` integers of its width; `t < tokens`.
+/// `slots` holds `tokens` integers of its width; `t < tokens`.
 #[inline(always)]
-unsafe fn slot_of<T>(f: &Fused<T>, t: u64) -> Option<u64> {
-    if f.slots.is_null() {
-        return None;
-    }
+unsafe fn slot_value<T>(f: &Fused<T>, t: u64) -> i64 {
     // SAFETY: t < tokens, the promised length of `slots`.
-    let slot = unsafe {
+    unsafe {
         if f.slots_wide != 0 {
             *f.slots.cast::<i64>().add(t as usize)
         } else {
             *f.slots.cast::<i32>().add(t as usize) as i64
         }
-    };
+    }
+}
+
+/// `slot` as a slot of the cache, `None` when the token writes no cache: a negative slot
+/// (padding) or one past the cache.
+#[inline(always)]
+fn slot_in_cache<T>(f: &Fused<T>, slot: i64) -> Option<u64> {
     (slot >= 0 && (slot as u64) < f.cache_slots).then_some(slot as u64)
 }
 
+/// The element offset of `slot`'s block and row in the cache (see [`slot_in_cache`]).
+#[inline(always)]
+fn slot_offset<T>(f: &Fused<T>, slot: i64) -> Option<u64> {
+    let (block, row) = f.block.div_rem(slot_in_cache(f, slot)?);
+    Some(block * f.cache_strides[0] + row * f.cache_strides[1])
+}
+
 /// The element offset of token `t`'s cache slot (block and row), or `None` when the token
-/// writes no cache (see [`slot_of`]).
+/// writes no cache (no slots, or see [`slot_in_cache`]).
 ///
 /// # Safety
-/// As [`slot_of`].
+/// `slots` is null or holds `tokens` integers of its width; `t < tokens`.
 #[inline(always)]
 unsafe fn cache_slot<T>(f: &Fused<T>, t: u64) -> Option<u64> {
+    if f.slots.is_null() {
+        return None;
+    }
     // SAFETY: the caller's promise.
-    let slot = unsafe { slot_of(f, t) }?;
-    let (block, row) = f.block.div_rem(slot);
-    Some(block * f.cache_strides[0] + row * f.cache_strides[1])
+    slot_offset(f, unsafe { slot_value(f, t) })
 }
 
 /// [`cache_slot`] with the slot divided in 32 bits, for caches of at most 2^32 slots.
 ///
 /// # Safety
-/// As [`slot_of`], and `cache_slots <= 2^32`.
+/// As [`cache_slot`], and `cache_slots <= 2^32`.
 #[inline(always)]
 unsafe fn cache_slot_u32<T>(f: &Fused<T>, t: u64) -> Option<u64> {
-    // SAFETY: the caller's promise; a slot below cache_slots fits in u32.
-    let slot = unsafe { slot_of(f, t) }? as u32;
-    let (block, row) = f.block.div_rem_u32(slot);
+    if f.slots.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's promise.
+    slot_offset_u32(f, unsafe { slot_value(f, t) })
+}
+
+/// [`slot_offset`] with the slot divided in 32 bits: for caches of at most 2^32 slots, whose
+/// slots all fit in `u32` (the callers check `cache_slots`).
+#[inline(always)]
+fn slot_offset_u32<T>(f: &Fused<T>, slot: i64) -> Option<u64> {
+    // A slot below cache_slots <= 2^32 fits in u32.
+    let (block, row) = f.block.div_rem_u32(slot_in_cache(f, slot)? as u32);
     Some(u64::from(block) * f.cache_strides[0] + u64::from(row) * f.cache_strides[1])
 }
 
@@ -341,20 +364,6 @@ unsafe fn store_head<T: Elem, P: Pairing, const L: usize>(
     (j0, half): (usize, usize),
     y: &[[f32; L]; 2],
 ) {
-    #[inline(always)]
-    unsafe fn put<D: Elem, P: Pairing, const L: usize>(
-        head: *mut D,
-        (first, second): (usize, usize),
-        y: [[f32; L]; 2],
-    ) {
-        // SAFETY: the element ranges `load_head` reads, inside the head (the caller's promise).
-        unsafe {
-            D::store_rounded(head.add(first), y[0]);
-            if P::NEOX {
-                D::store_rounded(head.add(second), y[1]);
-            }
-        }
-    }
     let at = vector_offsets::<P>(j0, half);
     // SAFETY: the caller's promises.
     unsafe {
@@ -368,6 +377,26 @@ unsafe fn store_head<T: Elem, P: Pairing, const L: usize>(
                 put::<Fp8, P, L>(head.cast(), at, scaled)
             }
             None => put::<T, P, L>(head.cast(), at, *y),
+        }
+    }
+}
+
+/// Rounds one head's vectors `y` to `D` and stores them at the element offsets `first` and
+/// (NeoX) `second` of `head`, as [`store_head`] does.
+///
+/// # Safety
+/// The element ranges [`load_head`] reads lie inside the head, aligned to `L`.
+#[inline(always)]
+unsafe fn put<D: Elem, P: Pairing, const L: usize>(
+    head: *mut D,
+    (first, second): (usize, usize),
+    y: [[f32; L]; 2],
+) {
+    // SAFETY: the element ranges `load_head` reads, inside the head (the caller's promise).
+    unsafe {
+        D::store_rounded(head.add(first), y[0]);
+        if P::NEOX {
+            D::store_rounded(head.add(second), y[1]);
         }
     }
 }
@@ -1008,6 +1037,40 @@ unsafe fn store_heads<T: Elem, P: Pairing, const L: usize, const U: usize>(
     }
 }
 
+/// The rows body ([`Access::Rows`]: NeoX pairs of 16-bit elements, heads of
+/// [`crate::abi::ROWS_HEAD_DIM`] elements, four pairs per lane; see [`rows`]).
+///
+/// A persistent grid: block `blockIdx.x` walks tokens `blockIdx.x, blockIdx.x + gridDim.x,
+/// ..`. Its warps `0..q_warps` take q's heads, then k's, then v's, two heads a step,
+/// [`crate::abi::ROWS_HEADS_STEPS`] steps, each lane reading its head's elements `4g..4g + 4`
+/// and `64 + 4g..` from the token's rows in shared memory; its last warp brings the rows there
+/// with the bulk copy engine and finds cos/sin.
+///
+/// # Safety
+/// The promises of the entry points, and: built for sm_90; `head_dim =`
+/// [`crate::abi::ROWS_HEAD_DIM`]; `blockDim.x = 32 * (q_warps + k_warps + v_warps + 1)`, each
+/// tensor's warps covering its stored heads at `2 *` [`crate::abi::ROWS_HEADS_STEPS`] heads per
+/// warp (q's at least one); every stored tensor's heads of a token contiguous (`stride_head =
+/// head_dim`), its token rows 16-byte aligned; the launch's dynamic shared memory holds
+/// [`crate::abi::ROWS_DATA_OFFSET`] bytes and then `stages` (1 to
+/// [`crate::abi::ROWS_MAX_STAGES`]) buffers, each the three rows of a token and
+/// [`crate::abi::ROWS_COS_SIN_BYTES`]; a cache of at most 2^32 slots.
+#[inline(always)]
+unsafe fn rows_body<T: Elem, P: Pairing, S: Source>(f: &Fused<T>) {
+    // The bulk copies and mbarriers exist from sm_90 on; the host never launches the rows
+    // kernels of older builds.
+    #[cfg(not(target_feature = "sm_90"))]
+    {
+        let _ = f;
+        trap()
+    }
+    #[cfg(target_feature = "sm_90")]
+    // SAFETY: the caller's promises.
+    unsafe {
+        rows::body::<T, P, S>(f)
+    }
+}
+
 /// The kernel body for `L` elements per access (the wide and narrow kernels).
 ///
 /// # Safety
@@ -1081,6 +1144,7 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T
     const NARROW: u8 = Access::Narrow as u8;
     const ONE_HEAD: u8 = Access::OneHead as u8;
     const FOUR_HEADS: u8 = Access::FourHeads as u8;
+    const ROWS: u8 = Access::Rows as u8;
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (ACCESS, T::SIZE, f.rope.lanes, P::NEOX) {
@@ -1093,6 +1157,7 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T
             (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8, ONE_HEAD_FUSED_HEADS_U>(f),
             (ONE_HEAD, 2, _, true) => one_head_body::<T, P, S, 4, ONE_HEAD_FUSED_HEADS_U>(f),
             (FOUR_HEADS, 2, _, true) => one_head_body::<T, P, S, 4, FOUR_HEADS_U>(f),
+            (ROWS, 2, _, true) => rows_body::<T, P, S>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(f),
             (NARROW, _, 1, true) => body::<T, P, S, 1>(f),
@@ -1176,6 +1241,7 @@ macro_rules! fused_kernel {
         $($wide:ident, $narrow:ident, $one_head:ident:
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fsource:ident, $fdt:ident, $ft:ty;)*
+        @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
     ) => {
         $(
             crate::fused_kernel_params!(fused_entry { $wide, Wide: $pairing, $source, $t });
@@ -1184,6 +1250,9 @@ macro_rules! fused_kernel {
         )*
         $(
             crate::fused_kernel_params!(fused_entry { $four, FourHeads: Neox, $fsource, $ft });
+        )*
+        $(
+            crate::fused_kernel_params!(fused_entry { $rows, Rows: Neox, $rsource, $rt });
         )*
     };
 }

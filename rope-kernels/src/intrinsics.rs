@@ -117,6 +117,226 @@ pub unsafe fn shared_load_f32s<const N: usize>(i: u32) -> [f32; N] {
     v
 }
 
+/// The rows kernels' shared memory, bulk copies and mbarriers (sm_90 and newer: PTX ISA 8.0).
+#[cfg(target_feature = "sm_90")]
+pub mod bulk {
+    use core::arch::{asm, global_asm};
+
+    // The rows kernels' dynamic shared memory, sized by each launch (`.extern`: only kernels that
+    // take its address use it).
+    global_asm!(".extern .shared .align 128 .b8 rope_rows_shared[];");
+
+    /// The bytes of dynamic shared memory this launch gave each block (`%dynamic_smem_size`).
+    #[inline(always)]
+    pub fn dynamic_shared_bytes() -> u32 {
+        let n: u32;
+        // SAFETY: reads a special register; touches no memory.
+        unsafe {
+            asm!(
+                "mov.u32 {n}, %dynamic_smem_size;",
+                n = out(reg32) n,
+                options(pure, nomem, nostack, preserves_flags),
+            )
+        };
+        n
+    }
+
+    /// The `.shared` address of byte `offset` of the rows kernels' dynamic shared memory.
+    #[inline(always)]
+    pub fn rows_shared(offset: u32) -> u32 {
+        let a: u32;
+        // SAFETY: takes an address; touches no memory.
+        unsafe {
+            asm!(
+                "mov.u32 {a}, rope_rows_shared;",
+                "add.u32 {a}, {a}, {o};",
+                a = out(reg32) a,
+                o = in(reg32) offset,
+                options(pure, nomem, nostack, preserves_flags),
+            )
+        };
+        a
+    }
+
+    /// Loads 8 bytes (two 32-bit words) of shared memory at `.shared` address `at`
+    /// (`ld.shared.v2.b32`).
+    ///
+    /// # Safety
+    /// `at` is 8-byte aligned inside the block's shared memory, written before a barrier (or an
+    /// mbarrier wait) this thread has passed since.
+    #[inline(always)]
+    pub unsafe fn shared_load_u32x2(at: u32) -> [u32; 2] {
+        let (a, b): (u32, u32);
+        // SAFETY: the caller's promise; reads shared memory only.
+        unsafe {
+            asm!(
+                "ld.shared.v2.b32 {{{a}, {b}}}, [{at}];",
+                at = in(reg32) at,
+                a = out(reg32) a,
+                b = out(reg32) b,
+                options(nostack, preserves_flags, readonly),
+            )
+        };
+        [a, b]
+    }
+
+    /// Initialises the mbarrier at `.shared` address `bar` for `count` arrivals per phase
+    /// (`mbarrier.init`), and makes it visible to the bulk copy engine
+    /// (`fence.mbarrier_init.release.cluster`); a block barrier must follow before others use it.
+    ///
+    /// # Safety
+    /// `bar` is 8-byte aligned shared memory that nothing else uses while the mbarrier lives.
+    #[inline(always)]
+    pub unsafe fn mbarrier_init(bar: u32, count: u32) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            asm!(
+                "mbarrier.init.shared::cta.b64 [{b}], {n};",
+                "fence.mbarrier_init.release.cluster;",
+                b = in(reg32) bar,
+                n = in(reg32) count,
+                options(nostack, preserves_flags),
+            )
+        };
+    }
+
+    /// Arrives on the mbarrier `bar` (`mbarrier.arrive`, release: this thread's earlier
+    /// memory accesses happen before a wait that sees the phase complete).
+    ///
+    /// # Safety
+    /// `bar` was set up by [`mbarrier_init`]; the phase expects this arrival.
+    #[inline(always)]
+    pub unsafe fn mbarrier_arrive(bar: u32) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            asm!(
+                "mbarrier.arrive.shared::cta.b64 _, [{b}];",
+                b = in(reg32) bar,
+                options(nostack, preserves_flags),
+            )
+        };
+    }
+
+    /// Loads four `f32` of shared memory at `.shared` address `at` (`ld.shared.v4.f32`).
+    ///
+    /// # Safety
+    /// `at` is 16-byte aligned inside the block's shared memory, written before a barrier (or
+    /// an mbarrier wait) this thread has passed since.
+    #[inline(always)]
+    pub unsafe fn shared_load_f32x4(at: u32) -> [f32; 4] {
+        let (a, b, c, d): (f32, f32, f32, f32);
+        // SAFETY: the caller's promise; reads shared memory only.
+        unsafe {
+            asm!(
+                "ld.shared.v4.f32 {{{a}, {b}, {c}, {d}}}, [{at}];",
+                at = in(reg32) at,
+                a = out(reg32) a,
+                b = out(reg32) b,
+                c = out(reg32) c,
+                d = out(reg32) d,
+                options(nostack, preserves_flags, readonly),
+            )
+        };
+        [a, b, c, d]
+    }
+
+    /// Stores `v` to shared memory at `.shared` address `at` (`st.shared.f32`).
+    ///
+    /// # Safety
+    /// `at` is 4-byte aligned inside the block's shared memory that no other thread accesses
+    /// until a barrier (or an mbarrier phase) orders it.
+    #[inline(always)]
+    pub unsafe fn shared_store_f32_at(at: u32, v: f32) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            asm!(
+                "st.shared.f32 [{at}], {v};",
+                at = in(reg32) at,
+                v = in(reg32) v,
+                options(nostack, preserves_flags),
+            )
+        };
+    }
+
+    /// `bar.warp.sync` over the whole warp: every lane arrives, and the shared-memory writes
+    /// before it are visible to the warp's reads after it.
+    #[inline(always)]
+    pub fn sync_warp() {
+        // SAFETY: all 32 lanes of the calling warp reach it (the callers' loops are
+        // warp-uniform).
+        unsafe {
+            asm!(
+                "bar.warp.sync 0xffffffff;",
+                options(nostack, preserves_flags)
+            )
+        };
+    }
+
+    /// Starts copying `bytes` bytes from global `src` to `.shared` address `dst` with the bulk
+    /// copy engine (`cp.async.bulk`), completing on the mbarrier `bar`, after this thread's own
+    /// arrival on `bar` announced `expected` bytes (`mbarrier.arrive.expect_tx`; pass the
+    /// phase's total with its first copy, 0 with the others). Orders this thread's earlier
+    /// shared-memory accesses before the copy (`fence.proxy.async.shared::cta`).
+    ///
+    /// # Safety
+    /// `src` holds `bytes` readable bytes and `dst` as many in shared memory that nothing reads or
+    /// writes until the mbarrier's phase completes; both 16-byte aligned, `bytes` a multiple of
+    /// 16; `bar` was set up by [`mbarrier_init`].
+    #[inline(always)]
+    pub unsafe fn bulk_load(bar: u32, expected: u32, dst: u32, src: *const u8, bytes: u32) {
+        // SAFETY: the caller's promises.
+        unsafe {
+            if expected != 0 {
+                asm!(
+                    "fence.proxy.async.shared::cta;",
+                    "mbarrier.arrive.expect_tx.shared::cta.b64 _, [{b}], {n};",
+                    b = in(reg32) bar,
+                    n = in(reg32) expected,
+                    options(nostack, preserves_flags),
+                );
+            }
+            asm!(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{s}], {n}, [{b}];",
+                d = in(reg32) dst,
+                s = in(reg64) src,
+                n = in(reg32) bytes,
+                b = in(reg32) bar,
+                options(nostack, preserves_flags),
+            )
+        };
+    }
+
+    /// Waits until the phase of parity `parity` of the mbarrier `bar` completes
+    /// (`mbarrier.try_wait.parity` in a loop): the bulk copies it counts have landed in shared
+    /// memory and are visible to this thread.
+    ///
+    /// # Safety
+    /// `bar` was set up by [`mbarrier_init`].
+    #[inline(always)]
+    pub unsafe fn mbarrier_wait(bar: u32, parity: u32) {
+        loop {
+            let done: u32;
+            // SAFETY: the caller's promise; the `asm` may read memory, so no load moves above it.
+            unsafe {
+                asm!(
+                    "{{",
+                    ".reg .pred rope_done;",
+                    "mbarrier.try_wait.parity.shared::cta.b64 rope_done, [{b}], {p};",
+                    "selp.u32 {d}, 1, 0, rope_done;",
+                    "}}",
+                    b = in(reg32) bar,
+                    p = in(reg32) parity,
+                    d = out(reg32) done,
+                    options(nostack, preserves_flags),
+                )
+            };
+            if done != 0 {
+                break;
+            }
+        }
+    }
+}
+
 /// `bar.sync 0, threads`: waits until `threads` threads of the block (a multiple of 32, whole
 /// warps) arrive, and makes the shared-memory writes before it visible to the reads after it
 /// among them. Exactly that many threads must reach it; the others may have left the kernel.

@@ -72,8 +72,9 @@ for t in $executables; do
 done
 # And with NeoX 16-bit launches pinned to four heads per thread (the four-heads kernels), then
 # two (the one-head kernels), which the launch's size otherwise chooses (four for prefill-sized
-# launches only).
-for n in 4 2; do
+# launches only), then to the rows kernels where they can serve them (sm_90; otherwise only
+# prefill-sized FP8 launches on devices of high DRAM bandwidth take them).
+for n in 4 2 rows; do
     for t in $executables; do
         echo "== ROPE_FUSED_THREAD_HEADS=$n $t fused"
         ROPE_FUSED_THREAD_HEADS=$n "$t" --test-threads=4 fused || status=1

@@ -3,7 +3,9 @@
 use rope_kernels::abi::{Access, DType, FusedKernelName, MAX_FUSED_ITEMS, NormCode};
 
 use super::CacheLayout;
-use super::plan::{FusedChoice, FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
+use super::plan::{
+    FusedChoice, FusedPlan, FusedRequest, ROWS_STAGES, RawCache, RawNorm, RawScale, plan_fused,
+};
 use crate::Direction;
 use crate::bind::RawBuf;
 use crate::error::{Error, Result};
@@ -81,8 +83,9 @@ fn plan_with(r: &FusedRequest, choice: FusedChoice) -> Result<Option<FusedPlan>>
     let facts = DeviceFacts {
         sm_count: 132,
         threads_per_sm: 2048,
+        dram_gb_per_s: 4915,
     };
-    plan_fused(r, &facts, &|_: FusedKernelName| 8, choice)
+    plan_fused(r, &facts, &|_: FusedKernelName| 8, choice, false)
 }
 
 /// [`request`] of `style` at `tokens` tokens (32 q, 8 k and 8 v heads of 128, one slot each),
@@ -185,6 +188,102 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
     assert_eq!(
         planned(RopeStyle::Interleaved, 64, pinned(4)),
         (2, [8, 2, 2])
+    );
+}
+
+/// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8, or
+/// any size when pinned, whose stored tensors' token rows are contiguous and 16-byte aligned: a
+/// block of every warp of a token (8 heads a warp at 128 elements a head) and the producer
+/// warp, two buffers of the three rows after the mbarriers in its shared memory. Without the
+/// sm_90 build, with 16-bit stores only, with heads apart, or on a device of less DRAM
+/// bandwidth (an H100's), the four-heads kernels keep them.
+#[test]
+fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dram() {
+    let h200 = DeviceFacts {
+        sm_count: 132,
+        threads_per_sm: 2048,
+        dram_gb_per_s: 4915,
+    };
+    let h100 = DeviceFacts {
+        dram_gb_per_s: 3352,
+        ..h200
+    };
+    let plan_on = |facts: &DeviceFacts, r: &FusedRequest, choice, bulk_rows| {
+        plan_fused(r, facts, &|_: FusedKernelName| 8, choice, bulk_rows)
+            .expect("valid")
+            .expect("non-empty")
+    };
+    let plan = |r: &FusedRequest, choice, bulk_rows| plan_on(&h200, r, choice, bulk_rows);
+    let mut r = with_tokens(RopeStyle::Neox, 8192);
+    assert_eq!(
+        plan(&r, FusedChoice::Auto, true).kernel.access,
+        Access::FourHeads
+    );
+    let scale = |arg, ptr| RawScale {
+        arg,
+        buf: buf(ptr, 1),
+        per_head: false,
+    };
+    r.cache.as_mut().expect("cache").fp8 =
+        Some((scale("k_scale", 1 << 47), scale("v_scale", 1 << 48)));
+    let p = plan(&r, FusedChoice::Auto, true);
+    assert_eq!(p.kernel.access, Access::Rows);
+    assert_eq!(
+        plan_on(&h100, &r, FusedChoice::Auto, true).kernel.access,
+        Access::FourHeads
+    );
+    assert_eq!(
+        plan_on(&h100, &r, FusedChoice::Rows(ROWS_STAGES), true)
+            .kernel
+            .access,
+        Access::Rows
+    );
+    assert_eq!(p.one_head_warps, [4, 1, 1]);
+    assert_eq!(p.grid.config.block_dim, (224, 1, 1));
+    let buffer = 48 * 128 * 2 + 4 * 128;
+    assert_eq!(p.grid.config.shared_mem_bytes, 128 + 2 * buffer);
+    // Three buffers where asked; four do not fit 48 KiB, so three.
+    for (asked, held) in [(3, 3), (4, 3)] {
+        let p = plan(&r, FusedChoice::Rows(asked), true);
+        assert_eq!(p.grid.config.shared_mem_bytes, 128 + held * buffer);
+    }
+    assert_eq!(
+        plan(&r, FusedChoice::Auto, false).kernel.access,
+        Access::FourHeads
+    );
+    assert_eq!(
+        plan(&with_tokens(RopeStyle::Neox, 64), FusedChoice::Auto, true)
+            .kernel
+            .access,
+        Access::OneHead
+    );
+    assert_eq!(
+        plan(
+            &with_tokens(RopeStyle::Neox, 64),
+            FusedChoice::Rows(ROWS_STAGES),
+            true
+        )
+        .kernel
+        .access,
+        Access::Rows
+    );
+    assert_eq!(
+        plan(
+            &with_tokens(RopeStyle::Interleaved, 8192),
+            FusedChoice::Rows(ROWS_STAGES),
+            true
+        )
+        .kernel
+        .access,
+        Access::OneHead
+    );
+    // q's heads apart (a head stride past head_dim): no whole rows.
+    let mut apart = r;
+    apart.rope.q.x_layout.strides = [32 * 136, 32 * 136, 136];
+    apart.rope.q.x = buf(1 << 40, apart.rope.q.x_layout.end().expect("fits"));
+    assert_eq!(
+        plan(&apart, FusedChoice::Auto, true).kernel.access,
+        Access::FourHeads
     );
 }
 

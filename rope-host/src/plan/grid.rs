@@ -163,6 +163,7 @@ mod tests {
     const H200: DeviceFacts = DeviceFacts {
         sm_count: 132,
         threads_per_sm: 2048,
+        dram_gb_per_s: 4915,
     };
 
     /// The grid of `tokens` tokens (one sequence row each) on an H200: 132 multiprocessors
@@ -250,6 +251,7 @@ mod tests {
         let sm86 = DeviceFacts {
             sm_count: 132,
             threads_per_sm: 1536,
+            ..H200
         };
         let g = grid((8192, 1), 16, 32, &sm86, 10)
             .expect("fits")

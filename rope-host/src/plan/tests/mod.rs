@@ -37,6 +37,7 @@ fn facts(sm_count: u32) -> DeviceFacts {
     DeviceFacts {
         sm_count,
         threads_per_sm: 2048,
+        dram_gb_per_s: 4915,
     }
 }
 
