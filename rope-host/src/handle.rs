@@ -19,7 +19,8 @@ pub(crate) struct DeviceFacts {
     /// sm_89).
     pub(crate) threads_per_sm: u32,
     /// Peak DRAM bandwidth in GB/s: twice the memory clock times the bus width (3352 on an
-    /// H100 SXM, 4915 on an H200).
+    /// H100 SXM, 4915 on an H200; 0 where the driver reports no memory clock, so that only
+    /// choices made for slower memory apply).
     pub(crate) dram_gb_per_s: u32,
 }
 
