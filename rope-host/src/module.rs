@@ -4,7 +4,10 @@ use std::sync::{Arc, Mutex, Weak};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
-use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS, PtxBuild};
+use rope_kernels::abi::{
+    Access, BLOCK_THREADS, FusedKernelName, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS,
+    PtxBuild,
+};
 
 use crate::error::Result;
 use crate::fused::{FusedChoice, ROWS_STAGES};
@@ -105,6 +108,8 @@ pub(crate) struct Module {
     /// else the one-head kernels at the heads per thread of [`FUSED_THREAD_HEADS_VAR`] when it
     /// is `2` or `4`, else chosen per launch.
     pub(crate) fused_choice: FusedChoice,
+    /// Whether the rows kernels come from [`PTX_SM90`] (see [`Module::bulk_rows`]).
+    bulk_rows: bool,
     /// The modules the functions come from ([`PTX`], and [`PTX_SM89`] or [`PTX_SM90`] where
     /// loaded), kept alive with them.
     _modules: Vec<Arc<CudaModule>>,
@@ -164,6 +169,27 @@ impl Module {
         self.loaded(symbol).blocks_per_sm
     }
 
+    /// Blocks of `threads` threads and `shared_bytes` of dynamic shared memory of the kernel
+    /// `symbol` that one multiprocessor of this device holds at once (the driver's occupancy
+    /// calculation; at least 1).
+    pub(crate) fn blocks_per_sm_at(
+        &self,
+        symbol: &str,
+        threads: u32,
+        shared_bytes: u32,
+    ) -> Result<u32> {
+        let blocks = self
+            .function(symbol)
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes as usize, None)?;
+        Ok(blocks.max(1))
+    }
+
+    /// Whether the rows kernels ([`rope_kernels::abi::Access::Rows`]) run: they come from
+    /// [`PTX_SM90`] (elsewhere they are stubs that trap).
+    pub(crate) fn bulk_rows(&self) -> bool {
+        self.bulk_rows
+    }
+
     /// Loads [`PTX`] and the newest partial build the device runs: [`PTX_SM90`] from compute
     /// capability 9.0 on, [`PTX_SM89`] on 8.9 (unless [`PTX_ARCH_VAR`] caps the build, or the
     /// driver rejects the newer PTX ISA: then the kernels come from [`PTX`]).
@@ -198,11 +224,20 @@ impl Module {
                     dependent_launch: build == PtxBuild::Sm90,
                 })
             })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<Loaded>>>()?;
+        let bulk_rows = FusedKernelName::ALL
+            .iter()
+            .filter(|k| k.access == Access::Rows)
+            .all(|k| {
+                functions
+                    .iter()
+                    .any(|l| l.symbol == k.symbol() && l.dependent_launch)
+            });
         Ok(Self {
             ctx: ctx.clone(),
             functions,
             fused_choice: fused_choice_from_env(),
+            bulk_rows,
             _modules: std::iter::once(module)
                 .chain(newer.map(|(_, m)| m))
                 .collect(),

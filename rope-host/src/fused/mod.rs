@@ -25,11 +25,12 @@
 //! As [`Rope::run`]: bind, plan (`plan.rs`: validation, access width, grid), encode, launch.
 
 mod plan;
+mod rows;
 #[cfg(test)]
 mod tests;
 
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig};
-use rope_kernels::abi::{Access, FormatCode, FusedKernelName, NormCode};
+use cudarc::driver::{CudaView, CudaViewMut};
+use rope_kernels::abi::{FormatCode, FusedKernelName, NormCode};
 
 use crate::bind::Binder;
 use crate::error::Result;
@@ -40,8 +41,10 @@ use crate::op::{RopeElem, RopeOp, Tensor, TensorMut};
 use crate::plan::TensorReq;
 use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};
-pub(crate) use plan::{FusedChoice, ROWS_STAGES};
+pub(crate) use plan::FusedChoice;
 use plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
+pub(crate) use rows::ROWS_STAGES;
+use rows::RowsLaunch;
 
 /// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
 /// OLMo 2): `x_e / sqrt(mean_e(x_e^2) + eps) * w_e`, computed in `f32`.
@@ -280,37 +283,15 @@ impl Rope {
     /// Every address of `req` is device memory of this context holding the length given,
     /// alive and not used by others until the kernel has finished on the stream.
     unsafe fn launch_fused(&self, req: &FusedRequest, on: FreqUse) -> Result<()> {
-        let blocks = |k: rope_kernels::abi::FusedKernelName| self.module.blocks_per_sm(k.symbol());
-        // The rows kernels run where the kernels come from the sm_90 build.
-        let bulk_rows = self.module.dependent_launch(
-            FusedKernelName::ALL
-                .iter()
-                .find(|k| k.access == Access::Rows)
-                .map_or("", |k| k.symbol()),
-        );
-        let choice = self.module.fused_choice;
-        let Some(mut plan) = plan_fused(req, &self.facts, &blocks, choice, bulk_rows)? else {
+        let module = &self.module;
+        let blocks = |k: FusedKernelName| module.blocks_per_sm(k.symbol());
+        let rows_blocks = |k: FusedKernelName, l: &RowsLaunch| {
+            module.blocks_per_sm_at(k.symbol(), l.threads, l.shared_bytes)
+        };
+        let rows = module.bulk_rows().then_some(&rows_blocks as _);
+        let Some(plan) = plan_fused(req, &self.facts, &blocks, module.fused_choice, rows)? else {
             return Ok(());
         };
-        if plan.kernel.access == Access::Rows {
-            // A persistent grid: the blocks the device holds at once, each walking tokens.
-            let LaunchConfig {
-                block_dim,
-                shared_mem_bytes,
-                ..
-            } = plan.grid.config;
-            let per_sm = self
-                .module
-                .function(plan.kernel.symbol())
-                .occupancy_max_active_blocks_per_multiprocessor(
-                    block_dim.0,
-                    shared_mem_bytes as usize,
-                    None,
-                )?
-                .max(1);
-            let resident = u64::from(self.facts.sm_count) * u64::from(per_sm);
-            plan.grid.config.grid_dim.0 = plan.tokens.min(resident) as u32;
-        }
         let positions = req.rope.positions.encode(&plan.positions);
         let sincos = req
             .rope

@@ -4,16 +4,14 @@
 
 use std::num::NonZeroU32;
 
-use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{
     Access, BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, NormCode,
-    ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS, ROWS_COS_SIN_BYTES, ROWS_DATA_OFFSET,
-    ROWS_GROUPS, ROWS_HEAD_DIM, ROWS_HEADS_PER_STEP, ROWS_HEADS_STEPS, ROWS_MAX_STAGES,
-    ROWS_MAX_WARPS, preferred_lanes,
+    ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS, preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
 
 use super::CacheLayout;
+use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
 use crate::bind::RawBuf;
 use crate::error::{Result, invalid};
 use crate::handle::DeviceFacts;
@@ -126,7 +124,9 @@ fn many_waves(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: 
 const MAX_NORM_GROUPS: u32 = 32;
 
 /// Validates a fused request and computes its launch: `None` when there is nothing to do.
-/// `choice` pins the kernels for tests (see [`FusedChoice`]).
+/// `choice` pins the kernels for tests (see [`FusedChoice`]); `rows_occupancy` is given where
+/// the rows kernels run (sm_90 builds) and says how many blocks of theirs a multiprocessor
+/// holds.
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming the first offending argument.
@@ -135,7 +135,7 @@ pub(crate) fn plan_fused(
     facts: &DeviceFacts,
     blocks_per_sm: &dyn Fn(FusedKernelName) -> u32,
     choice: FusedChoice,
-    bulk_rows: bool,
+    rows_occupancy: Option<RowsOccupancy>,
 ) -> Result<Option<FusedPlan>> {
     let cfg = &req.rope.config;
     check_config(cfg)?;
@@ -255,53 +255,30 @@ pub(crate) fn plan_fused(
         ),
         FusedChoice::ItemLoop => false,
     });
-    // The rows kernels (sm_90 builds, `bulk_rows`) take what the four-heads kernels would of
-    // launches that store FP8 (q's output or the cache) on devices of at least
-    // `ROWS_FP8_MIN_DRAM_GB_PER_S`, and launches pinned to them, where every stored tensor's
-    // token rows can be copied whole.
-    let stores_fp8 = req.q_fp8.is_some() || req.cache.is_some_and(|c| c.fp8.is_some());
-    let fast_dram = facts.dram_gb_per_s >= ROWS_FP8_MIN_DRAM_GB_PER_S;
-    let rows = kernel
-        .rows()
-        .filter(|_| {
-            bulk_rows
-                && match choice {
-                    FusedChoice::Rows(_) => true,
-                    FusedChoice::Auto => four_heads.is_some() && stores_fp8 && fast_dram,
-                    _ => false,
-                }
-        })
-        .and_then(|rows| {
-            let stages = match choice {
-                FusedChoice::Rows(n) => n,
-                _ => ROWS_STAGES,
-            };
-            Some((
-                rows,
-                rows_launch(req, (groups, rot_groups), stored_heads, stages)?,
-            ))
-        });
+    let rows = rows_occupancy.and_then(|occupancy| {
+        let launch = rows_kernel(
+            req,
+            kernel,
+            choice,
+            four_heads.is_some(),
+            facts,
+            (groups, rot_groups),
+            stored_heads,
+        )?;
+        Some((launch, occupancy))
+    });
     let (kernel, thread_heads) = match four_heads {
         Some(four) => (four, ONE_HEAD_FUSED_MANY_HEADS),
         None => (kernel, ONE_HEAD_FUSED_HEADS),
     };
     let (kernel, one_head_warps) = match rows {
-        Some((rows, launch)) => (rows, launch.warps),
+        Some(((rows, launch), _)) => (rows, launch.warps),
         None if one_head => (kernel, warps_at(thread_heads)),
         None => (kernel, [0; 3]),
     };
-    let grid = if let Some((_, launch)) = rows {
-        Grid {
-            config: LaunchConfig {
-                // The launch lowers this to the blocks the device holds at once.
-                grid_dim: (tokens.min(u64::from(u32::MAX)) as u32, 1, 1),
-                block_dim: (launch.threads, 1, 1),
-                shared_mem_bytes: launch.shared_bytes,
-            },
-            heads_per_chunk: 0,
-            seq: Divisor::new(NonZeroU32::new(q.seq as u32).expect("tokens > 0")),
-            groups: Divisor::new(NonZeroU32::new(groups).expect("groups > 0")),
-        }
+    let grid = if let Some(((rows, launch), occupancy)) = rows {
+        let resident = u64::from(facts.sm_count) * u64::from(occupancy(rows, &launch)?.max(1));
+        rows_grid(&launch, (tokens, q.seq as u32), groups, resident)
     } else if one_head {
         fused_grid((tokens, q.seq as u32), groups, one_head_warps)?
             .expect("tokens, seq, heads and groups are non-zero")
@@ -339,88 +316,6 @@ pub(crate) fn plan_fused(
         cache_slots,
         one_head_warps,
     }))
-}
-
-/// A rows kernel's launch ([`Access::Rows`]): warps per block of q's, k's and v's heads, the
-/// block's threads and its dynamic shared memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct RowsLaunch {
-    pub(crate) warps: [u32; 3],
-    pub(crate) threads: u32,
-    pub(crate) shared_bytes: u32,
-}
-
-/// Shared memory a block may take without asking the driver for more (48 KiB).
-const ROWS_MAX_SHARED: u64 = 48 * 1024;
-
-/// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the rows kernels take
-/// the FP8 launches of the four-heads kernels. At prefill (8192 tokens, 32 + 8 + 8 heads of
-/// 128, norm, rotation, FP8 q and cache; docs/perf.md) they reached 91% of the copy of their
-/// bytes on an H200 (4915 GB/s) against the four-heads kernels' 78%, and 91% on an H100 SXM
-/// (3352 GB/s) against 95%; the bound lies between. The 16-bit stores stay with the four-heads
-/// kernels on both.
-pub(crate) const ROWS_FP8_MIN_DRAM_GB_PER_S: u32 = 4000;
-
-/// Token buffers per block of the rows kernels: the copies run one token ahead of the
-/// arithmetic.
-pub(crate) const ROWS_STAGES: u32 = 2;
-
-/// The rows kernels' launch for `req` with up to `stages` token buffers (each a token's rows and
-/// [`ROWS_COS_SIN_BYTES`]; fewer where they do not fit the block's shared memory after
-/// [`ROWS_DATA_OFFSET`]; at least two), or `None` when
-/// they cannot serve it: heads of [`ROWS_HEAD_DIM`] elements in `groups = rot_groups =`
-/// [`ROWS_GROUPS`] accesses, and each of the `stored` tensors' (q, k, v) heads of a token one
-/// contiguous, 16-byte aligned row (heads `head_dim` elements apart, the tensor's address and
-/// batch and seq strides multiples of 16 bytes). A block holds the warps of the stored heads
-/// and one more, which brings the rows and finds cos/sin.
-pub(crate) fn rows_launch(
-    req: &FusedRequest,
-    (groups, rot_groups): (u32, u32),
-    stored: [u32; 3],
-    stages: u32,
-) -> Option<RowsLaunch> {
-    let head_dim = req.rope.config.head_dim();
-    if head_dim != ROWS_HEAD_DIM || groups != ROWS_GROUPS || rot_groups != ROWS_GROUPS {
-        return None;
-    }
-    let es = req.rope.dtype.size() as u64;
-    let k = req.rope.k?;
-    let inputs = [
-        Some((req.rope.q.x, req.rope.q.x_layout)),
-        Some((k.x, k.x_layout)),
-        req.v,
-    ];
-    let row_ok = |(buf, l): (RawBuf, Layout)| {
-        let start = buf.ptr.wrapping_add(l.offset as u64 * es);
-        let strided = |n: usize, stride: usize| n <= 1 || (stride as u64 * es).is_multiple_of(16);
-        start.is_multiple_of(16)
-            && l.strides[2] == l.head_dim
-            && strided(l.batch, l.strides[0])
-            && strided(l.seq, l.strides[1])
-    };
-    let heads_per_warp = ROWS_HEADS_PER_STEP * ROWS_HEADS_STEPS;
-    let mut warps = [0; 3];
-    let mut row = 0u64;
-    for ((w, &heads), input) in warps.iter_mut().zip(&stored).zip(inputs) {
-        if heads == 0 {
-            continue;
-        }
-        if !row_ok(input?) {
-            return None;
-        }
-        *w = heads.div_ceil(heads_per_warp);
-        row += u64::from(heads) * u64::from(head_dim) * es;
-    }
-    let all = warps.iter().sum::<u32>() + 1;
-    // Each buffer holds a token's rows and its cos/sin.
-    let buffer = row + u64::from(ROWS_COS_SIN_BYTES);
-    let fit = (ROWS_MAX_SHARED - u64::from(ROWS_DATA_OFFSET)) / buffer;
-    let stages = u64::from(stages.clamp(2, ROWS_MAX_STAGES)).min(fit);
-    (all <= ROWS_MAX_WARPS && stages >= 2).then_some(RowsLaunch {
-        warps,
-        threads: 32 * all,
-        shared_bytes: (u64::from(ROWS_DATA_OFFSET) + stages * buffer) as u32,
-    })
 }
 
 /// The fused kernels rotate the whole head, forward.

@@ -3,9 +3,8 @@
 use rope_kernels::abi::{Access, DType, FusedKernelName, MAX_FUSED_ITEMS, NormCode};
 
 use super::CacheLayout;
-use super::plan::{
-    FusedChoice, FusedPlan, FusedRequest, ROWS_STAGES, RawCache, RawNorm, RawScale, plan_fused,
-};
+use super::plan::{FusedChoice, FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
+use super::rows::{ROWS_STAGES, RowsLaunch, RowsOccupancy};
 use crate::Direction;
 use crate::bind::RawBuf;
 use crate::error::{Error, Result};
@@ -85,7 +84,7 @@ fn plan_with(r: &FusedRequest, choice: FusedChoice) -> Result<Option<FusedPlan>>
         threads_per_sm: 2048,
         dram_gb_per_s: 4915,
     };
-    plan_fused(r, &facts, &|_: FusedKernelName| 8, choice, false)
+    plan_fused(r, &facts, &|_: FusedKernelName| 8, choice, None)
 }
 
 /// [`request`] of `style` at `tokens` tokens (32 q, 8 k and 8 v heads of 128, one slot each),
@@ -194,9 +193,10 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
 /// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8, or
 /// any size when pinned, whose stored tensors' token rows are contiguous and 16-byte aligned: a
 /// block of every warp of a token (8 heads a warp at 128 elements a head) and the producer
-/// warp, two buffers of the three rows after the mbarriers in its shared memory. Without the
-/// sm_90 build, with 16-bit stores only, with heads apart, or on a device of less DRAM
-/// bandwidth (an H100's), the four-heads kernels keep them.
+/// warp, two buffers of the three rows after the mbarriers in its shared memory, as many
+/// blocks as the device holds at once (at most one per token). Without the sm_90 build, with
+/// 16-bit stores only, with heads apart, or on a device of less DRAM bandwidth (an H100's), the
+/// four-heads kernels keep them.
 #[test]
 fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dram() {
     let h200 = DeviceFacts {
@@ -208,8 +208,11 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
         dram_gb_per_s: 3352,
         ..h200
     };
-    let plan_on = |facts: &DeviceFacts, r: &FusedRequest, choice, bulk_rows| {
-        plan_fused(r, facts, &|_: FusedKernelName| 8, choice, bulk_rows)
+    // Four blocks of a rows kernel per multiprocessor, where the sm_90 build runs.
+    let four = |_: FusedKernelName, _: &RowsLaunch| -> Result<u32> { Ok(4) };
+    let plan_on = |facts: &DeviceFacts, r: &FusedRequest, choice, bulk_rows: bool| {
+        let rows = bulk_rows.then_some(&four as RowsOccupancy);
+        plan_fused(r, facts, &|_: FusedKernelName| 8, choice, rows)
             .expect("valid")
             .expect("non-empty")
     };
@@ -240,6 +243,7 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     );
     assert_eq!(p.one_head_warps, [4, 1, 1]);
     assert_eq!(p.grid.config.block_dim, (224, 1, 1));
+    assert_eq!(p.grid.config.grid_dim, (132 * 4, 1, 1));
     let buffer = 48 * 128 * 2 + 4 * 128;
     assert_eq!(p.grid.config.shared_mem_bytes, 128 + 2 * buffer);
     // Three buffers where asked; four do not fit 48 KiB, so three.
@@ -257,16 +261,13 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
             .access,
         Access::OneHead
     );
-    assert_eq!(
-        plan(
-            &with_tokens(RopeStyle::Neox, 64),
-            FusedChoice::Rows(ROWS_STAGES),
-            true
-        )
-        .kernel
-        .access,
-        Access::Rows
+    let few = plan(
+        &with_tokens(RopeStyle::Neox, 64),
+        FusedChoice::Rows(ROWS_STAGES),
+        true,
     );
+    assert_eq!(few.kernel.access, Access::Rows);
+    assert_eq!(few.grid.config.grid_dim, (64, 1, 1));
     assert_eq!(
         plan(
             &with_tokens(RopeStyle::Interleaved, 8192),
