@@ -834,15 +834,15 @@ impl FusedKernelName {
         }
     }
 
-    /// The rows kernel ([`Access::Rows`]) of this one-head kernel, if it has one: the NeoX
-    /// kernels of 16-bit elements.
+    /// The rows kernel ([`Access::Rows`]) of this one-head kernel, if it has one: those that
+    /// have a four-heads kernel ([`Self::four_heads`]) have one.
     pub const fn rows(self) -> Option<Self> {
-        match (self.access, self.style, self.dtype) {
-            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(FusedKernelName {
+        match self.four_heads() {
+            Some(_) => Some(FusedKernelName {
                 access: Access::Rows,
                 ..self
             }),
-            _ => None,
+            None => None,
         }
     }
 
