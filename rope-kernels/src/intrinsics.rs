@@ -158,8 +158,8 @@ pub mod bulk {
         a
     }
 
-    /// Loads 8 bytes (two 32-bit words) of shared memory at `.shared` address `at`
-    /// (`ld.shared.v2.b32`).
+    /// Loads 8 bytes (two 32-bit words) of shared memory at `.shared` address `at`, as one
+    /// vector `ld.shared` of two `.b32`.
     ///
     /// # Safety
     /// `at` is 8-byte aligned inside the block's shared memory, written before a barrier (or an
@@ -217,7 +217,8 @@ pub mod bulk {
         };
     }
 
-    /// Loads four `f32` of shared memory at `.shared` address `at` (`ld.shared.v4.f32`).
+    /// Loads four `f32` of shared memory at `.shared` address `at`, as one vector `ld.shared`
+    /// of four `.f32`.
     ///
     /// # Safety
     /// `at` is 16-byte aligned inside the block's shared memory, written before a barrier (or
