@@ -68,8 +68,8 @@ use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
-    rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32, shuffle_xor,
-    sync_threads_count, thread_idx_x, trap, wait_for_prior_grids,
+    rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32, shuffle_idx,
+    shuffle_xor, sync_threads_count, thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
@@ -261,6 +261,73 @@ fn segment_sums<const U: usize>(v: [f32; U], width: u32) -> [f32; U] {
         32 => butterfly(v, 32),
         _ => butterfly(v, width),
     }
+}
+
+/// Each of `U` heads' normalisation factor `1 / sqrt(sum * inv_dim + eps)`, where `sum` is the
+/// head's value of `squares` summed over the `width` lanes of this thread's segment (as
+/// [`segment_sums`]); every lane of a segment gets the same factors. Every lane of the warp
+/// must call it.
+///
+/// Four heads over at least four lanes take a reduce-scatter: two exchange steps leave each
+/// lane of four with one head's partial sum (two shuffles, then one), the remaining steps sum
+/// it over the segment, each lane finds its own head's factor, and four indexed shuffles
+/// gather the four factors: 9 shuffles, 5 additions and one reciprocal square root where the
+/// butterfly takes 16, 16 and four. Lanes holding the same head add the same values in the
+/// same order, so the factors agree across the segment.
+#[inline(always)]
+fn norm_factors<const U: usize>(squares: [f32; U], width: u32, inv_dim: f32, eps: f32) -> [f32; U] {
+    let factor = |sum: f32| inverse_sqrt(mul_add(sum, inv_dim, eps));
+    if U != 4 || width < 4 {
+        let sums = segment_sums(squares, width);
+        let mut out = [0.0f32; U];
+        unrolled(U, |u| out[u] = factor(sums[u]));
+        return out;
+    }
+    // `% U` keeps the indices in bounds in the instances that return above.
+    let s = |u: usize| squares[u % U];
+    let lane = thread_idx_x() % 32;
+    // Lane bit 0 keeps heads 2 and 3 (else 0 and 1) and sends its partner the other two.
+    let (keep, send) = if lane & 1 != 0 {
+        ((s(2), s(3)), (s(0), s(1)))
+    } else {
+        ((s(0), s(1)), (s(2), s(3)))
+    };
+    let pair = (
+        keep.0 + shuffle_xor(send.0, 1, u32::MAX),
+        keep.1 + shuffle_xor(send.1, 1, u32::MAX),
+    );
+    // Lane bit 1 keeps the second of its pair: the lane now holds head `2 * bit0 + bit1`.
+    let (keep, send) = if lane & 2 != 0 {
+        (pair.1, pair.0)
+    } else {
+        (pair.0, pair.1)
+    };
+    let mut sum = keep + shuffle_xor(send, 2, u32::MAX);
+    // The widths of heads of 64, 128 and 256 elements as straight-line code.
+    match width {
+        4 => {}
+        8 => sum += shuffle_xor(sum, 4, u32::MAX),
+        16 => {
+            sum += shuffle_xor(sum, 4, u32::MAX);
+            sum += shuffle_xor(sum, 8, u32::MAX);
+        }
+        _ => {
+            let mut step = 4;
+            while step < width {
+                sum += shuffle_xor(sum, step, u32::MAX);
+                step <<= 1;
+            }
+        }
+    }
+    let own = factor(sum);
+    // Head h's factor sits on lane `base + (h >> 1) + 2 (h & 1)` of this lane's four.
+    let base = lane & !3;
+    let mut out = [0.0f32; U];
+    unrolled(U, |u| {
+        let h = u as u32;
+        out[u] = shuffle_idx(own, base + (h >> 1) + 2 * (h & 1), u32::MAX);
+    });
+    out
 }
 
 /// [`segment_sums`]'s steps, unrolled where `width` is a constant.
@@ -574,17 +641,10 @@ fn sum_squares<P: Pairing, const L: usize>(v: &[[f32; L]; 2]) -> f32 {
     sum
 }
 
-/// Normalises one head's values in place: `x_e <- x_e * r * w_e` with `r = 1 / sqrt(sum *
-/// inv_dim + eps)` from the head's sum of squares.
+/// Normalises one head's values in place: `x_e <- x_e * r * w_e`, where `r = 1 / sqrt(sum *
+/// inv_dim + eps)` is the head's factor from its sum of squares (see [`norm_factors`]).
 #[inline(always)]
-fn normalise<const L: usize>(
-    v: &mut [[f32; L]; 2],
-    w: &[[f32; L]; 2],
-    sum: f32,
-    inv_dim: f32,
-    eps: f32,
-) {
-    let r = inverse_sqrt(mul_add(sum, inv_dim, eps));
+fn normalise<const L: usize>(v: &mut [[f32; L]; 2], w: &[[f32; L]; 2], r: f32) {
     unrolled(L, |k| {
         v[0][k] = v[0][k] * r * w[0][k];
         v[1][k] = v[1][k] * r * w[1][k];
@@ -692,11 +752,15 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
         // Every lane of the warp takes this branch: `norm` and the heads are the grid's.
         let mut squares = [0.0f32; U];
         unrolled(U, |u| squares[u] = sum_squares::<P, L>(&v[u]));
-        let sums = segment_sums(squares, a.groups.divisor.get());
         // Recomputed per block (four instructions) rather than held in a register throughout.
         let inv_dim = reciprocal(f.head_dim as f32);
+        let sums = segment_sums(squares, a.groups.divisor.get());
         unrolled(U, |u| {
-            normalise(&mut v[u], &w, sums[u], inv_dim, f.norm_eps)
+            normalise(
+                &mut v[u],
+                &w,
+                inverse_sqrt(mul_add(sums[u], inv_dim, f.norm_eps)),
+            )
         });
     }
     if !item.active {
@@ -944,12 +1008,10 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
         let w = weights_f32(f, if S::TABLE { early_weights } else { weights() });
         let mut squares = [0.0f32; U];
         unrolled(U, |u| squares[u] = sum_squares::<P, L>(&v[u]));
-        let sums = segment_sums(squares, groups);
         // Exact for powers of two, within one ulp otherwise.
         let inv_dim = rcp_approx_ftz(f.head_dim as f32);
-        unrolled(U, |u| {
-            normalise(&mut v[u], &w, sums[u], inv_dim, f.norm_eps)
-        });
+        let factors = norm_factors(squares, groups, inv_dim, f.norm_eps);
+        unrolled(U, |u| normalise(&mut v[u], &w, factors[u]));
     }
     if !active {
         return;

@@ -479,25 +479,42 @@ pub fn prefetch_l2<T>(ptr: *const T) {
     };
 }
 
-/// `v` of the lane `lane ^ lane_xor` of this thread's warp (`shfl.sync.bfly.b32`), among the
-/// lanes of `members`, which must all execute this call and include that lane.
-#[inline(always)]
-pub fn shuffle_xor(v: f32, lane_xor: u32, members: u32) -> f32 {
-    let out: f32;
-    // SAFETY: a register exchange between the converged lanes of `members` (the caller's
-    // promise); no memory is touched.
-    unsafe {
-        asm!(
-            "shfl.sync.bfly.b32 {d}, {v}, {x}, 31, {m};",
-            d = out(reg32) out,
-            v = in(reg32) v,
-            x = in(reg32) lane_xor,
-            m = in(reg32) members,
-            options(nomem, nostack, preserves_flags),
-        )
+/// Defines a warp shuffle of one `f32` (`shfl.sync` in mode `$mode`): `v` of the lane its
+/// second argument names, among the lanes of `members`, which must all execute the call and
+/// include that lane.
+macro_rules! shuffle {
+    ($(#[$doc:meta])* $name:ident, $mode:literal) => {
+        $(#[$doc])*
+        #[inline(always)]
+        pub fn $name(v: f32, lane: u32, members: u32) -> f32 {
+            let out: f32;
+            // SAFETY: a register exchange between the converged lanes of `members` (the
+            // caller's promise); no memory is touched.
+            unsafe {
+                asm!(
+                    concat!("shfl.sync.", $mode, ".b32 {d}, {v}, {l}, 31, {m};"),
+                    d = out(reg32) out,
+                    v = in(reg32) v,
+                    l = in(reg32) lane,
+                    m = in(reg32) members,
+                    options(nomem, nostack, preserves_flags),
+                )
+            };
+            out
+        }
     };
-    out
 }
+
+shuffle!(
+    /// `v` of lane `lane` of this thread's warp (`shfl.sync.idx.b32`).
+    shuffle_idx,
+    "idx"
+);
+shuffle!(
+    /// `v` of lane `this lane ^ lane` of this thread's warp (`shfl.sync.bfly.b32`).
+    shuffle_xor,
+    "bfly"
+);
 
 /// Defines a function for a one-operand approximate `f32` instruction (no slow path, so no
 /// call: the correctly rounded `div`/`sqrt`/`rcp` sequences call a subroutine for rare operands,
