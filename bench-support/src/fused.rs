@@ -9,6 +9,9 @@
 //! - each fused variant and the unfused sequence again with programmatic dependent launch
 //!   (`StreamOverlap::Programmatic`, rows marked `PDL`; the same launches as the others where
 //!   the device has no sm_90 kernels).
+//!
+//! Sin/cos are computed in the kernels unless [`SINCOS_VAR`] is `table` (a bf16
+//! `cos_sin_cache`, vLLM's format).
 
 use std::sync::Arc;
 
@@ -18,7 +21,7 @@ use rope_host::half::bf16;
 use rope_host::{
     CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, Io, KOut, KvCache,
     Layout, NormWeight, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
-    StreamOverlap, Tensor, TensorMut,
+    SinCosTables, StreamOverlap, TableFormat, Tensor, TensorMut,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -176,10 +179,20 @@ struct Buffers {
     v_cache: CudaSlice<bf16>,
     k_cache8: CudaSlice<u8>,
     v_cache8: CudaSlice<u8>,
+    /// vLLM's `cos_sin_cache` when [`SINCOS_VAR`] asks for it, else sin/cos are computed.
+    table: Option<SinCosTables<bf16>>,
 }
 
+/// Environment variable: `table` makes every fused launch read sin/cos from a bf16
+/// `cos_sin_cache` (vLLM's format) instead of computing them.
+pub const SINCOS_VAR: &str = "ROPE_BENCH_FUSED_SINCOS";
+
 impl Buffers {
-    fn new(stream: &Arc<CudaStream>, tokens: usize) -> anyhow::Result<Self> {
+    fn new(
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        table: Option<SinCosTables<bf16>>,
+    ) -> anyhow::Result<Self> {
         let fill = |n: usize, k: f32| -> Vec<bf16> {
             (0..n)
                 .map(|i| bf16::from_f32((i as f32 * k).sin()))
@@ -212,6 +225,7 @@ impl Buffers {
             v_cache: stream.alloc_zeros(cache)?,
             k_cache8: stream.alloc_zeros(cache)?,
             v_cache8: stream.alloc_zeros(cache)?,
+            table,
         })
     }
 
@@ -231,7 +245,10 @@ impl Buffers {
                 ids: DeviceInts::I64(self.ids.as_view()),
                 shape: IdsShape::PerRow,
             },
-            sincos: SinCos::Computed { theta: THETA },
+            sincos: match &self.table {
+                Some(t) => t.sincos(),
+                None => SinCos::Computed { theta: THETA },
+            },
         };
         let norm = |on: bool| {
             on.then(|| QkNorm {
@@ -373,7 +390,18 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         if !shapes.contains(&shape) {
             continue;
         }
-        let mut bufs = Buffers::new(&stream, tokens)?;
+        // Positions are 1000 + t % 4096 (`Buffers::new`).
+        let table = (std::env::var(SINCOS_VAR).as_deref() == Ok("table"))
+            .then(|| {
+                handles.get(StreamOverlap::None).build_tables::<bf16>(
+                    THETA,
+                    D as u32,
+                    1000 + 4096,
+                    TableFormat::Combined,
+                )
+            })
+            .transpose()?;
+        let mut bufs = Buffers::new(&stream, tokens, table)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
         for (v, _, _, overlap) in VARIANTS {
