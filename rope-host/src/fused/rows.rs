@@ -7,7 +7,7 @@ use std::num::NonZeroU32;
 use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{
     FusedKernelName, ROWS_COS_SIN_BYTES, ROWS_DATA_OFFSET, ROWS_GROUPS, ROWS_HEAD_DIM,
-    ROWS_HEADS_PER_STEP, ROWS_HEADS_STEPS, ROWS_MAX_STAGES, ROWS_MAX_WARPS,
+    ROWS_HEADS_PER_STEP, ROWS_HEADS_STEPS, ROWS_MAX_STAGES, ROWS_MAX_WARPS, SinCosSource,
 };
 use rope_kernels::divide::Divisor;
 
@@ -36,12 +36,15 @@ pub(crate) struct RowsLaunch {
 const ROWS_MAX_SHARED: u64 = 48 * 1024;
 
 /// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the rows kernels take
-/// the FP8 launches of the four-heads kernels. At prefill (8192 tokens, 32 + 8 + 8 heads of
-/// 128, norm, rotation, FP8 q and cache; docs/perf.md) they reached 91% of the copy of their
-/// bytes on an H200 (4915 GB/s) against the four-heads kernels' 78%, and 91% on an H100 SXM
-/// (3352 GB/s) against 95%; the bound lies between. The 16-bit stores stay with the four-heads
-/// kernels on both.
-pub(crate) const ROWS_FP8_MIN_DRAM_GB_PER_S: u32 = 4000;
+/// the launches of the four-heads kernels that store FP8 or read sin/cos from a table; below it
+/// they take those that do both. At prefill (8192 tokens, 32 + 8 + 8 heads of 128; share of the
+/// copy of each launch's bytes, docs/perf.md), rows against four-heads kernels:
+///
+/// | device | FP8, computed | FP8, table | 16-bit, table | 16-bit, computed |
+/// |---|---|---|---|---|
+/// | H200 (4915 GB/s) | 91% / 78% | 90% / 90% | 88-90% / 76-88% | 87-90% / 89-93% |
+/// | H100 SXM (3352 GB/s) | 92% / 96% | 93% / 89% | 90-92% / 91-96% | 91-92% / 95-96% |
+pub(crate) const ROWS_MIN_DRAM_GB_PER_S: u32 = 4000;
 
 /// Token buffers per block of the rows kernels: the copies run one token ahead of the
 /// arithmetic.
@@ -108,7 +111,8 @@ fn rows_launch(
 /// The rows kernel and launch that take `req` of the one-head `kernel`, if any: every launch
 /// they can serve ([`rows_launch`]) when `choice` pins them, and under [`FusedChoice::Auto`]
 /// the launches the four-heads kernels would take (`four_heads`) that store FP8 (q's output or
-/// the cache) on devices of at least [`ROWS_FP8_MIN_DRAM_GB_PER_S`].
+/// the cache) or read sin/cos from a table on devices of at least [`ROWS_MIN_DRAM_GB_PER_S`],
+/// and those that do both on any device.
 pub(crate) fn rows_kernel(
     req: &FusedRequest,
     kernel: FusedKernelName,
@@ -119,12 +123,16 @@ pub(crate) fn rows_kernel(
     stored: [u32; 3],
 ) -> Option<(FusedKernelName, RowsLaunch)> {
     let stores_fp8 = req.q_fp8.is_some() || req.cache.is_some_and(|c| c.fp8.is_some());
+    let table = kernel.source != SinCosSource::Theta;
     let stages = match choice {
         FusedChoice::Rows(n) => n,
-        FusedChoice::Auto
-            if four_heads && stores_fp8 && facts.dram_gb_per_s >= ROWS_FP8_MIN_DRAM_GB_PER_S =>
-        {
-            ROWS_STAGES
+        FusedChoice::Auto if four_heads => {
+            let fast = facts.dram_gb_per_s >= ROWS_MIN_DRAM_GB_PER_S;
+            if (fast && (stores_fp8 || table)) || (stores_fp8 && table) {
+                ROWS_STAGES
+            } else {
+                return None;
+            }
         }
         _ => return None,
     };

@@ -13,7 +13,7 @@ use crate::layout::Layout;
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{Request, TensorReq};
 use crate::positions::{IntType, RawInts, RawPositions};
-use crate::sincos::RawSinCos;
+use crate::sincos::{RawSinCos, TableShape};
 
 /// Decode of Qwen3-8B-like shapes: 64 tokens, 32 q and 8 kv heads of 128.
 const TOKENS: usize = 64;
@@ -190,15 +190,15 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
     );
 }
 
-/// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8, or
-/// any size when pinned, whose stored tensors' token rows are contiguous and 16-byte aligned: a
+/// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8 or
+/// read sin/cos from a table, or any size when pinned, whose stored tensors' token rows are contiguous and 16-byte aligned: a
 /// block of every warp of a token (8 heads a warp at 128 elements a head) and the producer
 /// warp, two buffers of the three rows after the mbarriers in its shared memory, as many
 /// blocks as the device holds at once (at most one per token). Without the sm_90 build, with
-/// 16-bit stores only, with heads apart, or on a device of less DRAM bandwidth (an H100's), the
-/// four-heads kernels keep them.
+/// 16-bit stores of computed sin/cos, with heads apart, or on a device of less DRAM bandwidth
+/// (an H100's) unless they both store FP8 and read a table, the four-heads kernels keep them.
 #[test]
-fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dram() {
+fn rows_kernels_take_fp8_and_table_launches_of_many_waves_with_contiguous_rows_on_fast_dram() {
     let h200 = DeviceFacts {
         sm_count: 132,
         threads_per_sm: 2048,
@@ -222,6 +222,28 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
         plan(&r, FusedChoice::Auto, true).kernel.access,
         Access::FourHeads
     );
+    // sin/cos from a table: the rows kernels on fast DRAM too.
+    let mut table = r;
+    let len = 8192 * D / 2;
+    table.rope.sincos = RawSinCos::Table {
+        cos: buf(1 << 49, len),
+        sin: buf(1 << 50, len),
+        dtype: DType::BF16,
+        shape: TableShape {
+            max_position: 8192,
+            rotary_dim: D as u32,
+        },
+    };
+    assert_eq!(
+        plan(&table, FusedChoice::Auto, true).kernel.access,
+        Access::Rows
+    );
+    assert_eq!(
+        plan_on(&h100, &table, FusedChoice::Auto, true)
+            .kernel
+            .access,
+        Access::FourHeads
+    );
     let scale = |arg, ptr| RawScale {
         arg,
         buf: buf(ptr, 1),
@@ -231,6 +253,13 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
         Some((scale("k_scale", 1 << 47), scale("v_scale", 1 << 48)));
     let p = plan(&r, FusedChoice::Auto, true);
     assert_eq!(p.kernel.access, Access::Rows);
+    // FP8 and a table: the rows kernels on any device.
+    let mut both = table;
+    both.cache = r.cache;
+    assert_eq!(
+        plan_on(&h100, &both, FusedChoice::Auto, true).kernel.access,
+        Access::Rows
+    );
     assert_eq!(
         plan_on(&h100, &r, FusedChoice::Auto, true).kernel.access,
         Access::FourHeads
