@@ -263,7 +263,14 @@ fn segment_sums<const U: usize>(v: [f32; U], width: u32) -> [f32; U] {
     }
 }
 
-/// Each of `U` heads' normalisation factor `1 / sqrt(sum * inv_dim + eps)`, where `sum` is the
+/// A head's normalisation factor `1 / sqrt(sum * inv_dim + eps)` from its sum of squares `sum`
+/// over `1 / inv_dim` elements.
+#[inline(always)]
+fn norm_factor(sum: f32, inv_dim: f32, eps: f32) -> f32 {
+    inverse_sqrt(mul_add(sum, inv_dim, eps))
+}
+
+/// Each of `U` heads' normalisation factor ([`norm_factor`]), where `sum` is the
 /// head's value of `squares` summed over the `width` lanes of this thread's segment (as
 /// [`segment_sums`]); every lane of a segment gets the same factors. Every lane of the warp
 /// must call it.
@@ -276,7 +283,7 @@ fn segment_sums<const U: usize>(v: [f32; U], width: u32) -> [f32; U] {
 /// same order, so the factors agree across the segment.
 #[inline(always)]
 fn norm_factors<const U: usize>(squares: [f32; U], width: u32, inv_dim: f32, eps: f32) -> [f32; U] {
-    let factor = |sum: f32| inverse_sqrt(mul_add(sum, inv_dim, eps));
+    let factor = |sum: f32| norm_factor(sum, inv_dim, eps);
     if U != 4 || width < 4 {
         let sums = segment_sums(squares, width);
         let mut out = [0.0f32; U];
@@ -642,7 +649,7 @@ fn sum_squares<P: Pairing, const L: usize>(v: &[[f32; L]; 2]) -> f32 {
 }
 
 /// Normalises one head's values in place: `x_e <- x_e * r * w_e`, where `r = 1 / sqrt(sum *
-/// inv_dim + eps)` is the head's factor from its sum of squares (see [`norm_factors`]).
+/// inv_dim + eps)` is the head's factor ([`norm_factor`]).
 #[inline(always)]
 fn normalise<const L: usize>(v: &mut [[f32; L]; 2], w: &[[f32; L]; 2], r: f32) {
     unrolled(L, |k| {
@@ -756,11 +763,7 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
         let inv_dim = reciprocal(f.head_dim as f32);
         let sums = segment_sums(squares, a.groups.divisor.get());
         unrolled(U, |u| {
-            normalise(
-                &mut v[u],
-                &w,
-                inverse_sqrt(mul_add(sums[u], inv_dim, f.norm_eps)),
-            )
+            normalise(&mut v[u], &w, norm_factor(sums[u], inv_dim, f.norm_eps))
         });
     }
     if !item.active {

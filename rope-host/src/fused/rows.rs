@@ -1,4 +1,5 @@
-//! The rows kernels' part of a fused plan ([`Access::Rows`](rope_kernels::abi::Access::Rows); their body is
+//! The rows kernels' part of a fused plan
+//! ([`Access::Rows`](rope_kernels::abi::Access::Rows); their body is
 //! `rope-kernels/src/fused/rows.rs`): which launches they take, their blocks' warps and shared
 //! memory, and their persistent grid.
 
@@ -23,8 +24,8 @@ use crate::plan::Grid;
 /// the rows kernels run: where the kernels come from the sm_90 build.
 pub(crate) type RowsOccupancy<'a> = &'a dyn Fn(FusedKernelName, &RowsLaunch) -> Result<u32>;
 
-/// A rows kernel's launch ([`Access::Rows`](rope_kernels::abi::Access::Rows)): warps per block of q's, k's and v's heads, the
-/// block's threads and its dynamic shared memory.
+/// A rows kernel's launch ([`Access::Rows`](rope_kernels::abi::Access::Rows)): warps per block
+/// of q's, k's and v's heads, the block's threads and its dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RowsLaunch {
     pub(crate) warps: [u32; 3],

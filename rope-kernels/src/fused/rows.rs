@@ -15,7 +15,7 @@
 //! (the norm's weights, the FP8 multipliers of its heads) is found once for all its tokens.
 
 use super::{
-    Fused, Kind, butterfly, inverse_sqrt, mul_add, norm_weights, put, rotate_fma, slot_offset_u32,
+    Fused, Kind, butterfly, norm_factor, norm_weights, put, rotate_fma, slot_offset_u32,
     slot_value, sum_squares,
 };
 use crate::abi::{
@@ -540,7 +540,7 @@ unsafe fn heads_loop<T: Elem, const NORM: bool, const ROTATES: bool, A: RowsStor
             let mut v = widen(raw);
             if NORM {
                 let sum = butterfly([sum_squares::<P, L>(&v)], ROWS_GROUPS)[0];
-                let mut factor = inverse_sqrt(mul_add(sum, inv_dim, f.norm_eps));
+                let mut factor = norm_factor(sum, inv_dim, f.norm_eps);
                 if folds::<A, B>(NORM) {
                     factor *= mult[k];
                 }
