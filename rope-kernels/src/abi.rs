@@ -818,8 +818,10 @@ impl FusedKernelName {
     /// [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 48 for the NeoX one-head kernels of 16-bit elements,
     /// whose loads are all they keep in flight, so that more threads hold more bytes in flight
     /// (no spills on sm_90); 64 for the other one-head kernels (the interleaved 16-bit ones
-    /// spilled at 48) and for the four-heads kernels (8-40 bytes of spills on sm_90 at 64, none
-    /// at 72; 64 measured faster at prefill on an H200, level on an H100); 72 for the rows
+    /// spilled at 48) and for the four-heads kernels (none spilled on sm_90 but the `f32`-table
+    /// ones, 4 bytes, once a warp barrier precedes the norm's shuffles; at 72, five blocks of
+    /// five warps per multiprocessor instead of six, norm + rope was slower at prefill on an
+    /// H200); 72 for the rows
     /// kernels ([`Access::Rows`], `.maxntid` of [`ROWS_MAX_WARPS`] warps), none spilled, where
     /// 64 spilled 16-36 bytes and was slower at prefill on an H200 (FP8 87% of its copy against
     /// 91%), and four blocks of up to seven warps still fit an sm_90 multiprocessor's 64 Ki

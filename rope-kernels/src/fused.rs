@@ -69,7 +69,7 @@ use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
     rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32, shuffle_idx,
-    shuffle_xor, sync_threads_count, thread_idx_x, trap, wait_for_prior_grids,
+    shuffle_xor, sync_threads_count, sync_warp, thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
@@ -1013,6 +1013,10 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
         unrolled(U, |u| squares[u] = sum_squares::<P, L>(&v[u]));
         // Exact for powers of two, within one ulp otherwise.
         let inv_dim = rcp_approx_ftz(f.head_dim as f32);
+        // The whole warp is here. Said before the shuffles (not inside `norm_factors`, whose
+        // branch on the width LLVM copied it into), ptxas checks no divergence before each
+        // shuffle, and spills none of the registers the fallback paths held.
+        sync_warp();
         let factors = norm_factors(squares, groups, inv_dim, f.norm_eps);
         unrolled(U, |u| normalise(&mut v[u], &w, factors[u]));
     }

@@ -259,20 +259,6 @@ pub mod bulk {
         };
     }
 
-    /// `bar.warp.sync` over the whole warp: every lane arrives, and the shared-memory writes
-    /// before it are visible to the warp's reads after it.
-    #[inline(always)]
-    pub fn sync_warp() {
-        // SAFETY: all 32 lanes of the calling warp reach it (the callers' loops are
-        // warp-uniform).
-        unsafe {
-            asm!(
-                "bar.warp.sync 0xffffffff;",
-                options(nostack, preserves_flags)
-            )
-        };
-    }
-
     /// Starts copying `bytes` bytes from global `src` to `.shared` address `dst` with the bulk
     /// copy engine (`cp.async.bulk`), completing on the mbarrier `bar`, after this thread's own
     /// arrival on `bar` announced `expected` bytes (`mbarrier.arrive.expect_tx`; pass the
@@ -475,6 +461,24 @@ pub fn prefetch_l2<T>(ptr: *const T) {
             "prefetch.global.L2 [{p}];",
             p = in(reg64) ptr,
             options(nostack, preserves_flags, readonly),
+        )
+    };
+}
+
+/// `bar.warp.sync` over the whole warp: every lane arrives, and the shared-memory writes
+/// before it are visible to the warp's reads after it. Before warp shuffles it also tells
+/// ptxas the warp has converged, so that it emits no divergence check (`BRA.DIV`) and fallback
+/// path before each shuffle (whose registers made the four-heads kernels spill).
+///
+/// Every lane of the calling warp must reach it (the callers' code is warp-uniform there).
+#[inline(always)]
+pub fn sync_warp() {
+    // SAFETY: a warp barrier with no other effect; all 32 lanes reach it (the callers'
+    // promise).
+    unsafe {
+        asm!(
+            "bar.warp.sync 0xffffffff;",
+            options(nostack, preserves_flags)
         )
     };
 }

@@ -25,11 +25,11 @@ use crate::abi::{
 use crate::elem::{Elem, Fp8};
 use crate::intrinsics::bulk::{
     bulk_load, dynamic_shared_bytes, mbarrier_arrive, mbarrier_init, mbarrier_wait, rows_shared,
-    shared_load_f32x4, shared_load_u32x2, shared_store_f32_at, sync_warp,
+    shared_load_f32x4, shared_load_u32x2, shared_store_f32_at,
 };
 use crate::intrinsics::{
     block_dim_x, block_idx_x, grid_dim_x, rcp_approx, rcp_approx_ftz, sync_threads_count,
-    thread_idx_x, trap, wait_for_prior_grids,
+    sync_warp, thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Neox, Pairing, Source, cos_sin, position, rotate_values_with, unrolled, widen,
@@ -506,6 +506,11 @@ unsafe fn heads_loop<T: Elem, const NORM: bool, const ROTATES: bool, A: RowsStor
         // SAFETY: the mbarriers were set up; phase `phase` of "full" completes once this
         // token's rows and cos/sin are in buffer s.
         unsafe { mbarrier_wait(full, phase) };
+        // The whole warp is here (the loop is warp-uniform): said before the norm's shuffles,
+        // ptxas emits no divergence check and fallback path before each of them.
+        if NORM {
+            sync_warp();
+        }
         let (cos, sin) = if ROTATES {
             // SAFETY: pairs j0..j0 + 4 of the token's cos and sin, 16-byte aligned, inside the
             // buffer, made visible by the wait.
