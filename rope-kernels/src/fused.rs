@@ -68,8 +68,9 @@ use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
-    rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32, shuffle_idx,
-    shuffle_xor, sync_threads_count, sync_warp, thread_idx_x, trap, wait_for_prior_grids,
+    prefetch_l2, rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32,
+    shuffle_idx, shuffle_xor, sync_threads_count, sync_warp, thread_idx_x, trap,
+    wait_for_prior_grids,
 };
 use crate::rope::{
     Args, Interleaved, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta, cos_sin,
@@ -970,6 +971,15 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
             raw[u] = unsafe { load_head::<T, P, L>(x.add(at as usize), j0, half_z) };
         }
     });
+    // k's and v's warps ask for the token's cache slot to be brought into L2 with their
+    // heads' loads, so that its load where the stores need it, after the norm, finds it there
+    // rather than in memory. A prefetch holds no register (the slot loaded here and held
+    // through the norm made ptxas spill). Four-heads kernels only: the one-head kernels, at
+    // decode, were slower with it.
+    if U == FOUR_HEADS_U && kind != Kind::Q && active && !f.slots.is_null() {
+        let width = if f.slots_wide != 0 { 8 } else { 4 };
+        prefetch_l2(f.slots.cast::<u8>().wrapping_add(token as usize * width));
+    }
     // With tables, the norm's weights (as loaded: fewer registers) are in flight with the
     // heads; with sin/cos computed they are loaded after the block's barrier (held across it,
     // they spilled the computed kernels at their register cap).
