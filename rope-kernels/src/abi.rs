@@ -821,11 +821,10 @@ impl FusedKernelName {
     /// spilled at 48) and for the four-heads kernels (none spilled on sm_90 but the `f32`-table
     /// ones, 4 bytes, once a warp barrier precedes the norm's shuffles; at 72, five blocks of
     /// five warps per multiprocessor instead of six, norm + rope was slower at prefill on an
-    /// H200); 72 for the rows
-    /// kernels ([`Access::Rows`], `.maxntid` of [`ROWS_MAX_WARPS`] warps), none spilled, where
-    /// 64 spilled 16-36 bytes and was slower at prefill on an H200 (FP8 87% of its copy against
-    /// 91%), and four blocks of up to seven warps still fit an sm_90 multiprocessor's 64 Ki
-    /// registers. `None` for the other kernels.
+    /// H200); 72 for the rows kernels ([`Access::Rows`], `.maxntid` of [`ROWS_MAX_WARPS`]
+    /// warps), none spilled, where 64 spilled 16-36 bytes and was slower at prefill on an H200
+    /// (FP8 87% of its copy against 91%), and four blocks of up to seven warps still fit an
+    /// sm_90 multiprocessor's 64 Ki registers. `None` for the other kernels.
     pub const fn one_head_registers(self) -> Option<u32> {
         match self.access {
             // The one-head kernels that have four-heads kernels beside them keep two heads.
