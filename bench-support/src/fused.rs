@@ -33,6 +33,9 @@ const HQ: usize = 32;
 const HK: usize = 8;
 const D: usize = 128;
 const BLOCK: usize = 16;
+/// Token `t`'s position is `FIRST_POSITION + t % POSITION_SPAN`.
+const FIRST_POSITION: i64 = 1000;
+const POSITION_SPAN: i64 = 4096;
 
 /// One measured variant of one shape.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -217,7 +220,7 @@ impl Buffers {
             scale: stream.clone_htod(&[0.05f32])?,
             ids: stream.clone_htod(
                 &(0..tokens as i64)
-                    .map(|t| 1000 + t % 4096)
+                    .map(|t| FIRST_POSITION + t % POSITION_SPAN)
                     .collect::<Vec<_>>(),
             )?,
             slots: stream.clone_htod(&slots)?,
@@ -390,13 +393,13 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         if !shapes.contains(&shape) {
             continue;
         }
-        // Positions are 1000 + t % 4096 (`Buffers::new`).
+        // Rows for every position the launches use.
         let table = (std::env::var(SINCOS_VAR).as_deref() == Ok("table"))
             .then(|| {
                 handles.get(StreamOverlap::None).build_tables::<bf16>(
                     THETA,
                     D as u32,
-                    1000 + 4096,
+                    (FIRST_POSITION + POSITION_SPAN) as usize,
                     TableFormat::Combined,
                 )
             })

@@ -1,7 +1,6 @@
-//! The rows kernels' part of a fused plan
-//! ([`Access::Rows`](rope_kernels::abi::Access::Rows); their body is
-//! `rope-kernels/src/fused/rows.rs`): which launches they take, their blocks' warps and shared
-//! memory, and their persistent grid.
+//! The rows kernels' part of a fused plan ([`Access::Rows`](rope_kernels::abi::Access::Rows);
+//! their body is `rope-kernels/src/fused/rows.rs`): which launches they take, their blocks'
+//! warps and shared memory, and their persistent grid.
 
 use std::num::NonZeroU32;
 
