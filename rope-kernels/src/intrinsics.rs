@@ -560,3 +560,64 @@ approx!(
     rsqrt_approx,
     "rsqrt.approx.ftz.f32"
 );
+
+/// `N` consecutive `T` (2, 4, 8 or 16 bytes in all; other sizes as [`crate::elem::load`])
+/// loaded from global memory with one access whose L2 lines take the evict-last priority
+/// (`createpolicy.fractional.L2::evict_last` and `ld.global.L2::cache_hint`, PTX ISA 7.4: the
+/// sm_89 and sm_90 builds; a plain load in the sm_80 build, whose PTX ISA is 7.0).
+///
+/// For data that every launch reads again while a stream of other bytes passes through L2:
+/// sin/cos table rows, which a prefill's q, k and v (tens of MB a launch) otherwise evict
+/// between one token's read of a row and the next launch's.
+///
+/// # Safety
+/// `p` points at `N` readable `T` in global memory, aligned to their total size.
+#[inline(always)]
+pub unsafe fn load_evict_last<T: Copy, const N: usize>(p: *const T) -> [T; N] {
+    #[cfg(any(target_feature = "sm_89", target_feature = "sm_90"))]
+    {
+        let mut w = [0u32; 4];
+        // SAFETY: the caller's promise; each arm's access has the size of the `N` values and
+        // writes as many bytes of `w` from its start, which the read below takes back as `T`s.
+        unsafe {
+            match N * size_of::<T>() {
+                16 => asm!(
+                    "{{ .reg .b64 rope_pol; createpolicy.fractional.L2::evict_last.b64 rope_pol, 1.0; ld.global.L2::cache_hint.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}], rope_pol; }}",
+                    p = in(reg64) p,
+                    a = out(reg32) w[0], b = out(reg32) w[1], c = out(reg32) w[2], d = out(reg32) w[3],
+                    options(nostack, preserves_flags, readonly),
+                ),
+                8 => asm!(
+                    "{{ .reg .b64 rope_pol; createpolicy.fractional.L2::evict_last.b64 rope_pol, 1.0; ld.global.L2::cache_hint.v2.u32 {{{a}, {b}}}, [{p}], rope_pol; }}",
+                    p = in(reg64) p,
+                    a = out(reg32) w[0], b = out(reg32) w[1],
+                    options(nostack, preserves_flags, readonly),
+                ),
+                4 => asm!(
+                    "{{ .reg .b64 rope_pol; createpolicy.fractional.L2::evict_last.b64 rope_pol, 1.0; ld.global.L2::cache_hint.u32 {a}, [{p}], rope_pol; }}",
+                    p = in(reg64) p,
+                    a = out(reg32) w[0],
+                    options(nostack, preserves_flags, readonly),
+                ),
+                2 => {
+                    let h: u16;
+                    asm!(
+                        "{{ .reg .b64 rope_pol; createpolicy.fractional.L2::evict_last.b64 rope_pol, 1.0; ld.global.L2::cache_hint.b16 {a}, [{p}], rope_pol; }}",
+                        p = in(reg64) p,
+                        a = out(reg16) h,
+                        options(nostack, preserves_flags, readonly),
+                    );
+                    // Little-endian: the two bytes at the start of `w`.
+                    w[0] = u32::from(h);
+                }
+                _ => return crate::elem::load::<T, N>(p),
+            }
+            w.as_ptr().cast::<[T; N]>().read_unaligned()
+        }
+    }
+    #[cfg(not(any(target_feature = "sm_89", target_feature = "sm_90")))]
+    // SAFETY: the caller's promise.
+    unsafe {
+        crate::elem::load::<T, N>(p)
+    }
+}

@@ -191,14 +191,17 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
 }
 
 /// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8 or
-/// read sin/cos from a table, or any size when pinned, whose stored tensors' token rows are
+/// read sin/cos from a table without writing a cache, or any size when pinned, whose stored
+/// tensors' token rows are
 /// contiguous and 16-byte aligned: a block of every warp of a token (8 heads a warp at 128
 /// elements a head) and the producer warp, two buffers of the three rows after the mbarriers
 /// in its shared memory, as many blocks as the device holds at once (at most one per token). Without the sm_90 build, with
 /// 16-bit stores of computed sin/cos, with heads apart, or on a device of less DRAM bandwidth
-/// (an H100's) unless they both store FP8 and read a table, the four-heads kernels keep them.
+/// (an H100's) unless they both store FP8 and read a table, the four-heads kernels keep them;
+/// so they do table launches that write a cache in 16 bits.
 #[test]
-fn rows_kernels_take_fp8_and_table_launches_of_many_waves_with_contiguous_rows_on_fast_dram() {
+fn rows_kernels_take_fp8_and_cacheless_table_launches_of_many_waves_with_contiguous_rows_on_fast_dram()
+ {
     let h200 = DeviceFacts {
         sm_count: 132,
         threads_per_sm: 2048,
@@ -222,7 +225,8 @@ fn rows_kernels_take_fp8_and_table_launches_of_many_waves_with_contiguous_rows_o
         plan(&r, FusedChoice::Auto, true).kernel.access,
         Access::FourHeads
     );
-    // sin/cos from a table: the rows kernels on fast DRAM too.
+    // sin/cos from a table and a 16-bit cache: the four-heads kernels; without the cache, the
+    // rows kernels on fast DRAM.
     let mut table = r;
     let len = 8192 * D / 2;
     table.rope.sincos = RawSinCos::Table {
@@ -236,14 +240,21 @@ fn rows_kernels_take_fp8_and_table_launches_of_many_waves_with_contiguous_rows_o
     };
     assert_eq!(
         plan(&table, FusedChoice::Auto, true).kernel.access,
-        Access::Rows
-    );
-    assert_eq!(
-        plan_on(&h100, &table, FusedChoice::Auto, true)
-            .kernel
-            .access,
         Access::FourHeads
     );
+    let mut cacheless = table;
+    cacheless.cache = None;
+    cacheless.v = None;
+    assert_eq!(
+        plan(&cacheless, FusedChoice::Auto, true).kernel.access,
+        Access::Rows
+    );
+    for t in [&table, &cacheless] {
+        assert_eq!(
+            plan_on(&h100, t, FusedChoice::Auto, true).kernel.access,
+            Access::FourHeads
+        );
+    }
     let scale = |arg, ptr| RawScale {
         arg,
         buf: buf(ptr, 1),
