@@ -132,8 +132,8 @@ pub(crate) fn rows_kernel(
         FusedChoice::Rows(n) => n,
         FusedChoice::Auto if four_heads => {
             let fast = facts.dram_gb_per_s >= ROWS_MIN_DRAM_GB_PER_S;
-            let table_only = table && req.cache.is_none();
-            if (fast && (stores_fp8 || table_only)) || (stores_fp8 && table) {
+            let table_without_cache = table && req.cache.is_none();
+            if (fast && (stores_fp8 || table_without_cache)) || (stores_fp8 && table) {
                 ROWS_STAGES
             } else {
                 return None;

@@ -192,13 +192,13 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
 
 /// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8 or
 /// read sin/cos from a table without writing a cache, or any size when pinned, whose stored
-/// tensors' token rows are
-/// contiguous and 16-byte aligned: a block of every warp of a token (8 heads a warp at 128
-/// elements a head) and the producer warp, two buffers of the three rows after the mbarriers
-/// in its shared memory, as many blocks as the device holds at once (at most one per token). Without the sm_90 build, with
-/// 16-bit stores of computed sin/cos, with heads apart, or on a device of less DRAM bandwidth
-/// (an H100's) unless they both store FP8 and read a table, the four-heads kernels keep them;
-/// so they do table launches that write a cache in 16 bits.
+/// tensors' token rows are contiguous and 16-byte aligned: a block of every warp of a token (8
+/// heads a warp at 128 elements a head) and the producer warp, two buffers of the three rows
+/// after the mbarriers in its shared memory, as many blocks as the device holds at once (at
+/// most one per token). Without the sm_90 build, with 16-bit stores of computed sin/cos, with
+/// heads apart, or on a device of less DRAM bandwidth (an H100's) unless they both store FP8
+/// and read a table, the four-heads kernels keep them; so they do table launches that write a
+/// cache in 16 bits.
 #[test]
 fn rows_kernels_take_fp8_and_cacheless_table_launches_of_many_waves_with_contiguous_rows_on_fast_dram()
  {
