@@ -162,6 +162,53 @@ pub(crate) struct Args<T> {
 /// [`PositionCode`]).
 #[inline(always)]
 pub(crate) unsafe fn position<T>(a: &Args<T>, b: u64, s: u64, group: u32) -> i64 {
+    // SAFETY: the caller's promises.
+    unsafe { position_read::<T, PlainRead>(a, b, s, group) }
+}
+
+/// How [`position_read`] loads a token's entry of the position ids or row offsets.
+pub(crate) trait PositionRead {
+    /// Loads the integer at `p`.
+    ///
+    /// # Safety
+    /// `p` points at a readable, aligned `I` in global memory.
+    unsafe fn read<I: Copy>(p: *const I) -> I;
+}
+
+/// Plain loads.
+pub(crate) struct PlainRead;
+impl PositionRead for PlainRead {
+    #[inline(always)]
+    unsafe fn read<I: Copy>(p: *const I) -> I {
+        // SAFETY: the caller's promise.
+        unsafe { *p }
+    }
+}
+
+/// Loads with L2's evict-last priority ([`load_evict_last`]), for kernels that go on to read
+/// the position's table row: with both kept in L2, the token's two reads in a row find L2
+/// rather than memory.
+pub(crate) struct KeptInL2;
+impl PositionRead for KeptInL2 {
+    #[inline(always)]
+    unsafe fn read<I: Copy>(p: *const I) -> I {
+        // SAFETY: the caller's promise (an `i32` or `i64`: 4 or 8 bytes, aligned).
+        unsafe { load_evict_last::<I, 1>(p)[0] }
+    }
+}
+
+/// [`position`], with the ids and row offsets (the one-load position kinds) read by `R`; the
+/// varlen, per-group-axis and multi-axis kinds read as in [`position`].
+///
+/// # Safety
+/// As [`position`].
+#[inline(always)]
+pub(crate) unsafe fn position_read<T, R: PositionRead>(
+    a: &Args<T>,
+    b: u64,
+    s: u64,
+    group: u32,
+) -> i64 {
     let seq = a.seq.divisor.get() as u64;
     let Some(code) = PositionCode::from_u32(a.positions) else {
         trap()
@@ -175,12 +222,12 @@ pub(crate) unsafe fn position<T>(a: &Args<T>, b: u64, s: u64, group: u32) -> i64
         let i64s = a.pos_ptr.cast::<i64>();
         match code {
             PositionCode::Offset => a.pos_base.wrapping_add(s as i64),
-            PositionCode::RowOffsetsI32 => (*i32s.add(at(b)) as i64).wrapping_add(s as i64),
-            PositionCode::RowOffsetsI64 => (*i64s.add(at(b))).wrapping_add(s as i64),
-            PositionCode::IdsI32Shared => *i32s.add(at(s)) as i64,
-            PositionCode::IdsI32PerRow => *i32s.add(at(b * seq + s)) as i64,
-            PositionCode::IdsI64Shared => *i64s.add(at(s)),
-            PositionCode::IdsI64PerRow => *i64s.add(at(b * seq + s)),
+            PositionCode::RowOffsetsI32 => (R::read(i32s.add(at(b))) as i64).wrapping_add(s as i64),
+            PositionCode::RowOffsetsI64 => R::read(i64s.add(at(b))).wrapping_add(s as i64),
+            PositionCode::IdsI32Shared => R::read(i32s.add(at(s))) as i64,
+            PositionCode::IdsI32PerRow => R::read(i32s.add(at(b * seq + s))) as i64,
+            PositionCode::IdsI64Shared => R::read(i64s.add(at(s))),
+            PositionCode::IdsI64PerRow => R::read(i64s.add(at(b * seq + s))),
             PositionCode::VarlenI32 => varlen_position::<T, i32>(a, b * seq + s),
             PositionCode::VarlenI64 => varlen_position::<T, i64>(a, b * seq + s),
             PositionCode::GroupAxesI32 | PositionCode::GroupAxesI64 => {

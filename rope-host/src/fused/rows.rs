@@ -7,7 +7,7 @@ use std::num::NonZeroU32;
 use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{
     FusedKernelName, ROWS_COS_SIN_BYTES, ROWS_DATA_OFFSET, ROWS_GROUPS, ROWS_HEAD_DIM,
-    ROWS_HEADS_PER_STEP, ROWS_HEADS_STEPS, ROWS_MAX_STAGES, ROWS_MAX_WARPS, SinCosSource,
+    ROWS_HEADS_PER_STEP, ROWS_HEADS_STEPS, ROWS_MAX_STAGES, ROWS_MAX_WARPS,
 };
 use rope_kernels::divide::Divisor;
 
@@ -36,18 +36,15 @@ pub(crate) struct RowsLaunch {
 const ROWS_MAX_SHARED: u64 = 48 * 1024;
 
 /// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the rows kernels take
-/// the launches of the four-heads kernels that store FP8, or that read sin/cos from a table
-/// without writing a cache; below it they take those that store FP8 and read a table. At
-/// prefill (8192 tokens, 32 + 8 + 8 heads of 128; share of the copy of each launch's bytes,
-/// docs/perf.md), rows against four-heads kernels, the table rows read with L2's evict-last
-/// priority:
+/// the launches of the four-heads kernels that store FP8. At prefill (8192 tokens, 32 + 8 + 8
+/// heads of 128; share of the copy of each launch's bytes, docs/perf.md), rows against
+/// four-heads kernels, the table rows and the positions of table launches read with L2's
+/// evict-last priority:
 ///
 /// | device | FP8, computed | FP8, table | 16-bit, table, no cache | 16-bit, table, cache | 16-bit, computed |
 /// |---|---|---|---|---|---|
-/// | H200 (4915 GB/s) | 91% / 78% | 92-93% / 84-85% | 89-90% / 89% | 90% / 91-94% | 87-90% / 92-95% |
-/// | H100 SXM (3352 GB/s) | 92% / 96-97% | 93% / 91% | 92% / 96% | 90-91% / 97% | 91-92% / 95-97% |
-///
-/// (The H100's four-heads FP8 + table figure predates the evict-last table reads.)
+/// | H200 (4915 GB/s) | 91% / 78% | 92-93% / 85% | 89-90% / 90% | 90-91% / 92-94% | 87-90% / 92-95% |
+/// | H100 SXM (3352 GB/s) | 92% / 96-97% | 92-93% / 97% | 92% / 96-97% | 90-91% / 97% | 91-92% / 95-97% |
 pub(crate) const ROWS_MIN_DRAM_GB_PER_S: u32 = 4000;
 
 /// Token buffers per block of the rows kernels: the copies run one token ahead of the
@@ -115,8 +112,7 @@ fn rows_launch(
 /// The rows kernel and launch that take `req` of the one-head `kernel`, if any: every launch
 /// they can serve ([`rows_launch`]) when `choice` pins them, and under [`FusedChoice::Auto`]
 /// the launches the four-heads kernels would take (`four_heads`) that store FP8 (q's output or
-/// the cache), or read sin/cos from a table and write no cache, on devices of at least
-/// [`ROWS_MIN_DRAM_GB_PER_S`], and those that store FP8 and read a table on any device.
+/// the cache) on devices of at least [`ROWS_MIN_DRAM_GB_PER_S`].
 pub(crate) fn rows_kernel(
     req: &FusedRequest,
     kernel: FusedKernelName,
@@ -127,17 +123,12 @@ pub(crate) fn rows_kernel(
     stored: [u32; 3],
 ) -> Option<(FusedKernelName, RowsLaunch)> {
     let stores_fp8 = req.q_fp8.is_some() || req.cache.is_some_and(|c| c.fp8.is_some());
-    let table = kernel.source != SinCosSource::Theta;
     let stages = match choice {
         FusedChoice::Rows(n) => n,
-        FusedChoice::Auto if four_heads => {
-            let fast = facts.dram_gb_per_s >= ROWS_MIN_DRAM_GB_PER_S;
-            let table_without_cache = table && req.cache.is_none();
-            if (fast && (stores_fp8 || table_without_cache)) || (stores_fp8 && table) {
-                ROWS_STAGES
-            } else {
-                return None;
-            }
+        FusedChoice::Auto
+            if four_heads && stores_fp8 && facts.dram_gb_per_s >= ROWS_MIN_DRAM_GB_PER_S =>
+        {
+            ROWS_STAGES
         }
         _ => return None,
     };

@@ -190,18 +190,15 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
     );
 }
 
-/// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8 or
-/// read sin/cos from a table without writing a cache, or any size when pinned, whose stored
-/// tensors' token rows are contiguous and 16-byte aligned: a block of every warp of a token (8
-/// heads a warp at 128 elements a head) and the producer warp, two buffers of the three rows
-/// after the mbarriers in its shared memory, as many blocks as the device holds at once (at
-/// most one per token). Without the sm_90 build, with 16-bit stores of computed sin/cos, with
-/// heads apart, or on a device of less DRAM bandwidth (an H100's) unless they both store FP8
-/// and read a table, the four-heads kernels keep them; so they do table launches that write a
-/// cache in 16 bits.
+/// The rows kernels (sm_90 builds) take NeoX 16-bit launches of many waves that store FP8, or
+/// any size when pinned, whose stored tensors' token rows are contiguous and 16-byte aligned: a
+/// block of every warp of a token (8 heads a warp at 128 elements a head) and the producer warp,
+/// two buffers of the three rows after the mbarriers in its shared memory, as many blocks as the
+/// device holds at once (at most one per token). Without the sm_90 build, with 16-bit stores,
+/// with heads apart, or on a device of less DRAM bandwidth (an H100's), the four-heads kernels
+/// keep them.
 #[test]
-fn rows_kernels_take_fp8_and_cacheless_table_launches_of_many_waves_with_contiguous_rows_on_fast_dram()
- {
+fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dram() {
     let h200 = DeviceFacts {
         sm_count: 132,
         threads_per_sm: 2048,
@@ -225,8 +222,8 @@ fn rows_kernels_take_fp8_and_cacheless_table_launches_of_many_waves_with_contigu
         plan(&r, FusedChoice::Auto, true).kernel.access,
         Access::FourHeads
     );
-    // sin/cos from a table and a 16-bit cache: the four-heads kernels; without the cache, the
-    // rows kernels on fast DRAM.
+    // sin/cos from a table, with or without a 16-bit cache: the four-heads kernels, on either
+    // device.
     let mut table = r;
     let len = 8192 * D / 2;
     table.rope.sincos = RawSinCos::Table {
@@ -238,18 +235,14 @@ fn rows_kernels_take_fp8_and_cacheless_table_launches_of_many_waves_with_contigu
             rotary_dim: D as u32,
         },
     };
-    assert_eq!(
-        plan(&table, FusedChoice::Auto, true).kernel.access,
-        Access::FourHeads
-    );
     let mut cacheless = table;
     cacheless.cache = None;
     cacheless.v = None;
-    assert_eq!(
-        plan(&cacheless, FusedChoice::Auto, true).kernel.access,
-        Access::Rows
-    );
     for t in [&table, &cacheless] {
+        assert_eq!(
+            plan(t, FusedChoice::Auto, true).kernel.access,
+            Access::FourHeads
+        );
         assert_eq!(
             plan_on(&h100, t, FusedChoice::Auto, true).kernel.access,
             Access::FourHeads
@@ -264,17 +257,19 @@ fn rows_kernels_take_fp8_and_cacheless_table_launches_of_many_waves_with_contigu
         Some((scale("k_scale", 1 << 47), scale("v_scale", 1 << 48)));
     let p = plan(&r, FusedChoice::Auto, true);
     assert_eq!(p.kernel.access, Access::Rows);
-    // FP8 and a table: the rows kernels on any device.
+    // FP8, with sin/cos computed or from a table: the rows kernels on fast DRAM only.
     let mut both = table;
     both.cache = r.cache;
     assert_eq!(
-        plan_on(&h100, &both, FusedChoice::Auto, true).kernel.access,
+        plan(&both, FusedChoice::Auto, true).kernel.access,
         Access::Rows
     );
-    assert_eq!(
-        plan_on(&h100, &r, FusedChoice::Auto, true).kernel.access,
-        Access::FourHeads
-    );
+    for fp8 in [&r, &both] {
+        assert_eq!(
+            plan_on(&h100, fp8, FusedChoice::Auto, true).kernel.access,
+            Access::FourHeads
+        );
+    }
     assert_eq!(
         plan_on(&h100, &r, FusedChoice::Rows(ROWS_STAGES), true)
             .kernel
