@@ -5,7 +5,7 @@
 //! `rope-kernels/src/rope.rs`).
 
 use cudarc::driver::CudaView;
-use rope_kernels::abi::{DType, SinCosSource};
+use rope_kernels::abi::{DType, SinCosSource, planned_table_fits};
 
 use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};
@@ -194,6 +194,35 @@ impl<T> SinCos<'_, T> {
 }
 
 impl RawSinCos {
+    /// Whether the fused one-head and four-heads kernels may read these tables with `pairs`
+    /// entries per item ([`planned_table_fits`], which mirrors their reads): always for sin/cos
+    /// computed in the kernels; for tables, when each spans fewer than 2^32 elements and, where
+    /// an item's entries make a vector, both tables and their row stride are aligned to it.
+    pub(crate) fn planned_table_fits(
+        &self,
+        plan: &SinCosPlan,
+        config: &RopeConfig,
+        pairs: u32,
+    ) -> bool {
+        let (cos, sin, dtype) = match *self {
+            Self::Table {
+                cos, sin, dtype, ..
+            } => (cos.ptr, sin.ptr, dtype),
+            // The sines follow the cosines in each row (as `encode` passes them).
+            Self::CosSinCache { cache, dtype, .. } => (
+                cache.ptr,
+                cache.ptr + u64::from(config.half()) * dtype.size() as u64,
+                dtype,
+            ),
+            Self::Computed { .. } | Self::Frequencies { .. } => return true,
+        };
+        planned_table_fits(
+            (cos, sin),
+            (plan.table_positions, plan.table_stride),
+            (u64::from(pairs), dtype.size() as u64),
+        )
+    }
+
     /// Checks the source against the configuration and element type; tables must hold every
     /// position up to `max_implicit` (the largest implicit or packed position, when known).
     ///

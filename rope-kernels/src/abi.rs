@@ -202,7 +202,8 @@ pub enum Access {
     /// (`blockIdx.z * gridDim.y + blockIdx.y`), and on `blockIdx.x` the token's warps of q's
     /// threads, then k's, then v's (`q_warps`, `k_warps`, `v_warps` of
     /// [`crate::fused_kernel_params!`]) in blocks of at most [`ONE_HEAD_FUSED_MAX_WARPS`]
-    /// warps; at decode and prefill alike, where every tensor spans fewer than 2^32 elements.
+    /// warps; at decode and prefill alike, where every tensor spans fewer than 2^32 elements
+    /// and the tables fit [`planned_table_fits`].
     OneHead,
     /// The fused NeoX kernels of 16-bit elements only ([`FusedKernelName::four_heads`]): the
     /// one-head mapping with [`ONE_HEAD_FUSED_MANY_HEADS`] heads of one tensor per thread, for
@@ -794,10 +795,39 @@ pub enum FormatCode {
     E4m3 = 1,
 }
 
+/// Whether the fused one-head and four-heads kernels ([`Access::OneHead`],
+/// [`Access::FourHeads`]) may read a launch's tables, which they read with 32-bit row offsets
+/// and, where an item's `pairs` entries of `entry_bytes` make 4, 8 or 16 bytes, with one
+/// vector access per table and no alignment test: each table spans fewer than 2^32 elements
+/// (`positions * stride`), and for such vectors both tables' addresses (`cos`, `sin`, in
+/// bytes) and the row stride in bytes are multiples of the vector's size. Sin/cos computed in
+/// the kernels have no tables and always fit (the host passes `positions` 0).
+pub const fn planned_table_fits(
+    (cos, sin): (u64, u64),
+    (positions, stride): (u64, u64),
+    (pairs, entry_bytes): (u64, u64),
+) -> bool {
+    let bytes = pairs * entry_bytes;
+    let below_2_32 = match positions.checked_mul(stride) {
+        Some(elements) => elements < 1 << 32,
+        None => false,
+    };
+    below_2_32
+        && (!planned_table_vectors(pairs, entry_bytes)
+            || (cos | sin | stride.wrapping_mul(entry_bytes)) % bytes == 0)
+}
+
+/// Whether an item's `pairs` table entries of `entry_bytes` each make one vector access per
+/// table in the kernels of [`planned_table_fits`]: 4, 8 or 16 bytes.
+pub const fn planned_table_vectors(pairs: u64, entry_bytes: u64) -> bool {
+    matches!(pairs * entry_bytes, 4 | 8 | 16)
+}
+
 /// One fused entry point (`rope-kernels/src/fused.rs`): `rope_fused_{style}_{source}_{dtype}`,
 /// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`],
 /// `_one_head` for [`Access::OneHead`] (a thread per [`ONE_HEAD_FUSED_HEADS`] heads and one
-/// access: launches at the preferred width whose tensors span fewer than 2^32 elements) and
+/// access: launches at the preferred width whose tensors span fewer than 2^32 elements and
+/// whose tables fit [`planned_table_fits`]) and
 /// `_four_heads` for [`Access::FourHeads`] (NeoX, `f16` and `bf16` only). Forward only;
 /// `TableF32` only for `f16` and `bf16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -43,7 +43,8 @@
 //! find no sin/cos).
 //!
 //! The one-head kernels (every launch at the preferred width whose tensors span fewer than
-//! 2^32 elements, decode and prefill alike): one thread per
+//! 2^32 elements and whose tables suit [`crate::rope::PlannedTable`], decode and prefill
+//! alike): one thread per
 //! [`crate::abi::ONE_HEAD_FUSED_HEADS`] heads (the four-heads kernels, NeoX 16-bit in launches
 //! of many waves: [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`]) of one tensor and one group, one
 //! block row per token, each warp of one tensor (a block holds up to
@@ -73,9 +74,9 @@ use crate::intrinsics::{
     wait_for_prior_grids,
 };
 use crate::rope::{
-    Args, Interleaved, KeptInL2, Neox, Pairing, Params, Source, Table, TableF32, TensorArgs, Theta,
-    cos_sin, load_head, offset_u32, position, position_read, rotate_values_with, unrolled,
-    vector_offsets, widen,
+    Args, Interleaved, KeptInL2, Neox, Pairing, Params, PlannedTable, Source, Table, TableF32,
+    TensorArgs, Theta, cos_sin, cos_sin_read, load_head, offset_u32, position, position_read,
+    rotate_values_with, unrolled, vector_offsets, widen,
 };
 
 #[cfg(target_feature = "sm_90")]
@@ -901,7 +902,8 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// # Safety
 /// The promises of the entry points, and: `gridDim.y * gridDim.z >= tokens`; `blockDim.x` is a
 /// multiple of 32; `q_warps`, `k_warps` and `v_warps` count `U` heads per thread; every tensor
-/// and output spans fewer than 2^32 elements; the cache holds at most 2^32 slots.
+/// and output spans fewer than 2^32 elements; the cache holds at most 2^32 slots; tables suit
+/// [`PlannedTable`] ([`crate::abi::planned_table_fits`]).
 #[inline(always)]
 unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(
     f: &Fused<T>,
@@ -1019,12 +1021,12 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
             // row otherwise waited on memory for the position (the H200's four-heads norm + rope
             // + cache prefill with a table rose from 90.9% to 91.7% of its copy). With sin/cos
             // computed, the same reads made ptxas spill the four-heads kernels.
-            let pos = if S::TABLE {
-                position_read::<T, KeptInL2>(a, b, s, group)
+            if S::TABLE {
+                let pos = position_read::<T, KeptInL2>(a, b, s, group);
+                cos_sin_read::<T, S, PlannedTable, L>(a, pos, j0, pairs)
             } else {
-                position(a, b, s, group)
-            };
-            cos_sin::<T, S, L>(a, pos, j0, pairs)
+                cos_sin::<T, S, L>(a, position(a, b, s, group), j0, pairs)
+            }
         }
     };
     let mut v = [[[0.0f32; L]; 2]; U];
@@ -1371,7 +1373,9 @@ macro_rules! fused_entry {
         /// `k.heads` heads of `head_dim` elements of `cache_format` inside `k_cache` and
         /// `v_cache`; every pointer and stride is aligned to `lanes` elements; written regions
         /// overlap nothing else the launch reads or writes; `groups` is a power of two of at
-        /// most 32 when `norm` is not 0.
+        /// most 32 when `norm` is not 0. The `_one_head` and `_four_heads` kernels also need
+        /// every tensor and output to span fewer than 2^32 elements, the cache to hold at most
+        /// 2^32 slots and the tables to fit `crate::abi::planned_table_fits`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(

@@ -215,8 +215,9 @@ pub(crate) fn plan_fused(
         ),
         None => (1, 0),
     };
-    // A launch at the preferred width whose tensors each span fewer than 2^32 elements (and
-    // whose cache holds at most 2^32 slots) takes the one-head kernels: a thread per two (or
+    // A launch at the preferred width whose tensors each span fewer than 2^32 elements (whose
+    // cache holds at most 2^32 slots, and whose tables suit the one-head kernels' reads: see
+    // `planned_table_fits`) takes the one-head kernels: a thread per two (or
     // four: the four-heads kernels, `many_waves`) heads and access, no head loop (at decode
     // its length is one head's chain; at prefill its many resident threads keep more loads in
     // flight than the item loop, which holds one block of heads per thread), with 32-bit
@@ -225,7 +226,8 @@ pub(crate) fn plan_fused(
         && kernel.access == Access::Wide
         && spans_below_2_32(&req.rope)
         && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
-        && cache_slots <= 1 << 32;
+        && cache_slots <= 1 << 32
+        && req.rope.sincos.planned_table_fits(&sincos, cfg, pairs);
     let kernel = FusedKernelName {
         access: if one_head {
             Access::OneHead

@@ -157,6 +157,52 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     assert!(per > 0 && y * per >= 48 && (y - 1) * per < 48);
 }
 
+/// Table launches take the one-head (here four-heads) kernels only where their tables suit
+/// those kernels' reads (`planned_table_fits`): each table below 2^32 elements, and both tables
+/// and their row stride aligned to an item's vector of entries (NeoX bf16: four entries, 8
+/// bytes). Other tables take the item loop, which tests the alignment and offsets rows in 64
+/// bits.
+#[test]
+fn table_launches_take_the_one_head_kernels_only_with_tables_their_reads_fit() {
+    let access = |sincos: RawSinCos| {
+        let mut r = with_tokens(RopeStyle::Neox, 8192);
+        r.rope.sincos = sincos;
+        plan_of(&r)
+            .expect("valid")
+            .expect("non-empty")
+            .kernel
+            .access
+    };
+    let shape = |max_position| TableShape {
+        max_position,
+        rotary_dim: D as u32,
+    };
+    let tables = |cos: u64, sin: u64, positions: usize| RawSinCos::Table {
+        cos: buf(cos, positions * D / 2),
+        sin: buf(sin, positions * D / 2),
+        dtype: DType::BF16,
+        shape: shape(positions),
+    };
+    assert_eq!(access(tables(1 << 49, 1 << 50, 8192)), Access::FourHeads);
+    // Either table one entry (2 bytes) past an 8-byte boundary.
+    assert_eq!(access(tables(1 << 49, (1 << 50) + 2, 8192)), Access::Wide);
+    assert_eq!(access(tables((1 << 49) + 2, 1 << 50, 8192)), Access::Wide);
+    // Rows of 64 entries: 2^26 positions make 2^32 elements a table.
+    assert_eq!(
+        access(tables(1 << 49, 1 << 50, (1 << 26) - 1)),
+        Access::FourHeads
+    );
+    assert_eq!(access(tables(1 << 49, 1 << 50, 1 << 26)), Access::Wide);
+    // vLLM's cos_sin_cache: rows of 128 entries, the sines 128 bytes after the cosines.
+    let cache = |ptr: u64| RawSinCos::CosSinCache {
+        cache: buf(ptr, 8192 * D),
+        dtype: DType::BF16,
+        shape: shape(8192),
+    };
+    assert_eq!(access(cache(1 << 49)), Access::FourHeads);
+    assert_eq!(access(cache((1 << 49) + 4)), Access::Wide);
+}
+
 /// NeoX 16-bit launches take the four-heads kernels once the two-heads grid's threads are more
 /// than twice what the device holds of the one-head kernel at once at its 48 registers
 /// (132 x 1365 threads on the H200-like device: past 938 tokens of 12 warps); the other

@@ -783,3 +783,77 @@ fn fused_launch_replays_in_a_graph_with_new_data() {
         ));
     }
 }
+
+/// With sin/cos from a table, a token whose position lies outside the table (negative, past
+/// its rows, or past them by a multiple of 2^32, which a 32-bit row offset would wrap onto a
+/// row) gets NaN in every rotated output element, and every other token gets exactly what the
+/// same launch gives with all positions inside: a prefill-sized NeoX launch (the four-heads
+/// kernels where `ROPE_FUSED_THREAD_HEADS` pins them or the planner takes them) and a small
+/// one, in each element type.
+#[test]
+fn fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone() {
+    let name = "fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone";
+    let Some((stream, rope)) = gpu_or_skip(name) else {
+        return;
+    };
+    let rows = (MAX_POSITION + 32) as i64;
+    let outside = [
+        -1,
+        -3,
+        rows,
+        rows + 7,
+        (1 << 32) + 5,
+        i64::from(u32::MAX),
+        i64::MIN,
+    ];
+    let mut nan_tokens = 0;
+    for (seed, size) in [(5u64, Size::Large), (6, Size::Small), (7, Size::Large)] {
+        let mut c = Case::random_sized(seed, 2, size);
+        (c.style, c.table, c.q, c.k, c.cache) =
+            (RopeStyle::Neox, true, QMode::Out, KMode::Out, None);
+        let inside: Vec<i64> = (0..c.tokens() as i64).map(|t| t % rows).collect();
+        let mut ids = inside.clone();
+        for (t, id) in ids.iter_mut().enumerate().filter(|(t, _)| t % 5 == 1) {
+            *id = outside[t % outside.len()];
+        }
+        let outputs = |ids: &[i64]| {
+            let mut c = c.clone();
+            c.ids = Some(ids.to_vec());
+            let mut rng = StdRng::seed_from_u64(seed);
+            let data = Data::<rope_host::half::bf16>::random(&c, &mut rng);
+            let mut dev = upload(&c, &data, &stream, &rope).expect("upload");
+            launch(&c, &mut dev, &rope).expect("launch");
+            (
+                stream.clone_dtoh(&dev.q_out).expect("q"),
+                stream.clone_dtoh(&dev.k_out).expect("k"),
+            )
+        };
+        let (want, got) = (outputs(&inside), outputs(&ids));
+        for (tensor, heads, w, g) in [("q", c.hq, &want.0, &got.0), ("k", c.hk, &want.1, &got.1)] {
+            let per_token = heads * c.d;
+            for (t, id) in ids.iter().enumerate() {
+                let span = t * per_token..(t + 1) * per_token;
+                if (0..rows).contains(id) {
+                    let same = w[span.clone()]
+                        .iter()
+                        .zip(&g[span])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "seed {seed}: {tensor} of token {t} (position {id}) differs from the launch with positions inside"
+                    );
+                } else {
+                    nan_tokens += 1;
+                    let nan = g[span].iter().all(|v| v.is_nan());
+                    assert!(
+                        nan,
+                        "seed {seed}: {tensor} of token {t} (position {id} outside the table) is not all NaN"
+                    );
+                }
+            }
+        }
+    }
+    report(&format!(
+        "{name}: {nan_tokens} token tensors of positions outside the table all NaN, the others unchanged"
+    ));
+}
