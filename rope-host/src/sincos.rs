@@ -204,23 +204,30 @@ impl RawSinCos {
         config: &RopeConfig,
         pairs: u32,
     ) -> bool {
-        let (cos, sin, dtype) = match *self {
-            Self::Table {
-                cos, sin, dtype, ..
-            } => (cos.ptr, sin.ptr, dtype),
-            // The sines follow the cosines in each row (as `encode` passes them).
-            Self::CosSinCache { cache, dtype, .. } => (
-                cache.ptr,
-                cache.ptr + u64::from(config.half()) * dtype.size() as u64,
-                dtype,
-            ),
-            Self::Computed { .. } | Self::Frequencies { .. } => return true,
+        let Some((cos, sin, dtype)) = self.table_addresses(config) else {
+            return true;
         };
         planned_table_fits(
             (cos, sin),
             (plan.table_positions, plan.table_stride),
             (u64::from(pairs), dtype.size() as u64),
         )
+    }
+
+    /// The addresses the kernels read cos and sin at, and the tables' element type; `None` for
+    /// sin/cos computed in the kernels. A `cos_sin_cache` row holds `half` cosines, then as many
+    /// sines.
+    fn table_addresses(&self, config: &RopeConfig) -> Option<(u64, u64, DType)> {
+        match *self {
+            Self::Table {
+                cos, sin, dtype, ..
+            } => Some((cos.ptr, sin.ptr, dtype)),
+            Self::CosSinCache { cache, dtype, .. } => {
+                let sines = u64::from(config.half()) * dtype.size() as u64;
+                Some((cache.ptr, cache.ptr + sines, dtype))
+            }
+            Self::Computed { .. } | Self::Frequencies { .. } => None,
+        }
     }
 
     /// Checks the source against the configuration and element type; tables must hold every
@@ -328,12 +335,11 @@ impl RawSinCos {
             angle_mode: AngleMode::Exact as u32,
             cs_scale: 1.0,
         };
+        if let Some((cos, sin, _)) = self.table_addresses(config) {
+            (args.cos, args.sin) = (cos, sin);
+        }
         match *self {
-            Self::Table { cos, sin, .. } => (args.cos, args.sin) = (cos.ptr, sin.ptr),
-            Self::CosSinCache { cache, dtype, .. } => {
-                let sines = config.half() as u64 * dtype.size() as u64;
-                (args.cos, args.sin) = (cache.ptr, cache.ptr + sines);
-            }
+            Self::Table { .. } | Self::CosSinCache { .. } => {}
             Self::Computed { theta } => {
                 args.inv_freq = rope.inv_freq(theta, config.rotary_dim(), on)?;
             }
