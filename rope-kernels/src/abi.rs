@@ -1092,7 +1092,10 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`; for the one-head and four-heads
 /// kernels ([`Access::OneHead`], [`Access::FourHeads`]), `q_warps`, `k_warps` and `v_warps`,
 /// the warps of each token's threads for q's, k's and v's heads (0 for a tensor the launch
-/// stores nothing of, and for the other kernels, which do not read them).
+/// stores nothing of, and for the other kernels, which do not read them); for the four-heads
+/// kernels ([`Access::FourHeads`]), `prefetch_tokens`: how many tokens ahead each thread asks
+/// L2 for the lines of the heads its place takes in token `token + prefetch_tokens` (0: none;
+/// the other kernels do not read it).
 #[macro_export]
 macro_rules! fused_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -1129,6 +1132,7 @@ macro_rules! fused_kernel_params {
             q_warps: u32,
             k_warps: u32,
             v_warps: u32,
+            prefetch_tokens: u32,
         }
     };
 }

@@ -116,6 +116,8 @@ struct Fused<T> {
     q_warps: u32,
     k_warps: u32,
     v_warps: u32,
+    /// The four-heads kernels' prefetch distance in tokens (0: none); see [`prefetch_ahead`].
+    prefetch_tokens: u32,
 }
 
 /// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
@@ -886,8 +888,9 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// `blockIdx.z * gridDim.y + blockIdx.y`, so that one cos/sin computation serves every q and k
 /// warp of the block.
 ///
-/// A thread issues its heads' loads, finds its cos/sin (table rows; or from the block's shared
-/// arithmetic), then normalises (with the sums of each head's `groups` lanes), rotates and
+/// A thread issues its heads' loads (in the four-heads kernels, then asks L2 for a line of its
+/// place's heads `prefetch_tokens` tokens on: [`prefetch_ahead`]), finds its cos/sin (table
+/// rows; or from the block's shared arithmetic), then normalises (with the sums of each head's `groups` lanes), rotates and
 /// stores, with element offsets in 32 bits. Lanes past the tensor's last head or its
 /// `rot_groups` load and store nothing but take part in the barrier and the shuffles; warps
 /// past the sequence leave at once unless they compute cos/sin for the block, and the barrier
@@ -974,6 +977,9 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
             raw[u] = unsafe { load_head::<T, P, L>(x.add(at as usize), j0, half_z) };
         }
     });
+    if U == FOUR_HEADS_U && working && group < a.rot_groups {
+        prefetch_ahead::<T, U>(f, (x, x_strides), token, (i0, heads), group, half);
+    }
     // k's and v's warps ask for the token's cache slot to be brought into L2 with their
     // heads' loads, so that its load where the stores need it, after the norm, finds it there
     // rather than in memory. A prefetch holds no register (the slot loaded here and held
@@ -1090,6 +1096,44 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
                 }
             }
         }
+    }
+}
+
+/// Asks L2 for this thread's share of the heads its place (heads `i0..i0 + U` of its tensor,
+/// group `group`) takes in the token `prefetch_tokens` after `token`, if there is one: the
+/// `U * lines` 128-byte lines of those heads' `2 * half` elements (`lines` per head) are spread
+/// over the place's `groups` threads, thread `group` taking line `group / U` of head
+/// `i0 + group % U`. A head is `2 * groups` accesses of at most 16 bytes, so `groups` is at
+/// least `U * lines` for `U = 4`: every line is asked for.
+///
+/// A prefetch holds no register and no scoreboard, so the requests for tokens to come stay in
+/// flight while the thread waits on its own loads, and those tokens' loads find L2 rather than
+/// memory: memory holds more bytes in flight than the resident threads' own loads (30 warps per
+/// multiprocessor at 64 registers). On the H200 the four-heads norm + rope prefill with a table
+/// rose from 90.0-90.2% to 95.0-95.2% of its copy, with sin/cos computed from 92.0% to 95.4%.
+///
+/// Touches no memory a thread reads or writes: a prefetch has no architectural effect, and the
+/// addresses are those of heads that exist (`i0 + group % U < heads`, a token below `tokens`).
+#[inline(always)]
+fn prefetch_ahead<T, const U: usize>(
+    f: &Fused<T>,
+    (x, strides): (*const T, [u64; 3]),
+    token: u32,
+    (i0, heads): (u32, u32),
+    group: u32,
+    half: u32,
+) {
+    let ahead = u64::from(token) + u64::from(f.prefetch_tokens);
+    if f.prefetch_tokens == 0 || ahead >= f.rope.tokens {
+        return;
+    }
+    // Below tokens, so below 2^32 (the one-head grid's promise).
+    let (b, s) = f.rope.seq.div_rem_u32(ahead as u32);
+    let line = (128 / size_of::<T>()) as u32;
+    let (head, first) = (i0 + group % U as u32, (group / U as u32) * line);
+    if head < heads && first < 2 * half {
+        let at = offset_u32(strides, (b, s), head) + first;
+        prefetch_l2(x.wrapping_add(at as usize));
     }
 }
 
@@ -1324,6 +1368,7 @@ impl<T> Fused<T> {
             q_warps: p.q_warps,
             k_warps: p.k_warps,
             v_warps: p.v_warps,
+            prefetch_tokens: p.prefetch_tokens,
         }
     }
 }

@@ -552,6 +552,7 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 q_warps: plan.one_head_warps[0],
                 k_warps: plan.one_head_warps[1],
                 v_warps: plan.one_head_warps[2],
+                prefetch_tokens: plan.prefetch_tokens,
             }
         };
     }

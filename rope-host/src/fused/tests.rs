@@ -580,3 +580,55 @@ fn work_items_are_limited_to_what_32_bit_indices_hold() {
     assert_eq!(p.tokens, most as u64);
     assert_eq!(invalid_arg(&q_k_at(most + 1)), "q");
 }
+
+/// Four-heads launches (prefill) on a device of at least 4 TB/s ask L2 for the heads of the
+/// tokens `PREFETCH_BYTES` (4 MiB) of read heads ahead: 341 tokens of q's, k's and v's 48
+/// heads of 256 bytes with the cache, 409 of q's and k's 40 without it, 512 of q's 32 alone.
+/// The one-head kernels (decode), the rows kernels, and every launch on an H100's 3.35 TB/s
+/// prefetch nothing.
+#[test]
+fn four_heads_launches_prefetch_four_mib_of_heads_ahead_on_fast_dram_only() {
+    let h200 = DeviceFacts {
+        sm_count: 132,
+        threads_per_sm: 2048,
+        dram_gb_per_s: 4915,
+    };
+    let h100 = DeviceFacts {
+        dram_gb_per_s: 3352,
+        ..h200
+    };
+    let four = |_: FusedKernelName, _: &RowsLaunch| -> Result<u32> { Ok(4) };
+    let plan_on = |facts: &DeviceFacts, r: &FusedRequest, rows: bool| {
+        let rows = rows.then_some(&four as RowsOccupancy);
+        plan_fused(r, facts, &|_: FusedKernelName| 8, FusedChoice::Auto, rows)
+            .expect("valid")
+            .expect("non-empty")
+    };
+    let with_cache = with_tokens(RopeStyle::Neox, 8192);
+    let mut norm_rope = with_cache;
+    (norm_rope.cache, norm_rope.v, norm_rope.k_written) = (None, None, true);
+    let mut q_alone = norm_rope;
+    q_alone.k_written = false;
+    for (r, ahead) in [(&with_cache, 341), (&norm_rope, 409), (&q_alone, 512)] {
+        let p = plan_on(&h200, r, false);
+        assert_eq!(p.kernel.access, Access::FourHeads);
+        assert_eq!(p.prefetch_tokens, ahead);
+        let p = plan_on(&h100, r, false);
+        assert_eq!(p.kernel.access, Access::FourHeads);
+        assert_eq!(p.prefetch_tokens, 0);
+    }
+    let decode = plan_on(&h200, &request(RopeStyle::Neox), false);
+    assert_eq!(decode.kernel.access, Access::OneHead);
+    assert_eq!(decode.prefetch_tokens, 0);
+    let mut fp8 = with_cache;
+    let scale = |arg, ptr| RawScale {
+        arg,
+        buf: buf(ptr, 1),
+        per_head: false,
+    };
+    fp8.cache.as_mut().expect("cache").fp8 =
+        Some((scale("k_scale", 1 << 47), scale("v_scale", 1 << 48)));
+    let rows = plan_on(&h200, &fp8, true);
+    assert_eq!(rows.kernel.access, Access::Rows);
+    assert_eq!(rows.prefetch_tokens, 0);
+}
