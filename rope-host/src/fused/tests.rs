@@ -73,18 +73,41 @@ fn request(style: RopeStyle) -> FusedRequest {
     }
 }
 
+/// An H200's facts: 132 multiprocessors of 2048 threads, 4.9 TB/s of DRAM bandwidth.
+const H200: DeviceFacts = DeviceFacts {
+    sm_count: 132,
+    threads_per_sm: 2048,
+    dram_gb_per_s: 4915,
+};
+
+/// An H100's: the H200's with 3.35 TB/s.
+const H100: DeviceFacts = DeviceFacts {
+    dram_gb_per_s: 3352,
+    ..H200
+};
+
 fn plan_of(r: &FusedRequest) -> Result<Option<FusedPlan>> {
     plan_with(r, FusedChoice::Auto)
 }
 
 /// `r` planned on an H200-like device with the kernels `choice` allows.
 fn plan_with(r: &FusedRequest, choice: FusedChoice) -> Result<Option<FusedPlan>> {
-    let facts = DeviceFacts {
-        sm_count: 132,
-        threads_per_sm: 2048,
-        dram_gb_per_s: 4915,
-    };
-    plan_fused(r, &facts, &|_: FusedKernelName| 8, choice, None)
+    plan_fused(r, &H200, &|_: FusedKernelName| 8, choice, None)
+}
+
+/// `r`, valid and non-empty, planned on `facts`' device with the kernels `choice` allows, and
+/// with the rows kernels (four blocks a multiprocessor) where `bulk_rows` (an sm_90 build).
+fn plan_on(
+    facts: &DeviceFacts,
+    r: &FusedRequest,
+    choice: FusedChoice,
+    bulk_rows: bool,
+) -> FusedPlan {
+    let four = |_: FusedKernelName, _: &RowsLaunch| -> Result<u32> { Ok(4) };
+    let rows = bulk_rows.then_some(&four as RowsOccupancy);
+    plan_fused(r, facts, &|_: FusedKernelName| 8, choice, rows)
+        .expect("valid")
+        .expect("non-empty")
 }
 
 /// [`request`] of `style` at `tokens` tokens (32 q, 8 k and 8 v heads of 128, one slot each),
@@ -102,6 +125,17 @@ fn with_tokens(style: RopeStyle, tokens: usize) -> FusedRequest {
     r.v = Some((buf(1 << 45, v.end().expect("fits")), v));
     r.cache.as_mut().expect("cache").slots.buf = buf(1 << 46, tokens);
     r
+}
+
+/// Makes `r`'s cache FP8, with one scale each for k and v.
+fn fp8_cache(r: &mut FusedRequest) {
+    let scale = |arg, ptr| RawScale {
+        arg,
+        buf: buf(ptr, 1),
+        per_head: false,
+    };
+    r.cache.as_mut().expect("cache").fp8 =
+        Some((scale("k_scale", 1 << 47), scale("v_scale", 1 << 48)));
 }
 
 fn invalid_arg(r: &FusedRequest) -> &'static str {
@@ -245,24 +279,7 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
 /// keep them.
 #[test]
 fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dram() {
-    let h200 = DeviceFacts {
-        sm_count: 132,
-        threads_per_sm: 2048,
-        dram_gb_per_s: 4915,
-    };
-    let h100 = DeviceFacts {
-        dram_gb_per_s: 3352,
-        ..h200
-    };
-    // Four blocks of a rows kernel per multiprocessor, where the sm_90 build runs.
-    let four = |_: FusedKernelName, _: &RowsLaunch| -> Result<u32> { Ok(4) };
-    let plan_on = |facts: &DeviceFacts, r: &FusedRequest, choice, bulk_rows: bool| {
-        let rows = bulk_rows.then_some(&four as RowsOccupancy);
-        plan_fused(r, facts, &|_: FusedKernelName| 8, choice, rows)
-            .expect("valid")
-            .expect("non-empty")
-    };
-    let plan = |r: &FusedRequest, choice, bulk_rows| plan_on(&h200, r, choice, bulk_rows);
+    let plan = |r: &FusedRequest, choice, bulk_rows| plan_on(&H200, r, choice, bulk_rows);
     let mut r = with_tokens(RopeStyle::Neox, 8192);
     assert_eq!(
         plan(&r, FusedChoice::Auto, true).kernel.access,
@@ -290,17 +307,11 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
             Access::FourHeads
         );
         assert_eq!(
-            plan_on(&h100, t, FusedChoice::Auto, true).kernel.access,
+            plan_on(&H100, t, FusedChoice::Auto, true).kernel.access,
             Access::FourHeads
         );
     }
-    let scale = |arg, ptr| RawScale {
-        arg,
-        buf: buf(ptr, 1),
-        per_head: false,
-    };
-    r.cache.as_mut().expect("cache").fp8 =
-        Some((scale("k_scale", 1 << 47), scale("v_scale", 1 << 48)));
+    fp8_cache(&mut r);
     let p = plan(&r, FusedChoice::Auto, true);
     assert_eq!(p.kernel.access, Access::Rows);
     // FP8, with sin/cos computed or from a table: the rows kernels on fast DRAM only.
@@ -312,12 +323,12 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     );
     for fp8 in [&r, &both] {
         assert_eq!(
-            plan_on(&h100, fp8, FusedChoice::Auto, true).kernel.access,
+            plan_on(&H100, fp8, FusedChoice::Auto, true).kernel.access,
             Access::FourHeads
         );
     }
     assert_eq!(
-        plan_on(&h100, &r, FusedChoice::Rows(ROWS_STAGES), true)
+        plan_on(&H100, &r, FusedChoice::Rows(ROWS_STAGES), true)
             .kernel
             .access,
         Access::Rows
@@ -588,47 +599,25 @@ fn work_items_are_limited_to_what_32_bit_indices_hold() {
 /// prefetch nothing.
 #[test]
 fn four_heads_launches_prefetch_four_mib_of_heads_ahead_on_fast_dram_only() {
-    let h200 = DeviceFacts {
-        sm_count: 132,
-        threads_per_sm: 2048,
-        dram_gb_per_s: 4915,
-    };
-    let h100 = DeviceFacts {
-        dram_gb_per_s: 3352,
-        ..h200
-    };
-    let four = |_: FusedKernelName, _: &RowsLaunch| -> Result<u32> { Ok(4) };
-    let plan_on = |facts: &DeviceFacts, r: &FusedRequest, rows: bool| {
-        let rows = rows.then_some(&four as RowsOccupancy);
-        plan_fused(r, facts, &|_: FusedKernelName| 8, FusedChoice::Auto, rows)
-            .expect("valid")
-            .expect("non-empty")
-    };
     let with_cache = with_tokens(RopeStyle::Neox, 8192);
     let mut norm_rope = with_cache;
     (norm_rope.cache, norm_rope.v, norm_rope.k_written) = (None, None, true);
     let mut q_alone = norm_rope;
     q_alone.k_written = false;
     for (r, ahead) in [(&with_cache, 341), (&norm_rope, 409), (&q_alone, 512)] {
-        let p = plan_on(&h200, r, false);
+        let p = plan_on(&H200, r, FusedChoice::Auto, false);
         assert_eq!(p.kernel.access, Access::FourHeads);
         assert_eq!(p.prefetch_tokens, ahead);
-        let p = plan_on(&h100, r, false);
+        let p = plan_on(&H100, r, FusedChoice::Auto, false);
         assert_eq!(p.kernel.access, Access::FourHeads);
         assert_eq!(p.prefetch_tokens, 0);
     }
-    let decode = plan_on(&h200, &request(RopeStyle::Neox), false);
+    let decode = plan_on(&H200, &request(RopeStyle::Neox), FusedChoice::Auto, false);
     assert_eq!(decode.kernel.access, Access::OneHead);
     assert_eq!(decode.prefetch_tokens, 0);
     let mut fp8 = with_cache;
-    let scale = |arg, ptr| RawScale {
-        arg,
-        buf: buf(ptr, 1),
-        per_head: false,
-    };
-    fp8.cache.as_mut().expect("cache").fp8 =
-        Some((scale("k_scale", 1 << 47), scale("v_scale", 1 << 48)));
-    let rows = plan_on(&h200, &fp8, true);
+    fp8_cache(&mut fp8);
+    let rows = plan_on(&H200, &fp8, FusedChoice::Auto, true);
     assert_eq!(rows.kernel.access, Access::Rows);
     assert_eq!(rows.prefetch_tokens, 0);
 }
