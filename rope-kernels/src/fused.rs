@@ -890,8 +890,8 @@ unsafe fn fp8_multipliers<const U: usize>(
 ///
 /// A thread issues its heads' loads (in the four-heads kernels, then asks L2 for a line of its
 /// place's heads `prefetch_tokens` tokens on: [`prefetch_ahead`]), finds its cos/sin (table
-/// rows; or from the block's shared arithmetic), then normalises (with the sums of each head's `groups` lanes), rotates and
-/// stores, with element offsets in 32 bits. Lanes past the tensor's last head or its
+/// rows; or from the block's shared arithmetic), then normalises (with the sums of each head's
+/// `groups` lanes), rotates and stores, with element offsets in 32 bits. Lanes past the tensor's last head or its
 /// `rot_groups` load and store nothing but take part in the barrier and the shuffles; warps
 /// past the sequence leave at once unless they compute cos/sin for the block, and the barrier
 /// counts the warps that stay.

@@ -25,6 +25,7 @@
 //! As [`Rope::run`]: bind, plan (`plan.rs`: validation, access width, grid), encode, launch.
 
 mod plan;
+mod prefetch;
 mod rows;
 #[cfg(test)]
 mod tests;

@@ -11,6 +11,7 @@ use rope_kernels::abi::{
 use rope_kernels::divide::Divisor;
 
 use super::CacheLayout;
+use super::prefetch::prefetch_tokens;
 use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
 use crate::bind::RawBuf;
 use crate::error::{Result, invalid};
@@ -121,34 +122,6 @@ fn many_waves(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: 
     let resident = u64::from(facts.sm_count)
         * u64::from(facts.threads_per_sm.min(REGISTERS_PER_SM / registers));
     tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident
-}
-
-/// Bytes of heads the four-heads kernels keep asked for in L2 ahead of the tokens their
-/// threads work on ([`prefetch_tokens`]): far enough that the lines arrive before their tokens'
-/// blocks start, near enough that the bytes streaming through L2 in between (the launch's
-/// reads and writes) do not evict them first. Measured on an H200 (32 q and 8 kv heads of 128,
-/// bf16, 8192 tokens, sin/cos from a table; share of the copy of each fusion's own bytes,
-/// graph; norm + rope / rope + cache / norm + rope + cache): none 89.8 / 94.2 / 91.4%, 1.3 MB
-/// 93.9 / 95.2 / 93.7%, 2.6 MB 95.0 / 96.2 / 95.2%, 4 MB 95.2 / 96.6 / 95.5%, 5.3 MB
-/// 94.6 / 96.2 / 95.3%, 8 MB 94.2 / 93.8 / 93.4%.
-pub(crate) const PREFETCH_BYTES: u64 = 4 << 20;
-
-/// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the four-heads
-/// kernels prefetch: where it was measured (the H200, 4.9 TB/s). The H100 (3.35 TB/s), whose
-/// four-heads launches already reach 96-97% of their copy without it, keeps them without until
-/// it is measured there.
-pub(crate) const PREFETCH_MIN_DRAM_GB_PER_S: u32 = 4000;
-
-/// The four-heads kernels' prefetch distance on `facts`' device: the tokens whose heads
-/// (`heads_per_token` heads of `head_bytes` bytes read per token: q's, and k's and v's where
-/// the launch stores them) make [`PREFETCH_BYTES`], at least 1 and at most `u32::MAX`; 0 (no
-/// prefetch) below [`PREFETCH_MIN_DRAM_GB_PER_S`].
-pub(crate) fn prefetch_tokens(facts: &DeviceFacts, heads_per_token: u32, head_bytes: u64) -> u32 {
-    if facts.dram_gb_per_s < PREFETCH_MIN_DRAM_GB_PER_S {
-        return 0;
-    }
-    let per_token = (u64::from(heads_per_token) * head_bytes).max(1);
-    (PREFETCH_BYTES / per_token).clamp(1, u64::from(u32::MAX)) as u32
 }
 
 /// Items of one token and head that the normalisation's warp-shuffle sum can span.
@@ -311,7 +284,7 @@ pub(crate) fn plan_fused(
     };
     // The four-heads kernels (prefill) ask L2 for the heads of tokens to come; at decode the
     // launch's tokens are all resident at once.
-    let prefetch_tokens = if rows.is_none() && thread_heads == ONE_HEAD_FUSED_MANY_HEADS {
+    let prefetch_tokens = if kernel.access == Access::FourHeads {
         let head_bytes = u64::from(cfg.head_dim()) * es as u64;
         prefetch_tokens(facts, stored_heads.iter().sum(), head_bytes)
     } else {
