@@ -1089,13 +1089,14 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// `cache_slots`), `k_cache`, `v_cache` addressed in elements of `cache_format` as
 /// `(slot / block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot + head *
 /// cache_stride_head + e` (`block_magic`, `block_shift` from [`crate::divide::Divisor::new`]),
-/// with `k_scale`, `v_scale` indexed by `head * kv_scale_step`; for the one-head and four-heads
-/// kernels ([`Access::OneHead`], [`Access::FourHeads`]), `q_warps`, `k_warps` and `v_warps`,
-/// the warps of each token's threads for q's, k's and v's heads (0 for a tensor the launch
-/// stores nothing of, and for the other kernels, which do not read them); for the four-heads
-/// kernels ([`Access::FourHeads`]), `prefetch_tokens`: how many tokens ahead each thread asks
-/// L2 for the lines of the heads its place takes in token `token + prefetch_tokens` (0: none;
-/// the other kernels do not read it).
+/// with `k_scale` indexed by `head * k_scale_step` and `v_scale` by `head * v_scale_step` (each
+/// step 0 for one scale in all, 1 for one per head: k's and v's granularity are their own); for
+/// the one-head and four-heads kernels ([`Access::OneHead`], [`Access::FourHeads`]), `q_warps`,
+/// `k_warps` and `v_warps`, the warps of each token's threads for q's, k's and v's heads (0 for
+/// a tensor the launch stores nothing of, and for the other kernels, which do not read them);
+/// for the four-heads kernels ([`Access::FourHeads`]), `prefetch_tokens`: how many tokens ahead
+/// each thread asks L2 for the lines of the heads its place takes in token `token +
+/// prefetch_tokens` (0: none; the other kernels do not read it).
 #[macro_export]
 macro_rules! fused_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -1128,7 +1129,8 @@ macro_rules! fused_kernel_params {
             cache_format: u32,
             k_scale: byte_ptr,
             v_scale: byte_ptr,
-            kv_scale_step: u32,
+            k_scale_step: u32,
+            v_scale_step: u32,
             q_warps: u32,
             k_warps: u32,
             v_warps: u32,

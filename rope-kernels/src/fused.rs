@@ -110,7 +110,9 @@ struct Fused<T> {
     cache_format: u32,
     k_scale: *const f32,
     v_scale: *const f32,
-    kv_scale_step: u32,
+    /// The steps of `k_scale` and `v_scale` between heads: 0 (one scale) or 1 (one per head).
+    k_scale_step: u32,
+    v_scale_step: u32,
     /// The one-head and four-heads kernels' warps per token of q's, k's and v's threads (in
     /// that order).
     q_warps: u32,
@@ -534,8 +536,8 @@ unsafe fn scales_for<T>(f: &Fused<T>, kind: Kind, has_slot: bool) -> Scales {
         match kind {
             Kind::Q => Scales::new(f.q_format, f.q_scale, f.q_scale_step),
             _ if !has_slot => Scales::new(FormatCode::Elem as u32, f.k_scale, 0),
-            Kind::K => Scales::new(f.cache_format, f.k_scale, f.kv_scale_step),
-            Kind::V => Scales::new(f.cache_format, f.v_scale, f.kv_scale_step),
+            Kind::K => Scales::new(f.cache_format, f.k_scale, f.k_scale_step),
+            Kind::V => Scales::new(f.cache_format, f.v_scale, f.v_scale_step),
         }
     }
 }
@@ -1085,13 +1087,13 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
                 }
                 if let Some(slot) = slot {
                     let (cache, scale) = match kind {
-                        Kind::K => (f.k_cache, f.k_scale),
-                        _ => (f.v_cache, f.v_scale),
+                        Kind::K => (f.k_cache, (f.k_scale, f.k_scale_step)),
+                        _ => (f.v_cache, (f.v_scale, f.v_scale_step)),
                     };
                     let stride = f.cache_strides[2];
                     let heads = (slot + u64::from(i0) * stride, stride);
                     let fp8 = f.cache_format == FormatCode::E4m3 as u32;
-                    let scales = fp8.then_some((scale, f.kv_scale_step));
+                    let scales = fp8.then_some(scale);
                     store_heads::<T, P, L, U>(cache, heads, (live, i0), scales, at, &y);
                 }
             }
@@ -1364,7 +1366,8 @@ impl<T> Fused<T> {
             cache_format: p.cache_format,
             k_scale: p.k_scale.cast(),
             v_scale: p.v_scale.cast(),
-            kv_scale_step: p.kv_scale_step,
+            k_scale_step: p.k_scale_step,
+            v_scale_step: p.v_scale_step,
             q_warps: p.q_warps,
             k_warps: p.k_warps,
             v_warps: p.v_warps,

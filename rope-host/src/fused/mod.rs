@@ -306,7 +306,7 @@ impl Rope {
         };
         let rope = encode_work(&req.rope, &work, &positions, &sincos);
         let args = encode(req, &plan, rope);
-        let function = self.module.function(plan.kernel.symbol());
+        let function = self.module.function(plan.kernel.symbol())?;
         // SAFETY: `FusedArgs` comes from `fused_kernel_params!`, the entry points' list. The
         // plan proved what the entry points' `# Safety` asks: every tensor, output, weight,
         // scale, slot array and cache holds what its layout and the kernel address (the cache
@@ -481,15 +481,28 @@ fn bind_scale<'s>(
     })
 }
 
+/// The FP8 scales of q's output, k's cache and v's cache, in that order, as the kernels take
+/// them: the address and the step between heads, 0 for one scale (or no FP8 store: then the
+/// address is 0 too) and 1 for one per head. Each destination keeps its own granularity, so a
+/// per-head k scale beside a per-tensor v scale (or the reverse) is read as given.
+fn scale_args(req: &FusedRequest) -> [(u64, u32); 3] {
+    let arg = |s: Option<RawScale>| s.map_or((0, 0), |s| (s.buf.ptr, u32::from(s.per_head)));
+    let cache = req.cache.and_then(|c| c.fp8);
+    [
+        arg(req.q_fp8),
+        arg(cache.map(|(k, _)| k)),
+        arg(cache.map(|(_, v)| v)),
+    ]
+}
+
 /// The fused kernel's arguments: the RoPE arguments of the request (q's output in bytes for
 /// FP8, k's output null when k is only cached) and the fused ones.
 fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeArgs) -> FusedArgs {
-    let mut out0 = rope.out0;
-    if req.q_fp8.is_some() {
+    let out0 = match (req.q_fp8, req.rope.q.out) {
         // The output's offset counts bytes, not elements of the input's type.
-        let (buf, layout) = req.rope.q.out.expect("FP8 q has an output");
-        out0 = buf.ptr + layout.offset as u64;
-    }
+        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
+        _ => rope.out0,
+    };
     let out1 = if req.k_written { rope.out1 } else { 0 };
     let es = req.rope.dtype.size() as u64;
     let (v, heads_v, v_strides) = match req.v {
@@ -504,14 +517,16 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
         Some(n) => (n.code as u32, n.q_weight.ptr, n.k_weight.ptr, n.eps),
         None => (NormCode::None as u32, 0, 0, 0.0),
     };
-    let scale = |s: Option<RawScale>| s.map_or((0, 0), |s| (s.buf.ptr, u32::from(s.per_head)));
-    let (q_format, (q_scale, q_scale_step)) = match req.q_fp8 {
-        Some(s) => (FormatCode::E4m3 as u32, scale(Some(s))),
-        None => (FormatCode::Elem as u32, (0, 0)),
+    let q_format = match req.q_fp8 {
+        Some(_) => FormatCode::E4m3 as u32,
+        None => FormatCode::Elem as u32,
     };
+    let [
+        (q_scale, q_scale_step),
+        (k_scale, k_scale_step),
+        (v_scale, v_scale_step),
+    ] = scale_args(req);
     let c = req.cache.as_ref();
-    let (k_scale, kv_scale_step) = scale(c.and_then(|c| c.fp8.map(|f| f.0)));
-    let (v_scale, _) = scale(c.and_then(|c| c.fp8.map(|f| f.1)));
     let strides = c.map_or([0; 3], |c| c.layout.strides.map(|s| s as u64));
     let block = plan.block;
     macro_rules! with_rope {
@@ -549,7 +564,8 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 },
                 k_scale,
                 v_scale,
-                kv_scale_step,
+                k_scale_step,
+                v_scale_step,
                 q_warps: plan.one_head_warps[0],
                 k_warps: plan.one_head_warps[1],
                 v_warps: plan.one_head_warps[2],

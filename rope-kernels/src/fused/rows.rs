@@ -426,15 +426,11 @@ unsafe fn heads_loop<T: Elem, const NORM: bool, const ROTATES: bool, A: RowsStor
         }
         Kind::K => {
             let k = (a.k.out.cast::<u8>(), a.k.out_strides);
-            (
-                k,
-                (f.k_cache, f.cache_strides),
-                (f.k_scale, f.kv_scale_step),
-            )
+            (k, (f.k_cache, f.cache_strides), (f.k_scale, f.k_scale_step))
         }
         Kind::V => {
             let c = (f.v_cache, f.cache_strides);
-            (c, c, (f.v_scale, f.kv_scale_step))
+            (c, c, (f.v_scale, f.v_scale_step))
         }
     };
     // Bytes between the heads of each destination.
