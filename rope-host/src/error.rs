@@ -14,6 +14,10 @@ pub enum Error {
     /// A CUDA driver call failed (no device, out of memory, a failed launch, ...).
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// The loaded kernels lack the entry point a launch planned (named here): a defect of
+    /// this build of the library, reported instead of panicking; nothing was launched.
+    #[error("kernel {0} is not in the loaded module")]
+    MissingKernel(&'static str),
     /// An argument is invalid; `arg` names it and `problem` says what is wrong.
     #[error("{arg}: {problem}")]
     Invalid {

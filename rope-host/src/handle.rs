@@ -155,7 +155,7 @@ impl Rope {
     /// The overlap a launch of the kernel `symbol` gets: [`StreamOverlap::Programmatic`] only
     /// where the handle asks for it and the kernel was loaded from the build that waits for the
     /// previous grid.
-    pub(crate) fn overlap_for(&self, symbol: &str) -> StreamOverlap {
+    pub(crate) fn overlap_for(&self, symbol: &'static str) -> StreamOverlap {
         match self.overlap {
             StreamOverlap::Programmatic if self.module.dependent_launch(symbol) => {
                 StreamOverlap::Programmatic
@@ -332,7 +332,7 @@ impl Rope {
     pub fn resources(&self) -> Result<Vec<KernelResources>> {
         rope_kernels::abi::all_symbols()
             .map(|name| {
-                let f = self.module.function(name);
+                let f = self.module.function(name)?;
                 Ok(KernelResources {
                     name,
                     registers: f.num_regs()?,

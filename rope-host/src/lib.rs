@@ -39,6 +39,17 @@
 //! # Ok::<(), rope_host::Error>(())
 //! ```
 #![warn(missing_docs)]
+// No public entry reaches a panic: an input the checks missed comes back as an `Error`, and
+// every index is checked (`get`) or proved by a fixed size. Tests assert with `expect` freely.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
 
 mod bind;
 mod error;

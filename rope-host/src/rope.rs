@@ -233,7 +233,7 @@ impl Rope {
         let positions = req.positions.encode(&plan.positions);
         let sincos = req.sincos.encode(&plan.sincos, &req.config, (self, on))?;
         let args = encode(req, &plan, &positions, &sincos);
-        let function = self.module.function(plan.kernel.symbol());
+        let function = self.module.function(plan.kernel.symbol())?;
         // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in
         // `rope_kernels::rope_kernel_params!`, so they agree in order and type. `plan` proved,
         // from the lengths the caller promises: each tensor's buffer holds its layout's end, so

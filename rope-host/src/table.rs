@@ -220,7 +220,7 @@ impl Rope {
         };
         let func = self
             .module
-            .function(TableKernelName { dtype: T::DTYPE }.symbol());
+            .function(TableKernelName { dtype: T::DTYPE }.symbol())?;
         // SAFETY: `TableArgs` and the entry points' parameters come from the one list in
         // `rope_kernels::table_kernel_params!`, so they agree in order and type (callers checked
         // rotary_dim >= 2, so the `NonZeroU32` half is >= 1). The tables were just allocated with

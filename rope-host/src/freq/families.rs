@@ -187,16 +187,16 @@ pub(super) fn check_frequencies(
 ) -> Result<()> {
     match f
         .iter()
-        .position(|&v| !(v.is_finite() && v > 0.0 && v <= MAX_INV_FREQ))
+        .enumerate()
+        .find(|&(_, &v)| !(v.is_finite() && v > 0.0 && v <= MAX_INV_FREQ))
     {
         None => Ok(()),
-        Some(i) => Err(invalid(
+        Some((i, v)) => Err(invalid(
             arg,
             format!(
-                "{} gives inv_freq[{i}] = {}; every frequency must be finite, positive and at \
+                "{} gives inv_freq[{i}] = {v}; every frequency must be finite, positive and at \
                  most 2^20 (so that position * inv_freq < 2^51 for positions below 2^31)",
                 cause(),
-                f[i]
             ),
         )),
     }

@@ -19,8 +19,9 @@ use crate::handle::DeviceFacts;
 use crate::layout::{Layout, fused_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
-    Grid, Of, Region, Request, check_overlaps, fused_grid, grid, layout_aligned, one_head_warps,
-    option_reads, read_region, region, same_dims, span_below_2_32, spans_below_2_32, widest_lanes,
+    Grid, Of, Region, Request, TensorReq, check_overlaps, fused_grid, grid, layout_aligned,
+    one_head_warps, option_reads, read_region, region, same_dims, span_below_2_32,
+    spans_below_2_32, widest_lanes,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
@@ -144,10 +145,14 @@ pub(crate) fn plan_fused(
     let cfg = &req.rope.config;
     check_config(cfg)?;
     let es = req.rope.dtype.size();
-    let regions = check_tensors(req)?;
+    let Some(k_req) = req.rope.k else {
+        return Err(invalid("k", "a fused launch needs k"));
+    };
+    let regions = check_tensors(req, &k_req)?;
     check_overlaps(&regions, req.rope.fused)?;
     let q = &req.rope.q.x_layout;
-    let k = &req.rope.k.expect("a fused request has k").x_layout;
+    let k = &k_req.x_layout;
+    let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
     let heads = q.heads as u64 + k.heads as u64 + req.v.map_or(0, |(_, l)| l.heads as u64);
     if heads > u32::MAX as u64 {
         return Err(invalid(
@@ -168,12 +173,13 @@ pub(crate) fn plan_fused(
     if empty {
         return Ok(None);
     }
-    let lanes = widest_lanes(cfg, es, false, |lanes| aligned(req, lanes)).ok_or_else(|| {
-        invalid(
-            "q",
-            "interleaved pairs need every tensor address and stride aligned to two elements",
-        )
-    })?;
+    let lanes =
+        widest_lanes(cfg, es, false, |lanes| aligned(req, &k_req, lanes)).ok_or_else(|| {
+            invalid(
+                "q",
+                "interleaved pairs need every tensor address and stride aligned to two elements",
+            )
+        })?;
     let pairs = match cfg.style() {
         RopeStyle::Neox => lanes,
         RopeStyle::Interleaved => lanes / 2,
@@ -213,11 +219,8 @@ pub(crate) fn plan_fused(
         ..*facts
     };
     let (block, cache_slots) = match &req.cache {
-        Some(c) => (
-            c.layout.block_size,
-            cache_slots(&c.layout).expect("check_cache proved num_blocks * block_size fits"),
-        ),
-        None => (1, 0),
+        Some(c) => (block_size(&c.layout)?, cache_slots(&c.layout)?),
+        None => (NonZeroU32::MIN, 0),
     };
     // A launch at the preferred width whose tensors each span fewer than 2^32 elements (whose
     // cache holds at most 2^32 slots, and whose tables suit the one-head kernels' reads: see
@@ -292,10 +295,9 @@ pub(crate) fn plan_fused(
     };
     let grid = if let Some(((rows, launch), occupancy)) = rows {
         let resident = u64::from(facts.sm_count) * u64::from(occupancy(rows, &launch)?.max(1));
-        rows_grid(&launch, (tokens, q.seq as u32), groups, resident)
+        rows_grid(&launch, (tokens, seq), groups, resident)
     } else if one_head {
-        fused_grid((tokens, q.seq as u32), groups, one_head_warps)?
-            .expect("tokens, seq, heads and groups are non-zero")
+        fused_grid((tokens, seq), groups, one_head_warps)?
     } else {
         // The fused kernels index their work items in 32 bits.
         if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {
@@ -307,14 +309,11 @@ pub(crate) fn plan_fused(
                 ),
             ));
         }
-        grid(
-            (tokens, q.seq as u32),
-            groups,
-            heads as u32,
-            &resident,
-            per_sm,
-        )?
-        .expect("tokens, seq, heads and groups are non-zero")
+        grid((tokens, seq), groups, heads as u32, &resident, per_sm)?
+    };
+    // A grid of no threads stores nothing: every tensor a launch stores into has no heads.
+    let Some(grid) = grid else {
+        return Ok(None);
     };
     Ok(Some(FusedPlan {
         kernel,
@@ -324,9 +323,7 @@ pub(crate) fn plan_fused(
         tokens,
         positions: positions.for_items(pairs),
         sincos,
-        block: Divisor::new(
-            NonZeroU32::new(block as u32).expect("check_cache proved 1 <= block_size <= u32::MAX"),
-        ),
+        block: Divisor::new(block),
         cache_slots,
         one_head_warps,
         prefetch_tokens,
@@ -354,10 +351,9 @@ fn check_config(cfg: &RopeConfig) -> Result<()> {
 
 /// Checks every tensor, weight, scale and cache, and returns the regions the launch reads and
 /// writes.
-fn check_tensors(req: &FusedRequest) -> Result<Vec<Region>> {
+fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
     let (cfg, es) = (&req.rope.config, req.rope.dtype.size());
     let q = &req.rope.q;
-    let k = req.rope.k.expect("a fused request has k");
     let mut regions = vec![region(
         ("q", Of::Q),
         q.x,
@@ -369,6 +365,12 @@ fn check_tensors(req: &FusedRequest) -> Result<Vec<Region>> {
         let out_es = if req.q_fp8.is_some() { 1 } else { es };
         same_dims("q.output", &l, &q.x_layout)?;
         regions.push(region(("q.output", Of::Q), buf, &l, cfg, (out_es, true))?);
+    }
+    if !req.k_written && req.cache.is_none() {
+        return Err(invalid(
+            "k",
+            "is only cached (KOut::CacheOnly), which needs a KvCache",
+        ));
     }
     let k_in_place = k.out.is_none() && req.k_written;
     regions.push(region(
@@ -499,9 +501,30 @@ fn check_ints(slots: &RawInts, tokens: u64) -> Result<()> {
     Ok(())
 }
 
-/// `num_blocks * block_size`, the slots a cache holds, when it fits in `u64`.
-fn cache_slots(l: &CacheLayout) -> Option<u64> {
-    (l.num_blocks as u64).checked_mul(l.block_size as u64)
+/// `num_blocks * block_size`, the slots a cache holds.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `cache.layout` when it overflows `u64`.
+fn cache_slots(l: &CacheLayout) -> Result<u64> {
+    (l.num_blocks as u64)
+        .checked_mul(l.block_size as u64)
+        .ok_or_else(|| invalid("cache.layout", "num_blocks * block_size overflows u64"))
+}
+
+/// The cache's block size, 1 to `u32::MAX` slots.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `cache.layout` for any other.
+fn block_size(l: &CacheLayout) -> Result<NonZeroU32> {
+    u32::try_from(l.block_size)
+        .ok()
+        .and_then(NonZeroU32::new)
+        .ok_or_else(|| {
+            invalid(
+                "cache.layout",
+                format!("block_size must be 1 to u32::MAX, got {}", l.block_size),
+            )
+        })
 }
 
 /// The cache as a [`Layout`] (`[num_blocks, block_size, kv_heads, head_dim]` at its strides),
@@ -525,18 +548,8 @@ fn check_cache(c: &RawCache, cfg: &RopeConfig, es: usize, k_heads: usize) -> Res
             format!("has {} kv heads, k has {k_heads}", l.kv_heads),
         ));
     }
-    if l.block_size == 0 || l.block_size > u32::MAX as usize {
-        return Err(invalid(
-            "cache.layout",
-            format!("block_size must be 1 to u32::MAX, got {}", l.block_size),
-        ));
-    }
-    if cache_slots(l).is_none() {
-        return Err(invalid(
-            "cache.layout",
-            "num_blocks * block_size overflows u64",
-        ));
-    }
+    block_size(l)?;
+    cache_slots(l)?;
     let layout = cache_as_layout(l)?;
     let ces = if c.fp8.is_some() { 1 } else { es };
     let mut regions = Vec::new();
@@ -554,10 +567,9 @@ fn check_cache(c: &RawCache, cfg: &RopeConfig, es: usize, k_heads: usize) -> Res
 
 /// Whether every address and stride the kernel accesses with `lanes`-element vectors is
 /// aligned to them.
-fn aligned(req: &FusedRequest, lanes: usize) -> bool {
+fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
     let es = req.rope.dtype.size();
     let q = &req.rope.q;
-    let k = req.rope.k.expect("a fused request has k");
     let out_es = if req.q_fp8.is_some() { 1 } else { es };
     let mut layouts: Vec<(u64, Layout, usize)> =
         vec![(q.x.ptr, q.x_layout, es), (k.x.ptr, k.x_layout, es)];

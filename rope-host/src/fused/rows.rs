@@ -140,21 +140,23 @@ pub(crate) fn rows_kernel(
 
 /// The persistent grid of a rows `launch` over `tokens` tokens (`seq` per batch row): the
 /// `resident` blocks the device holds at once, or one per token where there are fewer, each
-/// walking tokens `blockIdx.x, blockIdx.x + gridDim.x, ..`.
+/// walking tokens `blockIdx.x, blockIdx.x + gridDim.x, ..`; `None` when there is nothing to
+/// walk (no tokens, `seq` or `groups` 0).
 pub(crate) fn rows_grid(
     launch: &RowsLaunch,
     (tokens, seq): (u64, u32),
     groups: u32,
     resident: u64,
-) -> Grid {
-    Grid {
+) -> Option<Grid> {
+    let (seq, groups) = (NonZeroU32::new(seq)?, NonZeroU32::new(groups)?);
+    (tokens > 0).then(|| Grid {
         config: LaunchConfig {
             grid_dim: (tokens.min(resident).min(u64::from(u32::MAX)) as u32, 1, 1),
             block_dim: (launch.threads, 1, 1),
             shared_mem_bytes: launch.shared_bytes,
         },
         heads_per_chunk: 0,
-        seq: Divisor::new(NonZeroU32::new(seq).expect("tokens > 0")),
-        groups: Divisor::new(NonZeroU32::new(groups).expect("groups > 0")),
-    }
+        seq: Divisor::new(seq),
+        groups: Divisor::new(groups),
+    })
 }

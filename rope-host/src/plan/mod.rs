@@ -119,14 +119,17 @@ pub(crate) fn plan(
             Access::Narrow
         },
     };
-    let grid = grid(
-        (tokens, q.seq as u32),
+    let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
+    let Some(grid) = grid(
+        (tokens, seq),
         rot_groups + pass_groups,
         heads as u32,
         facts,
         blocks_per_sm(kernel),
     )?
-    .expect("tokens, seq, heads and groups are non-zero");
+    else {
+        return Ok(None);
+    };
     // Every head in a block row of its own and nothing to pass through: the one-head kernel,
     // one work item per thread, on the same grid (whose x covers every item when there are
     // fewer than 2^32), with 32-bit element offsets (every tensor spans fewer than 2^32).

@@ -153,7 +153,7 @@ impl ItemAxes {
     /// The groups' axes for `pairs` pairs per work item, when each group lies on one axis.
     pub(crate) fn for_pairs(self, pairs: u32) -> Option<GroupAxes> {
         let i = Self::PAIRS.iter().position(|&p| p == pairs)?;
-        self.groups[i]
+        *self.groups.get(i)?
     }
 }
 

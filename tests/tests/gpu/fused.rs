@@ -63,11 +63,12 @@ struct Case {
     norm: Option<NormWeight>,
     q: QMode,
     k: KMode,
-    /// `(fp8, heads_first, block_size, num_blocks, slots, scale per head)`.
     cache: Option<CacheCase>,
     seed: u64,
 }
 
+/// A paged cache: FP8 or of the tensors' type, heads-first or rows-first blocks, and each
+/// token's slot.
 #[derive(Clone, Debug)]
 struct CacheCase {
     fp8: bool,
@@ -75,7 +76,38 @@ struct CacheCase {
     block_size: usize,
     num_blocks: usize,
     slots: Vec<i64>,
-    per_head: bool,
+    /// k's FP8 scales: one per kv head, or one for the tensor.
+    k_per_head: bool,
+    /// v's, drawn apart from k's.
+    v_per_head: bool,
+}
+
+impl CacheCase {
+    /// A cache of a few blocks more than `tokens` need, its slots distinct and in random
+    /// order, some padding (-1) and at times one past the cache; both scale granularities
+    /// drawn independently.
+    fn random(rng: &mut StdRng, tokens: usize) -> Self {
+        let block_size: usize = [1, 4, 16][rng.random_range(0..3)];
+        let num_blocks = (tokens + 3).div_ceil(block_size) + rng.random_range(0..3);
+        let capacity = num_blocks * block_size;
+        let mut free: Vec<i64> = (0..capacity as i64).collect();
+        let slots = (0..tokens)
+            .map(|_| match rng.random_range(0..10) {
+                0 | 1 => -1,
+                2 => capacity as i64 + rng.random_range(0..5),
+                _ => free.swap_remove(rng.random_range(0..free.len())),
+            })
+            .collect();
+        CacheCase {
+            fp8: rng.random_bool(0.5),
+            heads_first: rng.random_bool(0.5),
+            block_size,
+            num_blocks,
+            slots,
+            k_per_head: rng.random_bool(0.5),
+            v_per_head: rng.random_bool(0.5),
+        }
+    }
 }
 
 /// How large a random case is.
@@ -130,28 +162,9 @@ impl Case {
             1 => QMode::Out,
             n => QMode::Fp8 { per_head: n == 3 },
         };
-        let cache = rng.random_bool(0.7).then(|| {
-            let block_size: usize = [1, 4, 16][rng.random_range(0..3)];
-            let num_blocks = (tokens + 3).div_ceil(block_size) + rng.random_range(0..3);
-            let capacity = num_blocks * block_size;
-            // Distinct slots in random order; some padding (-1), one past the cache at times.
-            let mut free: Vec<i64> = (0..capacity as i64).collect();
-            let slots = (0..tokens)
-                .map(|_| match rng.random_range(0..10) {
-                    0 | 1 => -1,
-                    2 => capacity as i64 + rng.random_range(0..5),
-                    _ => free.swap_remove(rng.random_range(0..free.len())),
-                })
-                .collect();
-            CacheCase {
-                fp8: rng.random_bool(0.5),
-                heads_first: rng.random_bool(0.5),
-                block_size,
-                num_blocks,
-                slots,
-                per_head: rng.random_bool(0.5),
-            }
-        });
+        let cache = rng
+            .random_bool(0.7)
+            .then(|| CacheCase::random(&mut rng, tokens));
         let k = match (rng.random_range(0..3), &cache) {
             (0, _) => KMode::InPlace,
             (1, _) | (_, None) => KMode::Out,
@@ -226,15 +239,17 @@ impl<T: TestElem> Data<T> {
             (0..n).map(|_| rng.random_range(0.01f32..0.2)).collect()
         };
         let heads = |per_head: bool, h: usize| if per_head { h } else { 1 };
-        let cache_heads = c.cache.as_ref().map_or(1, |cc| heads(cc.per_head, c.hk));
+        let (k_heads, v_heads) = c.cache.as_ref().map_or((1, 1), |cc| {
+            (heads(cc.k_per_head, c.hk), heads(cc.v_per_head, c.hk))
+        });
         let q_heads = match c.q {
             QMode::Fp8 { per_head } => heads(per_head, c.hq),
             _ => 1,
         };
         let (q_scale, k_scale, v_scale) = (
             scales(rng, q_heads),
-            scales(rng, cache_heads),
-            scales(rng, cache_heads),
+            scales(rng, k_heads),
+            scales(rng, v_heads),
         );
         Data {
             q: vals(rng, per_token(c.hq), -2.0, 2.0),
@@ -428,8 +443,8 @@ fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_host:
             CacheData::Fp8 {
                 k: dev.k_cache8.as_view_mut(),
                 v: dev.v_cache8.as_view_mut(),
-                k_scale: scale_of(cc.per_head, &dev.k_scale),
-                v_scale: scale_of(cc.per_head, &dev.v_scale),
+                k_scale: scale_of(cc.k_per_head, &dev.k_scale),
+                v_scale: scale_of(cc.v_per_head, &dev.v_scale),
             }
         } else {
             CacheData::Elem {
@@ -611,16 +626,17 @@ fn verify<T: TestElem>(
         for h in 0..c.hk {
             let (k_want, k_scale_terms) =
                 reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
-            let s = if cc.per_head { h } else { 0 };
+            let ks = if cc.k_per_head { h } else { 0 };
+            let vs = if cc.v_per_head { h } else { 0 };
             for i in 0..c.d {
                 let at =
                     block * layout.strides[0] + row * layout.strides[1] + h * layout.strides[2] + i;
                 written[at] = true;
                 let v_want = data.v[(t * c.hk + h) * c.d + i].to_f64();
                 if cc.fp8 {
-                    check_fp8(kc8[at], k_want[i], data.k_scale[s], &mut worst)
+                    check_fp8(kc8[at], k_want[i], data.k_scale[ks], &mut worst)
                         .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
-                    check_fp8(vc8[at], v_want, data.v_scale[s], &mut worst)
+                    check_fp8(vc8[at], v_want, data.v_scale[vs], &mut worst)
                         .map_err(|g| fail("v cache", t, h, i, g, v_want))?;
                 } else {
                     check_elem(kc[at], k_want[i], k_scale_terms[i], &mut worst)
@@ -681,6 +697,127 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
     report(&format!(
         "{name}: {cases} cases, {} values checked, largest error {:.3} of its bound",
         worst.checked, worst.ratio
+    ));
+}
+
+/// FP8 caches with k's and v's scales of each granularity (one for the tensor or one per kv
+/// head, random values), in all four pairings, beside an FP8 q of either granularity: every
+/// byte of every valid slot of both caches is the reference's E4M3 encoding of `value /
+/// scale` with the scale of its own head, every other cache byte keeps its poison, and every
+/// FP8 q byte encodes its head's value with its own scale. Every sixth case is prefill-sized
+/// (the four-heads and rows kernels). Reports each pairing's cases and checked values.
+fn run_fp8_granularities<T: TestElem>(name: &str, cases_per_pairing: u64) {
+    let Some((stream, rope)) = gpu_or_skip(name) else {
+        return;
+    };
+    let cap = std::env::var("ROPE_GPU_CASES")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(u64::MAX, |c| c.div_ceil(4));
+    let cases = cases_per_pairing.min(cap);
+    let granularity = |per_head: bool| if per_head { "per head" } else { "per tensor" };
+    for (pairing, (k_per_head, v_per_head)) in
+        [(false, false), (true, false), (false, true), (true, true)]
+            .into_iter()
+            .enumerate()
+    {
+        let mut worst = Worst::default();
+        for j in 0..cases {
+            let size = if j % 6 == 5 { Size::Large } else { Size::Small };
+            let seed = 0xf8_0000 + pairing as u64 * 10_007 + j * 31 + size_of::<T>() as u64;
+            let mut c = Case::random_sized(seed, size_of::<T>(), size);
+            let mut rng = StdRng::seed_from_u64(seed ^ 0xcafe);
+            let mut cache = c
+                .cache
+                .take()
+                .unwrap_or_else(|| CacheCase::random(&mut rng, c.tokens()));
+            (cache.fp8, cache.k_per_head, cache.v_per_head) = (true, k_per_head, v_per_head);
+            c.cache = Some(cache);
+            c.q = QMode::Fp8 {
+                per_head: j % 2 == 1,
+            };
+            match check_case::<T>(&c, &stream, &rope) {
+                Ok(w) => {
+                    worst.ratio = worst.ratio.max(w.ratio);
+                    worst.checked += w.checked;
+                }
+                Err(e) => panic!(
+                    "{name}: k {}, v {}: case {j}: {e}",
+                    granularity(k_per_head),
+                    granularity(v_per_head)
+                ),
+            }
+        }
+        report(&format!(
+            "{name}: k scale {}, v scale {}: {cases} cases (q FP8 per tensor and per head), {} \
+             values checked, largest error {:.3} of its bound",
+            granularity(k_per_head),
+            granularity(v_per_head),
+            worst.checked,
+            worst.ratio
+        ));
+    }
+}
+
+#[test]
+fn fused_fp8_scales_of_each_granularity_match_reference_bf16() {
+    run_fp8_granularities::<rope_host::half::bf16>(
+        "fused_fp8_scales_of_each_granularity_match_reference_bf16",
+        24,
+    );
+}
+
+#[test]
+fn fused_fp8_scales_of_each_granularity_match_reference_f16() {
+    run_fp8_granularities::<rope_host::half::f16>(
+        "fused_fp8_scales_of_each_granularity_match_reference_f16",
+        12,
+    );
+}
+
+#[test]
+fn fused_fp8_scales_of_each_granularity_match_reference_f32() {
+    run_fp8_granularities::<f32>(
+        "fused_fp8_scales_of_each_granularity_match_reference_f32",
+        12,
+    );
+}
+
+/// k only cached (`KOut::CacheOnly`) without a `KvCache` is refused naming `k`, whatever q's
+/// head count (no heads once reached a panic), and leaves every buffer as it was.
+#[test]
+fn fused_cache_only_k_without_a_cache_is_refused_and_outputs_untouched() {
+    let name = "fused_cache_only_k_without_a_cache_is_refused_and_outputs_untouched";
+    let Some((stream, rope)) = gpu_or_skip(name) else {
+        return;
+    };
+    for (seed, hq) in [(1u64, 0usize), (2, 1), (3, 4)] {
+        let mut c = Case::random(seed, 2);
+        (c.hq, c.k, c.cache) = (hq, KMode::CacheOnly, None);
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut data = Data::<rope_host::half::bf16>::random(&c, &mut rng);
+        // No allocation is empty: q of no heads (and its per-head scales) get one spare element.
+        if data.q.is_empty() {
+            data.q.push(rope_host::half::bf16::ZERO);
+        }
+        if data.q_scale.is_empty() {
+            data.q_scale.push(1.0);
+        }
+        let mut dev = upload(&c, &data, &stream, &rope).expect("upload");
+        let snapshot = |dev: &Device<rope_host::half::bf16>| {
+            let t = [&dev.q, &dev.q_out, &dev.k].map(|b| stream.clone_dtoh(b).expect("download"));
+            let bits: Vec<u16> = t.iter().flatten().map(|v| v.to_bits()).collect();
+            (bits, stream.clone_dtoh(&dev.q8).expect("download"))
+        };
+        let before = snapshot(&dev);
+        match launch(&c, &mut dev, &rope) {
+            Err(rope_host::Error::Invalid { arg: "k", .. }) => {}
+            other => panic!("{name}: {hq} q heads: expected Invalid naming k, got {other:?}"),
+        }
+        assert!(before == snapshot(&dev), "{name}: a buffer changed ({c:?})");
+    }
+    report(&format!(
+        "{name}: 3 descriptions refused, buffers unchanged"
     ));
 }
 

@@ -1,13 +1,14 @@
 //! Tests of the fused planner, without a GPU.
 
 mod prefetch;
+mod properties;
 mod rows;
 
 use rope_kernels::abi::{Access, DType, FusedKernelName, MAX_FUSED_ITEMS, NormCode};
 
-use super::CacheLayout;
 use super::plan::{FusedChoice, FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
 use super::rows::{ROWS_STAGES, RowsLaunch, RowsOccupancy};
+use super::{CacheLayout, scale_args};
 use crate::Direction;
 use crate::bind::RawBuf;
 use crate::error::{Error, Result};
@@ -343,7 +344,7 @@ fn rejects_bad_norm_weights_and_eps() {
 #[test]
 fn rejects_v_without_cache_and_cache_without_v() {
     let mut r = request(RopeStyle::Neox);
-    r.cache = None;
+    (r.cache, r.k_written) = (None, true);
     assert_eq!(invalid_arg(&r), "v");
     let mut r = request(RopeStyle::Neox);
     r.v = None;
@@ -476,6 +477,7 @@ fn work_items_are_limited_to_what_32_bit_indices_hold() {
         r.rope.k = Some(x(1 << 46, 8));
         r.v = None;
         r.cache = None;
+        r.k_written = true;
         r
     };
     // NeoX bf16 heads of 128 take 16 accesses each.
@@ -483,4 +485,85 @@ fn work_items_are_limited_to_what_32_bit_indices_hold() {
     let p = plan_of(&q_k_at(most)).expect("valid").expect("non-empty");
     assert_eq!(p.tokens, most as u64);
     assert_eq!(invalid_arg(&q_k_at(most + 1)), "q");
+}
+
+/// k only cached (`KOut::CacheOnly`) needs a cache: without one it is refused naming `k`, with
+/// q of any head count (q of no heads once reached a panic in the grid's planning).
+#[test]
+fn cache_only_k_without_a_cache_is_refused_naming_k() {
+    for q_heads in [0, 1, 32] {
+        let mut r = request(RopeStyle::Neox);
+        (r.cache, r.v, r.k_written) = (None, None, false);
+        let q = Layout::thd(TOKENS, q_heads, D);
+        r.rope.q = TensorReq {
+            x: buf(1 << 24, q.end().expect("small")),
+            x_layout: q,
+            out: None,
+        };
+        assert_eq!(invalid_arg(&r), "k", "{q_heads} q heads");
+    }
+}
+
+/// A launch that stores nothing (q of no heads, k of no heads beside a cache of no kv heads) is
+/// a no-op; q of no heads beside k's stored heads still launches.
+#[test]
+fn launches_that_store_no_head_are_a_no_op() {
+    let zero_q = |r: &mut FusedRequest| {
+        let q = Layout::thd(TOKENS, 0, D);
+        r.rope.q = TensorReq {
+            x: buf(1 << 24, 0),
+            x_layout: q,
+            out: None,
+        };
+    };
+    let mut r = request(RopeStyle::Neox);
+    zero_q(&mut r);
+    let p = plan_of(&r).expect("valid").expect("k and v are cached");
+    assert_eq!(p.one_head_warps[0], 0);
+    let mut r = request(RopeStyle::Neox);
+    (r.cache, r.v, r.k_written) = (None, None, true);
+    zero_q(&mut r);
+    let k = r.rope.k.as_mut().expect("k");
+    k.x_layout = Layout::thd(TOKENS, 0, D);
+    k.x.len = 0;
+    assert!(plan_of(&r).expect("valid").is_none());
+}
+
+/// k's and v's FP8 cache scales are each passed with their own step between heads (0: one
+/// scale, 1: one per head), in all four combinations, beside q's of either granularity; a
+/// mixed pair plans like any other.
+#[test]
+fn k_and_v_scales_keep_their_own_granularity() {
+    let scale = |arg, ptr, per_head: bool| RawScale {
+        arg,
+        buf: buf(ptr, if per_head { 8 } else { 1 }),
+        per_head,
+    };
+    for (k_head, v_head, q_head) in [
+        (false, false, true),
+        (true, false, false),
+        (false, true, true),
+        (true, true, false),
+    ] {
+        let mut r = request(RopeStyle::Neox);
+        let q_out = Layout::thd(TOKENS, 32, D);
+        r.rope.q.out = Some((buf(11 << 24, q_out.end().expect("small")), q_out));
+        r.q_fp8 = Some(RawScale {
+            buf: buf(12 << 24, if q_head { 32 } else { 1 }),
+            ..scale("q.scale", 0, q_head)
+        });
+        r.cache.as_mut().expect("cache").fp8 = Some((
+            scale("cache.k_scale", 9 << 24, k_head),
+            scale("cache.v_scale", 10 << 24, v_head),
+        ));
+        assert!(plan_of(&r).expect("valid").is_some());
+        let want = [
+            (12 << 24, u32::from(q_head)),
+            (9 << 24, u32::from(k_head)),
+            (10 << 24, u32::from(v_head)),
+        ];
+        assert_eq!(scale_args(&r), want, "k {k_head} v {v_head} q {q_head}");
+    }
+    let r = request(RopeStyle::Neox);
+    assert_eq!(scale_args(&r), [(0, 0); 3]);
 }

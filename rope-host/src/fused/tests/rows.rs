@@ -33,6 +33,7 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     let mut cacheless = table;
     cacheless.cache = None;
     cacheless.v = None;
+    cacheless.k_written = true;
     for t in [&table, &cacheless] {
         assert_eq!(
             plan(t, FusedChoice::Auto, true).kernel.access,
