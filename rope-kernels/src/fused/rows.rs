@@ -557,13 +557,19 @@ unsafe fn heads_loop<T: Elem, const NORM: bool, const ROTATES: bool, A: RowsStor
                     v
                 };
                 let steps = k * ROWS_HEADS_PER_STEP as usize;
+                // An FP8 destination's values are multiplied by `1 / scale` before its store
+                // (in the norm's factor where it folds): A's (q's FP8 output, whose warp has no
+                // B) before A's store, B's (an FP8 cache) after A's store of the values.
                 // SAFETY (each store): head i of the warp's tensor at the token's destinations,
                 // which the entry points promise.
                 unsafe {
+                    if A::FP8 && !folds::<A, B>(NORM) {
+                        y = y.map(|h| h.map(|x| x * mult[k]));
+                    }
                     if A::ON {
                         rows_store::<T, A>(out_a.wrapping_add(steps * head_a), offsets, y);
                     }
-                    if (A::FP8 || B::FP8) && !folds::<A, B>(NORM) {
+                    if B::FP8 && !A::FP8 && !folds::<A, B>(NORM) {
                         y = y.map(|h| h.map(|x| x * mult[k]));
                     }
                     if B::ON && has_slot {
