@@ -5,6 +5,8 @@
 //!   functions, and the L2 flush run before each timed region.
 //! - [`copy`]: the reference kernels (an empty kernel and plain copies) in hand-written PTX.
 //! - [`decode`]: a serving loop's decode step, eager and inside a CUDA graph.
+//! - [`first_call`]: a fresh process's first launch of one kernel family, from opening the
+//!   device.
 //! - [`fused`]: the fused kernels at decode and prefill, against a copy of their bytes and the
 //!   unfused sequence.
 //! - [`report`]: the benchmark's JSON report.
@@ -25,6 +27,7 @@ pub mod copy;
 pub mod decode;
 mod device;
 mod error;
+pub mod first_call;
 pub mod fused;
 pub mod report;
 pub mod timing;

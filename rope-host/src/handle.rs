@@ -93,8 +93,9 @@ pub enum StreamOverlap {
     Programmatic,
 }
 
-/// Runs RoPE kernels on one stream. Cheap to create: the module is loaded once per context and
-/// shared by every `Rope` of that context.
+/// Runs RoPE kernels on one stream. Cheap to create: every `Rope` of a context shares its
+/// kernels, each loaded (and JIT-compiled by the driver) the first time a launch of that
+/// context needs it, so a process compiles only the kernels it launches.
 #[derive(Debug)]
 pub struct Rope {
     pub(crate) stream: Arc<CudaStream>,
@@ -107,11 +108,11 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// Prepares to launch on `stream`, loading the PTX module into its context on first use.
+    /// Prepares to launch on `stream`. Loads no kernel: each loads at its first launch in the
+    /// stream's context (which reports a driver that cannot load it).
     ///
     /// # Errors
-    /// [`crate::Error::Driver`] when the module does not load (for example a driver too old for
-    /// the PTX) or the device cannot be queried.
+    /// [`crate::Error::Driver`] when the device cannot be queried.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let ctx = stream.context();
         let module = module_for(ctx)?;
@@ -324,11 +325,24 @@ impl Rope {
         })
     }
 
-    /// What the driver's JIT compiler allotted each kernel on this device: registers per
-    /// thread and local memory (spills) per thread, the resource report of the PTX.
+    /// Loads every kernel now, rather than each at its first launch (the driver compiles each
+    /// from the embedded PTX: seconds to a minute in all, unless its compute cache holds them).
+    /// For processes that capture launches into CUDA graphs on a driver older than CUDA 12.3,
+    /// which cannot load a module while a stream captures (newer drivers load the kernel of a
+    /// captured launch as they would any other).
     ///
     /// # Errors
-    /// [`crate::Error::Driver`] when an attribute query fails.
+    /// [`crate::Error::Driver`] when a kernel does not load.
+    pub fn load_all_kernels(&self) -> Result<()> {
+        rope_kernels::abi::all_symbols().try_for_each(|name| self.module.function(name).map(drop))
+    }
+
+    /// What the driver's JIT compiler allotted each kernel on this device: registers per
+    /// thread and local memory (spills) per thread, the resource report of the PTX. Loads every
+    /// kernel not loaded yet (the driver compiles each: seconds to a minute in all).
+    ///
+    /// # Errors
+    /// [`crate::Error::Driver`] when a kernel does not load or an attribute query fails.
     pub fn resources(&self) -> Result<Vec<KernelResources>> {
         rope_kernels::abi::all_symbols()
             .map(|name| {

@@ -2,12 +2,9 @@
 
 use std::sync::{Arc, Mutex, Weak};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
-use rope_kernels::abi::{
-    Access, BLOCK_THREADS, FusedKernelName, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS,
-    PtxBuild,
-};
+use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS, PtxBuild};
 
 use crate::error::{Error, Result};
 use crate::fused::{FusedChoice, ROWS_STAGES};
@@ -99,33 +96,31 @@ fn probe_driver() -> Result<()> {
     Ok(())
 }
 
-/// The loaded module of one context with every kernel function looked up.
+/// The kernels of one context, each loaded the first time a launch (or a query) needs it:
+/// the driver JIT-compiles only the entry points a process uses, one small module each
+/// ([`entry_module`]), not the whole embedded PTX.
 #[derive(Debug)]
 pub(crate) struct Module {
     ctx: Arc<CudaContext>,
-    functions: Vec<Loaded>,
+    /// The newest build this device runs and the driver accepts (see [`Module::load`]); a
+    /// kernel it holds comes from it, every other from [`PTX`].
+    build: PtxBuild,
+    /// The kernels loaded so far.
+    functions: Mutex<Vec<(&'static str, Arc<Loaded>)>>,
     /// The fused kernels launches may take: the item loop when [`FUSED_ITEM_LOOP_VAR`] is `1`,
     /// else the one-head kernels at the heads per thread of [`FUSED_THREAD_HEADS_VAR`] when it
     /// is `2` or `4`, else chosen per launch.
     pub(crate) fused_choice: FusedChoice,
-    /// Whether the rows kernels come from [`PTX_SM90`] (see [`Module::bulk_rows`]).
-    bulk_rows: bool,
-    /// The modules the functions come from ([`PTX`], and [`PTX_SM89`] or [`PTX_SM90`] where
-    /// loaded), kept alive with them.
-    _modules: Vec<Arc<CudaModule>>,
 }
 
 /// One kernel function and how many blocks of it one multiprocessor holds.
 #[derive(Debug)]
 struct Loaded {
-    symbol: &'static str,
+    /// The function; it keeps its module alive.
     function: CudaFunction,
     /// Blocks of `BLOCK_THREADS` threads resident per multiprocessor (at least 1), from the
     /// driver's occupancy calculation for the registers the JIT compiler gave the kernel.
     blocks_per_sm: u32,
-    /// Whether the function comes from [`PTX_SM90`], so that it waits for the previous grid
-    /// before touching memory and may be launched with programmatic stream serialization.
-    dependent_launch: bool,
 }
 
 /// The newest embedded build a device of compute capability `capability` runs, capped by
@@ -144,37 +139,112 @@ fn newest_build(capability: (i32, i32), cap: Option<&str>) -> PtxBuild {
     newest.min(cap)
 }
 
+/// The PTX text of `build`.
+fn ptx_of(build: PtxBuild) -> &'static str {
+    match build {
+        PtxBuild::Sm80 => PTX,
+        PtxBuild::Sm89 => PTX_SM89,
+        PtxBuild::Sm90 => PTX_SM90,
+    }
+}
+
+/// The lines of `ptx` before its first function that every module of it needs: `.version`,
+/// `.target`, `.address_size` and the module's shared-memory declarations (the kernels share
+/// no other module-level name; a test checks it).
+fn header(ptx: &str) -> impl Iterator<Item = &str> {
+    let prelude = ptx.find("\n.visible ").map_or(ptx, |end| &ptx[..end]);
+    prelude.lines().filter(|l| {
+        [
+            ".version",
+            ".target",
+            ".address_size",
+            ".shared",
+            ".extern .shared",
+        ]
+        .iter()
+        .any(|d| l.starts_with(d))
+    })
+}
+
+/// Entry point `symbol` of `ptx` as a module of its own: the [`header`] of `ptx`, then the
+/// entry's text up to the next entry; `None` when `ptx` has no such entry.
+pub(crate) fn entry_module(ptx: &str, symbol: &str) -> Option<String> {
+    const ENTRY: &str = "\n.visible .entry ";
+    let start = ptx.find(&format!("{ENTRY}{symbol}("))? + 1;
+    let end = ptx[start..]
+        .find(ENTRY)
+        .map_or(ptx.len(), |e| start + e + 1);
+    let mut text: String = header(ptx).flat_map(|l| [l, "\n"]).collect();
+    text.push('\n');
+    text.push_str(&ptx[start..end]);
+    Some(text)
+}
+
+/// A module of `build`'s header and one empty entry: whether the driver accepts the build's
+/// PTX ISA version and target, at the cost of compiling nothing.
+fn probe_module(build: PtxBuild) -> String {
+    let mut text: String = header(ptx_of(build))
+        .filter(|l| !l.contains(".shared"))
+        .flat_map(|l| [l, "\n"])
+        .collect();
+    text.push_str(".visible .entry rope_isa_probe()\n{\n\tret;\n}\n");
+    text
+}
+
 impl Module {
-    /// The loaded function exported as `symbol`.
+    /// The loaded function exported as `symbol` (one of `rope_kernels::abi::all_symbols`),
+    /// loaded now if no launch has needed it yet: from [`Module::build`] where that build holds
+    /// it, else from [`PTX`].
     ///
     /// # Errors
-    /// [`crate::Error::MissingKernel`] when the module holds no such entry point (`Module::load`
-    /// loads every symbol of `rope_kernels::abi::all_symbols`, so this is a defect of the
-    /// build).
-    fn loaded(&self, symbol: &'static str) -> Result<&Loaded> {
-        self.functions
-            .iter()
-            .find(|l| l.symbol == symbol)
-            .ok_or(Error::MissingKernel(symbol))
+    /// [`crate::Error::MissingKernel`] when the build holds no such entry point;
+    /// [`crate::Error::Driver`] when the driver cannot load it.
+    fn loaded(&self, symbol: &'static str) -> Result<Arc<Loaded>> {
+        let mut functions = self
+            .functions
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((_, l)) = functions.iter().find(|(s, _)| *s == symbol) {
+            return Ok(l.clone());
+        }
+        let build = if self.build.holds(symbol) {
+            self.build
+        } else {
+            PtxBuild::Sm80
+        };
+        let text = entry_module(ptx_of(build), symbol).ok_or(Error::MissingKernel(symbol))?;
+        let function = self
+            .ctx
+            .load_module(Ptx::from_src(text))?
+            .load_function(symbol)?;
+        let blocks_per_sm = function
+            .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)?
+            .max(1);
+        let loaded = Arc::new(Loaded {
+            function,
+            blocks_per_sm,
+        });
+        functions.push((symbol, loaded.clone()));
+        Ok(loaded)
     }
 
     /// The function exported as `symbol`, one of `rope_kernels::abi::all_symbols()`.
     ///
     /// # Errors
     /// As [`Module::loaded`].
-    pub(crate) fn function(&self, symbol: &'static str) -> Result<&CudaFunction> {
-        Ok(&self.loaded(symbol)?.function)
+    pub(crate) fn function(&self, symbol: &'static str) -> Result<CudaFunction> {
+        Ok(self.loaded(symbol)?.function.clone())
     }
 
     /// Whether the function exported as `symbol` may be launched with programmatic stream
-    /// serialization (it comes from [`PTX_SM90`] and waits for the previous grid).
+    /// serialization: it comes from [`PTX_SM90`] and waits for the previous grid.
     pub(crate) fn dependent_launch(&self, symbol: &'static str) -> bool {
-        self.loaded(symbol).is_ok_and(|l| l.dependent_launch)
+        self.build == PtxBuild::Sm90 && self.build.holds(symbol)
     }
 
     /// Blocks of `BLOCK_THREADS` threads of the kernel `symbol` that one multiprocessor of
-    /// this device holds at once (at least 1; 1 for a symbol not loaded, whose launch fails
-    /// at [`Module::function`]).
+    /// this device holds at once (at least 1), loading the kernel if no launch has yet; 1 when
+    /// it cannot be loaded (its launch then fails at [`Module::function`] with the reason).
     pub(crate) fn blocks_per_sm(&self, symbol: &'static str) -> u32 {
         self.loaded(symbol).map_or(1, |l| l.blocks_per_sm)
     }
@@ -182,6 +252,9 @@ impl Module {
     /// Blocks of `threads` threads and `shared_bytes` of dynamic shared memory of the kernel
     /// `symbol` that one multiprocessor of this device holds at once (the driver's occupancy
     /// calculation; at least 1).
+    ///
+    /// # Errors
+    /// As [`Module::loaded`], and [`crate::Error::Driver`] when the query fails.
     pub(crate) fn blocks_per_sm_at(
         &self,
         symbol: &'static str,
@@ -189,7 +262,8 @@ impl Module {
         shared_bytes: u32,
     ) -> Result<u32> {
         let blocks = self
-            .function(symbol)?
+            .loaded(symbol)?
+            .function
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes as usize, None)?;
         Ok(blocks.max(1))
     }
@@ -197,60 +271,32 @@ impl Module {
     /// Whether the rows kernels ([`rope_kernels::abi::Access::Rows`]) run: they come from
     /// [`PTX_SM90`] (elsewhere they are stubs that trap).
     pub(crate) fn bulk_rows(&self) -> bool {
-        self.bulk_rows
+        self.build == PtxBuild::Sm90
     }
 
-    /// Loads [`PTX`] and the newest partial build the device runs: [`PTX_SM90`] from compute
-    /// capability 9.0 on, [`PTX_SM89`] on 8.9 (unless [`PTX_ARCH_VAR`] caps the build, or the
-    /// driver rejects the newer PTX ISA: then the kernels come from [`PTX`]).
+    /// The kernels of `ctx`, none loaded yet: they come from the newest build the device runs
+    /// ([`PTX_SM90`] from compute capability 9.0 on, [`PTX_SM89`] on 8.9; [`PTX_ARCH_VAR`] may
+    /// cap it), or from [`PTX`] where the driver rejects that build's PTX ISA (an empty module
+    /// of the build's header tells, compiling nothing) or the build lacks the kernel.
     fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
         use cudarc::driver::sys::CUdevice_attribute::{
             CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
             CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
         };
-        let module = ctx.load_module(Ptx::from_src(PTX))?;
         let capability = (ctx.attribute(MAJOR)?, ctx.attribute(MINOR)?);
         let cap = std::env::var(PTX_ARCH_VAR).ok();
-        let newer = match newest_build(capability, cap.as_deref()) {
-            PtxBuild::Sm80 => None,
-            b @ PtxBuild::Sm89 => Some((b, PTX_SM89)),
-            b @ PtxBuild::Sm90 => Some((b, PTX_SM90)),
-        }
-        .and_then(|(b, src)| Some((b, ctx.load_module(Ptx::from_src(src)).ok()?)));
-        let functions = rope_kernels::abi::all_symbols()
-            .map(|symbol| {
-                let (from, build) = match &newer {
-                    Some((b, m)) if b.holds(symbol) => (m, *b),
-                    _ => (&module, PtxBuild::Sm80),
-                };
-                let function = from.load_function(symbol)?;
-                let blocks_per_sm = function
-                    .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)?
-                    .max(1);
-                Ok(Loaded {
-                    symbol,
-                    function,
-                    blocks_per_sm,
-                    dependent_launch: build == PtxBuild::Sm90,
-                })
-            })
-            .collect::<Result<Vec<Loaded>>>()?;
-        let bulk_rows = FusedKernelName::ALL
-            .iter()
-            .filter(|k| k.access == Access::Rows)
-            .all(|k| {
-                functions
-                    .iter()
-                    .any(|l| l.symbol == k.symbol() && l.dependent_launch)
-            });
+        let newest = newest_build(capability, cap.as_deref());
+        let accepted = |b: PtxBuild| ctx.load_module(Ptx::from_src(probe_module(b))).is_ok();
+        let build = if newest == PtxBuild::Sm80 || accepted(newest) {
+            newest
+        } else {
+            PtxBuild::Sm80
+        };
         Ok(Self {
             ctx: ctx.clone(),
-            functions,
+            build,
+            functions: Mutex::new(Vec::new()),
             fused_choice: fused_choice_from_env(),
-            bulk_rows,
-            _modules: std::iter::once(module)
-                .chain(newer.map(|(_, m)| m))
-                .collect(),
         })
     }
 }
@@ -278,7 +324,7 @@ pub(crate) fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<Module>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{PTX, PTX_SM89, PTX_SM90, newest_build};
+    use super::{PTX, PTX_SM89, PTX_SM90, entry_module, header, newest_build, probe_module};
     use rope_kernels::abi::{FusedKernelName, PtxBuild, all_symbols, takes_dependent_launch};
 
     /// The entry points of `ptx` with their bodies, in order.
@@ -293,6 +339,57 @@ mod tests {
             rest = &body[end..];
         }
         out
+    }
+
+    /// Every kernel of every build splits out as a module of its own: the build's header and
+    /// shared declarations, then exactly that entry, whole; the entries name no module-level
+    /// global (only the shared buffers the header declares), so the split module is complete.
+    #[test]
+    fn every_entry_splits_into_a_module_of_its_own() {
+        for (build, ptx) in [
+            (PtxBuild::Sm80, PTX),
+            (PtxBuild::Sm89, PTX_SM89),
+            (PtxBuild::Sm90, PTX_SM90),
+        ] {
+            let globals: std::collections::HashSet<&str> = ptx
+                .lines()
+                .filter_map(|l| l.strip_prefix(".global "))
+                .filter_map(|l| l.split(['=', ';']).next()?.split_whitespace().last())
+                .map(|w| w.split('[').next().unwrap_or(w))
+                .collect();
+            assert!(
+                !globals.is_empty(),
+                "{build:?}: the prelude's globals were found"
+            );
+            let entries = entries(ptx);
+            for (name, body) in &entries {
+                let text = entry_module(ptx, name).expect("every entry splits out");
+                assert_eq!(text.matches(".entry ").count(), 1, "{name}");
+                assert!(text.ends_with(body), "{name}: the whole entry");
+                assert!(!text.contains(".func"), "{name}");
+                for line in header(ptx) {
+                    assert!(
+                        text.starts_with(line) || text.contains(line),
+                        "{name}: {line}"
+                    );
+                }
+                assert!(text.contains(".target sm_"), "{name}");
+                let named = body
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
+                    .find(|w| globals.contains(w));
+                assert_eq!(named, None, "{name} names a module-level global");
+            }
+            assert!(entry_module(ptx, "rope_no_such_kernel").is_none());
+            // A name that only starts another entry's name is not that entry.
+            let (first, _) = entries[0];
+            assert!(entry_module(ptx, &first[..first.len() - 1]).is_none());
+            let probe = probe_module(build);
+            assert!(
+                probe.contains(".version") && probe.contains(".target"),
+                "{probe}"
+            );
+            assert!(!probe.contains(".shared"), "{probe}");
+        }
     }
 
     #[test]

@@ -257,7 +257,7 @@ impl Rope {
         unsafe {
             args.launch(
                 self.stream.context(),
-                function,
+                &function,
                 plan.grid.config,
                 stream,
                 self.overlap_for(plan.kernel.symbol()),

@@ -232,7 +232,7 @@ impl Rope {
         unsafe {
             args.launch(
                 stream.context(),
-                func,
+                &func,
                 config,
                 stream.cu_stream(),
                 StreamOverlap::None,

@@ -16,6 +16,8 @@
 //! written and 66 tokens of each output are compared with the f64 reference. Prints a table and
 //! writes JSON (`--json PATH`, default `rope-bench.json`); `--only CASE` (repeatable) runs the
 //! named cases alone (`decode-graph`, `fused`, `fused-prefill` name the extra tables).
+//! `--first-call FAMILY` (`rope`, `rope-table`, `fused`) instead times this fresh process's
+//! first launch of that family from opening the device, and prints it as one JSON line.
 
 use anyhow::{Context, Result, bail, ensure};
 use rand::rngs::StdRng;
@@ -23,6 +25,7 @@ use rand::{RngExt, SeedableRng};
 use rope_bench_support::BenchDevice;
 use rope_bench_support::copy::{CopyKernel, ReferenceKernels};
 use rope_bench_support::decode::{DecodeRow, decode_in_graphs};
+use rope_bench_support::first_call;
 use rope_bench_support::fused::{FusedRow, fused_rows};
 use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, quartiles};
@@ -57,11 +60,21 @@ fn main() -> Result<()> {
     let mut json_path = "rope-bench.json".to_string();
     let mut only: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
+    const USAGE: &str = "usage: rope-bench [--json PATH] [--only CASE]... | --first-call FAMILY";
     while let Some(flag) = args.next() {
         match (flag.as_str(), args.next()) {
             ("--json", Some(path)) => json_path = path,
             ("--only", Some(name)) => only.push(name),
-            _ => bail!("usage: rope-bench [--json PATH] [--only CASE]..."),
+            // A fresh process's first launch, timed before anything else touches the GPU; one
+            // JSON line, nothing else run.
+            ("--first-call", Some(name)) => {
+                let family = first_call::Family::from_name(&name)
+                    .with_context(|| format!("{name}: not rope, rope-table or fused; {USAGE}"))?;
+                let call = first_call::first_call(family)?;
+                println!("{}", call.to_json());
+                return Ok(());
+            }
+            _ => bail!(USAGE),
         }
     }
     let mut gpu = BenchDevice::open().context("rope-bench needs a GPU")?;

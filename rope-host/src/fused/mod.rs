@@ -318,7 +318,7 @@ impl Rope {
         unsafe {
             args.launch(
                 self.stream.context(),
-                function,
+                &function,
                 plan.grid.config,
                 self.stream.cu_stream(),
                 self.overlap_for(plan.kernel.symbol()),

@@ -211,13 +211,6 @@ pub(crate) fn plan_fused(
             Access::Narrow
         },
     };
-    // Chunks of heads only to fill the threads the kernel can hold at once: each chunk repeats
-    // the item's position, sin/cos and slot work, which the fused kernel's issue rate pays for.
-    let per_sm = blocks_per_sm(kernel);
-    let resident = DeviceFacts {
-        threads_per_sm: facts.threads_per_sm.min(per_sm.max(1) * BLOCK_THREADS),
-        ..*facts
-    };
     let (block, cache_slots) = match &req.cache {
         Some(c) => (block_size(&c.layout)?, cache_slots(&c.layout)?),
         None => (NonZeroU32::MIN, 0),
@@ -309,6 +302,14 @@ pub(crate) fn plan_fused(
                 ),
             ));
         }
+        // Chunks of heads only to fill the threads the kernel can hold at once: each chunk
+        // repeats the item's position, sin/cos and slot work, which the fused kernel's issue
+        // rate pays for. (Asked here only: the occupancy query loads the kernel.)
+        let per_sm = blocks_per_sm(kernel);
+        let resident = DeviceFacts {
+            threads_per_sm: facts.threads_per_sm.min(per_sm.max(1) * BLOCK_THREADS),
+            ..*facts
+        };
         grid((tokens, seq), groups, heads as u32, &resident, per_sm)?
     };
     // A grid of no threads stores nothing: every tensor a launch stores into has no heads.
