@@ -324,7 +324,12 @@ pub(crate) fn module_for(ctx: &Arc<CudaContext>) -> Result<Arc<Module>> {
 
 #[cfg(test)]
 mod tests {
-    use super::{PTX, PTX_SM89, PTX_SM90, entry_module, header, newest_build, probe_module};
+    use super::{
+        PTX, PTX_SM89, PTX_SM90, entry_module, header, newest_build, probe_module, ptx_of,
+    };
+
+    /// Every embedded build.
+    const BUILDS: [PtxBuild; 3] = [PtxBuild::Sm80, PtxBuild::Sm89, PtxBuild::Sm90];
     use rope_kernels::abi::{FusedKernelName, PtxBuild, all_symbols, takes_dependent_launch};
 
     /// The entry points of `ptx` with their bodies, in order.
@@ -346,11 +351,7 @@ mod tests {
     /// global (only the shared buffers the header declares), so the split module is complete.
     #[test]
     fn every_entry_splits_into_a_module_of_its_own() {
-        for (build, ptx) in [
-            (PtxBuild::Sm80, PTX),
-            (PtxBuild::Sm89, PTX_SM89),
-            (PtxBuild::Sm90, PTX_SM90),
-        ] {
+        for (build, ptx) in BUILDS.map(|b| (b, ptx_of(b))) {
             let globals: std::collections::HashSet<&str> = ptx
                 .lines()
                 .filter_map(|l| l.strip_prefix(".global "))
@@ -417,11 +418,7 @@ mod tests {
 
     #[test]
     fn each_build_holds_exactly_the_kernels_the_host_takes_from_it() {
-        for (build, ptx) in [
-            (PtxBuild::Sm80, PTX),
-            (PtxBuild::Sm89, PTX_SM89),
-            (PtxBuild::Sm90, PTX_SM90),
-        ] {
+        for (build, ptx) in BUILDS.map(|b| (b, ptx_of(b))) {
             let mut have: Vec<&str> = entries(ptx).into_iter().map(|(name, _)| name).collect();
             let mut want: Vec<&str> = all_symbols().filter(|s| build.holds(s)).collect();
             have.sort_unstable();
