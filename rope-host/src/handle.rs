@@ -8,6 +8,7 @@ use rope_kernels::abi::KernelName;
 
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, check_attention_factor};
+use crate::fused::{FusedChoice, fused_choice_from_env};
 use crate::module::{Module, module_for};
 
 /// What the launch planner knows of the device, queried once per [`Rope`].
@@ -105,6 +106,10 @@ pub struct Rope {
     inv_freq: Mutex<FreqCache>,
     /// How launches may overlap the kernel before them.
     overlap: StreamOverlap,
+    /// The fused kernels launches may take: pinned by the environment for tests
+    /// ([`crate::FUSED_ITEM_LOOP_VAR`], [`crate::FUSED_THREAD_HEADS_VAR`]), else chosen per
+    /// launch.
+    pub(crate) fused_choice: FusedChoice,
 }
 
 impl Rope {
@@ -136,6 +141,7 @@ impl Rope {
             facts,
             inv_freq: Mutex::new(FreqCache::default()),
             overlap: StreamOverlap::None,
+            fused_choice: fused_choice_from_env(),
         })
     }
 

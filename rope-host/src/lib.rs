@@ -73,14 +73,13 @@ pub use freq::{
     AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, axial_inv_freq, inv_freq,
 };
 pub use fused::{
-    CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
+    CacheData, CacheLayout, FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR, Fp8Scale, FusedIo,
+    FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
 };
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope, StreamOverlap};
 pub use layout::Layout;
-pub use module::{
-    FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR, PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device,
-};
+pub use module::{PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
 pub use op::{
     DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
     TensorMut,

@@ -42,9 +42,9 @@ use crate::op::{RopeElem, RopeOp, Tensor, TensorMut};
 use crate::plan::TensorReq;
 use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};
-pub(crate) use plan::FusedChoice;
+pub use plan::{FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR};
+pub(crate) use plan::{FusedChoice, fused_choice_from_env};
 use plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
-pub(crate) use rows::ROWS_STAGES;
 use rows::RowsLaunch;
 
 /// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
@@ -290,7 +290,7 @@ impl Rope {
             module.blocks_per_sm_at(k.symbol(), l.threads, l.shared_bytes)
         };
         let rows = module.bulk_rows().then_some(&rows_blocks as _);
-        let Some(plan) = plan_fused(req, &self.facts, &blocks, module.fused_choice, rows)? else {
+        let Some(plan) = plan_fused(req, &self.facts, &blocks, self.fused_choice, rows)? else {
             return Ok(());
         };
         let positions = req.rope.positions.encode(&plan.positions);

@@ -12,7 +12,7 @@ use rope_kernels::divide::Divisor;
 
 use super::CacheLayout;
 use super::prefetch::prefetch_tokens;
-use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
+use super::rows::{ROWS_STAGES, RowsOccupancy, rows_grid, rows_kernel};
 use crate::bind::RawBuf;
 use crate::error::{Result, invalid};
 use crate::handle::DeviceFacts;
@@ -106,6 +106,38 @@ pub(crate) enum FusedChoice {
     /// takes it ([`ONE_HEAD_FUSED_MANY_HEADS`]: the four-heads kernels,
     /// [`FusedKernelName::four_heads`]; else [`ONE_HEAD_FUSED_HEADS`]).
     ThreadHeads(u32),
+}
+
+/// Environment variable read when a `Rope` is created: `1` makes every fused launch
+/// take the item loop (`Access::Wide` or `Narrow`) where it would take the one-head kernels, so
+/// that tests reach the item loop's wide kernels, which otherwise serve only tensors spanning
+/// 2^32 elements or more. Other values are ignored.
+pub const FUSED_ITEM_LOOP_VAR: &str = "ROPE_FUSED_ITEM_LOOP";
+
+/// Environment variable read when a `Rope` is created: `2` or `4` makes every NeoX
+/// 16-bit fused launch that takes the one-head mapping take two heads per thread (the one-head
+/// kernels) or four (the four-heads kernels), which the launch's size otherwise chooses (four
+/// for launches of many waves), so that tests reach both at any size; `rows` makes every such
+/// launch the rows kernels can serve take them (sm_90 builds), and `rows2` to `rows4` with that
+/// many token buffers per block where they fit. Other values are ignored;
+/// [`FUSED_ITEM_LOOP_VAR`] comes first.
+pub const FUSED_THREAD_HEADS_VAR: &str = "ROPE_FUSED_THREAD_HEADS";
+
+/// The fused kernels the environment pins ([`FUSED_ITEM_LOOP_VAR`], [`FUSED_THREAD_HEADS_VAR`]).
+pub(crate) fn fused_choice_from_env() -> FusedChoice {
+    let var = |name| std::env::var(name).ok();
+    if var(FUSED_ITEM_LOOP_VAR).as_deref() == Some("1") {
+        return FusedChoice::ItemLoop;
+    }
+    match var(FUSED_THREAD_HEADS_VAR).as_deref() {
+        Some("2") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_HEADS),
+        Some("4") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_MANY_HEADS),
+        Some("rows") => FusedChoice::Rows(ROWS_STAGES),
+        Some("rows2") => FusedChoice::Rows(2),
+        Some("rows3") => FusedChoice::Rows(3),
+        Some("rows4") => FusedChoice::Rows(4),
+        _ => FusedChoice::Auto,
+    }
 }
 
 /// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).
