@@ -96,6 +96,7 @@ const PYTHON_RUNNER: &str = r#"#!/bin/sh
 # missing GPU or torch fail the GPU tests rather than skip them. Extra arguments go to pytest.
 #
 # python/run.sh --bench [ARGS]: runs python/bench.py instead (rope_rs against copy_).
+# python/run.sh --first-call: runs python/first_call.py (a fresh process's first apply_rope).
 cd "$(dirname "$0")" || exit 1
 PYTHON=${PYTHON:-python3}
 site=$(mktemp -d) || exit 1
@@ -121,6 +122,9 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ROPE_REQUIRE_GPU=1
 if [ "$1" = "--bench" ]; then
     shift
     exec "$PYTHON" bench.py "$@"
+fi
+if [ "$1" = "--first-call" ]; then
+    exec "$PYTHON" first_call.py
 fi
 exec "$PYTHON" -m pytest tests -q -p no:cacheprovider "$@"
 "#;
@@ -206,6 +210,7 @@ fn python(dir: &Path) -> Result<bool> {
     fs::create_dir_all(dir.join("tests"))?;
     copy(&wheel.path(), dir)?;
     copy(&root().join("python/bench.py"), dir)?;
+    copy(&root().join("python/first_call.py"), dir)?;
     for entry in fs::read_dir(root().join("python/tests"))? {
         let path = entry?.path();
         if path.extension().is_some_and(|e| e == "py") {
