@@ -288,7 +288,7 @@ fn decode_in_a_graph(gpu: &BenchDevice) -> Result<()> {
 /// Every in-kernel variant against the same variant reading tables, on the same buffers and
 /// launched alternately ([`BenchDevice::paired_sources_ms`]). The table above times each
 /// variant on buffers of its own; where the buffers lie in device memory moves a launch's time
-/// by up to 4% on an H200 (docs/perf.md, "table and in-kernel paths timed on the same
+/// by up to 4% on an H200 (docs/perf/log.md, "table and in-kernel paths timed on the same
 /// buffers"), so rows of that table differ by placement as well as by kernel.
 ///
 /// Each row gives the median ratio computed / table over the pairs with its 95% interval

@@ -56,7 +56,7 @@ pub(crate) trait Pairing {
     /// Heads whose loads are issued together before their stores: bytes in flight per thread
     /// at a modest register cost (NeoX reads two vectors per head; four NeoX heads with 16-bit
     /// elements took about 100 registers on sm_90, and more registers per thread measured
-    /// slower than more threads: docs/perf.md). Either 2 or 4.
+    /// slower than more threads: docs/perf/log.md). Either 2 or 4.
     const HEADS_UNROLL: usize;
 }
 

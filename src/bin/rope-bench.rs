@@ -8,7 +8,7 @@
 //! Every number is the median of [`RUNS`] event-timed launches after warm-up, with L2 flushed
 //! (a 256 MiB memset) before each timed launch, for RoPE and copy alike. The table and computed
 //! rows of a case run on the same buffers, launched alternately: where buffers lie in device
-//! memory moves a launch's time by up to 4% on an H200 (docs/perf.md, "table and in-kernel
+//! memory moves a launch's time by up to 4% on an H200 (docs/perf/log.md, "table and in-kernel
 //! paths timed on the same buffers"), which separate uploads would mix into the comparison of
 //! the two sources. GB/s counts the bytes RoPE must read plus write (the rotated elements in
 //! place; every element out of place); "vs copy" is copy time / RoPE time. Inputs are random;

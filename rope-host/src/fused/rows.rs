@@ -37,7 +37,7 @@ const ROWS_MAX_SHARED: u64 = 48 * 1024;
 
 /// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the rows kernels take
 /// the launches of the four-heads kernels that store FP8. At prefill (8192 tokens, 32 + 8 + 8
-/// heads of 128; share of the copy of each launch's bytes, docs/perf.md), rows against
+/// heads of 128; share of the copy of each launch's bytes, docs/perf/log.md), rows against
 /// four-heads kernels, the table rows and the positions of table launches read with L2's
 /// evict-last priority:
 ///
