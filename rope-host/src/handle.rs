@@ -79,12 +79,13 @@ pub(crate) enum FreqUse {
 /// finish, before that kernel has completed; they wait (`griddepcontrol.wait`) until it has
 /// completed and its writes are visible before they read or write any memory. Results are the
 /// same either way; what overlaps is one kernel's launch with the end of the one before (at
-/// decode inside a CUDA graph, about a fifth of each launch's time on an H200). It applies to the
-/// kernels built for it ([`PTX_SM90`](crate::PTX_SM90): the one-head kernels decode steps take,
-/// and the fused kernels); every other launch, and every launch on older devices, is ordered as
-/// with [`StreamOverlap::None`]. The kernels do not trigger their dependents early, so a launch
-/// after them starts no sooner than it would after any kernel. Captured in a CUDA graph, such
-/// launches become programmatic edges (a driver of CUDA 12.3 or newer).
+/// decode inside a CUDA graph, a sizeable share of each launch's time: docs/perf/decisions.md).
+/// It applies to the kernels built for it ([`PTX_SM90`](crate::PTX_SM90): the one-head kernels
+/// decode steps take, and the fused kernels); every other launch, and every launch on older
+/// devices, is ordered as with [`StreamOverlap::None`]. The kernels do not trigger their
+/// dependents early, so a launch after them starts no sooner than it would after any kernel.
+/// Captured in a CUDA graph, such launches become programmatic edges (a driver of CUDA 12.3 or
+/// newer).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum StreamOverlap {
     /// Every launch starts after the previous work on its stream has completed.

@@ -5,8 +5,8 @@
 use core::num::{NonZeroU32, NonZeroU64};
 
 /// Threads per block of every kernel launch. 128 rather than 256: the last blocks of a launch
-/// then hold half the work, so fewer multiprocessors sit idle while they finish (on an H200 the
-/// 16-bit NeoX cases gained 0.5-1.5 points of copy bandwidth).
+/// then hold half the work, so fewer multiprocessors sit idle while they finish, which made the
+/// 16-bit NeoX launches faster (docs/perf/decisions.md).
 pub const BLOCK_THREADS: u32 = 128;
 
 /// The most work items (tokens times accesses per head) of one fused launch in the item loop
@@ -24,24 +24,19 @@ pub const ONE_HEAD_FUSED_HEADS: u32 = 2;
 /// Heads per thread of the four-heads fused kernels ([`Access::FourHeads`]), the NeoX 16-bit
 /// kernels for launches of many waves (prefill): the thread's set-up, its share of the block's
 /// cos/sin and its norm weights serve four heads, where those launches are bound by the
-/// instructions they issue. Measured (32 q and 8 kv heads of 128, bf16, 8192 tokens; share of
-/// the copy of each fusion's own bytes, graph) against two heads per thread at 48 registers:
-/// H200 norm + rope 83.9 -> 88.4%, rope + cache 90.1 -> 92.3%, norm + rope + cache
-/// 84.2 -> 88.3%, FP8 67.6 -> 77.6%; H100 95.9 -> 95.1%, 96.3 -> 96.1%, 95.1 -> 95.0%,
-/// 87.6 -> 94.3% (both bodies in the one-head kernels at 64 registers). As kernels of their own
-/// (the one-head kernels back at 48): H200 88.6 -> 89.6%, 92.3 -> 93.2%, 88.3 -> 89.3%,
-/// 77.6 -> 78.3%; H100 95.0 -> 95.5%, 96.2 -> 96.5%, 95.0 -> 95.6%, 94.4 -> 94.7%; decode in
-/// a graph 0.03-0.06 us faster on both. At decode (64 tokens) two heads per thread keep each
-/// thread's chain short.
+/// instructions they issue. Against two heads per thread, four made prefill clearly faster on
+/// devices of high DRAM bandwidth, and with FP8 stores on every device, and about as fast
+/// otherwise; as kernels of their own, which leave the one-head kernels at their lower register
+/// cap, they made prefill and decode a little faster again (docs/perf/decisions.md). At decode
+/// two heads per thread keep each thread's chain short.
 pub const ONE_HEAD_FUSED_MANY_HEADS: u32 = 4;
 
 /// The most warps in one block of the fused one-head kernels ([`Access::OneHead`]): a token's
 /// warps (q's, then k's, then v's) are cut into the fewest equal blocks of at most this many,
-/// each block computing the token's cos/sin once for its q and k warps. Measured on an H200
-/// (32 q and 8 kv heads of 128, bf16, NeoX; share of the copy of each fusion's own bytes at
-/// prefill): five (12 warps as 4 + 4 + 4, 10 as 5 + 5) beat four (10 as 4 + 4 + 2: norm + rope
-/// 4 points lower), six (12 as 6 + 6: 1.5-2.3 points lower) and whole tokens (12 warps in one
-/// block: 3-9 points lower; every warp waits at the barrier for the block's cos/sin).
+/// each block computing the token's cos/sin once for its q and k warps. At prefill a cap of
+/// five (12 warps as 4 + 4 + 4, 10 as 5 + 5) is faster than one of four (10 as 4 + 4 + 2) or
+/// six (12 as 6 + 6), and than whole tokens in one block, where every warp waits at the
+/// barrier for the block's cos/sin (docs/perf/decisions.md).
 pub const ONE_HEAD_FUSED_MAX_WARPS: u32 = 5;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
@@ -255,8 +250,8 @@ pub const ROWS_DATA_OFFSET: u32 = 128;
 
 /// Elements per access of the [`Access::Wide`] kernels: 16 bytes, except for NeoX pairs of
 /// 16-bit elements, 8 bytes. A work item then rotates at most four pairs per head, so a token
-/// has twice as many items, which is what filled the GPU best on an H200 (NeoX bf16 prefill
-/// 87% of copy against 80% with 16-byte accesses).
+/// has twice as many items, which fills the GPU better at prefill than 16-byte accesses
+/// (docs/perf/decisions.md).
 pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
     match (style, elem_size) {
         (RopeStyle::Neox, 2) => 4,
@@ -622,10 +617,10 @@ macro_rules! host_param_type {
 impl KernelName {
     /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
     /// 1280 threads' worth for the wide NeoX kernels of 16-bit elements, which then fit in 48
-    /// registers without spilling (on an H200 partial rotary gained 4-5.5 points of copy
-    /// bandwidth, the full-width cases lost 0-1.3), [`MIN_BLOCKS_PER_SM`]
-    /// (1024 threads) otherwise. f16 with computed sin/cos stays at 1024 threads: at 48
-    /// registers it spilled and ran 3% slower.
+    /// registers without spilling (partial rotary then runs clearly faster, the full-width
+    /// cases at most a little slower), [`MIN_BLOCKS_PER_SM`] (1024 threads) otherwise. f16 with
+    /// computed sin/cos stays at 1024 threads: at 48 registers it spilled and ran slower
+    /// (docs/perf/decisions.md).
     pub const fn min_blocks_per_sm(self) -> u32 {
         match (self.style, self.access, self.dtype, self.source) {
             (RopeStyle::Neox, Access::Wide, DType::BF16, _)
@@ -845,16 +840,16 @@ pub struct FusedKernelName {
 impl FusedKernelName {
     /// The registers per thread the one-head, four-heads and rows kernels ([`Access::OneHead`],
     /// [`Access::FourHeads`], [`Access::Rows`]) are held to (their `.maxnreg`, with `.maxntid` of
-    /// [`ONE_HEAD_FUSED_MAX_WARPS`] warps): 48 for the NeoX one-head kernels of 16-bit elements,
-    /// whose loads are all they keep in flight, so that more threads hold more bytes in flight
-    /// (no spills on sm_90); 64 for the other one-head kernels (the interleaved 16-bit ones
-    /// spilled at 48) and for the four-heads kernels (none spilled on sm_90 but the `f32`-table
-    /// ones, 4 bytes, once a warp barrier precedes the norm's shuffles; at 72, five blocks of
-    /// five warps per multiprocessor instead of six, norm + rope was slower at prefill on an
-    /// H200); 72 for the rows kernels ([`Access::Rows`], `.maxntid` of [`ROWS_MAX_WARPS`]
-    /// warps), none spilled, where 64 spilled 16-36 bytes and was slower at prefill on an H200
-    /// (FP8 87% of its copy against 91%), and four blocks of up to seven warps still fit an
-    /// sm_90 multiprocessor's 64 Ki registers. `None` for the other kernels.
+    /// [`ONE_HEAD_FUSED_MAX_WARPS`] warps), `None` for the other kernels: 48 for the NeoX
+    /// one-head kernels of 16-bit elements, whose loads are all they keep in flight, so that
+    /// more threads hold more bytes in flight (no spills on sm_90); 64 for the other one-head
+    /// kernels (the interleaved 16-bit ones spilled at 48) and for the four-heads kernels (no
+    /// spills on sm_90 but a few bytes in the `f32`-table ones once a warp barrier precedes the
+    /// norm's shuffles; at 72, five blocks of five warps per multiprocessor instead of six,
+    /// norm + rope was slower at prefill); 72 for the rows kernels ([`Access::Rows`], `.maxntid`
+    /// of [`ROWS_MAX_WARPS`] warps), which spill nothing there, where at 64 they spilled and ran
+    /// the FP8 prefill slower, and four blocks of up to seven warps still fit an sm_90
+    /// multiprocessor's 64 Ki registers (docs/perf/decisions.md).
     pub const fn one_head_registers(self) -> Option<u32> {
         match self.access {
             // The one-head kernels that have four-heads kernels beside them keep two heads.
@@ -887,7 +882,8 @@ impl FusedKernelName {
     }
 
     /// The four-heads kernel ([`Access::FourHeads`]) of this one-head kernel, if it has one:
-    /// the NeoX kernels of 16-bit elements, the only ones measured with four heads per thread.
+    /// the NeoX kernels of 16-bit elements, the only ones whose four heads per thread were
+    /// measured (docs/perf/decisions.md).
     pub const fn four_heads(self) -> Option<Self> {
         match (self.access, self.style, self.dtype) {
             (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(FusedKernelName {

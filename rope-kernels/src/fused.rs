@@ -124,8 +124,8 @@ struct Fused<T> {
 
 /// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
 /// bytes of 16-bit elements, as [`crate::rope`]'s NeoX blocks. Four (as `rope` unrolls
-/// interleaved heads) took 96 registers in the interleaved 16-bit kernels without a cap, and
-/// spilled 200-250 bytes at the 64 of 1024 resident threads.
+/// interleaved heads) took the interleaved 16-bit kernels far past 64 registers without a cap,
+/// and spilled heavily at the 64 of 1024 resident threads.
 const HEADS_UNROLL: usize = 2;
 
 /// Which of the three tensors a run of heads belongs to.
@@ -669,7 +669,7 @@ fn normalise<const L: usize>(v: &mut [[f32; L]; 2], w: &[[f32; L]; 2], r: f32) {
 /// [`HEADS_UNROLL`] heads while that many are left in the tensor, then one at a time.
 /// One loop with the tensor chosen at run time, so that one copy of each block's code serves
 /// q, k and v: a loop per tensor kept each tensor's loop-invariant values live through the
-/// whole item loop (over 80 registers).
+/// whole item loop, well past the 64-register cap.
 ///
 /// # Safety
 /// `last <=` the heads of q, k and v; the item's token exists; the promises of the entry
@@ -795,8 +795,8 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
 /// Computes pair `e = threadIdx.x` (for `e < half`) of token `(b, s)`'s cos and sin into the
 /// block's shared array: cos at `e`, sin at `half + e`; the position of pair `e` is its
 /// rotating group's (`e / pairs`), as [`cos_sin`] finds it. One pair per thread, no loop: the
-/// position's code (a match over every position kind) inside a loop took the kernels to 62-64
-/// registers, or spilled under a cap.
+/// position's code (a match over every position kind) inside a loop took the kernels to their
+/// register limit, or spilled under a cap.
 ///
 /// # Safety
 /// `2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; the position and frequency promises.
@@ -986,7 +986,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
     // heads' loads, so that its load where the stores need it, after the norm, finds it there
     // rather than in memory. A prefetch holds no register (the slot loaded here and held
     // through the norm made ptxas spill). Four-heads kernels only: the one-head kernels, at
-    // decode, were slower with it.
+    // decode, were slower with it (docs/perf/decisions.md).
     if U == FOUR_HEADS_U && kind != Kind::Q && active && !f.slots.is_null() {
         let width = if f.slots_wide != 0 { 8 } else { 4 };
         prefetch_l2(f.slots.cast::<u8>().wrapping_add(token as usize * width));
@@ -1026,9 +1026,9 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
         // promises.
         unsafe {
             // With a table, the position is kept in L2 as its row is: a token's two reads in a
-            // row otherwise waited on memory for the position (the H200's four-heads norm + rope
-            // + cache prefill with a table rose from 90.9% to 91.7% of its copy). With sin/cos
-            // computed, the same reads made ptxas spill the four-heads kernels.
+            // row otherwise waited on memory for the position, which made table launches at
+            // prefill a little slower (docs/perf/decisions.md). With sin/cos computed, the same
+            // reads made ptxas spill the four-heads kernels.
             if S::TABLE {
                 let pos = position_read::<T, KeptInL2>(a, b, s, group);
                 cos_sin_read::<T, S, PlannedTable, L>(a, pos, j0, pairs)
@@ -1111,8 +1111,8 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
 /// A prefetch holds no register and no scoreboard, so the requests for tokens to come stay in
 /// flight while the thread waits on its own loads, and those tokens' loads find L2 rather than
 /// memory: memory holds more bytes in flight than the resident threads' own loads (30 warps per
-/// multiprocessor at 64 registers). On the H200 the four-heads norm + rope prefill with a table
-/// rose from 90.0-90.2% to 95.0-95.2% of its copy, with sin/cos computed from 92.0% to 95.4%.
+/// multiprocessor at 64 registers). On devices of high DRAM bandwidth this made prefill
+/// markedly faster, with tables and with sin/cos computed alike (docs/perf/decisions.md).
 ///
 /// Touches no memory a thread reads or writes: a prefetch has no architectural effect, and the
 /// addresses are those of heads that exist (`i0 + group % U < heads`, a token below `tokens`).
@@ -1232,7 +1232,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     // The loop runs on 32-bit indices: the host keeps the items within `MAX_FUSED_ITEMS` (2^30)
     // and the grid to the blocks they fill, so `idx` stays below 2^30 + 32, `step` below 2^30 +
     // 128 and their sum below 2^32. (The clamp keeps any larger count in range; a trap there
-    // instead made ptxas spill three times as much.)
+    // instead made ptxas spill far more.)
     let total = total.min(MAX_FUSED_ITEMS) as u32;
     let step = grid_dim_x() * block_dim_x();
     let mut idx = block_idx_x() * block_dim_x() + thread_idx_x();

@@ -55,8 +55,8 @@ pub(crate) trait Pairing {
     const NEOX: bool;
     /// Heads whose loads are issued together before their stores: bytes in flight per thread
     /// at a modest register cost (NeoX reads two vectors per head; four NeoX heads with 16-bit
-    /// elements took about 100 registers on sm_90, and more registers per thread measured
-    /// slower than more threads: docs/perf/log.md). Either 2 or 4.
+    /// elements take far more registers than the kernels' cap, and fewer threads of more
+    /// registers each were slower than more threads: docs/perf/decisions.md). Either 2 or 4.
     const HEADS_UNROLL: usize;
 }
 
@@ -522,8 +522,8 @@ fn head_range<T>(a: &Args<T>) -> (usize, usize) {
 /// position codes, `pos` is the token's index and [`cos_sin_axes`] finds each pair's position.
 /// Table reads take L2's evict-last priority ([`load_evict_last`]): a row is read again by
 /// later tokens and launches at that position, and the heads streaming through L2 between
-/// those reads evicted it otherwise (the H200's four-heads norm + rope prefill with a table
-/// rose from 78% to 89% of its copy).
+/// those reads evicted it otherwise, which made table launches at prefill much faster
+/// (docs/perf/decisions.md).
 ///
 /// # Safety
 /// The table or `inv_freq` promises of the entry points.
@@ -552,11 +552,11 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
     let mut pos = pos;
     if a.positions >= PositionCode::MultiAxisI32 as u32 {
         // A uniform branch on a kernel argument, inside the sin/cos step only: a separate
-        // multi-axis instance of the whole loop measured more registers and spills in ptxas.
+        // multi-axis instance of the whole loop took more registers and spilled in ptxas.
         // With tables, an item whose pairs all take one axis (every item of mRoPE's and
         // FLUX's maps when the sections are multiples of the pairs per item) reads that axis's
         // position once and goes on as one position, with vector table reads. (For in-kernel
-        // sin/cos the same shortcut made ptxas spill: 184 bytes in the NeoX bf16 kernels.)
+        // sin/cos the same shortcut made ptxas spill in the NeoX bf16 kernels.)
         // SAFETY: for multi-axis codes `pos` is the token's index; j0 + pairs <= half, the
         // map's length; the caller's promises.
         let shared_axis = if S::TABLE {
@@ -641,8 +641,9 @@ impl TableRead for AnyTable {
 /// 8 or 16 bytes, both tables and their row stride are aligned to it. So row offsets are 32-bit
 /// and the alignment needs no test; both vector loads sit in one branch, their words starting
 /// as NaN and widened after it: no 64-bit multiply or alignment test, four moves of NaN words
-/// rather than eight of `f32`s, one range test and one branch instead of two (the H200's
-/// four-heads norm + rope prefill with a table issued 11 fewer instructions per thread, 1.7%).
+/// rather than eight of `f32`s, one range test and one branch instead of two: fewer
+/// instructions per thread, and slightly faster launches at prefill and decode
+/// (docs/perf/decisions.md).
 pub(crate) struct PlannedTable;
 impl TableRead for PlannedTable {
     const PLANNED: bool = true;
@@ -862,8 +863,8 @@ unsafe fn load_pairs<E: Elem, const L: usize>(p: *const E, pairs: usize) -> [f32
 /// fetches them while the `f64` arithmetic runs; then the heads are rotated, their loads mostly
 /// hitting L2. A prefetch holds no register, where a load issued ahead of the arithmetic holds
 /// its result through it (at the 48-register limit ptxas moved such loads after the
-/// arithmetic). Out of place, where the outputs take L2 lines of their own, prefetching
-/// measured slower than none. An item with one head loads it ahead instead (see
+/// arithmetic). Out of place, where the outputs take L2 lines of their own, prefetching was
+/// slower than none (docs/perf/decisions.md). An item with one head loads it ahead instead (see
 /// [`rotate_heads`]).
 ///
 /// # Safety
@@ -1002,11 +1003,11 @@ fn loads_before_cos_sin(wide: bool, (first, last): (usize, usize)) -> bool {
 /// counts, where the grid gives every head its own block row) issues that head's loads before
 /// [`cos_sin`] runs, so that their latency overlaps the position and table reads or the
 /// arithmetic: there that chain is the whole launch. Items with more heads find cos/sin first:
-/// holding their first block's loads through it measured slower at prefill (fewer loads in
-/// flight per round, or spills), and their later blocks overlap one another's latency. (The
-/// narrow kernels, with several bodies, spilled with the one-head path.) Launches that copy no
-/// pass-through elements take the one-head kernels ([`one_head_body`]) instead; here the path
-/// serves those that do.
+/// holding their first block's loads through it was slower at prefill (fewer loads in flight
+/// per round, or spills; docs/perf/decisions.md), and their later blocks overlap one another's
+/// latency. (The narrow kernels, with several bodies, spilled with the one-head path.) Launches
+/// that copy no pass-through elements take the one-head kernels ([`one_head_body`]) instead;
+/// here the path serves those that do.
 ///
 /// # Safety
 /// `b < batch`, `s < seq`, `last <= q.heads + k.heads`; the promises of [`load_head`] and of

@@ -6,17 +6,15 @@ use crate::handle::DeviceFacts;
 /// Bytes of heads the four-heads kernels keep asked for in L2 ahead of the tokens their
 /// threads work on ([`prefetch_tokens`]): far enough that the lines arrive before their tokens'
 /// blocks start, near enough that the bytes streaming through L2 in between (the launch's
-/// reads and writes) do not evict them first. Measured on an H200 (32 q and 8 kv heads of 128,
-/// bf16, 8192 tokens, sin/cos from a table; share of the copy of each fusion's own bytes,
-/// graph; norm + rope / rope + cache / norm + rope + cache): none 89.8 / 94.2 / 91.4%, 1.3 MB
-/// 93.9 / 95.2 / 93.7%, 2.6 MB 95.0 / 96.2 / 95.2%, 4 MB 95.2 / 96.6 / 95.5%, 5.3 MB
-/// 94.6 / 96.2 / 95.3%, 8 MB 94.2 / 93.8 / 93.4%.
+/// reads and writes) do not evict them first. Of the distances tried at prefill, 4 MiB was the
+/// fastest for every fusion: nearer ones gain less, farther ones lose lines to eviction
+/// (docs/perf/decisions.md).
 pub(crate) const PREFETCH_BYTES: u64 = 4 << 20;
 
 /// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the four-heads
-/// kernels prefetch: where it was measured (the H200, 4.9 TB/s). The H100 (3.35 TB/s), whose
-/// four-heads launches already reach 96-97% of their copy without it, keeps them without until
-/// it is measured there.
+/// kernels prefetch: the prefetch was measured to pay on devices above it. Devices below it,
+/// whose four-heads launches already come close to their copy without it, go without until it
+/// is measured there (docs/perf/decisions.md).
 pub(crate) const PREFETCH_MIN_DRAM_GB_PER_S: u32 = 4000;
 
 /// The four-heads kernels' prefetch distance on `facts`' device: the tokens whose heads

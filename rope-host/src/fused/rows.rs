@@ -36,18 +36,11 @@ pub(crate) struct RowsLaunch {
 const ROWS_MAX_SHARED: u64 = 48 * 1024;
 
 /// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the rows kernels take
-/// the launches of the four-heads kernels that store FP8. At prefill (8192 tokens, 32 + 8 + 8
-/// heads of 128; share of the copy of each launch's bytes, docs/perf/log.md), rows against
-/// four-heads kernels, the table rows and the positions of table launches read with L2's
-/// evict-last priority:
-///
-/// | device | FP8, computed | FP8, table | 16-bit, table, no cache | 16-bit, table, cache | 16-bit, computed |
-/// |---|---|---|---|---|---|
-/// | H200 (4915 GB/s) | 91% / 78% | 92-93% / 85% | 89-90% / 90% | 90-91% / 92-94% | 87-90% / 92-95% |
-/// | H100 SXM (3352 GB/s) | 92% / 96-97% | 92-93% / 97% | 92% / 96-97% | 90-91% / 97% | 91-92% / 95-97% |
-///
-/// Since then the four-heads kernels prefetch on the H200 ([`super::prefetch`]; v49): 16-bit
-/// launches 95-97% there, FP8 85.5% with a table and 82% computed, so the rule stands.
+/// the launches of the four-heads kernels that store FP8. At prefill, on devices above it the
+/// rows kernels are clearly faster than the four-heads kernels for FP8 stores (with the
+/// four-heads kernels' prefetch, [`super::prefetch`], too) and as fast or slower for 16-bit
+/// ones; on devices below it the four-heads kernels are faster for every store
+/// (docs/perf/decisions.md).
 pub(crate) const ROWS_MIN_DRAM_GB_PER_S: u32 = 4000;
 
 /// Token buffers per block of the rows kernels: the copies run one token ahead of the

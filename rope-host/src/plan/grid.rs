@@ -26,12 +26,11 @@ pub(crate) struct Grid {
 /// equal splits the one whose last wave of blocks (`sm_count * blocks_per_sm` blocks run at
 /// once) is fullest, fewer chunks on a tie.
 ///
-/// Measured on an H200: ragged chunks (32 heads as 11, 11, 10) leave
-/// blocks of unequal work and cost both sin/cos paths 1-2 points of copy bandwidth; a last wave
-/// that is mostly empty costs up to 8 (the 40 heads of the prefill case as 5 x 8 instead of
-/// 4 x 10, which fills four waves to 97% rather than 78%: +1.3 points for both paths); and each
-/// further chunk costs the in-kernel path one more sin/cos evaluation per item, which is why the
-/// search stops two chunks out (32 heads as 8 x 4 instead of 7, 7, 7, 7, 4: 5% slower).
+/// Ragged chunks (32 heads as 11, 11, 10) leave blocks of unequal work and slow both sin/cos
+/// paths; a last wave that is mostly empty slows them more (so the 40 heads of a prefill go as
+/// 5 x 8, whose blocks fill their last wave better than 4 x 10's); and each further chunk costs
+/// the in-kernel path one more sin/cos evaluation per item, which is why the search stops two
+/// chunks out: 32 heads go as 7, 7, 7, 7, 4, where 8 x 4 was slower (docs/perf/decisions.md).
 /// `gridDim.y <= 65535` and `gridDim.x <= 2^31 - 1` always hold: the kernel's grid-stride loop
 /// covers any remainder.
 ///

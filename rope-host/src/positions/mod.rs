@@ -385,8 +385,8 @@ impl RawPositions {
             Self::RowOffsets(offsets) => {
                 offsets.check(batch as u64, "row offsets [batch]")?;
                 // With one token per row (decoding), `offsets[b] + 0` is `ids[b * 1 + 0]`: the
-                // per-row ids' kernel path, which measured 0.06-0.11 µs faster per launch than
-                // the row-offset path for a decode step inside a CUDA graph on an H100.
+                // per-row ids' kernel path, which is faster than the row-offset path for a
+                // decode step inside a CUDA graph (docs/perf/decisions.md).
                 let code = if seq == 1 {
                     wide(
                         offsets,
