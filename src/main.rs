@@ -110,7 +110,7 @@ fn variants() -> Vec<Case> {
         });
         out.push(Case {
             source,
-            k: KCase::Fused {
+            k: KCase::Packed {
                 heads: 8,
                 v_heads: 8,
             },
@@ -160,7 +160,7 @@ fn describe(c: &Case) -> String {
     let k = match c.k {
         KCase::None => String::new(),
         KCase::Separate { heads } => format!("+k{heads}"),
-        KCase::Fused { heads, .. } => format!("+k{heads} qkv"),
+        KCase::Packed { heads, .. } => format!("+k{heads} qkv"),
     };
     let partial = if c.rotary_dim < c.head_dim {
         format!(" r{}", c.rotary_dim)

@@ -380,7 +380,7 @@ fn qk_in_place(q: RawTensor, k: RawTensor, es: u64) -> RawTensors {
         let delta = ((t.buf.ptr - base) / es) as usize;
         t.layout.with_offset(t.layout.offset() + delta)
     };
-    RawTensors::Fused {
+    RawTensors::Packed {
         buf: RawBuf {
             ptr: base,
             len: ((end(&q).max(end(&k)) - base) / es) as usize,

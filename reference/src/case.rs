@@ -243,7 +243,7 @@ pub enum KCase {
     Separate { heads: usize },
     /// q, k and v heads in one `[batch, seq, hq + hk + hv, d]` buffer, q and k rotated in
     /// place; v must stay untouched.
-    Fused { heads: usize, v_heads: usize },
+    Packed { heads: usize, v_heads: usize },
 }
 
 /// A complete RoPE problem with its random input drawn from `seed`.
@@ -310,7 +310,7 @@ impl Case {
     pub fn k_heads(&self) -> usize {
         match self.k {
             KCase::None => 0,
-            KCase::Separate { heads } | KCase::Fused { heads, .. } => heads,
+            KCase::Separate { heads } | KCase::Packed { heads, .. } => heads,
         }
     }
 
@@ -344,8 +344,8 @@ impl Case {
     }
 
     /// The layouts of q and k inside the fused buffer, and that buffer's length.
-    pub fn fused_layouts(&self) -> (Layout, Layout, usize) {
-        let KCase::Fused { heads: hk, v_heads } = self.k else {
+    pub fn packed_layouts(&self) -> (Layout, Layout, usize) {
+        let KCase::Packed { heads: hk, v_heads } = self.k else {
             panic!("not a fused case")
         };
         let (b, s, hq, d) = (self.batch, self.seq, self.heads, self.head_dim);
@@ -644,9 +644,9 @@ impl Case {
                 layout,
             })
         };
-        let (q, k, q_host, k_host) = if let KCase::Fused { .. } = self.k {
+        let (q, k, q_host, k_host) = if let KCase::Packed { .. } = self.k {
             ensure!(self.in_place, "fused q and k are rotated in place");
-            let (ql, _, len) = self.fused_layouts();
+            let (ql, _, len) = self.packed_layouts();
             let host = self.random::<T>(0, len);
             (tensor(&host, self.heads, ql)?, None, host, Vec::new())
         } else {
@@ -831,11 +831,11 @@ impl<T: TestElem> DeviceCase<T> {
         }
         let op = make_op(case, tables, ids, (axis_map, freqs))?;
         match (case.k, k.as_mut()) {
-            (KCase::Fused { .. }, _) => {
-                let (ql, kl, _) = case.fused_layouts();
+            (KCase::Packed { .. }, _) => {
+                let (ql, kl, _) = case.packed_layouts();
                 rope.run_qk(
                     &op,
-                    QkIo::Fused {
+                    QkIo::Packed {
                         data: q.x.as_view_mut(),
                         q: ql,
                         k: kl,
@@ -969,8 +969,8 @@ impl<T: TestElem> DeviceCase<T> {
             (x, got, want)
         };
         let mut cmp = Comparison::default();
-        if let KCase::Fused { heads: hk, .. } = c.k {
-            let (ql, kl, _) = c.fused_layouts();
+        if let KCase::Packed { heads: hk, .. } = c.k {
+            let (ql, kl, _) = c.packed_layouts();
             let after = fetch(&self.q.x)?;
             for (layout, heads) in [(ql, c.heads), (kl, hk)] {
                 let (x, got, want) = triple(&self.q_host, &layout, gather(&after, &layout));

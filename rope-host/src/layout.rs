@@ -199,7 +199,7 @@ pub(crate) fn footprint_is_disjoint(
 /// Whether the q and k layouts, sharing one buffer, address disjoint elements: they must share
 /// batch and seq dimensions and strides, each token's q heads and k heads must occupy disjoint
 /// element ranges, and tokens must not meet.
-pub(crate) fn fused_are_disjoint(q: &Layout, k: &Layout) -> bool {
+pub(crate) fn packed_are_disjoint(q: &Layout, k: &Layout) -> bool {
     if q.batch != k.batch || q.seq != k.seq || q.strides[..2] != k.strides[..2] {
         return false;
     }
@@ -258,8 +258,8 @@ mod tests {
         let token = (hq + 2 * hk) * d;
         let q = Layout::strided([2, 3, hq, d], [3 * token, token, d, 1], 0).expect("valid");
         let k = Layout::strided([2, 3, hk, d], [3 * token, token, d, 1], hq * d).expect("valid");
-        assert!(fused_are_disjoint(&q, &k));
+        assert!(packed_are_disjoint(&q, &k));
         // k overlapping q's last head is refused.
-        assert!(!fused_are_disjoint(&q, &k.with_offset((hq - 1) * d)));
+        assert!(!packed_are_disjoint(&q, &k.with_offset((hq - 1) * d)));
     }
 }

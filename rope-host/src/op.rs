@@ -225,9 +225,9 @@ pub enum QkIo<'a, T> {
         /// The key tensor.
         k: Io<'a, T>,
     },
-    /// q and k as two layouts in one buffer, rotated in place: the q and k parts of a fused
+    /// q and k as two layouts in one buffer, rotated in place: the q and k parts of a packed
     /// QKV projection. Their elements must not meet.
-    Fused {
+    Packed {
         /// The buffer holding both.
         data: CudaViewMut<'a, T>,
         /// The query layout in it.

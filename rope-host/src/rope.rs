@@ -64,8 +64,8 @@ pub enum RawTensors {
         /// The key tensor.
         k: RawIo,
     },
-    /// q and k as two layouts in one buffer, rotated in place (as [`QkIo::Fused`]).
-    Fused {
+    /// q and k as two layouts in one buffer, rotated in place (as [`QkIo::Packed`]).
+    Packed {
         /// The buffer holding both.
         buf: RawBuf,
         /// The query layout in it.
@@ -123,15 +123,15 @@ impl Rope {
     ///
     /// # Errors
     /// As [`Rope::run`]; also [`crate::Error::Invalid`] naming `k` when k's batch or seq
-    /// differ from q's, or fused layouts share elements.
+    /// differ from q's, or packed layouts share elements.
     pub fn run_qk<T: RopeElem>(&self, op: &RopeOp<'_, T>, mut qk: QkIo<'_, T>) -> Result<()> {
         let mut binder = Binder::new(&self.stream);
-        let (q, k, fused) = match &mut qk {
+        let (q, k, packed) = match &mut qk {
             QkIo::Separate { q, k } => {
                 let q = bind_io(&mut binder, ("q", "q.output"), q)?;
                 (q, bind_io(&mut binder, ("k", "k.output"), k)?, false)
             }
-            QkIo::Fused { data, q, k } => {
+            QkIo::Packed { data, q, k } => {
                 let x = binder.write("q", data)?;
                 let tensor = |x_layout| TensorReq {
                     x,
@@ -141,7 +141,7 @@ impl Rope {
                 (tensor(*q), tensor(*k), true)
             }
         };
-        self.launch_bound(op, binder, q, Some(k), fused)
+        self.launch_bound(op, binder, q, Some(k), packed)
     }
 
     /// Validates `op` and launches it on `stream`, with every buffer given by address: the entry
@@ -169,10 +169,10 @@ impl Rope {
     /// As [`Rope::run_qk`], except that nothing checks contexts; [`crate::Error::Driver`] when
     /// the launch fails.
     pub unsafe fn run_raw(&self, op: &RawOp, tensors: RawTensors, stream: CUstream) -> Result<()> {
-        let (q, k, fused) = match tensors {
+        let (q, k, packed) = match tensors {
             RawTensors::Q(q) => (q.into(), None, false),
             RawTensors::Separate { q, k } => (q.into(), Some(k.into()), false),
-            RawTensors::Fused { buf, q, k } => {
+            RawTensors::Packed { buf, q, k } => {
                 let tensor = |x_layout| TensorReq {
                     x: buf,
                     x_layout,
@@ -186,7 +186,7 @@ impl Rope {
             dtype: op.dtype,
             q,
             k,
-            fused,
+            packed,
             positions: op.positions,
             sincos: op.sincos,
         };
@@ -202,14 +202,14 @@ impl Rope {
         mut binder: Binder<'s>,
         q: TensorReq,
         k: Option<TensorReq>,
-        fused: bool,
+        packed: bool,
     ) -> Result<()> {
         let req = Request {
             config: op.config,
             dtype: T::DTYPE,
             q,
             k,
-            fused,
+            packed,
             positions: op.positions.bind(&mut binder)?,
             sincos: op.sincos.bind(&mut binder)?,
         };

@@ -306,7 +306,7 @@ fn groups() -> Vec<Group> {
         rotary_dim: 128,
         rotary_offset: 0,
         layout: LayoutKind::Bshd,
-        k: KCase::Fused {
+        k: KCase::Packed {
             heads: 8,
             v_heads: 8,
         },
@@ -324,7 +324,7 @@ fn groups() -> Vec<Group> {
     };
     let mrope = Case {
         heads: 28,
-        k: KCase::Fused {
+        k: KCase::Packed {
             heads: 4,
             v_heads: 4,
         },

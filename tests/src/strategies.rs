@@ -100,7 +100,7 @@ pub fn k_case(heads: usize, in_place: bool) -> BoxedStrategy<KCase> {
             Just(KCase::None),
             separate,
             ((1..=heads), 0usize..=heads)
-                .prop_map(|(heads, v_heads)| KCase::Fused { heads, v_heads })
+                .prop_map(|(heads, v_heads)| KCase::Packed { heads, v_heads })
         ]
         .boxed()
     } else {

@@ -434,7 +434,7 @@ fn bind<'s, T: RopeElem>(
             dtype: T::DTYPE,
             q,
             k: Some(k),
-            fused: packed,
+            packed,
             positions: op.rope.positions.bind(binder)?,
             sincos: op.rope.sincos.bind(binder)?,
         },

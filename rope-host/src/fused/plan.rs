@@ -16,7 +16,7 @@ use super::rows::{ROWS_STAGES, RowsOccupancy, rows_grid, rows_kernel};
 use crate::bind::RawBuf;
 use crate::error::{Result, invalid};
 use crate::handle::DeviceFacts;
-use crate::layout::{Layout, fused_are_disjoint};
+use crate::layout::{Layout, packed_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
     Grid, Of, Region, Request, TensorReq, check_overlaps, fused_grid, grid, layout_aligned,
@@ -181,7 +181,7 @@ pub(crate) fn plan_fused(
         return Err(invalid("k", "a fused launch needs k"));
     };
     let regions = check_tensors(req, &k_req)?;
-    check_overlaps(&regions, req.rope.fused)?;
+    check_overlaps(&regions, req.rope.packed)?;
     let q = &req.rope.q.x_layout;
     let k = &k_req.x_layout;
     let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
@@ -418,7 +418,7 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
         same_dims("k.output", &l, &k.x_layout)?;
         regions.push(region(("k.output", Of::K), buf, &l, cfg, (es, true))?);
     }
-    if req.rope.fused && !fused_are_disjoint(&q.x_layout, &k.x_layout) {
+    if req.rope.packed && !packed_are_disjoint(&q.x_layout, &k.x_layout) {
         return Err(invalid(
             "k",
             "packed q and k must share batch and seq strides and address disjoint elements",
@@ -433,8 +433,8 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
                     format!("has {} heads, k has {}", l.heads, k.x_layout.heads),
                 ));
             }
-            if req.rope.fused
-                && !(fused_are_disjoint(&q.x_layout, &l) && fused_are_disjoint(&k.x_layout, &l))
+            if req.rope.packed
+                && !(packed_are_disjoint(&q.x_layout, &l) && packed_are_disjoint(&k.x_layout, &l))
             {
                 return Err(invalid(
                     "v",

@@ -13,7 +13,7 @@ use rope_kernels::abi::{Access, DType, KernelName, preferred_lanes};
 use crate::bind::RawBuf;
 use crate::error::{Result, invalid};
 use crate::handle::DeviceFacts;
-use crate::layout::{Layout, fused_are_disjoint};
+use crate::layout::{Layout, packed_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::positions::{PositionsPlan, RawPositions};
 use crate::sincos::{RawSinCos, SinCosPlan};
@@ -40,8 +40,8 @@ pub(crate) struct Request {
     pub(crate) dtype: DType,
     pub(crate) q: TensorReq,
     pub(crate) k: Option<TensorReq>,
-    /// q and k are in place in the same buffer (`QkIo::Fused`).
-    pub(crate) fused: bool,
+    /// q and k are in place in the same buffer (`QkIo::Packed`).
+    pub(crate) packed: bool,
     pub(crate) positions: RawPositions,
     pub(crate) sincos: RawSinCos,
 }
@@ -178,15 +178,15 @@ fn check_tensors(req: &Request) -> Result<()> {
             ));
         }
         regions.extend(tensor_regions(Of::K, k, cfg, req.dtype.size())?);
-        if req.fused && !fused_are_disjoint(q, l) {
+        if req.packed && !packed_are_disjoint(q, l) {
             return Err(invalid(
                 "k",
-                "fused q and k must share batch and seq strides and address disjoint elements",
+                "packed q and k must share batch and seq strides and address disjoint elements",
             ));
         }
     }
     regions.extend(option_reads(req));
-    check_overlaps(&regions, req.fused)
+    check_overlaps(&regions, req.packed)
 }
 
 /// The regions the request's options make the kernel read: the sin/cos tables and the
@@ -345,15 +345,15 @@ pub(crate) fn check_layout(
 }
 
 /// Written regions may meet no other region: not another tensor, nor a table or ids the kernel
-/// reads (fused q and k share a buffer, their disjointness checked element by element).
-pub(crate) fn check_overlaps(regions: &[Region], fused: bool) -> Result<()> {
+/// reads (packed q and k share a buffer, their disjointness checked element by element).
+pub(crate) fn check_overlaps(regions: &[Region], packed: bool) -> Result<()> {
     for (i, w) in regions.iter().enumerate().filter(|(_, r)| r.written) {
         for (j, r) in regions.iter().enumerate() {
             let tensor = |of| matches!(of, Of::Q | Of::K | Of::V);
-            let fused_pair = fused && tensor(r.of) && tensor(w.of) && w.of != r.of;
+            let packed_pair = packed && tensor(r.of) && tensor(w.of) && w.of != r.of;
             // Ranges meet when each starts before the other ends; an empty one meets none.
             let meet = w.start < r.end && r.start < w.end && w.start < w.end && r.start < r.end;
-            if i == j || fused_pair || !meet {
+            if i == j || packed_pair || !meet {
                 continue;
             }
             let other = match r.of {

@@ -124,7 +124,7 @@ fn fit(mut case: Case, b: Breakage) -> Case {
         Breakage::KSeqMismatch => case.k = KCase::Separate { heads: 1 },
         Breakage::FusedOverlap => {
             case.in_place = true;
-            case.k = KCase::Fused {
+            case.k = KCase::Packed {
                 heads: 1,
                 v_heads: 0,
             };
@@ -220,13 +220,13 @@ fn run_broken(
             0,
         )?;
     }
-    if let KCase::Fused { .. } = c.k {
-        let (q, k, _) = c.fused_layouts();
+    if let KCase::Packed { .. } = c.k {
+        let (q, k, _) = c.packed_layouts();
         // FusedOverlap: k starts inside q's last head.
         let k = k.with_offset(k.offset() - 1);
         return rope.run_qk(
             &op,
-            QkIo::Fused {
+            QkIo::Packed {
                 data: dev.q.x.as_view_mut(),
                 q,
                 k,

@@ -388,7 +388,7 @@ fn raw_pointers_and_streams_match_the_safe_api() {
         positions: Positions::RowOffsets(DeviceInts::I32(offsets.as_view())),
         sincos: tables.sincos_f32::<bf16>(),
     };
-    let fused = rope_host::QkIo::Fused {
+    let fused = rope_host::QkIo::Packed {
         data: safe.as_view_mut(),
         q,
         k,
@@ -432,7 +432,7 @@ fn raw_pointers_and_streams_match_the_safe_api() {
     // the fused buffer: the whole QKV tensor), complete before the launch (synchronized
     // above), freed only after the synchronization below, and written by nothing else.
     unsafe {
-        rope.run_raw(&raw_op, RawTensors::Fused { buf, q, k }, other.cu_stream())
+        rope.run_raw(&raw_op, RawTensors::Packed { buf, q, k }, other.cu_stream())
             .expect("raw launch");
     }
     other.synchronize().expect("raw launch complete");

@@ -51,7 +51,7 @@ fn request(style: RopeStyle) -> FusedRequest {
             dtype: DType::BF16,
             q: tensor(1 << 24, 32),
             k: Some(tensor(2 << 24, 8)),
-            fused: false,
+            packed: false,
             positions: RawPositions::Offset(0),
             sincos: RawSinCos::Computed { theta: 1e6 },
         },
@@ -441,7 +441,7 @@ fn packed_qkv_must_be_disjoint() {
         Layout::strided([1, TOKENS, heads, D], [TOKENS * row, row, D, 1], head * D).expect("fits")
     };
     let qkv = buf(1 << 24, TOKENS * row);
-    r.rope.fused = true;
+    r.rope.packed = true;
     r.k_written = true;
     r.rope.q = TensorReq {
         x: qkv,

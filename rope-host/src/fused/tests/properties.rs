@@ -260,7 +260,7 @@ impl Description {
                 dtype: self.dtype,
                 q,
                 k: Some(k),
-                fused: false,
+                packed: false,
                 positions,
                 sincos: RawSinCos::Computed { theta: 1e4 },
             },

@@ -26,7 +26,7 @@ fn request(config: RopeConfig, layout: Layout) -> Request {
         dtype: DType::F32,
         q: tensor(layout, 1 << 20),
         k: None,
-        fused: false,
+        packed: false,
         sincos: RawSinCos::Computed { theta: 10_000.0 },
         positions: RawPositions::Offset(0),
     }

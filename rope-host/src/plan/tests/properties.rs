@@ -75,7 +75,7 @@ mod plan_never_panics {
             neox in any::<bool>(),
             q in tensor_req(16),
             k in proptest::option::of(tensor_req(16)),
-            fused in any::<bool>(),
+            packed in any::<bool>(),
             table in proptest::option::of((buf(), buf(), any::<bool>(), shape())),
             theta in prop_oneof![Just(10_000.0f64), Just(0.0), Just(f64::NAN), -5.0f64..5.0],
             offset in any::<u32>(),
@@ -118,7 +118,7 @@ mod plan_never_panics {
                 None => RawSinCos::Computed { theta },
             };
             let (q, k) = (fix(q), k.map(fix));
-            let req = Request { config, dtype: DType::F32, q, k, fused, sincos, positions };
+            let req = Request { config, dtype: DType::F32, q, k, packed, sincos, positions };
             match plan(&req, &facts(132), &|k: KernelName| k.min_blocks_per_sm()) {
                 Err(Error::Invalid { .. }) | Ok(None) => {}
                 Err(e) => prop_assert!(false, "unexpected error kind: {e}"),
