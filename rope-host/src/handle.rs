@@ -3,27 +3,16 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys, sys::CUdevice_attribute};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
 use rope_kernels::abi::KernelName;
 
+use crate::device::{DeviceFacts, StreamOverlap};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, check_attention_factor};
-use crate::fused::{FusedChoice, fused_choice_from_env};
 use crate::module::{Module, module_for};
-
-/// What the launch planner knows of the device, queried once per [`Rope`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct DeviceFacts {
-    /// Streaming multiprocessors.
-    pub(crate) sm_count: u32,
-    /// Threads one multiprocessor holds at once (2048 on sm_80 and sm_90, 1536 on sm_86 and
-    /// sm_89).
-    pub(crate) threads_per_sm: u32,
-    /// Peak DRAM bandwidth in GB/s: twice the memory clock times the bus width (3352 on an
-    /// H100 SXM, 4915 on an H200; 0 where the driver reports no memory clock, so that only
-    /// choices made for slower memory apply).
-    pub(crate) dram_gb_per_s: u32,
-}
+use crate::op::RopeConfig;
+use crate::sincos::RawSinCos;
+use crate::tuning::{FusedChoice, fused_choice_from_env};
 
 /// Per-thread resources of one kernel as compiled for the device; see [`Rope::resources`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,31 +59,6 @@ pub(crate) enum FreqUse {
     OtherStream,
 }
 
-/// How a launch may overlap the kernel before it on the same stream.
-///
-/// The default, [`StreamOverlap::None`], is the stream's usual order: a kernel starts after the
-/// previous work has completed. [`StreamOverlap::Programmatic`] asks for programmatic dependent
-/// launch (compute capability 9.0 and newer): the launch carries the driver's programmatic stream
-/// serialization attribute, so its blocks may be scheduled as the previous kernel's blocks
-/// finish, before that kernel has completed; they wait (`griddepcontrol.wait`) until it has
-/// completed and its writes are visible before they read or write any memory. Results are the
-/// same either way; what overlaps is one kernel's launch with the end of the one before (at
-/// decode inside a CUDA graph, a sizeable share of each launch's time: docs/perf/decisions.md).
-/// It applies to the kernels built for it ([`PTX_SM90`](crate::PTX_SM90): the one-head kernels
-/// decode steps take, and the fused kernels); every other launch, and every launch on older
-/// devices, is ordered as with [`StreamOverlap::None`]. The kernels do not trigger their
-/// dependents early, so a launch after them starts no sooner than it would after any kernel.
-/// Captured in a CUDA graph, such launches become programmatic edges (a driver of CUDA 12.3 or
-/// newer).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum StreamOverlap {
-    /// Every launch starts after the previous work on its stream has completed.
-    #[default]
-    None,
-    /// Programmatic dependent launch where the device and the kernel support it.
-    Programmatic,
-}
-
 /// Runs RoPE kernels on one stream. Cheap to create: every `Rope` of a context shares its
 /// kernels, each loaded (and JIT-compiled by the driver) the first time a launch of that
 /// context needs it, so a process compiles only the kernels it launches.
@@ -122,20 +86,7 @@ impl Rope {
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
         let ctx = stream.context();
         let module = module_for(ctx)?;
-        let attribute = |a| -> Result<u32> { Ok(ctx.attribute(a)?.max(1) as u32) };
-        let facts = DeviceFacts {
-            sm_count: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
-            threads_per_sm: attribute(
-                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR,
-            )?,
-            // kHz times bits, two transfers a clock: kHz * bits / 4e6 is GB/s.
-            dram_gb_per_s: (u64::from(attribute(
-                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
-            )?) * u64::from(attribute(
-                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
-            )?) / 4_000_000)
-                .min(u64::from(u32::MAX)) as u32,
-        };
+        let facts = DeviceFacts::query(ctx)?;
         Ok(Self {
             stream,
             module,
@@ -248,6 +199,24 @@ impl Rope {
         cache.recent.truncate(FREQUENCY_CACHE - 1);
         cache.recent.insert(0, entry);
         Ok(ptr)
+    }
+
+    /// The device address of the default frequency vector a launch of `sincos` reads
+    /// ([`RawSinCos::default_frequencies`]; 0 when it reads none), uploaded or found as
+    /// [`Rope::inv_freq`] does: the I/O of a launch, done before its arguments are encoded.
+    ///
+    /// # Errors
+    /// As [`Rope::inv_freq`].
+    pub(crate) fn launch_inv_freq(
+        &self,
+        sincos: &RawSinCos,
+        config: &RopeConfig,
+        on: FreqUse,
+    ) -> Result<u64> {
+        match sincos.default_frequencies(config) {
+            Some((theta, rotary_dim)) => self.inv_freq(theta, rotary_dim, on),
+            None => Ok(0),
+        }
     }
 
     /// The frequency cache, whatever a panicking holder left (its entries stay consistent).

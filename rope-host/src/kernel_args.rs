@@ -6,8 +6,8 @@ use std::ffi::c_void;
 
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, result, sys};
 
+use crate::device::StreamOverlap;
 use crate::error::Result;
-use crate::handle::StreamOverlap;
 
 /// Defines a struct with one field per parameter of a kernel family, and the array of pointers
 /// to its fields, in the entry points' parameter order, that `cuLaunchKernel` takes.

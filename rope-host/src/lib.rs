@@ -52,6 +52,7 @@
 )]
 
 mod bind;
+mod device;
 mod error;
 mod freq;
 mod fused;
@@ -65,19 +66,20 @@ mod positions;
 mod rope;
 mod sincos;
 mod table;
+mod tuning;
 
 pub use bind::RawBuf;
 pub use cudarc;
+pub use device::StreamOverlap;
 pub use error::{Error, Result};
 pub use freq::{
     AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, axial_inv_freq, inv_freq,
 };
 pub use fused::{
-    CacheData, CacheLayout, FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR, Fp8Scale, FusedIo,
-    FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
+    CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
 };
 pub use half;
-pub use handle::{FREQUENCY_CACHE, KernelResources, Rope, StreamOverlap};
+pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
 pub use module::{PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
 pub use op::{
@@ -91,6 +93,7 @@ pub use positions::{
 pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
 pub use sincos::{RawSinCos, SinCos, TableShape};
 pub use table::{SinCosTables, TableData, TableFormat};
+pub use tuning::{FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR};
 
 /// The crate README's example compiles as a doctest. (The repository README's examples are
 /// doctests of `rope-tests`: a path outside this folder would not be in the published package.)

@@ -231,7 +231,8 @@ impl Rope {
             return Ok(()); // Empty tensors: nothing to rotate.
         };
         let positions = req.positions.encode(&plan.positions);
-        let sincos = req.sincos.encode(&plan.sincos, &req.config, (self, on))?;
+        let inv_freq = self.launch_inv_freq(&req.sincos, &req.config, on)?;
+        let sincos = req.sincos.encode(&plan.sincos, &req.config, inv_freq);
         let args = encode(req, &plan, &positions, &sincos);
         let function = self.module.function(plan.kernel.symbol())?;
         // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in

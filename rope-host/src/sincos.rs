@@ -10,7 +10,6 @@ use rope_kernels::abi::{DType, SinCosSource, planned_table_fits};
 use crate::bind::{Binder, RawBuf};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
-use crate::handle::{FreqUse, Rope};
 use crate::op::{RopeConfig, RopeElem};
 
 /// The rows and rotary width of a cos/sin table: what it was built for.
@@ -315,17 +314,23 @@ impl RawSinCos {
         }
     }
 
-    /// Encodes the kernel's sin/cos arguments, uploading the default frequencies of `Computed`
-    /// on their first use by `rope`.
-    ///
-    /// # Errors
-    /// [`crate::Error::Driver`] when that upload fails.
+    /// The default frequency vector a launch reads, `(theta, rotary_dim)`: for `Computed`,
+    /// whose vector the handle uploads (or finds prepared) before the launch is encoded.
+    pub(crate) fn default_frequencies(&self, config: &RopeConfig) -> Option<(f64, u32)> {
+        match *self {
+            Self::Computed { theta } => Some((theta, config.rotary_dim())),
+            _ => None,
+        }
+    }
+
+    /// Encodes the kernel's sin/cos arguments; `inv_freq` is the device address of the
+    /// [`RawSinCos::default_frequencies`] vector (0 when the launch reads none).
     pub(crate) fn encode(
         &self,
         plan: &SinCosPlan,
         config: &RopeConfig,
-        (rope, on): (&Rope, FreqUse),
-    ) -> Result<SinCosArgs> {
+        inv_freq: u64,
+    ) -> SinCosArgs {
         let mut args = SinCosArgs {
             cos: 0,
             sin: 0,
@@ -340,9 +345,7 @@ impl RawSinCos {
         }
         match *self {
             Self::Table { .. } | Self::CosSinCache { .. } => {}
-            Self::Computed { theta } => {
-                args.inv_freq = rope.inv_freq(theta, config.rotary_dim(), on)?;
-            }
+            Self::Computed { .. } => args.inv_freq = inv_freq,
             Self::Frequencies {
                 inv_freq,
                 angle,
@@ -354,7 +357,7 @@ impl RawSinCos {
                 args.cs_scale = attention_factor;
             }
         }
-        Ok(args)
+        args
     }
 }
 

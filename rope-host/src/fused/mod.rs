@@ -25,7 +25,7 @@
 //! As [`Rope::run`]: bind, plan (`plan.rs`: validation, access width, grid), encode, launch.
 
 mod plan;
-mod prefetch;
+mod request;
 mod rows;
 #[cfg(test)]
 mod tests;
@@ -42,9 +42,8 @@ use crate::op::{RopeElem, RopeOp, Tensor, TensorMut};
 use crate::plan::TensorReq;
 use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};
-pub use plan::{FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR};
-pub(crate) use plan::{FusedChoice, fused_choice_from_env};
-use plan::{FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
+use plan::{FusedPlan, plan_fused};
+use request::{FusedRequest, RawCache, RawNorm, RawScale};
 use rows::RowsLaunch;
 
 /// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
@@ -294,10 +293,9 @@ impl Rope {
             return Ok(());
         };
         let positions = req.rope.positions.encode(&plan.positions);
-        let sincos = req
-            .rope
-            .sincos
-            .encode(&plan.sincos, &req.rope.config, (self, on))?;
+        let (raw, config) = (&req.rope.sincos, &req.rope.config);
+        let inv_freq = self.launch_inv_freq(raw, config, on)?;
+        let sincos = raw.encode(&plan.sincos, config, inv_freq);
         let work = Work {
             grid: &plan.grid,
             tokens: plan.tokens,

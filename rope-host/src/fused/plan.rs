@@ -5,69 +5,25 @@
 use std::num::NonZeroU32;
 
 use rope_kernels::abi::{
-    Access, BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, NormCode,
-    ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS, preferred_lanes,
+    Access, BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, ONE_HEAD_FUSED_HEADS,
+    ONE_HEAD_FUSED_MANY_HEADS, preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
 
 use super::CacheLayout;
-use super::prefetch::prefetch_tokens;
-use super::rows::{ROWS_STAGES, RowsOccupancy, rows_grid, rows_kernel};
-use crate::bind::RawBuf;
+use super::request::{FusedRequest, RawCache, RawScale};
+use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
+use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
-use crate::handle::DeviceFacts;
 use crate::layout::{Layout, packed_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{
-    Grid, Of, Region, Request, TensorReq, check_overlaps, fused_grid, grid, layout_aligned,
-    one_head_warps, option_reads, read_region, region, same_dims, span_below_2_32,
-    spans_below_2_32, widest_lanes,
+    Grid, Of, Region, TensorReq, check_overlaps, fused_grid, grid, layout_aligned, one_head_warps,
+    option_reads, read_region, region, same_dims, span_below_2_32, spans_below_2_32, widest_lanes,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
-
-/// An FP8 scale array by address: one `f32`, or one per head.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct RawScale {
-    /// The argument it came from, for errors.
-    pub(crate) arg: &'static str,
-    pub(crate) buf: RawBuf,
-    pub(crate) per_head: bool,
-}
-
-/// The normalisation's weights by address.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct RawNorm {
-    pub(crate) q_weight: RawBuf,
-    pub(crate) k_weight: RawBuf,
-    pub(crate) eps: f32,
-    pub(crate) code: NormCode,
-}
-
-/// The cache write by address.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct RawCache {
-    pub(crate) slots: RawInts,
-    pub(crate) layout: CacheLayout,
-    pub(crate) k: RawBuf,
-    pub(crate) v: RawBuf,
-    /// FP8 caches' scales (k's, v's); `None` for caches of the tensors' type.
-    pub(crate) fp8: Option<(RawScale, RawScale)>,
-}
-
-/// Everything validation of a fused launch needs, in plain values.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct FusedRequest {
-    /// q and k (always present) with their inputs and outputs, positions and sin/cos; q's
-    /// output is FP8 bits when `q_fp8` is set, and `fused` means one QKV buffer.
-    pub(crate) rope: Request,
-    pub(crate) q_fp8: Option<RawScale>,
-    /// Whether k's rotated heads are written to k (in place or its output), not only cached.
-    pub(crate) k_written: bool,
-    pub(crate) v: Option<(RawBuf, Layout)>,
-    pub(crate) norm: Option<RawNorm>,
-    pub(crate) cache: Option<RawCache>,
-}
+use crate::tuning::{FusedChoice, many_waves, prefetch_tokens};
 
 /// Everything a fused launch needs except the device pointers.
 #[derive(Clone, Copy, Debug)]
@@ -89,72 +45,6 @@ pub(crate) struct FusedPlan {
     /// How many tokens ahead the four-heads kernels ask L2 for heads ([`prefetch_tokens`]; 0
     /// for the other kernels).
     pub(crate) prefetch_tokens: u32,
-}
-
-/// Which fused kernels launches may take: the tests pin them through the environment
-/// ([`crate::FUSED_ITEM_LOOP_VAR`], [`crate::FUSED_THREAD_HEADS_VAR`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum FusedChoice {
-    /// The item loop for every launch.
-    ItemLoop,
-    /// The one-head kernels wherever they serve, with heads per thread by the launch's size.
-    Auto,
-    /// The rows kernels ([`Access::Rows`]) wherever they serve (sm_90 builds) with this many
-    /// token buffers per block (where they fit), else as `Auto`.
-    Rows(u32),
-    /// The one-head kernels wherever they serve, with this many heads per thread where a kernel
-    /// takes it ([`ONE_HEAD_FUSED_MANY_HEADS`]: the four-heads kernels,
-    /// [`FusedKernelName::four_heads`]; else [`ONE_HEAD_FUSED_HEADS`]).
-    ThreadHeads(u32),
-}
-
-/// Environment variable read when a `Rope` is created: `1` makes every fused launch
-/// take the item loop (`Access::Wide` or `Narrow`) where it would take the one-head kernels, so
-/// that tests reach the item loop's wide kernels, which otherwise serve only tensors spanning
-/// 2^32 elements or more. Other values are ignored.
-pub const FUSED_ITEM_LOOP_VAR: &str = "ROPE_FUSED_ITEM_LOOP";
-
-/// Environment variable read when a `Rope` is created: `2` or `4` makes every NeoX
-/// 16-bit fused launch that takes the one-head mapping take two heads per thread (the one-head
-/// kernels) or four (the four-heads kernels), which the launch's size otherwise chooses (four
-/// for launches of many waves), so that tests reach both at any size; `rows` makes every such
-/// launch the rows kernels can serve take them (sm_90 builds), and `rows2` to `rows4` with that
-/// many token buffers per block where they fit. Other values are ignored;
-/// [`FUSED_ITEM_LOOP_VAR`] comes first.
-pub const FUSED_THREAD_HEADS_VAR: &str = "ROPE_FUSED_THREAD_HEADS";
-
-/// The fused kernels the environment pins ([`FUSED_ITEM_LOOP_VAR`], [`FUSED_THREAD_HEADS_VAR`]).
-pub(crate) fn fused_choice_from_env() -> FusedChoice {
-    let var = |name| std::env::var(name).ok();
-    if var(FUSED_ITEM_LOOP_VAR).as_deref() == Some("1") {
-        return FusedChoice::ItemLoop;
-    }
-    match var(FUSED_THREAD_HEADS_VAR).as_deref() {
-        Some("2") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_HEADS),
-        Some("4") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_MANY_HEADS),
-        Some("rows") => FusedChoice::Rows(ROWS_STAGES),
-        Some("rows2") => FusedChoice::Rows(2),
-        Some("rows3") => FusedChoice::Rows(3),
-        Some("rows4") => FusedChoice::Rows(4),
-        _ => FusedChoice::Auto,
-    }
-}
-
-/// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).
-const REGISTERS_PER_SM: u32 = 65_536;
-
-/// Whether a launch of one-head `kernel` over `tokens` tokens, `warps` warps per token, has
-/// more than twice the threads `facts`' device holds of it at once at its registers: many
-/// waves, where the launch is bound by the instructions it issues and four heads per thread
-/// share a thread's set-up (prefill); otherwise two keep each thread's chain short, and the
-/// launch fills the device anyway (decode).
-fn many_waves(kernel: FusedKernelName, facts: &DeviceFacts, tokens: u64, warps: u32) -> bool {
-    let Some(registers) = kernel.one_head_registers().filter(|&r| r > 0) else {
-        return false;
-    };
-    let resident = u64::from(facts.sm_count)
-        * u64::from(facts.threads_per_sm.min(REGISTERS_PER_SM / registers));
-    tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident
 }
 
 /// Items of one token and head that the normalisation's warp-shuffle sum can span.

@@ -11,12 +11,13 @@ use rope_kernels::abi::{
 };
 use rope_kernels::divide::Divisor;
 
-use super::plan::{FusedChoice, FusedRequest};
+use super::request::FusedRequest;
 use crate::bind::RawBuf;
+use crate::device::DeviceFacts;
 use crate::error::Result;
-use crate::handle::DeviceFacts;
 use crate::layout::Layout;
 use crate::plan::Grid;
+use crate::tuning::{FusedChoice, ROWS_MIN_DRAM_GB_PER_S, ROWS_STAGES};
 
 /// Blocks of a rows kernel of the given launch that one multiprocessor holds at once (the
 /// driver's occupancy for its threads and dynamic shared memory). The planner takes one where
@@ -34,18 +35,6 @@ pub(crate) struct RowsLaunch {
 
 /// Shared memory a block may take without asking the driver for more (48 KiB).
 const ROWS_MAX_SHARED: u64 = 48 * 1024;
-
-/// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the rows kernels take
-/// the launches of the four-heads kernels that store FP8. At prefill, on devices above it the
-/// rows kernels are clearly faster than the four-heads kernels for FP8 stores (with the
-/// four-heads kernels' prefetch, [`super::prefetch`], too) and as fast or slower for 16-bit
-/// ones; on devices below it the four-heads kernels are faster for every store
-/// (docs/perf/decisions.md).
-pub(crate) const ROWS_MIN_DRAM_GB_PER_S: u32 = 4000;
-
-/// Token buffers per block of the rows kernels: the copies run one token ahead of the
-/// arithmetic.
-pub(crate) const ROWS_STAGES: u32 = 2;
 
 /// The rows kernels' launch for `req` with up to `stages` token buffers (each a token's rows and
 /// [`ROWS_COS_SIN_BYTES`]; fewer where they do not fit the block's shared memory after

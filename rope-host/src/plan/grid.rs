@@ -6,8 +6,8 @@ use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_MAX_WARPS};
 use rope_kernels::divide::Divisor;
 
+use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
-use crate::handle::DeviceFacts;
 
 /// The grid of a launch, the heads each `blockIdx.y` handles and the divisors that split a
 /// work item's index into token and group, and a token into batch row and sequence index.

@@ -11,8 +11,8 @@ pub(crate) use grid::{Grid, fused_grid, grid, one_head_warps};
 use rope_kernels::abi::{Access, DType, KernelName, preferred_lanes};
 
 use crate::bind::RawBuf;
+use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
-use crate::handle::DeviceFacts;
 use crate::layout::{Layout, packed_are_disjoint};
 use crate::op::{RopeConfig, RopeStyle};
 use crate::positions::{PositionsPlan, RawPositions};

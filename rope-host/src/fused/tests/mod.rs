@@ -6,18 +6,20 @@ mod rows;
 
 use rope_kernels::abi::{Access, DType, FusedKernelName, MAX_FUSED_ITEMS, NormCode};
 
-use super::plan::{FusedChoice, FusedPlan, FusedRequest, RawCache, RawNorm, RawScale, plan_fused};
-use super::rows::{ROWS_STAGES, RowsLaunch, RowsOccupancy};
+use super::plan::{FusedPlan, plan_fused};
+use super::request::{FusedRequest, RawCache, RawNorm, RawScale};
+use super::rows::{RowsLaunch, RowsOccupancy};
 use super::{CacheLayout, scale_args};
 use crate::Direction;
 use crate::bind::RawBuf;
+use crate::device::DeviceFacts;
 use crate::error::{Error, Result};
-use crate::handle::DeviceFacts;
 use crate::layout::Layout;
 use crate::op::{RopeConfig, RopeStyle};
 use crate::plan::{Request, TensorReq};
 use crate::positions::{IntType, RawInts, RawPositions};
 use crate::sincos::{RawSinCos, TableShape};
+use crate::tuning::{FusedChoice, ROWS_STAGES};
 
 /// Decode of Qwen3-8B-like shapes: 64 tokens, 32 q and 8 kv heads of 128.
 const TOKENS: usize = 64;

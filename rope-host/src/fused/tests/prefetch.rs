@@ -1,4 +1,4 @@
-//! The four-heads kernels' prefetch distance (`fused/prefetch.rs`).
+//! The four-heads kernels' prefetch distance (`prefetch_tokens` in `tuning.rs`), as the fused planner applies it.
 
 use super::*;
 

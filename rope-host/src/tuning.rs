@@ -1,0 +1,116 @@
+//! The tuning rules: where a launch's kernel or its parameters are chosen from the device's
+//! facts ([`DeviceFacts`]) rather than from the launch's shapes alone. Each rule's measurement
+//! is in docs/perf/decisions.md. Also the kernels tests may pin ([`FusedChoice`]).
+
+use rope_kernels::abi::{FusedKernelName, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS};
+
+use crate::device::DeviceFacts;
+
+/// Which fused kernels launches may take: the tests pin them through the environment
+/// ([`crate::FUSED_ITEM_LOOP_VAR`], [`crate::FUSED_THREAD_HEADS_VAR`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FusedChoice {
+    /// The item loop for every launch.
+    ItemLoop,
+    /// The one-head kernels wherever they serve, with heads per thread by the launch's size.
+    Auto,
+    /// The rows kernels ([`Access::Rows`]) wherever they serve (sm_90 builds) with this many
+    /// token buffers per block (where they fit), else as `Auto`.
+    Rows(u32),
+    /// The one-head kernels wherever they serve, with this many heads per thread where a kernel
+    /// takes it ([`ONE_HEAD_FUSED_MANY_HEADS`]: the four-heads kernels,
+    /// [`FusedKernelName::four_heads`]; else [`ONE_HEAD_FUSED_HEADS`]).
+    ThreadHeads(u32),
+}
+
+/// Environment variable read when a `Rope` is created: `1` makes every fused launch
+/// take the item loop (`Access::Wide` or `Narrow`) where it would take the one-head kernels, so
+/// that tests reach the item loop's wide kernels, which otherwise serve only tensors spanning
+/// 2^32 elements or more. Other values are ignored.
+pub const FUSED_ITEM_LOOP_VAR: &str = "ROPE_FUSED_ITEM_LOOP";
+
+/// Environment variable read when a `Rope` is created: `2` or `4` makes every NeoX
+/// 16-bit fused launch that takes the one-head mapping take two heads per thread (the one-head
+/// kernels) or four (the four-heads kernels), which the launch's size otherwise chooses (four
+/// for launches of many waves), so that tests reach both at any size; `rows` makes every such
+/// launch the rows kernels can serve take them (sm_90 builds), and `rows2` to `rows4` with that
+/// many token buffers per block where they fit. Other values are ignored;
+/// [`FUSED_ITEM_LOOP_VAR`] comes first.
+pub const FUSED_THREAD_HEADS_VAR: &str = "ROPE_FUSED_THREAD_HEADS";
+
+/// The fused kernels the environment pins ([`FUSED_ITEM_LOOP_VAR`], [`FUSED_THREAD_HEADS_VAR`]).
+pub(crate) fn fused_choice_from_env() -> FusedChoice {
+    let var = |name| std::env::var(name).ok();
+    if var(FUSED_ITEM_LOOP_VAR).as_deref() == Some("1") {
+        return FusedChoice::ItemLoop;
+    }
+    match var(FUSED_THREAD_HEADS_VAR).as_deref() {
+        Some("2") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_HEADS),
+        Some("4") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_MANY_HEADS),
+        Some("rows") => FusedChoice::Rows(ROWS_STAGES),
+        Some("rows2") => FusedChoice::Rows(2),
+        Some("rows3") => FusedChoice::Rows(3),
+        Some("rows4") => FusedChoice::Rows(4),
+        _ => FusedChoice::Auto,
+    }
+}
+
+/// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).
+const REGISTERS_PER_SM: u32 = 65_536;
+
+/// Whether a launch of one-head `kernel` over `tokens` tokens, `warps` warps per token, has
+/// more than twice the threads `facts`' device holds of it at once at its registers: many
+/// waves, where the launch is bound by the instructions it issues and four heads per thread
+/// share a thread's set-up (prefill); otherwise two keep each thread's chain short, and the
+/// launch fills the device anyway (decode).
+pub(crate) fn many_waves(
+    kernel: FusedKernelName,
+    facts: &DeviceFacts,
+    tokens: u64,
+    warps: u32,
+) -> bool {
+    let Some(registers) = kernel.one_head_registers().filter(|&r| r > 0) else {
+        return false;
+    };
+    let resident = u64::from(facts.sm_count)
+        * u64::from(facts.threads_per_sm.min(REGISTERS_PER_SM / registers));
+    tokens.saturating_mul(u64::from(warps) * 32) > 2 * resident
+}
+
+/// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the rows kernels take
+/// the launches of the four-heads kernels that store FP8. At prefill, on devices above it the
+/// rows kernels are clearly faster than the four-heads kernels for FP8 stores (with the
+/// four-heads kernels' prefetch, [`prefetch_tokens`], too) and as fast or slower for 16-bit
+/// ones; on devices below it the four-heads kernels are faster for every store
+/// (docs/perf/decisions.md).
+pub(crate) const ROWS_MIN_DRAM_GB_PER_S: u32 = 4000;
+
+/// Token buffers per block of the rows kernels: the copies run one token ahead of the
+/// arithmetic.
+pub(crate) const ROWS_STAGES: u32 = 2;
+
+/// Bytes of heads the four-heads kernels keep asked for in L2 ahead of the tokens their
+/// threads work on ([`prefetch_tokens`]): far enough that the lines arrive before their tokens'
+/// blocks start, near enough that the bytes streaming through L2 in between (the launch's
+/// reads and writes) do not evict them first. Of the distances tried at prefill, 4 MiB was the
+/// fastest for every fusion: nearer ones gain less, farther ones lose lines to eviction
+/// (docs/perf/decisions.md).
+pub(crate) const PREFETCH_BYTES: u64 = 4 << 20;
+
+/// The DRAM bandwidth (GB/s, [`DeviceFacts::dram_gb_per_s`]) from which the four-heads
+/// kernels prefetch: the prefetch was measured to pay on devices above it. Devices below it,
+/// whose four-heads launches already come close to their copy without it, go without until it
+/// is measured there (docs/perf/decisions.md).
+pub(crate) const PREFETCH_MIN_DRAM_GB_PER_S: u32 = 4000;
+
+/// The four-heads kernels' prefetch distance on `facts`' device: the tokens whose heads
+/// (`heads_per_token` heads of `head_bytes` bytes read per token: q's, and k's and v's where
+/// the launch stores them) make [`PREFETCH_BYTES`], at least 1 and at most `u32::MAX`; 0 (no
+/// prefetch) below [`PREFETCH_MIN_DRAM_GB_PER_S`].
+pub(crate) fn prefetch_tokens(facts: &DeviceFacts, heads_per_token: u32, head_bytes: u64) -> u32 {
+    if facts.dram_gb_per_s < PREFETCH_MIN_DRAM_GB_PER_S {
+        return 0;
+    }
+    let per_token = (u64::from(heads_per_token) * head_bytes).max(1);
+    (PREFETCH_BYTES / per_token).clamp(1, u64::from(u32::MAX)) as u32
+}
