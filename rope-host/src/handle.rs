@@ -6,11 +6,11 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
 use rope_kernels::abi::KernelName;
 
+use crate::config::RopeConfig;
 use crate::device::{DeviceFacts, StreamOverlap};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, check_attention_factor};
 use crate::module::{Module, module_for};
-use crate::op::RopeConfig;
 use crate::sincos::RawSinCos;
 use crate::tuning::{FusedChoice, fused_choice_from_env};
 

@@ -52,6 +52,7 @@
 )]
 
 mod bind;
+mod config;
 mod device;
 mod error;
 mod freq;
@@ -69,6 +70,7 @@ mod table;
 mod tuning;
 
 pub use bind::RawBuf;
+pub use config::{DType, Direction, RopeConfig, RopeConfigBuilder, RopeElem, RopeStyle};
 pub use cudarc;
 pub use device::StreamOverlap;
 pub use error::{Error, Result};
@@ -82,10 +84,7 @@ pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
 pub use module::{PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
-pub use op::{
-    DType, Direction, Io, QkIo, RopeConfig, RopeConfigBuilder, RopeElem, RopeOp, RopeStyle, Tensor,
-    TensorMut,
-};
+pub use op::{Io, QkIo, RopeOp, Tensor, TensorMut};
 pub use positions::{
     AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, ItemAxes, Positions,
     RawAxisMap, RawInts, RawPositions,

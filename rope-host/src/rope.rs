@@ -18,11 +18,12 @@ use cudarc::driver::sys::CUstream;
 use rope_kernels::abi::DType;
 
 use crate::bind::{Binder, RawBuf};
+use crate::config::{RopeConfig, RopeElem};
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::RopeArgs;
 use crate::layout::Layout;
-use crate::op::{Io, QkIo, RopeConfig, RopeElem, RopeOp};
+use crate::op::{Io, QkIo, RopeOp};
 use crate::plan::{Grid, Plan, Request, TensorReq, plan};
 use crate::positions::{PositionArgs, RawPositions};
 use crate::sincos::{RawSinCos, SinCosArgs};

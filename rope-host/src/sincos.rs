@@ -8,9 +8,9 @@ use cudarc::driver::CudaView;
 use rope_kernels::abi::{DType, SinCosSource, planned_table_fits};
 
 use crate::bind::{Binder, RawBuf};
+use crate::config::{RopeConfig, RopeElem};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
-use crate::op::{RopeConfig, RopeElem};
 
 /// The rows and rotary width of a cos/sin table: what it was built for.
 ///
@@ -440,8 +440,8 @@ fn check_table_buf(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::RopeStyle;
     use crate::error::Error;
-    use crate::op::RopeStyle;
 
     fn config(head_dim: u32, rotary_dim: u32) -> RopeConfig {
         RopeConfig::builder(head_dim, RopeStyle::Neox)

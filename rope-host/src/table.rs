@@ -5,12 +5,12 @@ use cudarc::driver::{
 };
 use rope_kernels::abi::{BLOCK_THREADS, TableKernelName};
 
+use crate::config::RopeElem;
 use crate::device::StreamOverlap;
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, check_theta};
 use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::TableArgs;
-use crate::op::RopeElem;
 use crate::sincos::{SinCos, TableShape};
 
 /// How a table pair is stored.

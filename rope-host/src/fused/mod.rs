@@ -34,11 +34,12 @@ use cudarc::driver::{CudaView, CudaViewMut};
 use rope_kernels::abi::{FormatCode, FusedKernelName, NormCode};
 
 use crate::bind::Binder;
+use crate::config::RopeElem;
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::FusedArgs;
 use crate::layout::Layout;
-use crate::op::{RopeElem, RopeOp, Tensor, TensorMut};
+use crate::op::{RopeOp, Tensor, TensorMut};
 use crate::plan::TensorReq;
 use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};

@@ -11,10 +11,10 @@ pub(crate) use grid::{Grid, fused_grid, grid, one_head_warps};
 use rope_kernels::abi::{Access, DType, KernelName, preferred_lanes};
 
 use crate::bind::RawBuf;
+use crate::config::{RopeConfig, RopeStyle};
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::layout::{Layout, packed_are_disjoint};
-use crate::op::{RopeConfig, RopeStyle};
 use crate::positions::{PositionsPlan, RawPositions};
 use crate::sincos::{RawSinCos, SinCosPlan};
 
