@@ -56,3 +56,13 @@ pub fn combined_cache<T>(tables: &SinCosTables<T>) -> &CudaSlice<T> {
         TableData::Separate { .. } => panic!("tables built separate, expected combined"),
     }
 }
+
+/// The most random cases a GPU property test runs: `ROPE_GPU_CASES` when it is set to a number
+/// (the bundle's sanitizer runs set it: kernels under compute-sanitizer run orders of magnitude
+/// slower), else no limit.
+pub fn case_cap() -> u64 {
+    std::env::var("ROPE_GPU_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(u64::MAX)
+}

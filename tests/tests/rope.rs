@@ -20,10 +20,7 @@ fn report(line: &str) {
 /// `cases` cases or at most `ROPE_GPU_CASES` when that is set (the bundle's sanitizer runs set
 /// it: kernels under compute-sanitizer run orders of magnitude slower).
 fn runner(cases: u32) -> TestRunner {
-    let cap = std::env::var("ROPE_GPU_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(u32::MAX);
+    let cap = u32::try_from(rope_tests::gpu::case_cap()).unwrap_or(u32::MAX);
     TestRunner::new(Config {
         cases: cases.min(cap),
         failure_persistence: None,

@@ -19,7 +19,7 @@ use rope_kernels::math::e4m3_to_f32;
 use rope_reference::case::TestElem;
 use rope_reference::fused::{e4m3_bracket, rms_norm, rotate_head};
 use rope_reference::reference::inv_freq;
-use rope_tests::gpu::gpu_or_skip;
+use rope_tests::gpu::{case_cap, gpu_or_skip};
 
 use super::super::report;
 
@@ -275,6 +275,12 @@ impl Worst {
     fn add(&mut self, err: f64, bound: f64) {
         self.ratio = self.ratio.max(err / bound);
         self.checked += 1;
+    }
+
+    /// Takes in another case's worst.
+    fn merge(&mut self, other: Worst) {
+        self.ratio = self.ratio.max(other.ratio);
+        self.checked += other.checked;
     }
 }
 
@@ -671,12 +677,7 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
     let Some((stream, rope)) = gpu_or_skip(name) else {
         return;
     };
-    // The bundle's sanitizer runs cap the cases (kernels run far slower there).
-    let cap = std::env::var("ROPE_GPU_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(u64::MAX);
-    let cases = cases.min(cap);
+    let cases = cases.min(case_cap());
     let mut worst = Worst::default();
     // Every twentieth case at prefill size, the rest small (see `Size`).
     for seed in 0..cases {
@@ -687,10 +688,7 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
         };
         let c = Case::random_sized(seed * 7919 + size_of::<T>() as u64, size_of::<T>(), size);
         match check_case::<T>(&c, &stream, &rope) {
-            Ok(w) => {
-                worst.ratio = worst.ratio.max(w.ratio);
-                worst.checked += w.checked;
-            }
+            Ok(w) => worst.merge(w),
             Err(e) => panic!("{name}: seed {seed}: {e}"),
         }
     }
@@ -710,11 +708,8 @@ fn run_fp8_granularities<T: TestElem>(name: &str, cases_per_pairing: u64) {
     let Some((stream, rope)) = gpu_or_skip(name) else {
         return;
     };
-    let cap = std::env::var("ROPE_GPU_CASES")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map_or(u64::MAX, |c| c.div_ceil(4));
-    let cases = cases_per_pairing.min(cap);
+    // The cap spread over the four pairings.
+    let cases = cases_per_pairing.min(case_cap().div_ceil(4));
     let granularity = |per_head: bool| if per_head { "per head" } else { "per tensor" };
     for (pairing, (k_per_head, v_per_head)) in
         [(false, false), (true, false), (false, true), (true, true)]
@@ -743,10 +738,7 @@ fn run_fp8_granularities<T: TestElem>(name: &str, cases_per_pairing: u64) {
                 c.norm = None;
             }
             match check_case::<T>(&c, &stream, &rope) {
-                Ok(w) => {
-                    worst.ratio = worst.ratio.max(w.ratio);
-                    worst.checked += w.checked;
-                }
+                Ok(w) => worst.merge(w),
                 Err(e) => panic!(
                     "{name}: k {}, v {}: case {j}: {e}",
                     granularity(k_per_head),
