@@ -197,9 +197,10 @@ def apply_rope(
         pdl=pdl,
     )
     if _torch_of(q) is not None:
-        from rope_rs import torch as rope_torch
+        # Not rope_rs.torch: its custom operators import torch.compile's machinery (seconds).
+        from rope_rs import _torch_eager
 
-        return rope_torch.apply_rope(q, k, inplace=inplace, out=out, k_out=k_out, stream=stream, **opts)
+        return _torch_eager.apply_rope(q, k, inplace=inplace, out=out, k_out=k_out, stream=stream, **opts)
     if inplace:
         if out is not None or k_out is not None:
             raise ValueError("out: inplace=True rotates q and k themselves; give out and k_out only out of place")
@@ -277,6 +278,6 @@ def apply_rotary_pos_emb(
         import transformers.models.llama.modeling_llama as llama
         llama.apply_rotary_pos_emb = rope_rs.apply_rotary_pos_emb
     """
-    from rope_rs import torch as rope_torch
+    from rope_rs import _torch_eager
 
-    return rope_torch.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return _torch_eager.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)

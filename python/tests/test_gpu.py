@@ -9,6 +9,9 @@ runner sets it); the tests that use transformers skip without it.
 """
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -774,6 +777,38 @@ class TestCompile:
         cos, sin = cos_sin(ids, inv_freq64(10000.0, 32))
         check(got_q, reference(q * 2, cos, sin, "interleaved") + 1)
         check(got_k, reference(k, cos, sin, "interleaved"))
+
+
+    def test_eager_calls_import_nothing_of_torch_compile_until_a_compiled_call(self):
+        """In a fresh process, eager calls import none of torch.compile's modules (they cost
+        seconds); a compiled call then imports rope_rs.torch, registering the operators, from
+        inside dynamo's trace, and agrees with the eager call bit for bit."""
+        code = textwrap.dedent(
+            """
+            import sys, torch, rope_rs
+            q = torch.randn(2, 6, 4, 32, device="cuda")
+            k = torch.randn(2, 6, 2, 32, device="cuda")
+            ids = torch.randint(0, 100, (2, 6), device="cuda")
+            before = set(sys.modules)
+            want_q, want_k = rope_rs.apply_rope(q, k, position_ids=ids)
+            rope_rs.apply_rope(q.clone(), k.clone(), positions=3, inplace=True)
+            torch.cuda.synchronize()
+            heavy = ("torch._dynamo", "torch._library.custom_ops", "torch._higher_order_ops", "triton", "sympy", "rope_rs.torch")
+            imported = sorted(m for m in set(sys.modules) - before if m.startswith(heavy))
+            assert not imported, imported
+
+            def step(q, k, ids):
+                rope_rs.apply_rope(q, k, position_ids=ids, inplace=True)
+                return q, k
+
+            got_q, got_k = torch.compile(step, fullgraph=True)(q.clone(), k.clone(), ids)
+            assert "rope_rs.torch" in sys.modules
+            assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+            print("ok")
+            """
+        )
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
 
 
 class TestStreams:
