@@ -1,7 +1,8 @@
 //! The first call of a fresh process: from opening device 0 to the first launch of one kernel
 //! family finished, on a decode step's shape (64 tokens, 32 q and 8 kv heads of 128, bf16,
-//! NeoX). The kernels load on demand, so the time counts the driver's compilation of only the
-//! kernels this family's first launch takes (from its compute cache when that is warm).
+//! NeoX). The kernels load on demand, so the time counts loading only what this family's first
+//! launch takes: the embedded cubin of the device's architecture where there is one, else the
+//! driver's compilation of the PTX entries (from its compute cache when that is warm).
 //!
 //! Only meaningful as the first thing a process does on the GPU: run it in a fresh process
 //! (`rope-bench --first-call FAMILY`), once with `CUDA_CACHE_DISABLE=1` and once with a warm
@@ -42,7 +43,7 @@ impl Family {
 }
 
 /// Seconds spent in each step of a first call.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct FirstCall {
     /// What was launched.
     pub family: Family,
@@ -57,6 +58,10 @@ pub struct FirstCall {
     pub total_s: f64,
     /// Whether `CUDA_CACHE_DISABLE=1` was set (the driver compiled without its cache).
     pub cache_disabled: bool,
+    /// The architectures of the cubins this build embeds (`rope_host::compiled_architectures`).
+    pub compiled: Vec<u32>,
+    /// Whether `ROPE_KERNEL_CODE=ptx` made the kernels come from the PTX even so.
+    pub forced_ptx: bool,
 }
 
 impl FirstCall {
@@ -93,6 +98,8 @@ pub fn first_call(family: Family) -> rope_host::Result<FirstCall> {
         launch_s: s(t2, t3),
         total_s: s(t0, t3),
         cache_disabled: std::env::var("CUDA_CACHE_DISABLE").is_ok_and(|v| v == "1"),
+        compiled: rope_host::compiled_architectures(),
+        forced_ptx: std::env::var(rope_host::KERNEL_CODE_VAR).is_ok_and(|v| v == "ptx"),
     })
 }
 

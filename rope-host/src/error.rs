@@ -18,6 +18,10 @@ pub enum Error {
     /// this build of the library, reported instead of panicking; nothing was launched.
     #[error("kernel {0} is not in the loaded module")]
     MissingKernel(&'static str),
+    /// The embedded compiled kernels for the architecture named here (`major * 10 + minor`) do
+    /// not decompress to what the build recorded: a corrupted build of the library.
+    #[error("the embedded cubin for sm_{0} is corrupt")]
+    CorruptKernels(u32),
     /// An argument is invalid; `arg` names it and `problem` says what is wrong.
     #[error("{arg}: {problem}")]
     Invalid {

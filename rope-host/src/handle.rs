@@ -10,7 +10,7 @@ use crate::config::RopeConfig;
 use crate::device::{DeviceFacts, StreamOverlap};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, check_attention_factor};
-use crate::module::{Module, module_for};
+use crate::module::{KernelCode, Module, module_for};
 use crate::sincos::RawSinCos;
 use crate::tuning::{FusedChoice, fused_choice_from_env};
 
@@ -27,6 +27,8 @@ pub struct KernelResources {
     pub shared_bytes: i32,
     /// Blocks of `BLOCK_THREADS` threads that fit one multiprocessor at once.
     pub blocks_per_sm: u32,
+    /// Whether the code came from an embedded cubin or the JIT-compiled PTX.
+    pub code: KernelCode,
 }
 
 /// Default frequency vectors a [`Rope`] keeps for launches on its own stream, most recently
@@ -301,8 +303,9 @@ impl Rope {
         })
     }
 
-    /// Loads every kernel now, rather than each at its first launch (the driver compiles each
-    /// from the embedded PTX: seconds to a minute in all, unless its compute cache holds them).
+    /// Loads every kernel now, rather than each at its first launch (from the embedded cubins
+    /// where they run on this device, in milliseconds; else the driver compiles each from the
+    /// embedded PTX: seconds to a minute in all, unless its compute cache holds them).
     /// For processes that capture launches into CUDA graphs on a driver older than CUDA 12.3,
     /// which cannot load a module while a stream captures (newer drivers load the kernel of a
     /// captured launch as they would any other).
@@ -313,9 +316,23 @@ impl Rope {
         rope_kernels::abi::all_symbols().try_for_each(|name| self.module.function(name).map(drop))
     }
 
-    /// What the driver's JIT compiler allotted each kernel on this device: registers per
-    /// thread and local memory (spills) per thread, the resource report of the PTX. Loads every
-    /// kernel not loaded yet (the driver compiles each: seconds to a minute in all).
+    /// Where the code of the kernel exported as `symbol` (one of
+    /// `rope_kernels::abi::all_symbols()`) comes from on this device: an embedded cubin, or the
+    /// PTX. Loads the kernel if no launch has yet.
+    ///
+    /// # Errors
+    /// [`crate::Error::MissingKernel`] for a symbol no build holds; [`crate::Error::Driver`]
+    /// when the kernel does not load.
+    pub fn kernel_code(&self, symbol: &str) -> Result<KernelCode> {
+        let name = rope_kernels::abi::all_symbols()
+            .find(|s| *s == symbol)
+            .ok_or(crate::Error::MissingKernel("(unknown symbol)"))?;
+        self.module.code(name)
+    }
+
+    /// What each kernel takes on this device: registers per thread and local memory (spills)
+    /// per thread, as compiled (ahead of time, or by the driver's JIT compiler from the PTX),
+    /// and where its code came from. Loads every kernel not loaded yet.
     ///
     /// # Errors
     /// [`crate::Error::Driver`] when a kernel does not load or an attribute query fails.
@@ -329,6 +346,7 @@ impl Rope {
                     local_bytes: f.local_size_bytes()?,
                     shared_bytes: f.shared_size_bytes()?,
                     blocks_per_sm: self.module.blocks_per_sm(name),
+                    code: self.module.code(name)?,
                 })
             })
             .collect()

@@ -65,6 +65,7 @@ mod op;
 mod plan;
 mod positions;
 mod rope;
+mod sass;
 mod sincos;
 mod table;
 mod tuning;
@@ -83,13 +84,14 @@ pub use fused::{
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
-pub use module::{PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
+pub use module::{KernelCode, PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
 pub use op::{Io, QkIo, RopeOp, Tensor, TensorMut};
 pub use positions::{
     AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, ItemAxes, Positions,
     RawAxisMap, RawInts, RawPositions,
 };
 pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
+pub use sass::{KERNEL_CODE_VAR, compiled_architectures};
 pub use sincos::{RawSinCos, SinCos, TableShape};
 pub use table::{SinCosTables, TableData, TableFormat};
 pub use tuning::{FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR};

@@ -4,6 +4,9 @@
 //!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result,
 //!   adds the launch bounds rustc cannot express (`.maxntid`, `.minnctapersm`) and writes
 //!   `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.
+//! - `sass` compiles the committed PTX to cubins with the pinned ptxas from PyPI, checks that
+//!   each holds its entry points and writes them zstd-compressed into `rope-host/sass/`
+//!   (ignored by git, packaged with the crate and the wheel).
 //! - `gpu-bundle` builds every test executable and the demo in release mode and gathers them
 //!   with a runner script in `gpu-bundle/`, to copy to a GPU machine without Rust; the bundle
 //!   also holds `rope-bench`, and the Python wheel with its tests and runner (`python/run.sh`)
@@ -13,6 +16,7 @@
 
 mod bundle;
 mod ptx;
+mod sass;
 
 use std::path::PathBuf;
 
@@ -24,10 +28,11 @@ fn main() -> Result<()> {
     match args.as_slice() {
         ["ptx"] => ptx::run(false),
         ["ptx", "--check"] => ptx::run(true),
+        ["sass"] => sass::run(),
         ["gpu-bundle"] => bundle::run(),
         ["bench", rest @ ..] => bench(rest),
         _ => bail!(
-            "usage: cargo xtask ptx [--check] | cargo xtask gpu-bundle | cargo xtask bench [--json PATH]"
+            "usage: cargo xtask ptx [--check] | cargo xtask sass | cargo xtask gpu-bundle | cargo xtask bench [--json PATH]"
         ),
     }
 }

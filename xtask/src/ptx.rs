@@ -58,8 +58,19 @@ const ARCHS: [Arch; 3] = [
 ];
 
 pub fn run(check: bool) -> Result<()> {
-    for arch in &ARCHS {
-        let ptx = build(arch)?;
+    // The three builds at once: each is mostly one long single-threaded codegen.
+    let built: Vec<Result<String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ARCHS.iter().map(|arch| s.spawn(|| build(arch))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a PTX build thread panicked")))
+            })
+            .collect()
+    });
+    for (arch, ptx) in ARCHS.iter().zip(built) {
+        let ptx = ptx?;
         let path = root().join(arch.path);
         let name = arch.path;
         if check {
@@ -117,18 +128,32 @@ fn build(arch: &Arch) -> Result<String> {
 /// `ptx` with only the entry points `build` holds: the module header and global declarations
 /// before the first entry stay (rustc's PTX has nothing else outside entries).
 fn entries_only(ptx: &str, build: PtxBuild) -> String {
+    entries_where(ptx, |symbol| build.holds(symbol))
+}
+
+/// `ptx` with only the entry points whose names `keep` accepts, and the header before the
+/// first entry.
+pub fn entries_where(ptx: &str, keep: impl Fn(&str) -> bool) -> String {
     let mut out = String::with_capacity(ptx.len());
-    let mut keep = true;
+    let mut kept = true;
     for line in ptx.lines() {
         if let Some(rest) = line.strip_prefix(".visible .entry ") {
-            keep = build.holds(rest.split('(').next().unwrap_or_default());
+            kept = keep(rest.split('(').next().unwrap_or_default());
         }
-        if keep {
+        if kept {
             out.push_str(line);
             out.push('\n');
         }
     }
     out
+}
+
+/// The committed PTX file of `build`, relative to the workspace root.
+pub fn ptx_path(build: PtxBuild) -> &'static str {
+    ARCHS
+        .iter()
+        .find(|a| a.build == build)
+        .map_or("rope-host/ptx/kernels.ptx", |a| a.path)
 }
 
 /// The most recently written `rope_kernels-*.s` (cargo keeps older ones from other flags).
