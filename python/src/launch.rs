@@ -16,13 +16,12 @@ use pyo3::types::PyDict;
 use rope_host::cudarc::driver::result;
 use rope_host::cudarc::driver::sys::{CUstream, CUstreamCaptureStatus};
 use rope_host::{
-    AngleMode, ContextParallel, DType, Direction, Error, Frequencies, IdsShape, InvFreq, RawBuf,
-    RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle,
-    StreamOverlap, open_device,
+    AngleMode, ConfigBase, ConfigValue, ContextParallel, DType, Direction, Error, Frequencies,
+    FrequencySpec, IdsShape, InvFreq, RawBuf, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
+    RawTensors, Rope, RopeConfig, RopeStyle, StreamOverlap, open_device,
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
-use crate::scaling::{self, Base, Value};
 
 /// One [`Rope`] per CUDA device and [`StreamOverlap`] (`pdl=`), on the device's primary context
 /// (the one PyTorch uses).
@@ -114,14 +113,28 @@ impl Names {
     }
 
     /// rope-host's error as a Python exception: invalid arguments become
-    /// `ValueError("{python name}: {problem}")`, the driver's `RuntimeError`.
+    /// `ValueError("{python name}: {problem}")`, arguments of the wrong type `TypeError`, the
+    /// driver's `RuntimeError`.
     pub fn host_error(&self, e: Error) -> PyErr {
         match e {
             Error::Invalid { arg, problem } => {
                 PyValueError::new_err(format!("{}: {problem}", self.python(arg)))
             }
+            Error::WrongType { arg, problem } => {
+                PyTypeError::new_err(format!("{}: {problem}", self.python(arg)))
+            }
             other => PyRuntimeError::new_err(other.to_string()),
         }
+    }
+}
+
+/// rope-host's error as a Python exception, for arguments named in Python as in rope-host
+/// (`scaling`, `theta`, `rotary_dim`): as [`ArgNames::host_error`].
+pub(crate) fn same_name_error(e: Error) -> PyErr {
+    match e {
+        Error::Invalid { arg, problem } => PyValueError::new_err(format!("{arg}: {problem}")),
+        Error::WrongType { arg, problem } => PyTypeError::new_err(format!("{arg}: {problem}")),
+        other => PyRuntimeError::new_err(other.to_string()),
     }
 }
 
@@ -270,7 +283,7 @@ pub(crate) enum SinCosArg<'a, 'py> {
     /// Computed from a `scaling` dictionary's frequencies (with `theta` as its base).
     Scaling {
         /// The dictionary's items.
-        entries: Vec<(String, Value)>,
+        entries: Vec<(String, ConfigValue)>,
         /// `theta=`, if given.
         theta: Option<f64>,
         /// `angle=`.
@@ -656,13 +669,14 @@ fn raw_sincos<'py>(
             theta,
             angle,
         } => {
-            let base = Base {
+            let base = ConfigBase {
                 theta,
                 head_dim,
                 rotary_dim,
                 angle,
             };
-            let spec = scaling::spec(&entries, base).map_err(arg_error)?;
+            let spec = FrequencySpec::from_rope_scaling(&entries, base)
+                .map_err(|e| names.host_error(e))?;
             let (f, a) = spec.build().map_err(|e| names.host_error(e))?;
             let (raw, _, f) = host(&f, a, angle)?;
             Ok((raw, spec.rotary_dim, f))

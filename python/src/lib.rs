@@ -2,10 +2,10 @@
 //! (PyTorch and anything else that speaks DLPack), launched on the caller's CUDA stream through
 //! [`rope_host::Rope::run_raw`].
 //!
-//! Pure, tested by `cargo test` without Python:
+//! Pure, tested by `cargo test` without Python (a `rope_scaling` dictionary is read by
+//! rope-host's `FrequencySpec::from_rope_scaling`):
 //! - `dlpack.rs`: DLPack's C structures and their reading into rope-host's raw forms;
 //! - `options.rs`: which of `apply_rope`'s exclusive arguments select positions and sin/cos;
-//! - `scaling.rs`: a Hugging Face `rope_scaling` dictionary read into a frequency description.
 //!
 //! Behind the feature `python` (the extension module `rope_rs._native`):
 //! - `native.rs`: the Python functions and their arguments;
@@ -20,4 +20,3 @@ mod launch;
 #[cfg(feature = "python")]
 mod native;
 pub mod options;
-pub mod scaling;

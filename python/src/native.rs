@@ -9,12 +9,16 @@
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
-use rope_host::{AngleMode, ContextParallel, Direction, FrequencySpec, RopeStyle, StreamOverlap};
+use rope_host::{
+    AngleMode, ConfigBase, ConfigValue, ContextParallel, DEFAULT_THETA, Direction, FrequencySpec,
+    ROPE_SCALING_KEYS, RopeStyle, StreamOverlap,
+};
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
-use crate::launch::{self, Launch, Names, PositionsArg, SinCosArg, View, arg_error};
+use crate::launch::{
+    self, Launch, Names, PositionsArg, SinCosArg, View, arg_error, same_name_error,
+};
 use crate::options::{self, PositionsGiven, PositionsKind, SinCosGiven, SinCosKind};
-use crate::scaling::{self, Base, DEFAULT_THETA, Value};
 
 /// The range `attention_factor=` must lie in (rope-host's bound on every attention factor).
 const ATTENTION_RANGE: (f64, f64) = (1e-3, 1e3);
@@ -76,34 +80,34 @@ fn host_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 /// A Python number or sequence of numbers as a `scaling` value.
-fn scaling_value(key: &str, v: &Bound<'_, PyAny>) -> PyResult<Value> {
+fn scaling_value(key: &str, v: &Bound<'_, PyAny>) -> PyResult<ConfigValue> {
     Ok(if v.is_none() {
-        Value::None
+        ConfigValue::Null
     } else if v.is_instance_of::<PyBool>() {
-        Value::Bool(v.extract()?)
+        ConfigValue::Bool(v.extract()?)
     } else if v.is_instance_of::<PyInt>() {
         match v.extract::<i64>() {
-            Ok(i) => Value::Int(i),
-            Err(_) => Value::Float(v.extract()?),
+            Ok(i) => ConfigValue::Int(i),
+            Err(_) => ConfigValue::Float(v.extract()?),
         }
     } else if v.is_instance_of::<PyFloat>() {
-        Value::Float(v.extract()?)
+        ConfigValue::Float(v.extract()?)
     } else if v.is_instance_of::<PyString>() {
-        Value::Str(v.extract()?)
+        ConfigValue::Str(v.extract()?)
     } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
-        Value::List(v.extract().map_err(|_| {
-            PyTypeError::new_err(format!("scaling[{key:?}] must be a list of numbers"))
+        ConfigValue::List(v.extract().map_err(|_| {
+            PyTypeError::new_err(format!("scaling: entry {key:?} must be a list of numbers"))
         })?)
     } else {
         return Err(PyTypeError::new_err(format!(
-            "scaling[{key:?}] must be a number, str, bool or list of numbers, got {}",
+            "scaling: entry {key:?} must be a number, str, bool or list of numbers, got {}",
             type_name(v)
         )));
     })
 }
 
 /// The items of a `scaling` dictionary.
-fn scaling_entries(scaling: &Bound<'_, PyAny>) -> PyResult<Vec<(String, Value)>> {
+fn scaling_entries(scaling: &Bound<'_, PyAny>) -> PyResult<Vec<(String, ConfigValue)>> {
     let dict = scaling.cast::<PyDict>().map_err(|_| {
         PyTypeError::new_err(format!(
             "scaling must be a dict (a config's rope_scaling), got {}",
@@ -455,13 +459,13 @@ fn frequencies(
     let angle = parse_angle(angle)?;
     let spec = match scaling {
         Some(s) => {
-            let base = Base {
+            let base = ConfigBase {
                 theta,
                 head_dim,
                 rotary_dim,
                 angle,
             };
-            scaling::spec(&scaling_entries(s)?, base).map_err(arg_error)?
+            FrequencySpec::from_rope_scaling(&scaling_entries(s)?, base).map_err(same_name_error)?
         }
         None => FrequencySpec::new(
             theta.unwrap_or(DEFAULT_THETA),
@@ -481,6 +485,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("SCALING_KEYS", scaling::KEYS.to_vec())?;
+    m.add("SCALING_KEYS", ROPE_SCALING_KEYS.to_vec())?;
     Ok(())
 }

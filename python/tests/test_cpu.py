@@ -316,7 +316,7 @@ class TestSinCos:
             rope_rs.apply_rope(q, theta=-1.0, inplace=True)
         with pytest.raises(ValueError, match=r"scaling: factor must lie in \[2\^-20, 2\^20\]"):
             rope_rs.apply_rope(q, scaling={"rope_type": "linear", "factor": 0.0}, inplace=True)
-        with pytest.raises(ValueError, match='scaling has an unknown key "facter"'):
+        with pytest.raises(ValueError, match='scaling: unknown key "facter"'):
             rope_rs.apply_rope(q, scaling={"rope_type": "linear", "facter": 2}, inplace=True)
         with pytest.raises(TypeError, match="scaling must be a dict"):
             rope_rs.apply_rope(q, scaling=[("rope_type", "linear")], inplace=True)
@@ -419,7 +419,7 @@ class TestFrequencies:
     def test_scaling_errors(self):
         with pytest.raises(ValueError, match="scaling: llama3 needs low_freq_factor"):
             rope_rs.frequencies(128, scaling={"rope_type": "llama3", "factor": 8.0})
-        with pytest.raises(TypeError, match=r'scaling\["factor"\] must be a number, got str'):
+        with pytest.raises(TypeError, match='scaling: entry "factor" must be a number, got a str'):
             rope_rs.frequencies(128, scaling={"rope_type": "linear", "factor": "8"})
         with pytest.raises(ValueError, match='rope_type must be "default"'):
             rope_rs.frequencies(128, scaling={"rope_type": "ntk"})

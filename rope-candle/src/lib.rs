@@ -42,4 +42,4 @@ pub use layout::Axes;
 pub use rich::{
     Positions, RopeSpec, SinCos, apply, apply_inplace, apply_qk, apply_qk_inplace, frequencies,
 };
-pub use rope_host::{AngleMode, FrequencySpec, RopeScaling, RopeStyle};
+pub use rope_host::{AngleMode, ConfigBase, ConfigValue, FrequencySpec, RopeScaling, RopeStyle};

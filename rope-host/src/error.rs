@@ -22,6 +22,15 @@ pub enum Error {
     /// not decompress to what the build recorded: a corrupted build of the library.
     #[error("the embedded cubin for sm_{0} is corrupt")]
     CorruptKernels(u32),
+    /// An argument, or an entry of it, has the wrong type (a model config's value that is not
+    /// what its key holds); `arg` names it and `problem` says what is wrong.
+    #[error("{arg}: {problem}")]
+    WrongType {
+        /// The argument, as named in the API (for example `"scaling"`).
+        arg: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// An argument is invalid; `arg` names it and `problem` says what is wrong.
     #[error("{arg}: {problem}")]
     Invalid {

@@ -76,7 +76,8 @@ pub use cudarc;
 pub use device::StreamOverlap;
 pub use error::{Error, Result};
 pub use freq::{
-    AngleMode, Frequencies, FrequencySpec, InvFreq, RopeScaling, Yarn, axial_inv_freq, inv_freq,
+    AngleMode, ConfigBase, ConfigValue, DEFAULT_THETA, Frequencies, FrequencySpec, InvFreq,
+    ROPE_SCALING_KEYS, RopeScaling, Yarn, axial_inv_freq, inv_freq,
 };
 pub use fused::{
     CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,

@@ -11,9 +11,12 @@ pub use rope_kernels::math::AngleMode;
 
 use crate::error::{Result, invalid};
 
+mod config;
 mod families;
 #[cfg(test)]
 mod tests;
+
+pub use config::{ConfigBase, ConfigValue, DEFAULT_THETA, ROPE_SCALING_KEYS};
 
 use families::check_frequencies;
 
