@@ -6,14 +6,14 @@
 use anyhow::{Context, Result};
 use rope_bench_support::BenchDevice;
 use rope_bench_support::timing::{Runs, median_interval, median_ms, quartiles};
+use rope_harness::case::{
+    Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
+};
+use rope_harness::rotate::rotate_f32_at;
+use rope_harness::with_elem;
 use rope_host::{
     AngleMode, Direction, FrequencySpec, IdsShape, Layout, RopeStyle, SinCos, TableFormat,
 };
-use rope_reference::case::{
-    Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem, compare, gather,
-};
-use rope_reference::rotate::rotate_f32_at;
-use rope_reference::with_elem;
 
 /// Llama-style prefill: batch 1, 8192 tokens, 32 heads of 128.
 const SHAPE: (usize, usize, usize, usize) = (1, 8192, 32, 128);

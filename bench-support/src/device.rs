@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
+use rope_harness::case::{DeviceCase, Source, TestElem};
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, DriverError};
 use rope_host::{Rope, open_device};
-use rope_reference::case::{DeviceCase, Source, TestElem};
 
 use crate::Error;
 use crate::timing::{L2Flush, Runs, median_ms, paired_ms};

@@ -29,11 +29,9 @@ use rope_bench_support::first_call;
 use rope_bench_support::fused::{FusedRow, fused_rows};
 use rope_bench_support::report::{CopyRow, Report, Row};
 use rope_bench_support::timing::{Runs, median_ms, quartiles};
+use rope_harness::case::{AxesCase, Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem};
+use rope_harness::with_elem;
 use rope_host::{Direction, IdsShape, RopeStyle, TableFormat};
-use rope_reference::case::{
-    AxesCase, Case, DTypeCase, KCase, LayoutKind, PosCase, Source, TestElem,
-};
-use rope_reference::with_elem;
 
 const THETA: f64 = 500_000.0;
 const RUNS: Runs = Runs {

@@ -5,7 +5,7 @@ use rope_host::{Direction, FrequencySpec, IdsShape, RopeScaling, RopeStyle, Yarn
 
 use rope_host::TableFormat;
 
-use rope_reference::case::{AxesCase, Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
+use rope_harness::case::{AxesCase, Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
 
 /// Both pairings.
 pub fn style() -> impl Strategy<Value = RopeStyle> {

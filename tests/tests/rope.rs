@@ -845,9 +845,9 @@ mod multi_axis {
 mod context_parallel {
     use std::num::NonZeroU32;
 
+    use rope_harness::case::PosCase;
     use rope_host::ContextParallel;
     use rope_kernels::abi::ContextParallelSplit;
-    use rope_reference::case::PosCase;
 
     use super::*;
 

@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use ndarray::Array4;
 use proptest::prelude::*;
+use rope_harness::case::{
+    Case, DTypeCase, KCase, LayoutKind, PosCase, Source, compare, run_and_check,
+};
 use rope_host::cudarc::driver::CudaStream;
 use rope_host::{
     AngleMode, Direction, FrequencySpec, IdsShape, InvFreq, Rope, RopeScaling, RopeStyle, SinCos,
     TableData, TableFormat, Yarn,
-};
-use rope_reference::case::{
-    Case, DTypeCase, KCase, LayoutKind, PosCase, Source, compare, run_and_check,
 };
 use rope_reference::reference::{self, RefSinCos};
 use rope_tests::gpu::gpu_or_skip;
@@ -70,7 +70,7 @@ fn in_kernel_sin_cos_is_accurate_to_position_2_pow_22() {
         .expect("accurate at long positions");
 }
 
-/// Runs one f32 rotation; see [`rope_reference::rotate::rotate_f32_at`].
+/// Runs one f32 rotation; see [`rope_harness::rotate::rotate_f32_at`].
 fn rotate(
     rope: &Rope,
     stream: &Arc<CudaStream>,
@@ -80,7 +80,7 @@ fn rotate(
     ids: &[i64],
     sincos: SinCos<'_, f32>,
 ) -> Vec<f32> {
-    rope_reference::rotate::rotate_f32_at(rope, stream, style, x, dims, ids, sincos)
+    rope_harness::rotate::rotate_f32_at(rope, stream, style, x, dims, ids, sincos)
         .expect("rotation")
 }
 

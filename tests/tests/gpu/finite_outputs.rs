@@ -5,8 +5,8 @@
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rope_harness::rotate::rotate_f32_at;
 use rope_host::{AngleMode, InvFreq, SinCos, TableFormat};
-use rope_reference::rotate::rotate_f32_at;
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
 

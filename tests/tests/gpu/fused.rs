@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rope_harness::case::TestElem;
 use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use rope_host::{
@@ -16,7 +17,6 @@ use rope_host::{
     TableData, TableFormat, Tensor, TensorMut,
 };
 use rope_kernels::math::e4m3_to_f32;
-use rope_reference::case::TestElem;
 use rope_reference::fused::{e4m3_bracket, rms_norm, rotate_head};
 use rope_reference::reference::inv_freq;
 use rope_tests::gpu::{case_cap, gpu_or_skip};

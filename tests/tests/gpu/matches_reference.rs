@@ -4,12 +4,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use proptest::prelude::*;
+use rope_harness::case::{
+    Case, Comparison, DTypeCase, KCase, LayoutKind, PosCase, Source, run_and_check,
+};
 use rope_host::TableFormat;
 use rope_host::cudarc::driver::CudaStream;
 use rope_host::{Direction, IdsShape, Rope, RopeStyle};
-use rope_reference::case::{
-    Case, Comparison, DTypeCase, KCase, LayoutKind, PosCase, Source, run_and_check,
-};
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
 
@@ -73,7 +73,7 @@ pub(crate) fn check_random_cases(
 /// rotary, q alone or with k (separate with GQA head counts, or fused in one QKV buffer),
 /// sin/cos source and table format, position kind (packed varlen included), in or out of
 /// place, on random shapes and fresh random data. Per dtype: f32 within
-/// [`rope_reference::case::f32_tolerance`] of the f64 reference, f16/bf16 within one ulp of it
+/// [`rope_harness::case::f32_tolerance`] of the f64 reference, f16/bf16 within one ulp of it
 /// rounded once; NaN exactly where an id falls outside the table; every output element
 /// written, nothing else touched.
 #[test]

@@ -8,14 +8,14 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rope_harness::case::{AxesCase, Case, PosCase, TestElem};
+use rope_harness::with_elem;
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use rope_host::{
     AngleMode, AxisMap, DType, DeviceInts, FrequencySpec, IdsShape, IntType, Io, ItemAxes, Layout,
     Positions, RawAxisMap, RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
     RawTensors, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, TensorMut,
 };
-use rope_reference::case::{AxesCase, Case, PosCase, TestElem};
-use rope_reference::with_elem;
 use rope_tests::gpu::{combined_cache, gpu_or_skip};
 use rope_tests::strategies;
 
@@ -164,7 +164,7 @@ fn text_tokens_equal_the_one_position_result_in_both_angle_modes() {
                         positions,
                         sincos: SinCos::Frequencies(&freqs),
                     };
-                    rope_reference::rotate::rotate_f32(&rope, &stream, &op, &x, (seq, heads, d))
+                    rope_harness::rotate::rotate_f32(&rope, &stream, &op, &x, (seq, heads, d))
                         .expect("rotation")
                         .into_iter()
                         .map(f32::to_bits)

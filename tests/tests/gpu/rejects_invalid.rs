@@ -2,13 +2,13 @@
 //! and the device still healthy afterwards.
 
 use proptest::prelude::*;
+use rope_harness::case::{
+    Case, DTypeCase, DeviceCase, DeviceTables, KCase, LayoutKind, PosCase, Source,
+};
 use rope_host::TableFormat;
 use rope_host::{
     DeviceInts, Error, IdsShape, Io, Layout, Positions, QkIo, RopeConfig, RopeOp, SinCos,
     TableShape, Tensor, TensorMut,
-};
-use rope_reference::case::{
-    Case, DTypeCase, DeviceCase, DeviceTables, KCase, LayoutKind, PosCase, Source,
 };
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
@@ -164,7 +164,7 @@ fn run_broken(
                     .then(|| DeviceInts::I64(wide_offsets.as_view())),
             }
         }
-        (Breakage::WrongIdCount, Some(rope_reference::case::DeviceArrays::I64(ids, _))) => {
+        (Breakage::WrongIdCount, Some(rope_harness::case::DeviceArrays::I64(ids, _))) => {
             Positions::Ids {
                 ids: DeviceInts::I64(ids.slice(..ids.len() - 1)),
                 shape: IdsShape::Shared,

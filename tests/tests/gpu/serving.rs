@@ -7,6 +7,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use rope_harness::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
 use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use rope_host::cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use rope_host::{
@@ -14,7 +15,6 @@ use rope_host::{
     RawBuf, RawInts, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors, Rope,
     RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat, TableShape, TensorMut,
 };
-use rope_reference::case::{Case, DTypeCase, KCase, LayoutKind, PosCase, Source};
 use rope_tests::gpu::{combined_cache, gpu_or_skip};
 
 use super::super::{report, runner};
@@ -139,7 +139,7 @@ fn every_launch_kind_replays_from_a_cuda_graph() {
                     ) => (*size2, *rank2) = (*size, *rank),
                     _ => {}
                 }
-                rope_reference::with_elem!(dtype, T => {
+                rope_harness::with_elem!(dtype, T => {
                     replay::<T>(&rope, &stream, &first, &second);
                 });
                 launches += 1;
@@ -153,7 +153,7 @@ fn every_launch_kind_replays_from_a_cuda_graph() {
 
 /// Captures `first`'s launch, rewrites its buffers with `second`'s inputs, replays the graph
 /// and checks the result against the reference and against an eager launch.
-fn replay<T: rope_reference::case::TestElem>(
+fn replay<T: rope_harness::case::TestElem>(
     rope: &Rope,
     stream: &Arc<CudaStream>,
     first: &Case,
@@ -174,7 +174,7 @@ fn replay<T: rope_reference::case::TestElem>(
     ok!(graph.launch());
     ok!(stream.synchronize());
     ok!(dev.verify_all(stream));
-    let outputs = |dev: &rope_reference::case::DeviceCase<T>| -> Vec<u64> {
+    let outputs = |dev: &rope_harness::case::DeviceCase<T>| -> Vec<u64> {
         let q = ok!(stream.clone_dtoh(dev.q.out.as_ref().expect("out of place")));
         let k = dev
             .k

@@ -1,11 +1,11 @@
 //! Tables built on the GPU by `Rope::build_tables`.
 
 use proptest::prelude::*;
-use rope_host::{Direction, RopeStyle, SinCosTables, TableData, TableFormat};
-use rope_reference::case::{
+use rope_harness::case::{
     Case, DTypeCase, DeviceTables, KCase, LayoutKind, PosCase, Source, TestElem,
 };
-use rope_reference::with_elem;
+use rope_harness::with_elem;
+use rope_host::{Direction, RopeStyle, SinCosTables, TableData, TableFormat};
 use rope_tests::gpu::gpu_or_skip;
 use rope_tests::strategies;
 
@@ -110,7 +110,7 @@ fn built_tables_reproduce_in_kernel_sin_cos_exactly() {
                 in_place: false,
                 seed: 77,
             };
-            let run = |dev: &mut rope_reference::case::DeviceCase<f32>| -> Vec<f32> {
+            let run = |dev: &mut rope_harness::case::DeviceCase<f32>| -> Vec<f32> {
                 dev.launch(&rope).expect("launch");
                 let q = dev.q.out.as_ref().expect("out of place");
                 stream.clone_dtoh(q).expect("download")

@@ -15,7 +15,7 @@ use rope_host::{
     RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
 };
 
-use crate::reference::{self, RefSinCos};
+use rope_reference::reference::{self, RefSinCos};
 
 /// A storage type under test, with what the checks need to know about it.
 pub trait TestElem: RopeElem + ValidAsZeroBits + Debug + Send + Sync + Unpin + 'static {
@@ -106,8 +106,8 @@ pub enum DTypeCase {
 /// [`DTypeCase`]): the one place where a case's dtype becomes `f32`, `f16` or `bf16`.
 ///
 /// ```
-/// use rope_reference::case::{DTypeCase, TestElem};
-/// use rope_reference::with_elem;
+/// use rope_harness::case::{DTypeCase, TestElem};
+/// use rope_harness::with_elem;
 ///
 /// assert_eq!(with_elem!(DTypeCase::BF16, T => T::NAME), "bf16");
 /// ```

@@ -1,0 +1,17 @@
+//! The GPU harness that the property tests (`rope-tests`), the demo and the benchmark share:
+//! one random RoPE problem uploaded, launched and compared with the f64 reference of
+//! `rope-reference`.
+//!
+//! - [`case`]: one random RoPE problem ([`case::Case`]), uploaded, launched and compared with
+//!   the reference, and [`with_elem!`], which turns a case's [`case::DTypeCase`] into its
+//!   element type.
+//! - [`rotate`]: an f32 rotation at explicit positions in one call.
+
+pub mod case;
+pub mod rotate;
+
+/// What [`with_elem!`] names from the caller's crate, whose dependencies may not include `half`.
+#[doc(hidden)]
+pub mod __private {
+    pub use rope_host::half::{bf16, f16};
+}
