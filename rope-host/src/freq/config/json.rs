@@ -17,11 +17,11 @@ pub(super) fn object(text: &str) -> Result<Vec<(String, ConfigValue)>> {
         at: 0,
     };
     let mut entries: Vec<(String, ConfigValue)> = Vec::new();
-    p.expect(b'{')?;
+    p.require(b'{')?;
     if !p.eat(b'}') {
         loop {
             let key = p.string()?;
-            p.expect(b':')?;
+            p.require(b':')?;
             let value = p.value(&key)?;
             if entries.iter().any(|(k, _)| *k == key) {
                 return Err(p.error(&format!("the key {key:?} repeats")));
@@ -30,7 +30,7 @@ pub(super) fn object(text: &str) -> Result<Vec<(String, ConfigValue)>> {
             if p.eat(b'}') {
                 break;
             }
-            p.expect(b',')?;
+            p.require(b',')?;
         }
     }
     p.skip_space();
@@ -81,7 +81,8 @@ impl Parser<'_> {
         next
     }
 
-    fn expect(&mut self, b: u8) -> Result<()> {
+    /// Consumes `b` (after white space), or fails.
+    fn require(&mut self, b: u8) -> Result<()> {
         if self.eat(b) {
             Ok(())
         } else {
@@ -108,7 +109,7 @@ impl Parser<'_> {
                         if self.eat(b']') {
                             break;
                         }
-                        self.expect(b',')?;
+                        self.require(b',')?;
                     }
                 }
                 Ok(ConfigValue::List(list))

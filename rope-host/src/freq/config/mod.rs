@@ -204,21 +204,14 @@ fn family(f: &Fields<'_>) -> Result<RopeScaling> {
 /// `max_position_embeddings`; without `factor`, the ratio of the two (as transformers 5
 /// derives it).
 fn yarn(f: &Fields<'_>) -> Result<Yarn> {
-    let max = f.length("max_position_embeddings")?;
-    let original = f
-        .length("original_max_position_embeddings")?
-        .or(max)
-        .ok_or_else(|| {
-            invalid(
-                "scaling",
-                "yarn needs original_max_position_embeddings (or max_position_embeddings)",
-            )
-        })?;
+    let Contexts {
+        max,
+        original,
+        original_given,
+    } = f.contexts("yarn")?;
     let factor = match (f.float("factor")?, max) {
         (Some(factor), _) => factor,
-        (None, Some(max)) if f.length("original_max_position_embeddings")?.is_some() => {
-            f64::from(max) / f64::from(original)
-        }
+        (None, Some(max)) if original_given => f64::from(max) / f64::from(original),
         _ => {
             return Err(invalid(
                 "scaling",
@@ -249,16 +242,7 @@ fn yarn(f: &Fields<'_>) -> Result<Yarn> {
 /// factors unless `seq_len` exceeds the original context.
 fn longrope(f: &Fields<'_>) -> Result<RopeScaling> {
     let name = "longrope";
-    let max = f.length("max_position_embeddings")?;
-    let original = f
-        .length("original_max_position_embeddings")?
-        .or(max)
-        .ok_or_else(|| {
-            invalid(
-                "scaling",
-                "longrope needs original_max_position_embeddings (or max_position_embeddings)",
-            )
-        })?;
+    let Contexts { max, original, .. } = f.contexts(name)?;
     let factor = f.float("factor")?;
     let max_position_embeddings = match (max, factor) {
         (Some(max), _) => max,
@@ -281,6 +265,16 @@ fn longrope(f: &Fields<'_>) -> Result<RopeScaling> {
         seq_len: f.seq_len()?.unwrap_or(u64::from(original)),
         attention_factor: f.float("attention_factor")?,
     })
+}
+
+/// The context lengths YaRN and LongRoPE read.
+struct Contexts {
+    /// `max_position_embeddings`, if given.
+    max: Option<u32>,
+    /// The original context: `original_max_position_embeddings`, else `max_position_embeddings`.
+    original: u32,
+    /// Whether `original_max_position_embeddings` itself was given.
+    original_given: bool,
 }
 
 /// Typed access to the dictionary's entries.
@@ -392,6 +386,25 @@ impl Fields<'_> {
             Some(ConfigValue::List(v)) => Ok(Some(v.clone())),
             Some(other) => Err(Self::type_error(key, "a list of numbers", other)),
         }
+    }
+
+    /// The context lengths of `family` (named in the error when neither length is given).
+    fn contexts(&self, family: &str) -> Result<Contexts> {
+        let max = self.length("max_position_embeddings")?;
+        let given = self.length("original_max_position_embeddings")?;
+        let original = given.or(max).ok_or_else(|| {
+            invalid(
+                "scaling",
+                format!(
+                    "{family} needs original_max_position_embeddings (or max_position_embeddings)"
+                ),
+            )
+        })?;
+        Ok(Contexts {
+            max,
+            original,
+            original_given: given.is_some(),
+        })
     }
 
     fn missing(key: &str, family: &str) -> Error {
