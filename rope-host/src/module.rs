@@ -111,11 +111,7 @@ struct Loaded {
 /// The newest embedded build a device of compute capability `capability` runs, capped by
 /// [`PTX_ARCH_VAR`]'s value `cap` when it names an older one.
 fn newest_build(capability: (i32, i32), cap: Option<&str>) -> PtxBuild {
-    let newest = match capability {
-        c if c >= (9, 0) => PtxBuild::Sm90,
-        c if c >= (8, 9) => PtxBuild::Sm89,
-        _ => PtxBuild::Sm80,
-    };
+    let newest = PtxBuild::newest_for(capability);
     let cap = match cap {
         Some("sm_80") => PtxBuild::Sm80,
         Some("sm_89") => PtxBuild::Sm89,

@@ -1045,6 +1045,18 @@ pub enum PtxBuild {
 }
 
 impl PtxBuild {
+    /// The newest build a device of compute capability `(major, minor)` runs: sm_90's from 9.0
+    /// on, sm_89's on 8.9, sm_80's below. The host takes a kernel from it where it holds the
+    /// kernel, from sm_80's otherwise; `cargo xtask sass` compiles by the same rule.
+    #[inline]
+    pub fn newest_for(capability: (i32, i32)) -> PtxBuild {
+        match capability {
+            c if c >= (9, 0) => PtxBuild::Sm90,
+            c if c >= (8, 9) => PtxBuild::Sm89,
+            _ => PtxBuild::Sm80,
+        }
+    }
+
     /// Whether this build holds the entry point `symbol` (one of [`all_symbols`]).
     #[inline]
     pub fn holds(self, symbol: &str) -> bool {

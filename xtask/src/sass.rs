@@ -42,11 +42,8 @@ pub const ARCHS: [u32; 5] = [80, 89, 90, 100, 120];
 
 /// The newest PTX build a device of architecture `arch` (major * 10 + minor) runs.
 fn newest_build(arch: u32) -> PtxBuild {
-    match arch {
-        a if a >= 90 => PtxBuild::Sm90,
-        89 => PtxBuild::Sm89,
-        _ => PtxBuild::Sm80,
-    }
+    let (major, minor) = (arch / 10, arch % 10);
+    PtxBuild::newest_for((major as i32, minor as i32))
 }
 
 /// Whether a device of `arch` takes `symbol` from `build`.
