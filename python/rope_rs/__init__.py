@@ -175,7 +175,8 @@ def apply_rope(
     last dimension, tensors on different devices, contradicting options; nothing is launched
     then), RuntimeError when the CUDA driver fails.
     """
-    # The options both paths take as they are.
+    # The options both paths take as they are (rope_rs._torch_eager reads their names and
+    # defaults from this signature).
     opts = dict(
         positions=positions,
         position_ids=position_ids,
@@ -200,7 +201,7 @@ def apply_rope(
         # Not rope_rs.torch: its custom operators import torch.compile's machinery (seconds).
         from rope_rs import _torch_eager
 
-        return _torch_eager.apply_rope(q, k, inplace=inplace, out=out, k_out=k_out, stream=stream, **opts)
+        return _torch_eager.apply_rope(q, k, opts, inplace=inplace, out=out, k_out=k_out, stream=stream)
     if inplace:
         if out is not None or k_out is not None:
             raise ValueError("out: inplace=True rotates q and k themselves; give out and k_out only out of place")

@@ -9,11 +9,14 @@ here import ``rope_rs.torch``, which registers the operators, and go through the
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple, Union
+import inspect
+import json
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+import rope_rs
 from rope_rs import _native
 
 __all__ = ["apply_rope", "apply_rotary_pos_emb", "RopeFunction", "Options", "options"]
@@ -34,8 +37,10 @@ class Options(NamedTuple):
     cos: Optional[Tensor]
     sin: Optional[Tensor]
     inv_freq: Optional[Tensor]
+    host_inv_freq: Optional[List[float]]
     attention_factor: Optional[float]
     angle: Optional[str]
+    scaling: Optional[str]
     rotary_dim: Optional[int]
     backward: bool
     cp_size: int
@@ -48,93 +53,38 @@ class Options(NamedTuple):
 
 
 # The tensor fields of `Options`, saved for backward by the custom operators.
-_TENSOR_FIELDS = ("row_offsets", "position_ids", "cu_seqlens", "cos_sin_cache", "cos", "sin", "inv_freq")
+_TENSOR_FIELDS = tuple(f for f, t in Options.__annotations__.items() if t == "Optional[Tensor]")
 
-# Frequency vectors of `scaling=` dicts and host `inv_freq=` lists, per device: (inv_freq float64
-# tensor, attention factor). Kept for the process's lifetime: launches on other streams and
-# captured graphs may read them at any later time.
-_FREQUENCIES: dict = {}
-
-
-def _frozen(value: Any) -> Any:
-    """`value` as a hashable key (dicts and lists of a config as tuples)."""
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return value
+# The arguments of ``rope_rs.apply_rope`` that `Options` describes, with their defaults: its
+# keyword-only parameters but those that say where the results go and on which stream.
+_OPTION_DEFAULTS: Dict[str, Any] = {
+    name: p.default
+    for name, p in inspect.signature(rope_rs.apply_rope).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("inplace", "out", "k_out", "stream")
+}
 
 
-def _frequencies(
-    device: torch.device, head_dim: int, theta: Optional[float], scaling: Any, rotary_dim: Optional[int]
-) -> Tuple[Tensor, float]:
-    """The float64 `inv_freq` tensor on `device` and the attention factor of a `scaling` dict."""
-    key = (device, head_dim, theta, rotary_dim, _frozen(scaling))
-    try:
-        cached = _FREQUENCIES.get(key)
-    except TypeError:  # an unhashable value inside `scaling`
-        key, cached = None, None
-    if cached is not None:
-        return cached
-    inv_freq, attention = _native.frequencies(head_dim, theta=theta, scaling=scaling, rotary_dim=rotary_dim)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError(
-            "scaling: its frequencies are uploaded to the GPU on first use, which cannot happen while "
-            "the stream is capturing a CUDA graph; make the same call once before capturing (a warm-up run)"
-        )
-    cached = (torch.tensor(inv_freq, dtype=torch.float64, device=device), attention)
-    if key is not None:
-        _FREQUENCIES[key] = cached
-    return cached
+def _scaling_json(scaling: Any) -> str:
+    """A ``scaling=`` dict as JSON text, how the custom operators carry it (rope-host reads it)."""
+    if not isinstance(scaling, dict):
+        raise TypeError(f"scaling must be a dict (a config's rope_scaling), got {type(scaling).__name__}")
+    return json.dumps(scaling)
 
 
-def _host_inv_freq(device: torch.device, inv_freq: Any) -> Tensor:
-    """A host sequence of frequencies as a float64 tensor on `device`, uploaded once."""
-    values = tuple(float(f) for f in inv_freq)
-    key = (device, "inv_freq", values)
-    cached = _FREQUENCIES.get(key)
-    if cached is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "inv_freq: a host sequence is uploaded to the GPU on first use, which cannot happen while "
-                "the stream is capturing a CUDA graph; pass a CUDA tensor, or make the same call once before "
-                "capturing"
-            )
-        cached = (torch.tensor(values, dtype=torch.float64, device=device), 1.0)
-        _FREQUENCIES[key] = cached
-    return cached[0]
+def options(q: Tensor, **given: Any) -> Options:
+    """The :class:`Options` of ``rope_rs.apply_rope``'s keyword arguments (all but ``inplace``,
+    ``out``, ``k_out`` and ``stream``; the same names and defaults) for tensors like `q`:
+    positions split into an int offset and a tensor, a ``scaling`` dict as JSON text, host
+    ``inv_freq`` as a list of floats, a device ``inv_freq`` of another dtype converted to float64.
+    Everything else is checked by the native call.
 
-
-def options(
-    q: Tensor,
-    *,
-    positions: Union[int, Tensor, None] = None,
-    position_ids: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    layout: Optional[str] = None,
-    style: str = "neox",
-    theta: Optional[float] = None,
-    cos_sin_cache: Optional[Tensor] = None,
-    cos: Optional[Tensor] = None,
-    sin: Optional[Tensor] = None,
-    inv_freq: Any = None,
-    attention_factor: Optional[float] = None,
-    angle: Optional[str] = None,
-    scaling: Optional[dict] = None,
-    rotary_dim: Optional[int] = None,
-    backward: bool = False,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    pdl: bool = False,
-) -> Options:
-    """The :class:`Options` of ``rope_rs.apply_rope``'s arguments for tensors like `q`: positions
-    split into an int offset and a tensor, ``scaling`` and host ``inv_freq`` turned into a float64
-    ``inv_freq`` tensor on q's device (with ``scaling``'s attention factor), a device ``inv_freq``
-    of another dtype converted to float64. Everything else is checked by the native call.
-
-    Raises ValueError as ``rope_rs.apply_rope`` does for ``scaling`` combined with another sin/cos
-    source or with ``attention_factor``.
+    Raises TypeError for an argument ``rope_rs.apply_rope`` does not take.
     """
+    for name in given:
+        if name not in _OPTION_DEFAULTS:
+            raise TypeError(f"options() got an unexpected keyword argument {name!r}")
+    a = {**_OPTION_DEFAULTS, **given}
+    positions, inv_freq, scaling = a.pop("positions"), a.pop("inv_freq"), a.pop("scaling")
     if isinstance(positions, Tensor):
         offset, row_offsets = 0, positions
     elif positions is None:
@@ -144,46 +94,21 @@ def options(
     else:
         offset, row_offsets = positions, None
     if scaling is not None:
-        if inv_freq is not None or cos_sin_cache is not None or cos is not None or sin is not None:
-            raise ValueError(
-                "cos_sin_cache: give one sin/cos source: cos_sin_cache, cos and sin, inv_freq, or scaling "
-                "(with theta), or theta alone"
-            )
-        if attention_factor is not None:
-            raise ValueError('attention_factor: give it inside scaling ("attention_factor")')
-        frequencies = _frequencies
+        to_json = _scaling_json
         if torch.compiler.is_compiling():
-            from rope_rs.torch import frequencies_outside_graph as frequencies
-        inv_freq, attention_factor = frequencies(q.device, q.shape[-1], theta, scaling, rotary_dim)
-        theta = None
-    elif inv_freq is not None:
-        if not isinstance(inv_freq, Tensor):
-            host_inv_freq = _host_inv_freq
-            if torch.compiler.is_compiling():
-                from rope_rs.torch import host_inv_freq_outside_graph as host_inv_freq
-            inv_freq = host_inv_freq(q.device, inv_freq)
-        elif inv_freq.dtype != torch.float64 or inv_freq.device != q.device:
-            inv_freq = inv_freq.to(device=q.device, dtype=torch.float64)
-    return Options(
-        offset,
-        row_offsets,
-        position_ids,
-        cu_seqlens,
-        layout,
-        style,
-        None if theta is None else float(theta),
-        cos_sin_cache,
-        cos,
-        sin,
-        inv_freq,
-        None if attention_factor is None else float(attention_factor),
-        angle,
-        rotary_dim,
-        bool(backward),
-        int(cp_size),
-        int(cp_rank),
-        bool(pdl),
-    )
+            from rope_rs.torch import scaling_json_outside_graph as to_json
+        scaling = to_json(scaling)
+    host_inv_freq = None
+    if inv_freq is not None and not isinstance(inv_freq, Tensor):
+        inv_freq, host_inv_freq = None, [float(f) for f in inv_freq]
+    elif inv_freq is not None and (inv_freq.dtype != torch.float64 or inv_freq.device != q.device):
+        inv_freq = inv_freq.to(device=q.device, dtype=torch.float64)
+    numbers = {"theta": float, "attention_factor": float, "backward": bool, "cp_size": int, "cp_rank": int, "pdl": bool}
+    for name, kind in numbers.items():
+        if a[name] is not None:
+            a[name] = kind(a[name])
+    a.update(offset=offset, row_offsets=row_offsets, inv_freq=inv_freq, host_inv_freq=host_inv_freq, scaling=scaling)
+    return Options(*[a[f] for f in Options._fields])
 
 
 def _stream(device: torch.device) -> int:
@@ -223,31 +148,20 @@ def _launch(
         # PyTorch exports tensors by DLPack only from the current device.
         with torch.cuda.device(q.device):
             return _launch(q, k, out, k_out, o, stream)
+    kwargs = {f: _plain(v) if isinstance(v, Tensor) else v for f, v in zip(Options._fields, o)}
+    offset, row_offsets, host_inv_freq = kwargs.pop("offset"), kwargs.pop("row_offsets"), kwargs.pop("host_inv_freq")
+    kwargs["positions"] = offset if row_offsets is None else row_offsets
+    if host_inv_freq is not None:
+        kwargs["inv_freq"] = host_inv_freq
     _native.apply_rope(
         _plain(q),
         _plain(k),
         out=out,
         k_out=k_out,
-        positions=o.offset if o.row_offsets is None else _plain(o.row_offsets),
-        position_ids=_plain(o.position_ids),
-        cu_seqlens=_plain(o.cu_seqlens),
-        layout=o.layout,
-        style=o.style,
-        theta=o.theta,
-        cos_sin_cache=_plain(o.cos_sin_cache),
-        cos=_plain(o.cos),
-        sin=_plain(o.sin),
-        inv_freq=_plain(o.inv_freq),
-        attention_factor=o.attention_factor,
-        angle=o.angle,
-        rotary_dim=o.rotary_dim,
-        backward=o.backward,
-        cp_size=o.cp_size,
-        cp_rank=o.cp_rank,
-        pdl=o.pdl,
         stream=_stream(q.device) if stream is None else stream,
         # On the current stream, the tensors' writers are already ordered before the launch.
         producer_sync=stream is not None,
+        **kwargs,
     )
 
 
@@ -299,32 +213,16 @@ def _result(q: Tensor, k: Optional[Tensor]) -> Union[Tensor, Tuple[Tensor, Tenso
 
 def apply_rope(
     q: Tensor,
-    k: Optional[Tensor] = None,
+    k: Optional[Tensor],
+    given: Dict[str, Any],
     *,
-    positions: Union[int, Tensor, None] = None,
-    position_ids: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
-    layout: Optional[str] = None,
-    style: str = "neox",
-    theta: Optional[float] = None,
-    cos_sin_cache: Optional[Tensor] = None,
-    cos: Optional[Tensor] = None,
-    sin: Optional[Tensor] = None,
-    inv_freq: Any = None,
-    attention_factor: Optional[float] = None,
-    angle: Optional[str] = None,
-    scaling: Optional[dict] = None,
-    rotary_dim: Optional[int] = None,
     inplace: bool = False,
     out: Optional[Tensor] = None,
     k_out: Optional[Tensor] = None,
-    backward: bool = False,
     stream: Optional[int] = None,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    pdl: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """``rope_rs.apply_rope`` for ``torch.Tensor``s (see its docstring); it dispatches here.
+    """``rope_rs.apply_rope`` for ``torch.Tensor``s, which dispatches here with its other keyword
+    arguments in `given` (see its docstring).
 
     Eagerly and without autograd, one native launch on PyTorch's current stream (or ``stream``),
     into ``out``/``k_out`` or tensors from ``torch.empty_like``. When q or k requires grad (and
@@ -332,27 +230,7 @@ def apply_rope(
     operators. ``out``, ``k_out`` and ``stream`` belong to the first path only; in-place calls
     are not recorded for autograd.
     """
-    o = options(
-        q,
-        positions=positions,
-        position_ids=position_ids,
-        cu_seqlens=cu_seqlens,
-        layout=layout,
-        style=style,
-        theta=theta,
-        cos_sin_cache=cos_sin_cache,
-        cos=cos,
-        sin=sin,
-        inv_freq=inv_freq,
-        attention_factor=attention_factor,
-        angle=angle,
-        scaling=scaling,
-        rotary_dim=rotary_dim,
-        backward=backward,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        pdl=pdl,
-    )
+    o = options(q, **given)
     compiling = torch.compiler.is_compiling()
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
     if inplace and (out is not None or k_out is not None):
@@ -465,12 +343,6 @@ def apply_rotary_pos_emb(
     cos_rows, ids = _hf_positions(q, cos, position_ids, batch, seq)
     sin_rows, _ = _hf_positions(q, sin, position_ids, batch, seq)
     half = rotary_dim // 2
-    rotated = apply_rope(
-        q,
-        k,
-        position_ids=ids,
-        cos=cos_rows.contiguous().view(-1, half),
-        sin=sin_rows.contiguous().view(-1, half),
-        layout=layout,
-    )
+    tables = dict(cos=cos_rows.contiguous().view(-1, half), sin=sin_rows.contiguous().view(-1, half))
+    rotated = apply_rope(q, k, dict(position_ids=ids, layout=layout, **tables))
     return (rotated, None) if k is None else rotated

@@ -20,11 +20,11 @@ operators), which imports this module only under ``torch.compile``. Import it yo
 
 Written for PyTorch 2.4 or newer (``torch.library.custom_op``), tested with 2.11.
 
-``scaling=`` dicts are turned into a float64 ``inv_freq`` tensor on the tensors' device (computed
-on the host by rope-host, uploaded once per distinct dict and device, then kept), since custom
-operators take tensors, not dicts. Under ``torch.compile`` that conversion runs outside the
-graph (a graph break, an error with ``fullgraph=True``): pass ``inv_freq`` (for example the
-model's own ``inv_freq`` buffer with ``angle="f32"``) or ``theta`` there instead.
+``scaling=`` dicts reach the operators as JSON text, since custom operators take no dicts
+(rope-host reads the text, computes the frequencies and keeps them on the device). Under
+``torch.compile`` that conversion runs outside the graph (a graph break, an error with
+``fullgraph=True``): pass ``inv_freq`` (a host list of floats, or the model's own ``inv_freq``
+buffer with ``angle="f32"``) or ``theta`` there instead.
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ from rope_rs._torch_eager import (
     _TENSOR_FIELDS,
     Options,
     RopeFunction,
-    _frequencies,
     _gradient,
-    _host_inv_freq,
     _launch,
     _rotated,
+    _scaling_json,
     apply_rope,
     apply_rotary_pos_emb,
     options,
@@ -50,17 +49,23 @@ from rope_rs._torch_eager import (
 
 __all__ = ["apply_rope", "apply_rotary_pos_emb", "RopeFunction", "Options", "options"]
 
-# The frequency uploads of `options`, which torch.compile runs outside its graphs.
-frequencies_outside_graph = torch.compiler.disable(_frequencies)
-host_inv_freq_outside_graph = torch.compiler.disable(_host_inv_freq)
+# `options`'s conversion of a `scaling=` dict, which torch.compile runs outside its graphs.
+scaling_json_outside_graph = torch.compiler.disable(_scaling_json)
 
+# The schema type of each `Options` annotation.
+_SCHEMA_TYPES = {
+    "int": "int",
+    "bool": "bool",
+    "str": "str",
+    "Optional[Tensor]": "Tensor?",
+    "Optional[str]": "str?",
+    "Optional[float]": "float?",
+    "Optional[int]": "int?",
+    "Optional[List[float]]": "float[]?",
+}
 
 # The custom operators. Their schemas list the tensors to rotate, then the `Options` fields.
-_OPTIONS_SCHEMA = (
-    "int offset, Tensor? row_offsets, Tensor? position_ids, Tensor? cu_seqlens, str? layout, str style, "
-    "float? theta, Tensor? cos_sin_cache, Tensor? cos, Tensor? sin, Tensor? inv_freq, "
-    "float? attention_factor, str? angle, int? rotary_dim, bool backward, int cp_size, int cp_rank, bool pdl"
-)
+_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[t]} {f}" for f, t in Options.__annotations__.items())
 
 
 def _rope_impl(q: Tensor, *o: Any) -> Tensor:

@@ -3,70 +3,28 @@
 //! and launched once with [`Rope::run_raw`] on the caller's stream; the capsules are released
 //! after the launch is enqueued.
 //!
-//! It also owns what persists between calls: one [`Rope`] per device and the frequency vectors
-//! uploaded for in-kernel sin/cos, which launches on any stream and captured graphs may read,
-//! so they are kept for the life of the process.
+//! What persists between calls (one [`Rope`] per device, the frequency vectors launches read)
+//! is rope-host's [`rope_host::shared`].
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use rope_host::cudarc::driver::result;
-use rope_host::cudarc::driver::sys::{CUstream, CUstreamCaptureStatus};
+use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
     AngleMode, ConfigBase, ConfigValue, ContextParallel, DType, Direction, Error, Frequencies,
-    FrequencySpec, IdsShape, InvFreq, RawBuf, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
-    RawTensors, Rope, RopeConfig, RopeStyle, StreamOverlap, open_device,
+    FrequencySpec, IdsShape, RawBuf, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors,
+    Rope, RopeConfig, RopeStyle, StreamOverlap, shared,
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
 
-/// One [`Rope`] per CUDA device and [`StreamOverlap`] (`pdl=`), on the device's primary context
-/// (the one PyTorch uses).
-static ROPES: Mutex<BTreeMap<(i32, StreamOverlap), Arc<Rope>>> = Mutex::new(BTreeMap::new());
-
-/// The `(device, overlap, theta bits, rotary_dim)` whose default frequencies [`Rope::prepare`]
-/// holds (each handle keeps its own).
-static PREPARED: Mutex<BTreeSet<(i32, StreamOverlap, u64, u32)>> = Mutex::new(BTreeSet::new());
-
-/// A host-computed frequency vector's identity: device, `inv_freq` bits, attention factor
-/// bits, angle mode.
-type FreqKey = (i32, Vec<u64>, u64, u32);
-
-/// Frequency vectors uploaded for `scaling=`, `inv_freq=` lists and `angle="f32"`, kept for
-/// the process's lifetime: launches on other streams and captured graphs may read them at any
-/// later time, so none can be freed safely.
-static FREQUENCIES: Mutex<BTreeMap<FreqKey, Arc<Frequencies>>> = Mutex::new(BTreeMap::new());
-
-/// `m` locked, whatever a panicking holder left (every map stays consistent between
-/// statements).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
+/// The process's [`Rope`] for CUDA device `device` with `overlap` ([`shared::primary`]).
 fn rope_for(device: i32, overlap: StreamOverlap) -> PyResult<Arc<Rope>> {
-    let mut ropes = lock(&ROPES);
-    if let Some(rope) = ropes.get(&(device, overlap)) {
-        return Ok(rope.clone());
-    }
     let ordinal = usize::try_from(device)
         .map_err(|_| PyValueError::new_err(format!("invalid CUDA device {device}")))?;
-    let ctx = open_device(ordinal).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-    // SAFETY: cudarc's event tracking orders cudarc's own slices between streams; the only
-    // slices of this context that rope_rs creates are frequency vectors, uploaded and
-    // synchronized on the one stream rope_rs uses (the context's default stream) before any
-    // launch reads them, never written again and never freed (see `FREQUENCIES` and
-    // `PREPARED`), so no event is needed; events recorded while PyTorch captures a CUDA graph
-    // would break the capture.
-    unsafe { ctx.disable_event_tracking() };
-    let rope = Rope::new(ctx.default_stream())
-        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?
-        .with_overlap(overlap);
-    let rope = Arc::new(rope);
-    ropes.insert((device, overlap), rope.clone());
-    Ok(rope)
+    shared::primary(ordinal, overlap).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 /// The Python names of a launch's arguments, for messages: rope-host names its arguments
@@ -282,8 +240,8 @@ pub(crate) enum SinCosArg<'a, 'py> {
     Theta(f64, AngleMode),
     /// Computed from a `scaling` dictionary's frequencies (with `theta` as its base).
     Scaling {
-        /// The dictionary's items.
-        entries: Vec<(String, ConfigValue)>,
+        /// The dictionary or its JSON text.
+        given: Scaling,
         /// `theta=`, if given.
         theta: Option<f64>,
         /// `angle=`.
@@ -297,6 +255,24 @@ pub(crate) enum SinCosArg<'a, 'py> {
     Cache(&'a Bound<'py, PyAny>),
     /// Read from `cos` and `sin`.
     Tables(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>),
+}
+
+/// A `scaling=` argument: a Hugging Face `rope_scaling` dictionary's items, or its JSON text.
+pub(crate) enum Scaling {
+    /// The dictionary's items.
+    Entries(Vec<(String, ConfigValue)>),
+    /// The dictionary as JSON text.
+    Json(String),
+}
+
+impl Scaling {
+    /// The frequencies it describes, with what the call gives beside it.
+    pub fn spec(&self, base: ConfigBase) -> rope_host::Result<FrequencySpec> {
+        match self {
+            Scaling::Entries(entries) => FrequencySpec::from_rope_scaling(entries, base),
+            Scaling::Json(text) => FrequencySpec::from_rope_scaling_json(text, base),
+        }
+    }
 }
 
 /// One launch as the Python functions describe it.
@@ -411,57 +387,6 @@ fn io(input: RawTensor, output: Option<RawTensor>) -> RawIo {
     }
 }
 
-/// Whether `stream` is capturing a CUDA graph, or its state cannot be told: either way, no
-/// upload (a synchronizing copy on the `Rope`'s stream) may happen now.
-fn capturing(rope: &Rope, stream: CUstream) -> bool {
-    if rope.stream().context().bind_to_thread().is_err() {
-        return true;
-    }
-    // SAFETY: `stream` is a stream of the context just made current on this thread: the
-    // caller's promise, documented on every function that takes `stream=`.
-    match unsafe { result::stream::is_capturing(stream) } {
-        Ok(status) => status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
-        Err(_) => true,
-    }
-}
-
-/// The error for an upload that a capture forbids.
-fn capture_error(arg: &str) -> PyErr {
-    PyValueError::new_err(format!(
-        "{arg}: these frequencies are uploaded to the GPU on first use, which cannot happen while \
-         the stream is capturing a CUDA graph; make the same call once before capturing (a \
-         warm-up run)"
-    ))
-}
-
-/// The device copy of host-computed frequencies, uploaded on first use.
-fn host_frequencies(
-    rope: &Rope,
-    device: i32,
-    (inv_freq, attention, angle): (&[f64], f64, AngleMode),
-    (names, stream): (&Names, CUstream),
-) -> PyResult<Arc<Frequencies>> {
-    let key: FreqKey = (
-        device,
-        inv_freq.iter().map(|f| f.to_bits()).collect(),
-        attention.to_bits(),
-        angle as u32,
-    );
-    let mut cache = lock(&FREQUENCIES);
-    if let Some(f) = cache.get(&key) {
-        return Ok(f.clone());
-    }
-    if capturing(rope, stream) {
-        return Err(capture_error(names.sincos));
-    }
-    let f = rope
-        .frequencies_from(InvFreq::F64(inv_freq), attention, angle)
-        .map_err(|e| names.host_error(e))?;
-    let f = Arc::new(f);
-    cache.insert(key, f.clone());
-    Ok(f)
-}
-
 /// Validates `l` (here and in rope-host) and launches it on its stream.
 pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     let names = l.names;
@@ -512,30 +437,17 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
         .rotary_dim(rotary_dim)
         .build()
         .map_err(|e| names.host_error(e))?;
-    // A theta not yet prepared on this device is checked here, before the device is used.
-    let unprepared = match sincos {
-        RawSinCos::Computed { theta } => {
-            let key = (device, l.overlap, theta.to_bits(), rotary_dim);
-            let prepared = lock(&PREPARED).contains(&key);
-            if !prepared {
-                rope_host::FrequencySpec::new(theta, rotary_dim)
-                    .build()
-                    .map_err(|e| names.host_error(e))?;
-            }
-            (!prepared).then_some((key, theta))
-        }
-        _ => None,
-    };
-    // Everything checked so far needed no driver; from here on the device is used.
+    // Default frequencies are checked before the device is used.
+    if let RawSinCos::Computed { theta } = sincos {
+        rope_host::check_default_frequencies(theta, rotary_dim).map_err(|e| names.host_error(e))?;
+    }
     let rope = rope_for(device, l.overlap)?;
-    if let Some((key, theta)) = unprepared {
-        // Other streams may read only prepared frequencies (`run_raw`'s `# Safety`).
-        if capturing(&rope, stream) {
-            return Err(capture_error(names.sincos));
-        }
-        rope.prepare(theta, rotary_dim)
+    if let RawSinCos::Computed { theta } = sincos {
+        // Other streams read only prepared frequencies (`run_raw`'s `# Safety`).
+        // SAFETY: `stream` is a stream of `rope`'s context, the Python caller's promise
+        // (documented on every function taking `stream=`).
+        unsafe { shared::prepare(&rope, (theta, rotary_dim), stream, "sincos") }
             .map_err(|e| names.host_error(e))?;
-        lock(&PREPARED).insert(key);
     }
     let op = RawOp {
         config,
@@ -564,7 +476,7 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     //   launch is enqueued; after that, keeping them allocated until the kernel finishes on
     //   `stream` is the caller's promise (PyTorch's allocator reuses memory in the order of
     //   the tensor's stream, or after `record_stream`); `_frequencies` and the prepared
-    //   vectors are never freed;
+    //   vectors are pinned by `shared`, never freed;
     // - the producers made `stream` wait for the work that wrote the tensors (`__dlpack__`'s
     //   `stream=`), or the caller did (`producer_sync=False`, documented), and the caller
     //   promises that nothing else touches q, k and the outputs meanwhile;
@@ -639,7 +551,10 @@ fn raw_sincos<'py>(
     let device = held.device;
     let host = |inv_freq: &[f64], attention: f64, angle: AngleMode| -> PyResult<_> {
         let rope = rope_for(device, StreamOverlap::None)?;
-        let f = host_frequencies(&rope, device, (inv_freq, attention, angle), (names, stream))?;
+        // SAFETY: `stream` is a stream of `rope`'s context, the Python caller's promise.
+        let f =
+            unsafe { shared::frequencies(&rope, (inv_freq, attention, angle), stream, "sincos") }
+                .map_err(|e| names.host_error(e))?;
         Ok((f.raw(), rotary_dim.unwrap_or(f.rotary_dim()), Some(f)))
     };
     let table_type = |d: &Dense, name: &str, t: DType| {
@@ -665,7 +580,7 @@ fn raw_sincos<'py>(
             host(&f, a, angle)
         }
         SinCosArg::Scaling {
-            entries,
+            given,
             theta,
             angle,
         } => {
@@ -675,8 +590,7 @@ fn raw_sincos<'py>(
                 rotary_dim,
                 angle,
             };
-            let spec = FrequencySpec::from_rope_scaling(&entries, base)
-                .map_err(|e| names.host_error(e))?;
+            let spec = given.spec(base).map_err(|e| names.host_error(e))?;
             let (f, a) = spec.build().map_err(|e| names.host_error(e))?;
             let (raw, _, f) = host(&f, a, angle)?;
             Ok((raw, spec.rotary_dim, f))

@@ -16,7 +16,7 @@ use rope_host::{
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::launch::{
-    self, Launch, Names, PositionsArg, SinCosArg, View, arg_error, same_name_error,
+    self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
 use crate::options::{self, PositionsGiven, PositionsKind, SinCosGiven, SinCosKind};
 
@@ -106,11 +106,15 @@ fn scaling_value(key: &str, v: &Bound<'_, PyAny>) -> PyResult<ConfigValue> {
     })
 }
 
-/// The items of a `scaling` dictionary.
-fn scaling_entries(scaling: &Bound<'_, PyAny>) -> PyResult<Vec<(String, ConfigValue)>> {
+/// `scaling=` as given: a dictionary, or its JSON text (how `rope_rs.torch`'s custom operators
+/// carry it).
+fn scaling_given(scaling: &Bound<'_, PyAny>) -> PyResult<Scaling> {
+    if let Ok(text) = scaling.cast::<PyString>() {
+        return Ok(Scaling::Json(text.to_cow()?.into_owned()));
+    }
     let dict = scaling.cast::<PyDict>().map_err(|_| {
         PyTypeError::new_err(format!(
-            "scaling must be a dict (a config's rope_scaling), got {}",
+            "scaling must be a dict (a config's rope_scaling) or its JSON text, got {}",
             type_name(scaling)
         ))
     })?;
@@ -122,7 +126,8 @@ fn scaling_entries(scaling: &Bound<'_, PyAny>) -> PyResult<Vec<(String, ConfigVa
             let value = scaling_value(&key, &v)?;
             Ok((key, value))
         })
-        .collect()
+        .collect::<PyResult<_>>()
+        .map(Scaling::Entries)
 }
 
 /// `attention_factor=`, checked against [`ATTENTION_RANGE`]; 1 when not given.
@@ -183,10 +188,9 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
             }
             (SinCosKind::Theta, ..) => (SinCosArg::Theta(theta, angle), "theta"),
             (SinCosKind::Scaling, ..) => {
-                let entries =
-                    scaling_entries(self.scaling.expect("the Scaling source has scaling"))?;
+                let given = scaling_given(self.scaling.expect("the Scaling source has scaling"))?;
                 let arg = SinCosArg::Scaling {
-                    entries,
+                    given,
                     theta: self.theta,
                     angle,
                 };
@@ -465,7 +469,7 @@ fn frequencies(
                 rotary_dim,
                 angle,
             };
-            FrequencySpec::from_rope_scaling(&scaling_entries(s)?, base).map_err(same_name_error)?
+            scaling_given(s)?.spec(base).map_err(same_name_error)?
         }
         None => FrequencySpec::new(
             theta.unwrap_or(DEFAULT_THETA),

@@ -1,6 +1,6 @@
 //! The candle custom op: one RoPE launch through `Rope::run_raw` on candle's stream and buffers.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
@@ -391,22 +391,9 @@ fn ids_buf<'a>(
     })
 }
 
-/// The `Rope` handle of candle device `device`, made once per device stream and kept.
+/// The process's `Rope` for candle device `device`'s stream ([`rope_host::shared::on_stream`]).
 fn rope_for(device: &CudaDevice) -> Result<Arc<Rope>, Error> {
-    static HANDLES: Mutex<Vec<Arc<Rope>>> = Mutex::new(Vec::new());
-    let stream = device.cuda_stream();
-    let mut handles = HANDLES
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(rope) = handles
-        .iter()
-        .find(|r| r.stream().cu_stream() == stream.cu_stream())
-    {
-        return Ok(rope.clone());
-    }
-    let rope = Arc::new(Rope::new(stream)?);
-    handles.push(rope.clone());
-    Ok(rope)
+    rope_host::shared::on_stream(&device.cuda_stream())
 }
 
 /// The error `cpu_fwd` returns: the ops themselves run on CUDA only.

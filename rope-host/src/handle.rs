@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, sys};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use rope_kernels::abi::KernelName;
 
 use crate::config::RopeConfig;
@@ -146,13 +146,18 @@ impl Rope {
     /// [`crate::Error::Invalid`] naming `theta` or `rotary_dim` as a launch would;
     /// [`crate::Error::Driver`] when the upload fails.
     pub fn prepare(&self, theta: f64, rotary_dim: u32) -> Result<()> {
-        if rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
-            return Err(invalid(
-                "rotary_dim",
-                format!("must be even and at least 2, got {rotary_dim}"),
-            ));
-        }
-        crate::freq::check_theta(theta, rotary_dim)?;
+        crate::freq::check_default_frequencies(theta, rotary_dim)?;
+        self.pin_default(theta, rotary_dim, || Ok(()))
+    }
+
+    /// Pins the checked default frequencies of `theta` for `rotary_dim` features, calling
+    /// `may_upload` before an upload (none when they are pinned already or recent).
+    pub(crate) fn pin_default(
+        &self,
+        theta: f64,
+        rotary_dim: u32,
+        may_upload: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let key = (theta.to_bits(), rotary_dim);
         let mut cache = self.freq_cache();
         if cache.pinned.iter().any(|(k, ..)| *k == key) {
@@ -160,7 +165,10 @@ impl Rope {
         }
         let entry = match cache.recent.iter().position(|(k, ..)| *k == key) {
             Some(i) => cache.recent.remove(i),
-            None => self.upload_inv_freq(key)?,
+            None => {
+                may_upload()?;
+                self.upload_inv_freq(key)?
+            }
         };
         cache.pinned.push(entry);
         Ok(())
@@ -180,9 +188,9 @@ impl Rope {
         if let Some((.., ptr)) = cache.pinned.iter().find(|(k, ..)| *k == key) {
             return Ok(*ptr);
         }
+        // SAFETY: the handle's own stream is a live stream of its context.
         let capturing = on == FreqUse::OwnStream
-            && self.stream.capture_status()?
-                != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            && unsafe { crate::shared::capturing(self.stream.context(), self.stream.cu_stream()) };
         if on == FreqUse::OtherStream || capturing {
             return Err(invalid(
                 "theta",

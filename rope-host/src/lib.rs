@@ -66,6 +66,7 @@ mod plan;
 mod positions;
 mod rope;
 mod sass;
+pub mod shared;
 mod sincos;
 mod table;
 mod tuning;
@@ -77,7 +78,7 @@ pub use device::StreamOverlap;
 pub use error::{Error, Result};
 pub use freq::{
     AngleMode, ConfigBase, ConfigValue, DEFAULT_THETA, Frequencies, FrequencySpec, InvFreq,
-    ROPE_SCALING_KEYS, RopeScaling, Yarn, axial_inv_freq, inv_freq,
+    ROPE_SCALING_KEYS, RopeScaling, Yarn, axial_inv_freq, check_default_frequencies, inv_freq,
 };
 pub use fused::{
     CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,

@@ -90,6 +90,23 @@ pub(crate) fn checked_inv_freq(theta: f64, rotary_dim: u32) -> Result<Vec<f64>> 
     Ok(f)
 }
 
+/// Checks that `theta` and `rotary_dim` give default frequencies the kernels take, without
+/// computing them: `rotary_dim` even and at least 2, `theta` finite and positive, and the
+/// extreme frequencies `1` and `theta^(-(rotary_dim - 2) / rotary_dim)` within the bounds
+/// [`FrequencySpec::build`] holds every family to.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `rotary_dim` or `theta`.
+pub fn check_default_frequencies(theta: f64, rotary_dim: u32) -> Result<()> {
+    if rotary_dim < 2 || !rotary_dim.is_multiple_of(2) {
+        return Err(invalid(
+            "rotary_dim",
+            format!("must be even and at least 2, got {rotary_dim}"),
+        ));
+    }
+    check_theta(theta, rotary_dim)
+}
+
 /// Checks `theta` for the default family of `rotary_dim` (even, at least 2) as
 /// [`checked_inv_freq`] does, without building the vector: the frequencies `theta^(-2i/d)` are
 /// monotonic in `i`, so the first (1) and the last bound them. What the in-kernel path
