@@ -1,4 +1,5 @@
-//! Project tasks: `cargo xtask ptx [--check]`, `cargo xtask gpu-bundle`, `cargo xtask bench`.
+//! Project tasks: `cargo xtask ptx [--check]`, `cargo xtask gpu-bundle`, `cargo xtask bench`,
+//! `cargo xtask bench-table`.
 //!
 //! - `ptx` builds `rope-kernels` for `nvptx64-nvidia-cuda` with the pinned nightly
 //!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result,
@@ -13,7 +14,11 @@
 //!   when the wheel was built.
 //! - `bench [--json PATH]` builds and runs the benchmark (`src/bin/rope-bench.rs`) on this
 //!   machine's GPU.
+//! - `bench-table [--json PATH] [--check]` writes the README's benchmark table from a committed
+//!   `rope-bench` JSON report (the one its begin marker names, unless `--json` names another);
+//!   `--check` fails if the README differs.
 
+mod bench_table;
 mod bundle;
 mod ptx;
 mod sass;
@@ -31,8 +36,10 @@ fn main() -> Result<()> {
         ["sass"] => sass::run(),
         ["gpu-bundle"] => bundle::run(),
         ["bench", rest @ ..] => bench(rest),
+        ["bench-table", rest @ ..] => bench_table::run(rest),
         _ => bail!(
-            "usage: cargo xtask ptx [--check] | cargo xtask sass | cargo xtask gpu-bundle | cargo xtask bench [--json PATH]"
+            "usage: cargo xtask ptx [--check] | cargo xtask sass | cargo xtask gpu-bundle | cargo xtask bench [--json PATH] \
+             | cargo xtask bench-table [--json PATH] [--check]"
         ),
     }
 }
