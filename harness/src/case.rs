@@ -15,6 +15,7 @@ use rope_host::{
     RopeStyle, SinCos, TableFormat, TableShape, Tensor, TensorMut,
 };
 
+use crate::tolerance::{self, Rotated};
 use rope_reference::reference::{self, RefSinCos};
 
 /// A storage type under test, with what the checks need to know about it.
@@ -287,13 +288,6 @@ impl Comparison {
             checked: self.checked + o.checked,
         }
     }
-}
-
-/// Tolerance of an f32 output element whose pair inputs are `a`, `b`: 8 units of
-/// `2^-24 (|a| + |b|)`. Rounding the products and the sum costs at most 3 such units and
-/// cos/sin within one ulp at most 2 more.
-pub fn f32_tolerance(a: f64, b: f64) -> f64 {
-    8.0 * f64::from(f32::EPSILON) / 2.0 * (a.abs() + b.abs()) + 1e-30
 }
 
 impl Case {
@@ -1032,11 +1026,9 @@ fn untouched<T: TestElem>(
     }
 }
 
-/// Compares one output tensor with the reference. Rotated elements: f32 within
-/// [`f32_tolerance`], f16/bf16 within one unit in the last place of the reference rounded once
-/// to the type plus that f32 bound (which matters only where the rotation cancels to far below
-/// its inputs); pass-through elements exactly; NaN in the reference (a position outside the
-/// table) must be NaN; no output may hold the poison value.
+/// Compares one output tensor with the reference by [`crate::tolerance`]'s rule (no norm):
+/// rotated elements within [`Rotated::bound`] of the reference; pass-through elements exactly; NaN in the reference (a position outside the table)
+/// must be NaN; no output may hold the poison value.
 pub fn compare<T: TestElem>(
     case: &Case,
     x: &Array4<f64>,
@@ -1061,31 +1053,23 @@ pub fn compare<T: TestElem>(
             }
             continue;
         }
-        let rotated = (o..o + r).contains(&e);
-        let tol = if !rotated {
-            0.0
-        } else {
+        let (err, tol) = if (o..o + r).contains(&e) {
             let i = match case.style {
                 RopeStyle::Interleaved => (e - o) / 2,
                 RopeStyle::Neox => (e - o) % (r / 2),
             };
             let (ia, ib) = reference::pair(case.style, i, r);
             let (ia, ib) = (ia + o, ib + o);
-            let f32_bound = f32_tolerance(x[[b, s, h, ia]], x[[b, s, h, ib]]);
-            if T::NAME == "f32" {
-                f32_bound
-            } else {
-                // One unit of the 16-bit type at the result, plus the f32 arithmetic's bound
-                // relative to the inputs, which dominates only where `a c - b s` cancels.
-                T::ulp(T::from_f64(w)) + f32_bound
-            }
-        };
-        let want_t = if T::NAME == "f32" || !rotated {
-            w
+            let element = Rotated {
+                want: w,
+                pair: (x[[b, s, h, ia]], x[[b, s, h, ib]]),
+                norm_terms: None,
+            };
+            tolerance::check::<T>(g, &element)
         } else {
-            T::from_f64(w).to_f64()
+            // Pass-through elements are copied: exactly.
+            ((g - w).abs(), 0.0)
         };
-        let err = (g - want_t).abs();
         if err.is_nan() || err > tol {
             return Err(format!(
                 "{at}: got {g}, reference {w}, error {err:.3e} > tolerance {tol:.3e} (d {d}, rotary {r} at {o})"

@@ -6,9 +6,12 @@
 //!   the reference, and [`with_elem!`], which turns a case's [`case::DTypeCase`] into its
 //!   element type.
 //! - [`rotate`]: an f32 rotation at explicit positions in one call.
+//! - [`tolerance`]: the one rule for how close an output must be to the reference, for the
+//!   plain and the fused kernels and the built tables.
 
 pub mod case;
 pub mod rotate;
+pub mod tolerance;
 
 /// What [`with_elem!`] names from the caller's crate, whose dependencies may not include `half`.
 #[doc(hidden)]

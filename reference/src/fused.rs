@@ -12,19 +12,40 @@ pub fn rms_norm(x: &[f64], w: &[f64], eps: f64, one_plus: bool) -> Vec<f64> {
     x.iter().zip(w).map(|(v, w)| v * r * (w + one)).collect()
 }
 
+/// The sizes an output element's error bound depends on (`rope_harness::tolerance`): the pair
+/// `(a, b)` it was rotated from, and its terms `|a c| + |b s|` (for `b c + a s`,
+/// `|b c| + |a s|`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ElementScale {
+    /// The pair's inputs, first and second of `style`'s pairing.
+    pub pair: (f64, f64),
+    /// The absolute values of the two products the element sums.
+    pub terms: f64,
+}
+
 /// One whole head rotated forward by pair `i`'s `(cos[i], sin[i])`: `(a, b) -> (a c - b s,
-/// b c + a s)` for the pairs of `style`; also returns each element's term scale
-/// `|a c| + |b s|` (the size of the terms its result sums, for error bounds).
-pub fn rotate_head(x: &[f64], style: RopeStyle, cos: &[f64], sin: &[f64]) -> (Vec<f64>, Vec<f64>) {
+/// b c + a s)` for the pairs of `style`; also returns each element's [`ElementScale`].
+pub fn rotate_head(
+    x: &[f64],
+    style: RopeStyle,
+    cos: &[f64],
+    sin: &[f64],
+) -> (Vec<f64>, Vec<ElementScale>) {
     let d = x.len();
-    let (mut y, mut scale) = (x.to_vec(), vec![0.0; d]);
+    let (mut y, mut scale) = (x.to_vec(), vec![ElementScale::default(); d]);
     for i in 0..d / 2 {
         let (ia, ib) = crate::reference::pair(style, i, d);
         let (a, b, c, s) = (x[ia], x[ib], cos[i], sin[i]);
         y[ia] = a * c - b * s;
         y[ib] = b * c + a * s;
-        scale[ia] = (a * c).abs() + (b * s).abs();
-        scale[ib] = (b * c).abs() + (a * s).abs();
+        scale[ia] = ElementScale {
+            pair: (a, b),
+            terms: (a * c).abs() + (b * s).abs(),
+        };
+        scale[ib] = ElementScale {
+            pair: (a, b),
+            terms: (b * c).abs() + (a * s).abs(),
+        };
     }
     (y, scale)
 }

@@ -245,7 +245,7 @@ impl Rope {
         // aligned to `lanes` elements and `lanes` divides the pairs and pass-through elements
         // as `groups` counts them; seq, groups and heads are non-zero (empty launches returned
         // above), their magic numbers and shifts from `Divisor::new`; tables hold
-        // `table_positions` rows of `table_stride >= half` elements of the source's type, and
+        // `table_rows` rows of `table_stride >= half` elements of the source's type, and
         // every other position is bounds-checked by the kernel, or `inv_freq` holds `half` f64
         // (the handle frees its own vectors only in its stream's order, and never prepared ones,
         // the only ones other streams and captured graphs may read); position arrays have the lengths
@@ -336,7 +336,7 @@ impl TensorArgs {
 #[cfg(test)]
 pub(crate) fn encode_for_test(req: &Request, plan: &Plan) -> RopeArgs {
     let positions = PositionArgs {
-        positions: 0,
+        position_code: 0,
         pos_ptr: 0,
         pos_aux: 0,
         pos_count: 0,
@@ -346,7 +346,7 @@ pub(crate) fn encode_for_test(req: &Request, plan: &Plan) -> RopeArgs {
         cos: 0,
         sin: 0,
         table_stride: 0,
-        table_positions: 0,
+        table_rows: 0,
         inv_freq: 0,
         angle_mode: 0,
         cs_scale: 1.0,
@@ -423,11 +423,11 @@ pub(crate) fn encode_work(
         cos: sincos.cos,
         sin: sincos.sin,
         table_stride: sincos.table_stride,
-        table_positions: sincos.table_positions,
+        table_rows: sincos.table_rows,
         inv_freq: sincos.inv_freq,
         angle_mode: sincos.angle_mode,
         cs_scale: sincos.cs_scale,
-        positions: positions.positions,
+        position_code: positions.position_code,
         pos_ptr: positions.pos_ptr,
         pos_aux: positions.pos_aux,
         pos_count: positions.pos_count,

@@ -1,6 +1,6 @@
 //! Where each (position, pair)'s cosine and sine come from: the public [`SinCos`] option, its
 //! validation, what it uploads (the default frequencies of `Computed`, once per `Rope`) and how
-//! it encodes into the kernel's `cos`, `sin`, `table_stride`, `table_positions`, `inv_freq`,
+//! it encodes into the kernel's `cos`, `sin`, `table_stride`, `table_rows`, `inv_freq`,
 //! `angle_mode` and `cs_scale` arguments (the kernel's side is `cos_sin` in
 //! `rope-kernels/src/rope.rs`).
 
@@ -129,7 +129,7 @@ pub(crate) struct SinCosPlan {
     /// Elements per table row.
     pub(crate) table_stride: u64,
     /// Table rows.
-    pub(crate) table_positions: u64,
+    pub(crate) table_rows: u64,
 }
 
 /// The encoded sin/cos arguments.
@@ -137,7 +137,7 @@ pub(crate) struct SinCosArgs {
     pub(crate) cos: u64,
     pub(crate) sin: u64,
     pub(crate) table_stride: u64,
-    pub(crate) table_positions: u64,
+    pub(crate) table_rows: u64,
     pub(crate) inv_freq: u64,
     pub(crate) angle_mode: u32,
     pub(crate) cs_scale: f32,
@@ -208,7 +208,7 @@ impl RawSinCos {
         };
         planned_table_fits(
             (cos, sin),
-            (plan.table_positions, plan.table_stride),
+            (plan.table_rows, plan.table_stride),
             (u64::from(pairs), dtype.size() as u64),
         )
     }
@@ -286,9 +286,9 @@ impl RawSinCos {
             }
         };
         if let (Some(max), true) = (max_implicit, plan.source != SinCosSource::Theta)
-            && max >= plan.table_positions
+            && max >= plan.table_rows
         {
-            let rows = plan.table_positions;
+            let rows = plan.table_rows;
             return Err(invalid(
                 "positions",
                 format!("position {max} is past the end of a table of {rows} positions"),
@@ -335,7 +335,7 @@ impl RawSinCos {
             cos: 0,
             sin: 0,
             table_stride: plan.table_stride,
-            table_positions: plan.table_positions,
+            table_rows: plan.table_rows,
             inv_freq: 0,
             angle_mode: AngleMode::Exact as u32,
             cs_scale: 1.0,
@@ -380,7 +380,7 @@ fn table_plan(source: SinCosSource, row: u64, shape: &TableShape) -> SinCosPlan 
     SinCosPlan {
         source,
         table_stride: row,
-        table_positions: shape.max_position as u64,
+        table_rows: shape.max_position as u64,
     }
 }
 
@@ -389,7 +389,7 @@ fn computed_plan() -> SinCosPlan {
     SinCosPlan {
         source: SinCosSource::Theta,
         table_stride: 0,
-        table_positions: 0,
+        table_rows: 0,
     }
 }
 
@@ -517,7 +517,7 @@ mod tests {
             },
         };
         let plan = cache.check(&cfg, DType::F32, Some(9)).expect("fits");
-        assert_eq!((plan.table_stride, plan.table_positions), (4, 10));
+        assert_eq!((plan.table_stride, plan.table_rows), (4, 10));
     }
 
     #[test]

@@ -198,8 +198,8 @@ impl Rope {
                 (p, p + half as u64 * es, rotary_dim as u64)
             }
         };
-        let positions = max_position as u64;
-        let items = positions * half as u64;
+        let rows = max_position as u64;
+        let items = rows * half as u64;
         let config = LaunchConfig {
             grid_dim: (
                 items.div_ceil(BLOCK_THREADS as u64).min(i32::MAX as u64) as u32,
@@ -212,7 +212,7 @@ impl Rope {
         let args = TableArgs {
             cos,
             sin,
-            positions,
+            rows,
             half,
             row_stride,
             inv_freq,

@@ -91,7 +91,7 @@ impl DType {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SinCosSource {
     /// `cos[pos * table_stride + i]`, `sin[pos * table_stride + i]` from tables of the tensors'
-    /// element type with `table_positions` rows; a position outside `0..table_positions` yields
+    /// element type with `table_rows` rows; a position outside `0..table_rows` yields
     /// NaN outputs.
     Table,
     /// As [`SinCosSource::Table`] from `f32` tables, for `f16`/`bf16` tensors (for `f32`
@@ -102,7 +102,7 @@ pub enum SinCosSource {
     Theta,
 }
 
-/// Where the position of token `(b, s)` comes from, passed as the `positions` argument
+/// Where the position of token `(b, s)` comes from, passed as the `position_code` argument
 /// together with the pointer `pos_ptr` and the scalar `pos_base`. Device arrays hold `i32` or
 /// `i64` as the code says; their values are not trusted: a position outside a table gives NaN
 /// outputs, and malformed `cu_seqlens` give wrong positions but no access outside the arrays.
@@ -481,11 +481,11 @@ pub(crate) use for_each_kernel;
 /// others), a multiple of `lanes`; `xn` and `outn` then point `rotary_offset` elements into their
 /// first head, and pass-through elements are addressed relative to that (elements
 /// `0..rotary_offset` and `rotary_offset + rotary_dim..head_dim` pass through); `cos`, `sin`,
-/// `table_stride` (elements per row) and `table_positions` for table kernels (the tables'
+/// `table_stride` (elements per row) and `table_rows` for table kernels (the tables'
 /// element type is the source's: the tensors' for `table`, `f32` for `table32`); `inv_freq`,
 /// `angle_mode` (a [`crate::math::AngleMode`] code) and `cs_scale` (the attention factor
 /// multiplying cos and sin) for computed sin/cos (the other source's pointers are unused and
-/// may be null); `positions`, a [`PositionCode`], with `pos_ptr`, `pos_aux`, `pos_count` and
+/// may be null); `position_code`, a [`PositionCode`], with `pos_ptr`, `pos_aux`, `pos_count` and
 /// `pos_base`.
 #[macro_export]
 macro_rules! rope_kernel_params {
@@ -526,11 +526,11 @@ macro_rules! rope_kernel_params {
             cos: byte_ptr,
             sin: byte_ptr,
             table_stride: u64,
-            table_positions: u64,
+            table_rows: u64,
             inv_freq: f64_ptr,
             angle_mode: u32,
             cs_scale: f32,
-            positions: u32,
+            position_code: u32,
             pos_ptr: byte_ptr,
             pos_aux: byte_ptr,
             pos_count: u32,
@@ -543,7 +543,7 @@ macro_rules! rope_kernel_params {
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every table-building entry point
 /// (`rope-kernels/src/table.rs`), as [`rope_kernel_params!`] does for the RoPE kernels.
 ///
-/// `cos` and `sin` receive `positions` rows of `row_stride >= half` elements; `inv_freq` holds
+/// `cos` and `sin` receive `rows` rows of `row_stride >= half` elements; `inv_freq` holds
 /// `half` `f64`; `angle_mode` is a [`crate::math::AngleMode`] code and `scale` multiplies both.
 #[macro_export]
 macro_rules! table_kernel_params {
@@ -552,7 +552,7 @@ macro_rules! table_kernel_params {
             { $($pass)* }
             cos: elem_ptr_mut,
             sin: elem_ptr_mut,
-            positions: u64,
+            rows: u64,
             half: nonzero_u32,
             row_stride: u64,
             inv_freq: f64_ptr,
@@ -794,16 +794,16 @@ pub enum FormatCode {
 /// [`Access::FourHeads`]) may read a launch's tables, which they read with 32-bit row offsets
 /// and, where an item's `pairs` entries of `entry_bytes` make 4, 8 or 16 bytes, with one
 /// vector access per table and no alignment test: each table spans fewer than 2^32 elements
-/// (`positions * stride`), and for such vectors both tables' addresses (`cos`, `sin`, in
+/// (`rows * stride`), and for such vectors both tables' addresses (`cos`, `sin`, in
 /// bytes) and the row stride in bytes are multiples of the vector's size. Sin/cos computed in
-/// the kernels have no tables and always fit (the host passes `positions` 0).
+/// the kernels have no tables and always fit (the host passes `rows` 0).
 pub const fn planned_table_fits(
     (cos, sin): (u64, u64),
-    (positions, stride): (u64, u64),
+    (rows, stride): (u64, u64),
     (pairs, entry_bytes): (u64, u64),
 ) -> bool {
     let bytes = pairs * entry_bytes;
-    let below_2_32 = match positions.checked_mul(stride) {
+    let below_2_32 = match rows.checked_mul(stride) {
         Some(elements) => elements < 1 << 32,
         None => false,
     };

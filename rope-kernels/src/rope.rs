@@ -136,11 +136,11 @@ pub(crate) struct Args<T> {
     pub(crate) cos: *const u8,
     pub(crate) sin: *const u8,
     pub(crate) table_stride: u64,
-    pub(crate) table_positions: u64,
+    pub(crate) table_rows: u64,
     pub(crate) inv_freq: *const f64,
     pub(crate) angle_mode: u32,
     pub(crate) cs_scale: f32,
-    pub(crate) positions: u32,
+    pub(crate) position_code: u32,
     pub(crate) pos_ptr: *const u8,
     pub(crate) pos_aux: *const u8,
     pub(crate) pos_count: u32,
@@ -210,7 +210,7 @@ pub(crate) unsafe fn position_read<T, R: PositionRead>(
     group: u32,
 ) -> i64 {
     let seq = a.seq.divisor.get() as u64;
-    let Some(code) = PositionCode::from_u32(a.positions) else {
+    let Some(code) = PositionCode::from_u32(a.position_code) else {
         trap()
     };
     let at = |i: u64| i as usize;
@@ -550,7 +550,7 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
     pairs: usize,
 ) -> ([f32; L], [f32; L]) {
     let mut pos = pos;
-    if a.positions >= PositionCode::MultiAxisI32 as u32 {
+    if a.position_code >= PositionCode::MultiAxisI32 as u32 {
         // A uniform branch on a kernel argument, inside the sin/cos step only: a separate
         // multi-axis instance of the whole loop took more registers and spilled in ptxas.
         // With tables, an item whose pairs all take one axis (every item of mRoPE's and
@@ -567,7 +567,7 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
         };
         match shared_axis {
             Some(axis) => {
-                let wide = a.positions == PositionCode::MultiAxisI64 as u32;
+                let wide = a.position_code == PositionCode::MultiAxisI64 as u32;
                 // SAFETY: the clamped axis is below pos_count; the token index is below tokens.
                 pos = unsafe { axis_position(a, wide, axis, pos as u64) };
             }
@@ -580,9 +580,9 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
         if R::PLANNED {
             // SAFETY: j0 + pairs <= half; the table promises and the host's plan.
             (cos, sin) = unsafe { PlannedTable::read::<T, S::Tab, L>(a, pos, j0, pairs) };
-        } else if pos >= 0 && (pos as u64) < a.table_positions {
+        } else if pos >= 0 && (pos as u64) < a.table_rows {
             let row = pos as usize * a.table_stride as usize + j0;
-            // SAFETY: pos < table_positions and j0 + pairs <= half <= table_stride, so the
+            // SAFETY: pos < table_rows and j0 + pairs <= half <= table_stride, so the
             // entries are inside the tables' promised rows.
             unsafe {
                 let (c, s) = (
@@ -653,7 +653,7 @@ impl PlannedTable {
     /// for a position outside the tables.
     ///
     /// # Safety
-    /// `j0 + pairs <= half <= table_stride`; the tables hold `table_positions` rows of
+    /// `j0 + pairs <= half <= table_stride`; the tables hold `table_rows` rows of
     /// `table_stride` `E`; [`crate::abi::planned_table_fits`].
     #[inline(always)]
     unsafe fn read<T, E: Elem, const L: usize>(
@@ -662,8 +662,8 @@ impl PlannedTable {
         j0: usize,
         pairs: usize,
     ) -> ([f32; L], [f32; L]) {
-        // A negative position wraps above table_positions (fewer than 2^32 rows).
-        let inside = (pos as u64) < a.table_positions;
+        // A negative position wraps above table_rows (fewer than 2^32 rows).
+        let inside = (pos as u64) < a.table_rows;
         // Below 2^32 when inside: each table spans fewer than 2^32 elements.
         let row = (pos as u32)
             .wrapping_mul(a.table_stride as u32)
@@ -676,7 +676,7 @@ impl PlannedTable {
         if !planned_table_vectors(pairs as u64, size_of::<E>() as u64) || L * size_of::<E>() > 32 {
             let (mut cos, mut sin) = ([f32::NAN; L], [f32::NAN; L]);
             if inside {
-                // SAFETY: pos < table_positions and j0 + pairs <= half <= table_stride, so the
+                // SAFETY: pos < table_rows and j0 + pairs <= half <= table_stride, so the
                 // entries are inside the tables.
                 unrolled(pairs, |k| unsafe {
                     cos[k] = load_evict_last::<E, 1>(pc.add(k))[0].to_f32();
@@ -691,7 +691,7 @@ impl PlannedTable {
         let nan_word = unsafe { nan.as_ptr().cast::<u32>().read_unaligned() };
         let (mut c, mut s) = ([nan_word; 8], [nan_word; 8]);
         if inside {
-            // SAFETY: pos < table_positions and j0 + pairs <= half <= table_stride, so `row`
+            // SAFETY: pos < table_rows and j0 + pairs <= half <= table_stride, so `row`
             // and the `bytes` after it are inside the tables, aligned to `bytes` (the promise).
             unsafe { (c, s) = (load_words(pc.cast(), bytes), load_words(ps.cast(), bytes)) };
         }
@@ -777,7 +777,7 @@ unsafe fn cos_sin_axes<T: Elem, S: Source, const L: usize>(
 ) -> ([f32; L], [f32; L]) {
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
-    let wide = a.positions == PositionCode::MultiAxisI64 as u32;
+    let wide = a.position_code == PositionCode::MultiAxisI64 as u32;
     let mode = math::AngleMode::from_u32(a.angle_mode);
     unrolled(pairs, |k| {
         // SAFETY: j0 + k < half, the map's length; the clamped axis is below pos_count and
@@ -792,9 +792,9 @@ unsafe fn cos_sin_axes<T: Elem, S: Source, const L: usize>(
             }
         };
         if S::TABLE {
-            if pos >= 0 && (pos as u64) < a.table_positions {
+            if pos >= 0 && (pos as u64) < a.table_rows {
                 let at = pos as usize * a.table_stride as usize + j0 + k;
-                // SAFETY: pos < table_positions and j0 + k < half <= table_stride.
+                // SAFETY: pos < table_rows and j0 + k < half <= table_stride.
                 unsafe {
                     cos[k] =
                         load_evict_last::<S::Tab, 1>(a.cos.cast::<S::Tab>().add(at))[0].to_f32();
@@ -1226,11 +1226,11 @@ impl<T> Args<T> {
             cos: p.cos,
             sin: p.sin,
             table_stride: p.table_stride,
-            table_positions: p.table_positions,
+            table_rows: p.table_rows,
             inv_freq: p.inv_freq,
             angle_mode: p.angle_mode,
             cs_scale: p.cs_scale,
-            positions: p.positions,
+            position_code: p.position_code,
             pos_ptr: p.pos_ptr,
             pos_aux: p.pos_aux,
             pos_count: p.pos_count,
@@ -1272,7 +1272,7 @@ macro_rules! rope_entry {
         ///   ranges do not overlap, and `outn` equals `xn` or overlaps no input;
         /// - every tensor pointer and stride is aligned to `lanes` elements, and `lanes`
         ///   divides the work as `groups` says;
-        /// - for tables, `cos` and `sin` hold `table_positions` rows of `table_stride >= half`
+        /// - for tables, `cos` and `sin` hold `table_rows` rows of `table_stride >= half`
         ///   elements; for computed sin/cos, `inv_freq` holds `half` `f64`;
         /// - `pos_ptr` and `pos_aux` hold the arrays their [`PositionCode`] names (their values
         ///   may be anything);

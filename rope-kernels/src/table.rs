@@ -1,15 +1,15 @@
 //! Builds RoPE cos/sin tables on the GPU with the same arithmetic as the in-kernel sin/cos.
 //!
 //! # Formula and layout
-//! Row `p < positions`, column `i < half`:
+//! Row `p < rows`, column `i < half`:
 //! `cos[p * row_stride + i] = scale * cos(p * inv_freq[i])`,
 //! `sin[p * row_stride + i] = scale * sin(p * inv_freq[i])`, computed by
 //! [`crate::math::rope_cos_sin_mode`] and rounded once to the element type. Separate tables use
-//! `row_stride = half`; vLLM's combined `cos_sin_cache [positions, 2 * half]` uses
+//! `row_stride = half`; vLLM's combined `cos_sin_cache [rows, 2 * half]` uses
 //! `sin = cos + half` and `row_stride = 2 * half`.
 //!
 //! # Thread mapping
-//! One thread per `(p, i)`, `positions * half` in all, walked by a grid-stride loop over
+//! One thread per `(p, i)`, `rows * half` in all, walked by a grid-stride loop over
 //! `blockIdx.x`; consecutive threads write consecutive columns of a row.
 
 use core::num::NonZeroU64;
@@ -40,13 +40,13 @@ unsafe fn body<T: Elem>(p: Params<T>) {
         trap()
     };
     let half64 = NonZeroU64::from(p.half);
-    let total = p.positions * half64.get();
+    let total = p.rows * half64.get();
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
     let mut idx = block_idx_x() as u64 * block_dim_x() as u64 + thread_idx_x() as u64;
     while idx < total {
         let (pos, i) = (idx / half64, idx % half64);
-        // SAFETY: i < half, the length of inv_freq; pos < positions and i < half <= row_stride,
-        // so the offset is inside the promised `positions` rows.
+        // SAFETY: i < half, the length of inv_freq; pos < rows and i < half <= row_stride,
+        // so the offset is inside the promised `rows` rows.
         unsafe {
             let (c, s) = math::rope_cos_sin_mode(pos as i64, *p.inv_freq.add(i as usize), mode);
             let at = (pos * p.row_stride + i) as usize;
@@ -67,10 +67,10 @@ macro_rules! table_kernel {
 /// One table builder with the parameter list of [`crate::table_kernel_params!`].
 macro_rules! table_entry {
     ({ $name:ident, $t:ty } $($param:ident: $kind:ident,)*) => {
-        /// Writes the cos/sin tables of `positions` rows; see the module documentation.
+        /// Writes the cos/sin tables of `rows` rows; see the module documentation.
         ///
         /// # Safety
-        /// `cos` and `sin` each address `positions` rows of `row_stride >= half` elements, the
+        /// `cos` and `sin` each address `rows` rows of `row_stride >= half` elements, the
         /// `(p, i < half)` elements of `cos` and of `sin` are distinct, and `inv_freq` holds
         /// `half` `f64`.
         #[unsafe(no_mangle)]

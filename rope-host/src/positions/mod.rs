@@ -260,7 +260,7 @@ impl PositionsPlan {
 
 /// The encoded position arguments.
 pub(crate) struct PositionArgs {
-    pub(crate) positions: u32,
+    pub(crate) position_code: u32,
     pub(crate) pos_ptr: u64,
     pub(crate) pos_aux: u64,
     pub(crate) pos_count: u32,
@@ -505,7 +505,7 @@ impl RawPositions {
             Self::MultiAxis { positions, axes } => (positions.buf.ptr, axes.axes.ptr),
         };
         PositionArgs {
-            positions: plan.code as u32,
+            position_code: plan.code as u32,
             pos_ptr,
             pos_aux,
             pos_count: plan.count,

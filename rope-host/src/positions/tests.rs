@@ -186,7 +186,7 @@ fn multi_axis_positions_hold_one_row_per_axis_and_a_map_of_half_pairs() {
     assert_eq!(arg_of(misaligned.check(2, 5, 4)), "positions");
     let args = multi(30, IntType::I32, 4, 3).encode(&plan);
     assert_eq!(
-        (args.positions, args.pos_aux, args.pos_count),
+        (args.position_code, args.pos_aux, args.pos_count),
         (PositionCode::MultiAxisI32 as u32, 1 << 20, 3)
     );
 }
@@ -220,7 +220,7 @@ fn multi_axis_items_on_one_axis_take_the_group_axes_code() {
         }
         let args = raw(mrope.item_axes()).encode(&items);
         assert_eq!(
-            (args.positions, args.pos_base, args.pos_count),
+            (args.position_code, args.pos_base, args.pos_count),
             (PositionCode::GroupAxesI64 as u32, items.base, 3)
         );
     }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rope_harness::case::TestElem;
+use rope_harness::tolerance::{self, Rotated};
 use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use rope_host::{
@@ -17,7 +18,7 @@ use rope_host::{
     TableData, TableFormat, Tensor, TensorMut,
 };
 use rope_kernels::math::e4m3_to_f32;
-use rope_reference::fused::{e4m3_bracket, rms_norm, rotate_head};
+use rope_reference::fused::{ElementScale, e4m3_bracket, rms_norm, rotate_head};
 use rope_reference::reference::inv_freq;
 use rope_tests::gpu::{case_cap, gpu_or_skip};
 
@@ -481,16 +482,22 @@ fn cos_sin(c: &Case, table: Option<&(Vec<f64>, Vec<f64>)>, p: i64) -> (Vec<f64>,
     }
 }
 
-/// Checks an output of the tensors' type: within `f32` arithmetic error, or (16-bit) one
-/// rounding, of the reference.
-fn check_elem<T: TestElem>(got: T, want: f64, scale: f64, worst: &mut Worst) -> Result<(), f64> {
+/// Checks an output of the tensors' type against the reference by the one rule
+/// ([`rope_harness::tolerance`]), with the norm's term when the case normalises.
+fn check_elem<T: TestElem>(
+    c: &Case,
+    got: T,
+    want: f64,
+    scale: ElementScale,
+    worst: &mut Worst,
+) -> Result<(), f64> {
     let g = got.to_f64();
-    let bound = if size_of::<T>() == 4 {
-        4e-6 * scale.max(1e-3)
-    } else {
-        T::ulp(T::from_f64(want)) + 4e-6 * scale
+    let element = Rotated {
+        want,
+        pair: scale.pair,
+        norm_terms: c.norm.map(|_| scale.terms),
     };
-    let err = (g - want).abs();
+    let (err, bound) = tolerance::check::<T>(g, &element);
     worst.add(err, bound);
     if err <= bound { Ok(()) } else { Err(g) }
 }
@@ -504,7 +511,7 @@ fn check_fp8(got: u8, want: f64, scale: f32, worst: &mut Worst) -> Result<(), f6
 }
 
 /// The reference of head `h` of token `t` of a tensor with `heads` heads: normalised (q and k
-/// with a norm) and rotated (q and k), with each element's term scale.
+/// with a norm) and rotated (q and k), with each element's [`ElementScale`].
 fn reference_head<T: TestElem>(
     c: &Case,
     x: &[T],
@@ -512,7 +519,7 @@ fn reference_head<T: TestElem>(
     (t, h): (usize, usize),
     w: Option<&[T]>,
     table: Option<&(Vec<f64>, Vec<f64>)>,
-) -> (Vec<f64>, Vec<f64>) {
+) -> (Vec<f64>, Vec<ElementScale>) {
     let at = (t * heads + h) * c.d;
     let mut head: Vec<f64> = x[at..at + c.d].iter().map(|v| v.to_f64()).collect();
     if let (Some(weight), Some(w)) = (c.norm, w) {
@@ -579,7 +586,7 @@ fn verify<T: TestElem>(
             for i in 0..c.d {
                 let at = (t * c.hq + h) * c.d + i;
                 let r = match (&q_got_t, c.q) {
-                    (Some(got), _) => check_elem(got[at], want[i], scale[i], &mut worst),
+                    (Some(got), _) => check_elem(c, got[at], want[i], scale[i], &mut worst),
                     (None, QMode::Fp8 { per_head }) => {
                         let s = data.q_scale[if per_head { h } else { 0 }];
                         check_fp8(q8[at], want[i], s, &mut worst)
@@ -605,7 +612,7 @@ fn verify<T: TestElem>(
                         return Err(format!("k changed at {at} ({c:?})"));
                     }
                 } else {
-                    check_elem(k_got[at], want[i], scale[i], &mut worst)
+                    check_elem(c, k_got[at], want[i], scale[i], &mut worst)
                         .map_err(|g| fail("k", t, h, i, g, want[i]))?;
                 }
             }
@@ -645,7 +652,7 @@ fn verify<T: TestElem>(
                     check_fp8(vc8[at], v_want, data.v_scale[vs], &mut worst)
                         .map_err(|g| fail("v cache", t, h, i, g, v_want))?;
                 } else {
-                    check_elem(kc[at], k_want[i], k_scale_terms[i], &mut worst)
+                    check_elem(c, kc[at], k_want[i], k_scale_terms[i], &mut worst)
                         .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
                     if vc[at].bits() != data.v[(t * c.hk + h) * c.d + i].bits() {
                         return Err(fail("v cache", t, h, i, vc[at].to_f64(), v_want));

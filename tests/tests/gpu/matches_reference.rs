@@ -72,10 +72,10 @@ pub(crate) fn check_random_cases(
 /// Every style, direction, dtype, layout (strided with gaps and offsets included), partial
 /// rotary, q alone or with k (separate with GQA head counts, or fused in one QKV buffer),
 /// sin/cos source and table format, position kind (packed varlen included), in or out of
-/// place, on random shapes and fresh random data. Per dtype: f32 within
-/// [`rope_harness::case::f32_tolerance`] of the f64 reference, f16/bf16 within one ulp of it
-/// rounded once; NaN exactly where an id falls outside the table; every output element
-/// written, nothing else touched.
+/// place, on random shapes and fresh random data. Per dtype, by
+/// [`rope_harness::tolerance`]'s rule: f32 within 8 units of `2^-24 (|a| + |b|)` of the f64
+/// reference, f16/bf16 within one ulp of their type at it plus that; NaN exactly where an id
+/// falls outside the table; every output element written, nothing else touched.
 #[test]
 fn kernels_match_reference_on_random_cases() {
     check_random_cases(

@@ -34,7 +34,8 @@ fn download<T: TestElem>(
 }
 
 /// Every entry is within one ulp of the type of the exact f64 value (or `2^-28` absolute near
-/// zeros, the f64 angle's own error), for every dtype and format.
+/// zeros, the f64 angle's own error: [`rope_harness::tolerance::table_entry`]), for every
+/// dtype and format.
 #[test]
 fn built_tables_match_f64_cos_sin() {
     let Some((stream, rope)) = gpu_or_skip("built_tables_match_f64_cos_sin") else {
@@ -56,7 +57,7 @@ fn built_tables_match_f64_cos_sin() {
         let (cos, sin) = download(&t, stream, half);
         let (want_cos, want_sin) = rope_reference::reference::tables(theta, 2 * half, rows);
         for (got, want) in cos.iter().zip(&want_cos).chain(sin.iter().zip(&want_sin)) {
-            let tol = T::ulp(T::from_f64(*want)).max(2f64.powi(-28));
+            let tol = rope_harness::tolerance::table_entry::<T>(*want);
             prop_assert!(
                 (got.to_f64() - want).abs() <= tol,
                 "{}: {:?} vs {want}",

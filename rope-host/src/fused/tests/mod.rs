@@ -217,17 +217,17 @@ fn table_launches_take_the_one_head_kernels_only_with_tables_their_reads_fit() {
         max_position,
         rotary_dim: D as u32,
     };
-    let tables = |cos: u64, sin: u64, positions: usize| RawSinCos::Table {
-        cos: buf(cos, positions * D / 2),
-        sin: buf(sin, positions * D / 2),
+    let tables = |cos: u64, sin: u64, rows: usize| RawSinCos::Table {
+        cos: buf(cos, rows * D / 2),
+        sin: buf(sin, rows * D / 2),
         dtype: DType::BF16,
-        shape: shape(positions),
+        shape: shape(rows),
     };
     assert_eq!(access(tables(1 << 49, 1 << 50, 8192)), Access::FourHeads);
     // Either table one entry (2 bytes) past an 8-byte boundary.
     assert_eq!(access(tables(1 << 49, (1 << 50) + 2, 8192)), Access::Wide);
     assert_eq!(access(tables((1 << 49) + 2, 1 << 50, 8192)), Access::Wide);
-    // Rows of 64 entries: 2^26 positions make 2^32 elements a table.
+    // Rows of 64 entries: 2^26 rows make 2^32 elements a table.
     assert_eq!(
         access(tables(1 << 49, 1 << 50, (1 << 26) - 1)),
         Access::FourHeads
