@@ -49,7 +49,9 @@ def _stream(x: Any, stream: Optional[int]) -> Tuple[int, bool]:
         return stream, True
     torch = _torch_of(x)
     if torch is not None and x.is_cuda:
-        return torch.cuda.current_stream(x.device).cuda_stream, False
+        # By the DLPack C exchange API when torch has it (no stream object built), else torch's.
+        current = _native._current_stream(x)
+        return (torch.cuda.current_stream(x.device).cuda_stream if current is None else current), False
     return 0, True
 
 

@@ -75,3 +75,24 @@ def frequencies(
 ) -> Tuple[list[float], float]:
     """``(inv_freq, attention_factor)`` that ``apply_rope`` computes sin/cos from for these
     arguments, in float64 on the host."""
+
+# Private: the DLPack C exchange API (``__dlpack_c_exchange_api__``), for rope_rs and its tests.
+
+def _current_stream(tensor: Any) -> Optional[int]:
+    """The producer's current work stream on ``tensor``'s CUDA device by its type's exchange API,
+    or None (no usable API, switched off, not CUDA, or the producer failed)."""
+
+def _exchange_api_used(tensor: Any) -> bool:
+    """Whether ``tensor``'s type has an exchange API rope_rs uses (and it is switched on)."""
+
+def _set_exchange_api(enabled: bool) -> bool:
+    """Switches the exchange API on or off for this process; returns whether it was on."""
+
+def _exchange_borrows() -> int:
+    """Tensors borrowed through the exchange API in this process."""
+
+def _dlpack_view(
+    tensor: Any, *, producer_sync: bool, arg: str = "tensor"
+) -> Tuple[int, str, list[int], list[int], int]:
+    """``(address, dtype, shape, strides, device)`` as a launch with ``producer_sync`` reads
+    ``tensor``."""

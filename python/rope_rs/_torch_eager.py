@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union, get_type_hints
 
 import torch
 from torch import Tensor
@@ -53,7 +53,7 @@ class Options(NamedTuple):
 
 
 # The tensor fields of `Options`, saved for backward by the custom operators.
-_TENSOR_FIELDS = tuple(f for f, t in Options.__annotations__.items() if t == "Optional[Tensor]")
+_TENSOR_FIELDS = tuple(f for f, t in get_type_hints(Options).items() if t == Optional[Tensor])
 
 # The arguments of ``rope_rs.apply_rope`` that `Options` describes, with their defaults: its
 # keyword-only parameters but those that say where the results go and on which stream.
@@ -111,9 +111,13 @@ def options(q: Tensor, **given: Any) -> Options:
     return Options(*[a[f] for f in Options._fields])
 
 
-def _stream(device: torch.device) -> int:
-    """PyTorch's current stream of `device`, as a `CUstream` int."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+def _stream(q: Tensor) -> int:
+    """PyTorch's current stream of q's device, as a `CUstream` int: by the DLPack C exchange API
+    when torch has it (no stream object built), else from ``torch.cuda.current_stream``."""
+    if not q.is_cuda:
+        return 0
+    current = _native._current_stream(q)
+    return torch.cuda.current_stream(q.device).cuda_stream if current is None else current
 
 
 def _plain(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -158,7 +162,7 @@ def _launch(
         _plain(k),
         out=out,
         k_out=k_out,
-        stream=_stream(q.device) if stream is None else stream,
+        stream=_stream(q) if stream is None else stream,
         # On the current stream, the tensors' writers are already ordered before the launch.
         producer_sync=stream is not None,
         **kwargs,
@@ -235,6 +239,9 @@ def apply_rope(
     grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
     if inplace and (out is not None or k_out is not None):
         raise ValueError("out: inplace=True rotates q and k themselves; give out and k_out only out of place")
+    for name, t in (("out", out), ("k_out", k_out)):
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name}: requires grad, and rope_rs writes it outside autograd; pass a tensor that does not")
     if inplace and grad:
         raise ValueError(
             "inplace: in-place rotation is not recorded for autograd; use inplace=False (the default) "

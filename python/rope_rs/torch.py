@@ -29,7 +29,7 @@ buffer with ``angle="f32"``) or ``theta`` there instead.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple, get_type_hints
 
 import torch
 from torch import Tensor
@@ -52,20 +52,20 @@ __all__ = ["apply_rope", "apply_rotary_pos_emb", "RopeFunction", "Options", "opt
 # `options`'s conversion of a `scaling=` dict, which torch.compile runs outside its graphs.
 scaling_json_outside_graph = torch.compiler.disable(_scaling_json)
 
-# The schema type of each `Options` annotation.
+# The schema type of each `Options` field's type.
 _SCHEMA_TYPES = {
-    "int": "int",
-    "bool": "bool",
-    "str": "str",
-    "Optional[Tensor]": "Tensor?",
-    "Optional[str]": "str?",
-    "Optional[float]": "float?",
-    "Optional[int]": "int?",
-    "Optional[List[float]]": "float[]?",
+    int: "int",
+    bool: "bool",
+    str: "str",
+    Optional[Tensor]: "Tensor?",
+    Optional[str]: "str?",
+    Optional[float]: "float?",
+    Optional[int]: "int?",
+    Optional[List[float]]: "float[]?",
 }
 
 # The custom operators. Their schemas list the tensors to rotate, then the `Options` fields.
-_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[t]} {f}" for f, t in Options.__annotations__.items())
+_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[t]} {f}" for f, t in get_type_hints(Options).items())
 
 
 def _rope_impl(q: Tensor, *o: Any) -> Tensor:

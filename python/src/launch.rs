@@ -1,7 +1,8 @@
-//! One launch from Python objects: each tensor borrowed through DLPack (`__dlpack_device__`,
-//! then `__dlpack__(stream=)`), read into rope-host's raw forms, checked against the others,
-//! and launched once with [`Rope::run_raw`] on the caller's stream; the capsules are released
-//! after the launch is enqueued.
+//! One launch from Python objects: each tensor borrowed through DLPack (its type's C exchange
+//! API when the launch needs no synchronization, else `__dlpack_device__`, then
+//! `__dlpack__(stream=)`), read into rope-host's raw forms, checked against the others, and
+//! launched once with [`Rope::run_raw`] on the caller's stream; the capsules (or tensor
+//! objects) are released after the launch is enqueued.
 //!
 //! What persists between calls (one [`Rope`] per device, the frequency vectors launches read)
 //! is rope-host's [`rope_host::shared`].
@@ -19,6 +20,7 @@ use rope_host::{
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
+use crate::exchange;
 
 /// The process's [`Rope`] for CUDA device `device` with `overlap` ([`shared::primary`]).
 fn rope_for(device: i32, overlap: StreamOverlap) -> PyResult<Arc<Rope>> {
@@ -104,17 +106,21 @@ pub(crate) fn arg_error(e: ArgError) -> PyErr {
     }
 }
 
-/// A tensor borrowed through DLPack: the capsule `__dlpack__` returned, kept (and with it the
-/// producer's tensor) until this is dropped, and what was read from it.
+/// A tensor borrowed through DLPack, and what was read from it.
 ///
-/// The capsule is not consumed: it keeps the name `"dltensor"`, so its own destructor (the
-/// producer's) calls the `DLManagedTensor`'s deleter when Python frees it, exactly once and
-/// after the launch that used it was enqueued. (A consumer that keeps the tensor beyond the
-/// capsule's life renames it `"used_dltensor"` and calls the deleter itself; rope_rs needs the
-/// memory only until the kernel is enqueued on the stream that the producer ordered after its
-/// own work, and stream order covers the rest.)
+/// Through `__dlpack__`, `_keep` is the capsule it returned, kept (and with it the producer's
+/// tensor) until this is dropped. The capsule is not consumed: it keeps the name `"dltensor"`,
+/// so its own destructor (the producer's) calls the `DLManagedTensor`'s deleter when Python
+/// frees it, exactly once and after the launch that used it was enqueued. (A consumer that
+/// keeps the tensor beyond the capsule's life renames it `"used_dltensor"` and calls the deleter
+/// itself; rope_rs needs the memory only until the kernel is enqueued on the stream that the
+/// producer ordered after its own work, and stream order covers the rest.)
+///
+/// Through the DLPack C exchange API (`exchange.rs`), `_keep` is the tensor object itself: the
+/// producer's non-owning description stays valid while the object lives, unchanged (the GIL is
+/// held from the read to the launch, so no Python code runs in between).
 struct Borrowed<'py> {
-    _capsule: Bound<'py, PyAny>,
+    _keep: Bound<'py, PyAny>,
     dense: Dense,
 }
 
@@ -130,8 +136,39 @@ pub(crate) fn dlpack_stream(stream: u64, producer_sync: bool) -> i64 {
     }
 }
 
-/// Borrows `obj` (named `arg` in errors), passing `dlpack_stream` to its `__dlpack__`.
+/// Borrows `obj` (named `arg` in errors): through its type's DLPack C exchange API when it has
+/// one and no synchronization is asked (`dlpack_stream` -1, as the exchange API's "no_sync"
+/// functions do none), else through `__dlpack__(stream=dlpack_stream)`.
 fn borrow<'py>(obj: &Bound<'py, PyAny>, arg: &str, dlpack_stream: i64) -> PyResult<Borrowed<'py>> {
+    if dlpack_stream == -1
+        && let Some(api) = exchange::types::api_of(obj)
+    {
+        // SAFETY: `obj` is a live object (we hold a reference) of the type whose
+        // `__dlpack_c_exchange_api__` gave `api`, and we hold the GIL.
+        if let Some(t) = unsafe { api.dltensor(obj.as_ptr().cast()) } {
+            // SAFETY: the producer filled `t` for `obj`, which we hold: its `shape` points to
+            // `ndim` extents and its `strides` to as many (or null), valid while `obj` lives
+            // unchanged, and `read` copies them before returning.
+            let dense = unsafe { dlpack::read(&t, arg) }.map_err(arg_error)?;
+            exchange::types::count_fast_borrow();
+            return Ok(Borrowed {
+                _keep: obj.clone(),
+                dense,
+            });
+        }
+        // The producer could not describe `obj` (an exception is set): `__dlpack__` decides,
+        // with the errors it has always raised.
+        let _ = PyErr::take(obj.py());
+    }
+    borrow_capsule(obj, arg, dlpack_stream)
+}
+
+/// Borrows `obj` (named `arg` in errors), passing `dlpack_stream` to its `__dlpack__`.
+fn borrow_capsule<'py>(
+    obj: &Bound<'py, PyAny>,
+    arg: &str,
+    dlpack_stream: i64,
+) -> PyResult<Borrowed<'py>> {
     let py = obj.py();
     let not_dlpack = || {
         let ty = obj
@@ -185,9 +222,17 @@ fn borrow<'py>(obj: &Bound<'py, PyAny>, arg: &str, dlpack_stream: i64) -> PyResu
         )));
     }
     Ok(Borrowed {
-        _capsule: capsule,
+        _keep: capsule,
         dense,
     })
+}
+
+/// What a launch reads of `obj` (named `arg`): borrowed as a launch with `producer_sync`
+/// borrows it (on PyTorch's current stream, `producer_sync=False`), then released. For tests
+/// that compare the exchange API's description with `__dlpack__`'s.
+pub(crate) fn describe(obj: &Bound<'_, PyAny>, arg: &str, producer_sync: bool) -> PyResult<Dense> {
+    // The stream only matters to `__dlpack__` with producer_sync: the legacy default stream.
+    borrow(obj, arg, dlpack_stream(0, producer_sync)).map(|b| b.dense)
 }
 
 /// How the tensors to rotate are seen as rope-host tensors.
@@ -472,8 +517,8 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     // - each buffer holds the elements given: `dlpack.rs` sized every buffer from the
     //   producer's own shape and strides, ending after the last addressed element, with the
     //   producer's element type (outputs and k checked to have q's);
-    // - the capsules in `held` keep the producers' tensors alive until this returns, after the
-    //   launch is enqueued; after that, keeping them allocated until the kernel finishes on
+    // - the capsules (or, through the exchange API, the tensor objects) in `held` keep the
+    //   producers' tensors alive until this returns, after the launch is enqueued; after that, keeping them allocated until the kernel finishes on
     //   `stream` is the caller's promise (PyTorch's allocator reuses memory in the order of
     //   the tensor's stream, or after `record_stream`); `_frequencies` and the prepared
     //   vectors are pinned by `shared`, never freed;

@@ -5,16 +5,20 @@
 //! Pure, tested by `cargo test` without Python (a `rope_scaling` dictionary is read by
 //! rope-host's `FrequencySpec::from_rope_scaling`):
 //! - `dlpack.rs`: DLPack's C structures and their reading into rope-host's raw forms;
+//! - `exchange.rs`: DLPack's C exchange API (`__dlpack_c_exchange_api__`): its tables, their
+//!   version gate and calls (finding and caching each type's table is behind `python`);
 //! - `options.rs`: which of `apply_rope`'s exclusive arguments select positions and sin/cos;
 //!
 //! Behind the feature `python` (the extension module `rope_rs._native`):
 //! - `native.rs`: the Python functions and their arguments;
-//! - `launch.rs`: tensors borrowed by DLPack, one launch, and what persists between calls.
+//! - `launch.rs`: tensors borrowed by DLPack (the exchange API's fast path, else `__dlpack__`),
+//!   one launch, and what persists between calls.
 //!
 //! Build the wheel as the README's Set up does (maturin, linked by zig for manylinux2014);
 //! `cargo test` builds this crate without Python (the feature is off).
 
 pub mod dlpack;
+pub mod exchange;
 #[cfg(feature = "python")]
 mod launch;
 #[cfg(feature = "python")]

@@ -15,6 +15,7 @@ use rope_host::{
 };
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
+use crate::exchange;
 use crate::launch::{
     self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
@@ -480,6 +481,50 @@ fn frequencies(
     spec.build().map_err(|e| Names::APPLY_ROPE.host_error(e))
 }
 
+/// The current work stream of the producer of `tensor` on its CUDA device, by the DLPack C
+/// exchange API of its type (`torch.cuda.current_stream(device).cuda_stream` for a
+/// `torch.Tensor`, without building a stream object): a `CUstream` as an int (0: the legacy
+/// default stream), or None when the type has no usable exchange API (or it is switched off),
+/// `tensor` is not on a CUDA device, or the producer failed.
+#[pyfunction]
+fn _current_stream(tensor: &Bound<'_, PyAny>) -> Option<u64> {
+    exchange::types::current_stream(tensor)
+}
+
+/// Whether `tensor`'s type has a DLPack C exchange API that rope_rs uses (major version 1,
+/// with `dltensor_from_py_object_no_sync`), and it is switched on: then launches that need no
+/// producer synchronization (`producer_sync=False`) borrow `tensor` through it.
+#[pyfunction]
+fn _exchange_api_used(tensor: &Bound<'_, PyAny>) -> bool {
+    exchange::types::api_of(tensor).is_some()
+}
+
+/// Switches the DLPack C exchange API on or off for this process (tests; the environment
+/// variable `ROPE_RS_NO_DLPACK_C_API=1` switches it off from the start); returns whether it was
+/// on.
+#[pyfunction]
+fn _set_exchange_api(enabled: bool) -> bool {
+    exchange::types::set_enabled(enabled)
+}
+
+/// How many tensors were borrowed through the DLPack C exchange API in this process (tests).
+#[pyfunction]
+fn _exchange_borrows() -> u64 {
+    exchange::types::fast_borrows()
+}
+
+/// `_dlpack_view`'s answer: address, dtype, shape, strides, device.
+type DlpackView = (u64, &'static str, Vec<usize>, Vec<usize>, i32);
+
+/// What a launch reads of `tensor` (named `arg` in errors), borrowed as a launch with
+/// `producer_sync` borrows it: `(address, dtype, shape, strides, device)` (tests).
+#[pyfunction]
+#[pyo3(signature = (tensor, *, producer_sync, arg="tensor"))]
+fn _dlpack_view(tensor: &Bound<'_, PyAny>, producer_sync: bool, arg: &str) -> PyResult<DlpackView> {
+    let d = launch::describe(tensor, arg, producer_sync)?;
+    Ok((d.ptr, d.elem.name(), d.shape, d.strides, d.device_id))
+}
+
 /// rope-rs: rotary position embedding on NVIDIA GPUs, kernels written in Rust; tensors by
 /// DLPack.
 #[pymodule]
@@ -488,6 +533,11 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(apply_rope, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
+    m.add_function(wrap_pyfunction!(_current_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(_exchange_api_used, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_exchange_api, m)?)?;
+    m.add_function(wrap_pyfunction!(_exchange_borrows, m)?)?;
+    m.add_function(wrap_pyfunction!(_dlpack_view, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SCALING_KEYS", ROPE_SCALING_KEYS.to_vec())?;
     Ok(())

@@ -1,5 +1,5 @@
 """Tests of rope_rs that need no GPU and no PyTorch: import, argument checking, the frequencies
-of the scaling families, DLPack capsule handling.
+of the scaling families, DLPack capsule handling, DLPack's C exchange API (a fake producer).
 
 Most argument checks run before the device is touched, so they are exercised here on fake CUDA
 tensors: DLPack capsules built with ctypes that describe CUDA memory at addresses nothing ever
@@ -9,6 +9,7 @@ reads. Every call on them must fail its checks (the one valid call runs only wit
 import ctypes
 import ctypes.util
 import math
+import os
 import subprocess
 import sys
 
@@ -460,3 +461,187 @@ class TestCapsules:
         with pytest.raises(ValueError, match="position_ids must be int32 or int64"):
             rope_rs.apply_rope(q, k, out=out, k_out=FakeCuda((2, 16, 2, 64)), position_ids=ids, stream=77)
         assert [t.streams for t in (q, k, out, ids)] == [[77]] * 4
+
+
+# A fake producer of DLPack's C exchange API (`__dlpack_c_exchange_api__`, DLPack 1.3): the
+# table of dlpack.h built with ctypes, its functions Python callbacks. It describes the same
+# fake CUDA tensors as FakeCuda, so both borrowing paths can be compared without a GPU.
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLPackExchangeAPIHeader(ctypes.Structure):
+    pass
+
+
+DLPackExchangeAPIHeader._fields_ = [
+    ("version", DLPackVersion),
+    ("prev_api", ctypes.POINTER(DLPackExchangeAPIHeader)),
+]
+
+DLTENSOR_FROM_PY_OBJECT_NO_SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(DLTensor))
+CURRENT_WORK_STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p))
+
+
+class DLPackExchangeAPI(ctypes.Structure):
+    _fields_ = [
+        ("header", DLPackExchangeAPIHeader),
+        ("managed_tensor_allocator", ctypes.c_void_p),
+        ("managed_tensor_from_py_object_no_sync", ctypes.c_void_p),
+        ("managed_tensor_to_py_object_no_sync", ctypes.c_void_p),
+        ("dltensor_from_py_object_no_sync", DLTENSOR_FROM_PY_OBJECT_NO_SYNC),
+        ("current_work_stream", CURRENT_WORK_STREAM),
+    ]
+
+
+_EXCHANGE = b"dlpack_exchange_api"  # the capsule keeps a pointer to this name
+_LIVE = {}  # id(obj) -> obj, for the callbacks (CPython's id is the PyObject* they receive)
+FAKE_STREAM = 0x5000
+
+
+def _fill(obj_ptr, out):
+    obj = _LIVE.get(obj_ptr)
+    if obj is None or obj.fail:
+        return -1  # (without an exception set: rope_rs must cope with that too)
+    obj.fast_calls += 1
+    ndim = len(obj.shape)
+    shape = (ctypes.c_int64 * ndim)(*obj.shape)
+    strides = (ctypes.c_int64 * ndim)(*(obj.strides or row_major(obj.shape)))
+    obj.keep.append((shape, strides))  # alive as long as the object, as the API promises
+    code, bits = DTYPES[obj.dtype]
+    out[0] = DLTensor(obj.ptr, DLDevice(2, obj.device), ndim, DLDataType(code, bits, 1), shape, strides, 0)
+    return 0
+
+
+def _stream(device_type, device_id, out):
+    out[0] = FAKE_STREAM + device_id if device_type == 2 else None
+    return 0
+
+
+_FILL = DLTENSOR_FROM_PY_OBJECT_NO_SYNC(_fill)
+_STREAM = CURRENT_WORK_STREAM(_stream)
+
+
+def row_major(shape):
+    strides, n = [], 1
+    for extent in reversed(shape):
+        strides.append(n)
+        n *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def exchange_type(major=1, fill=True, prev=None):
+    """A FakeCuda subclass whose type holds an exchange table of version `major`.1 (linking to
+    the table `prev`), with `dltensor_from_py_object_no_sync` unless not `fill`."""
+    api = DLPackExchangeAPI()
+    api.header.version = DLPackVersion(major, 3)
+    if prev is not None:
+        api.header.prev_api = ctypes.pointer(prev.api.header)
+    if fill:
+        api.dltensor_from_py_object_no_sync = _FILL
+    api.current_work_stream = _STREAM
+
+    class FastCuda(FakeCuda):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fast_calls, self.fail = 0, False
+            _LIVE[id(self)] = self
+
+    FastCuda.api = api  # kept alive with the type, as a producer's static table
+    FastCuda.__dlpack_c_exchange_api__ = _capsule_new(ctypes.addressof(api), _EXCHANGE, None)
+    return FastCuda
+
+
+FastCuda = exchange_type()
+
+
+class TestExchangeApi:
+    def test_the_table_has_the_headers_layout(self):
+        assert ctypes.sizeof(DLPackExchangeAPIHeader) == 16
+        assert ctypes.sizeof(DLPackExchangeAPI) == 56
+        assert DLPackExchangeAPI.dltensor_from_py_object_no_sync.offset == 40
+        assert DLPackExchangeAPI.current_work_stream.offset == 48
+
+    def test_the_fast_path_reads_what_dlpack_reads(self):
+        for shape, strides, dtype in (
+            ((2, 16, 4, 64), None, "float32"),
+            ((6, 4, 8), (64, 8, 1), "bfloat16"),
+            ((1, 5, 1, 8), (40, 8, 8, 1), "float16"),
+            ((9,), None, "int64"),
+            ((0, 3), None, "int32"),
+        ):
+            t = FastCuda(shape, dtype, strides=strides, device=1)
+            before = rope_rs._native._exchange_borrows()
+            fast = rope_rs._native._dlpack_view(t, producer_sync=False)
+            assert rope_rs._native._exchange_borrows() == before + 1
+            assert (t.fast_calls, t.streams) == (1, [])
+            slow = rope_rs._native._dlpack_view(t, producer_sync=True)
+            assert t.streams == [1]  # producer_sync: __dlpack__(stream=) as before
+            assert fast == slow == (t.ptr, dtype, list(shape), list(strides or row_major(shape)), 1)
+
+    def test_launch_checks_are_the_same_on_both_paths(self):
+        for sync in (True, False):
+            q, k, out, ids = FastCuda((2, 16, 4, 64)), FastCuda((2, 16, 2, 64)), FastCuda((2, 16, 4, 64)), FastCuda((16,))
+            with pytest.raises(ValueError, match="^position_ids must be int32 or int64, got float32"):
+                rope_rs._native.apply_rope(q, k, out=out, position_ids=ids, producer_sync=sync)
+            fast = [t.fast_calls for t in (q, k, out, ids)]
+            assert fast == ([0] * 4 if sync else [1] * 4), sync
+            with pytest.raises(ValueError, match="^k is bfloat16, q is float32"):
+                rope_rs._native.apply_rope(q, FastCuda((2, 16, 2, 64), "bfloat16"), producer_sync=sync)
+            with pytest.raises(ValueError, match="^q must have a contiguous last dimension"):
+                rope_rs._native.apply_rope(FastCuda((2, 16, 4, 64), strides=(8192, 512, 128, 2)), producer_sync=sync)
+            with pytest.raises(ValueError, match="^q has a negative stride -4096"):
+                rope_rs._native.apply_rope(FastCuda((2, 16, 4, 64), strides=(-4096, 256, 64, 1)), producer_sync=sync)
+            with pytest.raises(ValueError, match="^k is on CUDA device 1, the tensors to rotate on device 0"):
+                rope_rs._native.apply_rope(q, FastCuda((2, 16, 2, 64), device=1), producer_sync=sync)
+
+    def test_a_failing_producer_falls_back_to_dlpack(self):
+        t = FastCuda((4, 8))
+        t.fail = True
+        assert rope_rs._native._dlpack_view(t, producer_sync=False)[2] == [4, 8]
+        assert t.streams == [-1]  # __dlpack__(stream=-1): no synchronization, as asked
+
+    def test_other_major_versions_and_missing_functions_fall_back(self):
+        for cls in (exchange_type(major=2), exchange_type(major=0), exchange_type(fill=False)):
+            t = cls((4, 8))
+            assert not rope_rs._native._exchange_api_used(t)
+            assert rope_rs._native._dlpack_view(t, producer_sync=False)[2] == [4, 8]
+            assert (t.fast_calls, t.streams) == (0, [-1])
+            assert rope_rs._native._current_stream(t) is None
+
+    def test_a_newer_table_links_to_version_1(self):
+        newer = exchange_type(major=2, prev=FastCuda)
+        t = newer((4, 8))
+        assert rope_rs._native._exchange_api_used(t)
+        rope_rs._native._dlpack_view(t, producer_sync=False)
+        assert (t.fast_calls, t.streams) == (1, [])
+
+    def test_types_without_a_capsule_use_dlpack(self):
+        class Wrong(FakeCuda):
+            __dlpack_c_exchange_api__ = 12345  # an int (an early draft), not a capsule
+
+        for t in (q4(), Wrong((4, 8))):
+            assert not rope_rs._native._exchange_api_used(t)
+            assert rope_rs._native._current_stream(t) is None
+            rope_rs._native._dlpack_view(t, producer_sync=False)
+            assert t.streams == [-1]
+
+    def test_the_current_stream_is_the_producers(self):
+        assert rope_rs._native._current_stream(FastCuda((4, 8), device=3)) == FAKE_STREAM + 3
+
+    def test_it_can_be_switched_off(self):
+        t = FastCuda((4, 8))
+        assert rope_rs._native._exchange_api_used(t)
+        assert rope_rs._native._set_exchange_api(False)
+        try:
+            assert not rope_rs._native._exchange_api_used(t)
+            assert rope_rs._native._current_stream(t) is None
+            rope_rs._native._dlpack_view(t, producer_sync=False)
+            assert (t.fast_calls, t.streams) == (0, [-1])
+        finally:
+            assert not rope_rs._native._set_exchange_api(True)
+        code = "import rope_rs, test_cpu; assert not rope_rs._native._exchange_api_used(test_cpu.FastCuda((4, 8)))"
+        env = dict(os.environ, ROPE_RS_NO_DLPACK_C_API="1")
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(__file__))

@@ -778,6 +778,24 @@ class TestCompile:
         check(got_q, reference(q * 2, cos, sin, "interleaved") + 1)
         check(got_k, reference(k, cos, sin, "interleaved"))
 
+    def test_host_frequencies_compile_into_the_graph_and_scaling_matches_eager(self):
+        """A host ``inv_freq`` list reaches the custom operators as floats (no graph break:
+        ``fullgraph=True`` compiles); a ``scaling`` dict, carried as JSON text, rotates as the
+        eager call does, and both read the frequencies rope-host pinned once."""
+        q = randn(2, 6, 4, 32)
+        ids = torch.randint(0, 100, (2, 6), device=DEV)
+        inv_freq = [0.5**i for i in range(16)]
+        got = torch.compile(lambda q, ids: rope_rs.apply_rope(q, position_ids=ids, inv_freq=inv_freq), fullgraph=True)(q, ids)
+        cos, sin = cos_sin(ids, torch.tensor(inv_freq, dtype=torch.float64, device=DEV))
+        check(got, reference(q, cos, sin, "neox"))
+        scaling = {"rope_type": "linear", "factor": 4.0}
+        eager = rope_rs.apply_rope(q, position_ids=ids, scaling=scaling)
+        compiled = torch.compile(lambda q, ids: rope_rs.apply_rope(q, position_ids=ids, scaling=scaling))(q, ids)
+        assert torch.equal(compiled, eager)
+        f, _ = rope_rs.frequencies(32, scaling=scaling)
+        cos, sin = cos_sin(ids, torch.tensor(f, dtype=torch.float64, device=DEV))
+        check(eager, reference(q, cos, sin, "neox"))
+
 
     def test_eager_calls_import_nothing_of_torch_compile_until_a_compiled_call(self):
         """In a fresh process, eager calls import none of torch.compile's modules (they cost
@@ -834,6 +852,135 @@ class TestStreams:
         cos, sin = cos_sin(torch.arange(4, device=DEV)[None] + 3, inv_freq64(10000.0, 64))
         check(out, reference(q0[None], cos, sin, "neox")[0])
         check(q, reference(q0[None], cos, sin, "neox")[0])
+
+
+class TestExchangeApi:
+    """DLPack's C exchange API (``torch.Tensor.__dlpack_c_exchange_api__``): launches on
+    PyTorch's current stream borrow tensors through it, with the results and checks of
+    ``__dlpack__``."""
+
+    @pytest.fixture
+    def exchange(self):
+        if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+            pytest.skip(f"torch {torch.__version__} has no __dlpack_c_exchange_api__")
+        was = rope_rs._native._set_exchange_api(True)
+        yield
+        rope_rs._native._set_exchange_api(was)
+
+    @staticmethod
+    def both_paths(call):
+        """`call()`'s results with the exchange API, then with ``__dlpack__`` alone (same seed)."""
+        results = []
+        for on in (True, False):
+            rope_rs._native._set_exchange_api(on)
+            torch.manual_seed(7)
+            results.append(call())
+        rope_rs._native._set_exchange_api(True)
+        torch.cuda.synchronize()
+        return results
+
+    def test_torch_tensors_take_the_fast_path(self, exchange):
+        q, k = randn(2, 1, 8, 128, dtype=torch.bfloat16), randn(2, 1, 2, 128, dtype=torch.bfloat16)
+        assert rope_rs._native._exchange_api_used(q)
+        assert rope_rs._native._exchange_api_used(torch.nn.Parameter(q.clone()))
+        ids = torch.tensor([[5], [9]], device=DEV)
+        before = rope_rs._native._exchange_borrows()
+        rope_rs.apply_rope(q, k, position_ids=ids, inplace=True)
+        assert rope_rs._native._exchange_borrows() == before + 3  # q, k, position_ids
+        before = rope_rs._native._exchange_borrows()
+        rope_rs.apply_rope(q, k, position_ids=ids, inplace=True, stream=stream())  # producer_sync
+        assert rope_rs._native._exchange_borrows() == before
+        rope_rs._native._set_exchange_api(False)
+        rope_rs.apply_rope(q, k, position_ids=ids, inplace=True)
+        assert rope_rs._native._exchange_borrows() == before
+
+    def test_both_paths_read_the_same_tensors(self, exchange):
+        base = randn(6, 4, 16, 64)
+        qkv = randn(5, (8 + 2 * 2) * 64, dtype=torch.bfloat16)
+        for t in (
+            base,
+            base.transpose(1, 2),
+            base[:, 1:3],
+            base[..., :32],
+            qkv[:, 8 * 64 : 10 * 64].view(5, 2, 64),
+            randn(1, 7, 1, 64),
+            randn(4, 1, 64).expand(4, 3, 64),
+            torch.arange(12, device=DEV, dtype=torch.int32)[::3],
+            randn(0, 4, 64),
+            torch.tensor(3, device=DEV),
+        ):
+            fast = rope_rs._native._dlpack_view(t, producer_sync=False)
+            slow = rope_rs._native._dlpack_view(t, producer_sync=True)
+            # Strides of extents 1 and 0 address nothing; PyTorch may normalize them in one path.
+            def addressed(view):
+                ptr, dtype, shape, strides, device = view
+                return ptr, dtype, shape, [s if n > 1 else None for n, s in zip(shape, strides)], device
+
+            assert addressed(fast) == addressed(slow), (tuple(t.shape), t.stride(), fast, slow)
+            assert fast[0] == t.data_ptr() and fast[2] == list(t.shape)
+
+    def test_results_are_identical_through_both_paths(self, exchange):
+        def apply_rope():
+            q, k = randn(2, 9, 8, 128, dtype=torch.bfloat16), randn(2, 9, 2, 128, dtype=torch.bfloat16)
+            ids = torch.randint(0, 4096, (2, 9), device=DEV)
+            out = rope_rs.apply_rope(q, k, position_ids=ids, theta=500000.0)
+            rope_rs.apply_rope(q, k, positions=3, inplace=True)
+            return (*out, q, k)
+
+        def fused_qkv():
+            t, hq, hk, d = 17, 8, 2, 64
+            qkv = randn(t, (hq + 2 * hk) * d, dtype=torch.float16)
+            q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+            cu = torch.tensor([0, 5, 17], device=DEV, dtype=torch.int32)
+            rope_rs.apply_rope(q, k, cu_seqlens=cu, inplace=True)
+            return (qkv,)
+
+        def vllm():
+            t, h, d = 11, 4, 128
+            query, key = randn(t, h * d, dtype=torch.bfloat16), randn(t, h * d, dtype=torch.bfloat16)
+            cache = vllm_cache(10000.0, d, 1024)
+            positions = torch.randint(0, 1024, (t,), device=DEV)
+            rope_rs.rotary_embedding(positions, query, key, d, cache, True)
+            return query, key
+
+        def tables():
+            q = randn(3, 5, 4, 64)
+            inv = inv_freq64(10000.0, 64)
+            cos, sin = cos_sin(torch.arange(64, device=DEV)[None], inv)
+            return (rope_rs.apply_rope(q, cos=cos[0].float(), sin=sin[0].float(), positions=2),)
+
+        for call in (apply_rope, fused_qkv, vllm, tables):
+            fast, slow = self.both_paths(call)
+            for a, b in zip(fast, slow):
+                assert torch.equal(a, b), call.__name__
+
+    def test_the_current_stream_comes_from_the_exchange_api(self, exchange):
+        q = randn(4, 16, 64)
+        assert rope_rs._native._current_stream(q) == torch.cuda.current_stream().cuda_stream
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert rope_rs._native._current_stream(q) == side.cuda_stream
+        assert rope_rs._native._current_stream(torch.zeros(3)) is None  # CPU: no CUDA stream
+
+    def test_host_time_per_decode_call(self, exchange):
+        """Prints the host time of a decode-sized in-place call through both paths (the exchange
+        API should spare several microseconds per tensor)."""
+        import time
+
+        q, k = randn(1, 1, 32, 128, dtype=torch.bfloat16), randn(1, 1, 8, 128, dtype=torch.bfloat16)
+        times = {}
+        for on in (False, True, False, True):
+            rope_rs._native._set_exchange_api(on)
+            for _ in range(200):
+                rope_rs.apply_rope(q, k, positions=7, inplace=True)
+            torch.cuda.synchronize()
+            n, t0 = 2000, time.perf_counter()
+            for _ in range(n):
+                rope_rs.apply_rope(q, k, positions=7, inplace=True)
+            times[on] = (time.perf_counter() - t0) / n * 1e6
+            torch.cuda.synchronize()
+        print(f"\nhost us/call: __dlpack__ {times[False]:.1f}, exchange API {times[True]:.1f}")
+        assert times[True] < times[False]
 
 
 class TestErrors:
