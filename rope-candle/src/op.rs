@@ -393,7 +393,7 @@ fn ids_buf<'a>(
 
 /// The process's `Rope` for candle device `device`'s stream ([`rope_host::shared::on_stream`]).
 fn rope_for(device: &CudaDevice) -> Result<Arc<Rope>, Error> {
-    rope_host::shared::on_stream(&device.cuda_stream())
+    Ok(rope_host::shared::on_stream(&device.cuda_stream())?)
 }
 
 /// The error `cpu_fwd` returns: the ops themselves run on CUDA only.
