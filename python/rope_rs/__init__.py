@@ -199,7 +199,9 @@ def apply_rope(
         cp_rank=cp_rank,
         pdl=pdl,
     )
-    if _torch_of(q) is not None:
+    torch = _torch_of(q)
+    direct = None if torch is None else _direct(torch, q, k, inv_freq, out, k_out, stream)
+    if torch is not None and direct is None:
         # Not rope_rs.torch: its custom operators import torch.compile's machinery (seconds).
         from rope_rs import _torch_eager
 
@@ -209,12 +211,38 @@ def apply_rope(
             raise ValueError("out: inplace=True rotates q and k themselves; give out and k_out only out of place")
     else:
         if out is None:
-            out = _empty_like(q, "q", "out")
+            out = torch.empty_like(q) if torch is not None else _empty_like(q, "q", "out")
         if k is not None and k_out is None:
-            k_out = _empty_like(k, "k", "k_out")
-    _native.apply_rope(q, k, out=out, k_out=k_out, stream=0 if stream is None else stream, **opts)
+            k_out = torch.empty_like(k) if torch is not None else _empty_like(k, "k", "k_out")
+    launch_stream, sync = direct if direct is not None else (0 if stream is None else stream, True)
+    _native.apply_rope(q, k, out=out, k_out=k_out, stream=launch_stream, producer_sync=sync, **opts)
     q_res, k_res = (q, k) if inplace else (out, k_out)
     return q_res if k is None else (q_res, k_res)
+
+
+def _direct(
+    torch: Any, q: Any, k: Any, inv_freq: Any, out: Any, k_out: Any, stream: Optional[int]
+) -> Optional[Tuple[int, bool]]:
+    """For ``torch.Tensor`` arguments: the stream of a launch that needs nothing of
+    ``rope_rs._torch_eager`` and whether the producers must order their writes before it; None
+    when the call needs that layer: under ``torch.compile``, for autograd, for an ``inv_freq``
+    tensor to convert, for outputs that require grad, for a device other than the current one
+    (PyTorch exports tensors by DLPack from the current device only), or with a torch without
+    DLPack's C exchange API (which gives the current stream here)."""
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+        return None
+    if isinstance(inv_freq, torch.Tensor) and (inv_freq.dtype != torch.float64 or inv_freq.device != q.device):
+        return None
+    if (out is not None and out.requires_grad) or (k_out is not None and k_out.requires_grad):
+        return None
+    if q.get_device() != torch.cuda.current_device():
+        return None
+    if stream is not None:
+        return stream, True
+    current = _native._current_stream(q)
+    return None if current is None else (current, False)
 
 
 def rotary_embedding(

@@ -279,27 +279,54 @@ def apply_rope(
     return _result(out, k_out)
 
 
-def _hf_positions(
-    q: Tensor, cos: Tensor, position_ids: Optional[Tensor], batch: int, seq: int
-) -> Tuple[Tensor, Tensor]:
-    """HF's per-token cos rows as a rope-rs table of half rows, and the position of each token
-    in it: row `t` of HF's `[rows, r]` (`cat(freqs, freqs)`) is half rows `2t` (cos of the
-    frequencies) and `2t + 1` (the same again), so token (b, s) reads half row `2 t(b, s)`."""
-    if position_ids is not None and cos.dim() == 2:
+# Per device, int32 vectors `[0, 2, 4, ...]` of growing length, made outside CUDA graph captures
+# and never written or freed (launches on any stream, and captured graphs, may read a prefix).
+_EVEN_POSITIONS: Dict[torch.device, List[Tensor]] = {}
+
+
+def _even_positions(device: torch.device, n: int) -> Tensor:
+    """`[0, 2, ..., 2 (n - 1)]` as int32 on `device`: a prefix of a kept vector, so that a
+    decode loop launches no ``arange`` per call."""
+    kept = _EVEN_POSITIONS.get(device)
+    if kept and kept[-1].shape[0] >= n:
+        return kept[-1][:n]
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return torch.arange(0, 2 * n, 2, device=device, dtype=torch.int32)
+    longest = max(n, 2 * kept[-1].shape[0] if kept else 4096)
+    made = torch.arange(0, 2 * longest, 2, device=device, dtype=torch.int32)
+    # Complete before any stream reads it (later calls may launch on other streams).
+    torch.cuda.current_stream(device).synchronize()
+    _EVEN_POSITIONS.setdefault(device, []).append(made)
+    return made[:n]
+
+
+def _hf_rows(t: Tensor, position_ids: Optional[Tensor], batch: int, seq: int, name: str) -> Tensor:
+    """HF's per-token `cos` or `sin` (`t`) as a rope-rs table of half rows: row `j` of HF's
+    `[rows, r]` (`cat(freqs, freqs)`) is half rows `2j` (the cos or sin of the frequencies) and
+    `2j + 1` (the same again), so token (b, s) reads half row `2 j(b, s)`."""
+    if position_ids is not None and t.dim() == 2:
         # Older transformers: cos [max_position, r], indexed by position_ids [batch, seq].
-        return cos, (position_ids * 2).to(torch.int64)
-    if cos.dim() == 2:
-        cos = cos.unsqueeze(0)
-    if cos.dim() != 3 or cos.shape[1] != seq or cos.shape[0] not in (1, batch):
-        raise ValueError(
-            f"cos must be [batch or 1, seq, rotary_dim] for q of batch {batch} and seq {seq}, got shape "
-            f"{tuple(cos.shape)}"
-        )
-    if cos.shape[0] == 1 or cos.stride(0) == 0:
-        # One row of positions for every batch row (HF's usual [1, seq, r]).
-        return cos[0], torch.arange(0, 2 * seq, 2, device=q.device, dtype=torch.int32)
-    ids = torch.arange(0, 2 * batch * seq, 2, device=q.device, dtype=torch.int64)
-    return cos, ids.view(batch, seq)
+        rows = t
+    else:
+        rows = t.unsqueeze(0) if t.dim() == 2 else t
+        if rows.dim() != 3 or rows.shape[1] != seq or rows.shape[0] not in (1, batch):
+            raise ValueError(
+                f"{name} must be [batch or 1, seq, rotary_dim] for q of batch {batch} and seq {seq}, got shape "
+                f"{tuple(t.shape)}"
+            )
+        # One row of positions for every batch row (HF's usual [1, seq, r]), else one per token.
+        rows = rows[0] if rows.shape[0] == 1 or rows.stride(0) == 0 else rows
+    return rows.contiguous().view(-1, t.shape[-1] // 2)
+
+
+def _hf_ids(q: Tensor, cos: Tensor, position_ids: Optional[Tensor], batch: int, seq: int) -> Tensor:
+    """The half row of `_hf_rows`'s table each token reads: `2 position_ids` for a
+    `[max_position, r]` table, `2 s` for rows shared by the batch, `2 (b seq + s)` otherwise."""
+    if position_ids is not None and cos.dim() == 2:
+        return (position_ids * 2).to(torch.int64)
+    if cos.dim() == 2 or cos.shape[0] == 1 or cos.stride(0) == 0:
+        return _even_positions(q.device, seq)
+    return torch.arange(0, 2 * batch * seq, 2, device=q.device, dtype=torch.int64).view(batch, seq)
 
 
 def apply_rotary_pos_emb(
@@ -325,8 +352,9 @@ def apply_rotary_pos_emb(
     ``[batch, seq]``; that form works too (``position_ids`` is otherwise unused, as in HF).
 
     Nothing is copied but into the outputs: the cos/sin rows are read in place as a table of half
-    rows (rope-rs tables are ``[positions, rotary_dim / 2]``), at positions from one small
-    ``arange`` of int32 (int64 per batch row). Raises ValueError naming the argument for shapes
+    rows (rope-rs tables are ``[positions, rotary_dim / 2]``), at positions read from a vector of
+    even numbers kept per device (one launch per call; cos/sin given per batch row take an
+    ``arange`` of int64 too). Raises ValueError naming the argument for shapes
     that do not fit.
     """
     if unsqueeze_dim == 1:
@@ -347,9 +375,9 @@ def apply_rotary_pos_emb(
         raise ValueError(f"cos must have an even last dimension (rotary_dim), got {rotary_dim}")
     if cos.dtype not in (torch.float32, q.dtype):
         cos, sin = cos.float(), sin.float()
-    cos_rows, ids = _hf_positions(q, cos, position_ids, batch, seq)
-    sin_rows, _ = _hf_positions(q, sin, position_ids, batch, seq)
-    half = rotary_dim // 2
-    tables = dict(cos=cos_rows.contiguous().view(-1, half), sin=sin_rows.contiguous().view(-1, half))
-    rotated = apply_rope(q, k, dict(position_ids=ids, layout=layout, **tables))
+    cos_rows = _hf_rows(cos, position_ids, batch, seq, "cos")
+    sin_rows = _hf_rows(sin, position_ids, batch, seq, "sin")
+    ids = _hf_ids(q, cos, position_ids, batch, seq)
+    # Through the public call: its direct path when nothing of this module's is needed.
+    rotated = rope_rs.apply_rope(q, k, position_ids=ids, cos=cos_rows, sin=sin_rows, layout=layout)
     return (rotated, None) if k is None else rotated

@@ -504,6 +504,22 @@ class TestDropIns:
         check(q_embed, want_q)
         check(k_embed, want_k)
 
+    def test_hugging_face_drop_in_launches_one_kernel(self):
+        """After a first call, a decode step through the HF drop-in (cos/sin [1, seq, r]) runs
+        one kernel: positions come from a kept vector, not an ``arange`` per call."""
+        b, s, d = 4, 1, 64
+        c, sn = cos_sin(torch.full((1, s), 17, device=DEV), inv_freq64(10000.0, d))
+        cos, sin = torch.cat((c, c), -1).float(), torch.cat((sn, sn), -1).float()
+        q, k = randn(b, 8, s, d), randn(b, 2, s, d)
+        want = rope_rs.apply_rotary_pos_emb(q, k, cos, sin)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = rope_rs.apply_rotary_pos_emb(q, k, cos, sin)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1 and kernels[0].startswith("rope_"), kernels
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
     def test_hugging_face_partial_and_older_tables(self):
         """cos/sin narrower than the heads rotate the first features; transformers' older form,
         tables [max_position, r] indexed by position_ids, works too."""
@@ -1005,5 +1021,5 @@ class TestErrors:
 
     @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
     def test_tensors_on_two_devices(self):
-        with pytest.raises(ValueError, match="k is on cuda:1, q on cuda:0"):
+        with pytest.raises(ValueError, match=r"k is on (cuda:1, q on cuda:0|CUDA device 1)"):
             rope_rs.apply_rope(randn(4, 2, 64), torch.randn(4, 2, 64, device="cuda:1"))
