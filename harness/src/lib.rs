@@ -5,11 +5,14 @@
 //! - [`case`]: one random RoPE problem ([`case::Case`]), uploaded, launched and compared with
 //!   the reference, and [`with_elem!`], which turns a case's [`case::DTypeCase`] into its
 //!   element type.
+//! - [`fused`]: one random fused case (norm, rotation, KV-cache write, FP8) uploaded, launched
+//!   and compared with the reference, byte for byte.
 //! - [`rotate`]: an f32 rotation at explicit positions in one call.
 //! - [`tolerance`]: the one rule for how close an output must be to the reference, for the
 //!   plain and the fused kernels and the built tables.
 
 pub mod case;
+pub mod fused;
 pub mod rotate;
 pub mod tolerance;
 

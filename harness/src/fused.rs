@@ -1,0 +1,678 @@
+//! The fused kernels' GPU harness (`Rope::run_fused`): a random fused case (`Case`, with its
+//! cache in `CacheCase`), its host data (`Data`) uploaded (`upload`) and launched (`launch`),
+//! and every output and cache byte compared with the f64 reference (`verify`, by
+//! [`crate::tolerance`] for values and the E4M3 bracket for FP8 bytes); the fused GPU tests
+//! drive it.
+
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use rope_host::cudarc::driver::{CudaSlice, CudaStream};
+use rope_host::{
+    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, KOut, KvCache,
+    Layout, NormWeight, Positions, QOut, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    TableData, TableFormat, Tensor, TensorMut,
+};
+use rope_kernels::math::e4m3_to_f32;
+use rope_reference::fused::{ElementScale, e4m3_bracket, rms_norm, rotate_head};
+use rope_reference::reference::inv_freq;
+
+use crate::case::TestElem;
+use crate::tolerance::{self, Rotated};
+
+pub const THETA: f64 = 10_000.0;
+/// Positions stay below this (the tables' rows).
+pub const MAX_POSITION: usize = 96;
+/// The byte FP8 caches and outputs hold before a launch (the E4M3 value 61440 is not: 0x7b is
+/// 2^8 * 1.375 = 352, a value a launch may write, so only bytes outside the written slots are
+/// compared with it).
+pub const POISON: u8 = 0x7b;
+
+/// Where q goes.
+#[derive(Clone, Copy, Debug)]
+pub enum QMode {
+    InPlace,
+    Out,
+    Fp8 { per_head: bool },
+}
+
+/// Where k goes.
+#[derive(Clone, Copy, Debug)]
+pub enum KMode {
+    InPlace,
+    Out,
+    CacheOnly,
+}
+
+/// One random fused case.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub style: RopeStyle,
+    pub d: usize,
+    pub batch: usize,
+    pub seq: usize,
+    pub hq: usize,
+    pub hk: usize,
+    /// Per-token ids, or an offset.
+    pub ids: Option<Vec<i64>>,
+    pub offset: i64,
+    pub table: bool,
+    pub norm: Option<NormWeight>,
+    pub q: QMode,
+    pub k: KMode,
+    pub cache: Option<CacheCase>,
+    pub seed: u64,
+}
+
+/// A paged cache: FP8 or of the tensors' type, heads-first or rows-first blocks, and each
+/// token's slot.
+#[derive(Clone, Debug)]
+pub struct CacheCase {
+    pub fp8: bool,
+    pub heads_first: bool,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub slots: Vec<i64>,
+    /// k's FP8 scales: one per kv head, or one for the tensor.
+    pub k_per_head: bool,
+    /// v's, drawn apart from k's.
+    pub v_per_head: bool,
+}
+
+impl CacheCase {
+    /// A cache of a few blocks more than `tokens` need, its slots distinct and in random
+    /// order, some padding (-1) and at times one past the cache; both scale granularities
+    /// drawn independently.
+    pub fn random(rng: &mut StdRng, tokens: usize) -> Self {
+        let block_size: usize = [1, 4, 16][rng.random_range(0..3)];
+        let num_blocks = (tokens + 3).div_ceil(block_size) + rng.random_range(0..3);
+        let capacity = num_blocks * block_size;
+        let mut free: Vec<i64> = (0..capacity as i64).collect();
+        let slots = (0..tokens)
+            .map(|_| match rng.random_range(0..10) {
+                0 | 1 => -1,
+                2 => capacity as i64 + rng.random_range(0..5),
+                _ => free.swap_remove(rng.random_range(0..free.len())),
+            })
+            .collect();
+        CacheCase {
+            fp8: rng.random_bool(0.5),
+            heads_first: rng.random_bool(0.5),
+            block_size,
+            num_blocks,
+            slots,
+            k_per_head: rng.random_bool(0.5),
+            v_per_head: rng.random_bool(0.5),
+        }
+    }
+}
+
+/// How large a random case is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Size {
+    /// A few tokens and heads: decode-sized launches, fewer threads than a GPU holds at once.
+    Small,
+    /// Thousands of tokens and 17-23 q and k heads (odd counts leave a thread's second head
+    /// empty): prefill-sized launches, more threads than any of this project's GPUs holds at
+    /// once. Both sizes run on the one-head fused kernels (NeoX 16-bit launches of this size on
+    /// the four-heads kernels, either when `ROPE_FUSED_THREAD_HEADS` pins it), and on the item
+    /// loop when `ROPE_FUSED_ITEM_LOOP=1` (as `gpu-bundle/run.sh` runs them again).
+    Large,
+}
+
+impl Case {
+    pub fn random(seed: u64, dtype_size: usize) -> Self {
+        Self::random_sized(seed, dtype_size, Size::Small)
+    }
+
+    pub fn random_sized(seed: u64, dtype_size: usize, size: Size) -> Self {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let style = if rng.random_bool(0.5) {
+            RopeStyle::Neox
+        } else {
+            RopeStyle::Interleaved
+        };
+        let d = match size {
+            Size::Small => [64, 80, 128, 128, 256][rng.random_range(0..5)],
+            Size::Large => [64, 128][rng.random_range(0..2)],
+        };
+        let (batch, seq): (usize, usize) = match size {
+            Size::Small => (rng.random_range(1..=3), rng.random_range(1..=9)),
+            Size::Large => (rng.random_range(1..=2), rng.random_range(2500..=3000)),
+        };
+        let tokens = batch * seq;
+        // Large cases take ids below the tables' positions (offsets would run past them).
+        let ids = (size == Size::Large || rng.random_bool(0.6)).then(|| {
+            (0..tokens)
+                .map(|_| rng.random_range(0..MAX_POSITION as i64))
+                .collect()
+        });
+        // f32 interleaved heads of 256 take 64 accesses: too many for the norm's sum.
+        let norm_ok = !(dtype_size == 4 && style == RopeStyle::Interleaved && d == 256);
+        let norm = match rng.random_range(0..3) {
+            1 if norm_ok => Some(NormWeight::Plain),
+            2 if norm_ok => Some(NormWeight::OnePlus),
+            _ => None,
+        };
+        let q = match rng.random_range(0..4) {
+            0 => QMode::InPlace,
+            1 => QMode::Out,
+            n => QMode::Fp8 { per_head: n == 3 },
+        };
+        let cache = rng
+            .random_bool(0.7)
+            .then(|| CacheCase::random(&mut rng, tokens));
+        let k = match (rng.random_range(0..3), &cache) {
+            (0, _) => KMode::InPlace,
+            (1, _) | (_, None) => KMode::Out,
+            _ => KMode::CacheOnly,
+        };
+        Case {
+            style,
+            d,
+            batch,
+            seq,
+            hq: match size {
+                Size::Small => rng.random_range(1..=5),
+                Size::Large => rng.random_range(16..=20),
+            },
+            hk: rng.random_range(1..=3),
+            ids,
+            offset: rng.random_range(0..32),
+            table: rng.random_bool(0.5),
+            norm,
+            q,
+            k,
+            cache,
+            seed,
+        }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    pub fn position(&self, t: usize) -> i64 {
+        match &self.ids {
+            Some(ids) => ids[t],
+            None => self.offset + (t % self.seq) as i64,
+        }
+    }
+
+    pub fn cache_layout(&self, c: &CacheCase) -> CacheLayout {
+        if c.heads_first {
+            CacheLayout::blocks_heads_rows(c.num_blocks, c.block_size, self.hk, self.d)
+        } else {
+            CacheLayout::blocks_rows_heads(c.num_blocks, c.block_size, self.hk, self.d)
+        }
+    }
+}
+
+/// Host data of a case: inputs, weights and scales.
+pub struct Data<T> {
+    pub q: Vec<T>,
+    pub k: Vec<T>,
+    pub v: Vec<T>,
+    pub q_w: Vec<T>,
+    pub k_w: Vec<T>,
+    pub q_scale: Vec<f32>,
+    pub k_scale: Vec<f32>,
+    pub v_scale: Vec<f32>,
+}
+
+impl<T: TestElem> Data<T> {
+    pub fn random(c: &Case, rng: &mut StdRng) -> Self {
+        let vals = |rng: &mut StdRng, n: usize, lo: f64, hi: f64| -> Vec<T> {
+            (0..n)
+                .map(|_| T::from_f64(rng.random_range(lo..hi)))
+                .collect()
+        };
+        let per_token = |h: usize| c.tokens() * h * c.d;
+        let (wlo, whi) = match c.norm {
+            Some(NormWeight::OnePlus) => (-0.5, 0.5),
+            _ => (0.5, 1.5),
+        };
+        let scales = |rng: &mut StdRng, n: usize| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(0.01f32..0.2)).collect()
+        };
+        let heads = |per_head: bool, h: usize| if per_head { h } else { 1 };
+        let (k_heads, v_heads) = c.cache.as_ref().map_or((1, 1), |cc| {
+            (heads(cc.k_per_head, c.hk), heads(cc.v_per_head, c.hk))
+        });
+        let q_heads = match c.q {
+            QMode::Fp8 { per_head } => heads(per_head, c.hq),
+            _ => 1,
+        };
+        let (q_scale, k_scale, v_scale) = (
+            scales(rng, q_heads),
+            scales(rng, k_heads),
+            scales(rng, v_heads),
+        );
+        Data {
+            q: vals(rng, per_token(c.hq), -2.0, 2.0),
+            k: vals(rng, per_token(c.hk), -2.0, 2.0),
+            v: vals(rng, per_token(c.hk), -2.0, 2.0),
+            q_w: vals(rng, c.d, wlo, whi),
+            k_w: vals(rng, c.d, wlo, whi),
+            q_scale,
+            k_scale,
+            v_scale,
+        }
+    }
+}
+
+/// The largest error of a case's checked outputs, as a share of its bound.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Worst {
+    pub ratio: f64,
+    pub checked: usize,
+}
+
+impl Worst {
+    pub fn add(&mut self, err: f64, bound: f64) {
+        self.ratio = self.ratio.max(err / bound);
+        self.checked += 1;
+    }
+
+    /// Takes in another case's worst.
+    pub fn merge(&mut self, other: Worst) {
+        self.ratio = self.ratio.max(other.ratio);
+        self.checked += other.checked;
+    }
+}
+
+/// Device buffers of one case.
+pub struct Device<T> {
+    pub q: CudaSlice<T>,
+    pub q_out: CudaSlice<T>,
+    pub q8: CudaSlice<u8>,
+    pub k: CudaSlice<T>,
+    pub k_out: CudaSlice<T>,
+    pub v: CudaSlice<T>,
+    pub q_w: CudaSlice<T>,
+    pub k_w: CudaSlice<T>,
+    pub q_scale: CudaSlice<f32>,
+    pub k_scale: CudaSlice<f32>,
+    pub v_scale: CudaSlice<f32>,
+    pub ids: CudaSlice<i64>,
+    pub slots: CudaSlice<i64>,
+    pub k_cache: CudaSlice<T>,
+    pub v_cache: CudaSlice<T>,
+    pub k_cache8: CudaSlice<u8>,
+    pub v_cache8: CudaSlice<u8>,
+    pub tables: Option<rope_host::SinCosTables<T>>,
+}
+
+/// Elements of a cache of the case (0 without one).
+pub fn cache_len(c: &Case) -> usize {
+    c.cache
+        .as_ref()
+        .map_or(0, |cc| cc.num_blocks * cc.block_size * c.hk * c.d)
+}
+
+pub fn upload<T: TestElem>(
+    c: &Case,
+    data: &Data<T>,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+) -> Result<Device<T>, String> {
+    let e = |e: rope_host::cudarc::driver::DriverError| e.to_string();
+    let poison_t = |n: usize| -> Result<CudaSlice<T>, String> {
+        stream.clone_htod(&vec![T::poison(); n.max(1)]).map_err(e)
+    };
+    let poison_u8 = |n: usize| stream.clone_htod(&vec![POISON; n.max(1)]).map_err(e);
+    let ids: Vec<i64> = (0..c.tokens()).map(|t| c.position(t)).collect();
+    let slots = c.cache.as_ref().map_or(vec![0], |cc| cc.slots.clone());
+    let tables = if c.table {
+        Some(
+            rope.build_tables::<T>(THETA, c.d as u32, MAX_POSITION + 32, TableFormat::Separate)
+                .map_err(|e| e.to_string())?,
+        )
+    } else {
+        rope.prepare(THETA, c.d as u32).map_err(|e| e.to_string())?;
+        None
+    };
+    Ok(Device {
+        q: stream.clone_htod(&data.q).map_err(e)?,
+        q_out: poison_t(data.q.len())?,
+        q8: poison_u8(data.q.len())?,
+        k: stream.clone_htod(&data.k).map_err(e)?,
+        k_out: poison_t(data.k.len())?,
+        v: stream.clone_htod(&data.v).map_err(e)?,
+        q_w: stream.clone_htod(&data.q_w).map_err(e)?,
+        k_w: stream.clone_htod(&data.k_w).map_err(e)?,
+        q_scale: stream.clone_htod(&data.q_scale).map_err(e)?,
+        k_scale: stream.clone_htod(&data.k_scale).map_err(e)?,
+        v_scale: stream.clone_htod(&data.v_scale).map_err(e)?,
+        ids: stream.clone_htod(&ids).map_err(e)?,
+        slots: stream.clone_htod(&slots).map_err(e)?,
+        k_cache: poison_t(cache_len(c))?,
+        v_cache: poison_t(cache_len(c))?,
+        k_cache8: poison_u8(cache_len(c))?,
+        v_cache8: poison_u8(cache_len(c))?,
+        tables,
+    })
+}
+
+pub fn scale_of(per_head: bool, s: &CudaSlice<f32>) -> Fp8Scale<'_> {
+    if per_head {
+        Fp8Scale::PerHead(s.as_view())
+    } else {
+        Fp8Scale::PerTensor(s.as_view())
+    }
+}
+
+/// Launches the case on `rope` (its stream), reading and writing `dev`.
+pub fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_host::Result<()> {
+    let config = RopeConfig::builder(c.d as u32, c.style).build()?;
+    let positions = match &c.ids {
+        Some(_) => Positions::Ids {
+            ids: DeviceInts::I64(dev.ids.as_view()),
+            shape: IdsShape::PerRow,
+        },
+        None => Positions::Offset(c.offset as u32),
+    };
+    let sincos = match &dev.tables {
+        Some(t) => t.sincos(),
+        None => SinCos::Computed { theta: THETA },
+    };
+    let norm = c.norm.map(|weight| QkNorm {
+        q_weight: dev.q_w.as_view(),
+        k_weight: dev.k_w.as_view(),
+        eps: 1e-6,
+        weight,
+    });
+    let op = FusedOp {
+        rope: RopeOp {
+            config,
+            positions,
+            sincos,
+        },
+        norm,
+    };
+    let lq = Layout::bshd(c.batch, c.seq, c.hq, c.d);
+    let lk = Layout::bshd(c.batch, c.seq, c.hk, c.d);
+    let q = match c.q {
+        QMode::InPlace => QOut::InPlace(TensorMut {
+            data: dev.q.as_view_mut(),
+            layout: lq,
+        }),
+        QMode::Out => QOut::OutOfPlace {
+            input: Tensor {
+                data: dev.q.as_view(),
+                layout: lq,
+            },
+            output: TensorMut {
+                data: dev.q_out.as_view_mut(),
+                layout: lq,
+            },
+        },
+        QMode::Fp8 { per_head } => QOut::Fp8 {
+            input: Tensor {
+                data: dev.q.as_view(),
+                layout: lq,
+            },
+            output: TensorMut {
+                data: dev.q8.as_view_mut(),
+                layout: lq,
+            },
+            scale: scale_of(per_head, &dev.q_scale),
+        },
+    };
+    let k = match c.k {
+        KMode::InPlace => KOut::InPlace(TensorMut {
+            data: dev.k.as_view_mut(),
+            layout: lk,
+        }),
+        KMode::Out => KOut::OutOfPlace {
+            input: Tensor {
+                data: dev.k.as_view(),
+                layout: lk,
+            },
+            output: TensorMut {
+                data: dev.k_out.as_view_mut(),
+                layout: lk,
+            },
+        },
+        KMode::CacheOnly => KOut::CacheOnly(Tensor {
+            data: dev.k.as_view(),
+            layout: lk,
+        }),
+    };
+    let cache = c.cache.as_ref().map(|cc| KvCache {
+        slot_mapping: DeviceInts::I64(dev.slots.as_view()),
+        layout: c.cache_layout(cc),
+        data: if cc.fp8 {
+            CacheData::Fp8 {
+                k: dev.k_cache8.as_view_mut(),
+                v: dev.v_cache8.as_view_mut(),
+                k_scale: scale_of(cc.k_per_head, &dev.k_scale),
+                v_scale: scale_of(cc.v_per_head, &dev.v_scale),
+            }
+        } else {
+            CacheData::Elem {
+                k: dev.k_cache.as_view_mut(),
+                v: dev.v_cache.as_view_mut(),
+            }
+        },
+    });
+    let v = cache.as_ref().map(|_| Tensor {
+        data: dev.v.as_view(),
+        layout: lk,
+    });
+    rope.run_fused(&op, FusedIo::Separate { q, k, v }, cache)
+}
+
+/// The cos/sin of every pair at position `p`: from the downloaded table, or exact.
+pub fn cos_sin(c: &Case, table: Option<&(Vec<f64>, Vec<f64>)>, p: i64) -> (Vec<f64>, Vec<f64>) {
+    let half = c.d / 2;
+    match table {
+        Some((cos, sin)) => {
+            let row = p as usize * half;
+            (cos[row..row + half].to_vec(), sin[row..row + half].to_vec())
+        }
+        None => inv_freq(THETA, c.d)
+            .iter()
+            .map(|f| ((p as f64 * f).cos(), (p as f64 * f).sin()))
+            .unzip(),
+    }
+}
+
+/// Checks an output of the tensors' type against the reference by the one rule
+/// ([`crate::tolerance`]), with the norm's term when the case normalises.
+pub fn check_elem<T: TestElem>(
+    c: &Case,
+    got: T,
+    want: f64,
+    scale: ElementScale,
+    worst: &mut Worst,
+) -> Result<(), f64> {
+    let g = got.to_f64();
+    let element = Rotated {
+        want,
+        pair: scale.pair,
+        norm_terms: c.norm.map(|_| scale.terms),
+    };
+    let (err, bound) = tolerance::check::<T>(g, &element);
+    worst.add(err, bound);
+    if err <= bound { Ok(()) } else { Err(g) }
+}
+
+/// Checks an FP8 byte: one of the two E4M3 values around `want / scale`.
+pub fn check_fp8(got: u8, want: f64, scale: f32, worst: &mut Worst) -> Result<(), f64> {
+    let g = f64::from(e4m3_to_f32(got));
+    let (lo, hi) = e4m3_bracket(want / f64::from(scale));
+    worst.add(if g >= lo && g <= hi { 0.0 } else { 2.0 }, 1.0);
+    if g >= lo && g <= hi { Ok(()) } else { Err(g) }
+}
+
+/// The reference of head `h` of token `t` of a tensor with `heads` heads: normalised (q and k
+/// with a norm) and rotated (q and k), with each element's [`ElementScale`].
+pub fn reference_head<T: TestElem>(
+    c: &Case,
+    x: &[T],
+    heads: usize,
+    (t, h): (usize, usize),
+    w: Option<&[T]>,
+    table: Option<&(Vec<f64>, Vec<f64>)>,
+) -> (Vec<f64>, Vec<ElementScale>) {
+    let at = (t * heads + h) * c.d;
+    let mut head: Vec<f64> = x[at..at + c.d].iter().map(|v| v.to_f64()).collect();
+    if let (Some(weight), Some(w)) = (c.norm, w) {
+        let w: Vec<f64> = w.iter().map(|v| v.to_f64()).collect();
+        head = rms_norm(&head, &w, 1e-6, weight == NormWeight::OnePlus);
+    }
+    let (cos, sin) = cos_sin(c, table, c.position(t));
+    rotate_head(&head, c.style, &cos, &sin)
+}
+
+/// Runs and checks one case; returns the worst error ratio.
+pub fn check_case<T: TestElem>(
+    c: &Case,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+) -> Result<Worst, String> {
+    let mut rng = StdRng::seed_from_u64(c.seed ^ 0x5eed);
+    let data = Data::<T>::random(c, &mut rng);
+    let mut dev = upload(c, &data, stream, rope)?;
+    launch(c, &mut dev, rope).map_err(|e| format!("launch: {e}"))?;
+    verify(c, &data, &dev, stream)
+}
+
+/// Compares every output and cache byte of a launched case with the reference.
+pub fn verify<T: TestElem>(
+    c: &Case,
+    data: &Data<T>,
+    dev: &Device<T>,
+    stream: &Arc<CudaStream>,
+) -> Result<Worst, String> {
+    let e = |e: rope_host::cudarc::driver::DriverError| e.to_string();
+    let table = match &dev.tables {
+        Some(t) => match t.data() {
+            TableData::Separate { cos, sin } => {
+                let down = |s| -> Result<Vec<f64>, String> {
+                    Ok(stream
+                        .clone_dtoh(s)
+                        .map_err(e)?
+                        .iter()
+                        .map(|v: &T| v.to_f64())
+                        .collect())
+                };
+                Some((down(cos)?, down(sin)?))
+            }
+            TableData::Combined(_) => unreachable!("built separate"),
+        },
+        None => None,
+    };
+    let table = table.as_ref();
+    let mut worst = Worst::default();
+    let fail = |what: &str, t: usize, h: usize, i: usize, got: f64, want: f64| {
+        format!("{what} token {t} head {h} element {i}: got {got}, want {want} ({c:?})")
+    };
+    // q.
+    let q_got_t = match c.q {
+        QMode::InPlace => Some(stream.clone_dtoh(&dev.q).map_err(e)?),
+        QMode::Out => Some(stream.clone_dtoh(&dev.q_out).map_err(e)?),
+        QMode::Fp8 { .. } => None,
+    };
+    let q8 = stream.clone_dtoh(&dev.q8).map_err(e)?;
+    for t in 0..c.tokens() {
+        for h in 0..c.hq {
+            let (want, scale) = reference_head(c, &data.q, c.hq, (t, h), Some(&data.q_w), table);
+            for i in 0..c.d {
+                let at = (t * c.hq + h) * c.d + i;
+                let r = match (&q_got_t, c.q) {
+                    (Some(got), _) => check_elem(c, got[at], want[i], scale[i], &mut worst),
+                    (None, QMode::Fp8 { per_head }) => {
+                        let s = data.q_scale[if per_head { h } else { 0 }];
+                        check_fp8(q8[at], want[i], s, &mut worst)
+                    }
+                    _ => unreachable!(),
+                };
+                r.map_err(|g| fail("q", t, h, i, g, want[i]))?;
+            }
+        }
+    }
+    // k in its tensor; unchanged when only cached.
+    let k_got = match c.k {
+        KMode::InPlace | KMode::CacheOnly => stream.clone_dtoh(&dev.k).map_err(e)?,
+        KMode::Out => stream.clone_dtoh(&dev.k_out).map_err(e)?,
+    };
+    for t in 0..c.tokens() {
+        for h in 0..c.hk {
+            let (want, scale) = reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
+            for i in 0..c.d {
+                let at = (t * c.hk + h) * c.d + i;
+                if let KMode::CacheOnly = c.k {
+                    if k_got[at].bits() != data.k[at].bits() {
+                        return Err(format!("k changed at {at} ({c:?})"));
+                    }
+                } else {
+                    check_elem(c, k_got[at], want[i], scale[i], &mut worst)
+                        .map_err(|g| fail("k", t, h, i, g, want[i]))?;
+                }
+            }
+        }
+    }
+    let Some(cc) = &c.cache else {
+        return Ok(worst);
+    };
+    let layout = c.cache_layout(cc);
+    let capacity = (cc.num_blocks * cc.block_size) as i64;
+    let (kc, vc, kc8, vc8) = (
+        stream.clone_dtoh(&dev.k_cache).map_err(e)?,
+        stream.clone_dtoh(&dev.v_cache).map_err(e)?,
+        stream.clone_dtoh(&dev.k_cache8).map_err(e)?,
+        stream.clone_dtoh(&dev.v_cache8).map_err(e)?,
+    );
+    let mut written = vec![false; cache_len(c)];
+    for t in 0..c.tokens() {
+        let slot = cc.slots[t];
+        if slot < 0 || slot >= capacity {
+            continue;
+        }
+        let (block, row) = (slot as usize / cc.block_size, slot as usize % cc.block_size);
+        for h in 0..c.hk {
+            let (k_want, k_scale_terms) =
+                reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
+            let ks = if cc.k_per_head { h } else { 0 };
+            let vs = if cc.v_per_head { h } else { 0 };
+            for i in 0..c.d {
+                let at =
+                    block * layout.strides[0] + row * layout.strides[1] + h * layout.strides[2] + i;
+                written[at] = true;
+                let v_want = data.v[(t * c.hk + h) * c.d + i].to_f64();
+                if cc.fp8 {
+                    check_fp8(kc8[at], k_want[i], data.k_scale[ks], &mut worst)
+                        .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
+                    check_fp8(vc8[at], v_want, data.v_scale[vs], &mut worst)
+                        .map_err(|g| fail("v cache", t, h, i, g, v_want))?;
+                } else {
+                    check_elem(c, kc[at], k_want[i], k_scale_terms[i], &mut worst)
+                        .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
+                    if vc[at].bits() != data.v[(t * c.hk + h) * c.d + i].bits() {
+                        return Err(fail("v cache", t, h, i, vc[at].to_f64(), v_want));
+                    }
+                }
+            }
+        }
+    }
+    // Every element outside the written slots keeps its poison, in both formats' caches.
+    for (at, w) in written.iter().enumerate() {
+        let untouched_t = |x: &[T]| x[at].bits() == T::poison().bits();
+        let elem_written = !cc.fp8 && *w;
+        let fp8_written = cc.fp8 && *w;
+        if !elem_written && !(untouched_t(&kc) && untouched_t(&vc)) {
+            return Err(format!(
+                "cache element {at} written outside the slots ({c:?})"
+            ));
+        }
+        if !fp8_written && (kc8[at] != POISON || vc8[at] != POISON) {
+            return Err(format!(
+                "FP8 cache byte {at} written outside the slots ({c:?})"
+            ));
+        }
+    }
+    Ok(worst)
+}
