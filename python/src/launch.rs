@@ -518,8 +518,9 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     //   producer's own shape and strides, ending after the last addressed element, with the
     //   producer's element type (outputs and k checked to have q's);
     // - the capsules (or, through the exchange API, the tensor objects) in `held` keep the
-    //   producers' tensors alive until this returns, after the launch is enqueued; after that, keeping them allocated until the kernel finishes on
-    //   `stream` is the caller's promise (PyTorch's allocator reuses memory in the order of
+    //   producers' tensors alive until this returns, after the launch is enqueued; after
+    //   that, keeping them allocated until the kernel finishes on `stream` is the caller's
+    //   promise (PyTorch's allocator reuses memory in the order of
     //   the tensor's stream, or after `record_stream`); `_frequencies` and the prepared
     //   vectors are pinned by `shared`, never freed;
     // - the producers made `stream` wait for the work that wrote the tensors (`__dlpack__`'s

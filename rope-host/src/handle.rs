@@ -146,12 +146,14 @@ impl Rope {
     /// [`crate::Error::Invalid`] naming `theta` or `rotary_dim` as a launch would;
     /// [`crate::Error::Driver`] when the upload fails.
     pub fn prepare(&self, theta: f64, rotary_dim: u32) -> Result<()> {
-        crate::freq::check_default_frequencies(theta, rotary_dim)?;
-        self.pin_default(theta, rotary_dim, || Ok(()))
+        self.pin_default(theta, rotary_dim, || {
+            crate::freq::check_default_frequencies(theta, rotary_dim)
+        })
     }
 
-    /// Pins the checked default frequencies of `theta` for `rotary_dim` features, calling
-    /// `may_upload` before an upload (none when they are pinned already or recent).
+    /// Pins the default frequencies of `theta` for `rotary_dim` features, calling `may_upload`
+    /// (which checks them) before an upload: none when they are pinned already or recent, which
+    /// were checked when they were uploaded.
     pub(crate) fn pin_default(
         &self,
         theta: f64,

@@ -91,7 +91,8 @@ pub fn on_stream(stream: &Arc<CudaStream>) -> Result<Arc<Rope>> {
 }
 
 /// Pins the default frequencies of `theta` for `rotary_dim` features on `rope`
-/// ([`Rope::prepare`]) for a launch on `stream`, checking them first.
+/// ([`Rope::prepare`]) for a launch on `stream`, checking them before their upload (pinned
+/// ones were checked then).
 ///
 /// # Safety
 /// `stream` is a live stream of `rope`'s context (it is queried for a capture).
@@ -106,8 +107,8 @@ pub unsafe fn prepare(
     stream: CUstream,
     arg: &'static str,
 ) -> Result<()> {
-    check_default_frequencies(theta, rotary_dim)?;
     rope.pin_default(theta, rotary_dim, || {
+        check_default_frequencies(theta, rotary_dim)?;
         // SAFETY: the caller's promise.
         unsafe { check_not_capturing(rope.stream().context(), stream, arg) }
     })
