@@ -82,6 +82,7 @@ pub use freq::{
 };
 pub use fused::{
     CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
+    RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawQOut, RawQkNorm,
 };
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};

@@ -25,11 +25,13 @@
 //! As [`Rope::run`]: bind, plan (`plan.rs`: validation, access width, grid), encode, launch.
 
 mod plan;
+mod raw;
 mod request;
 mod rows;
 #[cfg(test)]
 mod tests;
 
+use cudarc::driver::sys::CUstream;
 use cudarc::driver::{CudaView, CudaViewMut};
 use rope_kernels::abi::{FormatCode, FusedKernelName, NormCode};
 
@@ -44,6 +46,9 @@ use crate::plan::TensorReq;
 use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};
 use plan::{FusedPlan, plan_fused};
+pub use raw::{
+    RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawQOut, RawQkNorm,
+};
 use request::{FusedRequest, RawCache, RawNorm, RawScale};
 use rows::RowsLaunch;
 
@@ -273,17 +278,24 @@ impl Rope {
         let req = bind(&mut binder, op, &mut io, cache.as_mut())?;
         // SAFETY: the stream is the `Rope`'s; the binder checked every view's context and
         // holds its length; the guards, dropped after the launch, order later uses after it.
-        unsafe { self.launch_fused(&req, FreqUse::OwnStream) }?;
+        unsafe { self.launch_fused(&req, self.stream.cu_stream(), FreqUse::OwnStream) }?;
         drop(binder);
         Ok(())
     }
 
-    /// Plans, encodes and launches a fused request on the handle's stream.
+    /// Plans, encodes and launches a fused request on `stream` (the handle's own, or another:
+    /// `on`).
     ///
     /// # Safety
     /// Every address of `req` is device memory of this context holding the length given,
-    /// alive and not used by others until the kernel has finished on the stream.
-    unsafe fn launch_fused(&self, req: &FusedRequest, on: FreqUse) -> Result<()> {
+    /// alive and not used by others until the kernel has finished on `stream`, a live stream
+    /// of this context.
+    pub(crate) unsafe fn launch_fused(
+        &self,
+        req: &FusedRequest,
+        stream: CUstream,
+        on: FreqUse,
+    ) -> Result<()> {
         let module = &self.module;
         let blocks = |k: FusedKernelName| module.blocks_per_sm(k.symbol());
         let rows_blocks = |k: FusedKernelName, l: &RowsLaunch| {
@@ -319,7 +331,7 @@ impl Rope {
                 self.stream.context(),
                 &function,
                 plan.grid.config,
-                self.stream.cu_stream(),
+                stream,
                 self.overlap_for(plan.kernel.symbol()),
             )
         }
