@@ -10,7 +10,9 @@ launch reads (q and k), timed the same way, interleaved with it. A ratio near 1 
 moves its bytes as fast as a copy, so the Python path adds no GPU time. Host time: the wall time
 per call of ``--reps`` back-to-back calls from Python (the GPU is never the bottleneck there:
 each call enqueues one short kernel), for ``rope_rs.apply_rope``, for the native call under it
-with everything precomputed, and for ``copy_``.
+with everything precomputed, and for ``copy_``; the same for the serving drop-ins (vLLM's
+``fused_qk_norm_rope`` and ``rotary_embedding`` with a cache write, SGLang's rotation with
+``fused_set_kv_buffer_arg``) at decode and prefill.
 """
 
 import argparse
@@ -80,6 +82,11 @@ def cases():
         lambda: rope_rs.rotary_embedding(positions, query, key, 128, cache, True),
         lambda: _native.rotary_embedding(positions, query, key, 128, cache, True, stream=stream, producer_sync=False),
     )
+    # The serving drop-ins at decode: a packed QKV of 64 tokens, vLLM's paged cache (bf16,
+    # 16-token blocks) and SGLang's token pool. "Tensors" are what the copy moves: q and k, plus
+    # k and v again for the cache write.
+    yield from serving_cases(64, stream)
+    yield from serving_cases(4096, stream)
     # Prefill: one sequence of 4096 tokens.
     q, k = torch.randn(1, 4096, 32, 128, device=dev, dtype=bf16), torch.randn(1, 4096, 8, 128, device=dev, dtype=bf16)
     yield (
@@ -110,6 +117,51 @@ def cases():
     )
 
 
+def serving_cases(tokens, stream):
+    """The serving drop-ins on `tokens` tokens of 32 q and 8 kv heads of 128 (bf16)."""
+    dev, bf16, t, hq, hk, d = "cuda", torch.bfloat16, tokens, 32, 8, 128
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device=dev, dtype=bf16)
+    query, key, value = qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d], qkv[:, (hq + hk) * d :]
+    w = torch.ones(d, device=dev, dtype=bf16)
+    cache = torch.randn(8192, d, device=dev, dtype=torch.float32)
+    positions = torch.randint(0, 8192, (t,), device=dev)
+    blocks = (t + 15) // 16 + 8
+    key_cache = torch.zeros(blocks, 16, hk, d, device=dev, dtype=bf16)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(blocks * 16, device=dev)[:t]
+    pool = torch.zeros(blocks * 16, hk * d, device=dev, dtype=bf16)
+    v_pool = torch.zeros_like(pool)
+    step = "decode b64" if t == 64 else f"prefill {t} tok"
+    cached = dict(key_cache=key_cache, value_cache=value_cache, slot_mapping=slots)
+    norm_args = (qkv, hq, hk, hk, d, 1e-6, w, w, cache, True, positions)
+    yield (
+        f"{step}, vLLM fused_qk_norm_rope",
+        (query, key),
+        lambda: rope_rs.fused_qk_norm_rope(*norm_args),
+        lambda: _native.fused_qk_norm_rope(*norm_args, stream=stream, producer_sync=False),
+    )
+    yield (
+        f"{step}, vLLM fused_qk_norm_rope + paged cache write",
+        (query, key, key, value),
+        lambda: rope_rs.fused_qk_norm_rope(*norm_args, **cached),
+        lambda: _native.fused_qk_norm_rope(*norm_args, **cached, stream=stream, producer_sync=False),
+    )
+    rope_args = (positions, query, key, d, cache, True)
+    yield (
+        f"{step}, vLLM rotary_embedding + paged cache write",
+        (query, key, key, value),
+        lambda: rope_rs.rotary_embedding(*rope_args, value=value, **cached),
+        lambda: _native.rotary_embedding(*rope_args, value=value, **cached, stream=stream, producer_sync=False),
+    )
+    arg = rope_rs.FusedSetKVBufferArg(value, pool, v_pool, None, None, slots)
+    yield (
+        f"{step}, SGLang rope + fused_set_kv_buffer",
+        (query, key, key, value),
+        lambda: rope_rs.apply_rope_with_cos_sin_cache_inplace(*rope_args, arg),
+        lambda: _native.apply_rope_with_cos_sin_cache_inplace(*rope_args, arg, stream=stream, producer_sync=False),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=200)
@@ -120,7 +172,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     flush = torch.empty(2 * props.L2_cache_size // 4 + 1, device="cuda", dtype=torch.float32)
     print(f"{props.name}, torch {torch.__version__}, rope_rs {rope_rs.__version__}; median of {args.reps} launches")
-    header = ("case", "rope µs", "copy µs", "ratio", "rope GB/s", "host µs: apply_rope", "native", "copy_")
+    header = ("case", "rope µs", "copy µs", "ratio", "rope GB/s", "host µs: rope_rs call", "native", "copy_")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     rows = []
     for name, tensors, call, native in cases():

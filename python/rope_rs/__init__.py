@@ -11,12 +11,15 @@ come from ``torch.empty_like``, autograd and ``torch.compile`` work (see ``rope_
     q_rot, k_rot = rope_rs.apply_rope(q, k, theta=500000.0)   # new tensors
     rope_rs.apply_rope(q, k, theta=500000.0, inplace=True)     # rotates q and k themselves
 
-Drop-ins, a one-line change from the original: ``rotary_embedding`` (vLLM),
-``apply_rope_with_cos_sin_cache_inplace`` (FlashInfer) and ``apply_rotary_pos_emb`` (Hugging Face).
-``frequencies`` shows the frequencies a call computes sin/cos from.
+Drop-ins, a one-line change from the original: ``rotary_embedding`` and ``fused_qk_norm_rope``
+(vLLM; both also write vLLM's paged KV cache in the same launch when given one),
+``apply_rope_with_cos_sin_cache_inplace`` (FlashInfer's, and SGLang's with its
+``FusedSetKVBufferArg``) and ``apply_rotary_pos_emb`` (Hugging Face). ``frequencies`` shows the
+frequencies a call computes sin/cos from.
 """
 
 import sys
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 from rope_rs import _native
@@ -24,10 +27,12 @@ from rope_rs._native import __version__, frequencies
 
 __all__ = [
     "__version__",
+    "FusedSetKVBufferArg",
     "apply_rope",
     "apply_rope_with_cos_sin_cache_inplace",
     "apply_rotary_pos_emb",
     "frequencies",
+    "fused_qk_norm_rope",
     "rotary_embedding",
 ]
 
@@ -245,6 +250,13 @@ def _direct(
     return None if current is None else (current, False)
 
 
+def _compiling(x: Any) -> Any:
+    """The torch module when `x` is a ``torch.Tensor`` traced by ``torch.compile`` (the call must
+    go through a custom operator of ``rope_rs.torch``), else None."""
+    torch = _torch_of(x)
+    return torch if torch is not None and torch.compiler.is_compiling() else None
+
+
 def rotary_embedding(
     positions: Any,
     query: Any,
@@ -253,24 +265,72 @@ def rotary_embedding(
     cos_sin_cache: Any,
     is_neox: bool,
     *,
+    value: Any = None,
+    key_cache: Any = None,
+    value_cache: Any = None,
+    slot_mapping: Any = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
     stream: Optional[int] = None,
     pdl: bool = False,
 ) -> None:
     """vLLM's ``rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)``:
-    rotates query and key in place.
+    rotates query and key in place; with ``key_cache``, ``value_cache`` and ``slot_mapping`` it
+    also writes the rotated key and ``value`` into vLLM's paged KV cache in the same launch
+    (what ``reshape_and_cache_flash`` does after the rotation).
 
     ``positions``: int32/int64 ``[num_tokens]``; ``query`` and ``key``: ``[num_tokens,
     num_heads * head_size]`` (or ``[num_tokens, num_heads, head_size]``), any row stride, a
-    contiguous last dimension; ``key`` may be None; ``cos_sin_cache``: ``[max_position,
-    rotary_dim]``, cos half then sin half, float32 or query's dtype; ``is_neox``: rotate-half
-    pairs, else interleaved. The first ``rotary_dim`` features of each head rotate. Launched on
-    ``stream``, by default PyTorch's current stream (as vLLM's op); ``pdl`` as in
-    ``apply_rope``. Raises as ``apply_rope``.
+    contiguous last dimension (views of one QKV tensor are fine); ``key`` may be None without a
+    cache; ``cos_sin_cache``: ``[max_position, rotary_dim]``, cos half then sin half, float32 or
+    query's dtype; ``is_neox``: rotate-half pairs, else interleaved. The first ``rotary_dim``
+    features of each head rotate.
+
+    Cache write: ``value`` like key; ``key_cache`` and ``value_cache`` ``[num_blocks,
+    block_size, num_kv_heads, head_size]`` (vLLM's layout, any strides with contiguous heads,
+    the same for both); token ``t`` goes to row ``slot_mapping[t] % block_size`` of block
+    ``slot_mapping[t] // block_size``, a negative slot writes nothing. ``kv_cache_dtype``
+    ``"auto"`` stores query's dtype, ``"fp8"``/``"fp8_e4m3"`` FP8 E4M3 of ``x / k_scale`` and
+    ``x / v_scale`` (float32 tensors, one element or one per kv head) into uint8 or
+    float8_e4m3fn caches. With a cache the whole head rotates.
+
+    Launched on ``stream``, by default PyTorch's current stream (as vLLM's op); ``pdl`` as in
+    ``apply_rope``. Under ``torch.compile`` it is the custom operator
+    ``torch.ops.rope_rs.rotary_embedding_``. Raises as ``apply_rope``.
     """
+    torch = _compiling(query)
+    if torch is not None:
+        from rope_rs import torch as _ops  # noqa: F401 (registers the operators)
+
+        torch.ops.rope_rs.rotary_embedding_(
+            positions, query, key, head_size, cos_sin_cache, is_neox, value, key_cache, value_cache,
+            slot_mapping, kv_cache_dtype, k_scale, v_scale, pdl,
+        )
+        return
     stream, sync = _stream(query, stream)
     _native.rotary_embedding(
-        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync, pdl=pdl
+        positions, query, key, head_size, cos_sin_cache, is_neox, value=value, key_cache=key_cache,
+        value_cache=value_cache, slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+        v_scale=v_scale, stream=stream, producer_sync=sync, pdl=pdl,
     )
+
+
+@dataclass
+class FusedSetKVBufferArg:
+    """SGLang's ``FusedSetKVBufferArg``: what :func:`apply_rope_with_cos_sin_cache_inplace`
+    writes into the token pool beside the rotation. ``value``: ``[num_tokens, num_kv_heads *
+    head_size]``; ``k_buffer``, ``v_buffer``: ``[pool_size, num_kv_heads * head_size]`` (or 3-D),
+    of the tensors' dtype; ``cache_loc``: int64/int32 ``[num_tokens]``, the pool row of each
+    token (negative: not written); ``k_scale`` and ``v_scale`` must be None. SGLang's own class
+    works as well (any object with these attributes)."""
+
+    value: Any
+    k_buffer: Any
+    v_buffer: Any
+    k_scale: Optional[float]
+    v_scale: Optional[float]
+    cache_loc: Any
 
 
 def apply_rope_with_cos_sin_cache_inplace(
@@ -280,21 +340,97 @@ def apply_rope_with_cos_sin_cache_inplace(
     head_size: int,
     cos_sin_cache: Any,
     is_neox: bool = True,
+    fused_set_kv_buffer_arg: Any = None,
+    enable_pdl: bool = False,
     *,
     stream: Optional[int] = None,
     pdl: bool = False,
 ) -> None:
     """FlashInfer's ``apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size,
-    cos_sin_cache, is_neox=True)``: rotates query ``[nnz, num_q_heads * head_size]`` and key
-    ``[nnz, num_k_heads * head_size]`` in place at ``positions`` ``[nnz]`` with
-    ``cos_sin_cache`` ``[max_seq_len, rotary_dim]`` (cosines, then sines; FlashInfer requires
-    float32, rope-rs also takes query's dtype). The same operation as vLLM's
-    :func:`rotary_embedding`; launched on PyTorch's current stream unless ``stream`` is given
-    (``pdl`` as in ``apply_rope``).
+    cos_sin_cache, is_neox=True)`` and SGLang's, which adds ``fused_set_kv_buffer_arg`` and
+    ``enable_pdl``: rotates query ``[nnz, num_q_heads * head_size]`` and key ``[nnz,
+    num_k_heads * head_size]`` in place at ``positions`` ``[nnz]`` with ``cos_sin_cache``
+    ``[max_seq_len, rotary_dim]`` (cosines, then sines; the peers require float32, rope-rs also
+    takes query's dtype), as :func:`rotary_embedding`. With ``fused_set_kv_buffer_arg``
+    (:class:`FusedSetKVBufferArg`, or SGLang's), the rotated key and its ``value`` go into row
+    ``cache_loc[t]`` of ``k_buffer`` and ``v_buffer`` in the same launch (the whole head
+    rotates then). Launched on PyTorch's current stream unless ``stream`` is given;
+    ``enable_pdl`` (or ``pdl``) as ``pdl`` in ``apply_rope``. Under ``torch.compile`` it is
+    ``torch.ops.rope_rs.rotary_embedding_``.
     """
+    pdl = pdl or enable_pdl
+    a = fused_set_kv_buffer_arg
+    torch = _compiling(query)
+    if torch is not None:
+        if a is not None and (a.k_scale is not None or a.v_scale is not None):
+            raise ValueError("fused_set_kv_buffer_arg.k_scale must be None (as in SGLang's kernel)")
+        rotary_embedding(
+            positions, query, key, head_size, cos_sin_cache, is_neox,
+            value=None if a is None else a.value,
+            key_cache=None if a is None else a.k_buffer,
+            value_cache=None if a is None else a.v_buffer,
+            slot_mapping=None if a is None else a.cache_loc,
+            pdl=pdl,
+        )
+        return
     stream, sync = _stream(query, stream)
-    _native.rotary_embedding(
-        positions, query, key, head_size, cos_sin_cache, is_neox, stream=stream, producer_sync=sync, pdl=pdl
+    _native.apply_rope_with_cos_sin_cache_inplace(
+        positions, query, key, head_size, cos_sin_cache, is_neox, a, stream=stream, producer_sync=sync, pdl=pdl
+    )
+
+
+def fused_qk_norm_rope(
+    qkv: Any,
+    num_heads_q: int,
+    num_heads_k: int,
+    num_heads_v: int,
+    head_dim: int,
+    eps: float,
+    q_weight: Any,
+    k_weight: Any,
+    cos_sin_cache: Any,
+    is_neox: bool,
+    position_ids: Any,
+    *,
+    key_cache: Any = None,
+    value_cache: Any = None,
+    slot_mapping: Any = None,
+    kv_cache_dtype: str = "auto",
+    k_scale: Any = None,
+    v_scale: Any = None,
+    stream: Optional[int] = None,
+    pdl: bool = False,
+) -> None:
+    """vLLM's ``fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
+    q_weight, k_weight, cos_sin_cache, is_neox, position_ids)``: in place on the packed ``qkv``
+    ``[num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim]``, every q and k head is
+    RMS-normalised, ``x / sqrt(mean(x**2) + eps) * weight`` (``q_weight``, ``k_weight``:
+    ``[head_dim]`` of qkv's dtype), then rotated at ``position_ids`` ``[num_tokens]``
+    (int32/int64) with ``cos_sin_cache`` ``[max_position, head_dim]``; computed in float32 and
+    rounded once. v is left as it is; the whole head rotates.
+
+    With ``key_cache``, ``value_cache`` and ``slot_mapping`` (and ``kv_cache_dtype``,
+    ``k_scale``, ``v_scale``), the normalised, rotated k and the v heads also go into vLLM's
+    paged KV cache in the same launch, as :func:`rotary_embedding` describes.
+
+    Launched on ``stream``, by default PyTorch's current stream; ``pdl`` as in ``apply_rope``.
+    Under ``torch.compile`` it is ``torch.ops.rope_rs.fused_qk_norm_rope_``. Raises as
+    ``apply_rope``.
+    """
+    torch = _compiling(qkv)
+    if torch is not None:
+        from rope_rs import torch as _ops  # noqa: F401 (registers the operators)
+
+        torch.ops.rope_rs.fused_qk_norm_rope_(
+            qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
+            is_neox, position_ids, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, pdl,
+        )
+        return
+    stream, sync = _stream(qkv, stream)
+    _native.fused_qk_norm_rope(
+        qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
+        position_ids, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, stream=stream, producer_sync=sync, pdl=pdl,
     )
 
 

@@ -57,13 +57,64 @@ def rotary_embedding(
     cos_sin_cache: Any,
     is_neox: bool,
     *,
+    value: Optional[Any] = None,
+    key_cache: Optional[Any] = None,
+    value_cache: Optional[Any] = None,
+    slot_mapping: Optional[Any] = None,
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto",
+    k_scale: Optional[Any] = None,
+    v_scale: Optional[Any] = None,
     stream: int = 0,
     producer_sync: bool = True,
     pdl: bool = False,
 ) -> None:
     """vLLM's ``rotary_embedding``: rotates query and key ``[num_tokens, num_heads * head_size]``
     in place at ``positions`` ``[num_tokens]`` with ``cos_sin_cache`` ``[max_position,
-    rotary_dim]``."""
+    rotary_dim]``; with ``key_cache``, ``value_cache`` (``[num_blocks, block_size, kv_heads,
+    head_size]``) and ``slot_mapping`` also writes the rotated key and ``value`` into them."""
+
+def apply_rope_with_cos_sin_cache_inplace(
+    positions: Any,
+    query: Any,
+    key: Optional[Any],
+    head_size: int,
+    cos_sin_cache: Any,
+    is_neox: bool = True,
+    fused_set_kv_buffer_arg: Optional[Any] = None,
+    *,
+    stream: int = 0,
+    producer_sync: bool = True,
+    pdl: bool = False,
+) -> None:
+    """SGLang's (and FlashInfer's) ``apply_rope_with_cos_sin_cache_inplace``: as
+    ``rotary_embedding``, and with ``fused_set_kv_buffer_arg`` (``value``, ``k_buffer``,
+    ``v_buffer``, ``cache_loc``) writes the rotated key and value into pool rows ``cache_loc``."""
+
+def fused_qk_norm_rope(
+    qkv: Any,
+    num_heads_q: int,
+    num_heads_k: int,
+    num_heads_v: int,
+    head_dim: int,
+    eps: float,
+    q_weight: Any,
+    k_weight: Any,
+    cos_sin_cache: Any,
+    is_neox: bool,
+    position_ids: Any,
+    *,
+    key_cache: Optional[Any] = None,
+    value_cache: Optional[Any] = None,
+    slot_mapping: Optional[Any] = None,
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto",
+    k_scale: Optional[Any] = None,
+    v_scale: Optional[Any] = None,
+    stream: int = 0,
+    producer_sync: bool = True,
+    pdl: bool = False,
+) -> None:
+    """vLLM's ``fused_qk_norm_rope``: RMS-normalises and rotates the q and k heads of the packed
+    ``qkv`` in place; with a cache, also writes k and v into it."""
 
 def frequencies(
     head_dim: int,

@@ -10,7 +10,11 @@ What it adds to the native call for ``torch.Tensor`` arguments:
 - the custom operators ``torch.ops.rope_rs.rope``/``rope_qk`` (out of place, with autograd) and
   ``rope_``/``rope_qk_`` (in place), each with a fake implementation, used by :func:`apply_rope`
   under ``torch.compile``;
-- :func:`apply_rotary_pos_emb`, Hugging Face's function of the same name on rope-rs's kernels.
+- :func:`apply_rotary_pos_emb`, Hugging Face's function of the same name on rope-rs's kernels;
+- the in-place operators ``torch.ops.rope_rs.rotary_embedding_`` and ``fused_qk_norm_rope_``,
+  which ``rope_rs.rotary_embedding``, ``apply_rope_with_cos_sin_cache_inplace`` and
+  ``fused_qk_norm_rope`` (the serving drop-ins, with their KV-cache writes) become under
+  ``torch.compile``; each marks every tensor it writes (rotated tensors and caches) mutated.
 
 Importing this module registers the custom operators, which imports ``torch.compile``'s
 machinery (seconds in a fresh process). ``rope_rs.apply_rope`` does not import it for eager
@@ -34,6 +38,7 @@ from typing import Any, List, Optional, Tuple, get_type_hints
 import torch
 from torch import Tensor
 
+from rope_rs import _native
 from rope_rs._torch_eager import (
     _TENSOR_FIELDS,
     Options,
@@ -42,6 +47,7 @@ from rope_rs._torch_eager import (
     _launch,
     _rotated,
     _scaling_json,
+    _stream,
     apply_rope,
     apply_rotary_pos_emb,
     options,
@@ -153,3 +159,72 @@ def _rope_qk_backward(ctx: Any, grad_q: Optional[Tensor], grad_k: Optional[Tenso
 
 rope_op.register_autograd(_rope_backward, setup_context=_setup_context)
 rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_setup_context)
+
+
+# The serving drop-ins (rope_rs.rotary_embedding, apply_rope_with_cos_sin_cache_inplace and
+# fused_qk_norm_rope) under torch.compile: in place, each written tensor marked mutated (the
+# rotated ones and the caches), launched on the current stream of the first tensor's device.
+_CACHE_SCHEMA = (
+    "Tensor(c!)? key_cache, Tensor(d!)? value_cache, Tensor? slot_mapping, str kv_cache_dtype, "
+    "Tensor? k_scale, Tensor? v_scale, bool pdl"
+)
+
+
+def _rotary_embedding_impl(
+    positions: Tensor, query: Tensor, key: Optional[Tensor], head_size: int, cos_sin_cache: Tensor,
+    is_neox: bool, value: Optional[Tensor], key_cache: Optional[Tensor], value_cache: Optional[Tensor],
+    slot_mapping: Optional[Tensor], kv_cache_dtype: str, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+    pdl: bool,
+) -> None:
+    with torch.cuda.device(query.device):
+        _native.rotary_embedding(
+            positions, query, key, head_size, cos_sin_cache, is_neox, value=value, key_cache=key_cache,
+            value_cache=value_cache, slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+            v_scale=v_scale, stream=_stream(query), producer_sync=False, pdl=pdl,
+        )
+
+
+def _fused_qk_norm_rope_impl(
+    qkv: Tensor, num_heads_q: int, num_heads_k: int, num_heads_v: int, head_dim: int, eps: float,
+    q_weight: Tensor, k_weight: Tensor, cos_sin_cache: Tensor, is_neox: bool, position_ids: Tensor,
+    key_cache: Optional[Tensor], value_cache: Optional[Tensor], slot_mapping: Optional[Tensor],
+    kv_cache_dtype: str, k_scale: Optional[Tensor], v_scale: Optional[Tensor], pdl: bool,
+) -> None:
+    with torch.cuda.device(qkv.device):
+        _native.fused_qk_norm_rope(
+            qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
+            position_ids, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, stream=_stream(qkv),
+            producer_sync=False, pdl=pdl,
+        )
+
+
+rotary_embedding_op = torch.library.custom_op(
+    "rope_rs::rotary_embedding_",
+    _rotary_embedding_impl,
+    mutates_args=("query", "key", "key_cache", "value_cache"),
+    schema=(
+        "(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, Tensor cos_sin_cache, "
+        f"bool is_neox, Tensor? value, {_CACHE_SCHEMA}) -> ()"
+    ),
+)
+fused_qk_norm_rope_op = torch.library.custom_op(
+    "rope_rs::fused_qk_norm_rope_",
+    _fused_qk_norm_rope_impl,
+    mutates_args=("qkv", "key_cache", "value_cache"),
+    schema=(
+        "(Tensor(a!) qkv, int num_heads_q, int num_heads_k, int num_heads_v, int head_dim, float eps, "
+        "Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, bool is_neox, Tensor position_ids, "
+        f"{_CACHE_SCHEMA}) -> ()"
+    ),
+)
+
+
+@rotary_embedding_op.register_fake
+def _(*args: Any) -> None:
+    return None
+
+
+@fused_qk_norm_rope_op.register_fake
+def _(*args: Any) -> None:
+    return None

@@ -4,7 +4,7 @@
 
 use std::ffi::c_void;
 
-use rope_host::{DType, Layout, RawBuf, RawInts, RawTensor, TableShape};
+use rope_host::{CacheLayout, DType, Layout, RawBuf, RawFp8Scale, RawInts, RawTensor, TableShape};
 
 /// `kDLCUDA`: memory of a CUDA device.
 pub const DL_CUDA: i32 = 2;
@@ -89,6 +89,10 @@ pub enum Elem {
     I32,
     /// `int64`.
     I64,
+    /// `uint8` (FP8 caches stored as bytes, as vLLM allocates them).
+    U8,
+    /// `float8_e4m3fn` (FP8 E4M3 caches and outputs).
+    E4m3,
 }
 
 impl Elem {
@@ -100,6 +104,8 @@ impl Elem {
             (2, 64, 1) => Some(Self::F64),
             (0, 32, 1) => Some(Self::I32),
             (0, 64, 1) => Some(Self::I64),
+            (1, 8, 1) => Some(Self::U8),
+            (10, 8, 1) => Some(Self::E4m3),
             _ => None,
         }
     }
@@ -113,6 +119,8 @@ impl Elem {
             Self::F64 => "float64",
             Self::I32 => "int32",
             Self::I64 => "int64",
+            Self::U8 => "uint8",
+            Self::E4m3 => "float8_e4m3fn",
         }
     }
 
@@ -122,8 +130,13 @@ impl Elem {
             Self::F32 => Some(DType::F32),
             Self::F16 => Some(DType::F16),
             Self::BF16 => Some(DType::BF16),
-            Self::F64 | Self::I32 | Self::I64 => None,
+            Self::F64 | Self::I32 | Self::I64 | Self::U8 | Self::E4m3 => None,
         }
+    }
+
+    /// Whether FP8 E4M3 bytes are stored in it (`uint8` or `float8_e4m3fn`).
+    pub fn fp8_bytes(self) -> bool {
+        matches!(self, Self::U8 | Self::E4m3)
     }
 }
 
@@ -526,6 +539,120 @@ pub fn inv_freq(d: &Dense, arg: &str) -> Result<(RawBuf, u32), ArgError> {
     Ok((RawBuf { ptr: d.ptr, len: n }, rotary_dim))
 }
 
+/// A contiguous vector of `n` elements of type `elem` (normalisation weights `[head_dim]`).
+///
+/// # Errors
+/// [`ArgError::Value`] for another type or element count, or a non-contiguous tensor.
+pub fn vector(d: &Dense, arg: &str, elem: Elem, n: usize) -> Result<RawBuf, ArgError> {
+    if d.elem != elem {
+        return Err(ArgError::Value(format!(
+            "{arg} must be {} (the tensors' type), got {}",
+            elem.name(),
+            d.elem.name()
+        )));
+    }
+    let len: usize = d.shape.iter().product();
+    if len != n || d.shape.len() != 1 {
+        return Err(ArgError::Value(format!(
+            "{arg} must be [{n}], got shape {:?}",
+            d.shape
+        )));
+    }
+    require_contiguous(d, arg)?;
+    Ok(RawBuf { ptr: d.ptr, len })
+}
+
+/// An FP8 scale on the device: a contiguous `float32` tensor of one element (per tensor) or one
+/// per head (rope-host checks the count against the heads).
+///
+/// # Errors
+/// [`ArgError::Value`] for another type, no element, or a non-contiguous tensor.
+pub fn fp8_scale(d: &Dense, arg: &str) -> Result<RawFp8Scale, ArgError> {
+    if d.elem != Elem::F32 {
+        return Err(ArgError::Value(format!(
+            "{arg} must be float32, got {}",
+            d.elem.name()
+        )));
+    }
+    require_contiguous(d, arg)?;
+    let buf = RawBuf {
+        ptr: d.ptr,
+        len: d.shape.iter().product(),
+    };
+    match buf.len {
+        0 => Err(ArgError::Value(format!("{arg} is empty"))),
+        1 => Ok(RawFp8Scale::PerTensor(buf)),
+        _ => Ok(RawFp8Scale::PerHead(buf)),
+    }
+}
+
+/// A KV cache (one of k's and v's) and its layout: vLLM's paged
+/// `[num_blocks, block_size, kv_heads, head_size]` (4-D, any strides, slot `s` at row
+/// `s % block_size` of block `s / block_size`), or a token pool `[slots, kv_heads * head_size]`
+/// or `[slots, kv_heads, head_size]` (SGLang's, slot `s` at row `s`). Returns the buffer, in
+/// elements of the cache's type, and the layout.
+///
+/// # Errors
+/// [`ArgError::Value`] for another rank, rows not made of whole heads, or a last stride other
+/// than 1.
+pub fn cache(d: &Dense, head_size: usize, arg: &str) -> Result<(RawBuf, CacheLayout), ArgError> {
+    let layout = match (d.shape.as_slice(), d.strides.as_slice()) {
+        (&[blocks, rows, heads, e], &[sb, sr, sh, se]) if se == 1 || e <= 1 => CacheLayout {
+            num_blocks: blocks,
+            block_size: rows,
+            kv_heads: heads,
+            head_dim: e,
+            strides: [sb, sr, sh],
+        },
+        (&[slots, row], &[ss, se]) if se == 1 || row <= 1 => {
+            if head_size == 0 || !row.is_multiple_of(head_size) {
+                return Err(ArgError::Value(format!(
+                    "{arg} rows of {row} elements are not whole heads of {head_size}"
+                )));
+            }
+            CacheLayout {
+                num_blocks: slots,
+                block_size: 1,
+                kv_heads: row / head_size,
+                head_dim: head_size,
+                strides: [ss, ss, head_size],
+            }
+        }
+        (&[slots, heads, e], &[ss, sh, se]) if se == 1 || e <= 1 => CacheLayout {
+            num_blocks: slots,
+            block_size: 1,
+            kv_heads: heads,
+            head_dim: e,
+            strides: [ss, ss, sh],
+        },
+        (&[.., _], &[.., se]) if matches!(d.shape.len(), 2..=4) && se != 1 => {
+            return Err(ArgError::Value(format!(
+                "{arg} must have a contiguous last dimension (stride 1), got strides {:?}",
+                d.strides
+            )));
+        }
+        (shape, _) => {
+            return Err(ArgError::Value(format!(
+                "{arg} must be [num_blocks, block_size, num_kv_heads, head_size] or \
+                 [num_slots, num_kv_heads * head_size], got shape {shape:?}"
+            )));
+        }
+    };
+    let empty = d.shape.contains(&0);
+    let len = if empty {
+        0
+    } else {
+        d.shape
+            .iter()
+            .zip(&d.strides)
+            .try_fold(1usize, |end, (&n, &s)| {
+                (n - 1).checked_mul(s).and_then(|x| x.checked_add(end))
+            })
+            .ok_or_else(|| ArgError::Value(format!("{arg} spans more than 2^64 elements")))?
+    };
+    Ok((RawBuf { ptr: d.ptr, len }, layout))
+}
+
 /// `Ok` when `d` is contiguous, else an error naming `arg` with its strides and shape.
 fn require_contiguous(d: &Dense, arg: &str) -> Result<(), ArgError> {
     if is_contiguous(d) {
@@ -806,6 +933,73 @@ mod tests {
             );
             let d = read_fake(&mut fake(&[0], None, f64), "inv_freq").expect("valid");
             is_value(inv_freq(&d, "inv_freq"), "rotary_dim, twice that");
+        }
+
+        #[test]
+        fn paged_caches_keep_their_strides_and_pools_are_one_row_blocks() {
+            // vLLM's key cache, a view of [2, blocks=3, rows=16, heads=2, d=8] (k's half).
+            let d = read_fake(
+                &mut fake(&[3, 16, 2, 8], Some(&[512, 16, 8, 1]), BF16),
+                "key_cache",
+            )
+            .expect("valid");
+            let (buf, l) = cache(&d, 8, "key_cache").expect("valid");
+            assert_eq!(
+                (l.num_blocks, l.block_size, l.kv_heads, l.head_dim),
+                (3, 16, 2, 8)
+            );
+            assert_eq!(l.strides, [512, 16, 8]);
+            assert_eq!(buf.len, 2 * 512 + 15 * 16 + 8 + 8);
+            // SGLang's pool [slots, heads * d]: slot s is block s.
+            let d = read_fake(&mut fake(&[100, 16], None, BF16), "k_buffer").expect("valid");
+            let (buf, l) = cache(&d, 8, "k_buffer").expect("valid");
+            assert_eq!(
+                (l.num_blocks, l.block_size, l.kv_heads, l.head_dim),
+                (100, 1, 2, 8)
+            );
+            assert_eq!((l.strides, buf.len), ([16, 16, 8], 1600));
+            is_value(cache(&d, 6, "k_buffer"), "not whole heads of 6");
+            let d = read_fake(
+                &mut fake(&[3, 16, 2, 8], Some(&[512, 16, 16, 2]), BF16),
+                "v",
+            )
+            .expect("valid");
+            is_value(cache(&d, 8, "v"), "v must have a contiguous last dimension");
+            let d = read_fake(&mut fake(&[8], None, BF16), "v").expect("valid");
+            is_value(cache(&d, 8, "v"), "v must be [num_blocks, block_size");
+        }
+
+        #[test]
+        fn weights_and_scales_are_checked() {
+            let d = read_fake(&mut fake(&[64], None, BF16), "q_weight").expect("valid");
+            assert_eq!(
+                vector(&d, "q_weight", Elem::BF16, 64).expect("valid").len,
+                64
+            );
+            is_value(
+                vector(&d, "q_weight", Elem::BF16, 128),
+                "q_weight must be [128]",
+            );
+            is_value(vector(&d, "q_weight", Elem::F32, 64), "must be float32");
+            let d = read_fake(&mut fake(&[1], None, F32), "k_scale").expect("valid");
+            assert!(matches!(
+                fp8_scale(&d, "k_scale"),
+                Ok(RawFp8Scale::PerTensor(_))
+            ));
+            let d = read_fake(&mut fake(&[8], None, F32), "k_scale").expect("valid");
+            assert!(matches!(
+                fp8_scale(&d, "k_scale"),
+                Ok(RawFp8Scale::PerHead(_))
+            ));
+            let d = read_fake(&mut fake(&[1], None, BF16), "k_scale").expect("valid");
+            is_value(fp8_scale(&d, "k_scale"), "k_scale must be float32");
+            let e4m3 = DLDataType {
+                code: 10,
+                bits: 8,
+                lanes: 1,
+            };
+            let d = read_fake(&mut fake(&[4], None, e4m3), "key_cache").expect("valid");
+            assert!(d.elem.fp8_bytes() && d.elem.float().is_none());
         }
 
         #[test]

@@ -15,15 +15,15 @@ use pyo3::types::PyDict;
 use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
     AngleMode, ConfigBase, ConfigValue, ContextParallel, DType, Direction, Error, Frequencies,
-    FrequencySpec, IdsShape, RawBuf, RawIo, RawOp, RawPositions, RawSinCos, RawTensor, RawTensors,
-    Rope, RopeConfig, RopeStyle, StreamOverlap, shared,
+    FrequencySpec, IdsShape, Layout, RawBuf, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
+    RawTensors, Rope, RopeConfig, RopeStyle, StreamOverlap, shared,
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
 use crate::exchange;
 
 /// The process's [`Rope`] for CUDA device `device` with `overlap` ([`shared::primary`]).
-fn rope_for(device: i32, overlap: StreamOverlap) -> PyResult<Arc<Rope>> {
+pub(crate) fn rope_for(device: i32, overlap: StreamOverlap) -> PyResult<Arc<Rope>> {
     let ordinal = usize::try_from(device)
         .map_err(|_| PyValueError::new_err(format!("invalid CUDA device {device}")))?;
     shared::primary(ordinal, overlap).map_err(|e| PyRuntimeError::new_err(e.to_string()))
@@ -45,6 +45,9 @@ pub(crate) struct Names {
     pub positions: &'static str,
     /// `sincos`.
     pub sincos: &'static str,
+    /// Any other rope-host argument's Python name (the fused launches': `v`, `norm.q_weight`,
+    /// `cache.k`, ...), consulted first.
+    pub other: &'static [(&'static str, &'static str)],
 }
 
 impl Names {
@@ -56,9 +59,14 @@ impl Names {
         k_out: "k_out",
         positions: "positions",
         sincos: "theta",
+        other: &[],
     };
 
-    fn python(&self, arg: &'static str) -> &'static str {
+    /// The Python name of rope-host's argument `arg`.
+    pub(crate) fn python_name(&self, arg: &'static str) -> &'static str {
+        if let Some((_, name)) = self.other.iter().find(|(a, _)| *a == arg) {
+            return name;
+        }
         match arg {
             "q" => self.q,
             "q.output" => self.out,
@@ -78,10 +86,10 @@ impl Names {
     pub fn host_error(&self, e: Error) -> PyErr {
         match e {
             Error::Invalid { arg, problem } => {
-                PyValueError::new_err(format!("{}: {problem}", self.python(arg)))
+                PyValueError::new_err(format!("{}: {problem}", self.python_name(arg)))
             }
             Error::WrongType { arg, problem } => {
-                PyTypeError::new_err(format!("{}: {problem}", self.python(arg)))
+                PyTypeError::new_err(format!("{}: {problem}", self.python_name(arg)))
             }
             other => PyRuntimeError::new_err(other.to_string()),
         }
@@ -119,9 +127,9 @@ pub(crate) fn arg_error(e: ArgError) -> PyErr {
 /// Through the DLPack C exchange API (`exchange.rs`), `_keep` is the tensor object itself: the
 /// producer's non-owning description stays valid while the object lives, unchanged (the GIL is
 /// held from the read to the launch, so no Python code runs in between).
-struct Borrowed<'py> {
+pub(crate) struct Borrowed<'py> {
     _keep: Bound<'py, PyAny>,
-    dense: Dense,
+    pub(crate) dense: Dense,
 }
 
 /// The `stream=` argument of `__dlpack__` for a launch on `stream`: DLPack's number for it (1
@@ -139,7 +147,11 @@ pub(crate) fn dlpack_stream(stream: u64, producer_sync: bool) -> i64 {
 /// Borrows `obj` (named `arg` in errors): through its type's DLPack C exchange API when it has
 /// one and no synchronization is asked (`dlpack_stream` -1, as the exchange API's "no_sync"
 /// functions do none), else through `__dlpack__(stream=dlpack_stream)`.
-fn borrow<'py>(obj: &Bound<'py, PyAny>, arg: &str, dlpack_stream: i64) -> PyResult<Borrowed<'py>> {
+pub(crate) fn borrow<'py>(
+    obj: &Bound<'py, PyAny>,
+    arg: &str,
+    dlpack_stream: i64,
+) -> PyResult<Borrowed<'py>> {
     if dlpack_stream == -1
         && let Some(api) = exchange::types::api_of(obj)
     {
@@ -353,16 +365,16 @@ pub(crate) struct Launch<'a, 'py> {
 }
 
 /// The borrowed tensors of a launch: alive until it is enqueued.
-struct Held<'py> {
-    dlpack_stream: i64,
-    device: i32,
-    borrowed: Vec<Borrowed<'py>>,
+pub(crate) struct Held<'py> {
+    pub(crate) dlpack_stream: i64,
+    pub(crate) device: i32,
+    pub(crate) borrowed: Vec<Borrowed<'py>>,
 }
 
 impl<'py> Held<'py> {
     /// Borrows `obj` (named `name`), which must be on the launch's device; returns what was
     /// read from it.
-    fn borrow(&mut self, obj: &Bound<'py, PyAny>, name: &str) -> PyResult<&Dense> {
+    pub(crate) fn borrow(&mut self, obj: &Bound<'py, PyAny>, name: &str) -> PyResult<&Dense> {
         let b = borrow(obj, name, self.dlpack_stream)?;
         if b.dense.device_id != self.device {
             return Err(PyValueError::new_err(format!(
@@ -376,7 +388,7 @@ impl<'py> Held<'py> {
 
     /// Borrows a tensor to rotate or write, if given: on q's device, of q's element type
     /// (`elem`, q named `q_name`), read by `view`.
-    fn tensor(
+    pub(crate) fn tensor(
         &mut self,
         obj: Option<&Bound<'py, PyAny>>,
         name: &'static str,
@@ -395,32 +407,52 @@ impl<'py> Held<'py> {
     }
 }
 
-/// q and k for an in-place launch: separate buffers, or, when their address ranges meet (views
-/// of one fused QKV tensor, as PyTorch slices it), one buffer spanning both with each layout
+/// Tensors rotated or read in place as one buffer when their address ranges meet (views of
+/// one fused QKV tensor, as PyTorch slices it): the buffer spanning all of them and each layout
 /// offset into it, so that rope-host checks their disjointness element by element rather than
-/// by address range.
-fn qk_in_place(q: RawTensor, k: RawTensor, es: u64) -> RawTensors {
+/// by address range. `None` when no two meet (or an offset is not a whole element): they are
+/// separate buffers.
+pub(crate) fn one_buffer(tensors: &[RawTensor], es: u64) -> Option<(RawBuf, Vec<Layout>)> {
     let end = |t: &RawTensor| t.buf.ptr + t.buf.len as u64 * es;
-    let meet = q.buf.ptr < end(&k) && k.buf.ptr < end(&q);
-    let base = q.buf.ptr.min(k.buf.ptr);
-    let aligned = (q.buf.ptr - base).is_multiple_of(es) && (k.buf.ptr - base).is_multiple_of(es);
+    let meet = tensors.iter().enumerate().any(|(i, a)| {
+        tensors[i + 1..]
+            .iter()
+            .any(|b| a.buf.ptr < end(b) && b.buf.ptr < end(a))
+    });
+    let base = tensors.iter().map(|t| t.buf.ptr).min()?;
+    let aligned = tensors
+        .iter()
+        .all(|t| (t.buf.ptr - base).is_multiple_of(es));
     if !(meet && aligned) {
-        return RawTensors::Separate {
+        return None;
+    }
+    let last = tensors.iter().map(end).max()?;
+    let layouts = tensors
+        .iter()
+        .map(|t| {
+            let delta = ((t.buf.ptr - base) / es) as usize;
+            t.layout.with_offset(t.layout.offset() + delta)
+        })
+        .collect();
+    let buf = RawBuf {
+        ptr: base,
+        len: ((last - base) / es) as usize,
+    };
+    Some((buf, layouts))
+}
+
+/// q and k for an in-place launch: separate buffers, or one buffer ([`one_buffer`]).
+fn qk_in_place(q: RawTensor, k: RawTensor, es: u64) -> RawTensors {
+    match one_buffer(&[q, k], es) {
+        Some((buf, layouts)) => RawTensors::Packed {
+            buf,
+            q: layouts[0],
+            k: layouts[1],
+        },
+        None => RawTensors::Separate {
             q: RawIo::InPlace(q),
             k: RawIo::InPlace(k),
-        };
-    }
-    let offset = |t: &RawTensor| {
-        let delta = ((t.buf.ptr - base) / es) as usize;
-        t.layout.with_offset(t.layout.offset() + delta)
-    };
-    RawTensors::Packed {
-        buf: RawBuf {
-            ptr: base,
-            len: ((end(&q).max(end(&k)) - base) / es) as usize,
         },
-        q: offset(&q),
-        k: offset(&k),
     }
 }
 
@@ -534,7 +566,7 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
 }
 
 /// Borrows the position tensors and reduces them to rope-host's raw form.
-fn raw_positions<'py>(
+pub(crate) fn raw_positions<'py>(
     p: &PositionsArg<'_, 'py>,
     held: &mut Held<'py>,
     names: &Names,
@@ -588,7 +620,7 @@ fn raw_positions<'py>(
 /// Borrows or uploads the sin/cos source and reduces it to rope-host's raw form, with the
 /// rotary width of the launch (`rotary_dim=`, else what the source serves, else `head_dim`) and
 /// the host-computed frequencies it reads, if any.
-fn raw_sincos<'py>(
+pub(crate) fn raw_sincos<'py>(
     s: SinCosArg<'_, 'py>,
     held: &mut Held<'py>,
     (dtype, elem, head_dim, rotary_dim): (DType, &str, u32, Option<u32>),

@@ -20,6 +20,8 @@
 pub mod dlpack;
 pub mod exchange;
 #[cfg(feature = "python")]
+mod fused;
+#[cfg(feature = "python")]
 mod launch;
 #[cfg(feature = "python")]
 mod native;

@@ -16,6 +16,7 @@ use rope_host::{
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::exchange;
+use crate::fused::{self, CacheArg, CacheType, FusedLaunch, FusedTensors};
 use crate::launch::{
     self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
@@ -387,22 +388,95 @@ fn apply_rope(
     })
 }
 
+/// The cache-write arguments as given: all of `key_cache`, `value_cache` and `slot_mapping`
+/// (named `names` in errors), or none.
+fn cache_arg<'a, 'py>(
+    (key_cache, value_cache, slot_mapping): CacheObjects<'a, 'py>,
+    kv_cache_dtype: &str,
+    (k_scale, v_scale): (Option<&'a Bound<'py, PyAny>>, Option<&'a Bound<'py, PyAny>>),
+    names: [&str; 3],
+) -> PyResult<Option<CacheArg<'a, 'py>>> {
+    let dtype = CacheType::parse(kv_cache_dtype)?;
+    let scales = match (k_scale, v_scale) {
+        (Some(k), Some(v)) => Some((k, v)),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(PyValueError::new_err(
+                "v_scale: given k_scale, give v_scale too",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(PyValueError::new_err(
+                "k_scale: given v_scale, give k_scale too",
+            ));
+        }
+    };
+    match (key_cache, value_cache, slot_mapping) {
+        (Some(key_cache), Some(value_cache), Some(slot_mapping)) => Ok(Some(CacheArg {
+            key_cache,
+            value_cache,
+            slot_mapping,
+            dtype,
+            scales,
+        })),
+        (None, None, None) if scales.is_none() && dtype == CacheType::Auto => Ok(None),
+        (None, None, None) => Err(PyValueError::new_err(format!(
+            "{}: kv_cache_dtype, k_scale and v_scale describe a cache write; give {}, {} and {}",
+            names[0], names[0], names[1], names[2]
+        ))),
+        _ => Err(PyValueError::new_err(format!(
+            "{}, {} and {} go together: give all three to write the KV cache, or none",
+            names[0], names[1], names[2]
+        ))),
+    }
+}
+
+/// `key_cache`, `value_cache` and `slot_mapping`, each optional.
+type CacheObjects<'a, 'py> = (
+    Option<&'a Bound<'py, PyAny>>,
+    Option<&'a Bound<'py, PyAny>>,
+    Option<&'a Bound<'py, PyAny>>,
+);
+
+/// rope-host's names of a cache write's arguments in vLLM's words.
+const VLLM_CACHE_NAMES: [(&str, &str); 6] = [
+    ("cache.k", "key_cache"),
+    ("cache.v", "value_cache"),
+    ("cache.layout", "key_cache"),
+    ("cache.slot_mapping", "slot_mapping"),
+    ("cache.k_scale", "k_scale"),
+    ("cache.v_scale", "v_scale"),
+];
+
 /// vLLM's `rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)`: rotates
-/// query and key in place.
+/// query and key in place; with `key_cache`, `value_cache` and `slot_mapping` it also writes
+/// the rotated key and `value` into vLLM's paged KV cache in the same launch (the write of
+/// vLLM's `reshape_and_cache_flash`).
 ///
 /// `positions` is a CUDA int32/int64 tensor `[num_tokens]`; `query` and `key` are
 /// `[num_tokens, num_heads * head_size]` (or `[num_tokens, num_heads, head_size]`) with a
-/// contiguous last dimension, `key` may be None; `cos_sin_cache` is `[max_position,
-/// rotary_dim]` (cos half, then sin half) in float32 or query's dtype; `is_neox` picks
-/// rotate-half pairs (else interleaved). The first `rotary_dim` features of each head rotate.
+/// contiguous last dimension, `key` may be None (without a cache); `cos_sin_cache` is
+/// `[max_position, rotary_dim]` (cos half, then sin half) in float32 or query's dtype;
+/// `is_neox` picks rotate-half pairs (else interleaved). The first `rotary_dim` features of
+/// each head rotate.
+///
+/// The cache write: `value` like key; `key_cache` and `value_cache`
+/// `[num_blocks, block_size, num_kv_heads, head_size]` (any strides with a contiguous last
+/// dimension, the same for both); token `t` goes to row `slot_mapping[t] % block_size` of block
+/// `slot_mapping[t] // block_size` (`slot_mapping` int32/int64 `[num_tokens]`; a negative slot
+/// writes nothing). `kv_cache_dtype` "auto" stores query's dtype; "fp8" (or "fp8_e4m3") stores
+/// FP8 E4M3 of `x / k_scale` and `x / v_scale` (float32 tensors of one element or one per kv
+/// head) into uint8 or float8_e4m3fn caches, rounded to nearest even and saturated at ±448.
+/// The cache write rotates the whole head (rotary_dim = head_size).
 ///
 /// Launched asynchronously on `stream` (a `CUstream` handle as an int; 0, the default, is the
 /// legacy default stream), with the caller's guarantees of `apply_rope` (`producer_sync` and
 /// `pdl` as there). Raises as `apply_rope` does.
 #[pyfunction]
 #[pyo3(signature = (
-    positions, query, key, head_size, cos_sin_cache, is_neox, *, stream=0, producer_sync=true,
-    pdl=false
+    positions, query, key, head_size, cos_sin_cache, is_neox, *, value=None, key_cache=None,
+    value_cache=None, slot_mapping=None, kv_cache_dtype="auto", k_scale=None, v_scale=None,
+    stream=0, producer_sync=true, pdl=false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn rotary_embedding(
@@ -412,15 +486,206 @@ fn rotary_embedding(
     head_size: usize,
     cos_sin_cache: &Bound<'_, PyAny>,
     is_neox: bool,
+    value: Option<&Bound<'_, PyAny>>,
+    key_cache: Option<&Bound<'_, PyAny>>,
+    value_cache: Option<&Bound<'_, PyAny>>,
+    slot_mapping: Option<&Bound<'_, PyAny>>,
+    kv_cache_dtype: &str,
+    k_scale: Option<&Bound<'_, PyAny>>,
+    v_scale: Option<&Bound<'_, PyAny>>,
     stream: u64,
     producer_sync: bool,
     pdl: bool,
 ) -> PyResult<()> {
-    launch::launch(Launch {
-        q: query,
-        k: key,
-        out: None,
-        k_out: None,
+    let style = if is_neox {
+        RopeStyle::Neox
+    } else {
+        RopeStyle::Interleaved
+    };
+    let names = Names {
+        q: "query",
+        k: "key",
+        out: "query",
+        k_out: "key",
+        positions: "positions",
+        sincos: "cos_sin_cache",
+        other: &[],
+    };
+    let cache = cache_arg(
+        (key_cache, value_cache, slot_mapping),
+        kv_cache_dtype,
+        (k_scale, v_scale),
+        ["key_cache", "value_cache", "slot_mapping"],
+    )?;
+    let Some(cache) = cache else {
+        if value.is_some() {
+            return Err(PyValueError::new_err(
+                "value: is only read to fill a KV cache; give key_cache, value_cache and slot_mapping",
+            ));
+        }
+        return launch::launch(Launch {
+            q: query,
+            k: key,
+            out: None,
+            k_out: None,
+            names,
+            view: View::Heads(head_size),
+            positions: PositionsArg::Ids(positions),
+            sincos: SinCosArg::Cache(cos_sin_cache),
+            style,
+            rotary_dim: None,
+            direction: Direction::Forward,
+            stream,
+            producer_sync,
+            overlap: overlap(pdl),
+        });
+    };
+    let (Some(key), Some(value)) = (key, value) else {
+        return Err(PyValueError::new_err(
+            "key and value: a KV cache write needs both (key rotated, value copied)",
+        ));
+    };
+    const OTHER: [(&str, &str); 9] = [
+        ("v", "value"),
+        ("config", "cos_sin_cache"),
+        ("cache", "key_cache"),
+        VLLM_CACHE_NAMES[0],
+        VLLM_CACHE_NAMES[1],
+        VLLM_CACHE_NAMES[2],
+        VLLM_CACHE_NAMES[3],
+        VLLM_CACHE_NAMES[4],
+        VLLM_CACHE_NAMES[5],
+    ];
+    fused::launch(FusedLaunch {
+        tensors: FusedTensors::Separate {
+            query,
+            key,
+            value: Some(value),
+        },
+        head_size,
+        norm: None,
+        positions,
+        cos_sin_cache,
+        style,
+        cache: Some(cache),
+        names: Names {
+            other: &OTHER,
+            ..names
+        },
+        stream,
+        producer_sync,
+        overlap: overlap(pdl),
+    })
+}
+
+/// SGLang's `apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size,
+/// cos_sin_cache, is_neox=True, fused_set_kv_buffer_arg=None)` (FlashInfer's without the last
+/// argument): rotates query and key in place as `rotary_embedding` does; with
+/// `fused_set_kv_buffer_arg` (an object with `value`, `k_buffer`, `v_buffer`, `cache_loc`,
+/// `k_scale` and `v_scale`, as SGLang's `FusedSetKVBufferArg`) it also writes the rotated key
+/// and `value` into SGLang's token pool in the same launch: token `t`'s heads go to row
+/// `cache_loc[t]` of `k_buffer` and `v_buffer` (`[pool_size, num_kv_heads * head_size]` or
+/// `[pool_size, num_kv_heads, head_size]`, the tensors' dtype; `cache_loc` int64 or int32
+/// `[num_tokens]`, a negative entry writes nothing). As in SGLang's kernel, `k_scale` and
+/// `v_scale` must be None.
+///
+/// Launched as `rotary_embedding`; raises as `apply_rope` does.
+#[pyfunction]
+#[pyo3(signature = (
+    positions, query, key, head_size, cos_sin_cache, is_neox=true, fused_set_kv_buffer_arg=None,
+    *, stream=0, producer_sync=true, pdl=false
+))]
+#[allow(clippy::too_many_arguments)]
+fn apply_rope_with_cos_sin_cache_inplace(
+    positions: &Bound<'_, PyAny>,
+    query: &Bound<'_, PyAny>,
+    key: Option<&Bound<'_, PyAny>>,
+    head_size: usize,
+    cos_sin_cache: &Bound<'_, PyAny>,
+    is_neox: bool,
+    fused_set_kv_buffer_arg: Option<&Bound<'_, PyAny>>,
+    stream: u64,
+    producer_sync: bool,
+    pdl: bool,
+) -> PyResult<()> {
+    let Some(arg) = fused_set_kv_buffer_arg.filter(|a| !a.is_none()) else {
+        return rotary_embedding(
+            positions,
+            query,
+            key,
+            head_size,
+            cos_sin_cache,
+            is_neox,
+            None,
+            None,
+            None,
+            None,
+            "auto",
+            None,
+            None,
+            stream,
+            producer_sync,
+            pdl,
+        );
+    };
+    let field = |name: &str| -> PyResult<Bound<'_, PyAny>> {
+        arg.getattr(name).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "fused_set_kv_buffer_arg must have value, k_buffer, v_buffer and cache_loc (as \
+                 SGLang's FusedSetKVBufferArg); it has no {name}"
+            ))
+        })
+    };
+    let (value, k_buffer, v_buffer, cache_loc) = (
+        field("value")?,
+        field("k_buffer")?,
+        field("v_buffer")?,
+        field("cache_loc")?,
+    );
+    for scale in ["k_scale", "v_scale"] {
+        if arg.getattr(scale).is_ok_and(|s| !s.is_none()) {
+            return Err(PyValueError::new_err(format!(
+                "fused_set_kv_buffer_arg.{scale} must be None (as in SGLang's kernel): the pool \
+                 stores the tensors' dtype"
+            )));
+        }
+    }
+    let Some(key) = key else {
+        return Err(PyValueError::new_err(
+            "key: fused_set_kv_buffer_arg writes the rotated key; give it",
+        ));
+    };
+    const OTHER: [(&str, &str); 7] = [
+        ("v", "fused_set_kv_buffer_arg.value"),
+        ("config", "cos_sin_cache"),
+        ("cache", "fused_set_kv_buffer_arg.k_buffer"),
+        ("cache.k", "fused_set_kv_buffer_arg.k_buffer"),
+        ("cache.v", "fused_set_kv_buffer_arg.v_buffer"),
+        ("cache.layout", "fused_set_kv_buffer_arg.k_buffer"),
+        ("cache.slot_mapping", "fused_set_kv_buffer_arg.cache_loc"),
+    ];
+    fused::launch(FusedLaunch {
+        tensors: FusedTensors::Separate {
+            query,
+            key,
+            value: Some(&value),
+        },
+        head_size,
+        norm: None,
+        positions,
+        cos_sin_cache,
+        style: if is_neox {
+            RopeStyle::Neox
+        } else {
+            RopeStyle::Interleaved
+        },
+        cache: Some(CacheArg {
+            key_cache: &k_buffer,
+            value_cache: &v_buffer,
+            slot_mapping: &cache_loc,
+            dtype: CacheType::Auto,
+            scales: None,
+        }),
         names: Names {
             q: "query",
             k: "key",
@@ -428,17 +693,104 @@ fn rotary_embedding(
             k_out: "key",
             positions: "positions",
             sincos: "cos_sin_cache",
+            other: &OTHER,
         },
-        view: View::Heads(head_size),
-        positions: PositionsArg::Ids(positions),
-        sincos: SinCosArg::Cache(cos_sin_cache),
+        stream,
+        producer_sync,
+        overlap: overlap(pdl),
+    })
+}
+
+/// vLLM's `fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
+/// q_weight, k_weight, cos_sin_cache, is_neox, position_ids)`: in place on the packed
+/// `qkv [num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim]` (any row stride,
+/// contiguous rows), each q and k head is RMS-normalised,
+/// `x / sqrt(mean(x^2) + eps) * weight` (`q_weight`, `k_weight`: `[head_dim]` of qkv's dtype),
+/// then rotated at `position_ids [num_tokens]` (int32/int64) with `cos_sin_cache
+/// [max_position, head_dim]` (cos half, then sin half; float32 or qkv's dtype), computed in
+/// float32 and rounded once; v is untouched. The whole head rotates.
+///
+/// With `key_cache`, `value_cache` and `slot_mapping` (and `kv_cache_dtype`, `k_scale`,
+/// `v_scale`), the rotated k and v also go into vLLM's paged KV cache in the same launch, as
+/// `rotary_embedding` describes.
+///
+/// Launched as `rotary_embedding`; raises as `apply_rope` does.
+#[pyfunction]
+#[pyo3(signature = (
+    qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
+    cos_sin_cache, is_neox, position_ids, *, key_cache=None, value_cache=None,
+    slot_mapping=None, kv_cache_dtype="auto", k_scale=None, v_scale=None, stream=0,
+    producer_sync=true, pdl=false
+))]
+#[allow(clippy::too_many_arguments)]
+fn fused_qk_norm_rope(
+    qkv: &Bound<'_, PyAny>,
+    num_heads_q: usize,
+    num_heads_k: usize,
+    num_heads_v: usize,
+    head_dim: usize,
+    eps: f64,
+    q_weight: &Bound<'_, PyAny>,
+    k_weight: &Bound<'_, PyAny>,
+    cos_sin_cache: &Bound<'_, PyAny>,
+    is_neox: bool,
+    position_ids: &Bound<'_, PyAny>,
+    key_cache: Option<&Bound<'_, PyAny>>,
+    value_cache: Option<&Bound<'_, PyAny>>,
+    slot_mapping: Option<&Bound<'_, PyAny>>,
+    kv_cache_dtype: &str,
+    k_scale: Option<&Bound<'_, PyAny>>,
+    v_scale: Option<&Bound<'_, PyAny>>,
+    stream: u64,
+    producer_sync: bool,
+    pdl: bool,
+) -> PyResult<()> {
+    let cache = cache_arg(
+        (key_cache, value_cache, slot_mapping),
+        kv_cache_dtype,
+        (k_scale, v_scale),
+        ["key_cache", "value_cache", "slot_mapping"],
+    )?;
+    const OTHER: [(&str, &str); 14] = [
+        ("v", "qkv"),
+        ("layout", "qkv"),
+        ("norm", "head_dim"),
+        ("norm.eps", "eps"),
+        ("norm.q_weight", "q_weight"),
+        ("norm.k_weight", "k_weight"),
+        ("config", "cos_sin_cache"),
+        ("cache", "key_cache"),
+        VLLM_CACHE_NAMES[0],
+        VLLM_CACHE_NAMES[1],
+        VLLM_CACHE_NAMES[2],
+        VLLM_CACHE_NAMES[3],
+        VLLM_CACHE_NAMES[4],
+        VLLM_CACHE_NAMES[5],
+    ];
+    fused::launch(FusedLaunch {
+        tensors: FusedTensors::Packed {
+            qkv,
+            heads: [num_heads_q, num_heads_k, num_heads_v],
+        },
+        head_size: head_dim,
+        norm: Some((q_weight, k_weight, eps)),
+        positions: position_ids,
+        cos_sin_cache,
         style: if is_neox {
             RopeStyle::Neox
         } else {
             RopeStyle::Interleaved
         },
-        rotary_dim: None,
-        direction: Direction::Forward,
+        cache,
+        names: Names {
+            q: "qkv",
+            k: "qkv",
+            out: "qkv",
+            k_out: "qkv",
+            positions: "position_ids",
+            sincos: "cos_sin_cache",
+            other: &OTHER,
+        },
         stream,
         producer_sync,
         overlap: overlap(pdl),
@@ -532,6 +884,8 @@ fn _dlpack_view(tensor: &Bound<'_, PyAny>, producer_sync: bool, arg: &str) -> Py
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(apply_rope, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_rope_with_cos_sin_cache_inplace, m)?)?;
+    m.add_function(wrap_pyfunction!(fused_qk_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
     m.add_function(wrap_pyfunction!(_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_exchange_api_used, m)?)?;

@@ -66,6 +66,8 @@ DTYPES = {
     "float64": (2, 64),
     "int32": (0, 32),
     "int64": (0, 64),
+    "uint8": (1, 8),
+    "float8_e4m3fn": (10, 8),
 }
 
 
@@ -149,6 +151,114 @@ def ints(n, dtype="int64"):
     return FakeCuda((n,), dtype)
 
 
+class Serving:
+    """Fake tensors of a serving step: a packed QKV of 7 tokens, 4 q and 2 kv heads of 64."""
+
+    t, hq, hk, d = 7, 4, 2, 64
+
+    def __init__(self, dtype="bfloat16"):
+        self.qkv = FakeCuda((self.t, (self.hq + 2 * self.hk) * self.d), dtype)
+        self.w = FakeCuda((self.d,), dtype)
+        self.cache = FakeCuda((4096, self.d), "float32")
+        self.ids = ints(self.t)
+
+    def caches(self, dtype="bfloat16", shape=None):
+        shape = shape or (3, 16, self.hk, self.d)
+        return FakeCuda(shape, dtype), FakeCuda(shape, dtype)
+
+    def fused(self, **kw):
+        args = dict(num_heads_q=self.hq, num_heads_k=self.hk, num_heads_v=self.hk, head_dim=self.d, eps=1e-6)
+        args.update({k: kw.pop(k) for k in list(kw) if k in args})
+        rope_rs.fused_qk_norm_rope(
+            self.qkv, args["num_heads_q"], args["num_heads_k"], args["num_heads_v"], args["head_dim"],
+            args["eps"], kw.pop("q_weight", self.w), self.w, self.cache, True, self.ids, **kw,
+        )
+
+
+class TestServingArguments:
+    """The serving drop-ins check their arguments before the device, naming them as the peers
+    do."""
+
+    def test_packed_heads_must_add_up(self):
+        with pytest.raises(ValueError, match=r"qkv holds 8 heads of 64 elements per token, .* is 9"):
+            Serving().fused(num_heads_q=5)
+        with pytest.raises(ValueError, match="qkv rows of 512 elements are not whole heads of head_size 48"):
+            Serving().fused(head_dim=48)
+
+    def test_norm_weights_are_checked(self):
+        s = Serving()
+        with pytest.raises(ValueError, match=r"q_weight must be bfloat16 \(the tensors' type\), got float32"):
+            s.fused(q_weight=FakeCuda((64,), "float32"))
+        with pytest.raises(ValueError, match=r"q_weight must be \[64\], got shape \[32\]"):
+            s.fused(q_weight=FakeCuda((32,), "bfloat16"))
+
+    def test_cache_arguments_go_together(self):
+        s = Serving()
+        k, v = s.caches()
+        with pytest.raises(ValueError, match="key_cache, value_cache and slot_mapping go together"):
+            s.fused(key_cache=k, value_cache=v)
+        with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+            s.fused(key_cache=k, value_cache=v, slot_mapping=ints(7), kv_cache_dtype="fp8_e5m2")
+        with pytest.raises(ValueError, match="describe a cache write"):
+            s.fused(kv_cache_dtype="fp8")
+        with pytest.raises(ValueError, match="v_scale: given k_scale"):
+            s.fused(key_cache=k, value_cache=v, slot_mapping=ints(7), k_scale=FakeCuda((1,)))
+
+    def test_cache_types_follow_kv_cache_dtype(self):
+        s = Serving()
+        k8, v8 = s.caches("uint8")
+        with pytest.raises(ValueError, match=r'key_cache must be bfloat16 \(kv_cache_dtype="auto"\), got uint8'):
+            s.fused(key_cache=k8, value_cache=v8, slot_mapping=ints(7))
+        k, v = s.caches()
+        with pytest.raises(ValueError, match="key_cache must be uint8 or float8_e4m3fn"):
+            s.fused(key_cache=k, value_cache=v, slot_mapping=ints(7), kv_cache_dtype="fp8",
+                    k_scale=FakeCuda((1,)), v_scale=FakeCuda((1,)))
+        with pytest.raises(ValueError, match="an FP8 cache needs k_scale and v_scale"):
+            s.fused(key_cache=k8, value_cache=v8, slot_mapping=ints(7), kv_cache_dtype="fp8")
+        e4m3 = s.caches("float8_e4m3fn")
+        with pytest.raises(ValueError, match="k_scale must be float32, got float16"):
+            s.fused(key_cache=e4m3[0], value_cache=e4m3[1], slot_mapping=ints(7), kv_cache_dtype="fp8_e4m3",
+                    k_scale=FakeCuda((1,), "float16"), v_scale=FakeCuda((1,)))
+
+    def test_caches_share_a_layout_and_have_a_known_rank(self):
+        s = Serving()
+        k, _ = s.caches()
+        other = FakeCuda((3, 16, s.hk, s.d), "bfloat16", strides=(16 * s.hk * s.d * 2, s.hk * s.d, s.d, 1))
+        with pytest.raises(ValueError, match="value_cache must have key_cache's shape and strides"):
+            s.fused(key_cache=k, value_cache=other, slot_mapping=ints(7))
+        k5, v5 = s.caches(shape=(1, 3, 16, s.hk, s.d))
+        with pytest.raises(ValueError, match=r"key_cache must be \[num_blocks, block_size, num_kv_heads, head_size\]"):
+            s.fused(key_cache=k5, value_cache=v5, slot_mapping=ints(7))
+        with pytest.raises(ValueError, match="slot_mapping must be one-dimensional"):
+            s.fused(key_cache=k, value_cache=s.caches()[1], slot_mapping=FakeCuda((7, 1), "int64"))
+
+    def test_rotary_embedding_cache_needs_key_and_value(self):
+        s = Serving()
+        q, kk = FakeCuda((7, 4 * 64), "bfloat16"), FakeCuda((7, 2 * 64), "bfloat16")
+        k, v = s.caches()
+        with pytest.raises(ValueError, match="value: is only read to fill a KV cache"):
+            rope_rs.rotary_embedding(s.ids, q, kk, 64, s.cache, True, value=FakeCuda((7, 128), "bfloat16"))
+        with pytest.raises(ValueError, match="key and value: a KV cache write needs both"):
+            rope_rs.rotary_embedding(s.ids, q, kk, 64, s.cache, True, key_cache=k, value_cache=v, slot_mapping=ints(7))
+        with pytest.raises(ValueError, match="value is float16, query is bfloat16"):
+            rope_rs.rotary_embedding(s.ids, q, kk, 64, s.cache, True, value=FakeCuda((7, 128), "float16"),
+                                     key_cache=k, value_cache=v, slot_mapping=ints(7))
+
+    def test_sglang_argument_is_read_by_its_fields(self):
+        s = Serving()
+        q, kk, v = FakeCuda((7, 4 * 64), "bfloat16"), FakeCuda((7, 2 * 64), "bfloat16"), FakeCuda((7, 128), "bfloat16")
+        pool = FakeCuda((100, 2 * 64), "bfloat16")
+        with pytest.raises(TypeError, match="fused_set_kv_buffer_arg must have value, k_buffer"):
+            rope_rs.apply_rope_with_cos_sin_cache_inplace(s.ids, q, kk, 64, s.cache, True, object())
+        arg = rope_rs.FusedSetKVBufferArg(v, pool, FakeCuda((100, 128), "bfloat16"), 0.5, None, ints(7))
+        with pytest.raises(ValueError, match="fused_set_kv_buffer_arg.k_scale must be None"):
+            rope_rs.apply_rope_with_cos_sin_cache_inplace(s.ids, q, kk, 64, s.cache, True, arg)
+        narrow = FakeCuda((100, 100), "bfloat16")
+        arg = rope_rs.FusedSetKVBufferArg(v, narrow, narrow, None, None, ints(7))
+        with pytest.raises(ValueError, match="fused_set_kv_buffer_arg.k_buffer rows of 100 elements are not whole heads"):
+            rope_rs.apply_rope_with_cos_sin_cache_inplace(s.ids, q, kk, 64, s.cache, True, arg)
+
+
 class TestImport:
     def test_imports_without_torch(self):
         code = "import sys, rope_rs; assert 'torch' not in sys.modules, 'rope_rs imported torch'"
@@ -158,7 +268,7 @@ class TestImport:
         assert rope_rs.__version__
         for name in rope_rs.__all__:
             assert getattr(rope_rs, name).__doc__ or name == "__version__", name
-        for name in ("apply_rope", "rotary_embedding", "frequencies"):
+        for name in ("apply_rope", "rotary_embedding", "apply_rope_with_cos_sin_cache_inplace", "fused_qk_norm_rope", "frequencies"):
             assert getattr(rope_rs._native, name).__doc__, name
         assert "stream" in rope_rs.apply_rope.__doc__
         assert "rope_type" in rope_rs._native.SCALING_KEYS

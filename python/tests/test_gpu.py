@@ -582,6 +582,260 @@ class TestDropIns:
         torch.testing.assert_close(grad, want_grad, atol=1e-4, rtol=1e-3)
 
 
+def rms_normed(x, w, eps):
+    """x [..., d] RMS-normalised in f64 over the last dimension, times w [d]."""
+    x = x.to(torch.float64)
+    return x / (x.square().mean(-1, keepdim=True) + eps).sqrt() * w.to(torch.float64)
+
+
+def fp8_close(got, want, scale):
+    """FP8 E4M3 bytes `got` (uint8 or float8_e4m3fn) decode to `want / scale` (f64, saturated at
+    448) within one E4M3 step, and nearly all to the nearest value exactly."""
+    decoded = got.view(torch.float8_e4m3fn).to(torch.float64)
+    target = (want.to(torch.float64) / scale).clamp(-448, 448)
+    torch.testing.assert_close(decoded, target, atol=2.0**-9, rtol=2.0**-3)
+    exact = (decoded == target.to(torch.float8_e4m3fn).to(torch.float64)).double().mean().item()
+    assert exact > 0.98, f"only {exact:.4f} of the FP8 bytes are the nearest value"
+
+
+class ServingCase:
+    """A decode or prefill step of a serving stack: a packed QKV of `t` tokens (bf16), norm
+    weights, vLLM's cos_sin_cache, positions, and a paged cache of `blocks` blocks of
+    `block_size` rows with a slot per token (some -1: padding), filled with a sentinel."""
+
+    def __init__(self, t=37, hq=8, hk=2, d=128, block_size=16, blocks=12, dtype=torch.bfloat16, seed=0):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.t, self.hq, self.hk, self.d, self.dtype = t, hq, hk, d, dtype
+        self.qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEV, generator=g).to(dtype)
+        self.q_weight = (1 + 0.1 * torch.randn(d, device=DEV, generator=g)).to(dtype)
+        self.k_weight = (1 + 0.1 * torch.randn(d, device=DEV, generator=g)).to(dtype)
+        self.cache = vllm_cache(10000.0, d, 4096)
+        self.positions = torch.randint(0, 4096, (t,), device=DEV, generator=g)
+        slots = torch.randperm(blocks * block_size, device=DEV, generator=g)[:t]
+        slots[::5] = -1
+        self.slots = slots
+        self.block_size, self.blocks = block_size, blocks
+
+    def split(self, qkv=None):
+        qkv = self.qkv if qkv is None else qkv
+        hq, hk, d = self.hq, self.hk, self.d
+        return qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d], qkv[:, (hq + hk) * d :]
+
+    def paged(self, dtype=None):
+        """A key or value cache [blocks, block_size, hk, d] of a sentinel value."""
+        shape = (self.blocks, self.block_size, self.hk, self.d)
+        if dtype == torch.uint8:
+            return torch.full(shape, 0x7E, device=DEV, dtype=torch.uint8)
+        return torch.full(shape, -7.0, device=DEV, dtype=dtype or self.dtype)
+
+    def reference(self, style, norm):
+        """q and k after the (optional) norm and the rotation, in f64 [t, h, d]."""
+        q, k, _ = (x.reshape(self.t, -1, self.d) for x in self.split())
+        if norm:
+            q, k = rms_normed(q, self.q_weight, 1e-6), rms_normed(k, self.k_weight, 1e-6)
+        d = self.d
+        cos, sin = table_cos_sin(self.positions, self.cache[:, : d // 2], self.cache[:, d // 2 :])
+        rot = lambda x: reference(x[None], cos[None], sin[None], style)[0]  # noqa: E731
+        return rot(q), rot(k)
+
+    def check_paged(self, key_cache, value_cache, k_rotated, v):
+        """Each kept slot holds the token's rotated k and its v (bit for bit); every other row
+        still holds the sentinel."""
+        flat_k = key_cache.view(-1, self.hk, self.d)
+        flat_v = value_cache.view(-1, self.hk, self.d)
+        kept = self.slots >= 0
+        rows = self.slots[kept]
+        assert torch.equal(flat_k[rows], k_rotated.reshape(self.t, self.hk, self.d)[kept])
+        assert torch.equal(flat_v[rows], v.reshape(self.t, self.hk, self.d)[kept])
+        untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEV)
+        untouched[rows] = False
+        sentinel = self.paged(key_cache.dtype).view(-1, self.hk, self.d)[0]
+        assert (flat_k[untouched] == sentinel).all() and (flat_v[untouched] == sentinel).all()
+
+
+class TestServing:
+    """The fused serving epilogue through the peers' signatures: vLLM's ``fused_qk_norm_rope``
+    (with and without its cache write) and ``rotary_embedding`` with a cache, SGLang's
+    ``apply_rope_with_cos_sin_cache_inplace`` with ``FusedSetKVBufferArg``; eagerly, under
+    ``torch.compile(fullgraph=True)`` and replayed from a CUDA graph. References are written
+    from the peers' documented semantics."""
+
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    def test_vllm_fused_qk_norm_rope(self, is_neox, dtype):
+        c = ServingCase(dtype=dtype, seed=int(is_neox))
+        style = "neox" if is_neox else "interleaved"
+        want_q, want_k = c.reference(style, norm=True)
+        v0 = c.split()[2].clone()
+        rope_rs.fused_qk_norm_rope(
+            c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, is_neox, c.positions
+        )
+        q, k, v = c.split()
+        # Normalised values reach ~4: 16-bit outputs round at that magnitude.
+        check(q.reshape(c.t, c.hq, c.d), want_q, extra_atol=0.0 if dtype == torch.float32 else 2e-2)
+        check(k.reshape(c.t, c.hk, c.d), want_k, extra_atol=0.0 if dtype == torch.float32 else 2e-2)
+        assert torch.equal(v, v0), "v is untouched"
+
+    @pytest.mark.parametrize("fp8", [False, True])
+    def test_vllm_fused_qk_norm_rope_with_its_cache_write(self, fp8):
+        c = ServingCase(seed=3)
+        want_q, want_k = c.reference("neox", norm=True)
+        _, _, v = c.split()
+        v0 = v.clone()
+        key_cache, value_cache = c.paged(torch.uint8 if fp8 else None), c.paged(torch.uint8 if fp8 else None)
+        scales = dict(kv_cache_dtype="fp8", k_scale=torch.tensor([0.5], device=DEV), v_scale=torch.tensor([0.25], device=DEV)) if fp8 else {}
+        rope_rs.fused_qk_norm_rope(
+            c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, c.positions,
+            key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots, **scales,
+        )
+        q, k, _ = c.split()
+        check(q.reshape(c.t, c.hq, c.d), want_q, extra_atol=2e-2)
+        check(k.reshape(c.t, c.hk, c.d), want_k, extra_atol=2e-2)
+        if not fp8:
+            c.check_paged(key_cache, value_cache, k, v0)
+            return
+        kept = c.slots >= 0
+        rows = c.slots[kept]
+        fp8_close(key_cache.view(-1, c.hk, c.d)[rows], want_k[kept], 0.5)
+        fp8_close(value_cache.view(-1, c.hk, c.d)[rows], v0.reshape(c.t, c.hk, c.d)[kept], 0.25)
+        others = torch.ones(c.blocks * c.block_size, dtype=torch.bool, device=DEV)
+        others[rows] = False
+        assert (key_cache.view(-1, c.hk, c.d)[others] == 0x7E).all()
+
+    @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+    def test_vllm_rotary_embedding_with_its_cache_write(self, slot_dtype):
+        c = ServingCase(seed=4)
+        want_q, want_k = c.reference("interleaved", norm=False)
+        query, key, value = c.split()
+        v0 = value.clone()
+        key_cache, value_cache = c.paged(), c.paged()
+        rope_rs.rotary_embedding(
+            c.positions, query, key, c.d, c.cache, False, value=value, key_cache=key_cache,
+            value_cache=value_cache, slot_mapping=c.slots.to(slot_dtype),
+        )
+        check(query.reshape(c.t, c.hq, c.d), want_q)
+        check(key.reshape(c.t, c.hk, c.d), want_k)
+        c.check_paged(key_cache, value_cache, key, v0)
+
+    def test_sglang_fused_set_kv_buffer(self):
+        c = ServingCase(seed=5)
+        want_q, want_k = c.reference("neox", norm=False)
+        query, key, value = c.split()
+        v0 = value.clone()
+        pool = 300
+        k_buffer = torch.full((pool, c.hk * c.d), -7.0, device=DEV, dtype=c.dtype)
+        v_buffer = torch.full((pool, c.hk * c.d), -7.0, device=DEV, dtype=c.dtype)
+        loc = torch.randperm(pool, device=DEV)[: c.t]
+        loc[3] = -1
+        arg = rope_rs.FusedSetKVBufferArg(value=value, k_buffer=k_buffer, v_buffer=v_buffer, k_scale=None, v_scale=None, cache_loc=loc)
+        rope_rs.apply_rope_with_cos_sin_cache_inplace(c.positions, query, key, c.d, c.cache, True, arg)
+        check(query.reshape(c.t, c.hq, c.d), want_q)
+        check(key.reshape(c.t, c.hk, c.d), want_k)
+        kept = loc >= 0
+        assert torch.equal(k_buffer[loc[kept]], key[kept])
+        assert torch.equal(v_buffer[loc[kept]], v0[kept])
+        others = torch.ones(pool, dtype=torch.bool, device=DEV)
+        others[loc[kept]] = False
+        assert (k_buffer[others] == -7.0).all() and (v_buffer[others] == -7.0).all()
+        with pytest.raises(ValueError, match="k_scale must be None"):
+            rope_rs.apply_rope_with_cos_sin_cache_inplace(
+                c.positions, query, key, c.d, c.cache, True, rope_rs.FusedSetKVBufferArg(value, k_buffer, v_buffer, 2.0, None, loc)
+            )
+
+    def test_errors_name_the_peers_arguments_and_touch_nothing(self):
+        c = ServingCase(seed=6)
+        key_cache, value_cache = c.paged(), c.paged()
+        before = c.qkv.clone()
+        # A cache too narrow for k's heads: rope-host's check, named as vLLM names it.
+        narrow = torch.zeros(c.blocks, c.block_size, c.hk + 1, c.d, device=DEV, dtype=c.dtype)
+        with pytest.raises(ValueError, match="^key_cache"):
+            rope_rs.fused_qk_norm_rope(
+                c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, c.positions,
+                key_cache=narrow, value_cache=narrow.clone(), slot_mapping=c.slots,
+            )
+        with pytest.raises(ValueError, match="^eps"):
+            rope_rs.fused_qk_norm_rope(c.qkv, c.hq, c.hk, c.hk, c.d, -1.0, c.q_weight, c.k_weight, c.cache, True, c.positions)
+        with pytest.raises(ValueError, match="^slot_mapping"):
+            rope_rs.fused_qk_norm_rope(
+                c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, c.positions,
+                key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots[:3],
+            )
+        partial = vllm_cache(10000.0, c.d // 2, 4096)
+        with pytest.raises(ValueError, match="^cos_sin_cache"):
+            rope_rs.fused_qk_norm_rope(c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, partial, True, c.positions)
+        torch.cuda.synchronize()
+        assert torch.equal(c.qkv, before)
+        assert (key_cache == -7.0).all() and (value_cache == -7.0).all()
+
+    def test_custom_ops_pass_opcheck(self):
+        c = ServingCase(t=5, blocks=2, seed=7)
+        query, key, value = (x.clone() for x in c.split())
+        torch.library.opcheck(
+            rope_torch.fused_qk_norm_rope_op,
+            (c.qkv.clone(), c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, c.positions,
+             c.paged(), c.paged(), c.slots, "auto", None, None, False),
+        )
+        torch.library.opcheck(
+            rope_torch.rotary_embedding_op,
+            (c.positions, query, key, c.d, c.cache, True, value, c.paged(), c.paged(), c.slots, "auto", None, None, False),
+        )
+
+    def test_compiled_serving_step_matches_eager(self):
+        """A step as a serving stack compiles it (fullgraph): the projection's output normed,
+        rotated and cached in place through the custom operators, then used."""
+        c = ServingCase(seed=8)
+
+        def step(qkv, key_cache, value_cache, positions, slots):
+            qkv = qkv * 1.5
+            rope_rs.fused_qk_norm_rope(
+                qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, positions,
+                key_cache=key_cache, value_cache=value_cache, slot_mapping=slots,
+            )
+            query, key, value = qkv.split([c.hq * c.d, c.hk * c.d, c.hk * c.d], dim=-1)
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            rope_rs.rotary_embedding(
+                positions, query, key, c.d, c.cache, True, value=value, key_cache=key_cache,
+                value_cache=value_cache, slot_mapping=slots.flip(0),
+            )
+            return query + 1, key_cache.float().sum()
+
+        eager_caches = (c.paged(), c.paged())
+        want = step(c.qkv, *eager_caches, c.positions, c.slots)
+        compiled_caches = (c.paged(), c.paged())
+        got = torch.compile(step, fullgraph=True)(c.qkv, *compiled_caches, c.positions, c.slots)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(compiled_caches[0], eager_caches[0]) and torch.equal(compiled_caches[1], eager_caches[1])
+
+    def test_graph_replays_with_new_positions_and_slots(self):
+        c = ServingCase(t=64, seed=9)
+        qkv, key_cache, value_cache = c.qkv.clone(), c.paged(), c.paged()
+        positions, slots = c.positions.clone(), c.slots.clone()
+
+        def step():
+            rope_rs.fused_qk_norm_rope(
+                qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, positions,
+                key_cache=key_cache, value_cache=value_cache, slot_mapping=slots, pdl=True,
+            )
+
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for seed in (10, 11):
+            new = ServingCase(t=64, seed=seed)
+            new.q_weight, new.k_weight = c.q_weight, c.k_weight  # the weights the graph reads
+            qkv.copy_(new.qkv), positions.copy_(new.positions), slots.copy_(new.slots)
+            key_cache.fill_(-7.0), value_cache.fill_(-7.0)
+            v0 = new.split()[2].clone()
+            graph.replay()
+            torch.cuda.synchronize()
+            want_q, want_k = new.reference("neox", norm=True)
+            q, k, _ = new.split(qkv)
+            check(q.reshape(new.t, new.hq, new.d), want_q, extra_atol=2e-2)
+            check(k.reshape(new.t, new.hk, new.d), want_k, extra_atol=2e-2)
+            new.check_paged(key_cache, value_cache, k, v0)
+
+
 class TestAutograd:
     @pytest.mark.parametrize("style", STYLES)
     @pytest.mark.parametrize("path", ["apply_rope", "custom_op"])
