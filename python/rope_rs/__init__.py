@@ -182,34 +182,34 @@ def apply_rope(
     last dimension, tensors on different devices, contradicting options; nothing is launched
     then), RuntimeError when the CUDA driver fails.
     """
-    # The options both paths take as they are (rope_rs._torch_eager reads their names and
-    # defaults from this signature).
-    opts = dict(
-        positions=positions,
-        position_ids=position_ids,
-        cu_seqlens=cu_seqlens,
-        layout=layout,
-        style=style,
-        theta=theta,
-        cos_sin_cache=cos_sin_cache,
-        cos=cos,
-        sin=sin,
-        inv_freq=inv_freq,
-        attention_factor=attention_factor,
-        angle=angle,
-        scaling=scaling,
-        rotary_dim=rotary_dim,
-        backward=backward,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        pdl=pdl,
-    )
     torch = _torch_of(q)
     direct = None if torch is None else _direct(torch, q, k, inv_freq, out, k_out, stream)
     if torch is not None and direct is None:
         # Not rope_rs.torch: its custom operators import torch.compile's machinery (seconds).
         from rope_rs import _torch_eager
 
+        # The options both paths take as they are (rope_rs._torch_eager reads their names and
+        # defaults from this signature).
+        opts = dict(
+            positions=positions,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            layout=layout,
+            style=style,
+            theta=theta,
+            cos_sin_cache=cos_sin_cache,
+            cos=cos,
+            sin=sin,
+            inv_freq=inv_freq,
+            attention_factor=attention_factor,
+            angle=angle,
+            scaling=scaling,
+            rotary_dim=rotary_dim,
+            backward=backward,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            pdl=pdl,
+        )
         return _torch_eager.apply_rope(q, k, opts, inplace=inplace, out=out, k_out=k_out, stream=stream)
     if inplace:
         if out is not None or k_out is not None:
@@ -220,7 +220,12 @@ def apply_rope(
         if k is not None and k_out is None:
             k_out = torch.empty_like(k) if torch is not None else _empty_like(k, "k", "k_out")
     launch_stream, sync = direct if direct is not None else (0 if stream is None else stream, True)
-    _native.apply_rope(q, k, out=out, k_out=k_out, stream=launch_stream, producer_sync=sync, **opts)
+    # By position, in the native signature's order: the native call parses positions faster
+    # than keywords.
+    _native.apply_rope(
+        q, k, out, k_out, positions, position_ids, cu_seqlens, layout, style, theta, cos_sin_cache, cos, sin,
+        inv_freq, attention_factor, angle, scaling, rotary_dim, backward, launch_stream, sync, cp_size, cp_rank, pdl,
+    )
     q_res, k_res = (q, k) if inplace else (out, k_out)
     return q_res if k is None else (q_res, k_res)
 
@@ -250,11 +255,14 @@ def _direct(
     return None if current is None else (current, False)
 
 
-def _compiling(x: Any) -> Any:
-    """The torch module when `x` is a ``torch.Tensor`` traced by ``torch.compile`` (the call must
-    go through a custom operator of ``rope_rs.torch``), else None."""
+def _eager_stream(x: Any, stream: Optional[int]) -> Optional[Tuple[int, bool]]:
+    """As :func:`_stream` for a drop-in's first tensor `x`, or None when `x` is a
+    ``torch.Tensor`` traced by ``torch.compile`` (the call must then go through a custom
+    operator of ``rope_rs.torch``)."""
     torch = _torch_of(x)
-    return torch if torch is not None and torch.compiler.is_compiling() else None
+    if torch is not None and torch.compiler.is_compiling():
+        return None
+    return _stream(x, stream)
 
 
 def rotary_embedding(
@@ -299,20 +307,19 @@ def rotary_embedding(
     ``apply_rope``. Under ``torch.compile`` it is the custom operator
     ``torch.ops.rope_rs.rotary_embedding_``. Raises as ``apply_rope``.
     """
-    torch = _compiling(query)
-    if torch is not None:
-        from rope_rs import torch as _ops  # noqa: F401 (registers the operators)
+    launch = _eager_stream(query, stream)
+    if launch is None:
+        import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
 
-        torch.ops.rope_rs.rotary_embedding_(
+        ops.rotary_embedding_op(
             positions, query, key, head_size, cos_sin_cache, is_neox, value, key_cache, value_cache,
             slot_mapping, kv_cache_dtype, k_scale, v_scale, pdl,
         )
         return
-    stream, sync = _stream(query, stream)
+    stream, sync = launch
     _native.rotary_embedding(
-        positions, query, key, head_size, cos_sin_cache, is_neox, value=value, key_cache=key_cache,
-        value_cache=value_cache, slot_mapping=slot_mapping, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-        v_scale=v_scale, stream=stream, producer_sync=sync, pdl=pdl,
+        positions, query, key, head_size, cos_sin_cache, is_neox, value, key_cache, value_cache, slot_mapping,
+        kv_cache_dtype, k_scale, v_scale, stream, sync, pdl,
     )
 
 
@@ -360,8 +367,8 @@ def apply_rope_with_cos_sin_cache_inplace(
     """
     pdl = pdl or enable_pdl
     a = fused_set_kv_buffer_arg
-    torch = _compiling(query)
-    if torch is not None:
+    launch = _eager_stream(query, stream)
+    if launch is None:
         if a is not None and (a.k_scale is not None or a.v_scale is not None):
             raise ValueError("fused_set_kv_buffer_arg.k_scale must be None (as in SGLang's kernel)")
         rotary_embedding(
@@ -373,9 +380,9 @@ def apply_rope_with_cos_sin_cache_inplace(
             pdl=pdl,
         )
         return
-    stream, sync = _stream(query, stream)
+    stream, sync = launch
     _native.apply_rope_with_cos_sin_cache_inplace(
-        positions, query, key, head_size, cos_sin_cache, is_neox, a, stream=stream, producer_sync=sync, pdl=pdl
+        positions, query, key, head_size, cos_sin_cache, is_neox, a, stream, sync, pdl
     )
 
 
@@ -417,20 +424,19 @@ def fused_qk_norm_rope(
     Under ``torch.compile`` it is ``torch.ops.rope_rs.fused_qk_norm_rope_``. Raises as
     ``apply_rope``.
     """
-    torch = _compiling(qkv)
-    if torch is not None:
-        from rope_rs import torch as _ops  # noqa: F401 (registers the operators)
+    launch = _eager_stream(qkv, stream)
+    if launch is None:
+        import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
 
-        torch.ops.rope_rs.fused_qk_norm_rope_(
+        ops.fused_qk_norm_rope_op(
             qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
             is_neox, position_ids, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, pdl,
         )
         return
-    stream, sync = _stream(qkv, stream)
+    stream, sync = launch
     _native.fused_qk_norm_rope(
         qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
-        position_ids, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
-        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, stream=stream, producer_sync=sync, pdl=pdl,
+        position_ids, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, stream, sync, pdl,
     )
 
 

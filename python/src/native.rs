@@ -3,8 +3,10 @@
 //! `rope_rs/torch.py`) wraps them with defaults taken from PyTorch: the current stream and
 //! outputs allocated for out-of-place calls.
 //!
-//! Here the Python arguments are read into `options.rs`'s and `launch.rs`'s descriptions;
-//! `launch.rs` borrows the tensors and launches.
+//! Here the Python arguments are read into `options.rs`'s and `launch.rs`'s (or `fused.rs`'s)
+//! descriptions; those borrow the tensors and launch. Every argument may be given by position,
+//! in the signature's order: the package's wrappers do so, since positions are parsed faster
+//! than keywords (each keyword is matched by name).
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -283,7 +285,7 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
 /// driver fails.
 #[pyfunction]
 #[pyo3(signature = (
-    q, k=None, *, out=None, k_out=None, positions=None, position_ids=None, cu_seqlens=None,
+    q, k=None, out=None, k_out=None, positions=None, position_ids=None, cu_seqlens=None,
     layout=None, style="neox", theta=None, cos_sin_cache=None, cos=None, sin=None,
     inv_freq=None, attention_factor=None, angle=None, scaling=None, rotary_dim=None,
     backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0, pdl=false
@@ -474,7 +476,7 @@ const VLLM_CACHE_NAMES: [(&str, &str); 6] = [
 /// `pdl` as there). Raises as `apply_rope` does.
 #[pyfunction]
 #[pyo3(signature = (
-    positions, query, key, head_size, cos_sin_cache, is_neox, *, value=None, key_cache=None,
+    positions, query, key, head_size, cos_sin_cache, is_neox, value=None, key_cache=None,
     value_cache=None, slot_mapping=None, kv_cache_dtype="auto", k_scale=None, v_scale=None,
     stream=0, producer_sync=true, pdl=false
 ))]
@@ -593,7 +595,7 @@ fn rotary_embedding(
 #[pyfunction]
 #[pyo3(signature = (
     positions, query, key, head_size, cos_sin_cache, is_neox=true, fused_set_kv_buffer_arg=None,
-    *, stream=0, producer_sync=true, pdl=false
+    stream=0, producer_sync=true, pdl=false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn apply_rope_with_cos_sin_cache_inplace(
@@ -718,7 +720,7 @@ fn apply_rope_with_cos_sin_cache_inplace(
 #[pyfunction]
 #[pyo3(signature = (
     qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
-    cos_sin_cache, is_neox, position_ids, *, key_cache=None, value_cache=None,
+    cos_sin_cache, is_neox, position_ids, key_cache=None, value_cache=None,
     slot_mapping=None, kv_cache_dtype="auto", k_scale=None, v_scale=None, stream=0,
     producer_sync=true, pdl=false
 ))]
