@@ -4,13 +4,50 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, result, sys};
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
 
 use crate::device::StreamOverlap;
 use crate::error::Result;
 
-/// Defines a struct with one field per parameter of a kernel family, and the array of pointers
-/// to its fields, in the entry points' parameter order, that `cuLaunchKernel` takes.
+/// The kernel parameters of one launch packed as the driver copies them into the kernel's
+/// parameter space: each parameter in order, at the next offset aligned to its size (the layout
+/// of a kernel whose parameters are scalars, as every entry point's are), at most
+/// [`PARAM_BYTES`] bytes. Passed whole (`CU_LAUNCH_PARAM_BUFFER_POINTER`), the driver copies
+/// it in one piece instead of reading each parameter through its own pointer.
+#[repr(C, align(8))]
+struct ParamBuffer {
+    bytes: [u8; PARAM_BYTES],
+    len: usize,
+}
+
+/// Room for the parameters of any family (the fused family's, the largest, take under 600
+/// bytes; a family outgrowing it fails its first launch, in every GPU test).
+const PARAM_BYTES: usize = 1024;
+
+impl ParamBuffer {
+    fn new() -> Self {
+        Self {
+            bytes: [0; PARAM_BYTES],
+            len: 0,
+        }
+    }
+
+    /// Appends `value` at the next offset aligned to its size.
+    fn push<T: bytemuck::Pod>(&mut self, value: T) -> Result<()> {
+        let bytes = bytemuck::bytes_of(&value);
+        let at = self.len.next_multiple_of(bytes.len());
+        let end = at + bytes.len();
+        let slot = self.bytes.get_mut(at..end).ok_or_else(|| {
+            crate::error::invalid("kernel", "the kernel parameters exceed the driver's limit")
+        })?;
+        slot.copy_from_slice(bytes);
+        self.len = end;
+        Ok(())
+    }
+}
+
+/// Defines a struct with one field per parameter of a kernel family and its packing, in the
+/// entry points' parameter order, into the buffer `cuLaunchKernel` takes.
 macro_rules! host_args {
     ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
         $(#[$doc])*
@@ -20,9 +57,11 @@ macro_rules! host_args {
         }
 
         impl $name {
-            /// Pointers to every field, in the entry points' parameter order.
-            fn pointers(&mut self) -> [*mut c_void; [$(stringify!($param)),*].len()] {
-                [$(std::ptr::from_mut(&mut self.$param).cast::<c_void>(),)*]
+            /// Every field packed in the entry points' parameter order.
+            fn packed(&self) -> Result<ParamBuffer> {
+                let mut buffer = ParamBuffer::new();
+                $(buffer.push(self.$param)?;)*
+                Ok(buffer)
             }
 
             /// Launches `function`, one of this family's entry points, on `stream`; with
@@ -35,7 +74,7 @@ macro_rules! host_args {
             /// `config`; with [`StreamOverlap::Programmatic`], the function waits for the
             /// previous grid before its first global access (it comes from `PTX_SM90`).
             pub(crate) unsafe fn launch(
-                mut self,
+                self,
                 ctx: &CudaContext,
                 function: &CudaFunction,
                 config: LaunchConfig,
@@ -43,42 +82,63 @@ macro_rules! host_args {
                 overlap: StreamOverlap,
             ) -> Result<()> {
                 ctx.bind_to_thread()?;
-                let mut params = self.pointers();
-                // SAFETY: `params` points at this family's arguments in parameter order, each
-                // of the size and alignment of its device type (`host_param_type!`), alive
-                // until the call returns (the driver copies them at launch); the rest is the
+                let mut buffer = self.packed()?;
+                // SAFETY: `buffer` holds this family's arguments in parameter order, each of
+                // its device type (`host_param_type!`: scalars) at its own alignment, alive
+                // until the call returns (the driver copies it at launch); the rest is the
                 // caller's promise.
-                unsafe { launch_with(function, config, stream, overlap, &mut params) }
+                unsafe { launch_with(function, config, stream, overlap, &mut buffer) }
             }
         }
     };
 }
 
-/// Launches `function` with the parameter pointers `params` through `cuLaunchKernel`, or
+/// Launches `function` with the packed parameters `buffer` through `cuLaunchKernel`, or
 /// through `cuLaunchKernelEx` with programmatic stream serialization allowed.
 ///
 /// # Safety
-/// As the families' `launch`, with `params` their parameters' pointers; the context that
-/// loaded `function` is current on this thread.
+/// As the families' `launch`, with `buffer` their packed parameters; the context that loaded
+/// `function` is current on this thread.
 unsafe fn launch_with(
     function: &CudaFunction,
     config: LaunchConfig,
     stream: sys::CUstream,
     overlap: StreamOverlap,
-    params: &mut [*mut c_void],
+    buffer: &mut ParamBuffer,
 ) -> Result<()> {
+    let mut len = buffer.len;
+    // The driver's list of "extra" options: the buffer, its size, the end marker (the option
+    // tags are small integers passed as pointers, as `cuda.h` defines them).
+    let tag = |t: u32| std::ptr::without_provenance_mut::<c_void>(t as usize);
+    let mut extra: [*mut c_void; 5] = [
+        tag(sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT),
+        buffer.bytes.as_mut_ptr().cast(),
+        tag(sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT),
+        std::ptr::from_mut(&mut len).cast(),
+        tag(sys::CU_LAUNCH_PARAM_END_AS_INT),
+    ];
     match overlap {
-        // SAFETY: the caller's promises.
-        StreamOverlap::None => unsafe {
-            result::launch_kernel(
-                function.cu_function(),
-                config.grid_dim,
-                config.block_dim,
-                config.shared_mem_bytes,
-                stream,
-                params,
-            )?
-        },
+        StreamOverlap::None => {
+            let (grid, block) = (config.grid_dim, config.block_dim);
+            // SAFETY: `extra` is a terminated option list whose buffer and size live until the
+            // call returns; no `kernelParams` beside it; the rest is the caller's promises.
+            unsafe {
+                sys::cuLaunchKernel(
+                    function.cu_function(),
+                    grid.0,
+                    grid.1,
+                    grid.2,
+                    block.0,
+                    block.1,
+                    block.2,
+                    config.shared_mem_bytes,
+                    stream,
+                    std::ptr::null_mut(),
+                    extra.as_mut_ptr(),
+                )
+            }
+            .result()?;
+        }
         StreamOverlap::Programmatic => {
             // SAFETY: `CUlaunchAttribute` is a plain C struct (an id, padding and a union of
             // integers and handles), valid all zero; then its id and the union's member for
@@ -106,8 +166,8 @@ unsafe fn launch_with(
                 sys::cuLaunchKernelEx(
                     &launch,
                     function.cu_function(),
-                    params.as_mut_ptr(),
                     std::ptr::null_mut(),
+                    extra.as_mut_ptr(),
                 )
             }
             .result()?;
@@ -132,3 +192,30 @@ rope_kernels::table_kernel_params!(host_args {
     /// The arguments of every table-building entry point (`rope-kernels/src/table.rs`).
     TableArgs
 });
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each parameter starts at the next offset aligned to its size, as the kernels' parameter
+    /// space lays out scalars, and the buffer ends after the last one.
+    #[test]
+    fn parameters_pack_at_their_alignment() {
+        let mut b = ParamBuffer::new();
+        b.push(7u32).expect("room");
+        b.push(0x1122_3344_5566_7788u64).expect("room");
+        b.push(1.5f32).expect("room");
+        assert_eq!(b.len, 20);
+        assert_eq!(b.bytes[..4], 7u32.to_ne_bytes());
+        assert_eq!(b.bytes[4..8], [0; 4]);
+        assert_eq!(b.bytes[8..16], 0x1122_3344_5566_7788u64.to_ne_bytes());
+        assert_eq!(b.bytes[16..20], 1.5f32.to_ne_bytes());
+        while b.len + 8 <= PARAM_BYTES {
+            b.push(0u64).expect("room");
+        }
+        assert!(
+            b.push(0u64).is_err(),
+            "a buffer overflow is an error, not a write"
+        );
+    }
+}

@@ -106,6 +106,9 @@ struct Loaded {
     /// Blocks of `BLOCK_THREADS` threads resident per multiprocessor (at least 1), from the
     /// driver's occupancy calculation for the registers the JIT compiler gave the kernel.
     blocks_per_sm: u32,
+    /// The driver's answers for other block shapes, `((threads, shared bytes), blocks)`, asked
+    /// once each (a launch plans with them; the answer never changes).
+    blocks_at: Mutex<Vec<((u32, u32), u32)>>,
 }
 
 /// The newest embedded build a device of compute capability `capability` runs, capped by
@@ -215,6 +218,7 @@ impl Module {
             function,
             code,
             blocks_per_sm,
+            blocks_at: Mutex::new(Vec::new()),
         });
         functions.push((symbol, loaded.clone()));
         Ok(loaded)
@@ -289,11 +293,21 @@ impl Module {
         threads: u32,
         shared_bytes: u32,
     ) -> Result<u32> {
-        let blocks = self
-            .loaded(symbol)?
+        let loaded = self.loaded(symbol)?;
+        let mut known = loaded
+            .blocks_at
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let shape = (threads, shared_bytes);
+        if let Some(&(_, blocks)) = known.iter().find(|(s, _)| *s == shape) {
+            return Ok(blocks);
+        }
+        let blocks = loaded
             .function
-            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes as usize, None)?;
-        Ok(blocks.max(1))
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes as usize, None)?
+            .max(1);
+        known.push((shape, blocks));
+        Ok(blocks)
     }
 
     /// Whether the rows kernels ([`rope_kernels::abi::Access::Rows`]) run: they come from
