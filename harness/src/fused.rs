@@ -8,11 +8,13 @@ use std::sync::Arc;
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use rope_host::cudarc::driver::{CudaSlice, CudaStream};
+use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use rope_host::{
-    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, KOut, KvCache,
-    Layout, NormWeight, Positions, QOut, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
-    TableData, TableFormat, Tensor, TensorMut,
+    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, IntType, KOut,
+    KvCache, Layout, NormWeight, Positions, QOut, QkNorm, RawBuf, RawCacheData, RawFp8Scale,
+    RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawOp, RawPositions, RawQOut,
+    RawQkNorm, RawSinCos, RawTensor, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData,
+    TableFormat, TableShape, Tensor, TensorMut,
 };
 use rope_kernels::math::e4m3_to_f32;
 use rope_reference::fused::{ElementScale, e4m3_bracket, rms_norm, rotate_head};
@@ -464,6 +466,117 @@ pub fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_h
     rope.run_fused(&op, FusedIo::Separate { q, k, v }, cache)
 }
 
+/// Launches the case through [`Rope::run_fused_raw`] on `stream` (the handle's own), every
+/// buffer of `dev` given by address: what a front end owning its memory does.
+pub fn launch_raw<T: TestElem>(
+    c: &Case,
+    dev: &mut Device<T>,
+    rope: &Rope,
+    stream: &Arc<CudaStream>,
+) -> rope_host::Result<()> {
+    fn buf<E>(s: &CudaSlice<E>, stream: &CudaStream) -> RawBuf {
+        RawBuf {
+            ptr: s.device_ptr(stream).0,
+            len: s.len(),
+        }
+    }
+    let b = |s: &CudaSlice<T>| buf(s, stream);
+    let config = RopeConfig::builder(c.d as u32, c.style).build()?;
+    let positions = match &c.ids {
+        Some(_) => RawPositions::Ids {
+            ids: RawInts {
+                buf: buf(&dev.ids, stream),
+                ty: IntType::I64,
+            },
+            shape: IdsShape::PerRow,
+        },
+        None => RawPositions::Offset(c.offset as u32),
+    };
+    let sincos = match dev.tables.as_ref().map(|t| t.data()) {
+        Some(TableData::Separate { cos, sin }) => RawSinCos::Table {
+            cos: b(cos),
+            sin: b(sin),
+            dtype: T::DTYPE,
+            shape: TableShape {
+                max_position: MAX_POSITION + 32,
+                rotary_dim: c.d as u32,
+            },
+        },
+        Some(TableData::Combined(_)) => unreachable!("built separate"),
+        None => RawSinCos::Computed { theta: THETA },
+    };
+    let op = RawFusedOp {
+        rope: RawOp {
+            config,
+            dtype: T::DTYPE,
+            positions,
+            sincos,
+        },
+        norm: c.norm.map(|weight| RawQkNorm {
+            q_weight: b(&dev.q_w),
+            k_weight: b(&dev.k_w),
+            eps: 1e-6,
+            weight,
+        }),
+    };
+    let scale = |per_head: bool, s: &CudaSlice<f32>| {
+        if per_head {
+            RawFp8Scale::PerHead(buf(s, stream))
+        } else {
+            RawFp8Scale::PerTensor(buf(s, stream))
+        }
+    };
+    let tensor = |buf, layout| RawTensor { buf, layout };
+    let lq = Layout::bshd(c.batch, c.seq, c.hq, c.d);
+    let lk = Layout::bshd(c.batch, c.seq, c.hk, c.d);
+    let q = match c.q {
+        QMode::InPlace => RawQOut::Elem(RawIo::InPlace(tensor(b(&dev.q), lq))),
+        QMode::Out => RawQOut::Elem(RawIo::OutOfPlace {
+            input: tensor(b(&dev.q), lq),
+            output: tensor(b(&dev.q_out), lq),
+        }),
+        QMode::Fp8 { per_head } => RawQOut::Fp8 {
+            input: tensor(b(&dev.q), lq),
+            output: tensor(buf(&dev.q8, stream), lq),
+            scale: scale(per_head, &dev.q_scale),
+        },
+    };
+    let k = match c.k {
+        KMode::InPlace => RawKOut::Elem(RawIo::InPlace(tensor(b(&dev.k), lk))),
+        KMode::Out => RawKOut::Elem(RawIo::OutOfPlace {
+            input: tensor(b(&dev.k), lk),
+            output: tensor(b(&dev.k_out), lk),
+        }),
+        KMode::CacheOnly => RawKOut::CacheOnly(tensor(b(&dev.k), lk)),
+    };
+    let cache = c.cache.as_ref().map(|cc| RawKvCache {
+        slot_mapping: RawInts {
+            buf: buf(&dev.slots, stream),
+            ty: IntType::I64,
+        },
+        layout: c.cache_layout(cc),
+        data: if cc.fp8 {
+            RawCacheData::Fp8 {
+                k: buf(&dev.k_cache8, stream),
+                v: buf(&dev.v_cache8, stream),
+                k_scale: scale(cc.k_per_head, &dev.k_scale),
+                v_scale: scale(cc.v_per_head, &dev.v_scale),
+            }
+        } else {
+            RawCacheData::Elem {
+                k: b(&dev.k_cache),
+                v: b(&dev.v_cache),
+            }
+        },
+    });
+    let v = cache.map(|_| tensor(b(&dev.v), lk));
+    let io = RawFusedIo::Separate { q, k, v };
+    // SAFETY: every buffer is a live allocation of the handle's context holding the length
+    // given, used only by this launch on the handle's own stream (the case's uploads were
+    // ordered before it on the same stream); computed sin/cos were prepared by `upload`.
+    unsafe { rope.run_fused_raw(&op, io, cache, stream.cu_stream()) }
+}
+
 /// The cos/sin of every pair at position `p`: from the downloaded table, or exact.
 pub fn cos_sin(c: &Case, table: Option<&(Vec<f64>, Vec<f64>)>, p: i64) -> (Vec<f64>, Vec<f64>) {
     let half = c.d / 2;
@@ -533,10 +646,33 @@ pub fn check_case<T: TestElem>(
     stream: &Arc<CudaStream>,
     rope: &Rope,
 ) -> Result<Worst, String> {
+    check_case_on::<T>(c, stream, rope, Entry::Views)
+}
+
+/// Which entry a case launches through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// [`Rope::run_fused`], with cudarc views.
+    Views,
+    /// [`Rope::run_fused_raw`], by address.
+    Raw,
+}
+
+/// [`check_case`] through `entry`.
+pub fn check_case_on<T: TestElem>(
+    c: &Case,
+    stream: &Arc<CudaStream>,
+    rope: &Rope,
+    entry: Entry,
+) -> Result<Worst, String> {
     let mut rng = StdRng::seed_from_u64(c.seed ^ 0x5eed);
     let data = Data::<T>::random(c, &mut rng);
     let mut dev = upload(c, &data, stream, rope)?;
-    launch(c, &mut dev, rope).map_err(|e| format!("launch: {e}"))?;
+    match entry {
+        Entry::Views => launch(c, &mut dev, rope),
+        Entry::Raw => launch_raw(c, &mut dev, rope, stream),
+    }
+    .map_err(|e| format!("launch: {e}"))?;
     verify(c, &data, &dev, stream)
 }
 

@@ -2,7 +2,8 @@
 //! pairings, table and computed sin/cos, explicit and implicit positions, the q/k norm, every
 //! q and k destination, caches of both orders and both formats with padded, missing and
 //! out-of-range slots; cache bytes outside the written slots keep their poison. A graph
-//! replays a captured launch with new data and slots.
+//! replays a captured launch with new data and slots. Random cases also go through
+//! `Rope::run_fused_raw`, the entry by address.
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -38,6 +39,32 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
         "{name}: {cases} cases, {} values checked, largest error {:.3} of its bound",
         worst.checked, worst.ratio
     ));
+}
+
+/// [`Rope::run_fused_raw`], the entry front ends call with their own memory, on random cases
+/// of every mode (outputs, FP8, caches, norms, tables): every output and cache byte matches
+/// the f64 reference as through the views' entry.
+#[test]
+fn fused_raw_entry_matches_reference() {
+    fn run<T: TestElem>(name: &str, cases: u64) {
+        let Some((stream, rope)) = gpu_or_skip(name) else {
+            return;
+        };
+        let mut worst = Worst::default();
+        for seed in 0..cases.min(case_cap()) {
+            let c = Case::random(seed * 104_729 + 3, size_of::<T>());
+            match check_case_on::<T>(&c, &stream, &rope, Entry::Raw) {
+                Ok(w) => worst.merge(w),
+                Err(e) => panic!("{name}: seed {seed}: {e}"),
+            }
+        }
+        report(&format!(
+            "{name}: {} values checked, largest error {:.3} of its bound",
+            worst.checked, worst.ratio
+        ));
+    }
+    run::<f32>("fused_raw_entry_matches_reference_f32", 60);
+    run::<rope_host::half::bf16>("fused_raw_entry_matches_reference_bf16", 60);
 }
 
 /// FP8 caches with k's and v's scales of each granularity (one for the tensor or one per kv
