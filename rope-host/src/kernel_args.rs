@@ -9,59 +9,49 @@ use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig, sys};
 use crate::device::StreamOverlap;
 use crate::error::Result;
 
-/// The kernel parameters of one launch packed as the driver copies them into the kernel's
-/// parameter space: each parameter in order, at the next offset aligned to its size (the layout
-/// of a kernel whose parameters are scalars, as every entry point's are), at most
-/// [`PARAM_BYTES`] bytes. Passed whole (`CU_LAUNCH_PARAM_BUFFER_POINTER`), the driver copies
-/// it in one piece instead of reading each parameter through its own pointer.
-#[repr(C, align(8))]
-struct ParamBuffer {
-    bytes: [u8; PARAM_BYTES],
-    len: usize,
-}
-
-/// Room for the parameters of any family (the fused family's, the largest, take under 600
-/// bytes; a family outgrowing it fails its first launch, in every GPU test).
-const PARAM_BYTES: usize = 1024;
-
-impl ParamBuffer {
-    fn new() -> Self {
-        Self {
-            bytes: [0; PARAM_BYTES],
-            len: 0,
-        }
-    }
-
-    /// Appends `value` at the next offset aligned to its size.
-    fn push<T: bytemuck::Pod>(&mut self, value: T) -> Result<()> {
-        let bytes = bytemuck::bytes_of(&value);
-        let at = self.len.next_multiple_of(bytes.len());
-        let end = at + bytes.len();
-        let slot = self.bytes.get_mut(at..end).ok_or_else(|| {
-            crate::error::invalid("kernel", "the kernel parameters exceed the driver's limit")
-        })?;
-        slot.copy_from_slice(bytes);
-        self.len = end;
-        Ok(())
-    }
-}
-
-/// Defines a struct with one field per parameter of a kernel family and its packing, in the
-/// entry points' parameter order, into the buffer `cuLaunchKernel` takes.
+/// Defines a struct with one field per parameter of a kernel family, in the entry points'
+/// parameter order. It is `#[repr(C)]`, so each field sits at the next offset aligned to its
+/// size: the layout of the kernels' parameter space, whose parameters are all scalars. The
+/// struct's bytes up to the end of its last field are the buffer `cuLaunchKernel` copies
+/// (`CU_LAUNCH_PARAM_BUFFER_POINTER`), in one piece rather than a parameter at a time.
 macro_rules! host_args {
     ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug, PartialEq)]
+        #[repr(C)]
         pub(crate) struct $name {
             $(pub(crate) $param: rope_kernels::host_param_type!($kind),)*
         }
 
         impl $name {
-            /// Every field packed in the entry points' parameter order.
-            fn packed(&self) -> Result<ParamBuffer> {
-                let mut buffer = ParamBuffer::new();
-                $(buffer.push(self.$param)?;)*
-                Ok(buffer)
+            /// The parameter bytes: up to the end of the last field (no trailing padding).
+            const PARAM_BYTES: usize = {
+                let mut end = 0;
+                $(
+                    let field_end = std::mem::offset_of!($name, $param)
+                        + size_of::<rope_kernels::host_param_type!($kind)>();
+                    if field_end > end {
+                        end = field_end;
+                    }
+                )*
+                end
+            };
+
+            /// Whether every field sits where the kernels' parameter space puts it: at the next
+            /// offset aligned to its size after the one before (what `#[repr(C)]` promises,
+            /// checked by a test).
+            #[cfg(test)]
+            fn has_parameter_layout() -> bool {
+                let mut at = 0;
+                $(
+                    let size = size_of::<rope_kernels::host_param_type!($kind)>();
+                    at = usize::next_multiple_of(at, size);
+                    if std::mem::offset_of!($name, $param) != at {
+                        return false;
+                    }
+                    at += size;
+                )*
+                at == Self::PARAM_BYTES
             }
 
             /// Launches `function`, one of this family's entry points, on `stream`; with
@@ -82,37 +72,37 @@ macro_rules! host_args {
                 overlap: StreamOverlap,
             ) -> Result<()> {
                 ctx.bind_to_thread()?;
-                let mut buffer = self.packed()?;
-                // SAFETY: `buffer` holds this family's arguments in parameter order, each of
-                // its device type (`host_param_type!`: scalars) at its own alignment, alive
-                // until the call returns (the driver copies it at launch); the rest is the
-                // caller's promise.
-                unsafe { launch_with(function, config, stream, overlap, &mut buffer) }
+                let mut args = self;
+                let buffer = std::ptr::from_mut(&mut args).cast::<c_void>();
+                // SAFETY: `args` holds this family's arguments in parameter order, each of its
+                // device type (`host_param_type!`: scalars) at the offset the parameter space
+                // gives it (`#[repr(C)]`), `PARAM_BYTES` of them, alive until the call returns
+                // (the driver copies them at launch); the rest is the caller's promise.
+                unsafe { launch_with(function, config, stream, overlap, (buffer, Self::PARAM_BYTES)) }
             }
         }
     };
 }
 
-/// Launches `function` with the packed parameters `buffer` through `cuLaunchKernel`, or
+/// Launches `function` with its parameters in `(buffer, len)` through `cuLaunchKernel`, or
 /// through `cuLaunchKernelEx` with programmatic stream serialization allowed.
 ///
 /// # Safety
-/// As the families' `launch`, with `buffer` their packed parameters; the context that loaded
-/// `function` is current on this thread.
+/// As the families' `launch`, with `buffer` holding their `len` parameter bytes; the context
+/// that loaded `function` is current on this thread.
 unsafe fn launch_with(
     function: &CudaFunction,
     config: LaunchConfig,
     stream: sys::CUstream,
     overlap: StreamOverlap,
-    buffer: &mut ParamBuffer,
+    (buffer, mut len): (*mut c_void, usize),
 ) -> Result<()> {
-    let mut len = buffer.len;
     // The driver's list of "extra" options: the buffer, its size, the end marker (the option
     // tags are small integers passed as pointers, as `cuda.h` defines them).
     let tag = |t: u32| std::ptr::without_provenance_mut::<c_void>(t as usize);
     let mut extra: [*mut c_void; 5] = [
         tag(sys::CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT),
-        buffer.bytes.as_mut_ptr().cast(),
+        buffer,
         tag(sys::CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT),
         std::ptr::from_mut(&mut len).cast(),
         tag(sys::CU_LAUNCH_PARAM_END_AS_INT),
@@ -197,25 +187,13 @@ rope_kernels::table_kernel_params!(host_args {
 mod tests {
     use super::*;
 
-    /// Each parameter starts at the next offset aligned to its size, as the kernels' parameter
-    /// space lays out scalars, and the buffer ends after the last one.
+    /// Every family's struct is laid out as its kernels' parameter space: each parameter at
+    /// the next offset aligned to its size, the buffer ending after the last one.
     #[test]
-    fn parameters_pack_at_their_alignment() {
-        let mut b = ParamBuffer::new();
-        b.push(7u32).expect("room");
-        b.push(0x1122_3344_5566_7788u64).expect("room");
-        b.push(1.5f32).expect("room");
-        assert_eq!(b.len, 20);
-        assert_eq!(b.bytes[..4], 7u32.to_ne_bytes());
-        assert_eq!(b.bytes[4..8], [0; 4]);
-        assert_eq!(b.bytes[8..16], 0x1122_3344_5566_7788u64.to_ne_bytes());
-        assert_eq!(b.bytes[16..20], 1.5f32.to_ne_bytes());
-        while b.len + 8 <= PARAM_BYTES {
-            b.push(0u64).expect("room");
-        }
-        assert!(
-            b.push(0u64).is_err(),
-            "a buffer overflow is an error, not a write"
-        );
+    fn argument_structs_have_the_parameter_layout() {
+        assert!(RopeArgs::has_parameter_layout());
+        assert!(FusedArgs::has_parameter_layout());
+        assert!(TableArgs::has_parameter_layout());
+        const { assert!(FusedArgs::PARAM_BYTES > RopeArgs::PARAM_BYTES) };
     }
 }

@@ -298,19 +298,20 @@ impl RawSinCos {
     }
 
     /// The device memory the kernel reads for sin/cos, as `(address, bytes)` ranges, for the
-    /// overlap checks against written tensors.
-    pub(crate) fn device_reads(&self) -> Vec<(u64, u64)> {
-        let bytes = |b: RawBuf, es: u64| (b.ptr, (b.len as u64).saturating_mul(es));
+    /// overlap checks against written tensors (at most two; no allocation, this runs on every
+    /// launch).
+    pub(crate) fn device_reads(&self) -> [Option<(u64, u64)>; 2] {
+        let bytes = |b: RawBuf, es: u64| Some((b.ptr, (b.len as u64).saturating_mul(es)));
         match *self {
             Self::Table {
                 cos, sin, dtype, ..
             } => {
                 let es = dtype.size() as u64;
-                vec![bytes(cos, es), bytes(sin, es)]
+                [bytes(cos, es), bytes(sin, es)]
             }
-            Self::CosSinCache { cache, dtype, .. } => vec![bytes(cache, dtype.size() as u64)],
-            Self::Computed { .. } => Vec::new(),
-            Self::Frequencies { inv_freq, .. } => vec![bytes(inv_freq, 8)],
+            Self::CosSinCache { cache, dtype, .. } => [bytes(cache, dtype.size() as u64), None],
+            Self::Computed { .. } => [None, None],
+            Self::Frequencies { inv_freq, .. } => [bytes(inv_freq, 8), None],
         }
     }
 

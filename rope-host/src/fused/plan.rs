@@ -277,13 +277,16 @@ fn check_config(cfg: &RopeConfig) -> Result<()> {
 fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
     let (cfg, es) = (&req.rope.config, req.rope.dtype.size());
     let q = &req.rope.q;
-    let mut regions = vec![region(
+    // Room for every region a launch has (tensors, outputs, caches, slots, weights, scales,
+    // tables, positions), so that the checks allocate once.
+    let mut regions = Vec::with_capacity(16);
+    regions.push(region(
         ("q", Of::Q),
         q.x,
         &q.x_layout,
         cfg,
         (es, q.out.is_none()),
-    )?];
+    )?);
     if let Some((buf, l)) = q.out {
         let out_es = if req.q_fp8.is_some() { 1 } else { es };
         same_dims("q.output", &l, &q.x_layout)?;
@@ -367,7 +370,7 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
         regions.push(check_scale(&s, q.x_layout.heads)?);
     }
     if let Some(c) = &req.cache {
-        regions.extend(check_cache(c, cfg, es, k.x_layout.heads)?);
+        check_cache(c, cfg, es, k.x_layout.heads, &mut regions)?;
     }
     regions.extend(option_reads(&req.rope));
     Ok(regions)
@@ -462,8 +465,14 @@ fn cache_as_layout(l: &CacheLayout) -> Result<Layout> {
 }
 
 /// Checks the cache layout against k and the config, both caches' buffers and the scales;
-/// returns their regions (the slot mapping's included).
-fn check_cache(c: &RawCache, cfg: &RopeConfig, es: usize, k_heads: usize) -> Result<Vec<Region>> {
+/// adds their regions (the slot mapping's included) to `regions`.
+fn check_cache(
+    c: &RawCache,
+    cfg: &RopeConfig,
+    es: usize,
+    k_heads: usize,
+    regions: &mut Vec<Region>,
+) -> Result<()> {
     let l = &c.layout;
     if l.kv_heads != k_heads {
         return Err(invalid(
@@ -475,7 +484,6 @@ fn check_cache(c: &RawCache, cfg: &RopeConfig, es: usize, k_heads: usize) -> Res
     cache_slots(l)?;
     let layout = cache_as_layout(l)?;
     let ces = if c.fp8.is_some() { 1 } else { es };
-    let mut regions = Vec::new();
     for (arg, buf) in [("cache.k", c.k), ("cache.v", c.v)] {
         regions.push(region((arg, Of::Cache), buf, &layout, cfg, (ces, true))?);
     }
@@ -485,7 +493,7 @@ fn check_cache(c: &RawCache, cfg: &RopeConfig, es: usize, k_heads: usize) -> Res
     }
     let bytes = (c.slots.buf.len as u64).saturating_mul(c.slots.ty.size());
     regions.push(read_region("cache.slot_mapping", (c.slots.buf.ptr, bytes)));
-    Ok(regions)
+    Ok(())
 }
 
 /// Whether every address and stride the kernel accesses with `lanes`-element vectors is
@@ -494,17 +502,21 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
     let es = req.rope.dtype.size();
     let q = &req.rope.q;
     let out_es = if req.q_fp8.is_some() { 1 } else { es };
-    let mut layouts: Vec<(u64, Layout, usize)> =
-        vec![(q.x.ptr, q.x_layout, es), (k.x.ptr, k.x_layout, es)];
-    layouts.extend(q.out.map(|(b, l)| (b.ptr, l, out_es)));
-    layouts.extend(k.out.map(|(b, l)| (b.ptr, l, es)));
-    layouts.extend(req.v.map(|(b, l)| (b.ptr, l, es)));
-    if let Some(c) = &req.cache {
+    let cache = req.cache.as_ref().and_then(|c| {
         let ces = if c.fp8.is_some() { 1 } else { es };
-        if let Ok(l) = cache_as_layout(&c.layout) {
-            layouts.extend([(c.k.ptr, l, ces), (c.v.ptr, l, ces)]);
-        }
-    }
+        let l = cache_as_layout(&c.layout).ok()?;
+        Some([(c.k.ptr, l, ces), (c.v.ptr, l, ces)])
+    });
+    // No allocation: this runs for each access width a launch tries.
+    let layouts = [
+        Some((q.x.ptr, q.x_layout, es)),
+        Some((k.x.ptr, k.x_layout, es)),
+        q.out.map(|(b, l)| (b.ptr, l, out_es)),
+        k.out.map(|(b, l)| (b.ptr, l, es)),
+        req.v.map(|(b, l)| (b.ptr, l, es)),
+        cache.map(|c| c[0]),
+        cache.map(|c| c[1]),
+    ];
     let weights = req.norm.is_none_or(|n| {
         [n.q_weight.ptr, n.k_weight.ptr]
             .iter()
@@ -513,6 +525,7 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
     weights
         && layouts
             .iter()
+            .flatten()
             .filter(|(_, l, _)| !l.is_empty())
             .all(|(addr, l, es)| layout_aligned(*addr, l, *es, lanes))
 }

@@ -192,9 +192,9 @@ fn check_tensors(req: &Request) -> Result<()> {
 /// The regions the request's options make the kernel read: the sin/cos tables and the
 /// position arrays.
 pub(crate) fn option_reads(req: &Request) -> impl Iterator<Item = Region> {
-    let tables = req.sincos.device_reads().into_iter();
+    let tables = req.sincos.device_reads().into_iter().flatten();
     let reads = tables.map(|r| read_region("the sin/cos tables", r));
-    let arrays = req.positions.device_reads().into_iter();
+    let arrays = req.positions.device_reads().into_iter().flatten();
     reads.chain(arrays.map(|r| read_region("the position arrays", r)))
 }
 

@@ -467,25 +467,24 @@ impl RawPositions {
         })
     }
 
-    /// The device memory the kernel reads for positions, as `(address, bytes)` ranges.
-    pub(crate) fn device_reads(&self) -> Vec<(u64, u64)> {
+    /// The device memory the kernel reads for positions, as `(address, bytes)` ranges (at
+    /// most two; no allocation, this runs on every launch).
+    pub(crate) fn device_reads(&self) -> [Option<(u64, u64)>; 2] {
         match self {
-            Self::Offset(_) => Vec::new(),
+            Self::Offset(_) => [None, None],
             Self::RowOffsets(ints)
             | Self::Ids { ids: ints, .. }
             | Self::VarlenContextParallel {
                 cu_seqlens: ints, ..
-            } => vec![ints.bytes()],
+            } => [Some(ints.bytes()), None],
             Self::Varlen {
                 cu_seqlens,
                 offsets,
-            } => std::iter::once(cu_seqlens)
-                .chain(offsets)
-                .map(RawInts::bytes)
-                .collect(),
-            Self::MultiAxis { positions, axes } => {
-                vec![positions.bytes(), (axes.axes.ptr, axes.axes.len as u64)]
-            }
+            } => [Some(cu_seqlens.bytes()), offsets.map(|o| o.bytes())],
+            Self::MultiAxis { positions, axes } => [
+                Some(positions.bytes()),
+                Some((axes.axes.ptr, axes.axes.len as u64)),
+            ],
         }
     }
 
