@@ -158,6 +158,55 @@ pub fn device_name(device_type: i32) -> String {
     }
 }
 
+/// The most dimensions a tensor rope_rs reads may have (its forms have at most five).
+pub const MAX_DIMS: usize = 8;
+
+/// A tensor's extents or strides, at most [`MAX_DIMS`], kept inline: a launch reads up to a
+/// dozen tensors and allocates nothing for them. Reads as a slice (and compares as one).
+#[derive(Clone, Copy)]
+pub struct Dims {
+    len: usize,
+    values: [usize; MAX_DIMS],
+}
+
+impl Dims {
+    /// `values` as dimensions; `None` for more than [`MAX_DIMS`].
+    pub fn from_slice(values: &[usize]) -> Option<Self> {
+        let mut d = Self {
+            len: values.len(),
+            values: [0; MAX_DIMS],
+        };
+        d.values.get_mut(..values.len())?.copy_from_slice(values);
+        Some(d)
+    }
+
+    /// The dimensions.
+    pub fn as_slice(&self) -> &[usize] {
+        &self.values[..self.len]
+    }
+}
+
+impl std::ops::Deref for Dims {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        self.as_slice()
+    }
+}
+
+impl PartialEq for Dims {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for Dims {}
+
+impl std::fmt::Debug for Dims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
 /// What rope_rs needs of a CUDA tensor: the address of its first element, its element type,
 /// its extents and its strides in elements (never negative).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -167,9 +216,9 @@ pub struct Dense {
     /// The element type.
     pub elem: Elem,
     /// Extents.
-    pub shape: Vec<usize>,
+    pub shape: Dims,
     /// Strides in elements.
-    pub strides: Vec<usize>,
+    pub strides: Dims,
     /// The CUDA device ordinal.
     pub device_id: i32,
 }
@@ -197,34 +246,35 @@ pub unsafe fn read(t: &DLTensor, arg: &str) -> Result<Dense, ArgError> {
             "has an unsupported element type (DLPack code {code}, {bits} bits, {lanes} lanes)"
         )));
     };
-    let ndim = usize::try_from(t.ndim).map_err(|_| value(format!("has ndim {}", t.ndim)))?;
+    let ndim = usize::try_from(t.ndim)
+        .ok()
+        .filter(|&n| n <= MAX_DIMS)
+        .ok_or_else(|| value(format!("has {} dimensions, more than {MAX_DIMS}", t.ndim)))?;
     let extents: &[i64] = if ndim == 0 {
         &[]
     } else {
         // SAFETY: the caller promises `shape` points to `ndim` i64.
         unsafe { std::slice::from_raw_parts(t.shape, ndim) }
     };
-    let shape = extents
-        .iter()
-        .map(|&n| usize::try_from(n).map_err(|_| value(format!("has a negative extent {n}"))))
-        .collect::<Result<Vec<_>, _>>()?;
-    let strides = if t.strides.is_null() || ndim == 0 {
-        let mut strides = vec![1; ndim];
+    let mut shape = [0; MAX_DIMS];
+    for (to, &n) in shape.iter_mut().zip(extents) {
+        *to = usize::try_from(n).map_err(|_| value(format!("has a negative extent {n}")))?;
+    }
+    let mut strides = [1; MAX_DIMS];
+    if t.strides.is_null() || ndim == 0 {
         for i in (0..ndim.saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * shape[i + 1].max(1);
         }
-        strides
     } else {
         // SAFETY: the caller promises non-null `strides` point to `ndim` i64.
         let given = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
-        given
-            .iter()
-            .map(|&s| {
-                usize::try_from(s)
-                    .map_err(|_| value(format!("has a negative stride {s} (strides {given:?})")))
-            })
-            .collect::<Result<Vec<_>, _>>()?
-    };
+        for (to, &s) in strides.iter_mut().zip(given) {
+            *to = usize::try_from(s)
+                .map_err(|_| value(format!("has a negative stride {s} (strides {given:?})")))?;
+        }
+    }
+    let dims = |values| Dims { len: ndim, values };
+    let (shape, strides) = (dims(shape), dims(strides));
     let ptr = (t.data as u64)
         .checked_add(t.byte_offset)
         .ok_or_else(|| value("has an address past 2^64".into()))?;
@@ -388,7 +438,7 @@ pub fn heads_tensor(d: &Dense, head_size: usize, arg: &str) -> Result<RawTensor,
 /// Whether `d` is compact row-major (size-1 dimensions may have any stride).
 fn is_contiguous(d: &Dense) -> bool {
     let mut want = 1;
-    for (&n, &s) in d.shape.iter().zip(&d.strides).rev() {
+    for (&n, &s) in d.shape.iter().zip(d.strides.iter()).rev() {
         if n > 1 && s != want {
             return false;
         }
@@ -644,7 +694,7 @@ pub fn cache(d: &Dense, head_size: usize, arg: &str) -> Result<(RawBuf, CacheLay
     } else {
         d.shape
             .iter()
-            .zip(&d.strides)
+            .zip(d.strides.iter())
             .try_fold(1usize, |end, (&n, &s)| {
                 (n - 1).checked_mul(s).and_then(|x| x.checked_add(end))
             })
@@ -737,7 +787,7 @@ mod tests {
         #[test]
         fn null_strides_are_row_major() {
             let d = read_fake(&mut fake(&[2, 3, 4, 8], None, BF16), "q").expect("valid");
-            assert_eq!(d.strides, vec![96, 32, 8, 1]);
+            assert_eq!(d.strides.as_slice(), [96, 32, 8, 1]);
             assert_eq!(d.elem, Elem::BF16);
             assert_eq!(d.ptr, 0x1000);
         }

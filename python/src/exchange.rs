@@ -529,8 +529,8 @@ mod tests {
                 dlpack::Dense {
                     ptr: 0x7010,
                     elem: Elem::BF16,
-                    shape: vec![6, 4, 8],
-                    strides: vec![64, 8, 1],
+                    shape: dlpack::Dims::from_slice(&[6, 4, 8]).expect("3 dims"),
+                    strides: dlpack::Dims::from_slice(&[64, 8, 1]).expect("3 dims"),
                     device_id: 1,
                 }
             );

@@ -286,7 +286,7 @@ pub(crate) fn launch(l: FusedLaunch<'_, '_>) -> PyResult<()> {
     let mut held = Held {
         dlpack_stream,
         device,
-        borrowed: vec![first],
+        borrowed: Held::with_first(first),
     };
     let (io, elem) = raw_io(
         &l.tensors,

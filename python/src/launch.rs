@@ -372,6 +372,14 @@ pub(crate) struct Held<'py> {
 }
 
 impl<'py> Held<'py> {
+    /// The borrows of a launch, `first` among them, with room for all the others (a launch
+    /// borrows at most a dozen tensors; one allocation).
+    pub(crate) fn with_first(first: Borrowed<'py>) -> Vec<Borrowed<'py>> {
+        let mut borrowed = Vec::with_capacity(12);
+        borrowed.push(first);
+        borrowed
+    }
+
     /// Borrows `obj` (named `name`), which must be on the launch's device; returns what was
     /// read from it.
     pub(crate) fn borrow(&mut self, obj: &Bound<'py, PyAny>, name: &str) -> PyResult<&Dense> {
@@ -482,7 +490,7 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     let mut held = Held {
         dlpack_stream,
         device,
-        borrowed: vec![q],
+        borrowed: Held::with_first(q),
     };
     let mut tensor = |obj, name| held.tensor(obj, name, (elem, names.q, l.view));
     let k_tensor = tensor(l.k, names.k)?;

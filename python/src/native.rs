@@ -876,7 +876,13 @@ type DlpackView = (u64, &'static str, Vec<usize>, Vec<usize>, i32);
 #[pyo3(signature = (tensor, *, producer_sync, arg="tensor"))]
 fn _dlpack_view(tensor: &Bound<'_, PyAny>, producer_sync: bool, arg: &str) -> PyResult<DlpackView> {
     let d = launch::describe(tensor, arg, producer_sync)?;
-    Ok((d.ptr, d.elem.name(), d.shape, d.strides, d.device_id))
+    Ok((
+        d.ptr,
+        d.elem.name(),
+        d.shape.to_vec(),
+        d.strides.to_vec(),
+        d.device_id,
+    ))
 }
 
 /// rope-rs: rotary position embedding on NVIDIA GPUs, kernels written in Rust; tensors by
