@@ -82,6 +82,18 @@ def cases():
         lambda: rope_rs.rotary_embedding(positions, query, key, 128, cache, True),
         lambda: _native.rotary_embedding(positions, query, key, 128, cache, True, stream=stream, producer_sync=False),
     )
+    # Hugging Face's drop-in at decode: [b, h, 1, d] views, cos/sin [1, 1, d] as its rotary
+    # embedding returns them (the same pair for every layer of a forward).
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    emb = ids[:1].float()[..., None] * (500000.0 ** (-torch.arange(0, 128, 2, device=dev) / 128))
+    emb = torch.cat((emb, emb), -1)
+    cos_d, sin_d = emb.cos().to(bf16), emb.sin().to(bf16)
+    yield (
+        "decode b64, HF apply_rotary_pos_emb (out of place)",
+        (q, k),
+        lambda: rope_rs.apply_rotary_pos_emb(qh, kh, cos_d, sin_d),
+        None,
+    )
     # The serving drop-ins at decode: a packed QKV of 64 tokens, vLLM's paged cache (bf16,
     # 16-token blocks) and SGLang's token pool. "Tensors" are what the copy moves: q and k, plus
     # k and v again for the cache write.

@@ -329,6 +329,35 @@ def _hf_ids(q: Tensor, cos: Tensor, position_ids: Optional[Tensor], batch: int, 
     return torch.arange(0, 2 * batch * seq, 2, device=q.device, dtype=torch.int64).view(batch, seq)
 
 
+# The last cos/sin a Hugging Face call read, with what it made of them: `(key, cos rows, sin rows,
+# ids)`. A model passes the same cos and sin to every layer of a forward, so the views and ids
+# are made once per forward. Kept only when the rows are views of cos and sin (no copy or
+# conversion): then they read whatever cos and sin hold, and holding them keeps that memory
+# allocated, so no other tensor can arrive at the same addresses while the entry lives.
+_HF_TABLES: List[Tuple[Any, Tensor, Tensor, Tensor]] = []
+
+
+def _hf_tables(
+    q: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], batch: int, seq: int
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """HF's cos and sin as rope-rs tables of half rows and the half row each token reads
+    (`_hf_rows`, `_hf_ids`), reusing the last call's when cos and sin are the same tensors."""
+    # Ids from position_ids (older transformers) change with its contents: never reused.
+    reusable = position_ids is None and not torch.compiler.is_compiling()
+    key = None
+    if reusable:
+        key = (cos.data_ptr(), sin.data_ptr(), cos.shape, cos.stride(), sin.stride(), cos.dtype, q.device, batch, seq)
+        if _HF_TABLES and _HF_TABLES[0][0] == key:
+            return _HF_TABLES[0][1:]
+    cos_rows = _hf_rows(cos, position_ids, batch, seq, "cos")
+    sin_rows = _hf_rows(sin, position_ids, batch, seq, "sin")
+    ids = _hf_ids(q, cos, position_ids, batch, seq)
+    views = cos_rows.data_ptr() == cos.data_ptr() and sin_rows.data_ptr() == sin.data_ptr()
+    if reusable and views and not torch.cuda.is_current_stream_capturing():
+        _HF_TABLES[:] = [(key, cos_rows, sin_rows, ids)]
+    return cos_rows, sin_rows, ids
+
+
 def apply_rotary_pos_emb(
     q: Tensor,
     k: Optional[Tensor],
@@ -375,9 +404,18 @@ def apply_rotary_pos_emb(
         raise ValueError(f"cos must have an even last dimension (rotary_dim), got {rotary_dim}")
     if cos.dtype not in (torch.float32, q.dtype):
         cos, sin = cos.float(), sin.float()
-    cos_rows = _hf_rows(cos, position_ids, batch, seq, "cos")
-    sin_rows = _hf_rows(sin, position_ids, batch, seq, "sin")
-    ids = _hf_ids(q, cos, position_ids, batch, seq)
-    # Through the public call: its direct path when nothing of this module's is needed.
-    rotated = rope_rs.apply_rope(q, k, position_ids=ids, cos=cos_rows, sin=sin_rows, layout=layout)
-    return (rotated, None) if k is None else rotated
+    cos_rows, sin_rows, ids = _hf_tables(q, cos, sin, position_ids, batch, seq)
+    direct = rope_rs._direct(torch, q, k, None, None, None, None)
+    if direct is None:
+        # Autograd, torch.compile, another device: the public call's full path.
+        rotated = rope_rs.apply_rope(q, k, position_ids=ids, cos=cos_rows, sin=sin_rows, layout=layout)
+        return (rotated, None) if k is None else rotated
+    q_out = torch.empty_like(q)
+    k_out = None if k is None else torch.empty_like(k)
+    stream, sync = direct
+    # By position, in the native signature's order (see rope_rs.apply_rope).
+    _native.apply_rope(
+        q, k, q_out, k_out, None, ids, None, layout, "neox", None, None, cos_rows, sin_rows,
+        None, None, None, None, None, False, stream, sync, 1, 0, False,
+    )
+    return q_out, k_out

@@ -504,6 +504,36 @@ class TestDropIns:
         check(q_embed, want_q)
         check(k_embed, want_k)
 
+    def test_hugging_face_tables_follow_new_and_rewritten_cos_sin(self):
+        """The drop-in reuses the last call's views of cos and sin (a model passes the same pair
+        to every layer); a new pair, a pair rewritten in place, and a pair of other positions
+        for another batch size each rotate by what they hold."""
+        pytest.importorskip("transformers")
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        d = 64
+
+        def tables(pos):
+            c, sn = cos_sin(pos, inv_freq64(10000.0, d))
+            return torch.cat((c, c), -1).float(), torch.cat((sn, sn), -1).float()
+
+        def rotate_and_check(q, k, cos, sin):
+            q_embed, k_embed = rope_rs.apply_rotary_pos_emb(q, k, cos, sin)
+            want_q, want_k = apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double())
+            check(q_embed, want_q)
+            check(k_embed, want_k)
+
+        q, k = randn(2, 4, 7, d), randn(2, 2, 7, d)
+        cos, sin = tables(torch.randint(0, 4096, (1, 7), device=DEV))
+        for _ in range(2):  # the second call reuses the first's tables
+            rotate_and_check(q, k, cos, sin)
+        new_cos, new_sin = tables(torch.randint(0, 4096, (1, 7), device=DEV))
+        cos.copy_(new_cos), sin.copy_(new_sin)  # rewritten in place: same addresses
+        rotate_and_check(q, k, cos, sin)
+        rotate_and_check(q, k, *tables(torch.randint(0, 4096, (1, 7), device=DEV)))  # a new pair
+        q3, k3 = randn(3, 4, 7, d), randn(3, 2, 7, d)
+        rotate_and_check(q3, k3, *tables(torch.randint(0, 4096, (3, 7), device=DEV)))  # per batch row
+
     def test_hugging_face_drop_in_launches_one_kernel(self):
         """After a first call, a decode step through the HF drop-in (cos/sin [1, seq, r]) runs
         one kernel: positions come from a kept vector, not an ``arange`` per call."""
