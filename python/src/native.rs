@@ -440,6 +440,26 @@ type CacheObjects<'a, 'py> = (
     Option<&'a Bound<'py, PyAny>>,
 );
 
+/// The pairing of the peers' `is_neox`: rotate-half, else interleaved.
+fn pairing(is_neox: bool) -> RopeStyle {
+    if is_neox {
+        RopeStyle::Neox
+    } else {
+        RopeStyle::Interleaved
+    }
+}
+
+/// The names of vLLM's (and SGLang's, FlashInfer's) rotation arguments.
+const VLLM_NAMES: Names = Names {
+    q: "query",
+    k: "key",
+    out: "query",
+    k_out: "key",
+    positions: "positions",
+    sincos: "cos_sin_cache",
+    other: &[],
+};
+
 /// rope-host's names of a cache write's arguments in vLLM's words.
 const VLLM_CACHE_NAMES: [(&str, &str); 6] = [
     ("cache.k", "key_cache"),
@@ -499,20 +519,8 @@ fn rotary_embedding(
     producer_sync: bool,
     pdl: bool,
 ) -> PyResult<()> {
-    let style = if is_neox {
-        RopeStyle::Neox
-    } else {
-        RopeStyle::Interleaved
-    };
-    let names = Names {
-        q: "query",
-        k: "key",
-        out: "query",
-        k_out: "key",
-        positions: "positions",
-        sincos: "cos_sin_cache",
-        other: &[],
-    };
+    let style = pairing(is_neox);
+    let names = VLLM_NAMES;
     let cache = cache_arg(
         (key_cache, value_cache, slot_mapping),
         kv_cache_dtype,
@@ -676,11 +684,7 @@ fn apply_rope_with_cos_sin_cache_inplace(
         norm: None,
         positions,
         cos_sin_cache,
-        style: if is_neox {
-            RopeStyle::Neox
-        } else {
-            RopeStyle::Interleaved
-        },
+        style: pairing(is_neox),
         cache: Some(CacheArg {
             key_cache: &k_buffer,
             value_cache: &v_buffer,
@@ -689,13 +693,8 @@ fn apply_rope_with_cos_sin_cache_inplace(
             scales: None,
         }),
         names: Names {
-            q: "query",
-            k: "key",
-            out: "query",
-            k_out: "key",
-            positions: "positions",
-            sincos: "cos_sin_cache",
             other: &OTHER,
+            ..VLLM_NAMES
         },
         stream,
         producer_sync,
@@ -778,11 +777,7 @@ fn fused_qk_norm_rope(
         norm: Some((q_weight, k_weight, eps)),
         positions: position_ids,
         cos_sin_cache,
-        style: if is_neox {
-            RopeStyle::Neox
-        } else {
-            RopeStyle::Interleaved
-        },
+        style: pairing(is_neox),
         cache,
         names: Names {
             q: "qkv",
