@@ -399,10 +399,7 @@ fn bind<'s, T: RopeElem>(
             q_weight: binder.read("norm.q_weight", &n.q_weight)?,
             k_weight: binder.read("norm.k_weight", &n.k_weight)?,
             eps: n.eps,
-            code: match n.weight {
-                NormWeight::Plain => NormCode::Rms,
-                NormWeight::OnePlus => NormCode::RmsOnePlus,
-            },
+            code: n.weight.code(),
         }),
         None => None,
     };
@@ -478,18 +475,21 @@ fn bind_scale<'s>(
     arg: &'static str,
     scale: &'s Fp8Scale<'_>,
 ) -> Result<RawScale> {
-    Ok(match scale {
-        Fp8Scale::PerTensor(s) => RawScale {
-            arg,
-            buf: binder.read(arg, s)?,
-            per_head: false,
-        },
-        Fp8Scale::PerHead(s) => RawScale {
-            arg,
-            buf: binder.read(arg, s)?,
-            per_head: true,
-        },
-    })
+    let raw = match scale {
+        Fp8Scale::PerTensor(s) => RawFp8Scale::PerTensor(binder.read(arg, s)?),
+        Fp8Scale::PerHead(s) => RawFp8Scale::PerHead(binder.read(arg, s)?),
+    };
+    Ok(raw.raw(arg))
+}
+
+impl NormWeight {
+    /// The kernels' code for this weighting.
+    pub(crate) fn code(self) -> NormCode {
+        match self {
+            NormWeight::Plain => NormCode::Rms,
+            NormWeight::OnePlus => NormCode::RmsOnePlus,
+        }
+    }
 }
 
 /// The FP8 scales of q's output, k's cache and v's cache, in that order, as the kernels take

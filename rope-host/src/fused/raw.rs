@@ -4,9 +4,6 @@
 //! reduce to the same [`FusedRequest`] the safe API binds, so both are validated, planned and
 //! launched by the same code.
 
-use cudarc::driver::sys::CUstream;
-use rope_kernels::abi::NormCode;
-
 use super::request::{FusedRequest, RawCache, RawNorm, RawScale};
 use super::{CacheLayout, NormWeight};
 use crate::bind::RawBuf;
@@ -16,6 +13,7 @@ use crate::layout::Layout;
 use crate::plan::{Request, TensorReq};
 use crate::positions::RawInts;
 use crate::rope::{RawIo, RawOp, RawTensor};
+use cudarc::driver::sys::CUstream;
 
 /// An FP8 scale array by address (`f32`): the stored value is `e4m3(x / scale)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,7 +136,8 @@ pub struct RawKvCache {
 }
 
 impl RawFp8Scale {
-    fn raw(self, arg: &'static str) -> RawScale {
+    /// The planner's form of the scale, named `arg` in errors.
+    pub(super) fn raw(self, arg: &'static str) -> RawScale {
         let (buf, per_head) = match self {
             Self::PerTensor(buf) => (buf, false),
             Self::PerHead(buf) => (buf, true),
@@ -155,11 +154,6 @@ impl From<RawTensor> for TensorReq {
 
 /// The request the planner validates: the same form [`Rope::run_fused`]'s bind step makes.
 fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedRequest {
-    let out_of_place = |input: RawTensor, output: RawTensor| TensorReq {
-        x: input.buf,
-        x_layout: input.layout,
-        out: Some((output.buf, output.layout)),
-    };
     let (q, q_fp8, k, k_written, v, packed) = match io {
         RawFusedIo::Separate { q, k, v } => {
             let (q, q_fp8) = match q {
@@ -168,7 +162,10 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                     input,
                     output,
                     scale,
-                } => (out_of_place(input, output), Some(scale.raw("q.scale"))),
+                } => (
+                    RawIo::OutOfPlace { input, output }.into(),
+                    Some(scale.raw("q.scale")),
+                ),
             };
             let (k, k_written) = match k {
                 RawKOut::Elem(io) => (io.into(), true),
@@ -185,10 +182,7 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
         q_weight: n.q_weight,
         k_weight: n.k_weight,
         eps: n.eps,
-        code: match n.weight {
-            NormWeight::Plain => NormCode::Rms,
-            NormWeight::OnePlus => NormCode::RmsOnePlus,
-        },
+        code: n.weight.code(),
     });
     let cache = cache.map(|c| {
         let (k, v, fp8) = match c.data {
