@@ -494,14 +494,22 @@ pub fn ints_1d(d: &Dense, arg: &str, what: &str) -> Result<RawInts, ArgError> {
     ints(d, arg)
 }
 
-/// A contiguous two-dimensional floating-point tensor: its buffer, type, rows and columns.
-fn float_matrix(d: &Dense, arg: &str, want: &str) -> Result<(RawBuf, DType, usize, u32), ArgError> {
-    let Some(dtype) = d.elem.float() else {
-        return Err(ArgError::Value(format!(
+/// The element type of a tensor of floats: float32, float16 or bfloat16.
+///
+/// # Errors
+/// [`ArgError::Value`] naming `arg` for any other type.
+pub fn float_type(d: &Dense, arg: &str) -> Result<DType, ArgError> {
+    d.elem.float().ok_or_else(|| {
+        ArgError::Value(format!(
             "{arg} must be float32, float16 or bfloat16, got {}",
             d.elem.name()
-        )));
-    };
+        ))
+    })
+}
+
+/// A contiguous two-dimensional floating-point tensor: its buffer, type, rows and columns.
+fn float_matrix(d: &Dense, arg: &str, want: &str) -> Result<(RawBuf, DType, usize, u32), ArgError> {
+    let dtype = float_type(d, arg)?;
     let &[rows, cols] = d.shape.as_slice() else {
         return Err(ArgError::Value(format!(
             "{arg} must be {want}, got shape {:?}",

@@ -14,9 +14,9 @@ use rope_host::{
     StreamOverlap,
 };
 
-use crate::dlpack::{self, Dense, Elem};
+use crate::dlpack::{self, Elem};
 use crate::launch::{
-    Held, Names, PositionsArg, SinCosArg, View, arg_error, borrow, dlpack_stream, one_buffer,
+    Held, Names, PositionsArg, SinCosArg, View, arg_error, dlpack_stream, one_buffer,
     raw_positions, raw_sincos, rope_for,
 };
 
@@ -215,23 +215,15 @@ fn raw_io<'py>(
     held: &mut Held<'py>,
     (head_size, names): (usize, &Names),
     cached: bool,
-) -> PyResult<(RawFusedIo, Elem)> {
+) -> PyResult<(RawFusedIo, Elem, DType)> {
     let view = View::Heads(head_size);
-    let float_elem = |d: &Dense, arg: &str| -> PyResult<Elem> {
-        match d.elem.float() {
-            Some(_) => Ok(d.elem),
-            None => Err(PyValueError::new_err(format!(
-                "{arg} must be float32, float16 or bfloat16, got {}",
-                d.elem.name()
-            ))),
-        }
-    };
+    let arg = names.python_name("q");
+    let d = held.first_dense();
+    let (elem, dtype) = (d.elem, dlpack::float_type(d, arg).map_err(arg_error)?);
+    let first = dlpack::heads_tensor(d, head_size, arg).map_err(arg_error)?;
     match *tensors {
         FusedTensors::Packed { heads, .. } => {
-            let arg = names.python_name("q");
-            let d = &held.borrowed[0].dense;
-            let elem = float_elem(d, arg)?;
-            let t = dlpack::heads_tensor(d, head_size, arg).map_err(arg_error)?;
+            let t = first;
             let (q, k, v) = packed_layouts(&t, heads, arg)?;
             let io = RawFusedIo::Packed {
                 buf: t.buf,
@@ -239,19 +231,16 @@ fn raw_io<'py>(
                 k,
                 v: cached.then_some(v),
             };
-            Ok((io, elem))
+            Ok((io, elem, dtype))
         }
         FusedTensors::Separate { key, value, .. } => {
-            let q_name = names.python_name("q");
-            let d = &held.borrowed[0].dense;
-            let elem = float_elem(d, q_name)?;
-            let q = dlpack::heads_tensor(d, head_size, q_name).map_err(arg_error)?;
-            let spec = (elem, q_name, view);
+            let q = first;
+            let spec = (elem, arg, view);
             let k = held
                 .tensor(Some(key), names.python_name("k"), spec)?
                 .expect("given");
             let v = held.tensor(value, names.python_name("v"), spec)?;
-            let es = elem.float().map_or(1, DType::size) as u64;
+            let es = dtype.size() as u64;
             let mut all = vec![q, k];
             all.extend(v);
             let io = match one_buffer(&all, es) {
@@ -267,7 +256,7 @@ fn raw_io<'py>(
                     v,
                 },
             };
-            Ok((io, elem))
+            Ok((io, elem, dtype))
         }
     }
 }
@@ -275,26 +264,20 @@ fn raw_io<'py>(
 /// Validates `l` (here and in rope-host) and launches it on its stream.
 pub(crate) fn launch(l: FusedLaunch<'_, '_>) -> PyResult<()> {
     let names = l.names;
-    let dlpack_stream = dlpack_stream(l.stream, l.producer_sync);
     // The first tensor sets the device every other must be on.
     let first = match &l.tensors {
         FusedTensors::Packed { qkv, .. } => *qkv,
         FusedTensors::Separate { query, .. } => *query,
     };
-    let first = borrow(first, names.python_name("q"), dlpack_stream)?;
-    let device = first.dense.device_id;
-    let mut held = Held {
-        dlpack_stream,
-        device,
-        borrowed: Held::with_first(first),
-    };
-    let (io, elem) = raw_io(
+    let dlpack_stream = dlpack_stream(l.stream, l.producer_sync);
+    let mut held = Held::first(first, names.python_name("q"), dlpack_stream)?;
+    let device = held.device;
+    let (io, elem, dtype) = raw_io(
         &l.tensors,
         &mut held,
         (l.head_size, &names),
         l.cache.is_some(),
     )?;
-    let dtype = elem.float().expect("raw_io checked a float type");
     let head_dim = u32::try_from(l.head_size)
         .map_err(|_| PyValueError::new_err(format!("head_size {} is too large", l.head_size)))?;
     let norm = match l.norm {

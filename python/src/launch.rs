@@ -127,9 +127,9 @@ pub(crate) fn arg_error(e: ArgError) -> PyErr {
 /// Through the DLPack C exchange API (`exchange.rs`), `_keep` is the tensor object itself: the
 /// producer's non-owning description stays valid while the object lives, unchanged (the GIL is
 /// held from the read to the launch, so no Python code runs in between).
-pub(crate) struct Borrowed<'py> {
+struct Borrowed<'py> {
     _keep: Bound<'py, PyAny>,
-    pub(crate) dense: Dense,
+    dense: Dense,
 }
 
 /// The `stream=` argument of `__dlpack__` for a launch on `stream`: DLPack's number for it (1
@@ -147,11 +147,7 @@ pub(crate) fn dlpack_stream(stream: u64, producer_sync: bool) -> i64 {
 /// Borrows `obj` (named `arg` in errors): through its type's DLPack C exchange API when it has
 /// one and no synchronization is asked (`dlpack_stream` -1, as the exchange API's "no_sync"
 /// functions do none), else through `__dlpack__(stream=dlpack_stream)`.
-pub(crate) fn borrow<'py>(
-    obj: &Bound<'py, PyAny>,
-    arg: &str,
-    dlpack_stream: i64,
-) -> PyResult<Borrowed<'py>> {
+fn borrow<'py>(obj: &Bound<'py, PyAny>, arg: &str, dlpack_stream: i64) -> PyResult<Borrowed<'py>> {
     if dlpack_stream == -1
         && let Some(api) = exchange::types::api_of(obj)
     {
@@ -366,18 +362,30 @@ pub(crate) struct Launch<'a, 'py> {
 
 /// The borrowed tensors of a launch: alive until it is enqueued.
 pub(crate) struct Held<'py> {
-    pub(crate) dlpack_stream: i64,
+    dlpack_stream: i64,
     pub(crate) device: i32,
-    pub(crate) borrowed: Vec<Borrowed<'py>>,
+    borrowed: Vec<Borrowed<'py>>,
 }
 
 impl<'py> Held<'py> {
-    /// The borrows of a launch, `first` among them, with room for all the others (a launch
+    /// The borrows of a launch whose first tensor is `obj` (named `name`), borrowed with
+    /// `dlpack_stream`: its device is the launch's. Room for all the others at once (a launch
     /// borrows at most a dozen tensors; one allocation).
-    pub(crate) fn with_first(first: Borrowed<'py>) -> Vec<Borrowed<'py>> {
+    pub(crate) fn first(obj: &Bound<'py, PyAny>, name: &str, dlpack_stream: i64) -> PyResult<Self> {
+        let first = borrow(obj, name, dlpack_stream)?;
         let mut borrowed = Vec::with_capacity(12);
+        let device = first.dense.device_id;
         borrowed.push(first);
-        borrowed
+        Ok(Self {
+            dlpack_stream,
+            device,
+            borrowed,
+        })
+    }
+
+    /// What was read from the first tensor.
+    pub(crate) fn first_dense(&self) -> &Dense {
+        &self.borrowed[0].dense
     }
 
     /// Borrows `obj` (named `name`), which must be on the launch's device; returns what was
@@ -475,23 +483,11 @@ fn io(input: RawTensor, output: Option<RawTensor>) -> RawIo {
 /// Validates `l` (here and in rope-host) and launches it on its stream.
 pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     let names = l.names;
-    let dlpack_stream = dlpack_stream(l.stream, l.producer_sync);
-    let q = borrow(l.q, names.q, dlpack_stream)?;
-    let device = q.dense.device_id;
-    let elem = q.dense.elem;
-    let Some(dtype) = elem.float() else {
-        return Err(PyValueError::new_err(format!(
-            "{} must be float32, float16 or bfloat16, got {}",
-            names.q,
-            elem.name()
-        )));
-    };
-    let q_tensor = l.view.tensor(&q.dense, names.q)?;
-    let mut held = Held {
-        dlpack_stream,
-        device,
-        borrowed: Held::with_first(q),
-    };
+    let mut held = Held::first(l.q, names.q, dlpack_stream(l.stream, l.producer_sync))?;
+    let q = held.first_dense();
+    let (device, elem) = (held.device, q.elem);
+    let dtype = dlpack::float_type(q, names.q).map_err(arg_error)?;
+    let q_tensor = l.view.tensor(q, names.q)?;
     let mut tensor = |obj, name| held.tensor(obj, name, (elem, names.q, l.view));
     let k_tensor = tensor(l.k, names.k)?;
     let out_tensor = tensor(l.out, names.out)?;

@@ -391,12 +391,11 @@ fn apply_rope(
 }
 
 /// The cache-write arguments as given: all of `key_cache`, `value_cache` and `slot_mapping`
-/// (named `names` in errors), or none.
+/// or none.
 fn cache_arg<'a, 'py>(
     (key_cache, value_cache, slot_mapping): CacheObjects<'a, 'py>,
     kv_cache_dtype: &str,
     (k_scale, v_scale): (Option<&'a Bound<'py, PyAny>>, Option<&'a Bound<'py, PyAny>>),
-    names: [&str; 3],
 ) -> PyResult<Option<CacheArg<'a, 'py>>> {
     let dtype = CacheType::parse(kv_cache_dtype)?;
     let scales = match (k_scale, v_scale) {
@@ -422,14 +421,14 @@ fn cache_arg<'a, 'py>(
             scales,
         })),
         (None, None, None) if scales.is_none() && dtype == CacheType::Auto => Ok(None),
-        (None, None, None) => Err(PyValueError::new_err(format!(
-            "{}: kv_cache_dtype, k_scale and v_scale describe a cache write; give {}, {} and {}",
-            names[0], names[0], names[1], names[2]
-        ))),
-        _ => Err(PyValueError::new_err(format!(
-            "{}, {} and {} go together: give all three to write the KV cache, or none",
-            names[0], names[1], names[2]
-        ))),
+        (None, None, None) => Err(PyValueError::new_err(
+            "key_cache: kv_cache_dtype, k_scale and v_scale describe a cache write; give \
+             key_cache, value_cache and slot_mapping",
+        )),
+        _ => Err(PyValueError::new_err(
+            "key_cache, value_cache and slot_mapping go together: give all three to write the KV \
+             cache, or none",
+        )),
     }
 }
 
@@ -525,7 +524,6 @@ fn rotary_embedding(
         (key_cache, value_cache, slot_mapping),
         kv_cache_dtype,
         (k_scale, v_scale),
-        ["key_cache", "value_cache", "slot_mapping"],
     )?;
     let Some(cache) = cache else {
         if value.is_some() {
@@ -750,7 +748,6 @@ fn fused_qk_norm_rope(
         (key_cache, value_cache, slot_mapping),
         kv_cache_dtype,
         (k_scale, v_scale),
-        ["key_cache", "value_cache", "slot_mapping"],
     )?;
     const OTHER: [(&str, &str); 14] = [
         ("v", "qkv"),
