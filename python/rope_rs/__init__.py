@@ -46,20 +46,6 @@ def _torch_of(x: Any) -> Any:
     return None
 
 
-def _stream(x: Any, stream: Optional[int]) -> Tuple[int, bool]:
-    """The stream to launch on and whether the producers must order their writes before it:
-    `stream` (they must), else PyTorch's current stream for a CUDA ``torch.Tensor`` (where they
-    are ordered already), else 0, the legacy default stream (they must)."""
-    if stream is not None:
-        return stream, True
-    torch = _torch_of(x)
-    if torch is not None and x.is_cuda:
-        # By the DLPack C exchange API when torch has it (no stream object built), else torch's.
-        current = _native._current_stream(x)
-        return (torch.cuda.current_stream(x.device).cuda_stream if current is None else current), False
-    return 0, True
-
-
 def _empty_like(x: Any, arg: str, name: str) -> Any:
     """A new array like `x` (named `arg`) from its own library (the array API's
     ``__array_namespace__().empty_like``), for the output `name`."""
@@ -256,13 +242,21 @@ def _direct(
 
 
 def _eager_stream(x: Any, stream: Optional[int]) -> Optional[Tuple[int, bool]]:
-    """As :func:`_stream` for a drop-in's first tensor `x`, or None when `x` is a
-    ``torch.Tensor`` traced by ``torch.compile`` (the call must then go through a custom
-    operator of ``rope_rs.torch``)."""
+    """For a drop-in's first tensor `x`: the stream to launch on and whether the producers must
+    order their writes before it: `stream` (they must), else PyTorch's current stream for a CUDA
+    ``torch.Tensor`` (where they are ordered already), else 0, the legacy default stream (they
+    must). None when `x` is a ``torch.Tensor`` traced by ``torch.compile``: the call must then go
+    through a custom operator of ``rope_rs.torch``."""
     torch = _torch_of(x)
     if torch is not None and torch.compiler.is_compiling():
         return None
-    return _stream(x, stream)
+    if stream is not None:
+        return stream, True
+    if torch is not None and x.is_cuda:
+        # By the DLPack C exchange API when torch has it (no stream object built), else torch's.
+        current = _native._current_stream(x)
+        return (torch.cuda.current_stream(x.device).cuda_stream if current is None else current), False
+    return 0, True
 
 
 def rotary_embedding(
