@@ -236,7 +236,7 @@ fn gpu_demo(mut gpu: BenchDevice, head_to_head_only: bool) -> Result<()> {
         return head_to_head(&mut gpu);
     }
     for r in gpu.rope.resources()? {
-        if r.name.contains("fwd") {
+        if r.name.starts_with("rope_") && !r.name.starts_with("rope_fused") {
             println!(
                 "{:<32} {:>3} registers, {} bytes local memory",
                 r.name, r.registers, r.local_bytes

@@ -166,9 +166,9 @@ unsafe fn launch_with(
     Ok(())
 }
 
-rope_kernels::rope_kernel_params!(host_args {
+rope_kernels::plain_kernel_params!(host_args {
     /// The arguments of every RoPE entry point (`rope-kernels/src/rope.rs`), device pointers
-    /// as addresses.
+    /// as addresses; the fused arguments copy all of them but `sin_sign`.
     RopeArgs
 });
 

@@ -432,5 +432,6 @@ pub(crate) fn encode_work(
         pos_aux: positions.pos_aux,
         pos_count: positions.pos_count,
         pos_base: positions.pos_base,
+        sin_sign: req.config.direction().sin_sign(),
     }
 }

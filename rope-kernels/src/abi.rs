@@ -64,6 +64,19 @@ pub enum Direction {
     Backward,
 }
 
+impl Direction {
+    /// The RoPE kernels' `sin_sign` argument ([`plain_kernel_params!`]): `+1.0` forward,
+    /// `-1.0` backward, since `R(-angle)` is `R(angle)` with `sin` negated (exactly: the
+    /// product by `-1.0` only flips the sign bit).
+    #[inline(always)]
+    pub const fn sin_sign(self) -> f32 {
+        match self {
+            Self::Forward => 1.0,
+            Self::Backward => -1.0,
+        }
+    }
+}
+
 /// Element types the kernels load and store (arithmetic is `f32`, rounded once on store).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -394,19 +407,17 @@ impl ContextParallelSplit {
     }
 }
 
-/// One kernel entry point: `rope_{style}_{source}_{direction}_{dtype}`, for example
-/// `rope_neox_theta_fwd_f32` (`table32` for [`SinCosSource::TableF32`]), with the suffix
-/// `_narrow` for [`Access::Narrow`] and `_one_head` for [`Access::OneHead`]. Every combination
-/// exists, but `TableF32` only for `f16` and
-/// `bf16`; all have the same parameter list.
+/// One kernel entry point: `rope_{style}_{source}_{dtype}`, for example `rope_neox_theta_f32`
+/// (`table32` for [`SinCosSource::TableF32`]), with the suffix `_narrow` for [`Access::Narrow`]
+/// and `_one_head` for [`Access::OneHead`]. Every combination exists, but `TableF32` only for
+/// `f16` and `bf16`; all have the parameter list of [`plain_kernel_params!`]. Both directions
+/// run the same kernel: the direction is its `sin_sign` argument ([`Direction::sin_sign`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {
     /// Pairing.
     pub style: RopeStyle,
     /// Sin/cos source.
     pub source: SinCosSource,
-    /// Forward or backward.
-    pub direction: Direction,
     /// Element type.
     pub dtype: DType,
     /// Access width.
@@ -414,55 +425,40 @@ pub struct KernelName {
 }
 
 /// Calls `$m!` with every kernel as
-/// `wide symbol, narrow symbol, one-head symbol: Style, Source, Direction, DType, storage type;`:
+/// `wide symbol, narrow symbol, one-head symbol: Style, Source, DType, storage type;`:
 /// the one list from which the kernel crate defines the entry points and [`KernelName`] its
 /// table, so the two cannot disagree.
 macro_rules! for_each_kernel {
     ($m:ident) => {
         $m! {
-            rope_interleaved_table_fwd_f32, rope_interleaved_table_fwd_f32_narrow, rope_interleaved_table_fwd_f32_one_head: Interleaved, Table, Forward, F32, f32;
-            rope_interleaved_table_bwd_f32, rope_interleaved_table_bwd_f32_narrow, rope_interleaved_table_bwd_f32_one_head: Interleaved, Table, Backward, F32, f32;
-            rope_interleaved_theta_fwd_f32, rope_interleaved_theta_fwd_f32_narrow, rope_interleaved_theta_fwd_f32_one_head: Interleaved, Theta, Forward, F32, f32;
-            rope_interleaved_theta_bwd_f32, rope_interleaved_theta_bwd_f32_narrow, rope_interleaved_theta_bwd_f32_one_head: Interleaved, Theta, Backward, F32, f32;
-            rope_neox_table_fwd_f32, rope_neox_table_fwd_f32_narrow, rope_neox_table_fwd_f32_one_head: Neox, Table, Forward, F32, f32;
-            rope_neox_table_bwd_f32, rope_neox_table_bwd_f32_narrow, rope_neox_table_bwd_f32_one_head: Neox, Table, Backward, F32, f32;
-            rope_neox_theta_fwd_f32, rope_neox_theta_fwd_f32_narrow, rope_neox_theta_fwd_f32_one_head: Neox, Theta, Forward, F32, f32;
-            rope_neox_theta_bwd_f32, rope_neox_theta_bwd_f32_narrow, rope_neox_theta_bwd_f32_one_head: Neox, Theta, Backward, F32, f32;
-            rope_interleaved_table_fwd_f16, rope_interleaved_table_fwd_f16_narrow, rope_interleaved_table_fwd_f16_one_head: Interleaved, Table, Forward, F16, Half;
-            rope_interleaved_table32_fwd_f16, rope_interleaved_table32_fwd_f16_narrow, rope_interleaved_table32_fwd_f16_one_head: Interleaved, TableF32, Forward, F16, Half;
-            rope_interleaved_table_bwd_f16, rope_interleaved_table_bwd_f16_narrow, rope_interleaved_table_bwd_f16_one_head: Interleaved, Table, Backward, F16, Half;
-            rope_interleaved_table32_bwd_f16, rope_interleaved_table32_bwd_f16_narrow, rope_interleaved_table32_bwd_f16_one_head: Interleaved, TableF32, Backward, F16, Half;
-            rope_interleaved_theta_fwd_f16, rope_interleaved_theta_fwd_f16_narrow, rope_interleaved_theta_fwd_f16_one_head: Interleaved, Theta, Forward, F16, Half;
-            rope_interleaved_theta_bwd_f16, rope_interleaved_theta_bwd_f16_narrow, rope_interleaved_theta_bwd_f16_one_head: Interleaved, Theta, Backward, F16, Half;
-            rope_neox_table_fwd_f16, rope_neox_table_fwd_f16_narrow, rope_neox_table_fwd_f16_one_head: Neox, Table, Forward, F16, Half;
-            rope_neox_table32_fwd_f16, rope_neox_table32_fwd_f16_narrow, rope_neox_table32_fwd_f16_one_head: Neox, TableF32, Forward, F16, Half;
-            rope_neox_table_bwd_f16, rope_neox_table_bwd_f16_narrow, rope_neox_table_bwd_f16_one_head: Neox, Table, Backward, F16, Half;
-            rope_neox_table32_bwd_f16, rope_neox_table32_bwd_f16_narrow, rope_neox_table32_bwd_f16_one_head: Neox, TableF32, Backward, F16, Half;
-            rope_neox_theta_fwd_f16, rope_neox_theta_fwd_f16_narrow, rope_neox_theta_fwd_f16_one_head: Neox, Theta, Forward, F16, Half;
-            rope_neox_theta_bwd_f16, rope_neox_theta_bwd_f16_narrow, rope_neox_theta_bwd_f16_one_head: Neox, Theta, Backward, F16, Half;
-            rope_interleaved_table_fwd_bf16, rope_interleaved_table_fwd_bf16_narrow, rope_interleaved_table_fwd_bf16_one_head: Interleaved, Table, Forward, BF16, Bf16;
-            rope_interleaved_table32_fwd_bf16, rope_interleaved_table32_fwd_bf16_narrow, rope_interleaved_table32_fwd_bf16_one_head: Interleaved, TableF32, Forward, BF16, Bf16;
-            rope_interleaved_table_bwd_bf16, rope_interleaved_table_bwd_bf16_narrow, rope_interleaved_table_bwd_bf16_one_head: Interleaved, Table, Backward, BF16, Bf16;
-            rope_interleaved_table32_bwd_bf16, rope_interleaved_table32_bwd_bf16_narrow, rope_interleaved_table32_bwd_bf16_one_head: Interleaved, TableF32, Backward, BF16, Bf16;
-            rope_interleaved_theta_fwd_bf16, rope_interleaved_theta_fwd_bf16_narrow, rope_interleaved_theta_fwd_bf16_one_head: Interleaved, Theta, Forward, BF16, Bf16;
-            rope_interleaved_theta_bwd_bf16, rope_interleaved_theta_bwd_bf16_narrow, rope_interleaved_theta_bwd_bf16_one_head: Interleaved, Theta, Backward, BF16, Bf16;
-            rope_neox_table_fwd_bf16, rope_neox_table_fwd_bf16_narrow, rope_neox_table_fwd_bf16_one_head: Neox, Table, Forward, BF16, Bf16;
-            rope_neox_table32_fwd_bf16, rope_neox_table32_fwd_bf16_narrow, rope_neox_table32_fwd_bf16_one_head: Neox, TableF32, Forward, BF16, Bf16;
-            rope_neox_table_bwd_bf16, rope_neox_table_bwd_bf16_narrow, rope_neox_table_bwd_bf16_one_head: Neox, Table, Backward, BF16, Bf16;
-            rope_neox_table32_bwd_bf16, rope_neox_table32_bwd_bf16_narrow, rope_neox_table32_bwd_bf16_one_head: Neox, TableF32, Backward, BF16, Bf16;
-            rope_neox_theta_fwd_bf16, rope_neox_theta_fwd_bf16_narrow, rope_neox_theta_fwd_bf16_one_head: Neox, Theta, Forward, BF16, Bf16;
-            rope_neox_theta_bwd_bf16, rope_neox_theta_bwd_bf16_narrow, rope_neox_theta_bwd_bf16_one_head: Neox, Theta, Backward, BF16, Bf16;
+            rope_interleaved_table_f32, rope_interleaved_table_f32_narrow, rope_interleaved_table_f32_one_head: Interleaved, Table, F32, f32;
+            rope_interleaved_theta_f32, rope_interleaved_theta_f32_narrow, rope_interleaved_theta_f32_one_head: Interleaved, Theta, F32, f32;
+            rope_neox_table_f32, rope_neox_table_f32_narrow, rope_neox_table_f32_one_head: Neox, Table, F32, f32;
+            rope_neox_theta_f32, rope_neox_theta_f32_narrow, rope_neox_theta_f32_one_head: Neox, Theta, F32, f32;
+            rope_interleaved_table_f16, rope_interleaved_table_f16_narrow, rope_interleaved_table_f16_one_head: Interleaved, Table, F16, Half;
+            rope_interleaved_table32_f16, rope_interleaved_table32_f16_narrow, rope_interleaved_table32_f16_one_head: Interleaved, TableF32, F16, Half;
+            rope_interleaved_theta_f16, rope_interleaved_theta_f16_narrow, rope_interleaved_theta_f16_one_head: Interleaved, Theta, F16, Half;
+            rope_neox_table_f16, rope_neox_table_f16_narrow, rope_neox_table_f16_one_head: Neox, Table, F16, Half;
+            rope_neox_table32_f16, rope_neox_table32_f16_narrow, rope_neox_table32_f16_one_head: Neox, TableF32, F16, Half;
+            rope_neox_theta_f16, rope_neox_theta_f16_narrow, rope_neox_theta_f16_one_head: Neox, Theta, F16, Half;
+            rope_interleaved_table_bf16, rope_interleaved_table_bf16_narrow, rope_interleaved_table_bf16_one_head: Interleaved, Table, BF16, Bf16;
+            rope_interleaved_table32_bf16, rope_interleaved_table32_bf16_narrow, rope_interleaved_table32_bf16_one_head: Interleaved, TableF32, BF16, Bf16;
+            rope_interleaved_theta_bf16, rope_interleaved_theta_bf16_narrow, rope_interleaved_theta_bf16_one_head: Interleaved, Theta, BF16, Bf16;
+            rope_neox_table_bf16, rope_neox_table_bf16_narrow, rope_neox_table_bf16_one_head: Neox, Table, BF16, Bf16;
+            rope_neox_table32_bf16, rope_neox_table32_bf16_narrow, rope_neox_table32_bf16_one_head: Neox, TableF32, BF16, Bf16;
+            rope_neox_theta_bf16, rope_neox_theta_bf16_narrow, rope_neox_theta_bf16_one_head: Neox, Theta, BF16, Bf16;
         }
     };
 }
 #[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
 pub(crate) use for_each_kernel;
 
-/// Calls `$m!` with `{ $($pass)* }` and the parameter list of every RoPE kernel entry point, in
-/// launch order, as `name: kind` pairs. This list is the one definition of the RoPE kernels'
-/// ABI: the kernel crate generates each entry point's signature and its parameter struct from
-/// it, and `rope-host` the host struct whose fields it pushes onto a launch in the same order,
-/// so the two sides cannot disagree on order or type.
+/// Calls `$m!` with `{ $($pass)* }` and the parameters the RoPE and the fused entry points share,
+/// in launch order, as `name: kind` pairs, followed by `$($more)*` (the RoPE entry points add
+/// [`plain_kernel_params!`]'s `sin_sign`, the fused ones [`fused_kernel_params!`]'s). This list
+/// is the one definition of that part of the kernels' ABI: the kernel crate generates each entry
+/// point's signature and its parameter struct from it, and `rope-host` the host struct whose
+/// bytes a launch passes, so the two sides cannot disagree on order or type.
 ///
 /// Kinds, with their device and host types: `elem_ptr` (`*const T` / `u64`), `elem_ptr_mut`
 /// (`*mut T` / `u64`), `f64_ptr` (`*const f64` / `u64`), `byte_ptr` (`*const u8` / `u64`),
@@ -536,6 +532,21 @@ macro_rules! rope_kernel_params {
             pos_count: u32,
             pos_base: i64,
             $($more)*
+        }
+    };
+}
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of every RoPE entry point
+/// (`rope-kernels/src/rope.rs`): [`rope_kernel_params!`]'s, then `sin_sign`, `+1.0` for the
+/// forward rotation and `-1.0` for its gradient ([`Direction::sin_sign`]), which multiplies
+/// every `sin` (so one kernel serves both directions). The fused kernels, which rotate forward
+/// only, take [`rope_kernel_params!`]'s without it.
+#[macro_export]
+macro_rules! plain_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $crate::rope_kernel_params! {
+            $m { $($pass)* }
+            sin_sign: f32,
         }
     };
 }
@@ -637,7 +648,7 @@ impl KernelName {
 macro_rules! kernel_table {
     (
         $($sym:ident, $narrow:ident, $one_head:ident:
-            $style:ident, $src:ident, $dir:ident, $dt:ident, $t:ty;)*
+            $style:ident, $src:ident, $dt:ident, $t:ty;)*
     ) => {
         impl KernelName {
             /// Every kernel, in the order the host loads them.
@@ -645,21 +656,18 @@ macro_rules! kernel_table {
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
-                    direction: Direction::$dir,
                     dtype: DType::$dt,
                     access: Access::Wide,
                 },
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
-                    direction: Direction::$dir,
                     dtype: DType::$dt,
                     access: Access::Narrow,
                 },
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
-                    direction: Direction::$dir,
                     dtype: DType::$dt,
                     access: Access::OneHead,
                 },
@@ -668,26 +676,29 @@ macro_rules! kernel_table {
             /// The exported PTX symbol; the match is exhaustive, so an option without a kernel
             /// does not compile.
             pub const fn symbol(self) -> &'static str {
-                match (self.style, self.source, self.direction, self.dtype, self.access) {
+                match (self.style, self.source, self.dtype, self.access) {
                     // f32 tensors read f32 tables through the `Table` kernels.
-                    (_, SinCosSource::TableF32, _, DType::F32, _) => KernelName {
+                    (_, SinCosSource::TableF32, DType::F32, _) => KernelName {
                         source: SinCosSource::Table,
                         ..self
                     }
                     .symbol(),
                     // The RoPE kernels take one head per thread.
-                    (_, _, _, _, Access::FourHeads | Access::Rows) => KernelName {
+                    (_, _, _, Access::FourHeads | Access::Rows) => KernelName {
                         access: Access::OneHead,
                         ..self
                     }
                     .symbol(),
                     $(
-                        (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
-                            Access::Wide) => stringify!($sym),
-                        (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
-                            Access::Narrow) => stringify!($narrow),
-                        (RopeStyle::$style, SinCosSource::$src, Direction::$dir, DType::$dt,
-                            Access::OneHead) => stringify!($one_head),
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Wide) => {
+                            stringify!($sym)
+                        }
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Narrow) => {
+                            stringify!($narrow)
+                        }
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::OneHead) => {
+                            stringify!($one_head)
+                        }
                     )*
                 }
             }

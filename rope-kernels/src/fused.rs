@@ -1317,10 +1317,11 @@ macro_rules! fused_params_struct {
 }
 crate::fused_kernel_params!(fused_params_struct {});
 
-/// The RoPE parameters of a fused entry point's parameters `$p`.
+/// The RoPE parameters of a fused entry point's parameters `$p`, rotating forward (a `sin_sign`
+/// known when the kernel compiles, so its products fold away).
 macro_rules! rope_params_of {
     ({ $p:ident } $($param:ident: $kind:ident,)*) => {
-        Params { $($param: $p.$param,)* }
+        Params { $($param: $p.$param,)* sin_sign: Direction::Forward.sin_sign() }
     };
 }
 
@@ -1329,10 +1330,7 @@ impl<T> Fused<T> {
     #[inline(always)]
     fn new(p: FusedParams<T>) -> Self {
         Fused {
-            rope: Args::new(
-                crate::rope_kernel_params!(rope_params_of { p }),
-                Direction::Forward,
-            ),
+            rope: Args::new(crate::rope_kernel_params!(rope_params_of { p })),
             v: TensorArgs {
                 x: p.v,
                 out: core::ptr::null_mut(),

@@ -7,7 +7,8 @@
 //! # Formula
 //! For pair `i < half` (`half = rotary_dim / 2`) of a head at position `p`, with
 //! `c = cos(p * inv_freq_i)`, `s = sin(...)`: forward `(a, b) -> (a c - b s, b c + a s)`;
-//! backward (the transposed rotation) `(a, b) -> (a c + b s, b c - a s)`. Interleaved pairs are
+//! backward (the transposed rotation) `(a, b) -> (a c + b s, b c - a s)`, the same entry point
+//! with `s` times its `sin_sign` argument, `-1.0` (`Direction::sin_sign`). Interleaved pairs are
 //! `(x[2i], x[2i + 1])`; NeoX pairs are `(x[i], x[i + half])`, both counted from
 //! `rotary_offset`. Elements outside `rotary_offset..rotary_offset + rotary_dim` pass through
 //! unchanged (copied when `out` differs from `x`).
@@ -38,8 +39,8 @@
 use core::marker::PhantomData;
 
 use crate::abi::{
-    Access, ContextParallelSplit, Direction, GroupAxes, PositionCode, clamped_axis,
-    for_each_kernel, pass_through_start, planned_table_vectors,
+    Access, ContextParallelSplit, GroupAxes, PositionCode, clamped_axis, for_each_kernel,
+    pass_through_start, planned_table_vectors,
 };
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
@@ -145,7 +146,7 @@ pub(crate) struct Args<T> {
     pub(crate) pos_aux: *const u8,
     pub(crate) pos_count: u32,
     pub(crate) pos_base: i64,
-    /// `1.0` forward, `-1.0` backward (the transposed rotation).
+    /// `1.0` forward, `-1.0` backward (the transposed rotation): `Direction::sin_sign`.
     pub(crate) sin_sign: f32,
 }
 
@@ -915,7 +916,7 @@ const PREFETCH_BYTES: usize = 128;
 /// [`rotate_heads`]).
 ///
 /// # Safety
-/// The promises of the entry points (see [`rope_neox_table_fwd_f32`]).
+/// The promises of the entry points (see [`rope_neox_table_f32`]).
 #[inline(always)]
 unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>, wide: bool) {
     let pairs = if P::NEOX { L } else { L / 2 };
@@ -1175,22 +1176,22 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(a: &Args<T>
     }
 }
 
-/// The entry points' parameters, one field per entry of [`crate::rope_kernel_params!`].
+/// The entry points' parameters, one field per entry of [`crate::plain_kernel_params!`].
 macro_rules! params_struct {
     ({} $($param:ident: $kind:ident,)*) => {
-        /// The parameters of every RoPE entry point, as `crate::rope_kernel_params!` lists
+        /// The parameters of every RoPE entry point, as `crate::plain_kernel_params!` lists
         /// them.
         pub(crate) struct Params<T> {
             $(pub(crate) $param: crate::device_param_type!($kind, T),)*
         }
     };
 }
-crate::rope_kernel_params!(params_struct {});
+crate::plain_kernel_params!(params_struct {});
 
 impl<T> Args<T> {
     /// Gathers the entry point's parameters for the generic body.
     #[inline(always)]
-    pub(crate) fn new(p: Params<T>, direction: Direction) -> Self {
+    pub(crate) fn new(p: Params<T>) -> Self {
         Args {
             q: TensorArgs {
                 x: p.x0,
@@ -1235,35 +1236,36 @@ impl<T> Args<T> {
             pos_aux: p.pos_aux,
             pos_count: p.pos_count,
             pos_base: p.pos_base,
-            sin_sign: sin_sign(direction),
+            sin_sign: p.sin_sign,
         }
     }
 }
 
-/// Defines one exported entry point per (pairing, source, direction, dtype), wide, narrow and
-/// one-head.
+/// Defines one exported entry point per (pairing, source, dtype), wide, narrow and one-head;
+/// each rotates forward or backward as its `sin_sign` says.
 macro_rules! rope_kernel {
     (
         $($wide:ident, $narrow:ident, $one_head:ident:
-            $pairing:ident, $source:ident, $dir:ident, $dt:ident, $t:ty;)*
+            $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
     ) => {$(
-        crate::rope_kernel_params!(rope_entry { $wide, Wide: $pairing, $source, $dir, $t });
-        crate::rope_kernel_params!(rope_entry { $narrow, Narrow: $pairing, $source, $dir, $t });
-        crate::rope_kernel_params!(rope_entry { $one_head, OneHead: $pairing, $source, $dir, $t });
+        crate::plain_kernel_params!(rope_entry { $wide, Wide: $pairing, $source, $t });
+        crate::plain_kernel_params!(rope_entry { $narrow, Narrow: $pairing, $source, $t });
+        crate::plain_kernel_params!(rope_entry { $one_head, OneHead: $pairing, $source, $t });
     )*};
 }
 
-/// One entry point with the parameter list of [`crate::rope_kernel_params!`].
+/// One entry point with the parameter list of [`crate::plain_kernel_params!`].
 macro_rules! rope_entry {
     (
-        { $name:ident, $access:ident: $pairing:ident, $source:ident, $dir:ident, $t:ty }
+        { $name:ident, $access:ident: $pairing:ident, $source:ident, $t:ty }
         $($param:ident: $kind:ident,)*
     ) => {
-        /// One RoPE entry point; its name says the pairing, the sin/cos source, the direction,
-        /// the element type and whether accesses are narrower than the preferred width
-        /// (`_narrow`) or each thread rotates one item of its block row's one head (`_one_head`,
-        /// with the further promises of `one_head_body`). See the module documentation for the
-        /// formula and mapping, and `rope_kernel_params!` in `abi.rs` for the parameters.
+        /// One RoPE entry point; its name says the pairing, the sin/cos source, the element
+        /// type and whether accesses are narrower than the preferred width (`_narrow`) or each
+        /// thread rotates one item of its block row's one head (`_one_head`, with the further
+        /// promises of `one_head_body`); `sin_sign` gives the direction. See the module
+        /// documentation for the formula and mapping, and `plain_kernel_params!` in `abi.rs`
+        /// for the parameters.
         ///
         /// # Safety
         /// - each `xn`/`outn`, less `rotary_offset` elements, addresses every element of its
@@ -1283,19 +1285,11 @@ macro_rules! rope_entry {
         pub unsafe extern "ptx-kernel" fn $name(
             $($param: crate::device_param_type!($kind, $t),)*
         ) {
-            let args = Args::new(Params::<$t> { $($param,)* }, Direction::$dir);
+            let args = Args::new(Params::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
             unsafe { dispatch::<$t, $pairing, $source<$t>, { Access::$access as u8 }>(&args) }
         }
     };
-}
-
-/// `+1` forward, `-1` backward: the sign of `sin` in the rotation.
-const fn sin_sign(direction: Direction) -> f32 {
-    match direction {
-        Direction::Forward => 1.0,
-        Direction::Backward => -1.0,
-    }
 }
 
 for_each_kernel!(rope_kernel);

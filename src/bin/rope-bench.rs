@@ -89,7 +89,7 @@ fn main() -> Result<()> {
     );
 
     for r in gpu.rope.resources()? {
-        if r.name.contains("fwd") && !r.name.contains("narrow") {
+        if !r.name.starts_with("rope_fused") && !r.name.contains("narrow") {
             println!(
                 "{:<32} {:>3} registers, {:>5} B shared, {} blocks/SM, {} B local",
                 r.name, r.registers, r.shared_bytes, r.blocks_per_sm, r.local_bytes

@@ -305,8 +305,8 @@ mod tests {
             kept.len(),
             KernelName::ALL.len() / 3 + FusedKernelName::ALL.len()
         );
-        assert!(kept.contains(&"rope_neox_table_fwd_bf16_one_head"));
-        assert!(!kept.contains(&"rope_neox_table_fwd_bf16"));
+        assert!(kept.contains(&"rope_neox_table_bf16_one_head"));
+        assert!(!kept.contains(&"rope_neox_table_bf16"));
         assert!(dependent.starts_with(header));
     }
 
@@ -355,12 +355,12 @@ mod tests {
         // The wide NeoX 16-bit kernels keep 1280 threads resident, f16 computed excepted; the
         // others 1024.
         for (symbol, threads) in [
-            ("rope_neox_table_fwd_bf16", 1280),
-            ("rope_neox_theta_bwd_bf16", 1280),
-            ("rope_neox_table_fwd_f16", 1280),
-            ("rope_neox_theta_fwd_f16", 1024),
-            ("rope_neox_table_fwd_bf16_narrow", 1024),
-            ("rope_interleaved_table_fwd_bf16", 1024),
+            ("rope_neox_table_bf16", 1280),
+            ("rope_neox_theta_bf16", 1280),
+            ("rope_neox_table_f16", 1280),
+            ("rope_neox_theta_f16", 1024),
+            ("rope_neox_table_bf16_narrow", 1024),
+            ("rope_interleaved_table_bf16", 1024),
             ("rope_table_bf16", 1024),
         ] {
             assert_eq!(

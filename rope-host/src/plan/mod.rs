@@ -111,7 +111,6 @@ pub(crate) fn plan(
     let kernel = KernelName {
         style: cfg.style(),
         source: sincos.source,
-        direction: cfg.direction(),
         dtype: req.dtype,
         access: if lanes == preferred_lanes(cfg.style(), req.dtype.size()) {
             Access::Wide

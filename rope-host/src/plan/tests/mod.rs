@@ -1,6 +1,7 @@
 //! Tests of the planner, without a GPU.
 
 use super::*;
+use crate::Direction;
 use crate::error::Error;
 use crate::positions::{IdsShape, IntType, RawInts};
 use crate::sincos::TableShape;
@@ -146,7 +147,7 @@ fn decode_sized_launches_take_the_one_head_kernel() {
         (p.grid.heads_per_chunk, p.grid.config.grid_dim),
         (1, (8, 40, 1))
     );
-    assert_eq!(p.kernel.symbol(), "rope_neox_theta_fwd_bf16_one_head");
+    assert_eq!(p.kernel.symbol(), "rope_neox_theta_bf16_one_head");
     // A tensor spanning 2^32 elements or more (here through its batch stride) keeps the wide
     // kernel: the one-head kernels compute offsets in 32 bits.
     let far = Layout::strided([64, 1, 32, 128], [1 << 27, 4096, 128, 1], 0).expect("layout");
@@ -216,6 +217,36 @@ fn rotary_offset_shifts_the_pointers_and_limits_the_access_width() {
     );
     assert_eq!(args.out0, (1 << 24) + 128 * 2);
     assert_eq!(args.rotary_offset, 128);
+}
+
+/// The gradient runs the forward launch's kernel on the same grid: its arguments differ only in
+/// `sin_sign`, `-1` where the forward's is `+1`.
+#[test]
+fn both_directions_take_one_kernel_and_differ_only_in_the_sign_of_sin() {
+    let fwd = request(neox(128), Layout::bshd(2, 3, 4, 128));
+    let mut bwd = request(
+        RopeConfig::builder(128, RopeStyle::Neox)
+            .direction(Direction::Backward)
+            .build()
+            .expect("valid"),
+        Layout::bshd(2, 3, 4, 128),
+    );
+    bwd.dtype = fwd.dtype;
+    let (pf, pb) = (valid(&fwd), valid(&bwd));
+    assert_eq!(pf.kernel, pb.kernel);
+    assert_eq!(pf.grid.config.grid_dim, pb.grid.config.grid_dim);
+    let (af, ab) = (
+        crate::rope::encode_for_test(&fwd, &pf),
+        crate::rope::encode_for_test(&bwd, &pb),
+    );
+    assert_eq!((af.sin_sign, ab.sin_sign), (1.0, -1.0));
+    assert_eq!(
+        crate::kernel_args::RopeArgs {
+            sin_sign: 1.0,
+            ..ab
+        },
+        af
+    );
 }
 
 #[test]
