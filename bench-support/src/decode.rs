@@ -184,7 +184,9 @@ impl Handles {
         rotary_dim: u32,
     ) -> anyhow::Result<Self> {
         let handle = |overlap| -> anyhow::Result<Rope> {
-            let rope = Rope::new(stream.clone())?.with_overlap(overlap);
+            let rope = Rope::new(stream.clone())?
+                .with_overlap(overlap)
+                .with_fused_kernels(crate::fused::kernels_from_env());
             rope.prepare(theta, rotary_dim)?;
             Ok(rope)
         };

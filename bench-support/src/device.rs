@@ -16,7 +16,8 @@ pub struct BenchDevice {
     pub ctx: Arc<CudaContext>,
     /// The stream every launch, copy and event goes to.
     pub stream: Arc<CudaStream>,
-    /// The RoPE handle on `stream`.
+    /// The RoPE handle on `stream`, its fused kernels pinned as
+    /// [`crate::fused::KERNELS_VAR`] says.
     pub rope: Rope,
     /// The buffer overwritten before each timed run.
     pub flush: L2Flush,
@@ -32,7 +33,9 @@ impl BenchDevice {
     pub fn open() -> Result<Self, Error> {
         let ctx = open_device(0).map_err(Error::NoDevice)?;
         let stream = ctx.new_stream().map_err(|e| Error::Setup(e.into()))?;
-        let rope = Rope::new(stream.clone()).map_err(Error::Setup)?;
+        let rope = Rope::new(stream.clone())
+            .map_err(Error::Setup)?
+            .with_fused_kernels(crate::fused::kernels_from_env());
         let flush = L2Flush::new(&stream).map_err(|e| Error::Setup(e.into()))?;
         Ok(Self {
             ctx,

@@ -117,9 +117,10 @@ pub enum Size {
     Small,
     /// Thousands of tokens and 17-23 q and k heads (odd counts leave a thread's second head
     /// empty): prefill-sized launches, more threads than any of this project's GPUs holds at
-    /// once. Both sizes run on the one-head fused kernels (NeoX 16-bit launches of this size on
-    /// the four-heads kernels, either when `ROPE_FUSED_THREAD_HEADS` pins it), and on the item
-    /// loop when `ROPE_FUSED_ITEM_LOOP=1` (as `gpu-bundle/run.sh` runs them again).
+    /// once. The planner gives both sizes the one-head fused kernels (NeoX 16-bit launches of
+    /// this size the four-heads kernels); handles pinned to the other kernels
+    /// (`Rope::with_fused_kernels`) take them on the item loop, the rows kernels and the other
+    /// number of heads per thread.
     Large,
 }
 

@@ -12,7 +12,7 @@ use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, FrequencySpec, InvFreq, check_attention_factor};
 use crate::module::{KernelCode, Module, module_for};
 use crate::sincos::RawSinCos;
-use crate::tuning::{FusedChoice, fused_choice_from_env};
+use crate::tuning::FusedKernels;
 
 /// Per-thread resources of one kernel as compiled for the device; see [`Rope::resources`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,10 +73,9 @@ pub struct Rope {
     inv_freq: Mutex<FreqCache>,
     /// How launches may overlap the kernel before them.
     overlap: StreamOverlap,
-    /// The fused kernels launches may take: pinned by the environment for tests
-    /// ([`crate::FUSED_ITEM_LOOP_VAR`], [`crate::FUSED_THREAD_HEADS_VAR`]), else chosen per
-    /// launch.
-    pub(crate) fused_choice: FusedChoice,
+    /// The fused kernels launches take: chosen per launch unless pinned
+    /// ([`Rope::with_fused_kernels`]).
+    pub(crate) fused_kernels: FusedKernels,
 }
 
 impl Rope {
@@ -95,7 +94,7 @@ impl Rope {
             facts,
             inv_freq: Mutex::new(FreqCache::default()),
             overlap: StreamOverlap::None,
-            fused_choice: fused_choice_from_env(),
+            fused_kernels: FusedKernels::Auto,
         })
     }
 
@@ -105,6 +104,16 @@ impl Rope {
     #[must_use]
     pub fn with_overlap(mut self, overlap: StreamOverlap) -> Self {
         self.overlap = overlap;
+        self
+    }
+
+    /// The handle with its fused launches pinned to `kernels` where those can serve them
+    /// (tests and benchmarks reach kernels the planner keeps for other shapes or devices this
+    /// way); [`FusedKernels::Auto`], the planner's choice, for a new handle.
+    #[doc(hidden)]
+    #[must_use]
+    pub fn with_fused_kernels(mut self, kernels: FusedKernels) -> Self {
+        self.fused_kernels = kernels;
         self
     }
 

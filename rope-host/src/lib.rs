@@ -97,7 +97,8 @@ pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
 pub use sass::{KERNEL_CODE_VAR, compiled_architectures};
 pub use sincos::{RawSinCos, SinCos, TableShape};
 pub use table::{SinCosTables, TableData, TableFormat};
-pub use tuning::{FUSED_ITEM_LOOP_VAR, FUSED_THREAD_HEADS_VAR};
+#[doc(hidden)]
+pub use tuning::FusedKernels;
 
 /// The crate README's example compiles as a doctest. (The repository README's examples are
 /// doctests of `rope-tests`: a path outside this folder would not be in the published package.)

@@ -1,58 +1,52 @@
 //! The tuning rules: where a launch's kernel or its parameters are chosen from the device's
 //! facts ([`DeviceFacts`]) rather than from the launch's shapes alone. Each rule's measurement
-//! is in docs/perf/decisions.md. Also the kernels tests may pin ([`FusedChoice`]).
+//! is in docs/perf/decisions.md. Also the kernels tests may pin ([`FusedKernels`]).
 
-use rope_kernels::abi::{FusedKernelName, ONE_HEAD_FUSED_HEADS, ONE_HEAD_FUSED_MANY_HEADS};
+use rope_kernels::abi::FusedKernelName;
 
 use crate::device::DeviceFacts;
 
-/// Which fused kernels launches may take: the tests pin them through the environment
-/// ([`crate::FUSED_ITEM_LOOP_VAR`], [`crate::FUSED_THREAD_HEADS_VAR`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum FusedChoice {
-    /// The item loop for every launch.
-    ItemLoop,
-    /// The one-head kernels wherever they serve, with heads per thread by the launch's size.
+/// Which fused kernels a handle's launches take ([`crate::Rope::with_fused_kernels`]):
+/// [`FusedKernels::Auto`], the planner's choice by the launch and the device, unless a test or a
+/// benchmark pins one to reach kernels the planner keeps for other shapes or devices. A pinned
+/// choice that cannot serve a launch leaves that launch to the planner. Hidden from the
+/// documentation: the planner's choice is the one users want.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FusedKernels {
+    /// The planner's choice.
+    #[default]
     Auto,
-    /// The rows kernels ([`Access::Rows`]) wherever they serve (sm_90 builds) with this many
-    /// token buffers per block (where they fit), else as `Auto`.
-    Rows(u32),
-    /// The one-head kernels wherever they serve, with this many heads per thread where a kernel
-    /// takes it ([`ONE_HEAD_FUSED_MANY_HEADS`]: the four-heads kernels,
-    /// [`FusedKernelName::four_heads`]; else [`ONE_HEAD_FUSED_HEADS`]).
-    ThreadHeads(u32),
+    /// The item loop for every launch (`Access::Wide` or `Narrow`), whose wide kernels otherwise
+    /// serve only tensors spanning 2^32 elements or more.
+    ItemLoop,
+    /// The one-head kernels, [`rope_kernels::abi::ONE_HEAD_FUSED_HEADS`] heads per thread, wherever they serve
+    /// (for NeoX 16-bit launches the planner takes four heads per thread at many waves).
+    TwoHeads,
+    /// The four-heads kernels ([`rope_kernels::abi::ONE_HEAD_FUSED_MANY_HEADS`] heads per thread,
+    /// [`FusedKernelName::four_heads`]: NeoX, 16-bit) wherever they serve, else as
+    /// [`FusedKernels::TwoHeads`].
+    FourHeads,
+    /// The rows kernels (`Access::Rows`, sm_90 builds) wherever they serve, with this many token
+    /// buffers per block (2 to `ROWS_MAX_STAGES`, fewer where they do not fit), else as
+    /// [`FusedKernels::Auto`].
+    Rows {
+        /// Token buffers per block.
+        stages: u32,
+    },
 }
 
-/// Environment variable read when a `Rope` is created: `1` makes every fused launch
-/// take the item loop (`Access::Wide` or `Narrow`) where it would take the one-head kernels, so
-/// that tests reach the item loop's wide kernels, which otherwise serve only tensors spanning
-/// 2^32 elements or more. Other values are ignored.
-pub const FUSED_ITEM_LOOP_VAR: &str = "ROPE_FUSED_ITEM_LOOP";
-
-/// Environment variable read when a `Rope` is created: `2` or `4` makes every NeoX
-/// 16-bit fused launch that takes the one-head mapping take two heads per thread (the one-head
-/// kernels) or four (the four-heads kernels), which the launch's size otherwise chooses (four
-/// for launches of many waves), so that tests reach both at any size; `rows` makes every such
-/// launch the rows kernels can serve take them (sm_90 builds), and `rows2` to `rows4` with that
-/// many token buffers per block where they fit. Other values are ignored;
-/// [`FUSED_ITEM_LOOP_VAR`] comes first.
-pub const FUSED_THREAD_HEADS_VAR: &str = "ROPE_FUSED_THREAD_HEADS";
-
-/// The fused kernels the environment pins ([`FUSED_ITEM_LOOP_VAR`], [`FUSED_THREAD_HEADS_VAR`]).
-pub(crate) fn fused_choice_from_env() -> FusedChoice {
-    let var = |name| std::env::var(name).ok();
-    if var(FUSED_ITEM_LOOP_VAR).as_deref() == Some("1") {
-        return FusedChoice::ItemLoop;
-    }
-    match var(FUSED_THREAD_HEADS_VAR).as_deref() {
-        Some("2") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_HEADS),
-        Some("4") => FusedChoice::ThreadHeads(ONE_HEAD_FUSED_MANY_HEADS),
-        Some("rows") => FusedChoice::Rows(ROWS_STAGES),
-        Some("rows2") => FusedChoice::Rows(2),
-        Some("rows3") => FusedChoice::Rows(3),
-        Some("rows4") => FusedChoice::Rows(4),
-        _ => FusedChoice::Auto,
-    }
+impl FusedKernels {
+    /// Every choice, the rows kernels with [`ROWS_STAGES`] buffers (for tests that cover each).
+    pub const ALL: [Self; 5] = [
+        Self::Auto,
+        Self::ItemLoop,
+        Self::TwoHeads,
+        Self::FourHeads,
+        Self::Rows {
+            stages: ROWS_STAGES,
+        },
+    ];
 }
 
 /// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).

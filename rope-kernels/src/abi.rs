@@ -65,7 +65,7 @@ pub enum Direction {
 }
 
 impl Direction {
-    /// The RoPE kernels' `sin_sign` argument ([`plain_kernel_params!`]): `+1.0` forward,
+    /// The RoPE kernels' `sin_sign` argument ([`crate::plain_kernel_params!`]): `+1.0` forward,
     /// `-1.0` backward, since `R(-angle)` is `R(angle)` with `sin` negated (exactly: the
     /// product by `-1.0` only flips the sign bit).
     #[inline(always)]
@@ -410,7 +410,7 @@ impl ContextParallelSplit {
 /// One kernel entry point: `rope_{style}_{source}_{dtype}`, for example `rope_neox_theta_f32`
 /// (`table32` for [`SinCosSource::TableF32`]), with the suffix `_narrow` for [`Access::Narrow`]
 /// and `_one_head` for [`Access::OneHead`]. Every combination exists, but `TableF32` only for
-/// `f16` and `bf16`; all have the parameter list of [`plain_kernel_params!`]. Both directions
+/// `f16` and `bf16`; all have the parameter list of [`crate::plain_kernel_params!`]. Both directions
 /// run the same kernel: the direction is its `sin_sign` argument ([`Direction::sin_sign`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {
@@ -455,7 +455,7 @@ pub(crate) use for_each_kernel;
 
 /// Calls `$m!` with `{ $($pass)* }` and the parameters the RoPE and the fused entry points share,
 /// in launch order, as `name: kind` pairs, followed by `$($more)*` (the RoPE entry points add
-/// [`plain_kernel_params!`]'s `sin_sign`, the fused ones [`fused_kernel_params!`]'s). This list
+/// [`crate::plain_kernel_params!`]'s `sin_sign`, the fused ones [`crate::fused_kernel_params!`]'s). This list
 /// is the one definition of that part of the kernels' ABI: the kernel crate generates each entry
 /// point's signature and its parameter struct from it, and `rope-host` the host struct whose
 /// bytes a launch passes, so the two sides cannot disagree on order or type.
@@ -537,10 +537,10 @@ macro_rules! rope_kernel_params {
 }
 
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every RoPE entry point
-/// (`rope-kernels/src/rope.rs`): [`rope_kernel_params!`]'s, then `sin_sign`, `+1.0` for the
+/// (`rope-kernels/src/rope.rs`): [`crate::rope_kernel_params!`]'s, then `sin_sign`, `+1.0` for the
 /// forward rotation and `-1.0` for its gradient ([`Direction::sin_sign`]), which multiplies
 /// every `sin` (so one kernel serves both directions). The fused kernels, which rotate forward
-/// only, take [`rope_kernel_params!`]'s without it.
+/// only, take [`crate::rope_kernel_params!`]'s without it.
 #[macro_export]
 macro_rules! plain_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -552,7 +552,7 @@ macro_rules! plain_kernel_params {
 }
 
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every table-building entry point
-/// (`rope-kernels/src/table.rs`), as [`rope_kernel_params!`] does for the RoPE kernels.
+/// (`rope-kernels/src/table.rs`), as [`crate::rope_kernel_params!`] does for the RoPE kernels.
 ///
 /// `cos` and `sin` receive `rows` rows of `row_stride >= half` elements; `inv_freq` holds
 /// `half` `f64`; `angle_mode` is a [`crate::math::AngleMode`] code and `scale` multiplies both.
@@ -573,7 +573,7 @@ macro_rules! table_kernel_params {
     };
 }
 
-/// The device type of a parameter kind of [`rope_kernel_params!`] for element type `$t`.
+/// The device type of a parameter kind of [`crate::rope_kernel_params!`] for element type `$t`.
 #[macro_export]
 macro_rules! device_param_type {
     (elem_ptr, $t:ty) => { *const $t };
@@ -588,7 +588,7 @@ macro_rules! device_param_type {
     (f32, $t:ty) => { f32 };
 }
 
-/// The host type of a parameter kind of [`rope_kernel_params!`]: device pointers as `u64`
+/// The host type of a parameter kind of [`crate::rope_kernel_params!`]: device pointers as `u64`
 /// (`CUdeviceptr`), `NonZeroU32` as `u32`, scalars as themselves. Each has the size and
 /// alignment of its device type, so the launch copies it bit for bit.
 #[macro_export]
@@ -1093,7 +1093,7 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 }
 
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every fused entry point
-/// (`rope-kernels/src/fused.rs`): those of [`rope_kernel_params!`], then the fused ones.
+/// (`rope-kernels/src/fused.rs`): those of [`crate::rope_kernel_params!`], then the fused ones.
 ///
 /// The RoPE parameters keep their meaning, with: the full head rotated (`rotary_dim =
 /// head_dim`, `rotary_offset = 0`); `groups` a power of two of at least `rot_groups` (the

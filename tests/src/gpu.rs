@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::{Arc, OnceLock};
 
 use rope_host::cudarc::driver::{CudaSlice, CudaStream};
-use rope_host::{Rope, SinCosTables, TableData, open_device};
+use rope_host::{FusedKernels, Rope, SinCosTables, TableData, open_device};
 
 /// A stream on device 0 and a RoPE handle on it.
 type Device = (Arc<CudaStream>, Arc<Rope>);
@@ -44,6 +44,31 @@ pub fn gpu_or_skip(name: &str) -> Option<Device> {
             None
         }
     }
+}
+
+/// Handles on `stream` whose fused launches take each of [`FusedKernels::ALL`] in turn (the
+/// planner's choice, the item loop, two and four heads per thread, the rows kernels; see
+/// [`Rope::with_fused_kernels`]). The fused tests spread their cases over them with
+/// [`pinned_for`], so that one run reaches the kernels the planner keeps for other shapes or
+/// devices.
+///
+/// # Panics
+/// When the device cannot be queried.
+pub fn pinned_handles(stream: &Arc<CudaStream>) -> Vec<(FusedKernels, Rope)> {
+    FusedKernels::ALL
+        .into_iter()
+        .map(|k| {
+            let rope = Rope::new(stream.clone()).expect("handle");
+            (k, rope.with_fused_kernels(k))
+        })
+        .collect()
+}
+
+/// The handle of [`pinned_handles`] case `i` of a test takes: the next one each case, and one
+/// further every twenty cases, so that cases of a period dividing 20 (every twentieth case
+/// prefill-sized) still meet every handle.
+pub fn pinned_for(i: u64) -> usize {
+    ((i + i / 20) % FusedKernels::ALL.len() as u64) as usize
 }
 
 /// The `cos_sin_cache` of tables built with `TableFormat::Combined`.

@@ -302,7 +302,7 @@ impl Rope {
             module.blocks_per_sm_at(k.symbol(), l.threads, l.shared_bytes)
         };
         let rows = module.bulk_rows().then_some(&rows_blocks as _);
-        let Some(plan) = plan_fused(req, &self.facts, &blocks, self.fused_choice, rows)? else {
+        let Some(plan) = plan_fused(req, &self.facts, &blocks, self.fused_kernels, rows)? else {
             return Ok(());
         };
         let positions = req.rope.positions.encode(&plan.positions);

@@ -23,7 +23,7 @@ use crate::plan::{
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
-use crate::tuning::{FusedChoice, many_waves, prefetch_tokens};
+use crate::tuning::{FusedKernels, many_waves, prefetch_tokens};
 
 /// Everything a fused launch needs except the device pointers.
 #[derive(Clone, Copy, Debug)]
@@ -51,7 +51,7 @@ pub(crate) struct FusedPlan {
 const MAX_NORM_GROUPS: u32 = 32;
 
 /// Validates a fused request and computes its launch: `None` when there is nothing to do.
-/// `choice` pins the kernels for tests (see [`FusedChoice`]); `rows_occupancy` is given where
+/// `choice` pins the kernels for tests (see [`FusedKernels`]); `rows_occupancy` is given where
 /// the rows kernels run (sm_90 builds) and says how many blocks of theirs a multiprocessor
 /// holds.
 ///
@@ -61,7 +61,7 @@ pub(crate) fn plan_fused(
     req: &FusedRequest,
     facts: &DeviceFacts,
     blocks_per_sm: &dyn Fn(FusedKernelName) -> u32,
-    choice: FusedChoice,
+    choice: FusedKernels,
     rows_occupancy: Option<RowsOccupancy>,
 ) -> Result<Option<FusedPlan>> {
     let cfg = &req.rope.config;
@@ -144,7 +144,7 @@ pub(crate) fn plan_fused(
     // its length is one head's chain; at prefill its many resident threads keep more loads in
     // flight than the item loop, which holds one block of heads per thread), with 32-bit
     // element offsets and slot division. Other launches take the item loop.
-    let one_head = choice != FusedChoice::ItemLoop
+    let one_head = choice != FusedKernels::ItemLoop
         && kernel.access == Access::Wide
         && spans_below_2_32(&req.rope)
         && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
@@ -170,14 +170,15 @@ pub(crate) fn plan_fused(
     let warps_at = |heads: u32| stored_heads.map(|h| one_head_warps(h, groups, heads));
     // Only a one-head kernel has a four-heads kernel, so the item loop never takes one.
     let four_heads = kernel.four_heads().filter(|_| match choice {
-        FusedChoice::ThreadHeads(n) => n == ONE_HEAD_FUSED_MANY_HEADS,
-        FusedChoice::Auto | FusedChoice::Rows(_) => many_waves(
+        FusedKernels::FourHeads => true,
+        FusedKernels::TwoHeads => false,
+        FusedKernels::Auto | FusedKernels::Rows { .. } => many_waves(
             kernel,
             facts,
             tokens,
             warps_at(ONE_HEAD_FUSED_HEADS).iter().sum(),
         ),
-        FusedChoice::ItemLoop => false,
+        FusedKernels::ItemLoop => false,
     });
     let rows = rows_occupancy.and_then(|occupancy| {
         let launch = rows_kernel(

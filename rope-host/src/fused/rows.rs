@@ -17,7 +17,7 @@ use crate::device::DeviceFacts;
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::plan::Grid;
-use crate::tuning::{FusedChoice, ROWS_MIN_DRAM_GB_PER_S, ROWS_STAGES};
+use crate::tuning::{FusedKernels, ROWS_MIN_DRAM_GB_PER_S, ROWS_STAGES};
 
 /// Blocks of a rows kernel of the given launch that one multiprocessor holds at once (the
 /// driver's occupancy for its threads and dynamic shared memory). The planner takes one where
@@ -95,13 +95,13 @@ fn rows_launch(
 }
 
 /// The rows kernel and launch that take `req` of the one-head `kernel`, if any: every launch
-/// they can serve ([`rows_launch`]) when `choice` pins them, and under [`FusedChoice::Auto`]
+/// they can serve ([`rows_launch`]) when `choice` pins them, and under [`FusedKernels::Auto`]
 /// the launches the four-heads kernels would take (`four_heads`) that store FP8 (q's output or
 /// the cache) on devices of at least [`ROWS_MIN_DRAM_GB_PER_S`].
 pub(crate) fn rows_kernel(
     req: &FusedRequest,
     kernel: FusedKernelName,
-    choice: FusedChoice,
+    choice: FusedKernels,
     four_heads: bool,
     facts: &DeviceFacts,
     groups: (u32, u32),
@@ -109,8 +109,8 @@ pub(crate) fn rows_kernel(
 ) -> Option<(FusedKernelName, RowsLaunch)> {
     let stores_fp8 = req.q_fp8.is_some() || req.cache.is_some_and(|c| c.fp8.is_some());
     let stages = match choice {
-        FusedChoice::Rows(n) => n,
-        FusedChoice::Auto
+        FusedKernels::Rows { stages } => stages,
+        FusedKernels::Auto
             if four_heads && stores_fp8 && facts.dram_gb_per_s >= ROWS_MIN_DRAM_GB_PER_S =>
         {
             ROWS_STAGES

@@ -12,14 +12,15 @@ use rope_harness::fused::*;
 use rope_host::cudarc::driver::CudaContext;
 use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use rope_host::{Rope, RopeStyle};
-use rope_tests::gpu::{case_cap, gpu_or_skip};
+use rope_tests::gpu::{case_cap, gpu_or_skip, pinned_for, pinned_handles};
 
 use super::super::report;
 
 fn run_cases<T: TestElem>(name: &str, cases: u64) {
-    let Some((stream, rope)) = gpu_or_skip(name) else {
+    let Some((stream, _)) = gpu_or_skip(name) else {
         return;
     };
+    let handles = pinned_handles(&stream);
     let cases = cases.min(case_cap());
     let mut worst = Worst::default();
     // Every twentieth case at prefill size, the rest small (see `Size`).
@@ -30,13 +31,15 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
             Size::Small
         };
         let c = Case::random_sized(seed * 7919 + size_of::<T>() as u64, size_of::<T>(), size);
-        match check_case::<T>(&c, &stream, &rope) {
+        let (kernels, rope) = &handles[pinned_for(seed)];
+        match check_case::<T>(&c, &stream, rope) {
             Ok(w) => worst.merge(w),
-            Err(e) => panic!("{name}: seed {seed}: {e}"),
+            Err(e) => panic!("{name}: seed {seed}, fused kernels {kernels:?}: {e}"),
         }
     }
     report(&format!(
-        "{name}: {cases} cases, {} values checked, largest error {:.3} of its bound",
+        "{name}: {cases} cases over every fused kernel choice, {} values checked, largest \
+         error {:.3} of its bound",
         worst.checked, worst.ratio
     ));
 }
@@ -47,15 +50,17 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
 #[test]
 fn fused_raw_entry_matches_reference() {
     fn run<T: TestElem>(name: &str, cases: u64) {
-        let Some((stream, rope)) = gpu_or_skip(name) else {
+        let Some((stream, _)) = gpu_or_skip(name) else {
             return;
         };
+        let handles = pinned_handles(&stream);
         let mut worst = Worst::default();
         for seed in 0..cases.min(case_cap()) {
             let c = Case::random(seed * 104_729 + 3, size_of::<T>());
-            match check_case_on::<T>(&c, &stream, &rope, Entry::Raw) {
+            let (kernels, rope) = &handles[pinned_for(seed)];
+            match check_case_on::<T>(&c, &stream, rope, Entry::Raw) {
                 Ok(w) => worst.merge(w),
-                Err(e) => panic!("{name}: seed {seed}: {e}"),
+                Err(e) => panic!("{name}: seed {seed}, fused kernels {kernels:?}: {e}"),
             }
         }
         report(&format!(
@@ -74,9 +79,10 @@ fn fused_raw_entry_matches_reference() {
 /// FP8 q byte encodes its head's value with its own scale. Every sixth case is prefill-sized
 /// (the four-heads and rows kernels). Reports each pairing's cases and checked values.
 fn run_fp8_granularities<T: TestElem>(name: &str, cases_per_pairing: u64) {
-    let Some((stream, rope)) = gpu_or_skip(name) else {
+    let Some((stream, _)) = gpu_or_skip(name) else {
         return;
     };
+    let handles = pinned_handles(&stream);
     // The cap spread over the four pairings.
     let cases = cases_per_pairing.min(case_cap().div_ceil(4));
     let granularity = |per_head: bool| if per_head { "per head" } else { "per tensor" };
@@ -106,10 +112,11 @@ fn run_fp8_granularities<T: TestElem>(name: &str, cases_per_pairing: u64) {
             if j % 4 == 1 {
                 c.norm = None;
             }
-            match check_case::<T>(&c, &stream, &rope) {
+            let (kernels, rope) = &handles[pinned_for(pairing as u64 * cases + j)];
+            match check_case::<T>(&c, &stream, rope) {
                 Ok(w) => worst.merge(w),
                 Err(e) => panic!(
-                    "{name}: k {}, v {}: case {j}: {e}",
+                    "{name}: k {}, v {}: case {j}, fused kernels {kernels:?}: {e}",
                     granularity(k_per_head),
                     granularity(v_per_head)
                 ),
@@ -190,17 +197,17 @@ fn fused_cache_only_k_without_a_cache_is_refused_and_outputs_untouched() {
 
 #[test]
 fn fused_f32_matches_reference() {
-    run_cases::<f32>("fused_f32_matches_reference", 120);
+    run_cases::<f32>("fused_f32_matches_reference", 250);
 }
 
 #[test]
 fn fused_f16_matches_reference() {
-    run_cases::<rope_host::half::f16>("fused_f16_matches_reference", 120);
+    run_cases::<rope_host::half::f16>("fused_f16_matches_reference", 250);
 }
 
 #[test]
 fn fused_bf16_matches_reference() {
-    run_cases::<rope_host::half::bf16>("fused_bf16_matches_reference", 120);
+    run_cases::<rope_host::half::bf16>("fused_bf16_matches_reference", 250);
 }
 
 /// A launch captured in a CUDA graph replays with the device data of the moment: new inputs,
@@ -291,15 +298,16 @@ fn fused_launch_replays_in_a_graph_with_new_data() {
 /// With sin/cos from a table, a token whose position lies outside the table (negative, past
 /// its rows, or past them by a multiple of 2^32, which a 32-bit row offset would wrap onto a
 /// row) gets NaN in every rotated output element, and every other token gets exactly what the
-/// same launch gives with all positions inside: a prefill-sized NeoX launch (the four-heads
-/// kernels where `ROPE_FUSED_THREAD_HEADS` pins them or the planner takes them) and a small
-/// one, in each element type.
+/// same launch gives with all positions inside: prefill-sized and small NeoX launches, each on
+/// every fused kernel choice ([`pinned_handles`]: the item loop, two and four heads per thread,
+/// the rows kernels where they serve).
 #[test]
 fn fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone() {
     let name = "fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone";
-    let Some((stream, rope)) = gpu_or_skip(name) else {
+    let Some((stream, _)) = gpu_or_skip(name) else {
         return;
     };
+    let handles = pinned_handles(&stream);
     let rows = (MAX_POSITION + 32) as i64;
     let outside = [
         -1,
@@ -311,7 +319,11 @@ fn fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone(
         i64::MIN,
     ];
     let mut nan_tokens = 0;
-    for (seed, size) in [(5u64, Size::Large), (6, Size::Small), (7, Size::Large)] {
+    let sized = [(5u64, Size::Large), (6, Size::Small), (7, Size::Large)];
+    for ((seed, size), (kernels, rope)) in sized
+        .into_iter()
+        .flat_map(|c| handles.iter().map(move |h| (c, h)))
+    {
         let mut c = Case::random_sized(seed, 2, size);
         (c.style, c.table, c.q, c.k, c.cache) =
             (RopeStyle::Neox, true, QMode::Out, KMode::Out, None);
@@ -325,8 +337,8 @@ fn fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone(
             c.ids = Some(ids.to_vec());
             let mut rng = StdRng::seed_from_u64(seed);
             let data = Data::<rope_host::half::bf16>::random(&c, &mut rng);
-            let mut dev = upload(&c, &data, &stream, &rope).expect("upload");
-            launch(&c, &mut dev, &rope).expect("launch");
+            let mut dev = upload(&c, &data, &stream, rope).expect("upload");
+            launch(&c, &mut dev, rope).expect("launch");
             (
                 stream.clone_dtoh(&dev.q_out).expect("q"),
                 stream.clone_dtoh(&dev.k_out).expect("k"),
@@ -344,14 +356,14 @@ fn fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone(
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(
                         same,
-                        "seed {seed}: {tensor} of token {t} (position {id}) differs from the launch with positions inside"
+                        "seed {seed}, {kernels:?}: {tensor} of token {t} (position {id}) differs from the launch with positions inside"
                     );
                 } else {
                     nan_tokens += 1;
                     let nan = g[span].iter().all(|v| v.is_nan());
                     assert!(
                         nan,
-                        "seed {seed}: {tensor} of token {t} (position {id} outside the table) is not all NaN"
+                        "seed {seed}, {kernels:?}: {tensor} of token {t} (position {id} outside the table) is not all NaN"
                     );
                 }
             }

@@ -19,7 +19,7 @@ use crate::layout::Layout;
 use crate::plan::{Request, TensorReq};
 use crate::positions::{IntType, RawInts, RawPositions};
 use crate::sincos::{RawSinCos, TableShape};
-use crate::tuning::{FusedChoice, ROWS_STAGES};
+use crate::tuning::{FusedKernels, ROWS_STAGES};
 
 /// Decode of Qwen3-8B-like shapes: 64 tokens, 32 q and 8 kv heads of 128.
 const TOKENS: usize = 64;
@@ -93,11 +93,11 @@ const H100: DeviceFacts = DeviceFacts {
 };
 
 fn plan_of(r: &FusedRequest) -> Result<Option<FusedPlan>> {
-    plan_with(r, FusedChoice::Auto)
+    plan_with(r, FusedKernels::Auto)
 }
 
 /// `r` planned on an H200-like device with the kernels `choice` allows.
-fn plan_with(r: &FusedRequest, choice: FusedChoice) -> Result<Option<FusedPlan>> {
+fn plan_with(r: &FusedRequest, choice: FusedKernels) -> Result<Option<FusedPlan>> {
     plan_fused(r, &H200, &|_: FusedKernelName| 8, choice, None)
 }
 
@@ -106,7 +106,7 @@ fn plan_with(r: &FusedRequest, choice: FusedChoice) -> Result<Option<FusedPlan>>
 fn plan_on(
     facts: &DeviceFacts,
     r: &FusedRequest,
-    choice: FusedChoice,
+    choice: FusedKernels,
     bulk_rows: bool,
 ) -> FusedPlan {
     let four = |_: FusedKernelName, _: &RowsLaunch| -> Result<u32> { Ok(4) };
@@ -183,7 +183,7 @@ fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
     assert_eq!(p.grid.config.grid_dim, (2, 8192, 1));
     assert_eq!(p.one_head_warps, [4, 1, 1]);
     // The item loop when the one-head kernels are not allowed (the tests' override).
-    let p = plan_with(&with_tokens(RopeStyle::Neox, 8192), FusedChoice::ItemLoop)
+    let p = plan_with(&with_tokens(RopeStyle::Neox, 8192), FusedKernels::ItemLoop)
         .expect("valid")
         .expect("non-empty");
     assert_eq!(p.kernel.access, Access::Wide);
@@ -261,19 +261,16 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
         };
         (heads, p.one_head_warps)
     };
-    let auto = FusedChoice::Auto;
+    let auto = FusedKernels::Auto;
     // 132 SMs hold 1365 threads each at the two-heads kernel's 48 registers; a token takes
     // 12 warps of them.
     assert_eq!(planned(RopeStyle::Neox, 938, auto), (2, [8, 2, 2]));
     assert_eq!(planned(RopeStyle::Neox, 939, auto), (4, [4, 1, 1]));
     assert_eq!(planned(RopeStyle::Interleaved, 8192, auto), (2, [8, 2, 2]));
-    let pinned = FusedChoice::ThreadHeads;
-    assert_eq!(planned(RopeStyle::Neox, 64, pinned(4)), (4, [4, 1, 1]));
-    assert_eq!(planned(RopeStyle::Neox, 8192, pinned(2)), (2, [8, 2, 2]));
-    assert_eq!(
-        planned(RopeStyle::Interleaved, 64, pinned(4)),
-        (2, [8, 2, 2])
-    );
+    let (two, four) = (FusedKernels::TwoHeads, FusedKernels::FourHeads);
+    assert_eq!(planned(RopeStyle::Neox, 64, four), (4, [4, 1, 1]));
+    assert_eq!(planned(RopeStyle::Neox, 8192, two), (2, [8, 2, 2]));
+    assert_eq!(planned(RopeStyle::Interleaved, 64, four), (2, [8, 2, 2]));
 }
 
 /// With a norm, a head's items are rounded up to a power of two so that they share a warp

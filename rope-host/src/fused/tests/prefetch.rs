@@ -19,19 +19,19 @@ fn four_heads_launches_prefetch_four_mib_of_heads_ahead_on_fast_dram_only() {
     k.x_layout = Layout::thd(8192, 0, D);
     k.x.len = 0;
     for (r, ahead) in [(&with_cache, 341), (&norm_rope, 409), (&q_alone, 512)] {
-        let p = plan_on(&H200, r, FusedChoice::Auto, false);
+        let p = plan_on(&H200, r, FusedKernels::Auto, false);
         assert_eq!(p.kernel.access, Access::FourHeads);
         assert_eq!(p.prefetch_tokens, ahead);
-        let p = plan_on(&H100, r, FusedChoice::Auto, false);
+        let p = plan_on(&H100, r, FusedKernels::Auto, false);
         assert_eq!(p.kernel.access, Access::FourHeads);
         assert_eq!(p.prefetch_tokens, 0);
     }
-    let decode = plan_on(&H200, &request(RopeStyle::Neox), FusedChoice::Auto, false);
+    let decode = plan_on(&H200, &request(RopeStyle::Neox), FusedKernels::Auto, false);
     assert_eq!(decode.kernel.access, Access::OneHead);
     assert_eq!(decode.prefetch_tokens, 0);
     let mut fp8 = with_cache;
     fp8_cache(&mut fp8);
-    let rows = plan_on(&H200, &fp8, FusedChoice::Auto, true);
+    let rows = plan_on(&H200, &fp8, FusedKernels::Auto, true);
     assert_eq!(rows.kernel.access, Access::Rows);
     assert_eq!(rows.prefetch_tokens, 0);
 }

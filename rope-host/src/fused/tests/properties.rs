@@ -51,7 +51,7 @@ struct Description {
     norm: Option<(bool, f32)>,
     ids: bool,
     short: usize,
-    choice: FusedChoice,
+    choice: FusedKernels,
     bulk_rows: bool,
     h100: bool,
 }
@@ -120,11 +120,11 @@ fn description() -> impl Strategy<Value = Description> {
     let plan = (
         prop_oneof![8 => Just(usize::MAX), 1 => 0usize..8],
         prop_oneof![
-            Just(FusedChoice::ItemLoop),
-            Just(FusedChoice::Auto),
-            Just(FusedChoice::ThreadHeads(2)),
-            Just(FusedChoice::ThreadHeads(4)),
-            Just(FusedChoice::Rows(2)),
+            Just(FusedKernels::ItemLoop),
+            Just(FusedKernels::Auto),
+            Just(FusedKernels::TwoHeads),
+            Just(FusedKernels::FourHeads),
+            Just(FusedKernels::Rows { stages: 2 }),
         ],
         any::<bool>(),
         any::<bool>(),

@@ -14,7 +14,7 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     let plan = |r: &FusedRequest, choice, bulk_rows| plan_on(&H200, r, choice, bulk_rows);
     let mut r = with_tokens(RopeStyle::Neox, 8192);
     assert_eq!(
-        plan(&r, FusedChoice::Auto, true).kernel.access,
+        plan(&r, FusedKernels::Auto, true).kernel.access,
         Access::FourHeads
     );
     // sin/cos from a table, with or without a 16-bit cache: the four-heads kernels, on either
@@ -36,34 +36,41 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     cacheless.k_written = true;
     for t in [&table, &cacheless] {
         assert_eq!(
-            plan(t, FusedChoice::Auto, true).kernel.access,
+            plan(t, FusedKernels::Auto, true).kernel.access,
             Access::FourHeads
         );
         assert_eq!(
-            plan_on(&H100, t, FusedChoice::Auto, true).kernel.access,
+            plan_on(&H100, t, FusedKernels::Auto, true).kernel.access,
             Access::FourHeads
         );
     }
     fp8_cache(&mut r);
-    let p = plan(&r, FusedChoice::Auto, true);
+    let p = plan(&r, FusedKernels::Auto, true);
     assert_eq!(p.kernel.access, Access::Rows);
     // FP8, with sin/cos computed or from a table: the rows kernels on fast DRAM only.
     let mut both = table;
     both.cache = r.cache;
     assert_eq!(
-        plan(&both, FusedChoice::Auto, true).kernel.access,
+        plan(&both, FusedKernels::Auto, true).kernel.access,
         Access::Rows
     );
     for fp8 in [&r, &both] {
         assert_eq!(
-            plan_on(&H100, fp8, FusedChoice::Auto, true).kernel.access,
+            plan_on(&H100, fp8, FusedKernels::Auto, true).kernel.access,
             Access::FourHeads
         );
     }
     assert_eq!(
-        plan_on(&H100, &r, FusedChoice::Rows(ROWS_STAGES), true)
-            .kernel
-            .access,
+        plan_on(
+            &H100,
+            &r,
+            FusedKernels::Rows {
+                stages: ROWS_STAGES
+            },
+            true
+        )
+        .kernel
+        .access,
         Access::Rows
     );
     assert_eq!(p.one_head_warps, [4, 1, 1]);
@@ -73,22 +80,24 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     assert_eq!(p.grid.config.shared_mem_bytes, 128 + 2 * buffer);
     // Three buffers where asked; four do not fit 48 KiB, so three.
     for (asked, held) in [(3, 3), (4, 3)] {
-        let p = plan(&r, FusedChoice::Rows(asked), true);
+        let p = plan(&r, FusedKernels::Rows { stages: asked }, true);
         assert_eq!(p.grid.config.shared_mem_bytes, 128 + held * buffer);
     }
     assert_eq!(
-        plan(&r, FusedChoice::Auto, false).kernel.access,
+        plan(&r, FusedKernels::Auto, false).kernel.access,
         Access::FourHeads
     );
     assert_eq!(
-        plan(&with_tokens(RopeStyle::Neox, 64), FusedChoice::Auto, true)
+        plan(&with_tokens(RopeStyle::Neox, 64), FusedKernels::Auto, true)
             .kernel
             .access,
         Access::OneHead
     );
     let few = plan(
         &with_tokens(RopeStyle::Neox, 64),
-        FusedChoice::Rows(ROWS_STAGES),
+        FusedKernels::Rows {
+            stages: ROWS_STAGES,
+        },
         true,
     );
     assert_eq!(few.kernel.access, Access::Rows);
@@ -96,7 +105,9 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     assert_eq!(
         plan(
             &with_tokens(RopeStyle::Interleaved, 8192),
-            FusedChoice::Rows(ROWS_STAGES),
+            FusedKernels::Rows {
+                stages: ROWS_STAGES
+            },
             true
         )
         .kernel
@@ -108,7 +119,7 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     apart.rope.q.x_layout.strides = [32 * 136, 32 * 136, 136];
     apart.rope.q.x = buf(1 << 40, apart.rope.q.x_layout.end().expect("fits"));
     assert_eq!(
-        plan(&apart, FusedChoice::Auto, true).kernel.access,
+        plan(&apart, FusedKernels::Auto, true).kernel.access,
         Access::FourHeads
     );
 }
