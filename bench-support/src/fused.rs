@@ -202,7 +202,7 @@ pub fn kernels_from_env() -> FusedKernels {
         Ok("item-loop") => FusedKernels::ItemLoop,
         Ok("2") => FusedKernels::TwoHeads,
         Ok("4") => FusedKernels::FourHeads,
-        Ok("rows") => FusedKernels::ALL[4],
+        Ok("rows") => FusedKernels::ROWS,
         Ok("rows2") => FusedKernels::Rows { stages: 2 },
         Ok("rows3") => FusedKernels::Rows { stages: 3 },
         Ok("rows4") => FusedKernels::Rows { stages: 4 },

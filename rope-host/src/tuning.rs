@@ -37,15 +37,18 @@ pub enum FusedKernels {
 }
 
 impl FusedKernels {
-    /// Every choice, the rows kernels with [`ROWS_STAGES`] buffers (for tests that cover each).
+    /// The rows kernels with the planner's [`ROWS_STAGES`] token buffers per block.
+    pub const ROWS: Self = Self::Rows {
+        stages: ROWS_STAGES,
+    };
+
+    /// Every choice, the rows kernels as [`FusedKernels::ROWS`] (for tests that cover each).
     pub const ALL: [Self; 5] = [
         Self::Auto,
         Self::ItemLoop,
         Self::TwoHeads,
         Self::FourHeads,
-        Self::Rows {
-            stages: ROWS_STAGES,
-        },
+        Self::ROWS,
     ];
 }
 
