@@ -186,7 +186,7 @@ impl Handles {
         let handle = |overlap| -> anyhow::Result<Rope> {
             let rope = Rope::new(stream.clone())?
                 .with_overlap(overlap)
-                .with_fused_kernels(crate::fused::kernels_from_env());
+                .with_fused_kernels(crate::device::kernels_from_env());
             rope.prepare(theta, rotary_dim)?;
             Ok(rope)
         };

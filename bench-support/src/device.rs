@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use rope_harness::case::{DeviceCase, Source, TestElem};
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, DriverError};
-use rope_host::{Rope, open_device};
+use rope_host::{FusedKernels, Rope, open_device};
 
 use crate::Error;
 use crate::timing::{L2Flush, Runs, median_ms, paired_ms};
@@ -17,7 +17,7 @@ pub struct BenchDevice {
     /// The stream every launch, copy and event goes to.
     pub stream: Arc<CudaStream>,
     /// The RoPE handle on `stream`, its fused kernels pinned as
-    /// [`crate::fused::KERNELS_VAR`] says.
+    /// `ROPE_BENCH_FUSED_KERNELS` says.
     pub rope: Rope,
     /// The buffer overwritten before each timed run.
     pub flush: L2Flush,
@@ -35,7 +35,7 @@ impl BenchDevice {
         let stream = ctx.new_stream().map_err(|e| Error::Setup(e.into()))?;
         let rope = Rope::new(stream.clone())
             .map_err(Error::Setup)?
-            .with_fused_kernels(crate::fused::kernels_from_env());
+            .with_fused_kernels(kernels_from_env());
         let flush = L2Flush::new(&stream).map_err(|e| Error::Setup(e.into()))?;
         Ok(Self {
             ctx,
@@ -88,5 +88,25 @@ impl BenchDevice {
                 case.launch(rope)
             },
         )
+    }
+}
+
+/// Environment variable: pins the fused kernels of every handle the benchmark makes
+/// ([`Rope::with_fused_kernels`], for A/B runs of kernels the planner would not take):
+/// `item-loop`, `2` or `4` heads per thread, `rows` (or `rows2` to `rows4` token buffers per
+/// block); unset or anything else, the planner's choice.
+pub const KERNELS_VAR: &str = "ROPE_BENCH_FUSED_KERNELS";
+
+/// The fused kernels [`KERNELS_VAR`] pins.
+pub fn kernels_from_env() -> FusedKernels {
+    match std::env::var(KERNELS_VAR).as_deref() {
+        Ok("item-loop") => FusedKernels::ItemLoop,
+        Ok("2") => FusedKernels::TwoHeads,
+        Ok("4") => FusedKernels::FourHeads,
+        Ok("rows") => FusedKernels::ROWS,
+        Ok("rows2") => FusedKernels::Rows { stages: 2 },
+        Ok("rows3") => FusedKernels::Rows { stages: 3 },
+        Ok("rows4") => FusedKernels::Rows { stages: 4 },
+        _ => FusedKernels::Auto,
     }
 }

@@ -19,9 +19,9 @@ use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMo
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use rope_host::half::bf16;
 use rope_host::{
-    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedKernels, FusedOp, IdsShape, Io,
-    KOut, KvCache, Layout, NormWeight, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp,
-    RopeStyle, SinCos, SinCosTables, StreamOverlap, TableFormat, Tensor, TensorMut,
+    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, Io, KOut, KvCache,
+    Layout, NormWeight, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    SinCosTables, StreamOverlap, TableFormat, Tensor, TensorMut,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -189,26 +189,6 @@ struct Buffers {
 /// Environment variable: `table` makes every fused launch read sin/cos from a bf16
 /// `cos_sin_cache` (vLLM's format) instead of computing them.
 pub const SINCOS_VAR: &str = "ROPE_BENCH_FUSED_SINCOS";
-
-/// Environment variable: pins the fused kernels of every handle the benchmark makes
-/// ([`Rope::with_fused_kernels`], for A/B runs of kernels the planner would not take):
-/// `item-loop`, `2` or `4` heads per thread, `rows` (or `rows2` to `rows4` token buffers per
-/// block); unset or anything else, the planner's choice.
-pub const KERNELS_VAR: &str = "ROPE_BENCH_FUSED_KERNELS";
-
-/// The fused kernels [`KERNELS_VAR`] pins.
-pub fn kernels_from_env() -> FusedKernels {
-    match std::env::var(KERNELS_VAR).as_deref() {
-        Ok("item-loop") => FusedKernels::ItemLoop,
-        Ok("2") => FusedKernels::TwoHeads,
-        Ok("4") => FusedKernels::FourHeads,
-        Ok("rows") => FusedKernels::ROWS,
-        Ok("rows2") => FusedKernels::Rows { stages: 2 },
-        Ok("rows3") => FusedKernels::Rows { stages: 3 },
-        Ok("rows4") => FusedKernels::Rows { stages: 4 },
-        _ => FusedKernels::Auto,
-    }
-}
 
 impl Buffers {
     fn new(

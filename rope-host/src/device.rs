@@ -1,15 +1,16 @@
 //! What launches know of the device: the facts the planner reads ([`DeviceFacts`], queried once
-//! per `Rope`) and how a launch may overlap the kernel before it ([`StreamOverlap`]). Plain
-//! values, so the pure rooms (planning, tuning) take them without a handle.
+//! per `Rope`), how a launch may overlap the kernel before it ([`StreamOverlap`]), and whether a
+//! stream is capturing a graph ([`capturing`]). Plain values, so the pure rooms (planning,
+//! tuning) take them without a handle.
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaContext;
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUstream, CUstreamCaptureStatus};
+use cudarc::driver::{CudaContext, result};
 
 use crate::error::Result;
 
-/// What the launch planner knows of the device, queried once per [`Rope`].
+/// What the launch planner knows of the device, queried once per [`crate::Rope`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DeviceFacts {
     /// Streaming multiprocessors.
@@ -69,4 +70,20 @@ pub enum StreamOverlap {
     None,
     /// Programmatic dependent launch where the device and the kernel support it.
     Programmatic,
+}
+
+/// Whether `stream` of `ctx` is capturing a CUDA graph, or its state cannot be told: either
+/// way no upload (a synchronizing copy) may happen now. The one capture check of the crate.
+///
+/// # Safety
+/// `stream` is a live stream of `ctx`.
+pub(crate) unsafe fn capturing(ctx: &CudaContext, stream: CUstream) -> bool {
+    if ctx.bind_to_thread().is_err() {
+        return true;
+    }
+    // SAFETY: `stream` belongs to `ctx`, now current on this thread (the caller's promise).
+    match unsafe { result::stream::is_capturing(stream) } {
+        Ok(status) => status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+        Err(_) => true,
+    }
 }

@@ -201,7 +201,7 @@ impl Rope {
         }
         // SAFETY: the handle's own stream is a live stream of its context.
         let capturing = on == FreqUse::OwnStream
-            && unsafe { crate::shared::capturing(self.stream.context(), self.stream.cu_stream()) };
+            && unsafe { crate::device::capturing(self.stream.context(), self.stream.cu_stream()) };
         if on == FreqUse::OtherStream || capturing {
             return Err(invalid(
                 "theta",

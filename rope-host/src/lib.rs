@@ -52,6 +52,7 @@
 )]
 
 mod bind;
+mod check;
 mod config;
 mod device;
 mod error;

@@ -13,10 +13,10 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::sys::{CUstream, CUstreamCaptureStatus};
-use cudarc::driver::{CudaContext, CudaStream, result};
+use cudarc::driver::sys::CUstream;
+use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::device::StreamOverlap;
+use crate::device::{StreamOverlap, capturing};
 use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, InvFreq, check_default_frequencies};
 use crate::handle::Rope;
@@ -167,22 +167,6 @@ unsafe fn check_not_capturing(
         ));
     }
     Ok(())
-}
-
-/// Whether `stream` of `ctx` is capturing a CUDA graph, or its state cannot be told: either
-/// way no upload (a synchronizing copy) may happen now. The one capture check of the crate.
-///
-/// # Safety
-/// `stream` is a live stream of `ctx`.
-pub(crate) unsafe fn capturing(ctx: &CudaContext, stream: CUstream) -> bool {
-    if ctx.bind_to_thread().is_err() {
-        return true;
-    }
-    // SAFETY: `stream` belongs to `ctx`, now current on this thread (the caller's promise).
-    match unsafe { result::stream::is_capturing(stream) } {
-        Ok(status) => status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
-        Err(_) => true,
-    }
 }
 
 #[cfg(test)]

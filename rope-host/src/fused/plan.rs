@@ -13,13 +13,16 @@ use rope_kernels::divide::Divisor;
 use super::CacheLayout;
 use super::request::{FusedRequest, RawCache, RawScale};
 use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
+use crate::check::{
+    Of, Region, check_overlaps, layout_aligned, read_region, region, same_dims, span_below_2_32,
+    widest_lanes,
+};
 use crate::config::{RopeConfig, RopeStyle};
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::layout::{Layout, packed_are_disjoint};
 use crate::plan::{
-    Grid, Of, Region, TensorReq, check_overlaps, fused_grid, grid, layout_aligned, one_head_warps,
-    option_reads, read_region, region, same_dims, span_below_2_32, spans_below_2_32, widest_lanes,
+    Grid, TensorReq, fused_grid, grid, one_head_warps, option_reads, spans_below_2_32,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
