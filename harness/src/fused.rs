@@ -117,7 +117,7 @@ pub enum Size {
     Small,
     /// Thousands of tokens and 17-23 q and k heads (odd counts leave a thread's second head
     /// empty): prefill-sized launches, more threads than any of this project's GPUs holds at
-    /// once. The planner gives both sizes the one-head fused kernels (NeoX 16-bit launches of
+    /// once. The planner gives both sizes the fused two-heads kernels (NeoX 16-bit launches of
     /// this size the four-heads kernels); handles pinned to the other kernels
     /// (`Rope::with_fused_kernels`) take them on the item loop, the rows kernels and the other
     /// number of heads per thread.

@@ -151,7 +151,7 @@ pub(crate) fn check_overlaps(regions: &[Region], packed: bool) -> Result<()> {
 }
 
 /// Whether `l` spans fewer than 2^32 elements, so that 32-bit element offsets into it cannot
-/// wrap (the one-head kernels').
+/// wrap (the token-heads kernels').
 pub(crate) fn span_below_2_32(l: &Layout) -> bool {
     l.span().is_some_and(|s| (s as u64) < 1 << 32)
 }

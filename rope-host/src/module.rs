@@ -310,7 +310,7 @@ impl Module {
         Ok(blocks)
     }
 
-    /// Whether the rows kernels ([`rope_kernels::abi::Access::Rows`]) run: they come from
+    /// Whether the rows kernels ([`rope_kernels::abi::Mapping::Rows`]) run: they come from
     /// [`PTX_SM90`] (elsewhere they are stubs that trap).
     pub(crate) fn bulk_rows(&self) -> bool {
         self.build == PtxBuild::Sm90
@@ -395,16 +395,14 @@ mod tests {
     #[test]
     fn every_entry_splits_into_a_module_of_its_own() {
         for (build, ptx) in BUILDS.map(|b| (b, ptx_of(b))) {
+            // Module-level globals (none today: the host-side functions of the kernel crate
+            // are inline, so no data of theirs reaches the PTX).
             let globals: std::collections::HashSet<&str> = ptx
                 .lines()
                 .filter_map(|l| l.strip_prefix(".global "))
                 .filter_map(|l| l.split(['=', ';']).next()?.split_whitespace().last())
                 .map(|w| w.split('[').next().unwrap_or(w))
                 .collect();
-            assert!(
-                !globals.is_empty(),
-                "{build:?}: the prelude's globals were found"
-            );
             let entries = entries(ptx);
             for (name, body) in &entries {
                 let text = entry_module(ptx, name).expect("every entry splits out");

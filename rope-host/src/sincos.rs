@@ -193,7 +193,7 @@ impl<T> SinCos<'_, T> {
 }
 
 impl RawSinCos {
-    /// Whether the fused one-head and four-heads kernels may read these tables with `pairs`
+    /// Whether the fused token-heads kernels may read these tables with `pairs`
     /// entries per item ([`planned_table_fits`], which mirrors their reads): always for sin/cos
     /// computed in the kernels; for tables, when each spans fewer than 2^32 elements and, where
     /// an item's entries make a vector, both tables and their row stride are aligned to it.

@@ -17,17 +17,16 @@ pub enum FusedKernels {
     /// The planner's choice.
     #[default]
     Auto,
-    /// The item loop for every launch (`Access::Wide` or `Narrow`), whose wide kernels otherwise
-    /// serve only tensors spanning 2^32 elements or more.
+    /// The item loop for every launch ([`rope_kernels::abi::Mapping::ItemLoop`]), whose
+    /// preferred-width kernels otherwise serve only tensors spanning 2^32 elements or more.
     ItemLoop,
-    /// The one-head kernels, [`rope_kernels::abi::ONE_HEAD_FUSED_HEADS`] heads per thread, wherever they serve
-    /// (for NeoX 16-bit launches the planner takes four heads per thread at many waves).
+    /// The two-heads kernels wherever they serve (for NeoX 16-bit launches the planner takes
+    /// four heads per thread at many waves).
     TwoHeads,
-    /// The four-heads kernels ([`rope_kernels::abi::ONE_HEAD_FUSED_MANY_HEADS`] heads per thread,
-    /// [`FusedKernelName::four_heads`]: NeoX, 16-bit) wherever they serve, else as
-    /// [`FusedKernels::TwoHeads`].
+    /// The four-heads kernels ([`FusedKernelName::four_heads`]: NeoX, 16-bit) wherever they
+    /// serve, else as [`FusedKernels::TwoHeads`].
     FourHeads,
-    /// The rows kernels (`Access::Rows`, sm_90 builds) wherever they serve, with this many token
+    /// The rows kernels ([`rope_kernels::abi::Mapping::Rows`], sm_90 builds) wherever they serve, with this many token
     /// buffers per block (2 to `ROWS_MAX_STAGES`, fewer where they do not fit), else as
     /// [`FusedKernels::Auto`].
     Rows {
@@ -55,7 +54,7 @@ impl FusedKernels {
 /// Registers of one multiprocessor (64 Ki 32-bit registers on sm_80 to sm_90).
 const REGISTERS_PER_SM: u32 = 65_536;
 
-/// Whether a launch of one-head `kernel` over `tokens` tokens, `warps` warps per token, has
+/// Whether a launch of two-heads `kernel` over `tokens` tokens, `warps` warps per token, has
 /// more than twice the threads `facts`' device holds of it at once at its registers: many
 /// waves, where the launch is bound by the instructions it issues and four heads per thread
 /// share a thread's set-up (prefill); otherwise two keep each thread's chain short, and the
@@ -66,7 +65,7 @@ pub(crate) fn many_waves(
     tokens: u64,
     warps: u32,
 ) -> bool {
-    let Some(registers) = kernel.one_head_registers().filter(|&r| r > 0) else {
+    let Some(registers) = kernel.token_heads_registers().filter(|&r| r > 0) else {
         return false;
     };
     let resident = u64::from(facts.sm_count)

@@ -15,29 +15,13 @@ pub const BLOCK_THREADS: u32 = 128;
 /// 2^32.
 pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
 
-/// Heads of one tensor that each thread of the fused one-head kernels ([`Access::OneHead`])
-/// takes: consecutive heads `U m .. U m + U` of the same token and pairs, which share the
-/// thread's index splits, position, cos/sin, norm weights and cache slot. Each tensor's
-/// `heads.div_ceil(U) * groups` threads of a token form warps of their own.
-pub const ONE_HEAD_FUSED_HEADS: u32 = 2;
-
-/// Heads per thread of the four-heads fused kernels ([`Access::FourHeads`]), the NeoX 16-bit
-/// kernels for launches of many waves (prefill): the thread's set-up, its share of the block's
-/// cos/sin and its norm weights serve four heads, where those launches are bound by the
-/// instructions they issue. Against two heads per thread, four made prefill clearly faster on
-/// devices of high DRAM bandwidth, and with FP8 stores on every device, and about as fast
-/// otherwise; as kernels of their own, which leave the one-head kernels at their lower register
-/// cap, they made prefill and decode a little faster again (docs/perf/decisions.md). At decode
-/// two heads per thread keep each thread's chain short.
-pub const ONE_HEAD_FUSED_MANY_HEADS: u32 = 4;
-
-/// The most warps in one block of the fused one-head kernels ([`Access::OneHead`]): a token's
+/// The most warps in one block of the fused token-heads kernels ([`Mapping::TokenHeads`]): a token's
 /// warps (q's, then k's, then v's) are cut into the fewest equal blocks of at most this many,
 /// each block computing the token's cos/sin once for its q and k warps. At prefill a cap of
 /// five (12 warps as 4 + 4 + 4, 10 as 5 + 5) is faster than one of four (10 as 4 + 4 + 2) or
 /// six (12 as 6 + 6), and than whole tokens in one block, where every warp waits at the
 /// barrier for the block's cos/sin (docs/perf/decisions.md).
-pub const ONE_HEAD_FUSED_MAX_WARPS: u32 = 5;
+pub const TOKEN_HEADS_MAX_WARPS: u32 = 5;
 
 /// Blocks of [`BLOCK_THREADS`] that must fit on one multiprocessor at once, unless
 /// [`KernelName::min_blocks_per_sm`] asks for more: `cargo xtask ptx` writes it as
@@ -190,68 +174,128 @@ impl PositionCode {
     }
 }
 
-/// How wide a kernel's memory accesses are.
+/// How wide the accesses of an item-loop kernel are ([`Mapping::ItemLoop`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Access {
-    /// The preferred width, [`preferred_lanes`] elements per access, when every tensor address
-    /// and stride is aligned to it and the pairs (and pass-through elements) split into groups
-    /// of that many.
-    Wide,
+pub enum Width {
+    /// [`preferred_lanes`] elements per access, when every tensor address and stride is
+    /// aligned to it and the pairs (and pass-through elements) split into groups of that many.
+    Preferred,
     /// Fewer lanes, chosen at run time (1, 2, or for 16-bit interleaved 4 elements; 1 only for
-    /// NeoX pairs): a separate kernel, so the common wide kernel carries none of these paths'
-    /// registers.
+    /// NeoX pairs): kernels of their own, so that the preferred-width kernels carry none of
+    /// these paths' registers.
     Narrow,
-    /// The preferred width, for launches whose grid gives every head a block row of its own
-    /// (`heads_per_chunk = 1`: decode steps and other small launches) and that copy no
-    /// pass-through elements: each thread rotates one work item of one head, with no grid-stride
-    /// loop, its head's loads issued before its position and cos/sin. The fused kernels of
-    /// this access take one thread per ([`ONE_HEAD_FUSED_HEADS`] heads of one tensor, access)
-    /// of each token on a grid of their own: one block row per token
-    /// (`blockIdx.z * gridDim.y + blockIdx.y`), and on `blockIdx.x` the token's warps of q's
-    /// threads, then k's, then v's (`q_warps`, `k_warps`, `v_warps` of
-    /// [`crate::fused_kernel_params!`]) in blocks of at most [`ONE_HEAD_FUSED_MAX_WARPS`]
-    /// warps; at decode and prefill alike, where every tensor spans fewer than 2^32 elements
-    /// and the tables fit [`planned_table_fits`].
-    OneHead,
-    /// The fused NeoX kernels of 16-bit elements only ([`FusedKernelName::four_heads`]): the
-    /// one-head mapping with [`ONE_HEAD_FUSED_MANY_HEADS`] heads of one tensor per thread, for
-    /// launches of many waves. Kernels of their own, so that the one-head kernels keep the
-    /// registers two heads need (48) and these the 64 four need. The RoPE kernels have none: a
-    /// [`KernelName`] of this access names its one-head kernel.
-    FourHeads,
+}
+
+/// Heads of one tensor that each thread of the token-heads mapping ([`Mapping::TokenHeads`])
+/// takes: consecutive heads `U m .. U m + U` of the same token and pairs, which share the
+/// thread's index splits, position, cos/sin, norm weights and cache slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ThreadHeads {
+    /// One head: the RoPE kernels' (`_one_head`).
+    One,
+    /// Two heads: the fused kernels' (`_two_heads`), for every pairing and element type.
+    Two,
+    /// Four heads: the fused NeoX kernels of 16-bit elements (`_four_heads`,
+    /// [`FusedKernelName::four_heads`]), for launches of many waves (prefill): the thread's
+    /// set-up, its share of the block's cos/sin and its norm weights serve four heads, where
+    /// those launches are bound by the instructions they issue. Against two heads per thread,
+    /// four made prefill clearly faster on devices of high DRAM bandwidth, and with FP8 stores
+    /// on every device, and about as fast otherwise; as kernels of their own, which leave the
+    /// two-heads kernels at their lower register cap, they made prefill and decode a little
+    /// faster again (docs/perf/decisions.md). At decode two heads per thread keep each
+    /// thread's chain short.
+    Four,
+}
+
+impl ThreadHeads {
+    /// The heads, `U`.
+    pub const fn count(self) -> u32 {
+        match self {
+            Self::One => 1,
+            Self::Two => 2,
+            Self::Four => 4,
+        }
+    }
+}
+
+/// How a kernel's threads cover a launch's work: the thread mapping and, for the item loop,
+/// the access width (every other mapping accesses at the preferred width,
+/// [`preferred_lanes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mapping {
+    /// A grid-stride loop over work items, a (token, group of pairs) each, every item rotating
+    /// the heads of its block row's chunk (`heads_per_chunk`), at this width.
+    ItemLoop(Width),
+    /// No loop: one thread per ([`ThreadHeads`] heads of one tensor, group) of each token, its
+    /// loads issued before its position and cos/sin. The RoPE kernels take one head, for
+    /// launches whose grid gives every head a block row of its own (`heads_per_chunk = 1`:
+    /// decode steps and other small launches) and that copy no pass-through elements, on the
+    /// item loop's grid. The fused kernels take two or four, on a grid of their own: one block
+    /// row per token (`blockIdx.z * gridDim.y + blockIdx.y`), and on `blockIdx.x` the token's
+    /// warps of q's threads, then k's, then v's (`q_warps`, `k_warps`, `v_warps` of
+    /// [`crate::fused_kernel_params!`]; each tensor's `heads.div_ceil(U) * groups` threads
+    /// form warps of their own) in blocks of at most [`TOKEN_HEADS_MAX_WARPS`] warps; at
+    /// decode and prefill alike, where every tensor spans fewer than 2^32 elements and the
+    /// tables fit [`planned_table_fits`].
+    TokenHeads(ThreadHeads),
     /// The fused NeoX kernels of 16-bit elements and heads of [`ROWS_HEAD_DIM`] elements for
     /// sm_90 ([`FusedKernelName::rows`]): a persistent grid whose blocks walk tokens
     /// `blockIdx.x, blockIdx.x + gridDim.x, ..`; the bulk copy engine brings each token's rows
     /// of q's, k's and v's heads (each tensor's heads contiguous) into one of the block's
     /// shared buffers, up to [`ROWS_MAX_STAGES`] tokens ahead, and each warp takes
     /// [`ROWS_HEADS_STEPS`] steps over heads of one tensor, [`ROWS_GROUPS`] lanes per head
-    /// and four pairs per lane. The RoPE kernels have none: a [`KernelName`] of this access
+    /// and four pairs per lane. The RoPE kernels have none: a [`KernelName`] of this mapping
     /// names its one-head kernel.
     Rows,
 }
 
-/// The head size of the rows kernels ([`Access::Rows`]).
+impl Mapping {
+    /// The item loop at the preferred width.
+    pub const WIDE: Self = Self::ItemLoop(Width::Preferred);
+    /// The item loop at a narrower width.
+    pub const NARROW: Self = Self::ItemLoop(Width::Narrow);
+    /// The RoPE kernels' one head per thread.
+    pub const ONE_HEAD: Self = Self::TokenHeads(ThreadHeads::One);
+    /// The fused kernels' two heads per thread.
+    pub const TWO_HEADS: Self = Self::TokenHeads(ThreadHeads::Two);
+    /// The fused NeoX 16-bit kernels' four heads per thread.
+    pub const FOUR_HEADS: Self = Self::TokenHeads(ThreadHeads::Four);
+
+    /// A distinct number per mapping, the kernels' const generic parameter.
+    pub const fn code(self) -> u8 {
+        match self {
+            Self::ItemLoop(Width::Preferred) => 0,
+            Self::ItemLoop(Width::Narrow) => 1,
+            Self::TokenHeads(ThreadHeads::One) => 2,
+            Self::TokenHeads(ThreadHeads::Two) => 3,
+            Self::TokenHeads(ThreadHeads::Four) => 4,
+            Self::Rows => 5,
+        }
+    }
+}
+
+/// The head size of the rows kernels ([`Mapping::Rows`]).
 pub const ROWS_HEAD_DIM: u32 = 128;
 
-/// Lanes per head of the rows kernels ([`Access::Rows`]): four NeoX pairs each.
+/// Lanes per head of the rows kernels ([`Mapping::Rows`]): four NeoX pairs each.
 pub const ROWS_GROUPS: u32 = ROWS_HEAD_DIM / 8;
 
-/// Heads a warp of the rows kernels ([`Access::Rows`]) holds per step.
+/// Heads a warp of the rows kernels ([`Mapping::Rows`]) holds per step.
 pub const ROWS_HEADS_PER_STEP: u32 = 32 / ROWS_GROUPS;
 
-/// Steps over heads each warp of the rows kernels ([`Access::Rows`]) takes per token, so
+/// Steps over heads each warp of the rows kernels ([`Mapping::Rows`]) takes per token, so
 /// `ROWS_HEADS_STEPS *` [`ROWS_HEADS_PER_STEP`] heads per warp.
 pub const ROWS_HEADS_STEPS: u32 = 4;
 
-/// The most warps in one block of the rows kernels ([`Access::Rows`]): every warp of a token
+/// The most warps in one block of the rows kernels ([`Mapping::Rows`]): every warp of a token
 /// and the producer warp.
 pub const ROWS_MAX_WARPS: u32 = 24;
 
-/// The most token buffers a block of the rows kernels ([`Access::Rows`]) holds (one mbarrier
+/// The most token buffers a block of the rows kernels ([`Mapping::Rows`]) holds (one mbarrier
 /// each, in the [`ROWS_DATA_OFFSET`] bytes before the buffers).
 pub const ROWS_MAX_STAGES: u32 = 4;
 
-/// Bytes after the rows in each token buffer of the rows kernels ([`Access::Rows`]): the
+/// Bytes after the rows in each token buffer of the rows kernels ([`Mapping::Rows`]): the
 /// token's cos and sin in `f32`, `ROWS_HEAD_DIM / 2` pairs.
 pub const ROWS_COS_SIN_BYTES: u32 = 4 * ROWS_HEAD_DIM;
 
@@ -261,7 +305,7 @@ pub const ROWS_COS_SIN_BYTES: u32 = 4 * ROWS_HEAD_DIM;
 /// (bytes of a token's rows +` [`ROWS_COS_SIN_BYTES`]`)`.
 pub const ROWS_DATA_OFFSET: u32 = 128;
 
-/// Elements per access of the [`Access::Wide`] kernels: 16 bytes, except for NeoX pairs of
+/// Elements per access at the preferred width ([`Width::Preferred`]): 16 bytes, except for NeoX pairs of
 /// 16-bit elements, 8 bytes. A work item then rotates at most four pairs per head, so a token
 /// has twice as many items, which fills the GPU better at prefill than 16-byte accesses
 /// (docs/perf/decisions.md).
@@ -408,8 +452,8 @@ impl ContextParallelSplit {
 }
 
 /// One kernel entry point: `rope_{style}_{source}_{dtype}`, for example `rope_neox_theta_f32`
-/// (`table32` for [`SinCosSource::TableF32`]), with the suffix `_narrow` for [`Access::Narrow`]
-/// and `_one_head` for [`Access::OneHead`]. Every combination exists, but `TableF32` only for
+/// (`table32` for [`SinCosSource::TableF32`]), with the suffix `_narrow` for [`Mapping::NARROW`]
+/// and `_one_head` for [`Mapping::ONE_HEAD`]. Every combination exists, but `TableF32` only for
 /// `f16` and `bf16`; all have the parameter list of [`crate::plain_kernel_params!`]. Both directions
 /// run the same kernel: the direction is its `sin_sign` argument ([`Direction::sin_sign`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -420,8 +464,8 @@ pub struct KernelName {
     pub source: SinCosSource,
     /// Element type.
     pub dtype: DType,
-    /// Access width.
-    pub access: Access,
+    /// Thread mapping and access width.
+    pub mapping: Mapping,
 }
 
 /// Calls `$m!` with every kernel as
@@ -633,10 +677,10 @@ impl KernelName {
     /// computed sin/cos stays at 1024 threads: at 48 registers it spilled and ran slower
     /// (docs/perf/decisions.md).
     pub const fn min_blocks_per_sm(self) -> u32 {
-        match (self.style, self.access, self.dtype, self.source) {
-            (RopeStyle::Neox, Access::Wide, DType::BF16, _)
-            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::Table)
-            | (RopeStyle::Neox, Access::Wide, DType::F16, SinCosSource::TableF32) => {
+        match (self.style, self.mapping, self.dtype, self.source) {
+            (RopeStyle::Neox, Mapping::WIDE, DType::BF16, _)
+            | (RopeStyle::Neox, Mapping::WIDE, DType::F16, SinCosSource::Table)
+            | (RopeStyle::Neox, Mapping::WIDE, DType::F16, SinCosSource::TableF32) => {
                 1280 / BLOCK_THREADS
             }
             _ => MIN_BLOCKS_PER_SM,
@@ -657,26 +701,28 @@ macro_rules! kernel_table {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
-                    access: Access::Wide,
+                    mapping: Mapping::WIDE,
                 },
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
-                    access: Access::Narrow,
+                    mapping: Mapping::NARROW,
                 },
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
-                    access: Access::OneHead,
+                    mapping: Mapping::ONE_HEAD,
                 },
             )*];
 
             /// The exported PTX symbol; the match is exhaustive, so an option without a kernel
-            /// does not compile.
+            /// does not compile. (Inline, as every host-side function here: the kernels' PTX
+            /// holds no code of it.)
+            #[inline]
             pub const fn symbol(self) -> &'static str {
-                match (self.style, self.source, self.dtype, self.access) {
+                match (self.style, self.source, self.dtype, self.mapping) {
                     // f32 tensors read f32 tables through the `Table` kernels.
                     (_, SinCosSource::TableF32, DType::F32, _) => KernelName {
                         source: SinCosSource::Table,
@@ -684,19 +730,19 @@ macro_rules! kernel_table {
                     }
                     .symbol(),
                     // The RoPE kernels take one head per thread.
-                    (_, _, _, Access::FourHeads | Access::Rows) => KernelName {
-                        access: Access::OneHead,
+                    (_, _, _, Mapping::TWO_HEADS | Mapping::FOUR_HEADS | Mapping::Rows) => KernelName {
+                        mapping: Mapping::ONE_HEAD,
                         ..self
                     }
                     .symbol(),
                     $(
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Wide) => {
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE) => {
                             stringify!($sym)
                         }
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Narrow) => {
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::NARROW) => {
                             stringify!($narrow)
                         }
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::OneHead) => {
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::ONE_HEAD) => {
                             stringify!($one_head)
                         }
                     )*
@@ -736,6 +782,7 @@ macro_rules! table_kernel_table {
                 [$(TableKernelName { dtype: DType::$dt }),*];
 
             /// The exported PTX symbol.
+            #[inline]
             pub const fn symbol(self) -> &'static str {
                 match self.dtype {
                     $(DType::$dt => stringify!($sym),)*
@@ -801,8 +848,7 @@ pub enum FormatCode {
     E4m3 = 1,
 }
 
-/// Whether the fused one-head and four-heads kernels ([`Access::OneHead`],
-/// [`Access::FourHeads`]) may read a launch's tables, which they read with 32-bit row offsets
+/// Whether the fused token-heads kernels ([`Mapping::TokenHeads`]) may read a launch's tables, which they read with 32-bit row offsets
 /// and, where an item's `pairs` entries of `entry_bytes` make 4, 8 or 16 bytes, with one
 /// vector access per table and no alignment test: each table spans fewer than 2^32 elements
 /// (`rows * stride`), and for such vectors both tables' addresses (`cos`, `sin`, in
@@ -830,12 +876,12 @@ pub const fn planned_table_vectors(pairs: u64, entry_bytes: u64) -> bool {
 }
 
 /// One fused entry point (`rope-kernels/src/fused.rs`): `rope_fused_{style}_{source}_{dtype}`,
-/// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Access::Narrow`],
-/// `_one_head` for [`Access::OneHead`] (a thread per [`ONE_HEAD_FUSED_HEADS`] heads and one
-/// access: launches at the preferred width whose tensors span fewer than 2^32 elements and
-/// whose tables fit [`planned_table_fits`]) and
-/// `_four_heads` for [`Access::FourHeads`] (NeoX, `f16` and `bf16` only). Forward only;
-/// `TableF32` only for `f16` and `bf16`.
+/// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Mapping::NARROW`],
+/// `_two_heads` for [`Mapping::TWO_HEADS`] (a thread per two heads and one access: launches at
+/// the preferred width whose tensors span fewer than 2^32 elements and whose tables fit
+/// [`planned_table_fits`]), `_four_heads` for [`Mapping::FOUR_HEADS`] (NeoX, `f16` and `bf16`
+/// only) and `_rows` for [`Mapping::Rows`] (the same). Forward only; `TableF32` only for `f16`
+/// and `bf16`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedKernelName {
     /// Pairing.
@@ -844,90 +890,92 @@ pub struct FusedKernelName {
     pub source: SinCosSource,
     /// Element type of the inputs.
     pub dtype: DType,
-    /// Access width.
-    pub access: Access,
+    /// Thread mapping and access width.
+    pub mapping: Mapping,
 }
 
 impl FusedKernelName {
-    /// The registers per thread the one-head, four-heads and rows kernels ([`Access::OneHead`],
-    /// [`Access::FourHeads`], [`Access::Rows`]) are held to (their `.maxnreg`, with `.maxntid` of
-    /// [`ONE_HEAD_FUSED_MAX_WARPS`] warps), `None` for the other kernels: 48 for the NeoX
-    /// one-head kernels of 16-bit elements, whose loads are all they keep in flight, so that
-    /// more threads hold more bytes in flight (no spills on sm_90); 64 for the other one-head
+    /// The registers per thread the token-heads and rows kernels ([`Mapping::TokenHeads`],
+    /// [`Mapping::Rows`]) are held to (their `.maxnreg`, with `.maxntid` of
+    /// [`TOKEN_HEADS_MAX_WARPS`] warps), `None` for the other kernels: 48 for the NeoX
+    /// two-heads kernels of 16-bit elements, whose loads are all they keep in flight, so that
+    /// more threads hold more bytes in flight (no spills on sm_90); 64 for the other two-heads
     /// kernels (the interleaved 16-bit ones spilled at 48) and for the four-heads kernels (no
     /// spills on sm_90 but a few bytes in the `f32`-table ones once a warp barrier precedes the
     /// norm's shuffles; at 72, five blocks of five warps per multiprocessor instead of six,
-    /// norm + rope was slower at prefill); 72 for the rows kernels ([`Access::Rows`], `.maxntid`
+    /// norm + rope was slower at prefill); 72 for the rows kernels ([`Mapping::Rows`], `.maxntid`
     /// of [`ROWS_MAX_WARPS`] warps), which spill nothing there, where at 64 they spilled and ran
     /// the FP8 prefill slower, and four blocks of up to seven warps still fit an sm_90
     /// multiprocessor's 64 Ki registers (docs/perf/decisions.md).
-    pub const fn one_head_registers(self) -> Option<u32> {
-        match self.access {
-            // The one-head kernels that have four-heads kernels beside them keep two heads.
-            Access::OneHead if self.four_heads().is_some() => Some(48),
-            Access::OneHead | Access::FourHeads => Some(64),
-            Access::Rows => Some(72),
+    pub const fn token_heads_registers(self) -> Option<u32> {
+        match self.mapping {
+            // The two-heads kernels that have four-heads kernels beside them.
+            Mapping::TWO_HEADS if self.four_heads().is_some() => Some(48),
+            Mapping::TWO_HEADS | Mapping::FOUR_HEADS => Some(64),
+            Mapping::Rows => Some(72),
             _ => None,
         }
     }
 
-    /// The rows kernel ([`Access::Rows`]) of this one-head kernel, if it has one: those that
+    /// The rows kernel ([`Mapping::Rows`]) of this two-heads kernel, if it has one: those that
     /// have a four-heads kernel ([`Self::four_heads`]) have one.
     pub const fn rows(self) -> Option<Self> {
         match self.four_heads() {
             Some(_) => Some(FusedKernelName {
-                access: Access::Rows,
+                mapping: Mapping::Rows,
                 ..self
             }),
             None => None,
         }
     }
 
-    /// The threads one block of this kernel may hold (its `.maxntid`), for the one-head, four-heads
-    /// and rows kernels.
+    /// The threads one block of this kernel may hold (its `.maxntid`), for the token-heads and
+    /// rows kernels.
     pub const fn max_block_threads(self) -> u32 {
-        match self.access {
-            Access::Rows => 32 * ROWS_MAX_WARPS,
-            _ => 32 * ONE_HEAD_FUSED_MAX_WARPS,
+        match self.mapping {
+            Mapping::Rows => 32 * ROWS_MAX_WARPS,
+            _ => 32 * TOKEN_HEADS_MAX_WARPS,
         }
     }
 
-    /// The four-heads kernel ([`Access::FourHeads`]) of this one-head kernel, if it has one:
+    /// The four-heads kernel ([`Mapping::FOUR_HEADS`]) of this two-heads kernel, if it has one:
     /// the NeoX kernels of 16-bit elements, the only ones whose four heads per thread were
     /// measured (docs/perf/decisions.md).
     pub const fn four_heads(self) -> Option<Self> {
-        match (self.access, self.style, self.dtype) {
-            (Access::OneHead, RopeStyle::Neox, DType::F16 | DType::BF16) => Some(FusedKernelName {
-                access: Access::FourHeads,
-                ..self
-            }),
+        match (self.mapping, self.style, self.dtype) {
+            (Mapping::TWO_HEADS, RopeStyle::Neox, DType::F16 | DType::BF16) => {
+                Some(FusedKernelName {
+                    mapping: Mapping::FOUR_HEADS,
+                    ..self
+                })
+            }
             _ => None,
         }
     }
 }
 
-/// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, one-head symbol: Style,
+/// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, two-heads symbol: Style,
 /// Source, DType, storage type;`, then `@four_heads` and every four-heads kernel (NeoX) as
 /// `symbol: Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
-            rope_fused_interleaved_table_f32, rope_fused_interleaved_table_f32_narrow, rope_fused_interleaved_table_f32_one_head: Interleaved, Table, F32, f32;
-            rope_fused_interleaved_theta_f32, rope_fused_interleaved_theta_f32_narrow, rope_fused_interleaved_theta_f32_one_head: Interleaved, Theta, F32, f32;
-            rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow, rope_fused_neox_table_f32_one_head: Neox, Table, F32, f32;
-            rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow, rope_fused_neox_theta_f32_one_head: Neox, Theta, F32, f32;
-            rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow, rope_fused_interleaved_table_f16_one_head: Interleaved, Table, F16, Half;
-            rope_fused_interleaved_table32_f16, rope_fused_interleaved_table32_f16_narrow, rope_fused_interleaved_table32_f16_one_head: Interleaved, TableF32, F16, Half;
-            rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow, rope_fused_interleaved_theta_f16_one_head: Interleaved, Theta, F16, Half;
-            rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow, rope_fused_neox_table_f16_one_head: Neox, Table, F16, Half;
-            rope_fused_neox_table32_f16, rope_fused_neox_table32_f16_narrow, rope_fused_neox_table32_f16_one_head: Neox, TableF32, F16, Half;
-            rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow, rope_fused_neox_theta_f16_one_head: Neox, Theta, F16, Half;
-            rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow, rope_fused_interleaved_table_bf16_one_head: Interleaved, Table, BF16, Bf16;
-            rope_fused_interleaved_table32_bf16, rope_fused_interleaved_table32_bf16_narrow, rope_fused_interleaved_table32_bf16_one_head: Interleaved, TableF32, BF16, Bf16;
-            rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow, rope_fused_interleaved_theta_bf16_one_head: Interleaved, Theta, BF16, Bf16;
-            rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_one_head: Neox, Table, BF16, Bf16;
-            rope_fused_neox_table32_bf16, rope_fused_neox_table32_bf16_narrow, rope_fused_neox_table32_bf16_one_head: Neox, TableF32, BF16, Bf16;
-            rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_one_head: Neox, Theta, BF16, Bf16;
+            rope_fused_interleaved_table_f32, rope_fused_interleaved_table_f32_narrow, rope_fused_interleaved_table_f32_two_heads: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32, rope_fused_interleaved_theta_f32_narrow, rope_fused_interleaved_theta_f32_two_heads: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow, rope_fused_neox_table_f32_two_heads: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow, rope_fused_neox_theta_f32_two_heads: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow, rope_fused_interleaved_table_f16_two_heads: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_table32_f16, rope_fused_interleaved_table32_f16_narrow, rope_fused_interleaved_table32_f16_two_heads: Interleaved, TableF32, F16, Half;
+            rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow, rope_fused_interleaved_theta_f16_two_heads: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow, rope_fused_neox_table_f16_two_heads: Neox, Table, F16, Half;
+            rope_fused_neox_table32_f16, rope_fused_neox_table32_f16_narrow, rope_fused_neox_table32_f16_two_heads: Neox, TableF32, F16, Half;
+            rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow, rope_fused_neox_theta_f16_two_heads: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow, rope_fused_interleaved_table_bf16_two_heads: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_table32_bf16, rope_fused_interleaved_table32_bf16_narrow, rope_fused_interleaved_table32_bf16_two_heads: Interleaved, TableF32, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow, rope_fused_interleaved_theta_bf16_two_heads: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_two_heads: Neox, Table, BF16, Bf16;
+            rope_fused_neox_table32_bf16, rope_fused_neox_table32_bf16_narrow, rope_fused_neox_table32_bf16_two_heads: Neox, TableF32, BF16, Bf16;
+            rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_two_heads: Neox, Theta, BF16, Bf16;
             @four_heads
             rope_fused_neox_table_f16_four_heads: Table, F16, Half;
             rope_fused_neox_table32_f16_four_heads: TableF32, F16, Half;
@@ -951,7 +999,7 @@ pub(crate) use for_each_fused_kernel;
 /// Defines [`FusedKernelName::ALL`] and [`FusedKernelName::symbol`] from the kernel list.
 macro_rules! fused_kernel_table {
     (
-        $($sym:ident, $narrow:ident, $one_head:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
+        $($sym:ident, $narrow:ident, $two_heads:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fsrc:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
     ) => {
@@ -963,39 +1011,40 @@ macro_rules! fused_kernel_table {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
-                    access: Access::Wide,
+                    mapping: Mapping::WIDE,
                 },
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
-                    access: Access::Narrow,
+                    mapping: Mapping::NARROW,
                 },
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
-                    access: Access::OneHead,
+                    mapping: Mapping::TWO_HEADS,
                 },
             )* $(
                 FusedKernelName {
                     style: RopeStyle::Neox,
                     source: SinCosSource::$fsrc,
                     dtype: DType::$fdt,
-                    access: Access::FourHeads,
+                    mapping: Mapping::FOUR_HEADS,
                 },
             )* $(
                 FusedKernelName {
                     style: RopeStyle::Neox,
                     source: SinCosSource::$rsrc,
                     dtype: DType::$rdt,
-                    access: Access::Rows,
+                    mapping: Mapping::Rows,
                 },
             )*];
 
             /// The exported PTX symbol.
+            #[inline]
             pub const fn symbol(self) -> &'static str {
-                match (self.style, self.source, self.dtype, self.access) {
+                match (self.style, self.source, self.dtype, self.mapping) {
                     // f32 tensors read f32 tables through the `Table` kernels.
                     (_, SinCosSource::TableF32, DType::F32, _) => FusedKernelName {
                         source: SinCosSource::Table,
@@ -1003,24 +1052,24 @@ macro_rules! fused_kernel_table {
                     }
                     .symbol(),
                     $(
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Wide) =>
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE) =>
                             stringify!($sym),
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::Narrow) =>
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::NARROW) =>
                             stringify!($narrow),
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Access::OneHead) =>
-                            stringify!($one_head),
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::TWO_HEADS) =>
+                            stringify!($two_heads),
                     )*
                     $(
-                        (RopeStyle::Neox, SinCosSource::$fsrc, DType::$fdt, Access::FourHeads) =>
+                        (RopeStyle::Neox, SinCosSource::$fsrc, DType::$fdt, Mapping::FOUR_HEADS) =>
                             stringify!($four),
                     )*
                     $(
-                        (RopeStyle::Neox, SinCosSource::$rsrc, DType::$rdt, Access::Rows) =>
+                        (RopeStyle::Neox, SinCosSource::$rsrc, DType::$rdt, Mapping::Rows) =>
                             stringify!($rows),
                     )*
                     // Kernels without four-heads or rows kernels take two heads per thread.
-                    (_, _, _, Access::FourHeads | Access::Rows) => FusedKernelName {
-                        access: Access::OneHead,
+                    (_, _, _, Mapping::ONE_HEAD | Mapping::FOUR_HEADS | Mapping::Rows) => FusedKernelName {
+                        mapping: Mapping::TWO_HEADS,
                         ..self
                     }
                     .symbol(),
@@ -1080,8 +1129,9 @@ impl PtxBuild {
 }
 
 /// Whether the kernel exported as `symbol` takes part in programmatic dependent launch when
-/// built for sm_90: the fused kernels and the [`Access::OneHead`] ones (decode steps, where a
-/// launch is short enough for the previous one's tail to matter). Their sm_90 code waits for the
+/// built for sm_90: the fused kernels and the RoPE kernels of one head per thread
+/// ([`Mapping::ONE_HEAD`]: decode steps, where a launch is short enough for the previous one's
+/// tail to matter). Their sm_90 code waits for the
 /// previous grid before its first global access; the sm_90 build keeps only these entry points,
 /// and the host launches only these with the attribute.
 #[inline]
@@ -1089,7 +1139,7 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
     FusedKernelName::from_symbol(symbol).is_some()
         || KernelName::ALL
             .into_iter()
-            .any(|k| k.access == Access::OneHead && k.symbol() == symbol)
+            .any(|k| k.mapping == Mapping::ONE_HEAD && k.symbol() == symbol)
 }
 
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every fused entry point
@@ -1110,10 +1160,10 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// cache_stride_head + e` (`block_magic`, `block_shift` from [`crate::divide::Divisor::new`]),
 /// with `k_scale` indexed by `head * k_scale_step` and `v_scale` by `head * v_scale_step` (each
 /// step 0 for one scale in all, 1 for one per head: k's and v's granularity are their own); for
-/// the one-head and four-heads kernels ([`Access::OneHead`], [`Access::FourHeads`]), `q_warps`,
+/// the token-heads kernels ([`Mapping::TokenHeads`]), `q_warps`,
 /// `k_warps` and `v_warps`, the warps of each token's threads for q's, k's and v's heads (0 for
 /// a tensor the launch stores nothing of, and for the other kernels, which do not read them);
-/// for the four-heads kernels ([`Access::FourHeads`]), `prefetch_tokens`: how many tokens ahead
+/// for the four-heads kernels ([`Mapping::FOUR_HEADS`]), `prefetch_tokens`: how many tokens ahead
 /// each thread asks L2 for the lines of the heads its place takes in token `token +
 /// prefetch_tokens` (0: none; the other kernels do not read it).
 #[macro_export]

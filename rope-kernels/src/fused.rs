@@ -42,28 +42,26 @@
 //! and the cache slot are found once per item and serve every head (rows of v's heads alone
 //! find no sin/cos).
 //!
-//! The one-head kernels (every launch at the preferred width whose tensors span fewer than
+//! The token-heads kernels (every launch at the preferred width whose tensors span fewer than
 //! 2^32 elements and whose tables suit [`crate::rope::PlannedTable`], decode and prefill
-//! alike): one thread per
-//! [`crate::abi::ONE_HEAD_FUSED_HEADS`] heads (the four-heads kernels, NeoX 16-bit in launches
-//! of many waves: [`crate::abi::ONE_HEAD_FUSED_MANY_HEADS`]) of one tensor and one group, one
-//! block row per token, each warp of one tensor (a block holds up to
-//! [`crate::abi::ONE_HEAD_FUSED_MAX_WARPS`] of the token's q, k and v warps), no loop. Each
+//! alike): one thread per two heads (the two-heads kernels; the four-heads kernels, NeoX
+//! 16-bit in launches of many waves, four: [`crate::abi::ThreadHeads`]) of one tensor and one
+//! group, one block row per token, each warp of one tensor (a block holds up to
+//! [`crate::abi::TOKEN_HEADS_MAX_WARPS`] of the token's q, k and v warps), no loop. Each
 //! thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
 //! the block's shared buffer (each of the block's first `half` threads computes one pair of the
 //! token), then normalises, rotates and stores as above. A launch's length is then one head's
 //! chain, where the item loop's is the chain of every head of the item in turn; at prefill the
 //! mapping's many resident threads keep more loads in flight than the item loop's one block of
 //! heads per thread, once its per-thread set-up is shared by two or four heads (see
-//! `one_head_body`).
+//! `token_heads_body`).
 //!
 //! Built for sm_90, each kernel takes part in programmatic dependent launch: it waits for the
 //! grid before it after its set-up, before its first global access (see
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    Access, Direction, FormatCode, MAX_FUSED_ITEMS, NormCode, ONE_HEAD_FUSED_HEADS,
-    ONE_HEAD_FUSED_MANY_HEADS, for_each_fused_kernel,
+    Direction, FormatCode, MAX_FUSED_ITEMS, Mapping, NormCode, ThreadHeads, for_each_fused_kernel,
 };
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half};
@@ -82,9 +80,9 @@ use crate::rope::{
 #[cfg(target_feature = "sm_90")]
 mod rows;
 
-/// [`ONE_HEAD_FUSED_HEADS`] and [`ONE_HEAD_FUSED_MANY_HEADS`] as the body's const parameter.
-const ONE_HEAD_FUSED_HEADS_U: usize = ONE_HEAD_FUSED_HEADS as usize;
-const FOUR_HEADS_U: usize = ONE_HEAD_FUSED_MANY_HEADS as usize;
+/// [`ThreadHeads::Two`] and [`ThreadHeads::Four`] as the body's const parameter `U`.
+const TWO_HEADS_U: usize = ThreadHeads::Two.count() as usize;
+const FOUR_HEADS_U: usize = ThreadHeads::Four.count() as usize;
 
 /// The fused kernel's arguments: the RoPE arguments (q, k, positions, sin/cos) and the rest.
 struct Fused<T> {
@@ -113,7 +111,7 @@ struct Fused<T> {
     /// The steps of `k_scale` and `v_scale` between heads: 0 (one scale) or 1 (one per head).
     k_scale_step: u32,
     v_scale_step: u32,
-    /// The one-head and four-heads kernels' warps per token of q's, k's and v's threads (in
+    /// The token-heads kernels' warps per token of q's, k's and v's threads (in
     /// that order).
     q_warps: u32,
     k_warps: u32,
@@ -879,8 +877,8 @@ unsafe fn fp8_multipliers<const U: usize>(
     m
 }
 
-/// The one-head body ([`Access::OneHead`], and [`Access::FourHeads`] with `U` four) for `L`
-/// elements per access.
+/// The token-heads body ([`Mapping::TokenHeads`]: `U` two, or four for the four-heads kernels)
+/// for `L` elements per access.
 ///
 /// A token's threads form a sequence of warps: q's `q_warps`, then k's `k_warps`, then v's
 /// `v_warps`, each tensor's threads (one per `U` consecutive heads and one group: thread `n` of
@@ -910,7 +908,7 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// and output spans fewer than 2^32 elements; the cache holds at most 2^32 slots; tables suit
 /// [`PlannedTable`] ([`crate::abi::planned_table_fits`]).
 #[inline(always)]
-unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(
+unsafe fn token_heads_body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(
     f: &Fused<T>,
 ) {
     let a = &f.rope;
@@ -985,7 +983,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
     // k's and v's warps ask for the token's cache slot to be brought into L2 with their
     // heads' loads, so that its load where the stores need it, after the norm, finds it there
     // rather than in memory. A prefetch holds no register (the slot loaded here and held
-    // through the norm made ptxas spill). Four-heads kernels only: the one-head kernels, at
+    // through the norm made ptxas spill). Four-heads kernels only: the two-heads kernels, at
     // decode, were slower with it (docs/perf/decisions.md).
     if U == FOUR_HEADS_U && kind != Kind::Q && active && !f.slots.is_null() {
         let width = if f.slots_wide != 0 { 8 } else { 4 };
@@ -1077,7 +1075,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const U:
                 store_heads::<T, P, L, U>(a.q.out.cast(), heads, (live, i0), scales, at, &y);
             }
             _ => {
-                // SAFETY: token < tokens; the cache holds at most 2^32 slots (the one-head
+                // SAFETY: token < tokens; the cache holds at most 2^32 slots (the token-heads
                 // promise).
                 let slot = cache_slot_u32(f, u64::from(token));
                 if kind == Kind::K && !a.k.out.is_null() {
@@ -1129,7 +1127,7 @@ fn prefetch_ahead<T, const U: usize>(
     if f.prefetch_tokens == 0 || ahead >= f.rope.tokens {
         return;
     }
-    // Below tokens, so below 2^32 (the one-head grid's promise).
+    // Below tokens, so below 2^32 (the token-heads grid's promise).
     let (b, s) = f.rope.seq.div_rem_u32(ahead as u32);
     let line = (128 / size_of::<T>()) as u32;
     let (head, first) = (i0 + group % U as u32, (group / U as u32) * line);
@@ -1139,7 +1137,7 @@ fn prefetch_ahead<T, const U: usize>(
     }
 }
 
-/// Stores the one-head body's live heads `i0 + u` (`live[u]`), each's values `y(u)`, into a
+/// Stores the token-heads body's live heads `i0 + u` (`live[u]`), each's values `y(u)`, into a
 /// destination whose head `i0 + u` starts `first + u * stride` elements of its format after
 /// `base`: FP8 of the values times `1 / scale` with `scales` (`scale[head * step]`), else the
 /// tensors' type.
@@ -1177,7 +1175,7 @@ unsafe fn store_heads<T: Elem, P: Pairing, const L: usize, const U: usize>(
     }
 }
 
-/// The rows body ([`Access::Rows`]: NeoX pairs of 16-bit elements, heads of
+/// The rows body ([`Mapping::Rows`]: NeoX pairs of 16-bit elements, heads of
 /// [`crate::abi::ROWS_HEAD_DIM`] elements, four pairs per lane; see [`rows`]).
 ///
 /// A persistent grid: block `blockIdx.x` walks tokens `blockIdx.x, blockIdx.x + gridDim.x,
@@ -1280,23 +1278,23 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
 /// The promises of the entry points.
 #[inline(always)]
 unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T>) {
-    const WIDE: u8 = Access::Wide as u8;
-    const NARROW: u8 = Access::Narrow as u8;
-    const ONE_HEAD: u8 = Access::OneHead as u8;
-    const FOUR_HEADS: u8 = Access::FourHeads as u8;
-    const ROWS: u8 = Access::Rows as u8;
+    const WIDE: u8 = Mapping::WIDE.code();
+    const NARROW: u8 = Mapping::NARROW.code();
+    const TWO_HEADS: u8 = Mapping::TWO_HEADS.code();
+    const FOUR_HEADS: u8 = Mapping::FOUR_HEADS.code();
+    const ROWS: u8 = Mapping::Rows.code();
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (ACCESS, T::SIZE, f.rope.lanes, P::NEOX) {
             (WIDE, 4, 4, _) => body::<T, P, S, 4>(f),
             (WIDE, 2, 8, false) => body::<T, P, S, 8>(f),
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
-            // One-head and four-heads kernels take the preferred width only: no `lanes` to
-            // read. Four-heads kernels exist for NeoX 16-bit elements only.
-            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4, ONE_HEAD_FUSED_HEADS_U>(f),
-            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8, ONE_HEAD_FUSED_HEADS_U>(f),
-            (ONE_HEAD, 2, _, true) => one_head_body::<T, P, S, 4, ONE_HEAD_FUSED_HEADS_U>(f),
-            (FOUR_HEADS, 2, _, true) => one_head_body::<T, P, S, 4, FOUR_HEADS_U>(f),
+            // Token-heads kernels take the preferred width only: no `lanes` to read. Four-heads
+            // kernels exist for NeoX 16-bit elements only.
+            (TWO_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, TWO_HEADS_U>(f),
+            (TWO_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, TWO_HEADS_U>(f),
+            (TWO_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, TWO_HEADS_U>(f),
+            (FOUR_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, FOUR_HEADS_U>(f),
             (ROWS, 2, _, true) => rows_body::<T, P, S>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(f),
@@ -1374,22 +1372,22 @@ impl<T> Fused<T> {
     }
 }
 
-/// Defines one exported entry point per (pairing, source, dtype) and access: wide, narrow and
-/// one-head, then the four-heads entry points.
+/// Defines one exported entry point per (pairing, source, dtype) and mapping: wide, narrow and
+/// two heads per thread, then the four-heads and the rows entry points.
 macro_rules! fused_kernel {
     (
-        $($wide:ident, $narrow:ident, $one_head:ident:
+        $($wide:ident, $narrow:ident, $two_heads:ident:
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fsource:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
     ) => {
         $(
-            crate::fused_kernel_params!(fused_entry { $wide, Wide: $pairing, $source, $t });
-            crate::fused_kernel_params!(fused_entry { $narrow, Narrow: $pairing, $source, $t });
-            crate::fused_kernel_params!(fused_entry { $one_head, OneHead: $pairing, $source, $t });
+            crate::fused_kernel_params!(fused_entry { $wide, WIDE: $pairing, $source, $t });
+            crate::fused_kernel_params!(fused_entry { $narrow, NARROW: $pairing, $source, $t });
+            crate::fused_kernel_params!(fused_entry { $two_heads, TWO_HEADS: $pairing, $source, $t });
         )*
         $(
-            crate::fused_kernel_params!(fused_entry { $four, FourHeads: Neox, $fsource, $ft });
+            crate::fused_kernel_params!(fused_entry { $four, FOUR_HEADS: Neox, $fsource, $ft });
         )*
         $(
             crate::fused_kernel_params!(fused_entry { $rows, Rows: Neox, $rsource, $rt });
@@ -1400,13 +1398,13 @@ macro_rules! fused_kernel {
 /// One entry point with the parameter list of [`crate::fused_kernel_params!`].
 macro_rules! fused_entry {
     (
-        { $name:ident, $access:ident: $pairing:ident, $source:ident, $t:ty }
+        { $name:ident, $mapping:ident: $pairing:ident, $source:ident, $t:ty }
         $($param:ident: $kind:ident,)*
     ) => {
         /// One fused entry point; its name says the pairing, the sin/cos source, the element
-        /// type and the access (`_narrow`: narrower than the preferred width; `_one_head`, and
-        /// `_four_heads`: a thread per two, or four, heads and access, on the grid of
-        /// `one_head_body`). See the module documentation, and `fused_kernel_params!` in
+        /// type and the mapping (`_narrow`: narrower than the preferred width; `_two_heads`,
+        /// and `_four_heads`: a thread per two, or four, heads and access, on the grid of
+        /// `token_heads_body`; `_rows`: the rows kernels). See the module documentation, and `fused_kernel_params!` in
         /// `abi.rs` for the parameters.
         ///
         /// # Safety
@@ -1419,7 +1417,7 @@ macro_rules! fused_entry {
         /// `k.heads` heads of `head_dim` elements of `cache_format` inside `k_cache` and
         /// `v_cache`; every pointer and stride is aligned to `lanes` elements; written regions
         /// overlap nothing else the launch reads or writes; `groups` is a power of two of at
-        /// most 32 when `norm` is not 0. The `_one_head` and `_four_heads` kernels also need
+        /// most 32 when `norm` is not 0. The `_two_heads` and `_four_heads` kernels also need
         /// every tensor and output to span fewer than 2^32 elements, the cache to hold at most
         /// 2^32 slots and the tables to fit `crate::abi::planned_table_fits`.
         #[unsafe(no_mangle)]
@@ -1429,7 +1427,7 @@ macro_rules! fused_entry {
         ) {
             let args = Fused::new(FusedParams::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe { dispatch::<$t, $pairing, $source<$t>, { Access::$access as u8 }>(&args) }
+            unsafe { dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }>(&args) }
         }
     };
 }

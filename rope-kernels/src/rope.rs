@@ -32,14 +32,14 @@
 //! allows, the preferred width of `abi::preferred_lanes` (16 bytes; 8 for NeoX pairs of 16-bit
 //! elements).
 //!
-//! The `_one_head` kernels ([`Access::OneHead`]) serve launches whose grid gives every head a
+//! The `_one_head` kernels ([`Mapping::ONE_HEAD`]) serve launches whose grid gives every head a
 //! block row of its own and that copy nothing through (decode steps): each thread rotates the one
 //! work item `blockIdx.x * blockDim.x + threadIdx.x` of head `blockIdx.y`, with no loop.
 
 use core::marker::PhantomData;
 
 use crate::abi::{
-    Access, ContextParallelSplit, GroupAxes, PositionCode, clamped_axis, for_each_kernel,
+    ContextParallelSplit, GroupAxes, Mapping, PositionCode, clamped_axis, for_each_kernel,
     pass_through_start, planned_table_vectors,
 };
 use crate::divide::Divisor;
@@ -1084,7 +1084,7 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
     }
 }
 
-/// The one-head body ([`Access::OneHead`]): this thread's work item `blockIdx.x * blockDim.x +
+/// The one-head body ([`Mapping::ONE_HEAD`]): this thread's work item `blockIdx.x * blockDim.x +
 /// threadIdx.x` (token and rotating group) of head `blockIdx.y` of q's and k's heads together,
 /// or nothing past the last item. It finds its position first (its chain, the position and then
 /// the table rows or the `f64` arithmetic, is the longest), issues its head's loads, then finds
@@ -1098,7 +1098,7 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
 /// with the attribute and its launch overlap the end of the previous kernel.
 ///
 /// # Safety
-/// The promises of the entry points, and those of [`Access::OneHead`]: `gridDim.y` is
+/// The promises of the entry points, and those of [`Mapping::ONE_HEAD`]: `gridDim.y` is
 /// `q.heads + k.heads`, there are no pass-through groups (`groups = rot_groups`),
 /// `tokens * groups < 2^32`, and every tensor and output spans fewer than 2^32 elements
 /// (`(batch - 1) * stride_batch + (seq - 1) * stride_seq + (heads - 1) * stride_head +
@@ -1155,9 +1155,9 @@ pub(crate) fn offset_u32(strides: [u64; 3], (b, s): (u32, u32), i: u32) -> u32 {
 /// The promises of the entry points.
 #[inline(always)]
 unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(a: &Args<T>) {
-    const WIDE: u8 = Access::Wide as u8;
-    const NARROW: u8 = Access::Narrow as u8;
-    const ONE_HEAD: u8 = Access::OneHead as u8;
+    const WIDE: u8 = Mapping::WIDE.code();
+    const NARROW: u8 = Mapping::NARROW.code();
+    const ONE_HEAD: u8 = Mapping::ONE_HEAD.code();
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (ACCESS, T::SIZE, a.lanes, P::NEOX) {
@@ -1248,16 +1248,16 @@ macro_rules! rope_kernel {
         $($wide:ident, $narrow:ident, $one_head:ident:
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
     ) => {$(
-        crate::plain_kernel_params!(rope_entry { $wide, Wide: $pairing, $source, $t });
-        crate::plain_kernel_params!(rope_entry { $narrow, Narrow: $pairing, $source, $t });
-        crate::plain_kernel_params!(rope_entry { $one_head, OneHead: $pairing, $source, $t });
+        crate::plain_kernel_params!(rope_entry { $wide, WIDE: $pairing, $source, $t });
+        crate::plain_kernel_params!(rope_entry { $narrow, NARROW: $pairing, $source, $t });
+        crate::plain_kernel_params!(rope_entry { $one_head, ONE_HEAD: $pairing, $source, $t });
     )*};
 }
 
 /// One entry point with the parameter list of [`crate::plain_kernel_params!`].
 macro_rules! rope_entry {
     (
-        { $name:ident, $access:ident: $pairing:ident, $source:ident, $t:ty }
+        { $name:ident, $mapping:ident: $pairing:ident, $source:ident, $t:ty }
         $($param:ident: $kind:ident,)*
     ) => {
         /// One RoPE entry point; its name says the pairing, the sin/cos source, the element
@@ -1287,7 +1287,7 @@ macro_rules! rope_entry {
         ) {
             let args = Args::new(Params::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe { dispatch::<$t, $pairing, $source<$t>, { Access::$access as u8 }>(&args) }
+            unsafe { dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }>(&args) }
         }
     };
 }

@@ -179,7 +179,7 @@ fn newest_asm(deps: &Path) -> Result<PathBuf> {
 /// Adds each entry point's launch bounds ([`launch_bounds`]: `.maxntid BLOCK_THREADS, 1, 1`
 /// and `.minnctapersm`, the kernel's [`KernelName::min_blocks_per_sm`] or
 /// [`MIN_BLOCKS_PER_SM`] for the table builders and the fused item loops; `.maxntid` and
-/// `.maxnreg` for the one-head fused kernels) between its parameter list and its body: the
+/// `.maxnreg` for the fused token-heads kernels) between its parameter list and its body: the
 /// launch bounds rustc cannot express.
 ///
 /// [`KernelName::min_blocks_per_sm`]: rope_kernels::abi::KernelName::min_blocks_per_sm
@@ -200,14 +200,14 @@ fn with_launch_bounds(ptx: &str) -> String {
     out
 }
 
-/// The launch-bound directives of the entry point `symbol`: for the one-head fused kernels,
-/// whose blocks hold up to `ONE_HEAD_FUSED_MAX_WARPS` warps of a token, `.maxntid` of that many
-/// threads and `.maxnreg` (their `one_head_registers`); for the others `.maxntid
+/// The launch-bound directives of the entry point `symbol`: for the fused token-heads kernels,
+/// whose blocks hold up to `TOKEN_HEADS_MAX_WARPS` warps of a token, `.maxntid` of that many
+/// threads and `.maxnreg` (their `token_heads_registers`); for the others `.maxntid
 /// BLOCK_THREADS` and `.minnctapersm`.
 fn launch_bounds(symbol: &str) -> String {
     use rope_kernels::abi::{BLOCK_THREADS, FusedKernelName};
     if let Some(k) = FusedKernelName::from_symbol(symbol)
-        && let Some(regs) = k.one_head_registers()
+        && let Some(regs) = k.token_heads_registers()
     {
         let threads = k.max_block_threads();
         return format!(".maxntid {threads}, 1, 1\n.maxnreg {regs}\n");
@@ -317,16 +317,16 @@ mod tests {
             .map(|s| bounded(s, &launch_bounds(s)))
             .collect();
         assert_eq!(with_launch_bounds(&ptx), want);
-        // The one-head and four-heads fused kernels: blocks of up to five warps; 48 registers
-        // for the NeoX 16-bit one-head ones, 64 for the others; the fused item loops 1024
+        // The fused token-heads kernels: blocks of up to five warps; 48 registers for the NeoX
+        // 16-bit two-heads ones, 64 for the others; the fused item loops 1024
         // threads resident.
         for (symbol, bounds) in [
             (
-                "rope_fused_neox_theta_bf16_one_head",
+                "rope_fused_neox_theta_bf16_two_heads",
                 ".maxntid 160, 1, 1\n.maxnreg 48\n",
             ),
             (
-                "rope_fused_neox_table_f16_one_head",
+                "rope_fused_neox_table_f16_two_heads",
                 ".maxntid 160, 1, 1\n.maxnreg 48\n",
             ),
             (
@@ -338,11 +338,11 @@ mod tests {
                 ".maxntid 160, 1, 1\n.maxnreg 64\n",
             ),
             (
-                "rope_fused_interleaved_theta_bf16_one_head",
+                "rope_fused_interleaved_theta_bf16_two_heads",
                 ".maxntid 160, 1, 1\n.maxnreg 64\n",
             ),
             (
-                "rope_fused_neox_theta_f32_one_head",
+                "rope_fused_neox_theta_f32_two_heads",
                 ".maxntid 160, 1, 1\n.maxnreg 64\n",
             ),
             (

@@ -577,9 +577,9 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 v_scale,
                 k_scale_step,
                 v_scale_step,
-                q_warps: plan.one_head_warps[0],
-                k_warps: plan.one_head_warps[1],
-                v_warps: plan.one_head_warps[2],
+                q_warps: plan.token_warps[0],
+                k_warps: plan.token_warps[1],
+                v_warps: plan.token_warps[2],
                 prefetch_tokens: plan.prefetch_tokens,
             }
         };

@@ -5,8 +5,8 @@
 use std::num::NonZeroU32;
 
 use rope_kernels::abi::{
-    Access, BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, ONE_HEAD_FUSED_HEADS,
-    ONE_HEAD_FUSED_MANY_HEADS, preferred_lanes,
+    BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, Mapping, ThreadHeads,
+    preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
 
@@ -22,7 +22,7 @@ use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::layout::{Layout, packed_are_disjoint};
 use crate::plan::{
-    Grid, TensorReq, fused_grid, grid, one_head_warps, option_reads, spans_below_2_32,
+    Grid, TensorReq, fused_grid, grid, option_reads, spans_below_2_32, token_heads_warps,
 };
 use crate::positions::{PositionsPlan, RawInts};
 use crate::sincos::SinCosPlan;
@@ -42,9 +42,9 @@ pub(crate) struct FusedPlan {
     pub(crate) block: Divisor,
     /// Slots the cache holds, `num_blocks * block_size` (0 without a cache).
     pub(crate) cache_slots: u64,
-    /// The one-head kernels' warps per token of q's, k's and v's threads (0 for the item loop,
+    /// The token-heads kernels' warps per token of q's, k's and v's threads (0 for the item loop,
     /// and for a tensor the launch stores nothing of).
-    pub(crate) one_head_warps: [u32; 3],
+    pub(crate) token_warps: [u32; 3],
     /// How many tokens ahead the four-heads kernels ask L2 for heads ([`prefetch_tokens`]; 0
     /// for the other kernels).
     pub(crate) prefetch_tokens: u32,
@@ -130,10 +130,10 @@ pub(crate) fn plan_fused(
         style: cfg.style(),
         source: sincos.source,
         dtype: req.rope.dtype,
-        access: if lanes == preferred_lanes(cfg.style(), es) {
-            Access::Wide
+        mapping: if lanes == preferred_lanes(cfg.style(), es) {
+            Mapping::WIDE
         } else {
-            Access::Narrow
+            Mapping::NARROW
         },
     };
     let (block, cache_slots) = match &req.cache {
@@ -141,23 +141,23 @@ pub(crate) fn plan_fused(
         None => (NonZeroU32::MIN, 0),
     };
     // A launch at the preferred width whose tensors each span fewer than 2^32 elements (whose
-    // cache holds at most 2^32 slots, and whose tables suit the one-head kernels' reads: see
-    // `planned_table_fits`) takes the one-head kernels: a thread per two (or
+    // cache holds at most 2^32 slots, and whose tables suit the token-heads kernels' reads: see
+    // `planned_table_fits`) takes the token-heads kernels: a thread per two (or
     // four: the four-heads kernels, `many_waves`) heads and access, no head loop (at decode
     // its length is one head's chain; at prefill its many resident threads keep more loads in
     // flight than the item loop, which holds one block of heads per thread), with 32-bit
     // element offsets and slot division. Other launches take the item loop.
-    let one_head = choice != FusedKernels::ItemLoop
-        && kernel.access == Access::Wide
+    let token_heads = choice != FusedKernels::ItemLoop
+        && kernel.mapping == Mapping::WIDE
         && spans_below_2_32(&req.rope)
         && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
         && cache_slots <= 1 << 32
         && req.rope.sincos.planned_table_fits(&sincos, cfg, pairs);
     let kernel = FusedKernelName {
-        access: if one_head {
-            Access::OneHead
+        mapping: if token_heads {
+            Mapping::TWO_HEADS
         } else {
-            kernel.access
+            kernel.mapping
         },
         ..kernel
     };
@@ -170,8 +170,8 @@ pub(crate) fn plan_fused(
             .filter(|_| req.cache.is_some())
             .map_or(0, |(_, l)| l.heads as u32),
     ];
-    let warps_at = |heads: u32| stored_heads.map(|h| one_head_warps(h, groups, heads));
-    // Only a one-head kernel has a four-heads kernel, so the item loop never takes one.
+    let warps_at = |heads: u32| stored_heads.map(|h| token_heads_warps(h, groups, heads));
+    // Only a two-heads kernel has a four-heads kernel, so the item loop never takes one.
     let four_heads = kernel.four_heads().filter(|_| match choice {
         FusedKernels::FourHeads => true,
         FusedKernels::TwoHeads => false,
@@ -179,7 +179,7 @@ pub(crate) fn plan_fused(
             kernel,
             facts,
             tokens,
-            warps_at(ONE_HEAD_FUSED_HEADS).iter().sum(),
+            warps_at(ThreadHeads::Two.count()).iter().sum(),
         ),
         FusedKernels::ItemLoop => false,
     });
@@ -196,17 +196,17 @@ pub(crate) fn plan_fused(
         Some((launch, occupancy))
     });
     let (kernel, thread_heads) = match four_heads {
-        Some(four) => (four, ONE_HEAD_FUSED_MANY_HEADS),
-        None => (kernel, ONE_HEAD_FUSED_HEADS),
+        Some(four) => (four, ThreadHeads::Four.count()),
+        None => (kernel, ThreadHeads::Two.count()),
     };
-    let (kernel, one_head_warps) = match rows {
+    let (kernel, token_warps) = match rows {
         Some(((rows, launch), _)) => (rows, launch.warps),
-        None if one_head => (kernel, warps_at(thread_heads)),
+        None if token_heads => (kernel, warps_at(thread_heads)),
         None => (kernel, [0; 3]),
     };
     // The four-heads kernels (prefill) ask L2 for the heads of tokens to come; at decode the
     // launch's tokens are all resident at once.
-    let prefetch_tokens = if kernel.access == Access::FourHeads {
+    let prefetch_tokens = if kernel.mapping == Mapping::FOUR_HEADS {
         let head_bytes = u64::from(cfg.head_dim()) * es as u64;
         prefetch_tokens(facts, stored_heads.iter().sum(), head_bytes)
     } else {
@@ -215,8 +215,8 @@ pub(crate) fn plan_fused(
     let grid = if let Some(((rows, launch), occupancy)) = rows {
         let resident = u64::from(facts.sm_count) * u64::from(occupancy(rows, &launch)?.max(1));
         rows_grid(&launch, (tokens, seq), groups, resident)
-    } else if one_head {
-        fused_grid((tokens, seq), groups, one_head_warps)?
+    } else if token_heads {
+        fused_grid((tokens, seq), groups, token_warps)?
     } else {
         // The fused kernels index their work items in 32 bits.
         if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {
@@ -252,7 +252,7 @@ pub(crate) fn plan_fused(
         sincos,
         block: Divisor::new(block),
         cache_slots,
-        one_head_warps,
+        token_warps,
         prefetch_tokens,
     }))
 }

@@ -1,4 +1,4 @@
-//! The rows kernels' part of a fused plan ([`Access::Rows`](rope_kernels::abi::Access::Rows);
+//! The rows kernels' part of a fused plan ([`Mapping::Rows`](rope_kernels::abi::Mapping::Rows);
 //! their body is `rope-kernels/src/fused/rows.rs`): which launches they take, their blocks'
 //! warps and shared memory, and their persistent grid.
 
@@ -24,7 +24,7 @@ use crate::tuning::{FusedKernels, ROWS_MIN_DRAM_GB_PER_S, ROWS_STAGES};
 /// the rows kernels run: where the kernels come from the sm_90 build.
 pub(crate) type RowsOccupancy<'a> = &'a dyn Fn(FusedKernelName, &RowsLaunch) -> Result<u32>;
 
-/// A rows kernel's launch ([`Access::Rows`](rope_kernels::abi::Access::Rows)): warps per block
+/// A rows kernel's launch ([`Mapping::Rows`](rope_kernels::abi::Mapping::Rows)): warps per block
 /// of q's, k's and v's heads, the block's threads and its dynamic shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RowsLaunch {
@@ -94,7 +94,7 @@ fn rows_launch(
     })
 }
 
-/// The rows kernel and launch that take `req` of the one-head `kernel`, if any: every launch
+/// The rows kernel and launch that take `req` of the two-heads `kernel`, if any: every launch
 /// they can serve ([`rows_launch`]) when `choice` pins them, and under [`FusedKernels::Auto`]
 /// the launches the four-heads kernels would take (`four_heads`) that store FP8 (q's output or
 /// the cache) on devices of at least [`ROWS_MIN_DRAM_GB_PER_S`].

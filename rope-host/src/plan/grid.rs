@@ -3,7 +3,7 @@
 use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
-use rope_kernels::abi::{BLOCK_THREADS, ONE_HEAD_FUSED_MAX_WARPS};
+use rope_kernels::abi::{BLOCK_THREADS, TOKEN_HEADS_MAX_WARPS};
 use rope_kernels::divide::Divisor;
 
 use crate::device::DeviceFacts;
@@ -91,18 +91,18 @@ pub(crate) fn grid(
     }))
 }
 
-/// Warps a tensor of `heads` heads of `groups` accesses takes per token in the one-head fused
-/// grid ([`fused_grid`]): a thread per `thread_heads` heads and group, in warps of that tensor
+/// Warps a tensor of `heads` heads of `groups` accesses takes per token in the fused
+/// token-heads grid ([`fused_grid`]): a thread per `thread_heads` heads and group, in warps of that tensor
 /// alone. Callers keep `heads * groups` within `u32`.
-pub(crate) fn one_head_warps(heads: u32, groups: u32, thread_heads: u32) -> u32 {
+pub(crate) fn token_heads_warps(heads: u32, groups: u32, thread_heads: u32) -> u32 {
     (heads.div_ceil(thread_heads) * groups).div_ceil(32)
 }
 
-/// The grid of the one-head fused kernels ([`rope_kernels::abi::Access::OneHead`]): one block
+/// The grid of the fused token-heads kernels ([`rope_kernels::abi::Mapping::TokenHeads`]): one block
 /// row per token (`blockIdx.z * gridDim.y + blockIdx.y`, `gridDim.y` at most 65535), and on
-/// `blockIdx.x` the token's sequence of `warps` (q's, k's, v's: see [`one_head_warps`]) cut
-/// into the fewest equal blocks of at most [`ONE_HEAD_FUSED_MAX_WARPS`] warps, so that a block's
-/// cos/sin arithmetic serves as many heads as it can. `heads_per_chunk` is 0 (the one-head
+/// `blockIdx.x` the token's sequence of `warps` (q's, k's, v's: see [`token_heads_warps`]) cut
+/// into the fewest equal blocks of at most [`TOKEN_HEADS_MAX_WARPS`] warps, so that a block's
+/// cos/sin arithmetic serves as many heads as it can. `heads_per_chunk` is 0 (the token-heads
 /// kernels do not read it).
 ///
 /// # Errors
@@ -139,7 +139,7 @@ pub(crate) fn fused_grid(
             ),
         ));
     }
-    let blocks = all.div_ceil(u64::from(ONE_HEAD_FUSED_MAX_WARPS));
+    let blocks = all.div_ceil(u64::from(TOKEN_HEADS_MAX_WARPS));
     let threads = all.div_ceil(blocks) as u32 * 32;
     let rows = tokens.min(MAX_GRID_YZ);
     Ok(Some(Grid {
@@ -258,22 +258,22 @@ mod tests {
         assert_eq!((g.config.grid_dim.1, g.heads_per_chunk), (2, 16));
     }
 
-    /// The one-head grid of `tokens` tokens and `warps`: its grid and block dimensions.
-    fn one_head(tokens: u64, warps: [u32; 3]) -> ((u32, u32, u32), u32) {
+    /// The token-heads grid of `tokens` tokens and `warps`: its grid and block dimensions.
+    fn token_heads(tokens: u64, warps: [u32; 3]) -> ((u32, u32, u32), u32) {
         let g = fused_grid((tokens, 1), 16, warps)
             .expect("fits")
             .expect("non-empty");
         (g.config.grid_dim, g.config.block_dim.0)
     }
 
-    /// A token's warps are cut into the fewest equal blocks of at most `ONE_HEAD_FUSED_MAX_WARPS`
+    /// A token's warps are cut into the fewest equal blocks of at most `TOKEN_HEADS_MAX_WARPS`
     /// warps; a tensor may share a block with another (each warp holds one tensor's threads).
     #[test]
     fn fused_grid_cuts_each_tokens_warps_into_the_fewest_equal_blocks() {
-        let max = ONE_HEAD_FUSED_MAX_WARPS;
+        let max = TOKEN_HEADS_MAX_WARPS;
         for warps in [[8u32, 2, 2], [1, 1, 0], [16, 4, 4], [40, 8, 8], [3, 0, 0]] {
             let all: u32 = warps.iter().sum();
-            let ((x, _, _), threads) = one_head(64, warps);
+            let ((x, _, _), threads) = token_heads(64, warps);
             assert_eq!(x, all.div_ceil(max));
             assert!(threads % 32 == 0 && threads / 32 <= max);
             // Equal blocks: the last holds fewer warps than the others by less than a warp
@@ -287,7 +287,7 @@ mod tests {
     #[test]
     fn fused_grid_takes_one_block_row_per_token() {
         let rows = |tokens: u64| {
-            let ((_, y, z), _) = one_head(tokens, [8, 2, 2]);
+            let ((_, y, z), _) = token_heads(tokens, [8, 2, 2]);
             (y, z)
         };
         assert_eq!(rows(64), (64, 1));

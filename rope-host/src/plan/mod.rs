@@ -7,8 +7,8 @@ mod grid;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use grid::{Grid, fused_grid, grid, one_head_warps};
-use rope_kernels::abi::{Access, DType, KernelName, preferred_lanes};
+pub(crate) use grid::{Grid, fused_grid, grid, token_heads_warps};
+use rope_kernels::abi::{DType, KernelName, Mapping, preferred_lanes};
 
 use crate::bind::RawBuf;
 use crate::check::{
@@ -116,10 +116,10 @@ pub(crate) fn plan(
         style: cfg.style(),
         source: sincos.source,
         dtype: req.dtype,
-        access: if lanes == preferred_lanes(cfg.style(), req.dtype.size()) {
-            Access::Wide
+        mapping: if lanes == preferred_lanes(cfg.style(), req.dtype.size()) {
+            Mapping::WIDE
         } else {
-            Access::Narrow
+            Mapping::NARROW
         },
     };
     let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
@@ -136,14 +136,14 @@ pub(crate) fn plan(
     // Every head in a block row of its own and nothing to pass through: the one-head kernel,
     // one work item per thread, on the same grid (whose x covers every item when there are
     // fewer than 2^32), with 32-bit element offsets (every tensor spans fewer than 2^32).
-    let one_head = kernel.access == Access::Wide
+    let one_head = kernel.mapping == Mapping::WIDE
         && pass_groups == 0
         && grid.heads_per_chunk == 1
         && tokens.saturating_mul(u64::from(rot_groups)) < 1 << 32
         && spans_below_2_32(req);
     let kernel = if one_head {
         KernelName {
-            access: Access::OneHead,
+            mapping: Mapping::ONE_HEAD,
             ..kernel
         }
     } else {
@@ -249,7 +249,7 @@ fn lanes(req: &Request, pass_through: bool) -> Option<u32> {
 }
 
 /// Whether every layout of `req`'s tensors (inputs and outputs) spans fewer than 2^32
-/// elements, so that the one-head kernels' 32-bit offsets cannot wrap.
+/// elements, so that the token-heads kernels' 32-bit offsets cannot wrap.
 pub(crate) fn spans_below_2_32(req: &Request) -> bool {
     [Some(req.q), req.k]
         .into_iter()

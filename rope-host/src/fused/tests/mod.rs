@@ -4,7 +4,7 @@ mod prefetch;
 mod properties;
 mod rows;
 
-use rope_kernels::abi::{Access, DType, FusedKernelName, MAX_FUSED_ITEMS, NormCode};
+use rope_kernels::abi::{DType, FusedKernelName, MAX_FUSED_ITEMS, Mapping, NormCode};
 
 use super::plan::{FusedPlan, plan_fused};
 use super::request::{FusedRequest, RawCache, RawNorm, RawScale};
@@ -155,55 +155,55 @@ fn invalid_arg(r: &FusedRequest) -> &'static str {
 fn decode_with_norm_and_cache_plans_one_wide_launch_over_q_k_and_v_heads() {
     for (style, lanes, groups) in [(RopeStyle::Neox, 4, 16), (RopeStyle::Interleaved, 8, 16)] {
         let p = plan_of(&request(style)).expect("valid").expect("non-empty");
-        assert_eq!(p.kernel.access, Access::OneHead);
+        assert_eq!(p.kernel.mapping, Mapping::TWO_HEADS);
         assert_eq!((p.lanes, p.rot_groups), (lanes, groups));
         assert_eq!(p.grid.groups.divisor.get(), groups);
         assert_eq!(p.tokens, TOKENS as u64);
         assert_eq!(p.cache_slots, 256);
-        // The one-head kernel: q's 32 heads take 16 x 16 threads (two heads each), eight
+        // The two-heads kernel: q's 32 heads take 16 x 16 threads (two heads each), eight
         // warps; k's and v's 8 heads two each: 12 warps, three blocks of four (at most five
         // warps a block) per token, a block row per token.
         assert_eq!(p.grid.config.grid_dim, (3, TOKENS as u32, 1));
         assert_eq!(p.grid.config.block_dim, (128, 1, 1));
-        assert_eq!(p.one_head_warps, [8, 2, 2]);
+        assert_eq!(p.token_warps, [8, 2, 2]);
     }
 }
 
-/// Launches at the preferred width take the one-head (or four-heads) kernels at any size
+/// Launches at the preferred width take the token-heads (two- or four-heads) kernels at any size
 /// (decode and prefill) while every tensor spans fewer than 2^32 elements (their offsets are
 /// 32-bit); a larger tensor takes the wide kernel's item loop, its 48 heads split over
 /// `blockIdx.y` without leaving one out.
 #[test]
-fn launches_take_the_one_head_kernels_while_every_tensor_spans_below_2_32() {
+fn launches_take_the_token_heads_kernels_while_every_tensor_spans_below_2_32() {
     let p = plan_of(&with_tokens(RopeStyle::Neox, 8192))
         .expect("valid")
         .expect("non-empty");
-    assert_eq!(p.kernel.access, Access::FourHeads);
+    assert_eq!(p.kernel.mapping, Mapping::FOUR_HEADS);
     // Four heads per thread at this size: 4 + 1 + 1 warps, two blocks of three per token.
     assert_eq!(p.grid.config.grid_dim, (2, 8192, 1));
-    assert_eq!(p.one_head_warps, [4, 1, 1]);
-    // The item loop when the one-head kernels are not allowed (the tests' override).
+    assert_eq!(p.token_warps, [4, 1, 1]);
+    // The item loop when the token-heads kernels are not allowed (the tests' override).
     let p = plan_with(&with_tokens(RopeStyle::Neox, 8192), FusedKernels::ItemLoop)
         .expect("valid")
         .expect("non-empty");
-    assert_eq!(p.kernel.access, Access::Wide);
+    assert_eq!(p.kernel.mapping, Mapping::WIDE);
     // q of 2^20 tokens of 32 x 128 spans 2^32 elements.
     let p = plan_of(&with_tokens(RopeStyle::Neox, 1 << 20))
         .expect("valid")
         .expect("non-empty");
-    assert_eq!(p.kernel.access, Access::Wide);
-    assert_eq!(p.one_head_warps, [0, 0, 0]);
+    assert_eq!(p.kernel.mapping, Mapping::WIDE);
+    assert_eq!(p.token_warps, [0, 0, 0]);
     let (y, per) = (p.grid.config.grid_dim.1, p.grid.heads_per_chunk);
     assert!(per > 0 && y * per >= 48 && (y - 1) * per < 48);
 }
 
-/// Table launches take the one-head (here four-heads) kernels only where their tables suit
+/// Table launches take the token-heads (here four-heads) kernels only where their tables suit
 /// those kernels' reads (`planned_table_fits`): each table below 2^32 elements, and both tables
 /// and their row stride aligned to an item's vector of entries (NeoX bf16: four entries, 8
 /// bytes). Other tables take the item loop, which tests the alignment and offsets rows in 64
 /// bits.
 #[test]
-fn table_launches_take_the_one_head_kernels_only_with_tables_their_reads_fit() {
+fn table_launches_take_the_token_heads_kernels_only_with_tables_their_reads_fit() {
     let access = |sincos: RawSinCos| {
         let mut r = with_tokens(RopeStyle::Neox, 8192);
         r.rope.sincos = sincos;
@@ -211,7 +211,7 @@ fn table_launches_take_the_one_head_kernels_only_with_tables_their_reads_fit() {
             .expect("valid")
             .expect("non-empty")
             .kernel
-            .access
+            .mapping
     };
     let shape = |max_position| TableShape {
         max_position,
@@ -223,30 +223,30 @@ fn table_launches_take_the_one_head_kernels_only_with_tables_their_reads_fit() {
         dtype: DType::BF16,
         shape: shape(rows),
     };
-    assert_eq!(access(tables(1 << 49, 1 << 50, 8192)), Access::FourHeads);
+    assert_eq!(access(tables(1 << 49, 1 << 50, 8192)), Mapping::FOUR_HEADS);
     // Either table one entry (2 bytes) past an 8-byte boundary.
-    assert_eq!(access(tables(1 << 49, (1 << 50) + 2, 8192)), Access::Wide);
-    assert_eq!(access(tables((1 << 49) + 2, 1 << 50, 8192)), Access::Wide);
+    assert_eq!(access(tables(1 << 49, (1 << 50) + 2, 8192)), Mapping::WIDE);
+    assert_eq!(access(tables((1 << 49) + 2, 1 << 50, 8192)), Mapping::WIDE);
     // Rows of 64 entries: 2^26 rows make 2^32 elements a table.
     assert_eq!(
         access(tables(1 << 49, 1 << 50, (1 << 26) - 1)),
-        Access::FourHeads
+        Mapping::FOUR_HEADS
     );
-    assert_eq!(access(tables(1 << 49, 1 << 50, 1 << 26)), Access::Wide);
+    assert_eq!(access(tables(1 << 49, 1 << 50, 1 << 26)), Mapping::WIDE);
     // vLLM's cos_sin_cache: rows of 128 entries, the sines 128 bytes after the cosines.
     let cache = |ptr: u64| RawSinCos::CosSinCache {
         cache: buf(ptr, 8192 * D),
         dtype: DType::BF16,
         shape: shape(8192),
     };
-    assert_eq!(access(cache(1 << 49)), Access::FourHeads);
-    assert_eq!(access(cache((1 << 49) + 4)), Access::Wide);
+    assert_eq!(access(cache(1 << 49)), Mapping::FOUR_HEADS);
+    assert_eq!(access(cache((1 << 49) + 4)), Mapping::WIDE);
 }
 
 /// NeoX 16-bit launches take the four-heads kernels once the two-heads grid's threads are more
-/// than twice what the device holds of the one-head kernel at once at its 48 registers
+/// than twice what the device holds of the two-heads kernel at once at its 48 registers
 /// (132 x 1365 threads on the H200-like device: past 938 tokens of 12 warps); the other
-/// one-head kernels and smaller launches take two heads per thread, and the tests' override
+/// token-heads kernels and smaller launches take two heads per thread, and the tests' override
 /// pins either where a four-heads kernel exists.
 #[test]
 fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
@@ -254,12 +254,12 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
         let p = plan_with(&with_tokens(style, tokens), choice)
             .expect("valid")
             .expect("non-empty");
-        let heads = match p.kernel.access {
-            Access::OneHead => 2,
-            Access::FourHeads => 4,
+        let heads = match p.kernel.mapping {
+            Mapping::TWO_HEADS => 2,
+            Mapping::FOUR_HEADS => 4,
             other => panic!("{other:?}"),
         };
-        (heads, p.one_head_warps)
+        (heads, p.token_warps)
     };
     let auto = FusedKernels::Auto;
     // 132 SMs hold 1365 threads each at the two-heads kernel's 48 registers; a token takes
@@ -425,7 +425,7 @@ fn fp8_q_output_is_checked_in_bytes() {
     // An output 4 bytes off a multiple of 8 takes 4-lane accesses.
     r.rope.q.out = Some((buf((11 << 24) + 4, out.end().expect("small")), out));
     let p = plan_of(&r).expect("valid").expect("non-empty");
-    assert_eq!((p.lanes, p.kernel.access), (4, Access::Narrow));
+    assert_eq!((p.lanes, p.kernel.mapping), (4, Mapping::NARROW));
     // Too short by one byte.
     r.rope.q.out = Some((buf(11 << 24, out.end().expect("small") - 1), out));
     assert_eq!(invalid_arg(&r), "q.output");
@@ -518,7 +518,7 @@ fn launches_that_store_no_head_are_a_no_op() {
     let mut r = request(RopeStyle::Neox);
     zero_q(&mut r);
     let p = plan_of(&r).expect("valid").expect("k and v are cached");
-    assert_eq!(p.one_head_warps[0], 0);
+    assert_eq!(p.token_warps[0], 0);
     let mut r = request(RopeStyle::Neox);
     (r.cache, r.v, r.k_written) = (None, None, true);
     zero_q(&mut r);

@@ -14,8 +14,8 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     let plan = |r: &FusedRequest, choice, bulk_rows| plan_on(&H200, r, choice, bulk_rows);
     let mut r = with_tokens(RopeStyle::Neox, 8192);
     assert_eq!(
-        plan(&r, FusedKernels::Auto, true).kernel.access,
-        Access::FourHeads
+        plan(&r, FusedKernels::Auto, true).kernel.mapping,
+        Mapping::FOUR_HEADS
     );
     // sin/cos from a table, with or without a 16-bit cache: the four-heads kernels, on either
     // device.
@@ -36,28 +36,28 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
     cacheless.k_written = true;
     for t in [&table, &cacheless] {
         assert_eq!(
-            plan(t, FusedKernels::Auto, true).kernel.access,
-            Access::FourHeads
+            plan(t, FusedKernels::Auto, true).kernel.mapping,
+            Mapping::FOUR_HEADS
         );
         assert_eq!(
-            plan_on(&H100, t, FusedKernels::Auto, true).kernel.access,
-            Access::FourHeads
+            plan_on(&H100, t, FusedKernels::Auto, true).kernel.mapping,
+            Mapping::FOUR_HEADS
         );
     }
     fp8_cache(&mut r);
     let p = plan(&r, FusedKernels::Auto, true);
-    assert_eq!(p.kernel.access, Access::Rows);
+    assert_eq!(p.kernel.mapping, Mapping::Rows);
     // FP8, with sin/cos computed or from a table: the rows kernels on fast DRAM only.
     let mut both = table;
     both.cache = r.cache;
     assert_eq!(
-        plan(&both, FusedKernels::Auto, true).kernel.access,
-        Access::Rows
+        plan(&both, FusedKernels::Auto, true).kernel.mapping,
+        Mapping::Rows
     );
     for fp8 in [&r, &both] {
         assert_eq!(
-            plan_on(&H100, fp8, FusedKernels::Auto, true).kernel.access,
-            Access::FourHeads
+            plan_on(&H100, fp8, FusedKernels::Auto, true).kernel.mapping,
+            Mapping::FOUR_HEADS
         );
     }
     assert_eq!(
@@ -70,10 +70,10 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
             true
         )
         .kernel
-        .access,
-        Access::Rows
+        .mapping,
+        Mapping::Rows
     );
-    assert_eq!(p.one_head_warps, [4, 1, 1]);
+    assert_eq!(p.token_warps, [4, 1, 1]);
     assert_eq!(p.grid.config.block_dim, (224, 1, 1));
     assert_eq!(p.grid.config.grid_dim, (132 * 4, 1, 1));
     let buffer = 48 * 128 * 2 + 4 * 128;
@@ -84,14 +84,14 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
         assert_eq!(p.grid.config.shared_mem_bytes, 128 + held * buffer);
     }
     assert_eq!(
-        plan(&r, FusedKernels::Auto, false).kernel.access,
-        Access::FourHeads
+        plan(&r, FusedKernels::Auto, false).kernel.mapping,
+        Mapping::FOUR_HEADS
     );
     assert_eq!(
         plan(&with_tokens(RopeStyle::Neox, 64), FusedKernels::Auto, true)
             .kernel
-            .access,
-        Access::OneHead
+            .mapping,
+        Mapping::TWO_HEADS
     );
     let few = plan(
         &with_tokens(RopeStyle::Neox, 64),
@@ -100,7 +100,7 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
         },
         true,
     );
-    assert_eq!(few.kernel.access, Access::Rows);
+    assert_eq!(few.kernel.mapping, Mapping::Rows);
     assert_eq!(few.grid.config.grid_dim, (64, 1, 1));
     assert_eq!(
         plan(
@@ -111,15 +111,15 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
             true
         )
         .kernel
-        .access,
-        Access::OneHead
+        .mapping,
+        Mapping::TWO_HEADS
     );
     // q's heads apart (a head stride past head_dim): no whole rows.
     let mut apart = r;
     apart.rope.q.x_layout.strides = [32 * 136, 32 * 136, 136];
     apart.rope.q.x = buf(1 << 40, apart.rope.q.x_layout.end().expect("fits"));
     assert_eq!(
-        plan(&apart, FusedKernels::Auto, true).kernel.access,
-        Access::FourHeads
+        plan(&apart, FusedKernels::Auto, true).kernel.mapping,
+        Mapping::FOUR_HEADS
     );
 }

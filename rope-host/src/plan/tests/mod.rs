@@ -142,7 +142,7 @@ fn decode_sized_launches_take_the_one_head_kernel() {
     r.dtype = DType::BF16;
     r.k = Some(tensor(Layout::bshd(64, 1, 8, 128), 1 << 30));
     let p = valid(&r);
-    assert_eq!(p.kernel.access, Access::OneHead);
+    assert_eq!(p.kernel.mapping, Mapping::ONE_HEAD);
     assert_eq!(
         (p.grid.heads_per_chunk, p.grid.config.grid_dim),
         (1, (8, 40, 1))
@@ -156,23 +156,26 @@ fn decode_sized_launches_take_the_one_head_kernel() {
     r.k = Some(tensor(Layout::bshd(64, 1, 8, 128), 1 << 40));
     assert!(far.span().is_some_and(|s| s as u64 >= 1 << 32));
     let p = valid(&r);
-    assert_eq!((p.kernel.access, p.grid.heads_per_chunk), (Access::Wide, 1));
+    assert_eq!(
+        (p.kernel.mapping, p.grid.heads_per_chunk),
+        (Mapping::WIDE, 1)
+    );
     let near = Layout::strided([64, 1, 32, 128], [1 << 20, 4096, 128, 1], 0).expect("layout");
     let mut r = request(neox(128), near);
     r.dtype = DType::BF16;
-    assert_eq!(valid(&r).kernel.access, Access::OneHead);
+    assert_eq!(valid(&r).kernel.mapping, Mapping::ONE_HEAD);
     let mut prefill = request(neox(128), Layout::bshd(1, 8192, 32, 128));
     prefill.dtype = DType::BF16;
     let p = valid(&prefill);
     assert!(p.grid.heads_per_chunk > 1);
-    assert_eq!(p.kernel.access, Access::Wide);
+    assert_eq!(p.kernel.mapping, Mapping::WIDE);
     let partial = RopeConfig::builder(128, RopeStyle::Neox)
         .rotary_dim(64)
         .build()
         .expect("valid");
     let layout = Layout::bshd(1, 2, 3, 128);
     let mut r = request(partial, layout);
-    assert_eq!(valid(&r).kernel.access, Access::OneHead, "in place");
+    assert_eq!(valid(&r).kernel.mapping, Mapping::ONE_HEAD, "in place");
     r.q.out = Some((
         RawBuf {
             ptr: 1 << 30,
@@ -180,10 +183,14 @@ fn decode_sized_launches_take_the_one_head_kernel() {
         },
         layout,
     ));
-    assert_eq!(valid(&r).kernel.access, Access::Wide, "pass-through copies");
+    assert_eq!(
+        valid(&r).kernel.mapping,
+        Mapping::WIDE,
+        "pass-through copies"
+    );
     let mut r = request(neox(6), Layout::bshd(2, 3, 4, 6));
     r.q.x.ptr += 4;
-    assert_eq!(valid(&r).kernel.access, Access::Narrow);
+    assert_eq!(valid(&r).kernel.mapping, Mapping::NARROW);
 }
 
 /// `len` integers of `ty` at `ptr`.
