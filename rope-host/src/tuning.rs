@@ -26,8 +26,9 @@ pub enum FusedKernels {
     /// The four-heads kernels ([`FusedKernelName::four_heads`]: NeoX, 16-bit) wherever they
     /// serve, else as [`FusedKernels::TwoHeads`].
     FourHeads,
-    /// The rows kernels ([`rope_kernels::abi::Mapping::Rows`], sm_90 builds) wherever they serve, with this many token
-    /// buffers per block (2 to `ROWS_MAX_STAGES`, fewer where they do not fit), else as
+    /// The rows kernels ([`rope_kernels::abi::Mapping::Rows`], sm_90 builds) wherever they
+    /// serve, with this many token buffers per block (2 to `ROWS_MAX_STAGES`, fewer where they
+    /// do not fit), else as
     /// [`FusedKernels::Auto`].
     Rows {
         /// Token buffers per block.

@@ -15,8 +15,8 @@ pub const BLOCK_THREADS: u32 = 128;
 /// 2^32.
 pub const MAX_FUSED_ITEMS: u64 = 1 << 30;
 
-/// The most warps in one block of the fused token-heads kernels ([`Mapping::TokenHeads`]): a token's
-/// warps (q's, then k's, then v's) are cut into the fewest equal blocks of at most this many,
+/// The most warps in one block of the fused token-heads kernels ([`Mapping::TokenHeads`]): a
+/// token's warps (q's, then k's, then v's) are cut into the fewest equal blocks of at most this many,
 /// each block computing the token's cos/sin once for its q and k warps. At prefill a cap of
 /// five (12 warps as 4 + 4 + 4, 10 as 5 + 5) is faster than one of four (10 as 4 + 4 + 2) or
 /// six (12 as 6 + 6), and than whole tokens in one block, where every warp waits at the
@@ -305,8 +305,8 @@ pub const ROWS_COS_SIN_BYTES: u32 = 4 * ROWS_HEAD_DIM;
 /// (bytes of a token's rows +` [`ROWS_COS_SIN_BYTES`]`)`.
 pub const ROWS_DATA_OFFSET: u32 = 128;
 
-/// Elements per access at the preferred width ([`Width::Preferred`]): 16 bytes, except for NeoX pairs of
-/// 16-bit elements, 8 bytes. A work item then rotates at most four pairs per head, so a token
+/// Elements per access at the preferred width ([`Width::Preferred`]): 16 bytes, except for NeoX
+/// pairs of 16-bit elements, 8 bytes. A work item then rotates at most four pairs per head, so a token
 /// has twice as many items, which fills the GPU better at prefill than 16-byte accesses
 /// (docs/perf/decisions.md).
 pub const fn preferred_lanes(style: RopeStyle, elem_size: usize) -> u32 {
@@ -454,8 +454,9 @@ impl ContextParallelSplit {
 /// One kernel entry point: `rope_{style}_{source}_{dtype}`, for example `rope_neox_theta_f32`
 /// (`table32` for [`SinCosSource::TableF32`]), with the suffix `_narrow` for [`Mapping::NARROW`]
 /// and `_one_head` for [`Mapping::ONE_HEAD`]. Every combination exists, but `TableF32` only for
-/// `f16` and `bf16`; all have the parameter list of [`crate::plain_kernel_params!`]. Both directions
-/// run the same kernel: the direction is its `sin_sign` argument ([`Direction::sin_sign`]).
+/// `f16` and `bf16`; all have the parameter list of [`crate::plain_kernel_params!`]. Both
+/// directions run the same kernel: the direction is its `sin_sign` argument
+/// ([`Direction::sin_sign`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelName {
     /// Pairing.
@@ -499,8 +500,8 @@ pub(crate) use for_each_kernel;
 
 /// Calls `$m!` with `{ $($pass)* }` and the parameters the RoPE and the fused entry points share,
 /// in launch order, as `name: kind` pairs, followed by `$($more)*` (the RoPE entry points add
-/// [`crate::plain_kernel_params!`]'s `sin_sign`, the fused ones [`crate::fused_kernel_params!`]'s). This list
-/// is the one definition of that part of the kernels' ABI: the kernel crate generates each entry
+/// [`crate::plain_kernel_params!`]'s `sin_sign`, the fused ones
+/// [`crate::fused_kernel_params!`]'s). This list is the one definition of that part of the kernels' ABI: the kernel crate generates each entry
 /// point's signature and its parameter struct from it, and `rope-host` the host struct whose
 /// bytes a launch passes, so the two sides cannot disagree on order or type.
 ///
@@ -730,11 +731,13 @@ macro_rules! kernel_table {
                     }
                     .symbol(),
                     // The RoPE kernels take one head per thread.
-                    (_, _, _, Mapping::TWO_HEADS | Mapping::FOUR_HEADS | Mapping::Rows) => KernelName {
-                        mapping: Mapping::ONE_HEAD,
-                        ..self
+                    (_, _, _, Mapping::TWO_HEADS | Mapping::FOUR_HEADS | Mapping::Rows) => {
+                        KernelName {
+                            mapping: Mapping::ONE_HEAD,
+                            ..self
+                        }
+                        .symbol()
                     }
-                    .symbol(),
                     $(
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE) => {
                             stringify!($sym)
@@ -848,8 +851,8 @@ pub enum FormatCode {
     E4m3 = 1,
 }
 
-/// Whether the fused token-heads kernels ([`Mapping::TokenHeads`]) may read a launch's tables, which they read with 32-bit row offsets
-/// and, where an item's `pairs` entries of `entry_bytes` make 4, 8 or 16 bytes, with one
+/// Whether the fused token-heads kernels ([`Mapping::TokenHeads`]) may read a launch's tables,
+/// which they read with 32-bit row offsets and, where an item's `pairs` entries of `entry_bytes` make 4, 8 or 16 bytes, with one
 /// vector access per table and no alignment test: each table spans fewer than 2^32 elements
 /// (`rows * stride`), and for such vectors both tables' addresses (`cos`, `sin`, in
 /// bytes) and the row stride in bytes are multiples of the vector's size. Sin/cos computed in
@@ -1068,11 +1071,13 @@ macro_rules! fused_kernel_table {
                             stringify!($rows),
                     )*
                     // Kernels without four-heads or rows kernels take two heads per thread.
-                    (_, _, _, Mapping::ONE_HEAD | Mapping::FOUR_HEADS | Mapping::Rows) => FusedKernelName {
-                        mapping: Mapping::TWO_HEADS,
-                        ..self
+                    (_, _, _, Mapping::ONE_HEAD | Mapping::FOUR_HEADS | Mapping::Rows) => {
+                        FusedKernelName {
+                            mapping: Mapping::TWO_HEADS,
+                            ..self
+                        }
+                        .symbol()
                     }
-                    .symbol(),
                 }
             }
         }

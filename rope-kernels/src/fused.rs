@@ -1384,7 +1384,9 @@ macro_rules! fused_kernel {
         $(
             crate::fused_kernel_params!(fused_entry { $wide, WIDE: $pairing, $source, $t });
             crate::fused_kernel_params!(fused_entry { $narrow, NARROW: $pairing, $source, $t });
-            crate::fused_kernel_params!(fused_entry { $two_heads, TWO_HEADS: $pairing, $source, $t });
+            crate::fused_kernel_params!(
+                fused_entry { $two_heads, TWO_HEADS: $pairing, $source, $t }
+            );
         )*
         $(
             crate::fused_kernel_params!(fused_entry { $four, FOUR_HEADS: Neox, $fsource, $ft });
@@ -1404,8 +1406,8 @@ macro_rules! fused_entry {
         /// One fused entry point; its name says the pairing, the sin/cos source, the element
         /// type and the mapping (`_narrow`: narrower than the preferred width; `_two_heads`,
         /// and `_four_heads`: a thread per two, or four, heads and access, on the grid of
-        /// `token_heads_body`; `_rows`: the rows kernels). See the module documentation, and `fused_kernel_params!` in
-        /// `abi.rs` for the parameters.
+        /// `token_heads_body`; `_rows`: the rows kernels). See the module documentation, and
+        /// `fused_kernel_params!` in `abi.rs` for the parameters.
         ///
         /// # Safety
         /// The promises of the RoPE entry points (`crate::rope`) for q and k (with `out1` null

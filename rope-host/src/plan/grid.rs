@@ -92,14 +92,14 @@ pub(crate) fn grid(
 }
 
 /// Warps a tensor of `heads` heads of `groups` accesses takes per token in the fused
-/// token-heads grid ([`fused_grid`]): a thread per `thread_heads` heads and group, in warps of that tensor
-/// alone. Callers keep `heads * groups` within `u32`.
+/// token-heads grid ([`fused_grid`]): a thread per `thread_heads` heads and group, in warps of
+/// that tensor alone. Callers keep `heads * groups` within `u32`.
 pub(crate) fn token_heads_warps(heads: u32, groups: u32, thread_heads: u32) -> u32 {
     (heads.div_ceil(thread_heads) * groups).div_ceil(32)
 }
 
-/// The grid of the fused token-heads kernels ([`rope_kernels::abi::Mapping::TokenHeads`]): one block
-/// row per token (`blockIdx.z * gridDim.y + blockIdx.y`, `gridDim.y` at most 65535), and on
+/// The grid of the fused token-heads kernels ([`rope_kernels::abi::Mapping::TokenHeads`]): one
+/// block row per token (`blockIdx.z * gridDim.y + blockIdx.y`, `gridDim.y` at most 65535), and on
 /// `blockIdx.x` the token's sequence of `warps` (q's, k's, v's: see [`token_heads_warps`]) cut
 /// into the fewest equal blocks of at most [`TOKEN_HEADS_MAX_WARPS`] warps, so that a block's
 /// cos/sin arithmetic serves as many heads as it can. `heads_per_chunk` is 0 (the token-heads
