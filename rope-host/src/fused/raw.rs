@@ -4,6 +4,8 @@
 //! reduce to the same [`FusedRequest`] the safe API binds, so both are validated, planned and
 //! launched by the same code.
 
+use cudarc::driver::sys::CUstream;
+
 use super::request::{FusedRequest, RawCache, RawNorm, RawScale};
 use super::{CacheLayout, NormWeight};
 use crate::bind::RawBuf;
@@ -13,7 +15,6 @@ use crate::layout::Layout;
 use crate::plan::{Request, TensorReq};
 use crate::positions::RawInts;
 use crate::rope::{RawIo, RawOp, RawTensor};
-use cudarc::driver::sys::CUstream;
 
 /// An FP8 scale array by address (`f32`): the stored value is `e4m3(x / scale)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
