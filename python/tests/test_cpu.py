@@ -510,6 +510,20 @@ class TestFrequencies:
         )
         assert a == 1.0
 
+    def test_ntk(self):
+        # vLLM's NTKScalingRotaryEmbedding, with gte-multilingual's {"type": "ntk", "factor": 8}
+        # (rope_theta 20000, head_dim 64): the frequencies of base theta * factor divided by
+        # factor ** (2 / d); with mixed_b, those of theta divided by exp(a * m ** mixed_b).
+        d, theta, factor = 64, 20000.0, 8.0
+        f, a = rope_rs.frequencies(d, theta=theta, scaling={"type": "ntk", "factor": factor})
+        close(f, [b / factor ** (2 / d) for b in default_inv_freq(theta * factor, d)], 1e-14)
+        assert a == 1.0
+        mixed_b = 0.75
+        f, _ = rope_rs.frequencies(d, theta=theta, scaling={"type": "ntk", "factor": factor, "mixed_b": mixed_b})
+        slope = math.log(factor) / (d / 2) ** mixed_b
+        want = [b / math.exp(slope * (i + 1) ** mixed_b) for i, b in enumerate(default_inv_freq(theta, d))]
+        close(f, want, 1e-14)
+
     def test_longrope(self):
         d = 32
         short, long = [1.0 + i / 16 for i in range(d // 2)], [2.0 + i / 8 for i in range(d // 2)]
@@ -533,6 +547,8 @@ class TestFrequencies:
         with pytest.raises(TypeError, match='scaling: entry "factor" must be a number, got a str'):
             rope_rs.frequencies(128, scaling={"rope_type": "linear", "factor": "8"})
         with pytest.raises(ValueError, match='rope_type must be "default"'):
+            rope_rs.frequencies(128, scaling={"rope_type": "ntk_by_parts"})
+        with pytest.raises(ValueError, match="scaling: ntk needs factor"):
             rope_rs.frequencies(128, scaling={"rope_type": "ntk"})
         with pytest.raises(ValueError, match="scaling: longrope needs short_factor"):
             rope_rs.frequencies(128, scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096, "factor": 2})

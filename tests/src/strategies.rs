@@ -561,6 +561,11 @@ fn scaling_with(
                 seq_len,
             }),
         value(0.5, 2000.0).prop_map(|alpha| RopeScaling::DynamicNtkAlpha { alpha }),
+        (
+            value(0.5, 64.0),
+            proptest::option::weighted(0.5, value(0.25, 4.0))
+        )
+            .prop_map(|(factor, mixed_b)| RopeScaling::Ntk { factor, mixed_b }),
         proptest::collection::vec(
             prop_oneof![3 => (1u32..=64).prop_map(|w| 2 * w), 1 => edge_u32()],
             0..=5
@@ -666,6 +671,11 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
             llama3.clone(),
             longrope,
             log_uniform(1.0, max_factor).prop_map(|alpha| RopeScaling::DynamicNtkAlpha { alpha }),
+            (
+                log_uniform(1.0, max_factor),
+                proptest::option::of(log_uniform(1e-3, 16.0))
+            )
+                .prop_map(|(factor, mixed_b)| RopeScaling::Ntk { factor, mixed_b }),
             (1usize..=4).prop_flat_map(move |n| {
                 // `n` axes of random even widths summing to `2 * half` (fewer when half < n).
                 proptest::sample::subsequence(

@@ -265,6 +265,57 @@ fn attention_factor_in_range(name: &str, v: f64) -> Result<f64> {
     }
 }
 
+/// The largest `mixed_b` of [`ntk`]: `(d/2)^mixed_b` stays finite for every `u32` width.
+const MAX_MIXED_B: f64 = 16.0;
+
+/// NTK-aware scaling (vLLM's `ntk`): the base grown by `factor` and every frequency divided by
+/// `factor^(2/d)`, or, with `mixed_b`, each frequency divided by its own `lambda`.
+pub(super) fn ntk(
+    (theta, d): (f64, u32),
+    factor: f64,
+    mixed_b: Option<f64>,
+) -> Result<(Vec<f64>, f64)> {
+    if !(factor.is_finite() && (1.0..=FACTOR_RANGE.1).contains(&factor)) {
+        return Err(invalid(
+            "scaling",
+            format!("factor must lie in [1, 2^20], got {factor}"),
+        ));
+    }
+    let dim = f64::from(d);
+    // `factor >= 1`: the base only grows and every divisor is at least 1, so every frequency
+    // stays within the default family's.
+    let f = match mixed_b {
+        None => {
+            let grown = theta * factor;
+            if !(grown.is_finite() && grown > 0.0) {
+                return Err(invalid(
+                    "scaling",
+                    format!("theta * factor must be finite, got {theta} * {factor} = {grown}"),
+                ));
+            }
+            let shrink = factor.powf(2.0 / dim);
+            inv_freq(grown, d).iter().map(|f| f / shrink).collect()
+        }
+        Some(b) => {
+            if !(b.is_finite() && b > 0.0 && b <= MAX_MIXED_B) {
+                return Err(invalid(
+                    "scaling",
+                    format!("mixed_b must lie in (0, 16], got {b}"),
+                ));
+            }
+            // `(d/2)^b <= 2^496` is finite, and `m^b <= (d/2)^b`, so `a m^b` lies between 0 and
+            // `ln(factor)`: every `lambda` between 1 and `factor`.
+            let a = factor.ln() / (dim / 2.0).powf(b);
+            inv_freq(theta, d)
+                .iter()
+                .enumerate()
+                .map(|(i, f)| f / (a * (i as f64 + 1.0).powf(b)).exp())
+                .collect()
+        }
+    };
+    Ok((f, 1.0))
+}
+
 /// YaRN's frequencies and attention factor.
 pub(super) fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
     if theta <= 1.0 {

@@ -217,6 +217,22 @@ pub enum RopeScaling {
         /// `alpha`.
         alpha: f64,
     },
+    /// NTK-aware scaling (vLLM's `rope_type: "ntk"`, `NTKScalingRotaryEmbedding`, after
+    /// kexue.fm/archives/9706; GTE's multilingual encoders): with `mixed_b` absent, the default
+    /// frequencies of base `theta * factor` divided by `factor^(2/d)`, that is
+    /// `theta^(-2i/d) * factor^(-(2i + 2)/d)`; with `mixed_b = b`, `theta^(-2i/d) / lambda_(i+1)`
+    /// with `lambda_m = exp(a m^b)` and `a = ln(factor) / (d/2)^b` (so `b = 1` is the form
+    /// without it). Attention factor 1, at every sequence length.
+    ///
+    /// Domain: `factor` in `[1, 2^20]` (the base only grows, so every frequency stays within
+    /// the default family's), `mixed_b` in `(0, 16]` when given, and `theta * factor` finite
+    /// (every `theta` below `1e302`).
+    Ntk {
+        /// `factor`.
+        factor: f64,
+        /// `mixed_b`, if given.
+        mixed_b: Option<f64>,
+    },
     /// YaRN (`rope_type: "yarn"`): interpolation blended with extrapolation by a linear ramp
     /// over the dimensions between the `beta_slow` and `beta_fast` rotation counts, and an
     /// attention factor `0.1 ln(factor) + 1` (or its `mscale` form).
@@ -308,6 +324,15 @@ impl RopeScaling {
             Self::Linear { .. } | Self::DynamicNtk { .. } | Self::Llama3 { .. } => {
                 ("scaling", "factor", "factor")
             }
+            Self::Ntk { mixed_b, .. } => (
+                "scaling",
+                if mixed_b.is_some() {
+                    "factor and mixed_b"
+                } else {
+                    "factor"
+                },
+                "factor",
+            ),
             Self::Yarn(y) => (
                 "scaling",
                 "factor",
@@ -417,6 +442,7 @@ impl FrequencySpec {
             RopeScaling::DynamicNtkAlpha { alpha } => {
                 families::dynamic_ntk_alpha((theta, d), *alpha)?
             }
+            RopeScaling::Ntk { factor, mixed_b } => families::ntk((theta, d), *factor, *mixed_b)?,
             RopeScaling::Yarn(y) => families::yarn(theta, d, y)?,
             RopeScaling::Llama3 {
                 factor,

@@ -250,6 +250,90 @@ fn dynamic_ntk_alpha_grows_the_base_by_alpha_to_the_d_over_d_minus_2() {
     assert_eq!(one.build().expect("valid").0, inv_freq(500.0, 64));
 }
 
+/// vLLM's `NTKScalingRotaryEmbedding` (`vllm/model_executor/layers/rotary_embedding/
+/// ntk_scaling_rope.py`): without `mixed_b`, the default frequencies of base
+/// `rope_theta * factor` divided by `factor ** (2 / rotary_dim)`; with it,
+/// `a = log(factor) / (rotary_dim / 2) ** mixed_b`,
+/// `lambda = exp(a * arange(1, rotary_dim // 2 + 1) ** mixed_b)` and the default frequencies of
+/// `rope_theta` divided by `lambda`. Transcribed here term by term.
+#[test]
+fn ntk_is_vllms_ntk_scaling_with_and_without_mixed_b() {
+    let close = |got: &[f64], want: &dyn Fn(f64) -> f64| {
+        for (i, &g) in got.iter().enumerate() {
+            let w = want(i as f64);
+            assert!((g - w).abs() <= 8.0 * f64::EPSILON * w, "{i}: {g} vs {w}");
+        }
+    };
+    // gte-multilingual-base: rope_theta 20000, factor 8, head_dim 64.
+    let (theta, d, s) = (20_000.0, 64.0, 8.0);
+    let fixed = FrequencySpec::new(theta, 64).scaling(RopeScaling::Ntk {
+        factor: s,
+        mixed_b: None,
+    });
+    let (f, attention) = fixed.build().expect("valid");
+    assert_eq!((f.len(), attention), (32, 1.0));
+    close(&f, &|i| {
+        1.0 / (theta * s).powf(2.0 * i / d) / s.powf(2.0 / d)
+    });
+    // The blog's mixed_b 0.75 with factor 12.
+    let (s, b) = (12.0, 0.75);
+    let mixed = FrequencySpec::new(theta, 64).scaling(RopeScaling::Ntk {
+        factor: s,
+        mixed_b: Some(b),
+    });
+    let a = f64::ln(s) / (d / 2.0).powf(b);
+    close(&mixed.build().expect("valid").0, &|i| {
+        1.0 / theta.powf(2.0 * i / d) / (a * (i + 1.0).powf(b)).exp()
+    });
+    // mixed_b 1 is the form without it.
+    let one = FrequencySpec::new(theta, 64).scaling(RopeScaling::Ntk {
+        factor: s,
+        mixed_b: Some(1.0),
+    });
+    let without = FrequencySpec::new(theta, 64).scaling(RopeScaling::Ntk {
+        factor: s,
+        mixed_b: None,
+    });
+    close(&one.build().expect("valid").0, &|i| {
+        without.build().expect("valid").0[i as usize]
+    });
+}
+
+#[test]
+fn ntk_rejects_factors_and_mixed_b_outside_their_domain() {
+    let ntk = |theta: f64, factor: f64, mixed_b: Option<f64>| {
+        FrequencySpec::new(theta, 64)
+            .scaling(RopeScaling::Ntk { factor, mixed_b })
+            .build()
+    };
+    for (factor, mixed_b, field) in [
+        (0.0, None, "factor "),
+        (0.5, None, "factor "),
+        (f64::NAN, None, "factor "),
+        (2e6, Some(1.0), "factor "),
+        (8.0, Some(0.0), "mixed_b "),
+        (8.0, Some(-0.5), "mixed_b "),
+        (8.0, Some(16.5), "mixed_b "),
+        (8.0, Some(f64::INFINITY), "mixed_b "),
+    ] {
+        match ntk(10_000.0, factor, mixed_b) {
+            Err(Error::Invalid {
+                arg: "scaling",
+                problem,
+            }) => assert!(problem.starts_with(field), "{problem}"),
+            other => panic!("{factor} {mixed_b:?}: {other:?}"),
+        }
+    }
+    // A grown base that overflows is rejected, not handed to the kernels.
+    match ntk(1e305, 2e4, None) {
+        Err(Error::Invalid {
+            arg: "scaling",
+            problem,
+        }) => assert!(problem.starts_with("theta * factor"), "{problem}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn dynamic_ntk_alpha_rejects_alpha_outside_its_domain_and_rotary_dim_2() {
     for alpha in [0.5, 0.0, -1.0, f64::NAN, f64::INFINITY, 2e6] {

@@ -395,6 +395,10 @@ fn family_name(s: &RopeScaling) -> &'static str {
         RopeScaling::DynamicNtkAlpha { .. } => "dynamic NTK alpha",
         RopeScaling::Linear { .. } => "linear",
         RopeScaling::DynamicNtk { .. } => "dynamic NTK",
+        RopeScaling::Ntk { mixed_b: None, .. } => "NTK",
+        RopeScaling::Ntk {
+            mixed_b: Some(_), ..
+        } => "NTK with mixed_b",
         RopeScaling::Yarn(_) => "YaRN",
         RopeScaling::Llama3 { .. } => "Llama 3.1",
         RopeScaling::LongRope { factor: None, .. } => "LongRoPE",

@@ -38,8 +38,10 @@ enum Domain {
     NonNegative,
     /// An attention factor: in `[1e-3, 1e3]`.
     Attention,
-    /// Dynamic NTK's `alpha`: in `[1, 2^20]`.
+    /// Dynamic NTK's `alpha`, and NTK's `factor`: in `[1, 2^20]`.
     Alpha,
+    /// NTK's `mixed_b`: in `(0, 16]`.
+    MixedB,
 }
 
 impl Domain {
@@ -61,6 +63,7 @@ impl Domain {
             Self::NonNegative => v.is_finite() && v >= 0.0,
             Self::Attention => in_range(ATTENTION_RANGE),
             Self::Alpha => in_range((1.0, FACTOR_RANGE.1)),
+            Self::MixedB => v.is_finite() && v > 0.0 && v <= 16.0,
         }
     }
 }
@@ -100,6 +103,12 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
             check(Domain::Alpha, *alpha, "alpha");
             if d == 2 {
                 extra.push(("rotary_dim", ""));
+            }
+        }
+        RopeScaling::Ntk { factor, mixed_b } => {
+            check(Domain::Alpha, *factor, "factor");
+            if let Some(b) = mixed_b {
+                check(Domain::MixedB, *b, "mixed_b");
             }
         }
         RopeScaling::DynamicNtk {
@@ -330,6 +339,11 @@ mod out_of_domain_parameters_are_rejected_by_name {
         })
     }
 
+    /// vLLM's `ntk` (gte-multilingual's base and width).
+    fn vllm_ntk(factor: f64, mixed_b: Option<f64>) -> FrequencySpec {
+        FrequencySpec::new(20_000.0, 64).scaling(RopeScaling::Ntk { factor, mixed_b })
+    }
+
     fn llama3(factor: f64, low: f64, high: f64, original: u32) -> FrequencySpec {
         FrequencySpec::new(500_000.0, 128).scaling(RopeScaling::Llama3 {
             factor,
@@ -396,6 +410,10 @@ mod out_of_domain_parameters_are_rejected_by_name {
                 FrequencySpec::new(10_000.0, 128).scaling(RopeScaling::Linear { factor: v })
             }),
             p("scaling", "factor", Factor, 2.0, |v| ntk(v, 4096, 8192)),
+            p("scaling", "factor", Alpha, 8.0, |v| vllm_ntk(v, None)),
+            p("scaling", "mixed_b", MixedB, 0.75, |v| {
+                vllm_ntk(8.0, Some(v))
+            }),
             p("scaling", "factor", Factor, 4.0, |v| yarn(|y| y.factor = v)),
             p("scaling", "beta_fast", Positive, 32.0, |v| {
                 yarn(|y| y.beta_fast = v)

@@ -5,8 +5,8 @@
 //! Keys are the config's own: `rope_type` (or the older `type`), `factor`,
 //! `original_max_position_embeddings`, `attention_factor`, `beta_fast`, `beta_slow`, `mscale`,
 //! `mscale_all_dim`, `truncate`, `short_factor`, `long_factor`, `low_freq_factor`,
-//! `high_freq_factor`, and the ones transformers 5 moved into the object, `rope_theta` and
-//! `partial_rotary_factor`. Two lengths that live outside `rope_scaling` go into the same
+//! `high_freq_factor`, `mixed_b` (vLLM's `ntk`), and the ones transformers 5 moved into the
+//! object, `rope_theta` and `partial_rotary_factor`. Two lengths that live outside `rope_scaling` go into the same
 //! object: `max_position_embeddings` (the config's top-level field) and `seq_len` (the current
 //! sequence length, which dynamic NTK and LongRoPE read). A key that no family reads is an error
 //! (a misspelt `facter` must not pass silently); a known key that the chosen family does not
@@ -56,10 +56,12 @@ pub const ROPE_SCALING_KEYS: &[&str] = &[
     "long_factor",
     "low_freq_factor",
     "high_freq_factor",
+    "mixed_b",
 ];
 
 /// The families `rope_type` names.
-const FAMILIES: &str = "\"default\", \"linear\", \"dynamic\", \"yarn\", \"longrope\" or \"llama3\"";
+const FAMILIES: &str =
+    "\"default\", \"linear\", \"dynamic\", \"ntk\", \"yarn\", \"longrope\" or \"llama3\"";
 
 /// Base and rotary width as the call gives them, beside the `rope_scaling` object.
 #[derive(Clone, Copy, Debug)]
@@ -182,6 +184,10 @@ fn family(f: &Fields<'_>) -> Result<RopeScaling> {
                 seq_len: f.seq_len()?.unwrap_or(u64::from(max_position_embeddings)),
             }
         }
+        "ntk" => RopeScaling::Ntk {
+            factor: f.required_float("factor", name)?,
+            mixed_b: f.float("mixed_b")?,
+        },
         "yarn" => RopeScaling::Yarn(yarn(f)?),
         "longrope" => longrope(f)?,
         "llama3" => RopeScaling::Llama3 {

@@ -60,6 +60,43 @@ mod families {
     }
 
     #[test]
+    fn ntk_reads_factor_and_an_optional_mixed_b() {
+        // Alibaba-NLP/gte-multilingual-base's block (head_dim 64, rope_theta 20000), as vLLM's
+        // `get_rope` reads it for `NTKScalingRotaryEmbedding`.
+        let base = ConfigBase {
+            theta: Some(20_000.0),
+            head_dim: 64,
+            ..base()
+        };
+        let gte = dict(&[("type", Str("ntk".into())), ("factor", Float(8.0))]);
+        let s = spec(&gte, base).expect("valid");
+        assert_eq!((s.theta, s.rotary_dim), (20_000.0, 64));
+        assert_eq!(
+            s.scaling,
+            RopeScaling::Ntk {
+                factor: 8.0,
+                mixed_b: None
+            }
+        );
+        let mixed = dict(&[
+            ("rope_type", Str("ntk".into())),
+            ("factor", Int(12)),
+            ("mixed_b", Float(0.75)),
+        ]);
+        assert_eq!(
+            spec(&mixed, base).expect("valid").scaling,
+            RopeScaling::Ntk {
+                factor: 12.0,
+                mixed_b: Some(0.75)
+            }
+        );
+        is_value(
+            spec(&dict(&[("rope_type", Str("ntk".into()))]), base),
+            "factor",
+        );
+    }
+
+    #[test]
     fn yarn_takes_defaults_and_derives_a_missing_factor() {
         // DeepSeek-V3's block, with the older "type" key.
         let d = dict(&[
