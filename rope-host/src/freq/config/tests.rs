@@ -238,7 +238,7 @@ mod rejects {
     fn unknown_keys_and_families() {
         let d = dict(&[("rope_type", Str("linear".into())), ("facter", Int(4))]);
         is_value(spec(&d, base()), "scaling: unknown key \"facter\"");
-        let d = dict(&[("rope_type", Str("ntk".into()))]);
+        let d = dict(&[("rope_type", Str("ntk_by_parts".into()))]);
         is_value(spec(&d, base()), "rope_type must be \"default\"");
         is_value(spec(&dict(&[]), base()), "scaling: needs \"rope_type\"");
     }
