@@ -121,8 +121,9 @@ def apply_rope(
       - ``theta`` (default 10000): ``inv_freq[i] = theta ** (-2i / rotary_dim)``, cos and sin
         computed in the kernel (angle in float64, cos/sin within one float32 ulp);
       - ``scaling``: a Hugging Face ``rope_scaling`` dict (transformers 5's ``rope_parameters``),
-        ``rope_type`` "default", "linear", "dynamic", "ntk" (vLLM's), "yarn", "longrope" or
-        "llama3" with the config's own keys (``factor``, ``original_max_position_embeddings``,
+        ``rope_type`` "default", "linear", "dynamic", "ntk" (vLLM's), "yarn", "longrope",
+        "llama3" or "proportional" (Gemma 4: the whole head rotates, ``partial_rotary_factor``
+        is the share of pairs with nonzero frequencies) with the config's own keys (``factor``, ``original_max_position_embeddings``,
         ``beta_fast``, ..., ``rope_theta`` and ``partial_rotary_factor`` too); add ``max_position_embeddings`` (the
         config's top-level field) and ``seq_len`` (the current length) where the family reads
         them (dynamic; yarn and longrope without ``factor``; longrope's long factors). ``theta``

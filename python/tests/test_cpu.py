@@ -524,6 +524,16 @@ class TestFrequencies:
         want = [b / math.exp(slope * (i + 1) ** mixed_b) for i, b in enumerate(default_inv_freq(theta, d))]
         close(f, want, 1e-14)
 
+    def test_proportional(self):
+        # transformers' _compute_proportional_rope_parameters with Gemma 4's full-attention
+        # layers' rope_parameters (global_head_dim 512): the first int(0.25 * 512 // 2) = 64
+        # pairs take the whole head's default frequencies, the other 192 zero.
+        d = 512
+        f, a = rope_rs.frequencies(d, scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6})
+        assert len(f) == d // 2 and a == 1.0
+        close(f[:64], default_inv_freq(1e6, d)[:64], 1e-15)
+        assert list(f[64:]) == [0.0] * 192
+
     def test_longrope(self):
         d = 32
         short, long = [1.0 + i / 16 for i in range(d // 2)], [2.0 + i / 8 for i in range(d // 2)]

@@ -274,8 +274,8 @@ impl Rope {
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] naming `inv_freq` when it is empty, when `2 * len` overflows a
-    /// `u32`, or when an entry is not finite and positive or above `2^20` (the bound
-    /// [`FrequencySpec::build`] holds every family to), and `attention_factor` when it lies
+    /// `u32`, or when an entry is not finite, negative or above `2^20` (the bounds
+    /// [`FrequencySpec::build`] holds every family to; zero leaves a pair as it is), and `attention_factor` when it lies
     /// outside `[1e-3, 1e3]`; [`crate::Error::Driver`] when the upload fails.
     pub fn frequencies_from(
         &self,

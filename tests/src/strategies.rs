@@ -566,6 +566,12 @@ fn scaling_with(
             proptest::option::weighted(0.5, value(0.25, 4.0))
         )
             .prop_map(|(factor, mixed_b)| RopeScaling::Ntk { factor, mixed_b }),
+        (value(0.05, 1.0), value(0.5, 4.0)).prop_map(|(share, factor)| {
+            RopeScaling::Proportional {
+                partial_rotary_factor: share,
+                factor,
+            }
+        }),
         proptest::collection::vec(
             prop_oneof![3 => (1u32..=64).prop_map(|w| 2 * w), 1 => edge_u32()],
             0..=5
@@ -676,6 +682,10 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
                 proptest::option::of(log_uniform(1e-3, 16.0))
             )
                 .prop_map(|(factor, mixed_b)| RopeScaling::Ntk { factor, mixed_b }),
+            ((1e-6f64..=1.0), factor()).prop_map(|(share, factor)| RopeScaling::Proportional {
+                partial_rotary_factor: share,
+                factor,
+            }),
             (1usize..=4).prop_flat_map(move |n| {
                 // `n` axes of random even widths summing to `2 * half` (fewer when half < n).
                 proptest::sample::subsequence(

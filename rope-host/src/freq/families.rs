@@ -185,21 +185,72 @@ pub(super) fn check_frequencies(
     cause: impl FnOnce() -> String,
     f: &[f64],
 ) -> Result<()> {
+    check_frequencies_from(Lowest::Positive, arg, cause, f)
+}
+
+/// The least frequency [`check_frequencies_from`] accepts.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Lowest {
+    /// Above zero: every pair rotates.
+    Positive,
+    /// Zero too: a pair of frequency zero is left as it is (cos 1, sin 0), as Gemma 4's
+    /// proportional RoPE leaves the pairs past its rotated share.
+    Zero,
+}
+
+/// [`check_frequencies`] with zero accepted where `lowest` says so.
+pub(super) fn check_frequencies_from(
+    lowest: Lowest,
+    arg: &'static str,
+    cause: impl FnOnce() -> String,
+    f: &[f64],
+) -> Result<()> {
+    let low_ok = |v: f64| v > 0.0 || (lowest == Lowest::Zero && v == 0.0);
     match f
         .iter()
         .enumerate()
-        .find(|&(_, &v)| !(v.is_finite() && v > 0.0 && v <= MAX_INV_FREQ))
+        .find(|&(_, &v)| !(v.is_finite() && low_ok(v) && v <= MAX_INV_FREQ))
     {
         None => Ok(()),
         Some((i, v)) => Err(invalid(
             arg,
             format!(
-                "{} gives inv_freq[{i}] = {v}; every frequency must be finite, positive and at \
-                 most 2^20 (so that position * inv_freq < 2^51 for positions below 2^31)",
+                "{} gives inv_freq[{i}] = {v}; every frequency must be finite, {} and at most \
+                 2^20 (so that position * inv_freq < 2^51 for positions below 2^31)",
                 cause(),
+                match lowest {
+                    Lowest::Positive => "positive",
+                    Lowest::Zero => "non-negative",
+                },
             ),
         )),
     }
+}
+
+/// Gemma 4's proportional RoPE: the first `floor(partial_rotary_factor * d / 2)` pairs take the
+/// default frequencies of the whole width `d`, divided by `factor`; the other pairs frequency
+/// zero (left as they are).
+pub(super) fn proportional(
+    base: Vec<f64>,
+    partial_rotary_factor: f64,
+    factor: f64,
+) -> Result<(Vec<f64>, f64)> {
+    if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
+        return Err(invalid(
+            "scaling",
+            format!("partial_rotary_factor must lie in (0, 1], got {partial_rotary_factor}"),
+        ));
+    }
+    let factor = scale_factor("factor", factor)?;
+    // floor(partial_rotary_factor * d / 2), with d / 2 the pairs (halving and doubling are
+    // exact, so this is transformers' product to the bit).
+    let rotated = (partial_rotary_factor * base.len() as f64).floor() as usize;
+    let f = base
+        .iter()
+        .enumerate()
+        .map(|(i, &f)| if i < rotated { f / factor } else { 0.0 })
+        .collect();
+    Ok((f, 1.0))
 }
 
 /// `v` if it is finite and positive, else an error naming the scaling parameter.

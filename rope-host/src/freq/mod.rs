@@ -18,7 +18,7 @@ mod tests;
 
 pub use config::{ConfigBase, ConfigValue, DEFAULT_THETA, ROPE_SCALING_KEYS};
 
-use families::check_frequencies;
+use families::{Lowest, check_frequencies, check_frequencies_from};
 
 /// The largest frequency [`FrequencySpec::build`] and the in-kernel path accept: `2^20`.
 ///
@@ -233,6 +233,22 @@ pub enum RopeScaling {
         /// `mixed_b`, if given.
         mixed_b: Option<f64>,
     },
+    /// Gemma 4's proportional RoPE (`rope_type: "proportional"`, transformers'
+    /// `_compute_proportional_rope_parameters`): the whole head rotates as NeoX pairs
+    /// (`rotary_dim` is the head size `d`), the first `floor(partial_rotary_factor * d / 2)`
+    /// pairs with `theta^(-2i/d) / factor` (exponents over the whole head, not the rotated
+    /// share) and the others with frequency zero, which leaves them as they are. Attention
+    /// factor 1. (vLLM's `Gemma4RotaryEmbedding` leaves `factor` out; Gemma 4's configs have none,
+    /// so 1.)
+    ///
+    /// Domain: `partial_rotary_factor` in `(0, 1]`, `factor` in `[2^-20, 2^20]`. The frequencies
+    /// past the rotated share are zero, the one family whose frequencies may be.
+    Proportional {
+        /// `partial_rotary_factor` (0.25 for Gemma 4's full-attention layers).
+        partial_rotary_factor: f64,
+        /// `factor` (1 when the config has none).
+        factor: f64,
+    },
     /// YaRN (`rope_type: "yarn"`): interpolation blended with extrapolation by a linear ramp
     /// over the dimensions between the `beta_slow` and `beta_fast` rotation counts, and an
     /// attention factor `0.1 ln(factor) + 1` (or its `mscale` form).
@@ -324,6 +340,7 @@ impl RopeScaling {
             Self::Linear { .. } | Self::DynamicNtk { .. } | Self::Llama3 { .. } => {
                 ("scaling", "factor", "factor")
             }
+            Self::Proportional { .. } => ("scaling", "factor", "factor"),
             Self::Ntk { mixed_b, .. } => (
                 "scaling",
                 if mixed_b.is_some() {
@@ -405,8 +422,8 @@ impl FrequencySpec {
 
     /// Computes `(inv_freq, attention_factor)` in `f64`.
     ///
-    /// An accepted spec yields `rotary_dim / 2` frequencies, each finite, positive and at most
-    /// `2^20`, so that `position * inv_freq` stays below `2^51`, where the kernels' reduction of
+    /// An accepted spec yields `rotary_dim / 2` frequencies, each finite, positive (or zero, for
+    /// the pairs [`RopeScaling::Proportional`] leaves unrotated) and at most `2^20`, so that `position * inv_freq` stays below `2^51`, where the kernels' reduction of
     /// the angle is defined, for every position below `2^31` (the range over which in-kernel
     /// sin/cos are specified); and an attention factor in `[1e-3, 1e3]` (see [`RopeScaling`]).
     ///
@@ -443,6 +460,10 @@ impl FrequencySpec {
                 families::dynamic_ntk_alpha((theta, d), *alpha)?
             }
             RopeScaling::Ntk { factor, mixed_b } => families::ntk((theta, d), *factor, *mixed_b)?,
+            RopeScaling::Proportional {
+                partial_rotary_factor,
+                factor,
+            } => families::proportional(base, *partial_rotary_factor, *factor)?,
             RopeScaling::Yarn(y) => families::yarn(theta, d, y)?,
             RopeScaling::Llama3 {
                 factor,
@@ -478,7 +499,11 @@ impl FrequencySpec {
         // The final check: whatever the family computed, an accepted spec never hands the
         // kernels a frequency or attention factor outside the bounds documented above.
         let (arg, freq_field, attention_field) = self.scaling.blame();
-        check_frequencies(arg, || freq_field.to_string(), &f)?;
+        let lowest = match self.scaling {
+            RopeScaling::Proportional { .. } => Lowest::Zero,
+            _ => Lowest::Positive,
+        };
+        check_frequencies_from(lowest, arg, || freq_field.to_string(), &f)?;
         let (lo, hi) = ATTENTION_RANGE;
         if !(attention.is_finite() && (lo..=hi).contains(&attention)) {
             return Err(invalid(
@@ -514,7 +539,8 @@ impl InvFreq<'_> {
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] naming `inv_freq` when it is empty, when `2 * len` does not fit
-    /// a `u32`, or when an entry is not finite and positive or above `2^20`.
+    /// a `u32`, or when an entry is not finite, negative or above `2^20` (zero entries, which
+    /// leave their pairs as they are, are taken: Gemma 4's proportional vectors end in them).
     pub(crate) fn checked(self) -> Result<(Vec<f64>, u32)> {
         let f: Vec<f64> = match self {
             Self::F32(f) => f.iter().map(|&v| f64::from(v)).collect(),
@@ -538,7 +564,8 @@ impl InvFreq<'_> {
                     ),
                 )
             })?;
-        check_frequencies("inv_freq", || "the given vector".to_string(), &f)?;
+        let cause = || "the given vector".to_string();
+        check_frequencies_from(Lowest::Zero, "inv_freq", cause, &f)?;
         Ok((f, rotary_dim))
     }
 }

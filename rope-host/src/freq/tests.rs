@@ -120,9 +120,8 @@ fn given_frequencies_outside_the_frequency_bound_are_rejected_naming_inv_freq() 
     assert!(is_inv_freq(InvFreq::F64(&[]).checked()));
     let next = |v: f64| f64::from_bits(v.to_bits() + 1);
     for bad in [
-        0.0,
-        -0.0,
         -1.0,
+        -f64::MIN_POSITIVE,
         f64::NAN,
         f64::INFINITY,
         f64::NEG_INFINITY,
@@ -140,13 +139,77 @@ fn given_frequencies_outside_the_frequency_bound_are_rejected_naming_inv_freq() 
         }
         // The same values in f32, where they exist there.
         let narrow = bad as f32;
-        if f64::from(narrow) > MAX_INV_FREQ || !(narrow.is_finite() && narrow > 0.0) {
+        if f64::from(narrow) > MAX_INV_FREQ || !(narrow.is_finite() && narrow >= 0.0) {
             assert!(is_inv_freq(InvFreq::F32(&[narrow]).checked()), "{narrow}");
         }
     }
     // The smallest f32 above 2^20 is past the bound as well.
     let above = f32::from_bits(1_048_576.0f32.to_bits() + 1);
     assert!(is_inv_freq(InvFreq::F32(&[above]).checked()));
+    // Zeros (of either sign) leave their pairs as they are: Gemma 4's proportional vectors end
+    // in them.
+    let (f, rotary_dim) = InvFreq::F32(&[1.0, 0.5, 0.0, -0.0])
+        .checked()
+        .expect("zeros are frequencies");
+    assert_eq!((f, rotary_dim), (vec![1.0, 0.5, 0.0, 0.0], 8));
+}
+
+/// transformers' `_compute_proportional_rope_parameters` (`modeling_rope_utils.py`, read by
+/// `Gemma4TextRotaryEmbedding`): `rope_angles = int(partial_rotary_factor * head_dim // 2)`,
+/// `inv_freq = 1 / base ** (arange(0, 2 * rope_angles, 2) / head_dim)` padded with
+/// `head_dim // 2 - rope_angles` zeros, all divided by `factor`; attention factor 1.
+/// Transcribed here for Gemma 4's full-attention layers (`global_head_dim` 512,
+/// `partial_rotary_factor` 0.25, `rope_theta` 1e6) and other shares.
+#[test]
+fn proportional_is_gemma4s_share_of_the_whole_heads_frequencies_then_zeros() {
+    for (theta, head_dim, share, factor) in [
+        (1e6, 512u32, 0.25, 1.0),
+        (1e6, 256, 0.25, 1.0),
+        (1e4, 128, 0.5, 2.0),
+        (1e4, 64, 1.0, 1.0),
+        (1e4, 10, 0.3, 1.0),
+    ] {
+        let spec = FrequencySpec::new(theta, head_dim).scaling(RopeScaling::Proportional {
+            partial_rotary_factor: share,
+            factor,
+        });
+        let (f, attention) = spec.build().expect("valid");
+        assert_eq!((f.len(), attention), (head_dim as usize / 2, 1.0));
+        let angles = (share * f64::from(head_dim) / 2.0).floor() as usize;
+        for (i, &got) in f.iter().enumerate() {
+            let want = if i < angles {
+                1.0 / theta.powf(2.0 * i as f64 / f64::from(head_dim)) / factor
+            } else {
+                0.0
+            };
+            assert!(
+                (got - want).abs() <= 4.0 * f64::EPSILON * want,
+                "{head_dim} {share}: {i}: {got} vs {want}"
+            );
+        }
+        if share == 1.0 {
+            assert_eq!(f, inv_freq(theta, head_dim));
+        }
+    }
+    for (share, factor, field) in [
+        (0.0, 1.0, "partial_rotary_factor "),
+        (1.5, 1.0, "partial_rotary_factor "),
+        (f64::NAN, 1.0, "partial_rotary_factor "),
+        (0.25, 0.0, "factor "),
+        (0.25, f64::INFINITY, "factor "),
+    ] {
+        let spec = FrequencySpec::new(1e6, 512).scaling(RopeScaling::Proportional {
+            partial_rotary_factor: share,
+            factor,
+        });
+        match spec.build() {
+            Err(Error::Invalid {
+                arg: "scaling",
+                problem,
+            }) => assert!(problem.starts_with(field), "{problem}"),
+            other => panic!("{share} {factor}: {other:?}"),
+        }
+    }
 }
 
 #[test]

@@ -395,6 +395,7 @@ fn family_name(s: &RopeScaling) -> &'static str {
         RopeScaling::DynamicNtkAlpha { .. } => "dynamic NTK alpha",
         RopeScaling::Linear { .. } => "linear",
         RopeScaling::DynamicNtk { .. } => "dynamic NTK",
+        RopeScaling::Proportional { .. } => "proportional (Gemma 4)",
         RopeScaling::Ntk { mixed_b: None, .. } => "NTK",
         RopeScaling::Ntk {
             mixed_b: Some(_), ..

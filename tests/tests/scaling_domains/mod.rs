@@ -42,6 +42,8 @@ enum Domain {
     Alpha,
     /// NTK's `mixed_b`: in `(0, 16]`.
     MixedB,
+    /// Proportional RoPE's `partial_rotary_factor`: in `(0, 1]`.
+    Share,
 }
 
 impl Domain {
@@ -64,6 +66,7 @@ impl Domain {
             Self::Attention => in_range(ATTENTION_RANGE),
             Self::Alpha => in_range((1.0, FACTOR_RANGE.1)),
             Self::MixedB => v.is_finite() && v > 0.0 && v <= 16.0,
+            Self::Share => v > 0.0 && v <= 1.0,
         }
     }
 }
@@ -104,6 +107,17 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
             if d == 2 {
                 extra.push(("rotary_dim", ""));
             }
+        }
+        RopeScaling::Proportional {
+            partial_rotary_factor,
+            factor,
+        } => {
+            check(
+                Domain::Share,
+                *partial_rotary_factor,
+                "partial_rotary_factor",
+            );
+            check(Domain::Factor, *factor, "factor");
         }
         RopeScaling::Ntk { factor, mixed_b } => {
             check(Domain::Alpha, *factor, "factor");
@@ -224,9 +238,11 @@ fn names(err: &Error, (arg, field): (&str, &str)) -> bool {
 /// and at most `2^20`, and an attention factor in `[1e-3, 1e3]`.
 fn assert_bounded(spec: &FrequencySpec, (f, attention): &(Vec<f64>, f64)) {
     assert_eq!(f.len(), spec.rotary_dim as usize / 2, "{spec:?}");
+    // Proportional RoPE's pairs past its share have frequency zero; every other is positive.
+    let zero_ok = matches!(spec.scaling, RopeScaling::Proportional { .. });
     for (i, &v) in f.iter().enumerate() {
         assert!(
-            v.is_finite() && v > 0.0 && v <= MAX_INV_FREQ,
+            v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0)) && v <= MAX_INV_FREQ,
             "inv_freq[{i}] = {v} for {spec:?}"
         );
     }
@@ -344,6 +360,14 @@ mod out_of_domain_parameters_are_rejected_by_name {
         FrequencySpec::new(20_000.0, 64).scaling(RopeScaling::Ntk { factor, mixed_b })
     }
 
+    /// Gemma 4's full-attention layers' proportional RoPE.
+    fn gemma4(partial_rotary_factor: f64, factor: f64) -> FrequencySpec {
+        FrequencySpec::new(1e6, 512).scaling(RopeScaling::Proportional {
+            partial_rotary_factor,
+            factor,
+        })
+    }
+
     fn llama3(factor: f64, low: f64, high: f64, original: u32) -> FrequencySpec {
         FrequencySpec::new(500_000.0, 128).scaling(RopeScaling::Llama3 {
             factor,
@@ -414,6 +438,10 @@ mod out_of_domain_parameters_are_rejected_by_name {
             p("scaling", "mixed_b", MixedB, 0.75, |v| {
                 vllm_ntk(8.0, Some(v))
             }),
+            p("scaling", "partial_rotary_factor", Share, 0.25, |v| {
+                gemma4(v, 1.0)
+            }),
+            p("scaling", "factor", Factor, 1.0, |v| gemma4(0.25, v)),
             p("scaling", "factor", Factor, 4.0, |v| yarn(|y| y.factor = v)),
             p("scaling", "beta_fast", Positive, 32.0, |v| {
                 yarn(|y| y.beta_fast = v)

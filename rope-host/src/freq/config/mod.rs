@@ -60,8 +60,8 @@ pub const ROPE_SCALING_KEYS: &[&str] = &[
 ];
 
 /// The families `rope_type` names.
-const FAMILIES: &str =
-    "\"default\", \"linear\", \"dynamic\", \"ntk\", \"yarn\", \"longrope\" or \"llama3\"";
+const FAMILIES: &str = "\"default\", \"linear\", \"dynamic\", \"ntk\", \"yarn\", \"longrope\", \
+                        \"llama3\" or \"proportional\"";
 
 /// Base and rotary width as the call gives them, beside the `rope_scaling` object.
 #[derive(Clone, Copy, Debug)]
@@ -104,8 +104,12 @@ impl FrequencySpec {
             }
             (t, r) => r.or(t).unwrap_or(DEFAULT_THETA),
         };
-        let rotary_dim = rotary_dim(&fields, base)?;
         let scaling = family(&fields)?;
+        let rotary_dim = match scaling {
+            // Its share of rotated pairs is the family's, not a narrower rotated slice.
+            RopeScaling::Proportional { .. } => whole_head(base)?,
+            _ => rotary_dim(&fields, base)?,
+        };
         Ok(FrequencySpec {
             theta,
             rotary_dim,
@@ -154,6 +158,22 @@ fn rotary_dim(fields: &Fields<'_>, base: ConfigBase) -> Result<u32> {
     }
 }
 
+/// The whole head, which proportional RoPE rotates (its `partial_rotary_factor` is the share
+/// of pairs with nonzero frequencies): `rotary_dim=`, when given, must be the head size.
+fn whole_head(base: ConfigBase) -> Result<u32> {
+    match base.rotary_dim {
+        Some(r) if r != base.head_dim => Err(invalid(
+            "rotary_dim",
+            format!(
+                "{r} differs from head_dim {}: proportional RoPE rotates the whole head \
+                 (partial_rotary_factor is the share of its pairs with nonzero frequencies)",
+                base.head_dim
+            ),
+        )),
+        _ => Ok(base.head_dim),
+    }
+}
+
 /// The family `rope_type` names, with its fields.
 fn family(f: &Fields<'_>) -> Result<RopeScaling> {
     let name = match (f.str("rope_type")?, f.str("type")?) {
@@ -184,6 +204,11 @@ fn family(f: &Fields<'_>) -> Result<RopeScaling> {
                 seq_len: f.seq_len()?.unwrap_or(u64::from(max_position_embeddings)),
             }
         }
+        // transformers reads both with a default of 1.
+        "proportional" => RopeScaling::Proportional {
+            partial_rotary_factor: f.float("partial_rotary_factor")?.unwrap_or(1.0),
+            factor: f.float("factor")?.unwrap_or(1.0),
+        },
         "ntk" => RopeScaling::Ntk {
             factor: f.required_float("factor", name)?,
             mixed_b: f.float("mixed_b")?,

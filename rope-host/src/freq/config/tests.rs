@@ -60,6 +60,45 @@ mod families {
     }
 
     #[test]
+    fn proportional_rotates_the_whole_head_and_keeps_partial_rotary_factor_as_its_share() {
+        // Gemma 4's full-attention layers: rope_parameters {"rope_type": "proportional",
+        // "partial_rotary_factor": 0.25, "rope_theta": 1e6}, global_head_dim 512.
+        let gemma4 = dict(&[
+            ("rope_type", Str("proportional".into())),
+            ("partial_rotary_factor", Float(0.25)),
+            ("rope_theta", Float(1e6)),
+        ]);
+        let base = ConfigBase {
+            head_dim: 512,
+            ..base()
+        };
+        let s = spec(&gemma4, base).expect("valid");
+        assert_eq!((s.theta, s.rotary_dim), (1e6, 512));
+        assert_eq!(
+            s.scaling,
+            RopeScaling::Proportional {
+                partial_rotary_factor: 0.25,
+                factor: 1.0
+            }
+        );
+        let (f, _) = s.build().expect("valid");
+        assert_eq!(f.iter().filter(|&&v| v > 0.0).count(), 64);
+        // Without the share, the whole head rotates as the default family.
+        let whole = dict(&[("rope_type", Str("proportional".into()))]);
+        let s = spec(&whole, base).expect("valid");
+        assert_eq!(s.build().expect("valid").0, crate::inv_freq(10_000.0, 512));
+        // A rotated width other than the head's contradicts the family.
+        let narrower = ConfigBase {
+            rotary_dim: Some(128),
+            ..base
+        };
+        is_value(
+            spec(&gemma4, narrower),
+            "rotary_dim: 128 differs from head_dim 512",
+        );
+    }
+
+    #[test]
     fn ntk_reads_factor_and_an_optional_mixed_b() {
         // Alibaba-NLP/gte-multilingual-base's block (head_dim 64, rope_theta 20000), as vLLM's
         // `get_rope` reads it for `NTKScalingRotaryEmbedding`.
