@@ -736,6 +736,7 @@ fn yarn(
         mscale_all_dim: all,
         attention_factor: attention,
         truncate,
+        mscale_coefficient: 0.1,
     })
 }
 

@@ -396,13 +396,20 @@ pub(super) fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
             ));
         }
     }
+    let c = y.mscale_coefficient;
+    if !(0.0..=1.0).contains(&c) {
+        return Err(invalid(
+            "scaling",
+            format!("mscale_coefficient must lie in [0, 1], got {c}"),
+        ));
+    }
     let dim = f64::from(d);
-    // At least 1 (and at most 2.39 for `factor <= 2^20`) for `m >= 0`.
+    // At least 1 (and at most 14.9 m for `factor <= 2^20`) for `m >= 0`.
     let mscale_of = |m: f64| {
         if factor <= 1.0 {
             1.0
         } else {
-            0.1 * m * factor.ln() + 1.0
+            c * m * factor.ln() + 1.0
         }
     };
     let attention = match (y.attention_factor, y.mscale, y.mscale_all_dim) {

@@ -146,6 +146,10 @@ pub struct Yarn {
     pub attention_factor: Option<f64>,
     /// `truncate` (default true): round the correction range outwards to whole dimensions.
     pub truncate: bool,
+    /// The coefficient `c` of `mscale(m) = c m ln(factor) + 1` (default 0.1, the YaRN paper's and
+    /// transformers'; TeleChat3 uses 0.07, as vLLM's `TeleChat3RoPEScaledRotaryEmbedding`
+    /// computes it).
+    pub mscale_coefficient: f64,
 }
 
 impl Yarn {
@@ -161,6 +165,7 @@ impl Yarn {
             mscale_all_dim: None,
             attention_factor: None,
             truncate: true,
+            mscale_coefficient: 0.1,
         }
     }
 }
@@ -251,13 +256,15 @@ pub enum RopeScaling {
     },
     /// YaRN (`rope_type: "yarn"`): interpolation blended with extrapolation by a linear ramp
     /// over the dimensions between the `beta_slow` and `beta_fast` rotation counts, and an
-    /// attention factor `0.1 ln(factor) + 1` (or its `mscale` form).
+    /// attention factor `c ln(factor) + 1` with `c = mscale_coefficient` (0.1; or its `mscale`
+    /// form).
     ///
     /// Domain: `theta > 1` (its logarithm divides the correction range), `factor` in
     /// `[2^-20, 2^20]`, `original_max_position_embeddings` nonzero, `beta_fast` and
     /// `beta_slow` finite and positive with finite correction dimensions
     /// (`original / (beta * 2 pi)` neither overflowing nor underflowing), `mscale` and
-    /// `mscale_all_dim` finite and non-negative when given, and the attention factor in
+    /// `mscale_all_dim` finite and non-negative when given, `mscale_coefficient` in `[0, 1]`,
+    /// and the attention factor in
     /// `[1e-3, 1e3]`. The order of `beta_fast` and `beta_slow` is not checked: reversed, the
     /// ramp runs the other way, finite still.
     Yarn(Yarn),

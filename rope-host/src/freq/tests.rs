@@ -313,6 +313,48 @@ fn dynamic_ntk_alpha_grows_the_base_by_alpha_to_the_d_over_d_minus_2() {
     assert_eq!(one.build().expect("valid").0, inv_freq(500.0, 64));
 }
 
+/// TeleChat3's YaRN: vLLM's `TeleChat3RoPEScaledRotaryEmbedding` takes YaRN's frequencies and
+/// `mscale = 0.07 ln(factor) + 1` (TeleChat3's own `_yarn_get_mscale` with `mscale` 1); the
+/// values its tutorial's 32K and 128K configs give (factor 4 and 16 over 8192 tokens, theta
+/// 10000).
+#[test]
+fn yarn_takes_telechat3s_mscale_coefficient() {
+    for (factor, mscale) in [(4.0, 1.097_04), (16.0, 1.194_08)] {
+        let standard = Yarn::new(factor, 8192);
+        let telechat3 = Yarn {
+            mscale_coefficient: 0.07,
+            ..standard.clone()
+        };
+        let build = |y: Yarn| {
+            FrequencySpec::new(10_000.0, 128)
+                .scaling(RopeScaling::Yarn(y))
+                .build()
+                .expect("valid")
+        };
+        let ((f, a), (f_std, a_std)) = (build(telechat3), build(standard));
+        assert_eq!(f, f_std);
+        assert_eq!(a, 0.07 * f64::ln(factor) + 1.0);
+        assert!((a - mscale).abs() < 1e-5, "{a}");
+        assert_eq!(a_std, 0.1 * f64::ln(factor) + 1.0);
+    }
+    for c in [-0.1, 1.5, f64::NAN] {
+        let y = Yarn {
+            mscale_coefficient: c,
+            ..Yarn::new(4.0, 8192)
+        };
+        match FrequencySpec::new(10_000.0, 128)
+            .scaling(RopeScaling::Yarn(y))
+            .build()
+        {
+            Err(Error::Invalid {
+                arg: "scaling",
+                problem,
+            }) => assert!(problem.starts_with("mscale_coefficient "), "{problem}"),
+            other => panic!("{c}: {other:?}"),
+        }
+    }
+}
+
 /// vLLM's `NTKScalingRotaryEmbedding` (`vllm/model_executor/layers/rotary_embedding/
 /// ntk_scaling_rope.py`): without `mixed_b`, the default frequencies of base
 /// `rope_theta * factor` divided by `factor ** (2 / rotary_dim)`; with it,

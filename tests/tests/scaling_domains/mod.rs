@@ -44,6 +44,8 @@ enum Domain {
     MixedB,
     /// Proportional RoPE's `partial_rotary_factor`: in `(0, 1]`.
     Share,
+    /// YaRN's `mscale_coefficient`: in `[0, 1]`.
+    Unit,
 }
 
 impl Domain {
@@ -67,6 +69,7 @@ impl Domain {
             Self::Alpha => in_range((1.0, FACTOR_RANGE.1)),
             Self::MixedB => v.is_finite() && v > 0.0 && v <= 16.0,
             Self::Share => v > 0.0 && v <= 1.0,
+            Self::Unit => (0.0..=1.0).contains(&v),
         }
     }
 }
@@ -151,6 +154,7 @@ fn documented_violations(spec: &FrequencySpec) -> Vec<(&'static str, &'static st
                 y.original_max_position_embeddings.into(),
                 "original_max_position_embeddings",
             );
+            check(Domain::Unit, y.mscale_coefficient, "mscale_coefficient");
             check(Domain::Positive, y.beta_fast, "beta_fast");
             check(Domain::Positive, y.beta_slow, "beta_slow");
             for (m, field) in [(y.mscale, "mscale"), (y.mscale_all_dim, "mscale_all_dim")] {
@@ -443,6 +447,9 @@ mod out_of_domain_parameters_are_rejected_by_name {
             }),
             p("scaling", "factor", Factor, 1.0, |v| gemma4(0.25, v)),
             p("scaling", "factor", Factor, 4.0, |v| yarn(|y| y.factor = v)),
+            p("scaling", "mscale_coefficient", Unit, 0.07, |v| {
+                yarn(|y| y.mscale_coefficient = v)
+            }),
             p("scaling", "beta_fast", Positive, 32.0, |v| {
                 yarn(|y| y.beta_fast = v)
             }),
