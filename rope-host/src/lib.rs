@@ -79,7 +79,8 @@ pub use device::StreamOverlap;
 pub use error::{Error, Result};
 pub use freq::{
     AngleMode, ConfigBase, ConfigValue, DEFAULT_THETA, Frequencies, FrequencySpec, InvFreq,
-    ROPE_SCALING_KEYS, RopeScaling, Yarn, axial_inv_freq, check_default_frequencies, inv_freq,
+    ROPE_SCALING_KEYS, RopeScaling, Yarn, YarnBlend, axial_inv_freq, check_default_frequencies,
+    inv_freq,
 };
 pub use fused::{
     CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,

@@ -1,7 +1,7 @@
 //! proptest strategies for random RoPE problems: odd and single-element dimensions included.
 
 use proptest::prelude::*;
-use rope_host::{Direction, FrequencySpec, IdsShape, RopeScaling, RopeStyle, Yarn};
+use rope_host::{Direction, FrequencySpec, IdsShape, RopeScaling, RopeStyle, Yarn, YarnBlend};
 
 use rope_host::TableFormat;
 
@@ -737,6 +737,11 @@ fn yarn(
         attention_factor: attention,
         truncate,
         mscale_coefficient: 0.1,
+        blend: if truncate {
+            YarnBlend::Linear
+        } else {
+            YarnBlend::Log
+        },
     })
 }
 

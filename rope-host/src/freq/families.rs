@@ -3,7 +3,7 @@
 
 use std::f64::consts::PI;
 
-use super::{ATTENTION_RANGE, FACTOR_RANGE, MAX_INV_FREQ, Yarn, inv_freq};
+use super::{ATTENTION_RANGE, FACTOR_RANGE, MAX_INV_FREQ, Yarn, YarnBlend, inv_freq};
 use crate::error::{Result, invalid};
 
 /// Position interpolation: every frequency divided by `factor`.
@@ -457,8 +457,12 @@ pub(super) fn yarn(theta: f64, d: u32, y: &Yarn) -> Result<(Vec<f64>, f64)> {
         .map(|(i, &extrapolation)| {
             let interpolation = extrapolation / factor;
             let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
-            let extrapolation_weight = 1.0 - ramp;
-            interpolation * (1.0 - extrapolation_weight) + extrapolation * extrapolation_weight
+            let w = 1.0 - ramp;
+            // Either blend lies between the two values, so inside the frequency bounds.
+            match y.blend {
+                YarnBlend::Linear => interpolation * (1.0 - w) + extrapolation * w,
+                YarnBlend::Log => (w * extrapolation.ln() + (1.0 - w) * interpolation.ln()).exp(),
+            }
         })
         .collect();
     Ok((f, attention))

@@ -150,6 +150,21 @@ pub struct Yarn {
     /// transformers'; TeleChat3 uses 0.07, as vLLM's `TeleChat3RoPEScaledRotaryEmbedding`
     /// computes it).
     pub mscale_coefficient: f64,
+    /// How each frequency blends its interpolated and extrapolated values (default
+    /// [`YarnBlend::Linear`]).
+    pub blend: YarnBlend,
+}
+
+/// How YaRN blends a dimension's interpolated frequency `f / factor` and extrapolated one `f`,
+/// with the extrapolation weight `w = 1 - ramp` of its dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum YarnBlend {
+    /// `(f / factor) (1 - w) + f w`: the YaRN paper's, transformers' and vLLM's `yarn`.
+    Linear,
+    /// `exp(w ln f + (1 - w) ln(f / factor)) = f factor^(w - 1)`: Grok-1's `yarn_log` (vLLM's
+    /// `Grok1ScalingRotaryEmbedding`, which leaves cos and sin unscaled: set
+    /// `attention_factor` to 1 for it).
+    Log,
 }
 
 impl Yarn {
@@ -166,6 +181,7 @@ impl Yarn {
             attention_factor: None,
             truncate: true,
             mscale_coefficient: 0.1,
+            blend: YarnBlend::Linear,
         }
     }
 }

@@ -355,6 +355,65 @@ fn yarn_takes_telechat3s_mscale_coefficient() {
     }
 }
 
+/// Grok-1's `yarn_log` (vLLM's `Grok1ScalingRotaryEmbedding`, `rotary_embedding/
+/// grok1_scaling_rope.py`): YaRN's correction range and ramp, `mask = 1 - ramp`, and
+/// `inv_freq = exp(mask * log(f) + (1 - mask) * log(f / factor))`; cos and sin unscaled.
+/// Transcribed here, with the linear blend's range and ramp, for a Grok-like head (rope_theta
+/// 208533496, head_dim 128, factor 16 over 8192 tokens, beta_fast 8, beta_slow 1).
+#[test]
+fn yarn_log_blends_in_log_space_between_the_same_bounds() {
+    let (theta, d, factor, original) = (208_533_496.0f64, 128u32, 16.0f64, 8192u32);
+    let y = Yarn {
+        beta_fast: 8.0,
+        beta_slow: 1.0,
+        attention_factor: Some(1.0),
+        blend: YarnBlend::Log,
+        ..Yarn::new(factor, original)
+    };
+    let (f, attention) = FrequencySpec::new(theta, d)
+        .scaling(RopeScaling::Yarn(y.clone()))
+        .build()
+        .expect("valid");
+    assert_eq!(attention, 1.0);
+    let dim = f64::from(d);
+    let correction = |rotations: f64| {
+        dim * (f64::from(original) / (rotations * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * theta.ln())
+    };
+    let low = correction(8.0).floor().max(0.0);
+    let high = correction(1.0).ceil().min(dim - 1.0);
+    assert!(low < high);
+    for (i, &got) in f.iter().enumerate() {
+        let extrapolated = theta.powf(-2.0 * i as f64 / dim);
+        let mask = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+        let want = (mask * extrapolated.ln() + (1.0 - mask) * (extrapolated / factor).ln()).exp();
+        assert!(
+            (got - want).abs() <= 16.0 * f64::EPSILON * want,
+            "{i}: {got} vs {want}"
+        );
+        // Between the interpolated and the extrapolated value, as the linear blend is.
+        assert!(
+            extrapolated / factor * (1.0 - 1e-12) <= got && got <= extrapolated * (1.0 + 1e-12)
+        );
+    }
+    // The linear blend differs inside the ramp and agrees outside it (to rounding: exp(ln x)).
+    let linear = FrequencySpec::new(theta, d)
+        .scaling(RopeScaling::Yarn(Yarn {
+            blend: YarnBlend::Linear,
+            ..y
+        }))
+        .build()
+        .expect("valid")
+        .0;
+    for i in [0, 63] {
+        assert!(
+            (f[i] - linear[i]).abs() <= 4.0 * f64::EPSILON * linear[i],
+            "{i}"
+        );
+    }
+    assert!(f.iter().zip(&linear).any(|(a, b)| (a - b).abs() > 1e-6 * b));
+}
+
 /// vLLM's `NTKScalingRotaryEmbedding` (`vllm/model_executor/layers/rotary_embedding/
 /// ntk_scaling_rope.py`): without `mixed_b`, the default frequencies of base
 /// `rope_theta * factor` divided by `factor ** (2 / rotary_dim)`; with it,
