@@ -299,6 +299,20 @@ mod tests {
         }
     }
 
+    /// A frequency of zero (Gemma 4's pairs past its rotated share) leaves its pair as it is:
+    /// cos exactly 1 and sin exactly zero, at every position and in every angle mode, so the
+    /// rotation `x cos - y sin`, `y cos + x sin` returns both elements unchanged.
+    #[test]
+    fn zero_frequency_is_the_identity_at_every_position() {
+        for mode in [AngleMode::Exact, AngleMode::F32Compat] {
+            for p in [0i64, 1, -1, 7, 4096, 1 << 20, i32::MAX as i64, -(1 << 31)] {
+                let (c, s) = rope_cos_sin_mode(p, 0.0, mode);
+                assert_eq!((c, s.abs()), (1.0, 0.0), "{p} {mode:?}");
+                assert_eq!(rotate(1.5, -2.0, c, s), (1.5, -2.0));
+            }
+        }
+    }
+
     #[test]
     fn rotate_is_the_plain_formula() {
         let (y0, y1) = rotate(1.5, -2.0, 0.6, 0.8);
