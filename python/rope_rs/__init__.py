@@ -123,8 +123,9 @@ def apply_rope(
       - ``scaling``: a Hugging Face ``rope_scaling`` dict (transformers 5's ``rope_parameters``),
         ``rope_type`` "default", "linear", "dynamic", "ntk" (vLLM's), "yarn", "longrope",
         "llama3" or "proportional" (Gemma 4: the whole head rotates, ``partial_rotary_factor``
-        is the share of pairs with nonzero frequencies) with the config's own keys (``factor``, ``original_max_position_embeddings``,
-        ``beta_fast``, ..., ``rope_theta`` and ``partial_rotary_factor`` too); add ``max_position_embeddings`` (the
+        is the share of pairs with nonzero frequencies) with the config's own keys
+        (``factor``, ``original_max_position_embeddings``, ``beta_fast``, ..., ``rope_theta``
+        and ``partial_rotary_factor`` too); add ``max_position_embeddings`` (the
         config's top-level field) and ``seq_len`` (the current length) where the family reads
         them (dynamic; yarn and longrope without ``factor``; longrope's long factors). ``theta``
         is its base. YaRN's and LongRoPE's attention factor scales cos and sin, as HF does;
