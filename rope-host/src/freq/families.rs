@@ -50,12 +50,7 @@ pub(super) fn dynamic_ntk(
 
 /// Dynamic NTK with `alpha` (Hunyuan): base `theta * alpha^(d / (d - 2))`.
 pub(super) fn dynamic_ntk_alpha((theta, d): (f64, u32), alpha: f64) -> Result<(Vec<f64>, f64)> {
-    if !(alpha.is_finite() && (1.0..=FACTOR_RANGE.1).contains(&alpha)) {
-        return Err(invalid(
-            "scaling",
-            format!("alpha must lie in [1, 2^20], got {alpha}"),
-        ));
-    }
+    let alpha = growth_factor("alpha", alpha)?;
     if d <= 2 {
         return Err(invalid(
             "rotary_dim",
@@ -235,12 +230,7 @@ pub(super) fn proportional(
     partial_rotary_factor: f64,
     factor: f64,
 ) -> Result<(Vec<f64>, f64)> {
-    if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
-        return Err(invalid(
-            "scaling",
-            format!("partial_rotary_factor must lie in (0, 1], got {partial_rotary_factor}"),
-        ));
-    }
+    let partial_rotary_factor = share(partial_rotary_factor)?;
     let factor = scale_factor("factor", factor)?;
     // floor(partial_rotary_factor * d / 2), with d / 2 the pairs (halving and doubling are
     // exact, so this is transformers' product to the bit).
@@ -274,6 +264,32 @@ fn scale_factor(name: &str, v: f64) -> Result<f64> {
         Err(invalid(
             "scaling",
             format!("{name} must lie in [2^-20, 2^20], got {v}"),
+        ))
+    }
+}
+
+/// `v` if it is a factor that only grows the base or shrinks the frequencies, in
+/// `[1, 2^20]`, else an error naming it: the frequencies then stay within the default
+/// family's.
+fn growth_factor(name: &str, v: f64) -> Result<f64> {
+    if v.is_finite() && (1.0..=FACTOR_RANGE.1).contains(&v) {
+        Ok(v)
+    } else {
+        Err(invalid(
+            "scaling",
+            format!("{name} must lie in [1, 2^20], got {v}"),
+        ))
+    }
+}
+
+/// `partial_rotary_factor` if it is a share of a head, in `(0, 1]`, else an error naming it.
+pub(super) fn share(partial_rotary_factor: f64) -> Result<f64> {
+    if partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0 {
+        Ok(partial_rotary_factor)
+    } else {
+        Err(invalid(
+            "scaling",
+            format!("partial_rotary_factor must lie in (0, 1], got {partial_rotary_factor}"),
         ))
     }
 }
@@ -326,12 +342,7 @@ pub(super) fn ntk(
     factor: f64,
     mixed_b: Option<f64>,
 ) -> Result<(Vec<f64>, f64)> {
-    if !(factor.is_finite() && (1.0..=FACTOR_RANGE.1).contains(&factor)) {
-        return Err(invalid(
-            "scaling",
-            format!("factor must lie in [1, 2^20], got {factor}"),
-        ));
-    }
+    let factor = growth_factor("factor", factor)?;
     let dim = f64::from(d);
     // `factor >= 1`: the base only grows and every divisor is at least 1, so every frequency
     // stays within the default family's.

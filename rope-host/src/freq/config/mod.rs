@@ -137,12 +137,7 @@ fn rotary_dim(fields: &Fields<'_>, base: ConfigBase) -> Result<u32> {
     let Some(factor) = fields.float("partial_rotary_factor")? else {
         return Ok(base.rotary_dim.unwrap_or(base.head_dim));
     };
-    if !(factor > 0.0 && factor <= 1.0) {
-        return Err(invalid(
-            "scaling",
-            format!("partial_rotary_factor must lie in (0, 1], got {factor}"),
-        ));
-    }
+    let factor = super::families::share(factor)?;
     // Truncation, as Python's int() of the product.
     let derived = (f64::from(base.head_dim) * factor) as u32;
     match base.rotary_dim {
