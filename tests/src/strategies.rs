@@ -531,7 +531,7 @@ fn scaling_with(
             proptest::option::of(value(0.1, 2.0)),
             proptest::option::of(value(0.1, 2.0)),
             proptest::option::weighted(0.2, value(0.5, 2.0)),
-            any::<bool>(),
+            (any::<bool>(), any::<bool>()),
         ),
     )
         .prop_map(yarn);
@@ -629,7 +629,7 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
             proptest::option::of(0.0f64..=10.0),
             proptest::option::of(0.0f64..=10.0),
             proptest::option::weighted(0.2, log_uniform(1e-3, 1e3)),
-            any::<bool>(),
+            (any::<bool>(), any::<bool>()),
         ),
     )
         .prop_map(yarn);
@@ -719,12 +719,12 @@ pub fn frequency_spec_in_domain() -> impl Strategy<Value = FrequencySpec> {
 }
 
 /// The parameters `((factor, original, beta_fast, beta_slow), (mscale, mscale_all_dim,
-/// attention_factor, truncate))` as a YaRN family.
+/// attention_factor, (truncate, log_blend)))` as a YaRN family.
 #[allow(clippy::type_complexity)]
 fn yarn(
-    ((factor, original, beta_fast, beta_slow), (mscale, all, attention, truncate)): (
+    ((factor, original, beta_fast, beta_slow), (mscale, all, attention, (truncate, log_blend))): (
         (f64, u32, f64, f64),
-        (Option<f64>, Option<f64>, Option<f64>, bool),
+        (Option<f64>, Option<f64>, Option<f64>, (bool, bool)),
     ),
 ) -> RopeScaling {
     RopeScaling::Yarn(Yarn {
@@ -737,10 +737,10 @@ fn yarn(
         attention_factor: attention,
         truncate,
         mscale_coefficient: 0.1,
-        blend: if truncate {
-            YarnBlend::Linear
-        } else {
+        blend: if log_blend {
             YarnBlend::Log
+        } else {
+            YarnBlend::Linear
         },
     })
 }
