@@ -168,9 +168,10 @@ impl FrequencySpec {
     /// Computes `(inv_freq, attention_factor)` in `f64`.
     ///
     /// An accepted spec yields `rotary_dim / 2` frequencies, each finite, positive (or zero, for
-    /// the pairs [`RopeScaling::Proportional`] leaves unrotated) and at most `2^20`, so that `position * inv_freq` stays below `2^51`, where the kernels' reduction of
-    /// the angle is defined, for every position below `2^31` (the range over which in-kernel
-    /// sin/cos are specified); and an attention factor in `[1e-3, 1e3]` (see [`RopeScaling`]).
+    /// the pairs [`RopeScaling::Proportional`] leaves unrotated) and at most `2^20`, so that
+    /// `position * inv_freq` stays below `2^51`, where the kernels' reduction of the angle is
+    /// defined, for every position below `2^31` (the range over which in-kernel sin/cos are
+    /// specified); and an attention factor in `[1e-3, 1e3]` (see [`RopeScaling`]).
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] naming `theta`, `rotary_dim` or `scaling` (its problem names

@@ -65,12 +65,13 @@ impl Yarn {
 /// are `f64`, lengths in tokens are integers (`u32` for the config's context lengths, `u64` for
 /// the current sequence length, which may exceed every `u32` position by one).
 ///
-/// Each variant's domain is checked by [`FrequencySpec::build`](super::FrequencySpec::build), on top of what every family
-/// needs (`theta` finite and positive with every `theta^(-2i/d)` at most `2^20`, `rotary_dim`
-/// even and at least 2). Throughout, a factor lies in `[2^-20, 2^20]`, a length
-/// (`original_max_position_embeddings`, `max_position_embeddings`, `seq_len`) is nonzero, and
-/// an `attention_factor` lies in `[1e-3, 1e3]`; and whatever the family computes is checked
-/// again: every frequency finite, positive and at most `2^20`, the attention factor in
+/// Each variant's domain is checked by [`FrequencySpec::build`](super::FrequencySpec::build),
+/// on top of what every family needs (`theta` finite and positive with every `theta^(-2i/d)` at
+/// most `2^20`, `rotary_dim` even and at least 2). Throughout, a factor lies in
+/// `[2^-20, 2^20]`, a length (`original_max_position_embeddings`, `max_position_embeddings`,
+/// `seq_len`) is nonzero, and an `attention_factor` lies in `[1e-3, 1e3]`; and whatever the
+/// family computes is checked again: every frequency finite, positive (zero only for the pairs
+/// [`RopeScaling::Proportional`] leaves unrotated) and at most `2^20`, the attention factor in
 /// `[1e-3, 1e3]`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
@@ -218,7 +219,8 @@ pub enum RopeScaling {
 }
 
 /// FLUX's per-axis frequencies: `theta^(-2i / d_a)` for `i < d_a / 2`, axis after axis, in
-/// `f64`. Unchecked, as [`inv_freq`](super::inv_freq) (see [`RopeScaling::Axial`] for the checked form).
+/// `f64`. Unchecked, as [`inv_freq`](super::inv_freq) (see [`RopeScaling::Axial`] for the
+/// checked form).
 pub fn axial_inv_freq(theta: f64, axes_dim: &[u32]) -> Vec<f64> {
     axes_dim
         .iter()
@@ -227,9 +229,9 @@ pub fn axial_inv_freq(theta: f64, axes_dim: &[u32]) -> Vec<f64> {
 }
 
 impl RopeScaling {
-    /// The fields [`FrequencySpec::build`](super::FrequencySpec::build)'s final check names when this family's output is out
-    /// of bounds: the argument, the field that scaled the frequencies and the one (or ones) that
-    /// made the attention factor.
+    /// The fields [`FrequencySpec::build`](super::FrequencySpec::build)'s final check names
+    /// when this family's output is out of bounds: the argument, the field that scaled the
+    /// frequencies and the one (or ones) that made the attention factor.
     pub(super) fn blame(&self) -> (&'static str, &'static str, &'static str) {
         match self {
             Self::Default => ("theta", "theta", "theta"),
