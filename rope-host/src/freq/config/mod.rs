@@ -8,9 +8,9 @@
 //! `high_freq_factor`, `mixed_b` (vLLM's `ntk`), and the ones transformers 5 moved into the
 //! object, `rope_theta` and `partial_rotary_factor`. Two lengths that live outside
 //! `rope_scaling` go into the same object: `max_position_embeddings` (the config's top-level
-//! field) and `seq_len` (the current sequence length, which dynamic NTK and LongRoPE read). A key that no family reads is an error
-//! (a misspelt `facter` must not pass silently); a known key that the chosen family does not
-//! read is ignored, as transformers ignores it.
+//! field) and `seq_len` (the current sequence length, which dynamic NTK and LongRoPE read). A
+//! key that no family reads is an error (a misspelt `facter` must not pass silently); a known
+//! key that the chosen family does not read is ignored, as transformers ignores it.
 
 use super::{AngleMode, FrequencySpec, RopeScaling, Yarn};
 use crate::error::{Error, Result, invalid};
