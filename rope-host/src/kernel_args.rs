@@ -179,7 +179,7 @@ rope_kernels::fused_kernel_params!(host_args {
 });
 
 rope_kernels::table_kernel_params!(host_args {
-    /// The arguments of every table-building entry point (`rope-kernels/src/table.rs`).
+    /// The arguments of the table-building entry point (`rope-kernels/src/table.rs`).
     TableArgs
 });
 

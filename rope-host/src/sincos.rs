@@ -1,11 +1,11 @@
 //! Where each (position, pair)'s cosine and sine come from: the public [`SinCos`] option, its
 //! validation, what it uploads (the default frequencies of `Computed`, once per `Rope`) and how
-//! it encodes into the kernel's `cos`, `sin`, `table_stride`, `table_rows`, `inv_freq`,
-//! `angle_mode` and `cs_scale` arguments (the kernel's side is `cos_sin` in
+//! it encodes into the kernel's `cos`, `sin`, `table_stride`, `table_rows`, `table_elem`,
+//! `inv_freq`, `angle_mode` and `cs_scale` arguments (the kernel's side is `cos_sin` in
 //! `rope-kernels/src/rope.rs`).
 
 use cudarc::driver::CudaView;
-use rope_kernels::abi::{DType, SinCosSource, planned_table_fits};
+use rope_kernels::abi::{DType, SinCosSource, TableElem, planned_table_fits};
 
 use crate::bind::{Binder, RawBuf};
 use crate::config::{RopeConfig, RopeElem};
@@ -126,6 +126,8 @@ pub enum RawSinCos {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SinCosPlan {
     pub(crate) source: SinCosSource,
+    /// The tables' element type ([`TableElem::Tensors`] for computed sin/cos).
+    pub(crate) table_elem: TableElem,
     /// Elements per table row.
     pub(crate) table_stride: u64,
     /// Table rows.
@@ -138,6 +140,7 @@ pub(crate) struct SinCosArgs {
     pub(crate) sin: u64,
     pub(crate) table_stride: u64,
     pub(crate) table_rows: u64,
+    pub(crate) table_elem: u32,
     pub(crate) inv_freq: u64,
     pub(crate) angle_mode: u32,
     pub(crate) cs_scale: f32,
@@ -251,22 +254,22 @@ impl RawSinCos {
                 dtype: tables,
                 shape,
             } => {
-                let source = table_source(tables, dtype)?;
+                let elem = table_elem(tables, dtype)?;
                 check_shape(&shape, config)?;
                 for (name, b) in [("sincos.cos", cos), ("sincos.sin", sin)] {
                     check_table_buf(name, b, &shape, half, tables.size() as u64)?;
                 }
-                table_plan(source, half, &shape)
+                table_plan(elem, half, &shape)
             }
             Self::CosSinCache {
                 cache,
                 dtype: tables,
                 shape,
             } => {
-                let source = table_source(tables, dtype)?;
+                let elem = table_elem(tables, dtype)?;
                 check_shape(&shape, config)?;
                 check_table_buf("sincos", cache, &shape, 2 * half, tables.size() as u64)?;
-                table_plan(source, 2 * half, &shape)
+                table_plan(elem, 2 * half, &shape)
             }
             Self::Computed { theta } => {
                 check_theta(theta, config.rotary_dim())?;
@@ -337,6 +340,7 @@ impl RawSinCos {
             sin: 0,
             table_stride: plan.table_stride,
             table_rows: plan.table_rows,
+            table_elem: plan.table_elem as u32,
             inv_freq: 0,
             angle_mode: AngleMode::Exact as u32,
             cs_scale: 1.0,
@@ -362,11 +366,11 @@ impl RawSinCos {
     }
 }
 
-/// The kernels' source for tables of `tables` elements with tensors of `dtype`.
-fn table_source(tables: DType, dtype: DType) -> Result<SinCosSource> {
+/// The kernels' table element type for tables of `tables` elements with tensors of `dtype`.
+fn table_elem(tables: DType, dtype: DType) -> Result<TableElem> {
     match (tables, dtype) {
-        (t, d) if t == d => Ok(SinCosSource::Table),
-        (DType::F32, _) => Ok(SinCosSource::TableF32),
+        (t, d) if t == d => Ok(TableElem::Tensors),
+        (DType::F32, _) => Ok(TableElem::F32),
         _ => Err(invalid(
             "sincos",
             format!(
@@ -377,9 +381,10 @@ fn table_source(tables: DType, dtype: DType) -> Result<SinCosSource> {
 }
 
 /// The plan of a table with rows of `row` elements.
-fn table_plan(source: SinCosSource, row: u64, shape: &TableShape) -> SinCosPlan {
+fn table_plan(table_elem: TableElem, row: u64, shape: &TableShape) -> SinCosPlan {
     SinCosPlan {
-        source,
+        source: SinCosSource::Table,
+        table_elem,
         table_stride: row,
         table_rows: shape.max_position as u64,
     }
@@ -389,6 +394,7 @@ fn table_plan(source: SinCosSource, row: u64, shape: &TableShape) -> SinCosPlan 
 fn computed_plan() -> SinCosPlan {
     SinCosPlan {
         source: SinCosSource::Theta,
+        table_elem: TableElem::Tensors,
         table_stride: 0,
         table_rows: 0,
     }
@@ -534,13 +540,17 @@ mod tests {
     fn f32_tables_serve_16_bit_tensors_and_other_types_do_not() {
         let cfg = config(8, 8);
         let t = table(10, 8, 40);
+        let plan = t.check(&cfg, DType::F32, None).expect("f32");
         assert_eq!(
-            t.check(&cfg, DType::F32, None).expect("f32").source,
-            SinCosSource::Table
+            (plan.source, plan.table_elem),
+            (SinCosSource::Table, TableElem::Tensors)
         );
         for dtype in [DType::F16, DType::BF16] {
             let plan = t.check(&cfg, dtype, None).expect("f32 tables");
-            assert_eq!(plan.source, SinCosSource::TableF32);
+            assert_eq!(
+                (plan.source, plan.table_elem),
+                (SinCosSource::Table, TableElem::F32)
+            );
         }
         let bf16 = RawSinCos::CosSinCache {
             cache: RawBuf { ptr: 0, len: 80 },
@@ -550,9 +560,10 @@ mod tests {
                 rotary_dim: 8,
             },
         };
+        let plan = bf16.check(&cfg, DType::BF16, None).expect("same");
         assert_eq!(
-            bf16.check(&cfg, DType::BF16, None).expect("same").source,
-            SinCosSource::Table
+            (plan.source, plan.table_elem),
+            (SinCosSource::Table, TableElem::Tensors)
         );
         assert_eq!(arg(bf16.check(&cfg, DType::F16, None)), "sincos");
         assert_eq!(arg(bf16.check(&cfg, DType::F32, None)), "sincos");

@@ -3,7 +3,7 @@
 use cudarc::driver::{
     CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop, ValidAsZeroBits,
 };
-use rope_kernels::abi::{BLOCK_THREADS, TableKernelName};
+use rope_kernels::abi::{BLOCK_THREADS, TABLE_KERNEL};
 
 use crate::config::RopeElem;
 use crate::device::StreamOverlap;
@@ -212,6 +212,7 @@ impl Rope {
         let args = TableArgs {
             cos,
             sin,
+            dtype: T::DTYPE as u32,
             rows,
             half,
             row_stride,
@@ -219,9 +220,7 @@ impl Rope {
             angle_mode: angle as u32,
             scale,
         };
-        let func = self
-            .module
-            .function(TableKernelName { dtype: T::DTYPE }.symbol())?;
+        let func = self.module.function(TABLE_KERNEL)?;
         // SAFETY: `TableArgs` and the entry points' parameters come from the one list in
         // `rope_kernels::table_kernel_params!`, so they agree in order and type (callers checked
         // rotary_dim >= 2, so the `NonZeroU32` half is >= 1). The tables were just allocated with

@@ -61,16 +61,18 @@ impl Direction {
     }
 }
 
-/// Element types the kernels load and store (arithmetic is `f32`, rounded once on store).
+/// Element types the kernels load and store (arithmetic is `f32`, rounded once on store). The
+/// table builder takes one as its `dtype` argument (`DType::F16 as u32`).
+#[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DType {
     /// IEEE binary32.
-    F32,
+    F32 = 0,
     /// IEEE binary16.
-    F16,
+    F16 = 1,
     /// bfloat16 (the top half of an `f32`).
-    BF16,
+    BF16 = 2,
 }
 
 impl DType {
@@ -87,16 +89,26 @@ impl DType {
 /// carry none of the registers of the in-kernel sin/cos.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SinCosSource {
-    /// `cos[pos * table_stride + i]`, `sin[pos * table_stride + i]` from tables of the tensors'
-    /// element type with `table_rows` rows; a position outside `0..table_rows` yields
-    /// NaN outputs.
+    /// `cos[pos * table_stride + i]`, `sin[pos * table_stride + i]` from tables with
+    /// `table_rows` rows, of the element type the `table_elem` argument gives ([`TableElem`]);
+    /// a position outside `0..table_rows` yields NaN outputs.
     Table,
-    /// As [`SinCosSource::Table`] from `f32` tables, for `f16`/`bf16` tensors (for `f32`
-    /// tensors `Table` is that already).
-    TableF32,
     /// `cos`/`sin` of `pos * inv_freq[i]` computed by [`crate::math::rope_cos_sin`], with
     /// `inv_freq` an `f64` array of `half` frequencies.
     Theta,
+}
+
+/// The element type of a table kernel's `cos` and `sin` tables, passed as its `table_elem`
+/// argument: one kernel per tensor element type reads either, the choice a uniform branch
+/// around its table reads (kernels of their own per table type had doubled the table kernels
+/// for no speed: docs/perf/decisions.md). `f32` tensors read `f32` tables whatever the code.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TableElem {
+    /// The tensors' element type (and kernels that read no table).
+    Tensors = 0,
+    /// `f32`, for `f16`/`bf16` tensors rotated by cos/sin not rounded to their type.
+    F32 = 1,
 }
 
 /// Where the position of token `(b, s)` comes from, passed as the `position_code` argument
@@ -452,9 +464,8 @@ impl ContextParallelSplit {
 }
 
 /// One kernel entry point: `rope_{style}_{source}_{dtype}`, for example `rope_neox_theta_f32`
-/// (`table32` for [`SinCosSource::TableF32`]), with the suffix `_narrow` for [`Mapping::NARROW`]
-/// and `_one_head` for [`Mapping::ONE_HEAD`]. Every combination exists, but `TableF32` only for
-/// `f16` and `bf16`; all have the parameter list of [`crate::plain_kernel_params!`]. Both
+/// with the suffix `_narrow` for [`Mapping::NARROW`] and `_one_head` for [`Mapping::ONE_HEAD`].
+/// Every combination exists; all have the parameter list of [`crate::plain_kernel_params!`]. Both
 /// directions run the same kernel: the direction is its `sin_sign` argument
 /// ([`Direction::sin_sign`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -470,28 +481,25 @@ pub struct KernelName {
 }
 
 /// Calls `$m!` with every kernel as
-/// `wide symbol, narrow symbol, one-head symbol: Style, Source, DType, storage type;`:
+/// `wide symbol, [narrow symbol], one-head symbol: Style, Source, DType, storage type;`:
 /// the one list from which the kernel crate defines the entry points and [`KernelName`] its
-/// table, so the two cannot disagree.
+/// table, so the two cannot disagree. The brackets are empty where the wide kernel takes the
+/// narrow accesses too ([`KernelName::narrow_in_wide`]).
 macro_rules! for_each_kernel {
     ($m:ident) => {
         $m! {
-            rope_interleaved_table_f32, rope_interleaved_table_f32_narrow, rope_interleaved_table_f32_one_head: Interleaved, Table, F32, f32;
-            rope_interleaved_theta_f32, rope_interleaved_theta_f32_narrow, rope_interleaved_theta_f32_one_head: Interleaved, Theta, F32, f32;
-            rope_neox_table_f32, rope_neox_table_f32_narrow, rope_neox_table_f32_one_head: Neox, Table, F32, f32;
-            rope_neox_theta_f32, rope_neox_theta_f32_narrow, rope_neox_theta_f32_one_head: Neox, Theta, F32, f32;
-            rope_interleaved_table_f16, rope_interleaved_table_f16_narrow, rope_interleaved_table_f16_one_head: Interleaved, Table, F16, Half;
-            rope_interleaved_table32_f16, rope_interleaved_table32_f16_narrow, rope_interleaved_table32_f16_one_head: Interleaved, TableF32, F16, Half;
-            rope_interleaved_theta_f16, rope_interleaved_theta_f16_narrow, rope_interleaved_theta_f16_one_head: Interleaved, Theta, F16, Half;
-            rope_neox_table_f16, rope_neox_table_f16_narrow, rope_neox_table_f16_one_head: Neox, Table, F16, Half;
-            rope_neox_table32_f16, rope_neox_table32_f16_narrow, rope_neox_table32_f16_one_head: Neox, TableF32, F16, Half;
-            rope_neox_theta_f16, rope_neox_theta_f16_narrow, rope_neox_theta_f16_one_head: Neox, Theta, F16, Half;
-            rope_interleaved_table_bf16, rope_interleaved_table_bf16_narrow, rope_interleaved_table_bf16_one_head: Interleaved, Table, BF16, Bf16;
-            rope_interleaved_table32_bf16, rope_interleaved_table32_bf16_narrow, rope_interleaved_table32_bf16_one_head: Interleaved, TableF32, BF16, Bf16;
-            rope_interleaved_theta_bf16, rope_interleaved_theta_bf16_narrow, rope_interleaved_theta_bf16_one_head: Interleaved, Theta, BF16, Bf16;
-            rope_neox_table_bf16, rope_neox_table_bf16_narrow, rope_neox_table_bf16_one_head: Neox, Table, BF16, Bf16;
-            rope_neox_table32_bf16, rope_neox_table32_bf16_narrow, rope_neox_table32_bf16_one_head: Neox, TableF32, BF16, Bf16;
-            rope_neox_theta_bf16, rope_neox_theta_bf16_narrow, rope_neox_theta_bf16_one_head: Neox, Theta, BF16, Bf16;
+            rope_interleaved_table_f32, [], rope_interleaved_table_f32_one_head: Interleaved, Table, F32, f32;
+            rope_interleaved_theta_f32, [rope_interleaved_theta_f32_narrow], rope_interleaved_theta_f32_one_head: Interleaved, Theta, F32, f32;
+            rope_neox_table_f32, [], rope_neox_table_f32_one_head: Neox, Table, F32, f32;
+            rope_neox_theta_f32, [rope_neox_theta_f32_narrow], rope_neox_theta_f32_one_head: Neox, Theta, F32, f32;
+            rope_interleaved_table_f16, [rope_interleaved_table_f16_narrow], rope_interleaved_table_f16_one_head: Interleaved, Table, F16, Half;
+            rope_interleaved_theta_f16, [rope_interleaved_theta_f16_narrow], rope_interleaved_theta_f16_one_head: Interleaved, Theta, F16, Half;
+            rope_neox_table_f16, [rope_neox_table_f16_narrow], rope_neox_table_f16_one_head: Neox, Table, F16, Half;
+            rope_neox_theta_f16, [rope_neox_theta_f16_narrow], rope_neox_theta_f16_one_head: Neox, Theta, F16, Half;
+            rope_interleaved_table_bf16, [rope_interleaved_table_bf16_narrow], rope_interleaved_table_bf16_one_head: Interleaved, Table, BF16, Bf16;
+            rope_interleaved_theta_bf16, [rope_interleaved_theta_bf16_narrow], rope_interleaved_theta_bf16_one_head: Interleaved, Theta, BF16, Bf16;
+            rope_neox_table_bf16, [rope_neox_table_bf16_narrow], rope_neox_table_bf16_one_head: Neox, Table, BF16, Bf16;
+            rope_neox_theta_bf16, [rope_neox_theta_bf16_narrow], rope_neox_theta_bf16_one_head: Neox, Theta, BF16, Bf16;
         }
     };
 }
@@ -522,8 +530,8 @@ pub(crate) use for_each_kernel;
 /// others), a multiple of `lanes`; `xn` and `outn` then point `rotary_offset` elements into their
 /// first head, and pass-through elements are addressed relative to that (elements
 /// `0..rotary_offset` and `rotary_offset + rotary_dim..head_dim` pass through); `cos`, `sin`,
-/// `table_stride` (elements per row) and `table_rows` for table kernels (the tables'
-/// element type is the source's: the tensors' for `table`, `f32` for `table32`); `inv_freq`,
+/// `table_stride` (elements per row), `table_rows` and `table_elem` (a [`TableElem`] code, the
+/// tables' element type) for table kernels; `inv_freq`,
 /// `angle_mode` (a [`crate::math::AngleMode`] code) and `cs_scale` (the attention factor
 /// multiplying cos and sin) for computed sin/cos (the other source's pointers are unused and
 /// may be null); `position_code`, a [`PositionCode`], with `pos_ptr`, `pos_aux`, `pos_count` and
@@ -568,6 +576,7 @@ macro_rules! rope_kernel_params {
             sin: byte_ptr,
             table_stride: u64,
             table_rows: u64,
+            table_elem: u32,
             inv_freq: f64_ptr,
             angle_mode: u32,
             cs_scale: f32,
@@ -599,15 +608,17 @@ macro_rules! plain_kernel_params {
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every table-building entry point
 /// (`rope-kernels/src/table.rs`), as [`crate::rope_kernel_params!`] does for the RoPE kernels.
 ///
-/// `cos` and `sin` receive `rows` rows of `row_stride >= half` elements; `inv_freq` holds
-/// `half` `f64`; `angle_mode` is a [`crate::math::AngleMode`] code and `scale` multiplies both.
+/// `cos` and `sin` receive `rows` rows of `row_stride >= half` elements of `dtype` (a
+/// [`DType`] code); `inv_freq` holds `half` `f64`; `angle_mode` is a [`crate::math::AngleMode`]
+/// code and `scale` multiplies both.
 #[macro_export]
 macro_rules! table_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
         $m! {
             { $($pass)* }
-            cos: elem_ptr_mut,
-            sin: elem_ptr_mut,
+            cos: byte_ptr_mut,
+            sin: byte_ptr_mut,
+            dtype: u32,
             rows: u64,
             half: nonzero_u32,
             row_stride: u64,
@@ -671,6 +682,14 @@ macro_rules! host_param_type {
 }
 
 impl KernelName {
+    /// Whether the wide kernel of these tensors and sin/cos takes the narrow accesses too, so
+    /// that there is no `_narrow` entry point: for `f32` tensors with tables, whose narrow
+    /// paths fit beside the wide one in its registers without spilling. Elsewhere they made
+    /// the wide kernel spill, so they have kernels of their own (docs/perf/decisions.md).
+    pub const fn narrow_in_wide(dtype: DType, source: SinCosSource) -> bool {
+        matches!((dtype, source), (DType::F32, SinCosSource::Table))
+    }
+
     /// The blocks per multiprocessor this kernel's launch bounds promise (its `.minnctapersm`):
     /// 1280 threads' worth for the wide NeoX kernels of 16-bit elements, which then fit in 48
     /// registers without spilling (partial rotary then runs clearly faster, the full-width
@@ -680,8 +699,7 @@ impl KernelName {
     pub const fn min_blocks_per_sm(self) -> u32 {
         match (self.style, self.mapping, self.dtype, self.source) {
             (RopeStyle::Neox, Mapping::WIDE, DType::BF16, _)
-            | (RopeStyle::Neox, Mapping::WIDE, DType::F16, SinCosSource::Table)
-            | (RopeStyle::Neox, Mapping::WIDE, DType::F16, SinCosSource::TableF32) => {
+            | (RopeStyle::Neox, Mapping::WIDE, DType::F16, SinCosSource::Table) => {
                 1280 / BLOCK_THREADS
             }
             _ => MIN_BLOCKS_PER_SM,
@@ -692,24 +710,25 @@ impl KernelName {
 /// Defines [`KernelName::ALL`] and [`KernelName::symbol`] from the kernel list.
 macro_rules! kernel_table {
     (
-        $($sym:ident, $narrow:ident, $one_head:ident:
+        $($sym:ident, [$($narrow:ident)?], $one_head:ident:
             $style:ident, $src:ident, $dt:ident, $t:ty;)*
     ) => {
         impl KernelName {
             /// Every kernel, in the order the host loads them.
-            pub const ALL: [KernelName; 3 * [$(stringify!($sym)),*].len()] = [$(
+            pub const ALL: [KernelName; [$(stringify!($sym), $(stringify!($narrow),)?
+                stringify!($one_head)),*].len()] = [$(
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
                     mapping: Mapping::WIDE,
                 },
-                KernelName {
+                $(KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
-                    mapping: Mapping::NARROW,
-                },
+                    mapping: kernel_table!(@narrow $narrow),
+                },)?
                 KernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -724,12 +743,6 @@ macro_rules! kernel_table {
             #[inline]
             pub const fn symbol(self) -> &'static str {
                 match (self.style, self.source, self.dtype, self.mapping) {
-                    // f32 tensors read f32 tables through the `Table` kernels.
-                    (_, SinCosSource::TableF32, DType::F32, _) => KernelName {
-                        source: SinCosSource::Table,
-                        ..self
-                    }
-                    .symbol(),
                     // The RoPE kernels take one head per thread.
                     (_, _, _, Mapping::TWO_HEADS | Mapping::FOUR_HEADS | Mapping::Rows) => {
                         KernelName {
@@ -742,71 +755,40 @@ macro_rules! kernel_table {
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE) => {
                             stringify!($sym)
                         }
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::NARROW) => {
+                        $((RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::NARROW) => {
                             stringify!($narrow)
-                        }
+                        })?
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::ONE_HEAD) => {
                             stringify!($one_head)
                         }
                     )*
+                    // The narrow accesses of kernels without a narrow entry point.
+                    (_, _, _, Mapping::NARROW) => KernelName {
+                        mapping: Mapping::WIDE,
+                        ..self
+                    }
+                    .symbol(),
                 }
             }
         }
+    };
+    (@narrow $narrow:ident) => {
+        Mapping::NARROW
     };
 }
 for_each_kernel!(kernel_table);
 
-/// A table-building kernel (`rope-kernels/src/table.rs`): `rope_table_{dtype}`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct TableKernelName {
-    /// Element type of the tables.
-    pub dtype: DType,
-}
+/// The exported symbol of the table builder (`rope-kernels/src/table.rs`), one kernel for every
+/// element type (its `dtype` argument, [`crate::table_kernel_params!`]).
+pub const TABLE_KERNEL: &str = "rope_table";
 
-/// Calls `$m!` with every table kernel as `symbol: DType, storage type;`.
-macro_rules! for_each_table_kernel {
-    ($m:ident) => {
-        $m! {
-            rope_table_f32: F32, f32;
-            rope_table_f16: F16, Half;
-            rope_table_bf16: BF16, Bf16;
-        }
-    };
-}
-#[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
-pub(crate) use for_each_table_kernel;
-
-/// Defines [`TableKernelName::ALL`] and [`TableKernelName::symbol`] from the kernel list.
-macro_rules! table_kernel_table {
-    ($($sym:ident: $dt:ident, $t:ty;)*) => {
-        impl TableKernelName {
-            /// Every table kernel.
-            pub const ALL: [TableKernelName; [$(stringify!($sym)),*].len()] =
-                [$(TableKernelName { dtype: DType::$dt }),*];
-
-            /// The exported PTX symbol.
-            #[inline]
-            pub const fn symbol(self) -> &'static str {
-                match self.dtype {
-                    $(DType::$dt => stringify!($sym),)*
-                }
-            }
-        }
-    };
-}
-for_each_table_kernel!(table_kernel_table);
-
-/// Every exported symbol of the PTX module: the RoPE kernels, the table builders, then the
+/// Every exported symbol of the PTX module: the RoPE kernels, the table builder, then the
 /// fused kernels.
 pub fn all_symbols() -> impl Iterator<Item = &'static str> {
     KernelName::ALL
         .into_iter()
         .map(KernelName::symbol)
-        .chain(
-            TableKernelName::ALL
-                .into_iter()
-                .map(TableKernelName::symbol),
-        )
+        .chain([TABLE_KERNEL])
         .chain(
             FusedKernelName::ALL
                 .into_iter()
@@ -883,8 +865,7 @@ pub const fn planned_table_vectors(pairs: u64, entry_bytes: u64) -> bool {
 /// `_two_heads` for [`Mapping::TWO_HEADS`] (a thread per two heads and one access: launches at
 /// the preferred width whose tensors span fewer than 2^32 elements and whose tables fit
 /// [`planned_table_fits`]), `_four_heads` for [`Mapping::FOUR_HEADS`] (NeoX, `f16` and `bf16`
-/// only) and `_rows` for [`Mapping::Rows`] (the same). Forward only; `TableF32` only for `f16`
-/// and `bf16`.
+/// only) and `_rows` for [`Mapping::Rows`] (the same). Forward only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedKernelName {
     /// Pairing.
@@ -968,30 +949,22 @@ macro_rules! for_each_fused_kernel {
             rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow, rope_fused_neox_table_f32_two_heads: Neox, Table, F32, f32;
             rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow, rope_fused_neox_theta_f32_two_heads: Neox, Theta, F32, f32;
             rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow, rope_fused_interleaved_table_f16_two_heads: Interleaved, Table, F16, Half;
-            rope_fused_interleaved_table32_f16, rope_fused_interleaved_table32_f16_narrow, rope_fused_interleaved_table32_f16_two_heads: Interleaved, TableF32, F16, Half;
             rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow, rope_fused_interleaved_theta_f16_two_heads: Interleaved, Theta, F16, Half;
             rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow, rope_fused_neox_table_f16_two_heads: Neox, Table, F16, Half;
-            rope_fused_neox_table32_f16, rope_fused_neox_table32_f16_narrow, rope_fused_neox_table32_f16_two_heads: Neox, TableF32, F16, Half;
             rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow, rope_fused_neox_theta_f16_two_heads: Neox, Theta, F16, Half;
             rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow, rope_fused_interleaved_table_bf16_two_heads: Interleaved, Table, BF16, Bf16;
-            rope_fused_interleaved_table32_bf16, rope_fused_interleaved_table32_bf16_narrow, rope_fused_interleaved_table32_bf16_two_heads: Interleaved, TableF32, BF16, Bf16;
             rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow, rope_fused_interleaved_theta_bf16_two_heads: Interleaved, Theta, BF16, Bf16;
             rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_two_heads: Neox, Table, BF16, Bf16;
-            rope_fused_neox_table32_bf16, rope_fused_neox_table32_bf16_narrow, rope_fused_neox_table32_bf16_two_heads: Neox, TableF32, BF16, Bf16;
             rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_two_heads: Neox, Theta, BF16, Bf16;
             @four_heads
             rope_fused_neox_table_f16_four_heads: Table, F16, Half;
-            rope_fused_neox_table32_f16_four_heads: TableF32, F16, Half;
             rope_fused_neox_theta_f16_four_heads: Theta, F16, Half;
             rope_fused_neox_table_bf16_four_heads: Table, BF16, Bf16;
-            rope_fused_neox_table32_bf16_four_heads: TableF32, BF16, Bf16;
             rope_fused_neox_theta_bf16_four_heads: Theta, BF16, Bf16;
             @rows
             rope_fused_neox_table_f16_rows: Table, F16, Half;
-            rope_fused_neox_table32_f16_rows: TableF32, F16, Half;
             rope_fused_neox_theta_f16_rows: Theta, F16, Half;
             rope_fused_neox_table_bf16_rows: Table, BF16, Bf16;
-            rope_fused_neox_table32_bf16_rows: TableF32, BF16, Bf16;
             rope_fused_neox_theta_bf16_rows: Theta, BF16, Bf16;
         }
     };
@@ -1048,12 +1021,6 @@ macro_rules! fused_kernel_table {
             #[inline]
             pub const fn symbol(self) -> &'static str {
                 match (self.style, self.source, self.dtype, self.mapping) {
-                    // f32 tensors read f32 tables through the `Table` kernels.
-                    (_, SinCosSource::TableF32, DType::F32, _) => FusedKernelName {
-                        source: SinCosSource::Table,
-                        ..self
-                    }
-                    .symbol(),
                     $(
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE) =>
                             stringify!($sym),
@@ -1101,11 +1068,12 @@ impl FusedKernelName {
 pub enum PtxBuild {
     /// Every kernel, for sm_80 (Ampere) and newer.
     Sm80,
-    /// The fused kernels again, for sm_89 (Ada): their FP8 stores use the paired hardware
-    /// conversion.
+    /// The fused kernels but the narrow ones again, for sm_89 (Ada): their FP8 stores use the
+    /// paired hardware conversion.
     Sm89,
-    /// The fused and one-head kernels again, for sm_90 (Hopper) and newer: the paired FP8
-    /// conversion, and programmatic dependent launch ([`takes_dependent_launch`]).
+    /// The fused kernels but the narrow ones and the one-head kernels again, for sm_90
+    /// (Hopper) and newer: the paired FP8 conversion, and programmatic dependent launch
+    /// ([`takes_dependent_launch`]).
     Sm90,
 }
 
@@ -1127,21 +1095,30 @@ impl PtxBuild {
     pub fn holds(self, symbol: &str) -> bool {
         match self {
             PtxBuild::Sm80 => true,
-            PtxBuild::Sm89 => FusedKernelName::from_symbol(symbol).is_some(),
+            PtxBuild::Sm89 => rebuilt_fused(symbol),
             PtxBuild::Sm90 => takes_dependent_launch(symbol),
         }
     }
 }
 
+/// Whether `symbol` is a fused kernel the sm_89 and sm_90 builds hold again: all but the narrow
+/// ones ([`Mapping::NARROW`]), the fallback for layouts that do not allow the preferred width,
+/// which every device takes from the sm_80 build (a quarter of the fused code, rebuilt twice
+/// for launches that rarely happen: docs/perf/decisions.md).
+#[inline]
+fn rebuilt_fused(symbol: &str) -> bool {
+    FusedKernelName::from_symbol(symbol).is_some_and(|k| k.mapping != Mapping::NARROW)
+}
+
 /// Whether the kernel exported as `symbol` takes part in programmatic dependent launch when
-/// built for sm_90: the fused kernels and the RoPE kernels of one head per thread
-/// ([`Mapping::ONE_HEAD`]: decode steps, where a launch is short enough for the previous one's
-/// tail to matter). Their sm_90 code waits for the
-/// previous grid before its first global access; the sm_90 build keeps only these entry points,
-/// and the host launches only these with the attribute.
+/// built for sm_90: the fused kernels but the narrow ones, and the RoPE kernels of one head per
+/// thread ([`Mapping::ONE_HEAD`]: decode steps, where a launch is short enough for the previous
+/// one's tail to matter). Their sm_90 code waits for the previous grid before its first global
+/// access; the sm_90 build keeps only these entry points, and the host launches only these with
+/// the attribute.
 #[inline]
 pub fn takes_dependent_launch(symbol: &str) -> bool {
-    FusedKernelName::from_symbol(symbol).is_some()
+    rebuilt_fused(symbol)
         || KernelName::ALL
             .into_iter()
             .any(|k| k.mapping == Mapping::ONE_HEAD && k.symbol() == symbol)
@@ -1228,6 +1205,30 @@ mod tests {
             seed ^= seed << 17;
             seed % n
         }
+    }
+
+    /// A narrow entry point exists exactly for the kernels whose wide kernel does not take
+    /// the narrow accesses, and their narrow accesses name the wide symbol; every symbol is
+    /// distinct.
+    #[test]
+    fn narrow_kernels_exist_unless_the_wide_kernel_takes_their_accesses() {
+        for wide in KernelName::ALL
+            .into_iter()
+            .filter(|k| k.mapping == Mapping::WIDE)
+        {
+            let narrow = KernelName {
+                mapping: Mapping::NARROW,
+                ..wide
+            };
+            let folded = KernelName::narrow_in_wide(wide.dtype, wide.source);
+            assert_eq!(KernelName::ALL.contains(&narrow), !folded, "{wide:?}");
+            assert_eq!(narrow.symbol() == wide.symbol(), folded, "{wide:?}");
+        }
+        let mut symbols: Vec<&str> = all_symbols().collect();
+        let count = symbols.len();
+        symbols.sort_unstable();
+        symbols.dedup();
+        assert_eq!(symbols.len(), count);
     }
 
     /// For every head size, rotated width, offset and access width the host accepts (`lanes`

@@ -72,8 +72,8 @@ use crate::intrinsics::{
     wait_for_prior_grids,
 };
 use crate::rope::{
-    Args, Interleaved, KeptInL2, Neox, Pairing, Params, PlannedTable, Source, Table, TableF32,
-    TensorArgs, Theta, cos_sin, cos_sin_read, load_head, offset_u32, position, position_read,
+    Args, Interleaved, KeptInL2, Neox, Pairing, Params, PlannedTable, Source, Table, TensorArgs,
+    Theta, cos_sin, cos_sin_read, load_head, offset_u32, position, position_read,
     rotate_values_with, unrolled, vector_offsets, widen,
 };
 

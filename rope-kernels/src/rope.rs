@@ -39,8 +39,8 @@
 use core::marker::PhantomData;
 
 use crate::abi::{
-    ContextParallelSplit, GroupAxes, Mapping, PositionCode, clamped_axis, for_each_kernel,
-    pass_through_start, planned_table_vectors,
+    ContextParallelSplit, GroupAxes, Mapping, PositionCode, TableElem, clamped_axis,
+    for_each_kernel, pass_through_start, planned_table_vectors,
 };
 use crate::divide::Divisor;
 use crate::elem::{self, Bf16, Elem, Half};
@@ -80,31 +80,19 @@ impl Pairing for Neox {
 pub(crate) trait Source {
     /// `true` for tables, `false` for `cos`/`sin` computed from `inv_freq`.
     const TABLE: bool;
-    /// The tables' element type (unused for computed sin/cos).
-    type Tab: Elem;
 }
 
-/// Tables of the tensors' element type: row `p` of `cos` and of `sin` starts at
-/// `p * table_stride`.
+/// Tables of the tensors' element type or of `f32` (`table_elem`, [`TableElem`]): row `p` of
+/// `cos` and of `sin` starts at `p * table_stride`.
 pub(crate) struct Table<T>(PhantomData<T>);
-impl<T: Elem> Source for Table<T> {
+impl<T> Source for Table<T> {
     const TABLE: bool = true;
-    type Tab = T;
-}
-
-/// Tables of `f32` for 16-bit tensors (cos/sin not rounded to the tensors' type), laid out as
-/// [`Table`]'s.
-pub(crate) struct TableF32<T>(PhantomData<T>);
-impl<T> Source for TableF32<T> {
-    const TABLE: bool = true;
-    type Tab = f32;
 }
 
 /// Computed from `inv_freq` (`half` `f64` values).
 pub(crate) struct Theta<T>(PhantomData<T>);
 impl<T> Source for Theta<T> {
     const TABLE: bool = false;
-    type Tab = f32;
 }
 
 /// One rotated tensor: input, output (equal when in place), heads and element strides.
@@ -133,11 +121,12 @@ pub(crate) struct Args<T> {
     pub(crate) rotary_dim: u32,
     pub(crate) rotary_offset: u32,
     pub(crate) lanes: u32,
-    /// Tables of the source's element type ([`Source::Tab`]).
+    /// Tables of the element type `table_elem` gives ([`Args::f32_tables`]).
     pub(crate) cos: *const u8,
     pub(crate) sin: *const u8,
     pub(crate) table_stride: u64,
     pub(crate) table_rows: u64,
+    pub(crate) table_elem: u32,
     pub(crate) inv_freq: *const f64,
     pub(crate) angle_mode: u32,
     pub(crate) cs_scale: f32,
@@ -148,6 +137,15 @@ pub(crate) struct Args<T> {
     pub(crate) pos_base: i64,
     /// `1.0` forward, `-1.0` backward (the transposed rotation): `Direction::sin_sign`.
     pub(crate) sin_sign: f32,
+}
+
+impl<T: Elem> Args<T> {
+    /// Whether the tables hold `f32` for 16-bit tensors ([`TableElem::F32`]); the tables of
+    /// `f32` tensors are `f32` whatever the code, so their kernels hold one table read.
+    #[inline(always)]
+    pub(crate) fn f32_tables(&self) -> bool {
+        T::SIZE != 4 && self.table_elem == TableElem::F32 as u32
+    }
 }
 
 /// The position of token `(b, s)` for the work items of rotating group `group`; for per-pair
@@ -578,37 +576,15 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
     if S::TABLE {
-        if R::PLANNED {
-            // SAFETY: j0 + pairs <= half; the table promises and the host's plan.
-            (cos, sin) = unsafe { PlannedTable::read::<T, S::Tab, L>(a, pos, j0, pairs) };
-        } else if pos >= 0 && (pos as u64) < a.table_rows {
-            let row = pos as usize * a.table_stride as usize + j0;
-            // SAFETY: pos < table_rows and j0 + pairs <= half <= table_stride, so the
-            // entries are inside the tables' promised rows.
-            unsafe {
-                let (c, s) = (
-                    a.cos.cast::<S::Tab>().add(row),
-                    a.sin.cast::<S::Tab>().add(row),
-                );
-                if table_vectors::<S::Tab>(a, pairs) {
-                    // Aligned: the item's entries of each table with one access.
-                    (cos, sin) = (
-                        load_pairs::<S::Tab, L>(c, pairs),
-                        load_pairs::<S::Tab, L>(s, pairs),
-                    );
-                } else {
-                    unrolled(pairs, |k| {
-                        cos[k] = load_evict_last::<_, 1>(c.add(k))[0].to_f32();
-                        sin[k] = load_evict_last::<_, 1>(s.add(k))[0].to_f32();
-                    });
-                }
+        // A uniform branch on a kernel argument: one kernel reads tables of either type.
+        // SAFETY: the caller's promises, for tables of the type `table_elem` gives.
+        (cos, sin) = unsafe {
+            if a.f32_tables() {
+                table_row::<T, f32, R, L>(a, pos, j0, pairs)
+            } else {
+                table_row::<T, T, R, L>(a, pos, j0, pairs)
             }
-            unrolled(pairs, |k| sin[k] *= a.sin_sign);
-        } else {
-            // A position outside the table: documented NaN outputs, never a read outside it.
-            cos = [f32::NAN; L];
-            sin = [f32::NAN; L];
-        }
+        };
     } else {
         let Some(mode) = math::AngleMode::from_u32(a.angle_mode) else {
             trap()
@@ -623,6 +599,61 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
         });
     }
     (cos, sin)
+}
+
+/// Row `pos`'s entries `j0..j0 + pairs` of tables of `E`, widened, sin times `sin_sign`; NaN
+/// for a position outside the tables, which are never read outside their rows.
+///
+/// # Safety
+/// As [`cos_sin_read`], with tables of `E`.
+#[inline(always)]
+unsafe fn table_row<T, E: Elem, R: TableRead, const L: usize>(
+    a: &Args<T>,
+    pos: i64,
+    j0: usize,
+    pairs: usize,
+) -> ([f32; L], [f32; L]) {
+    if R::PLANNED {
+        // SAFETY: j0 + pairs <= half; the table promises and the host's plan.
+        return unsafe { PlannedTable::read::<T, E, L>(a, pos, j0, pairs) };
+    }
+    if pos < 0 || (pos as u64) >= a.table_rows {
+        // A position outside the table: documented NaN outputs, never a read outside it.
+        return ([f32::NAN; L], [f32::NAN; L]);
+    }
+    let (mut cos, mut sin) = ([0.0f32; L], [0.0f32; L]);
+    let row = pos as usize * a.table_stride as usize + j0;
+    // SAFETY: pos < table_rows and j0 + pairs <= half <= table_stride, so the entries are
+    // inside the tables' promised rows.
+    unsafe {
+        let (c, s) = (a.cos.cast::<E>().add(row), a.sin.cast::<E>().add(row));
+        if table_vectors::<E>(a, pairs) {
+            // Aligned: the item's entries of each table with one access.
+            (cos, sin) = (load_pairs::<E, L>(c, pairs), load_pairs::<E, L>(s, pairs));
+        } else {
+            unrolled(pairs, |k| {
+                cos[k] = load_evict_last::<E, 1>(c.add(k))[0].to_f32();
+                sin[k] = load_evict_last::<E, 1>(s.add(k))[0].to_f32();
+            });
+        }
+    }
+    unrolled(pairs, |k| sin[k] *= a.sin_sign);
+    (cos, sin)
+}
+
+/// Entry `at` of both tables of `E`, widened.
+///
+/// # Safety
+/// `at` lies inside both tables, of `E`.
+#[inline(always)]
+unsafe fn table_entry<T, E: Elem>(a: &Args<T>, at: usize) -> (f32, f32) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        (
+            load_evict_last::<E, 1>(a.cos.cast::<E>().add(at))[0].to_f32(),
+            load_evict_last::<E, 1>(a.sin.cast::<E>().add(at))[0].to_f32(),
+        )
+    }
 }
 
 /// How [`cos_sin_read`] reads a row of the cos and sin tables.
@@ -795,14 +826,17 @@ unsafe fn cos_sin_axes<T: Elem, S: Source, const L: usize>(
         if S::TABLE {
             if pos >= 0 && (pos as u64) < a.table_rows {
                 let at = pos as usize * a.table_stride as usize + j0 + k;
-                // SAFETY: pos < table_rows and j0 + k < half <= table_stride.
-                unsafe {
-                    cos[k] =
-                        load_evict_last::<S::Tab, 1>(a.cos.cast::<S::Tab>().add(at))[0].to_f32();
-                    sin[k] = load_evict_last::<S::Tab, 1>(a.sin.cast::<S::Tab>().add(at))[0]
-                        .to_f32()
-                        * a.sin_sign;
-                }
+                // SAFETY: pos < table_rows and j0 + k < half <= table_stride, in tables of the
+                // type `table_elem` gives.
+                let (c, s) = unsafe {
+                    if a.f32_tables() {
+                        table_entry::<T, f32>(a, at)
+                    } else {
+                        table_entry::<T, T>(a, at)
+                    }
+                };
+                cos[k] = c;
+                sin[k] = s * a.sin_sign;
             } else {
                 cos[k] = f32::NAN;
                 sin[k] = f32::NAN;
@@ -1171,6 +1205,10 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(a: &Args<T>
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(a, false),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(a, false),
             (NARROW, _, 1, true) => body::<T, P, S, 1>(a, false),
+            // The narrow accesses of the wide kernels without a narrow entry point
+            // (`KernelName::narrow_in_wide`: f32 tensors with tables).
+            (WIDE, 4, 2, _) if S::TABLE => body::<T, P, S, 2>(a, false),
+            (WIDE, 4, 1, true) if S::TABLE => body::<T, P, S, 1>(a, false),
             _ => trap(),
         }
     }
@@ -1228,6 +1266,7 @@ impl<T> Args<T> {
             sin: p.sin,
             table_stride: p.table_stride,
             table_rows: p.table_rows,
+            table_elem: p.table_elem,
             inv_freq: p.inv_freq,
             angle_mode: p.angle_mode,
             cs_scale: p.cs_scale,
@@ -1241,15 +1280,15 @@ impl<T> Args<T> {
     }
 }
 
-/// Defines one exported entry point per (pairing, source, dtype), wide, narrow and one-head;
-/// each rotates forward or backward as its `sin_sign` says.
+/// Defines one exported entry point per (pairing, source, dtype), wide, narrow (where the list
+/// names one) and one-head; each rotates forward or backward as its `sin_sign` says.
 macro_rules! rope_kernel {
     (
-        $($wide:ident, $narrow:ident, $one_head:ident:
+        $($wide:ident, [$($narrow:ident)?], $one_head:ident:
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
     ) => {$(
         crate::plain_kernel_params!(rope_entry { $wide, WIDE: $pairing, $source, $t });
-        crate::plain_kernel_params!(rope_entry { $narrow, NARROW: $pairing, $source, $t });
+        $(crate::plain_kernel_params!(rope_entry { $narrow, NARROW: $pairing, $source, $t });)?
         crate::plain_kernel_params!(rope_entry { $one_head, ONE_HEAD: $pairing, $source, $t });
     )*};
 }

@@ -6,7 +6,8 @@
 //! `sin[p * row_stride + i] = scale * sin(p * inv_freq[i])`, computed by
 //! [`crate::math::rope_cos_sin_mode`] and rounded once to the element type. Separate tables use
 //! `row_stride = half`; vLLM's combined `cos_sin_cache [rows, 2 * half]` uses
-//! `sin = cos + half` and `row_stride = 2 * half`.
+//! `sin = cos + half` and `row_stride = 2 * half`. One kernel writes every element type, the
+//! `dtype` argument's (a uniform branch around the stores).
 //!
 //! # Thread mapping
 //! One thread per `(p, i)`, `rows * half` in all, walked by a grid-stride loop over
@@ -14,7 +15,7 @@
 
 use core::num::NonZeroU64;
 
-use crate::abi::for_each_table_kernel;
+use crate::abi::DType;
 use crate::elem::{Bf16, Elem, Half};
 use crate::intrinsics::{block_dim_x, block_idx_x, grid_dim_x, thread_idx_x, trap};
 use crate::math;
@@ -22,23 +23,24 @@ use crate::math;
 /// The parameters of every table entry point, as `crate::table_kernel_params!` lists them.
 macro_rules! params_struct {
     ({} $($param:ident: $kind:ident,)*) => {
-        /// The parameters of every table entry point.
-        struct Params<T> {
-            $($param: crate::device_param_type!($kind, T),)*
+        /// The parameters of the table entry point.
+        struct Params {
+            $($param: crate::device_param_type!($kind, u8),)*
         }
     };
 }
 crate::table_kernel_params!(params_struct {});
 
-/// The kernel body.
+/// The kernel body for tables of `T`.
 ///
 /// # Safety
-/// The promises of the entry points.
+/// The promises of the entry point, with tables of `T`.
 #[inline(always)]
-unsafe fn body<T: Elem>(p: Params<T>) {
+unsafe fn body<T: Elem>(p: &Params) {
     let Some(mode) = math::AngleMode::from_u32(p.angle_mode) else {
         trap()
     };
+    let (cos, sin) = (p.cos.cast::<T>(), p.sin.cast::<T>());
     let half64 = NonZeroU64::from(p.half);
     let total = p.rows * half64.get();
     let step = grid_dim_x() as u64 * block_dim_x() as u64;
@@ -50,35 +52,38 @@ unsafe fn body<T: Elem>(p: Params<T>) {
         unsafe {
             let (c, s) = math::rope_cos_sin_mode(pos as i64, *p.inv_freq.add(i as usize), mode);
             let at = (pos * p.row_stride + i) as usize;
-            *p.cos.add(at) = T::from_f32(c * p.scale);
-            *p.sin.add(at) = T::from_f32(s * p.scale);
+            *cos.add(at) = T::from_f32(c * p.scale);
+            *sin.add(at) = T::from_f32(s * p.scale);
         }
         idx += step;
     }
 }
 
-/// Defines one exported table builder per element type.
-macro_rules! table_kernel {
-    ($($name:ident: $dt:ident, $t:ty;)*) => {$(
-        crate::table_kernel_params!(table_entry { $name, $t });
-    )*};
-}
-
-/// One table builder with the parameter list of [`crate::table_kernel_params!`].
+/// The table builder with the parameter list of [`crate::table_kernel_params!`].
 macro_rules! table_entry {
-    ({ $name:ident, $t:ty } $($param:ident: $kind:ident,)*) => {
-        /// Writes the cos/sin tables of `rows` rows; see the module documentation.
+    ({} $($param:ident: $kind:ident,)*) => {
+        /// Writes the cos/sin tables of `rows` rows of `dtype`; see the module documentation.
         ///
         /// # Safety
-        /// `cos` and `sin` each address `rows` rows of `row_stride >= half` elements, the
-        /// `(p, i < half)` elements of `cos` and of `sin` are distinct, and `inv_freq` holds
-        /// `half` `f64`.
+        /// `cos` and `sin` each address `rows` rows of `row_stride >= half` elements of
+        /// `dtype`, the `(p, i < half)` elements of `cos` and of `sin` are distinct, and
+        /// `inv_freq` holds `half` `f64`.
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name($($param: crate::device_param_type!($kind, $t),)*) {
-            // SAFETY: the caller's promises are those of `body`.
-            unsafe { body::<$t>(Params { $($param,)* }) }
+        pub unsafe extern "ptx-kernel" fn rope_table(
+            $($param: crate::device_param_type!($kind, u8),)*
+        ) {
+            let p = Params { $($param,)* };
+            // SAFETY: the caller's promises, for tables of the element type `dtype` names,
+            // are those of `body`.
+            unsafe {
+                match p.dtype {
+                    d if d == DType::F32 as u32 => body::<f32>(&p),
+                    d if d == DType::F16 as u32 => body::<Half>(&p),
+                    d if d == DType::BF16 as u32 => body::<Bf16>(&p),
+                    _ => trap(),
+                }
+            }
         }
     };
 }
-
-for_each_table_kernel!(table_kernel);
+crate::table_kernel_params!(table_entry {});

@@ -264,7 +264,8 @@ fn validate(ptx: &str) -> Result<()> {
 mod tests {
     use super::{entries_only, launch_bounds, min_blocks_per_sm, with_launch_bounds};
     use rope_kernels::abi::{
-        BLOCK_THREADS, FusedKernelName, KernelName, PtxBuild, all_symbols, takes_dependent_launch,
+        BLOCK_THREADS, FusedKernelName, KernelName, Mapping, PtxBuild, all_symbols,
+        takes_dependent_launch,
     };
 
     /// An entry point as rustc writes it: name, parameter list, body.
@@ -285,11 +286,18 @@ mod tests {
         let ptx: String = std::iter::once(header.to_string())
             .chain(all_symbols().map(entry))
             .collect();
+        // The fused kernels but the narrow ones.
         let fused: String = std::iter::once(header.to_string())
-            .chain(FusedKernelName::ALL.iter().map(|k| entry(k.symbol())))
+            .chain(
+                FusedKernelName::ALL
+                    .iter()
+                    .filter(|k| k.mapping != Mapping::NARROW)
+                    .map(|k| entry(k.symbol())),
+            )
             .collect();
         assert_eq!(entries_only(&ptx, PtxBuild::Sm89), fused);
         assert!(fused.contains(".entry rope_fused_neox_theta_bf16("));
+        assert!(!fused.contains(".entry rope_fused_neox_theta_bf16_narrow("));
         let dependent = entries_only(&ptx, PtxBuild::Sm90);
         let kept: Vec<&str> = dependent
             .lines()
@@ -301,12 +309,17 @@ mod tests {
             .filter(|s| takes_dependent_launch(s))
             .collect();
         assert_eq!(kept, want);
-        assert_eq!(
-            kept.len(),
-            KernelName::ALL.len() / 3 + FusedKernelName::ALL.len()
-        );
+        let one_head = KernelName::ALL
+            .iter()
+            .filter(|k| k.mapping == Mapping::ONE_HEAD);
+        let fused = FusedKernelName::ALL
+            .iter()
+            .filter(|k| k.mapping != Mapping::NARROW);
+        assert_eq!(kept.len(), one_head.count() + fused.count());
         assert!(kept.contains(&"rope_neox_table_bf16_one_head"));
+        assert!(kept.contains(&"rope_fused_neox_table_bf16_two_heads"));
         assert!(!kept.contains(&"rope_neox_table_bf16"));
+        assert!(!kept.contains(&"rope_fused_neox_table_bf16_narrow"));
         assert!(dependent.starts_with(header));
     }
 
@@ -334,7 +347,7 @@ mod tests {
                 ".maxntid 160, 1, 1\n.maxnreg 64\n",
             ),
             (
-                "rope_fused_neox_table32_f16_four_heads",
+                "rope_fused_neox_table_f16_four_heads",
                 ".maxntid 160, 1, 1\n.maxnreg 64\n",
             ),
             (
@@ -361,7 +374,7 @@ mod tests {
             ("rope_neox_theta_f16", 1024),
             ("rope_neox_table_bf16_narrow", 1024),
             ("rope_interleaved_table_bf16", 1024),
-            ("rope_table_bf16", 1024),
+            ("rope_table", 1024),
         ] {
             assert_eq!(
                 min_blocks_per_sm(symbol) * BLOCK_THREADS,
