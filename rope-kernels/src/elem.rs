@@ -1,7 +1,9 @@
-//! Element types the kernels load and store, and vector loads of `N` elements.
+//! Element types the kernels load and store.
 //!
 //! Arithmetic is always `f32`: an element converts to `f32` on load and rounds once on store.
 
+use crate::access::store;
+use crate::intrinsics::trap;
 use crate::{intrinsics, math};
 
 /// A storage type of the kernels.
@@ -17,7 +19,7 @@ pub trait Elem: Copy {
     #[inline(always)]
     fn widen<const N: usize>(v: [Self; N]) -> [f32; N] {
         let mut out = [0.0f32; N];
-        crate::rope::unrolled(N, |k| out[k] = v[k].to_f32());
+        unrolled(N, |k| out[k] = v[k].to_f32());
         out
     }
     /// Rounds an `f32` to this type, to nearest even (identity for `f32`).
@@ -32,7 +34,7 @@ pub trait Elem: Copy {
         // Straight-line rather than `v.map(..)`: inside a large kernel LLVM kept `map` as a
         // call with the array in local memory.
         let mut out = [Self::ZERO; N];
-        crate::rope::unrolled(N, |k| out[k] = Self::from_f32(v[k]));
+        unrolled(N, |k| out[k] = Self::from_f32(v[k]));
         // SAFETY: the caller's promise.
         unsafe { store(p, out) }
     }
@@ -97,7 +99,7 @@ impl Elem for Bf16 {
     #[inline(always)]
     fn widen<const N: usize>(v: [Self; N]) -> [f32; N] {
         let mut out = [0.0f32; N];
-        crate::rope::unrolled(N / 2, |k| {
+        unrolled(N / 2, |k| {
             let word = u32::from(v[2 * k].0) | u32::from(v[2 * k + 1].0) << 16;
             [out[2 * k], out[2 * k + 1]] = intrinsics::bf16x2_to_f32x2(word);
         });
@@ -171,61 +173,25 @@ unsafe fn store_pairs<E: Elem, W: Copy, const N: usize>(
             2 => store::<W, 1>(p.cast(), [word(0)]),
             _ => {
                 let mut out = [E::ZERO; N];
-                crate::rope::unrolled(N, |k| out[k] = single(v[k]));
+                unrolled(N, |k| out[k] = single(v[k]));
                 store(p, out)
             }
         }
     }
 }
 
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-struct Align16<A>(A);
-#[repr(C, align(8))]
-#[derive(Clone, Copy)]
-struct Align8<A>(A);
-#[repr(C, align(4))]
-#[derive(Clone, Copy)]
-struct Align4<A>(A);
-#[repr(C, align(2))]
-#[derive(Clone, Copy)]
-struct Align2<A>(A);
-
-/// Loads `N` consecutive elements with one access of `N * size_of::<T>()` bytes.
+/// Calls `f(0)`, ..., `f(count - 1)` as straight-line code, for `count <= 8`.
 ///
-/// # Safety
-/// `p` points at `N` readable `T`, aligned to `N * size_of::<T>()` bytes, which is 2, 4, 8 or
-/// 16.
+/// `count` is a constant at every call site, so after inlining each call indexes arrays with a
+/// constant and the arrays stay in registers; a `for` loop over a large body is not unrolled
+/// by LLVM and would put them in local memory.
 #[inline(always)]
-pub unsafe fn load<T: Copy, const N: usize>(p: *const T) -> [T; N] {
-    // SAFETY (all arms): the caller promises `N` readable elements aligned to their total size,
-    // and the arm is chosen by that size, so the wrapper's size and alignment equal it.
-    unsafe {
-        match N * size_of::<T>() {
-            16 => p.cast::<Align16<[T; N]>>().read().0,
-            8 => p.cast::<Align8<[T; N]>>().read().0,
-            4 => p.cast::<Align4<[T; N]>>().read().0,
-            2 => p.cast::<Align2<[T; N]>>().read().0,
-            _ => p.cast::<[T; N]>().read(),
-        }
+pub(crate) fn unrolled(count: usize, mut f: impl FnMut(usize)) {
+    if count > 8 {
+        trap()
     }
-}
-
-/// Stores `N` consecutive elements with one access of `N * size_of::<T>()` bytes.
-///
-/// # Safety
-/// `p` points at `N` writable `T`, aligned to `N * size_of::<T>()` bytes, which is 2, 4, 8 or
-/// 16.
-#[inline(always)]
-pub unsafe fn store<T: Copy, const N: usize>(p: *mut T, v: [T; N]) {
-    // SAFETY (all arms): as in `load`, for writes.
-    unsafe {
-        match N * size_of::<T>() {
-            16 => p.cast::<Align16<[T; N]>>().write(Align16(v)),
-            8 => p.cast::<Align8<[T; N]>>().write(Align8(v)),
-            4 => p.cast::<Align4<[T; N]>>().write(Align4(v)),
-            2 => p.cast::<Align2<[T; N]>>().write(Align2(v)),
-            _ => p.cast::<[T; N]>().write(v),
-        }
+    macro_rules! step {
+        ($($k:literal)*) => {$(if $k < count { f($k) })*};
     }
+    step!(0 1 2 3 4 5 6 7);
 }

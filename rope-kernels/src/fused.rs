@@ -64,7 +64,7 @@ use crate::abi::{
     Direction, FormatCode, MAX_FUSED_ITEMS, Mapping, NormCode, ThreadHeads, for_each_fused_kernel,
 };
 use crate::divide::Divisor;
-use crate::elem::{Bf16, Elem, Fp8, Half};
+use crate::elem::{Bf16, Elem, Fp8, Half, unrolled};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
     prefetch_l2, rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32,
@@ -74,7 +74,7 @@ use crate::intrinsics::{
 use crate::rope::{
     Args, Interleaved, KeptInL2, Neox, Pairing, Params, PlannedTable, Source, Table, TensorArgs,
     Theta, cos_sin, cos_sin_read, load_head, offset_u32, position, position_read,
-    rotate_values_with, unrolled, vector_offsets, widen,
+    rotate_values_with, vector_offsets, widen,
 };
 
 #[cfg(target_feature = "sm_90")]

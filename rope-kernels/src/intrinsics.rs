@@ -561,7 +561,7 @@ approx!(
     "rsqrt.approx.ftz.f32"
 );
 
-/// `N` consecutive `T` (2, 4, 8 or 16 bytes in all; other sizes as [`crate::elem::load`])
+/// `N` consecutive `T` (2, 4, 8 or 16 bytes in all; other sizes as [`crate::access::load`])
 /// loaded from global memory with one access whose L2 lines take the evict-last priority
 /// (`createpolicy.fractional.L2::evict_last` and `ld.global.L2::cache_hint`, PTX ISA 7.4: the
 /// sm_89 and sm_90 builds; a plain load in the sm_80 build, whose PTX ISA is 7.0).
@@ -610,7 +610,7 @@ pub unsafe fn load_evict_last<T: Copy, const N: usize>(p: *const T) -> [T; N] {
                     // Little-endian: the two bytes at the start of `w`.
                     w[0] = u32::from(h);
                 }
-                _ => return crate::elem::load::<T, N>(p),
+                _ => return crate::access::load::<T, N>(p),
             }
             w.as_ptr().cast::<[T; N]>().read_unaligned()
         }
@@ -618,6 +618,6 @@ pub unsafe fn load_evict_last<T: Copy, const N: usize>(p: *const T) -> [T; N] {
     #[cfg(not(any(target_feature = "sm_89", target_feature = "sm_90")))]
     // SAFETY: the caller's promise.
     unsafe {
-        crate::elem::load::<T, N>(p)
+        crate::access::load::<T, N>(p)
     }
 }

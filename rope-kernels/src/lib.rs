@@ -25,6 +25,8 @@ pub mod divide;
 pub mod math;
 
 #[cfg(target_arch = "nvptx64")]
+mod access;
+#[cfg(target_arch = "nvptx64")]
 mod elem;
 #[cfg(target_arch = "nvptx64")]
 pub mod fused;

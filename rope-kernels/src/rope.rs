@@ -42,8 +42,9 @@ use crate::abi::{
     ContextParallelSplit, GroupAxes, Mapping, PositionCode, TableElem, clamped_axis,
     for_each_kernel, pass_through_start, planned_table_vectors,
 };
+use crate::access;
 use crate::divide::Divisor;
-use crate::elem::{self, Bf16, Elem, Half};
+use crate::elem::{Bf16, Elem, Half, unrolled};
 use crate::intrinsics::{
     block_dim_x, block_idx_x, block_idx_y, grid_dim_x, load_evict_last, prefetch_l2, thread_idx_x,
     trap, wait_for_prior_grids,
@@ -330,11 +331,11 @@ pub(crate) unsafe fn load_head<T: Elem, P: Pairing, const L: usize>(
     unsafe {
         if P::NEOX {
             [
-                elem::load::<T, L>(head.add(first)),
-                elem::load::<T, L>(head.add(second)),
+                access::load::<T, L>(head.add(first)),
+                access::load::<T, L>(head.add(second)),
             ]
         } else {
-            [elem::load::<T, L>(head.add(first)), [T::ZERO; L]]
+            [access::load::<T, L>(head.add(first)), [T::ZERO; L]]
         }
     }
 }
@@ -490,22 +491,6 @@ unsafe fn head<T>(a: &Args<T>, tok: &TokenBases<T>, h: usize) -> (*const T, *mut
             out.add(h * t.out_strides[2] as usize),
         )
     }
-}
-
-/// Calls `f(0)`, ..., `f(count - 1)` as straight-line code, for `count <= 8`.
-///
-/// `count` is a constant at every call site, so after inlining each call indexes arrays with a
-/// constant and the arrays stay in registers; a `for` loop over a large body is not unrolled
-/// by LLVM and would put them in local memory.
-#[inline(always)]
-pub(crate) fn unrolled(count: usize, mut f: impl FnMut(usize)) {
-    if count > 8 {
-        trap()
-    }
-    macro_rules! step {
-        ($($k:literal)*) => {$(if $k < count { f($k) })*};
-    }
-    step!(0 1 2 3 4 5 6 7);
 }
 
 /// The heads that block row `blockIdx.y` handles, in the concatenation of q's and k's heads.
@@ -1113,7 +1098,7 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
         // SAFETY: head h exists, elements e0..e0+L inside it, aligned: the caller's promise.
         unsafe {
             let (x, out) = head(a, &tok, h);
-            elem::store::<T, L>(out.offset(e0), elem::load::<T, L>(x.offset(e0)));
+            access::store::<T, L>(out.offset(e0), access::load::<T, L>(x.offset(e0)));
         }
     }
 }

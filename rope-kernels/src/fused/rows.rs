@@ -22,7 +22,7 @@ use crate::abi::{
     FormatCode, NormCode, ROWS_COS_SIN_BYTES, ROWS_DATA_OFFSET, ROWS_GROUPS, ROWS_HEAD_DIM,
     ROWS_HEADS_PER_STEP, ROWS_HEADS_STEPS, ROWS_MAX_STAGES,
 };
-use crate::elem::{Elem, Fp8};
+use crate::elem::{Elem, Fp8, unrolled};
 use crate::intrinsics::bulk::{
     bulk_load, dynamic_shared_bytes, mbarrier_arrive, mbarrier_init, mbarrier_wait, rows_shared,
     shared_load_f32x4, shared_load_u32x2, shared_store_f32_at,
@@ -31,9 +31,7 @@ use crate::intrinsics::{
     block_dim_x, block_idx_x, grid_dim_x, rcp_approx, rcp_approx_ftz, sync_threads_count,
     sync_warp, thread_idx_x, trap, wait_for_prior_grids,
 };
-use crate::rope::{
-    Args, Neox, Pairing, Source, cos_sin, position, rotate_values_with, unrolled, widen,
-};
+use crate::rope::{Args, Neox, Pairing, Source, cos_sin, position, rotate_values_with, widen};
 
 /// Elements per access (four NeoX pairs a lane) and steps over heads per token.
 const L: usize = 4;
