@@ -20,7 +20,7 @@ use rope_kernels::math::e4m3_to_f32;
 use rope_reference::fused::{ElementScale, e4m3_bracket, rms_norm, rotate_head};
 use rope_reference::reference::inv_freq;
 
-use crate::case::TestElem;
+use crate::elem::TestElem;
 use crate::tolerance::{self, Rotated};
 
 pub const THETA: f64 = 10_000.0;

@@ -7,11 +7,13 @@
 //!   element type.
 //! - [`fused`]: one random fused case (norm, rotation, KV-cache write, FP8) uploaded, launched
 //!   and compared with the reference, byte for byte.
+//! - [`elem`]: the storage types under test ([`elem::TestElem`], also named from [`case`]).
 //! - [`rotate`]: an f32 rotation at explicit positions in one call.
 //! - [`tolerance`]: the one rule for how close an output must be to the reference, for the
 //!   plain and the fused kernels and the built tables.
 
 pub mod case;
+pub mod elem;
 pub mod fused;
 pub mod rotate;
 pub mod tolerance;

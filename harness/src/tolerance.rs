@@ -40,7 +40,7 @@
 //! A built cos/sin table entry is within one unit in the last place of its type of the exact
 //! value, or `2^-28` absolute near zero (the f64 angle's own error): [`table_entry`].
 
-use crate::case::TestElem;
+use crate::elem::TestElem;
 
 /// The unit roundoff of `f32`, `2^-24`: the kernels compute in `f32`.
 pub const UNIT: f64 = f32::EPSILON as f64 / 2.0;
