@@ -58,9 +58,10 @@ impl DeviceFacts {
 /// same either way; what overlaps is one kernel's launch with the end of the one before (at
 /// decode inside a CUDA graph, a sizeable share of each launch's time: docs/perf/decisions.md).
 /// It applies to the kernels built for it ([`PTX_SM90`](crate::PTX_SM90): the one-head kernels
-/// decode steps take, and the fused kernels); every other launch, and every launch on older
-/// devices, is ordered as with [`StreamOverlap::None`]. The kernels do not trigger their
-/// dependents early, so a launch after them starts no sooner than it would after any kernel.
+/// decode steps take, and the fused kernels but the item-loop fallbacks); every other launch,
+/// and every launch on older devices, is ordered as with [`StreamOverlap::None`]. The kernels
+/// do not trigger their dependents early, so a launch after them starts no sooner than it would
+/// after any kernel.
 /// Captured in a CUDA graph, such launches become programmatic edges (a driver of CUDA 12.3 or
 /// newer).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

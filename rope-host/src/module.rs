@@ -13,18 +13,18 @@ use crate::sass;
 /// `cargo xtask ptx` and committed.
 pub const PTX: &str = include_str!("../ptx/kernels.ptx");
 
-/// The fused kernels built again for sm_89 (Ada) and newer, where their FP8 stores use the
-/// hardware's paired conversion (`cvt.rn.satfinite.e4m3x2.f32`, one instruction per two values)
-/// instead of rounding in software; PTX ISA 8.1, so a driver of CUDA 12.1 or newer. On sm_89
-/// devices the fused kernels come from this module and every other kernel from [`PTX`] (see
-/// [`PTX_ARCH_VAR`]).
+/// The fused token-heads and rows kernels built again for sm_89 (Ada) and newer, where their
+/// FP8 stores use the hardware's paired conversion (`cvt.rn.satfinite.e4m3x2.f32`, one
+/// instruction per two values) instead of rounding in software; PTX ISA 8.1, so a driver of
+/// CUDA 12.1 or newer. On sm_89 devices these kernels come from this module and every other
+/// kernel, the fused item-loop fallbacks included, from [`PTX`] (see [`PTX_ARCH_VAR`]).
 pub const PTX_SM89: &str = include_str!("../ptx/kernels_sm89.ptx");
 
-/// The fused and one-head kernels built again for sm_90 (Hopper) and newer: the paired FP8
-/// conversion as in [`PTX_SM89`], and programmatic dependent launch (`griddepcontrol.wait`:
-/// each kernel waits for the previous grid before its first global access; see
-/// [`crate::StreamOverlap`]). PTX ISA 7.8. On those devices these kernels come from this module
-/// and every other kernel from [`PTX`].
+/// The fused token-heads and rows kernels and the one-head kernels built again for sm_90
+/// (Hopper) and newer: the paired FP8 conversion as in [`PTX_SM89`], and programmatic dependent
+/// launch (`griddepcontrol.wait`: each kernel waits for the previous grid before its first
+/// global access; see [`crate::StreamOverlap`]). PTX ISA 7.8. On those devices these kernels
+/// come from this module and every other kernel from [`PTX`].
 pub const PTX_SM90: &str = include_str!("../ptx/kernels_sm90.ptx");
 
 /// The environment variable that caps the builds a context takes kernels from: `sm_80` takes

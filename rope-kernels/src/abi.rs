@@ -1068,10 +1068,10 @@ impl FusedKernelName {
 pub enum PtxBuild {
     /// Every kernel, for sm_80 (Ampere) and newer.
     Sm80,
-    /// The fused kernels but the narrow ones again, for sm_89 (Ada): their FP8 stores use the
+    /// The fused token-heads and rows kernels again, for sm_89 (Ada): their FP8 stores use the
     /// paired hardware conversion.
     Sm89,
-    /// The fused kernels but the narrow ones and the one-head kernels again, for sm_90
+    /// The fused token-heads and rows kernels and the one-head kernels again, for sm_90
     /// (Hopper) and newer: the paired FP8 conversion, and programmatic dependent launch
     /// ([`takes_dependent_launch`]).
     Sm90,
@@ -1101,17 +1101,20 @@ impl PtxBuild {
     }
 }
 
-/// Whether `symbol` is a fused kernel the sm_89 and sm_90 builds hold again: all but the narrow
-/// ones ([`Mapping::NARROW`]), the fallback for layouts that do not allow the preferred width,
-/// which every device takes from the sm_80 build (a quarter of the fused code, rebuilt twice
-/// for launches that rarely happen: docs/perf/decisions.md).
+/// Whether `symbol` is a fused kernel the sm_89 and sm_90 builds hold again: the token-heads
+/// kernels ([`Mapping::TokenHeads`]) and the rows kernels ([`Mapping::Rows`]), which the planner
+/// takes for every launch whose tensors, cache and tables allow them. The item-loop kernels
+/// ([`Mapping::ItemLoop`], either width), the fallback for layouts that do not allow the
+/// preferred width, tensors of 2^32 elements or more, caches of more than 2^32 slots and tables
+/// the token-heads kernels cannot read, come from the sm_80 build on every device: rebuilt, they
+/// were half of the newer builds' code, for launches that rarely happen (docs/perf/decisions.md).
 #[inline]
 fn rebuilt_fused(symbol: &str) -> bool {
-    FusedKernelName::from_symbol(symbol).is_some_and(|k| k.mapping != Mapping::NARROW)
+    FusedKernelName::from_symbol(symbol).is_some_and(|k| !matches!(k.mapping, Mapping::ItemLoop(_)))
 }
 
 /// Whether the kernel exported as `symbol` takes part in programmatic dependent launch when
-/// built for sm_90: the fused kernels but the narrow ones, and the RoPE kernels of one head per
+/// built for sm_90: the fused kernels but the item-loop ones, and the RoPE kernels of one head per
 /// thread ([`Mapping::ONE_HEAD`]: decode steps, where a launch is short enough for the previous
 /// one's tail to matter). Their sm_90 code waits for the previous grid before its first global
 /// access; the sm_90 build keeps only these entry points, and the host launches only these with

@@ -286,17 +286,19 @@ mod tests {
         let ptx: String = std::iter::once(header.to_string())
             .chain(all_symbols().map(entry))
             .collect();
-        // The fused kernels but the narrow ones.
+        // The fused kernels but the item-loop ones.
         let fused: String = std::iter::once(header.to_string())
             .chain(
                 FusedKernelName::ALL
                     .iter()
-                    .filter(|k| k.mapping != Mapping::NARROW)
+                    .filter(|k| !matches!(k.mapping, Mapping::ItemLoop(_)))
                     .map(|k| entry(k.symbol())),
             )
             .collect();
         assert_eq!(entries_only(&ptx, PtxBuild::Sm89), fused);
-        assert!(fused.contains(".entry rope_fused_neox_theta_bf16("));
+        assert!(fused.contains(".entry rope_fused_neox_theta_bf16_two_heads("));
+        assert!(fused.contains(".entry rope_fused_neox_theta_bf16_four_heads("));
+        assert!(!fused.contains(".entry rope_fused_neox_theta_bf16("));
         assert!(!fused.contains(".entry rope_fused_neox_theta_bf16_narrow("));
         let dependent = entries_only(&ptx, PtxBuild::Sm90);
         let kept: Vec<&str> = dependent
@@ -314,12 +316,13 @@ mod tests {
             .filter(|k| k.mapping == Mapping::ONE_HEAD);
         let fused = FusedKernelName::ALL
             .iter()
-            .filter(|k| k.mapping != Mapping::NARROW);
+            .filter(|k| !matches!(k.mapping, Mapping::ItemLoop(_)));
         assert_eq!(kept.len(), one_head.count() + fused.count());
         assert!(kept.contains(&"rope_neox_table_bf16_one_head"));
         assert!(kept.contains(&"rope_fused_neox_table_bf16_two_heads"));
         assert!(!kept.contains(&"rope_neox_table_bf16"));
         assert!(!kept.contains(&"rope_fused_neox_table_bf16_narrow"));
+        assert!(!kept.contains(&"rope_fused_neox_table_bf16"));
         assert!(dependent.starts_with(header));
     }
 
