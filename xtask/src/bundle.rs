@@ -172,27 +172,53 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-/// Gathers the Python package's newest wheel (`target/wheels/rope_rs-*.whl`), its tests, its
-/// benchmark, pytest's wheels (downloaded with `target/ci-venv`'s pip, for machines without
-/// pytest) and `run.sh` in `dir`; `false`, with a note, when no wheel was built.
+/// Builds the Python package's wheel now, with the README's command (maturin from
+/// `target/ci-venv`, into a fresh `target/wheels`), and gathers it, its tests, its benchmark,
+/// pytest's wheels (downloaded with `target/ci-venv`'s pip, for machines without pytest) and
+/// `run.sh` in `dir`; `false`, with a note, without `target/ci-venv`'s maturin. A wheel built
+/// earlier is never taken: it may embed other kernels than the executables beside it.
 fn python(dir: &Path) -> Result<bool> {
+    let venv = root().join("target/ci-venv/bin");
+    if !venv.join("maturin").exists() {
+        println!(
+            "note: no maturin in {}: make it with the README's Set up commands to bundle the Python wheel and tests",
+            venv.display()
+        );
+        return Ok(false);
+    }
     let wheels = root().join("target/wheels");
-    let newest = fs::read_dir(&wheels)
-        .into_iter()
-        .flatten()
+    if wheels.exists() {
+        fs::remove_dir_all(&wheels)?;
+    }
+    let path = std::env::join_paths(
+        std::iter::once(venv.clone()).chain(std::env::split_paths(
+            &std::env::var_os("PATH").unwrap_or_default(),
+        )),
+    )?;
+    let status = std::process::Command::new(venv.join("maturin"))
+        .current_dir(root())
+        .env("PATH", path)
+        .args([
+            "build",
+            "--release",
+            "--zig",
+            "--compatibility",
+            "manylinux2014",
+            "-m",
+            "python/Cargo.toml",
+            "-o",
+        ])
+        .arg(&wheels)
+        .status()
+        .context("running maturin")?;
+    ensure!(status.success(), "maturin build failed: {status}");
+    let wheel = fs::read_dir(&wheels)?
         .filter_map(|e| e.ok())
-        .filter(|e| {
+        .find(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             name.starts_with("rope_rs-") && name.ends_with(".whl")
         })
-        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok());
-    let Some(wheel) = newest else {
-        println!(
-            "note: no wheel in {}: build it with the README's Set up commands to bundle the Python tests",
-            wheels.display()
-        );
-        return Ok(false);
-    };
+        .with_context(|| format!("maturin wrote no rope_rs wheel in {}", wheels.display()))?;
     fs::create_dir_all(dir.join("tests"))?;
     copy(&wheel.path(), dir)?;
     copy(&root().join("python/bench.py"), dir)?;
