@@ -238,7 +238,7 @@ fn table_rope_and_fp8_cache_match_the_reference_bf16() -> Res {
         blocks: 3,
         rows: 4,
     };
-    let (offset, theta) = (17usize, 500_000.0);
+    let (offset, theta) = (17usize, 500_000.0f64);
     let n = sh.b * sh.t;
     let rows = offset + sh.t + 3;
     let half = sh.d / 2;
