@@ -9,13 +9,14 @@ use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
 use candle_core::{Layout, Storage, Tensor};
 use rope_host::cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
 use rope_host::{
-    CacheLayout, DType, IdsShape, IntType, NormWeight, RawBuf, RawCacheData, RawFp8Scale,
-    RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawOp, RawPositions, RawQOut,
-    RawQkNorm, RawSinCos, RawTensor, RopeConfig, RopeStyle, TableShape,
+    CacheLayout, DType, IntType, NormWeight, RawBuf, RawCacheData, RawFp8Scale, RawFusedIo,
+    RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawOp, RawPositions, RawQOut, RawQkNorm,
+    RawSinCos, RawTensor, RopeConfig, RopeStyle, TableShape,
 };
 
 use crate::error::{Error, invalid};
 use crate::layout::{Axes, to_rope};
+use crate::op::ids_shape;
 use crate::rich::{Positions, SinCos};
 
 /// Per-head RMS normalisation of q and k before the rotation:
@@ -353,22 +354,10 @@ fn launch(
     let positions = match (positions, &ids_h) {
         (Positions::Offset(o), _) => RawPositions::Offset(o),
         (Positions::Ids(_), None) => return Err(invalid("ids", "ids not held")),
-        (Positions::Ids(_), Some(ids)) => {
-            let shape = match ids.layout.dims() {
-                [s] if *s == seq => IdsShape::Shared,
-                [b, s] if *b == batch && *s == seq => IdsShape::PerRow,
-                d => {
-                    return Err(invalid(
-                        "ids",
-                        format!("expected [seq] or [batch, seq] = [{batch}, {seq}], got {d:?}"),
-                    ));
-                }
-            };
-            RawPositions::Ids {
-                ids: ints_buf(&mut g, ids)?,
-                shape,
-            }
-        }
+        (Positions::Ids(_), Some(ids)) => RawPositions::Ids {
+            ids: ints_buf(&mut g, ids)?,
+            shape: ids_shape(ids.layout.dims(), batch, seq)?,
+        },
     };
     let cache = match &cache_h {
         Some((kc, vc, slots, scales)) => Some(RawKvCache {
