@@ -222,6 +222,34 @@ fn float_tensor<'a>(
     }
 }
 
+/// q, k and v as rope-host's launch takes them: views of one allocation (q, k and v narrowed
+/// out of one QKV tensor) as the packed form, whose checks allow the views to interleave as
+/// long as no element is shared; tensors of their own as the separate form.
+fn tensors_io(q: RawTensor, k: RawTensor, v: Option<RawTensor>) -> Result<RawFusedIo, Error> {
+    if q.buf != k.buf {
+        return Ok(RawFusedIo::Separate {
+            q: RawQOut::Elem(RawIo::InPlace(q)),
+            k: RawKOut::Elem(RawIo::InPlace(k)),
+            v,
+        });
+    }
+    let v = match v {
+        Some(v) if v.buf != q.buf => {
+            return Err(invalid(
+                "v",
+                "must be a view of q and k's allocation when they share one",
+            ));
+        }
+        v => v.map(|v| v.layout),
+    };
+    Ok(RawFusedIo::Packed {
+        buf: q.buf,
+        q: q.layout,
+        k: k.layout,
+        v,
+    })
+}
+
 fn launch(
     q: &Tensor,
     k: &Tensor,
@@ -376,11 +404,7 @@ fn launch(
         },
         norm,
     };
-    let io = RawFusedIo::Separate {
-        q: RawQOut::Elem(RawIo::InPlace(q_t)),
-        k: RawKOut::Elem(RawIo::InPlace(k_t)),
-        v: v_t,
-    };
+    let io = tensors_io(q_t, k_t, v_t)?;
     // SAFETY: `stream` is candle's stream of q's device and `rope` was made on it, so the
     // context matches; every address comes from a `CudaSlice` of that device (each tensor was
     // checked to be on it) with its length in elements of the type rope-host is told (start

@@ -369,6 +369,41 @@ fn a_cache_of_another_dtype_is_refused_and_nothing_is_written() -> Res {
     Ok(())
 }
 
+/// q and k narrowed out of one allocation take the packed form, which needs v in it too: a v
+/// of its own is refused by name, and q and k keep their values.
+#[test]
+fn a_v_outside_a_shared_qk_allocation_is_refused_by_name() -> Res {
+    let Some(dev) = gpu_or_skip("a_v_outside_a_shared_qk_allocation_is_refused_by_name") else {
+        return Ok(());
+    };
+    let qk = Tensor::randn(0f32, 1., (1, 3, 3, 64), &dev)?;
+    let (q, k) = (qk.narrow(2, 0, 2)?, qk.narrow(2, 2, 1)?);
+    let v = Tensor::randn(0f32, 1., (1, 3, 1, 64), &dev)?;
+    let k_cache = Tensor::zeros((2, 4, 1, 64), DType::F32, &dev)?;
+    let v_cache = Tensor::zeros((2, 4, 1, 64), DType::F32, &dev)?;
+    let slots = Tensor::from_vec(vec![0i64, 1, 2], 3, &dev)?;
+    let qk0 = values(&qk)?;
+    let spec = FusedSpec {
+        style: RopeStyle::Neox,
+        axes: Axes::Bshd,
+        sincos: SinCos::Computed { theta: 10_000.0 },
+        norm: None,
+    };
+    let cache = PagedKvCache {
+        k_cache: &k_cache,
+        v_cache: &v_cache,
+        slot_mapping: &slots,
+        values: &CacheValues::Elem,
+    };
+    let err =
+        rope_candle::fused_inplace(&q, &k, Some(&v), &spec, Positions::Offset(0), Some(cache))
+            .expect_err("v outside q and k's allocation");
+    assert!(err.to_string().contains("v:"), "{err}");
+    assert_eq!(values(&qk)?, qk0);
+    assert!(values(&k_cache)?.iter().all(|x| *x == 0.0));
+    Ok(())
+}
+
 /// On CPU tensors the fused op is an error naming q (it runs on CUDA only); no GPU needed.
 #[test]
 fn fused_on_cpu_is_an_error_naming_q() -> Res {
