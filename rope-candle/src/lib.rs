@@ -10,6 +10,9 @@
 //!   rotary, `[b, h, s, d]` or `[b, s, h, d]`; CUDA only.
 //! - [`apply_inplace`] and [`apply_qk_inplace`]: the same, rotating the tensors where they are
 //!   (candle's in-place ops: strided views of a fused QKV tensor, no gradients); CUDA only.
+//! - [`fused_inplace`] with a [`FusedSpec`]: the serving epilogue in one launch, per-head RMS
+//!   normalisation of q and k ([`QkNorm`]), their rotation in place, and k and v written into
+//!   a paged KV cache ([`PagedKvCache`], elements or FP8); CUDA only.
 //!
 //! Build: candle-core's `cuda` feature runs nvcc (see the crate's README), and rope-host is used
 //! with its default features off, so candle picks cudarc's linking mode and CUDA version.
@@ -32,14 +35,18 @@
 
 mod drop_in;
 mod error;
+mod fused;
 mod layout;
 mod op;
 mod rich;
 
 pub use drop_in::{rope, rope_i, rope_thd};
 pub use error::Error;
+pub use fused::{CacheValues, FusedSpec, PagedKvCache, QkNorm, fused_inplace};
 pub use layout::Axes;
 pub use rich::{
     Positions, RopeSpec, SinCos, apply, apply_inplace, apply_qk, apply_qk_inplace, frequencies,
 };
-pub use rope_host::{AngleMode, ConfigBase, ConfigValue, FrequencySpec, RopeScaling, RopeStyle};
+pub use rope_host::{
+    AngleMode, ConfigBase, ConfigValue, FrequencySpec, NormWeight, RopeScaling, RopeStyle,
+};

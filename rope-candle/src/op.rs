@@ -279,16 +279,7 @@ impl RopeCandleOp {
                 })
             }
             (Pos::Ids, Some((ids, ids_l)), None) => {
-                let shape = match ids_l.dims() {
-                    [s] if *s == seq => IdsShape::Shared,
-                    [b, s] if *b == batch && *s == seq => IdsShape::PerRow,
-                    d => {
-                        return Err(invalid(
-                            "ids",
-                            format!("expected [seq] or [batch, seq] = [{batch}, {seq}], got {d:?}"),
-                        ));
-                    }
-                };
+                let shape = ids_shape(ids_l.dims(), batch, seq)?;
                 let ids = ids_buf(ids, ids_l, &stream, &mut guards)?;
                 RawPositions::Ids { ids, shape }
             }
@@ -311,6 +302,19 @@ impl RopeCandleOp {
         // uploaded on this same stream before the launch.
         unsafe { rope.run_raw(&op, RawTensors::Q(io), stream.cu_stream()) }?;
         Ok(())
+    }
+}
+
+/// How position ids of dims `dims` cover `batch` rows of `seq` tokens: `[seq]` shared by the
+/// rows, or `[batch, seq]`.
+pub(crate) fn ids_shape(dims: &[usize], batch: usize, seq: usize) -> Result<IdsShape, Error> {
+    match dims {
+        [s] if *s == seq => Ok(IdsShape::Shared),
+        [b, s] if *b == batch && *s == seq => Ok(IdsShape::PerRow),
+        d => Err(invalid(
+            "ids",
+            format!("expected [seq] or [batch, seq] = [{batch}, {seq}], got {d:?}"),
+        )),
     }
 }
 
