@@ -190,11 +190,9 @@ fn python(dir: &Path) -> Result<bool> {
     if wheels.exists() {
         fs::remove_dir_all(&wheels)?;
     }
-    let path = std::env::join_paths(
-        std::iter::once(venv.clone()).chain(std::env::split_paths(
-            &std::env::var_os("PATH").unwrap_or_default(),
-        )),
-    )?;
+    let path = std::env::join_paths(std::iter::once(venv.clone()).chain(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    )))?;
     let status = std::process::Command::new(venv.join("maturin"))
         .current_dir(root())
         .env("PATH", path)
