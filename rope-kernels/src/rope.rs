@@ -586,6 +586,41 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
     (cos, sin)
 }
 
+/// This item's frequencies `inv_freq[j0..j0 + pairs]` for in-kernel sin/cos.
+///
+/// # Safety
+/// `j0 + pairs <= half`, the promised length of `inv_freq`.
+#[inline(always)]
+unsafe fn item_frequencies<T, const L: usize>(a: &Args<T>, j0: usize, pairs: usize) -> [f64; L] {
+    let mut f = [0.0f64; L];
+    // SAFETY: j0 + k < half, the caller's promise.
+    unrolled(pairs, |k| f[k] = unsafe { *a.inv_freq.add(j0 + k) });
+    f
+}
+
+/// In-kernel cos and sin of `pos * freq(k)` for `k < pairs`, scaled by the attention factor,
+/// sin signed for the direction: [`cos_sin_read`]'s computed step, for the one-head kernels,
+/// which load their frequencies ahead ([`item_frequencies`]). `cos_sin_read` keeps its own loop,
+/// loading each frequency where it is used: the fused kernels inline it, and ptxas allocates
+/// their registers at a cap that the same code reordered does not keep to.
+#[inline(always)]
+fn computed_cos_sin<T, const L: usize>(
+    a: &Args<T>,
+    (mode, pos): (math::AngleMode, i64),
+    pairs: usize,
+    freq: impl Fn(usize) -> f64,
+) -> ([f32; L], [f32; L]) {
+    let mut cos = [0.0f32; L];
+    let mut sin = [0.0f32; L];
+    let (scale, sin_scale) = (a.cs_scale, a.cs_scale * a.sin_sign);
+    unrolled(pairs, |k| {
+        let (c, s) = math::rope_cos_sin_mode(pos, freq(k), mode);
+        cos[k] = c * scale;
+        sin[k] = s * sin_scale;
+    });
+    (cos, sin)
+}
+
 /// Row `pos`'s entries `j0..j0 + pairs` of tables of `E`, widened, sin times `sin_sign`; NaN
 /// for a position outside the tables, which are never read outside their rows.
 ///
@@ -1134,6 +1169,16 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     let (b, s) = (u64::from(b32), u64::from(s32));
     let (j0, half) = (group as usize * pairs, a.half as usize);
     wait_for_prior_grids();
+    // With sin/cos computed from one position for the whole item, its frequencies are loaded
+    // before the position: issued after it, they waited for it (the compiler placed the
+    // position's conversion first) and their latency followed the position's.
+    let one_position = !S::TABLE && a.position_code < PositionCode::MultiAxisI32 as u32;
+    let freqs = if one_position {
+        // SAFETY: j0 + pairs <= half, the promised length of inv_freq.
+        Some(unsafe { item_frequencies::<T, L>(a, j0, pairs) })
+    } else {
+        None
+    };
     // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
     // promised.
     let pos = unsafe { position(a, b, s, group) };
@@ -1149,7 +1194,10 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     unsafe {
         let (x, out) = (t.x.add(at(&t.x_strides)), t.out.add(at(&t.out_strides)));
         let v = load_head::<T, P, L>(x, j0, half);
-        let (cos, sin) = cos_sin::<T, S, L>(a, pos, j0, pairs);
+        let (cos, sin) = match (&freqs, math::AngleMode::from_u32(a.angle_mode)) {
+            (Some(f), Some(mode)) => computed_cos_sin::<T, L>(a, (mode, pos), pairs, |k| f[k]),
+            _ => cos_sin::<T, S, L>(a, pos, j0, pairs),
+        };
         rotate_store_head::<T, P, L>(out, j0, half, v, &cos, &sin);
     }
 }
