@@ -586,35 +586,57 @@ pub(crate) unsafe fn cos_sin_read<T: Elem, S: Source, R: TableRead, const L: usi
     (cos, sin)
 }
 
-/// This item's frequencies `inv_freq[j0..j0 + pairs]` for in-kernel sin/cos.
+/// An item's frequencies loaded before its position ([`preload_frequencies`]): `Some` where
+/// sin/cos are computed from one position for the whole item (every position kind but
+/// multi-axis), else `None` (tables, or each pair's own axis).
+pub(crate) type Preloaded<const L: usize> = Option<[f64; L]>;
+
+/// Loads this item's frequencies `inv_freq[j0..j0 + pairs]` where sin/cos are computed from one
+/// position, for a kernel to issue before the position's load: issued after it, they waited
+/// for it (the compiler placed the position's conversion first), and their latency followed
+/// the position's. [`cos_sin_preloaded`] takes them.
 ///
 /// # Safety
-/// `j0 + pairs <= half`, the promised length of `inv_freq`.
+/// `j0 + pairs <= half`, the promised length of `inv_freq` (for computed sources).
 #[inline(always)]
-unsafe fn item_frequencies<T, const L: usize>(a: &Args<T>, j0: usize, pairs: usize) -> [f64; L] {
+pub(crate) unsafe fn preload_frequencies<T, S: Source, const L: usize>(
+    a: &Args<T>,
+    j0: usize,
+    pairs: usize,
+) -> Preloaded<L> {
+    if S::TABLE || a.position_code >= PositionCode::MultiAxisI32 as u32 {
+        return None;
+    }
     let mut f = [0.0f64; L];
     // SAFETY: j0 + k < half, the caller's promise.
     unrolled(pairs, |k| f[k] = unsafe { *a.inv_freq.add(j0 + k) });
-    f
+    Some(f)
 }
 
-/// In-kernel cos and sin of `pos * freq(k)` for `k < pairs`, scaled by the attention factor,
-/// sin signed for the direction: [`cos_sin_read`]'s computed step, for the one-head kernels,
-/// which load their frequencies ahead ([`item_frequencies`]). `cos_sin_read` keeps its own loop,
-/// loading each frequency where it is used: the fused kernels inline it, and ptxas allocates
-/// their registers at a cap that the same code reordered does not keep to.
+/// [`cos_sin`] with the frequencies [`preload_frequencies`] loaded: in-kernel cos and sin of
+/// `pos * f[k]`, scaled by the attention factor and sin signed for the direction, or
+/// [`cos_sin`] itself where nothing was preloaded. ([`cos_sin_read`] keeps its own loop, loading
+/// each frequency where it is used: the kernels that inline it are allocated at a register cap
+/// that the same code reordered does not keep to.)
+///
+/// # Safety
+/// As [`cos_sin`].
 #[inline(always)]
-fn computed_cos_sin<T, const L: usize>(
+pub(crate) unsafe fn cos_sin_preloaded<T: Elem, S: Source, const L: usize>(
     a: &Args<T>,
-    (mode, pos): (math::AngleMode, i64),
-    pairs: usize,
-    freq: impl Fn(usize) -> f64,
+    pos: i64,
+    (j0, pairs): (usize, usize),
+    freqs: &Preloaded<L>,
 ) -> ([f32; L], [f32; L]) {
+    let (Some(f), Some(mode)) = (freqs, math::AngleMode::from_u32(a.angle_mode)) else {
+        // SAFETY: the caller's promises.
+        return unsafe { cos_sin::<T, S, L>(a, pos, j0, pairs) };
+    };
     let mut cos = [0.0f32; L];
     let mut sin = [0.0f32; L];
     let (scale, sin_scale) = (a.cs_scale, a.cs_scale * a.sin_sign);
     unrolled(pairs, |k| {
-        let (c, s) = math::rope_cos_sin_mode(pos, freq(k), mode);
+        let (c, s) = math::rope_cos_sin_mode(pos, f[k], mode);
         cos[k] = c * scale;
         sin[k] = s * sin_scale;
     });
@@ -1169,16 +1191,8 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     let (b, s) = (u64::from(b32), u64::from(s32));
     let (j0, half) = (group as usize * pairs, a.half as usize);
     wait_for_prior_grids();
-    // With sin/cos computed from one position for the whole item, its frequencies are loaded
-    // before the position: issued after it, they waited for it (the compiler placed the
-    // position's conversion first) and their latency followed the position's.
-    let one_position = !S::TABLE && a.position_code < PositionCode::MultiAxisI32 as u32;
-    let freqs = if one_position {
-        // SAFETY: j0 + pairs <= half, the promised length of inv_freq.
-        Some(unsafe { item_frequencies::<T, L>(a, j0, pairs) })
-    } else {
-        None
-    };
+    // SAFETY: j0 + pairs <= half, the promised length of inv_freq.
+    let freqs = unsafe { preload_frequencies::<T, S, L>(a, j0, pairs) };
     // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
     // promised.
     let pos = unsafe { position(a, b, s, group) };
@@ -1194,10 +1208,7 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     unsafe {
         let (x, out) = (t.x.add(at(&t.x_strides)), t.out.add(at(&t.out_strides)));
         let v = load_head::<T, P, L>(x, j0, half);
-        let (cos, sin) = match (&freqs, math::AngleMode::from_u32(a.angle_mode)) {
-            (Some(f), Some(mode)) => computed_cos_sin::<T, L>(a, (mode, pos), pairs, |k| f[k]),
-            _ => cos_sin::<T, S, L>(a, pos, j0, pairs),
-        };
+        let (cos, sin) = cos_sin_preloaded::<T, S, L>(a, pos, (j0, pairs), &freqs);
         rotate_store_head::<T, P, L>(out, j0, half, v, &cos, &sin);
     }
 }
