@@ -1,5 +1,6 @@
 //! The f64 reference of the fused kernels (`Rope::run_fused`): per-head RMS normalisation, the
-//! rotation of one head, and the FP8 values a rounding may give.
+//! rotation of one head, and the FP8 values a rounding may give; and the gradients of the
+//! normalisation followed by the rotation ([`rms_norm_rope_backward`]).
 
 use rope_host::RopeStyle;
 use rope_kernels::math::{E4M3_MAX, e4m3_to_f32};
@@ -69,5 +70,109 @@ pub fn e4m3_bracket(v: f64) -> (f64, f64) {
         (-above, -below)
     } else {
         (below, above)
+    }
+}
+
+/// The gradients of one head's per-head RMS normalisation followed by its forward rotation,
+/// `y = R(n)` with `n_e = x_e r w'_e`, `r = 1 / sqrt(mean(x^2) + eps)` and `w'_e = w_e` (`1 + w_e`
+/// when `one_plus`), given `dy = dL/dy`. Returns `(dx, dw)`, this head's share of the weight's
+/// gradient (a launch sums it over its heads and tokens):
+///
+/// - `dn = R^T dy`: each pair `(p, q) -> (p c + q s, q c - p s)`, the rotation by `-sin`;
+/// - `dw_e = dn_e x_e r`;
+/// - with `u_e = dn_e w'_e`: `dx_j = r u_j - r^3 x_j (sum_e u_e x_e) / d`.
+pub fn rms_norm_rope_backward(
+    x: &[f64],
+    w: &[f64],
+    (eps, one_plus): (f64, bool),
+    style: RopeStyle,
+    cos: &[f64],
+    sin: &[f64],
+    dy: &[f64],
+) -> (Vec<f64>, Vec<f64>) {
+    let d = x.len();
+    let neg_sin: Vec<f64> = sin.iter().map(|s| -s).collect();
+    let (dn, _) = rotate_head(dy, style, cos, &neg_sin);
+    let r = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / d as f64 + eps).sqrt();
+    let one = if one_plus { 1.0 } else { 0.0 };
+    let u: Vec<f64> = dn.iter().zip(w).map(|(g, w)| g * (w + one)).collect();
+    let ux = u.iter().zip(x).map(|(u, x)| u * x).sum::<f64>();
+    let dx = u
+        .iter()
+        .zip(x)
+        .map(|(u, x)| r * u - r * r * r * x * ux / d as f64)
+        .collect();
+    let dw = dn.iter().zip(x).map(|(g, x)| g * x * r).collect();
+    (dx, dw)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sum_e dy_e y_e` of the forward pass, the loss whose gradients the backward gives.
+    fn loss(
+        x: &[f64],
+        w: &[f64],
+        one_plus: bool,
+        style: RopeStyle,
+        cs: (&[f64], &[f64]),
+        dy: &[f64],
+    ) -> f64 {
+        let n = rms_norm(x, w, 1e-6, one_plus);
+        let (y, _) = rotate_head(&n, style, cs.0, cs.1);
+        y.iter().zip(dy).map(|(y, g)| y * g).sum()
+    }
+
+    /// A deterministic spread of values in (-1, 1) (no random-number crate in this one).
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn norm_rope_backward_matches_central_differences_of_the_forward() {
+        for (style, one_plus, d) in [
+            (RopeStyle::Neox, false, 16),
+            (RopeStyle::Interleaved, true, 12),
+            (RopeStyle::Neox, true, 8),
+        ] {
+            let (x, w, dy) = (values(d, 1), values(d, 2), values(d, 3));
+            let angles: Vec<f64> = values(d / 2, 4).iter().map(|a| a * 3.0).collect();
+            let cos: Vec<f64> = angles.iter().map(|a| a.cos()).collect();
+            let sin: Vec<f64> = angles.iter().map(|a| a.sin()).collect();
+            let (dx, dw) = rms_norm_rope_backward(&x, &w, (1e-6, one_plus), style, &cos, &sin, &dy);
+            let h = 1e-6;
+            for e in 0..d {
+                let at = |v: &[f64], delta: f64| {
+                    let mut v = v.to_vec();
+                    v[e] += delta;
+                    v
+                };
+                let fx = (loss(&at(&x, h), &w, one_plus, style, (&cos, &sin), &dy)
+                    - loss(&at(&x, -h), &w, one_plus, style, (&cos, &sin), &dy))
+                    / (2.0 * h);
+                let fw = (loss(&x, &at(&w, h), one_plus, style, (&cos, &sin), &dy)
+                    - loss(&x, &at(&w, -h), one_plus, style, (&cos, &sin), &dy))
+                    / (2.0 * h);
+                assert!(
+                    (dx[e] - fx).abs() < 1e-7 * (1.0 + fx.abs()),
+                    "{style:?} dx[{e}]: {} vs {fx}",
+                    dx[e]
+                );
+                assert!(
+                    (dw[e] - fw).abs() < 1e-7 * (1.0 + fw.abs()),
+                    "{style:?} dw[{e}]: {} vs {fw}",
+                    dw[e]
+                );
+            }
+        }
     }
 }

@@ -2,8 +2,8 @@
 //! property tests, the demo and the benchmark check the kernels against.
 //!
 //! - [`reference`](mod@reference): RoPE written directly from its definition with ndarray, in f64.
-//! - [`fused`](mod@fused): the normalisation, one head's rotation and FP8 bounds of the fused
-//!   kernels.
+//! - [`fused`](mod@fused): the fused kernels' normalisation, one head's rotation and FP8 bounds,
+//!   and the backward of the normalisation with the rotation (QK-norm + RoPE in training).
 //!
 //! ```
 //! use ndarray::{Array2, Array4, s};
