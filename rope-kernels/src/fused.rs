@@ -73,8 +73,8 @@ use crate::intrinsics::{
 };
 use crate::rope::{
     Args, Interleaved, KeptInL2, Neox, Pairing, Params, PlannedTable, Source, Table, TensorArgs,
-    Theta, cos_sin, cos_sin_read, load_head, offset_u32, position, position_read,
-    rotate_values_with, vector_offsets, widen,
+    Theta, cos_sin, cos_sin_preloaded, cos_sin_read, load_head, offset_u32, position,
+    position_read, preload_frequencies, rotate_values_with, vector_offsets, widen,
 };
 
 #[cfg(target_feature = "sm_90")]
@@ -805,8 +805,11 @@ unsafe fn share_cos_sin<T: Elem, S: Source>(a: &Args<T>, (b, s): (u32, u32), pai
         // SAFETY: e < half, the pairs the position and frequency arrays describe; the buffer
         // holds 2 * half <= SHARED_F32 values.
         unsafe {
+            // The pair's frequency is loaded before its position, so that their latencies
+            // overlap.
+            let freq = preload_frequencies::<T, S, 1>(a, e as usize, 1);
             let pos = position(a, u64::from(b), u64::from(s), e / pairs as u32);
-            let (c, sn) = cos_sin::<T, S, 1>(a, pos, e as usize, 1);
+            let (c, sn) = cos_sin_preloaded::<T, S, 1>(a, pos, (e as usize, 1), &freq);
             shared_store_f32(e, c[0]);
             shared_store_f32(half + e, sn[0]);
         }
