@@ -447,6 +447,17 @@ def apply_rotary_pos_emb(
         import transformers.models.llama.modeling_llama as llama
         llama.apply_rotary_pos_emb = rope_rs.apply_rotary_pos_emb
     """
+    eager = _HF_EAGER[0] if _HF_EAGER else _hf_eager()
+    return eager(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+# `_torch_eager.apply_rotary_pos_emb` once imported (the import needs torch, and a model calls
+# this function once per layer).
+_HF_EAGER: list = []
+
+
+def _hf_eager() -> Any:
     from rope_rs import _torch_eager
 
-    return _torch_eager.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim)
+    _HF_EAGER[:] = [_torch_eager.apply_rotary_pos_emb]
+    return _HF_EAGER[0]

@@ -329,32 +329,38 @@ def _hf_ids(q: Tensor, cos: Tensor, position_ids: Optional[Tensor], batch: int, 
     return torch.arange(0, 2 * batch * seq, 2, device=q.device, dtype=torch.int64).view(batch, seq)
 
 
-# The last cos/sin a Hugging Face call read, with what it made of them: `(key, cos rows, sin rows,
-# ids)`. A model passes the same cos and sin to every layer of a forward, so the views and ids
-# are made once per forward. Kept only when the rows are views of cos and sin (no copy or
-# conversion): then they read whatever cos and sin hold, and holding them keeps that memory
-# allocated, so no other tensor can arrive at the same addresses while the entry lives.
-_HF_TABLES: List[Tuple[Any, Tensor, Tensor, Tensor]] = []
+# The last cos/sin a Hugging Face call read, with what it made of them: `(cos, sin, key, cos
+# rows, sin rows, ids)`, the key being `(cos address, sin address, batch, seq, q's dtype, q's
+# device index)`. A model passes the same cos and sin tensors to every layer of a forward, so
+# the views and ids are made once per forward. Kept only when the rows are views of cos and sin
+# (no copy or conversion): then they read whatever cos and sin hold, and holding them keeps that
+# memory allocated. An entry is used for the same cos and sin objects, still at the same
+# addresses, with q of the same batch, length, dtype and device.
+_HF_TABLES: List[Tuple[Tensor, Tensor, Any, Tensor, Tensor, Tensor]] = []
+
+
+def _hf_key(q: Tensor, cos: Tensor, sin: Tensor, batch: int, seq: int) -> Any:
+    return (cos.data_ptr(), sin.data_ptr(), batch, seq, q.dtype, q.get_device())
 
 
 def _hf_tables(
     q: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], batch: int, seq: int
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """HF's cos and sin as rope-rs tables of half rows and the half row each token reads
-    (`_hf_rows`, `_hf_ids`), reusing the last call's when cos and sin are the same tensors."""
-    # Ids from position_ids (older transformers) change with its contents: never reused.
-    reusable = position_ids is None and not torch.compiler.is_compiling()
-    key = None
-    if reusable:
-        key = (cos.data_ptr(), sin.data_ptr(), cos.shape, cos.stride(), sin.stride(), cos.dtype, q.device, batch, seq)
-        if _HF_TABLES and _HF_TABLES[0][0] == key:
-            return _HF_TABLES[0][1:]
+    """HF's cos and sin (already checked and converted) as rope-rs tables of half rows and the
+    half row each token reads (`_hf_rows`, `_hf_ids`), kept for the next call when they are
+    views (see `_HF_TABLES`)."""
     cos_rows = _hf_rows(cos, position_ids, batch, seq, "cos")
     sin_rows = _hf_rows(sin, position_ids, batch, seq, "sin")
     ids = _hf_ids(q, cos, position_ids, batch, seq)
     views = cos_rows.data_ptr() == cos.data_ptr() and sin_rows.data_ptr() == sin.data_ptr()
-    if reusable and views and not torch.cuda.is_current_stream_capturing():
-        _HF_TABLES[:] = [(key, cos_rows, sin_rows, ids)]
+    # Ids from position_ids (older transformers) change with its contents: never kept.
+    if (
+        position_ids is None
+        and views
+        and not torch.compiler.is_compiling()
+        and not torch.cuda.is_current_stream_capturing()
+    ):
+        _HF_TABLES[:] = [(cos, sin, _hf_key(q, cos, sin, batch, seq), cos_rows, sin_rows, ids)]
     return cos_rows, sin_rows, ids
 
 
@@ -397,14 +403,24 @@ def apply_rotary_pos_emb(
         )
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D for apply_rotary_pos_emb, got shape {tuple(q.shape)}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"sin has shape {tuple(sin.shape)}, cos {tuple(cos.shape)}")
-    rotary_dim = cos.shape[-1]
-    if rotary_dim % 2:
-        raise ValueError(f"cos must have an even last dimension (rotary_dim), got {rotary_dim}")
-    if cos.dtype not in (torch.float32, q.dtype):
-        cos, sin = cos.float(), sin.float()
-    cos_rows, sin_rows, ids = _hf_tables(q, cos, sin, position_ids, batch, seq)
+    kept = _HF_TABLES[0] if _HF_TABLES and position_ids is None else None
+    if (
+        kept is not None
+        and kept[0] is cos
+        and kept[1] is sin
+        and kept[2] == _hf_key(q, cos, sin, batch, seq)
+        and not torch.compiler.is_compiling()
+    ):
+        cos_rows, sin_rows, ids = kept[3:]
+    else:
+        if cos.shape != sin.shape:
+            raise ValueError(f"sin has shape {tuple(sin.shape)}, cos {tuple(cos.shape)}")
+        rotary_dim = cos.shape[-1]
+        if rotary_dim % 2:
+            raise ValueError(f"cos must have an even last dimension (rotary_dim), got {rotary_dim}")
+        if cos.dtype not in (torch.float32, q.dtype):
+            cos, sin = cos.float(), sin.float()
+        cos_rows, sin_rows, ids = _hf_tables(q, cos, sin, position_ids, batch, seq)
     direct = rope_rs._direct(torch, q, k, None, None, None, None)
     if direct is None:
         # Autograd, torch.compile, another device: the public call's full path.

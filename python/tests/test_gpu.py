@@ -534,6 +534,31 @@ class TestDropIns:
         q3, k3 = randn(3, 4, 7, d), randn(3, 2, 7, d)
         rotate_and_check(q3, k3, *tables(torch.randint(0, 4096, (3, 7), device=DEV)))  # per batch row
 
+    def test_hugging_face_outputs_are_new_tensors_laid_out_like_the_inputs(self):
+        """The drop-in's outputs are new tensors in the layout ``torch.empty_like`` gives (a
+        transposed q stays transposed), the inputs stay untouched, and a call with the kept
+        tables of the previous one leaves no memory behind."""
+        d = 64
+        c, sn = cos_sin(torch.randint(0, 4096, (1, 9), device=DEV), inv_freq64(10000.0, d))
+        cos, sin = torch.cat((c, c), -1).float(), torch.cat((sn, sn), -1).float()
+        for q, k in (
+            (randn(2, 9, 4, d).transpose(1, 2), randn(2, 9, 2, d).transpose(1, 2)),
+            (randn(2, 4, 9, d), None),
+        ):
+            q0 = q.clone()
+            q_embed, k_embed = rope_rs.apply_rotary_pos_emb(q, k, cos, sin)
+            assert q_embed.stride() == torch.empty_like(q).stride() and q_embed.shape == q.shape
+            assert q_embed.data_ptr() != q.data_ptr() and torch.equal(q, q0)
+            assert (k_embed is None) == (k is None)
+            if k is not None:
+                assert k_embed.stride() == torch.empty_like(k).stride()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(50):
+            rope_rs.apply_rotary_pos_emb(q, k, cos, sin)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before
+
     def test_hugging_face_drop_in_launches_one_kernel(self):
         """After a first call, a decode step through the HF drop-in (cos/sin [1, seq, r]) runs
         one kernel: positions come from a kept vector, not an ``arange`` per call."""
