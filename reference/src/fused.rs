@@ -1,9 +1,10 @@
 //! The f64 reference of the fused kernels (`Rope::run_fused`): per-head RMS normalisation, the
-//! rotation of one head, and the FP8 values a rounding may give; and the gradients of the
+//! rotation of one head, and the FP8 values a rounding may give (E4M3, and FlashInfer's E5M2);
+//! FlashInfer's page-table cache addressing ([`page_table_slot`]); and the gradients of the
 //! normalisation followed by the rotation ([`rms_norm_rope_backward`]).
 
 use rope_host::RopeStyle;
-use rope_kernels::math::{E4M3_MAX, e4m3_to_f32};
+use rope_kernels::math::{e4m3_to_f32, e5m2_to_f32};
 
 /// `x_e / sqrt(mean(x^2) + eps) * w_e` (`1 + w_e` when `one_plus`), in f64.
 pub fn rms_norm(x: &[f64], w: &[f64], eps: f64, one_plus: bool) -> Vec<f64> {
@@ -54,23 +55,53 @@ pub fn rotate_head(
 /// The FP8 E4M3 values nearest `v` below and above (equal when `v` is one), saturated at
 /// ±448: a correct rounding of `v`, or of a value within a rounding of it, is one of them.
 pub fn e4m3_bracket(v: f64) -> (f64, f64) {
-    let values: Vec<f64> = (0u8..0x7f).map(|b| f64::from(e4m3_to_f32(b))).collect();
-    let a = v.abs().min(f64::from(E4M3_MAX));
+    bracket(v, (0u8..0x7f).map(|b| f64::from(e4m3_to_f32(b))))
+}
+
+/// The FP8 E5M2 values nearest `v` below and above, saturated at ±57344 (as CUDA's
+/// `__NV_SATFINITE` conversion, which FlashInfer's FP8 outputs use), as [`e4m3_bracket`].
+pub fn e5m2_bracket(v: f64) -> (f64, f64) {
+    bracket(v, (0u8..0x7c).map(|b| f64::from(e5m2_to_f32(b))))
+}
+
+/// The two of `values` (the non-negative finite values of a format, increasing) nearest `v`
+/// below and above, by magnitude, saturated at the largest, with `v`'s sign.
+fn bracket(v: f64, values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let values: Vec<f64> = values.collect();
+    let max = values[values.len() - 1];
+    let a = v.abs().min(max);
     let below = values
         .iter()
         .copied()
         .filter(|&x| x <= a)
         .fold(0.0, f64::max);
-    let above = values
-        .iter()
-        .copied()
-        .find(|&x| x >= a)
-        .unwrap_or(f64::from(E4M3_MAX));
+    let above = values.iter().copied().find(|&x| x >= a).unwrap_or(max);
     if v < 0.0 {
         (-above, -below)
     } else {
         (below, above)
     }
+}
+
+/// FlashInfer's paged-cache address of token `t` (`rope_quantize_fp8_append_paged_kv_cache`,
+/// `append_paged_kv_cache`): request `b = batch_indices[t]` (a negative one writes nothing),
+/// its page `kv_indices[kv_indptr[b] + positions[t] / page_size]` and the entry
+/// `positions[t] % page_size` in it, as `(page, entry)`. `None` as well for addresses outside
+/// the arrays or a negative position (what a kernel guarding device metadata skips).
+pub fn page_table_slot(
+    (kv_indices, kv_indptr): (&[i32], &[i32]),
+    (batch_indices, positions): (&[i32], &[i32]),
+    page_size: usize,
+    t: usize,
+) -> Option<(usize, usize)> {
+    let b = usize::try_from(*batch_indices.get(t)?).ok()?;
+    let pos = usize::try_from(*positions.get(t)?).ok()?;
+    if b + 1 >= kv_indptr.len() || page_size == 0 {
+        return None;
+    }
+    let first = usize::try_from(kv_indptr[b]).ok()?;
+    let page = usize::try_from(*kv_indices.get(first + pos / page_size)?).ok()?;
+    Some((page, pos % page_size))
 }
 
 /// The gradients of one head's per-head RMS normalisation followed by its forward rotation,
@@ -174,5 +205,34 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn fp8_brackets_hold_the_value_and_saturate() {
+        assert_eq!(e4m3_bracket(448.0), (448.0, 448.0));
+        assert_eq!(e4m3_bracket(1e9), (448.0, 448.0));
+        assert_eq!(e4m3_bracket(-1.1), (-1.125, -1.0));
+        assert_eq!(e5m2_bracket(57_344.0), (57_344.0, 57_344.0));
+        assert_eq!(e5m2_bracket(-1e9), (-57_344.0, -57_344.0));
+        // 1.1 lies between 1 and 1.25 (two mantissa bits), 2^-17 between 0 and 2^-16.
+        assert_eq!(e5m2_bracket(1.1), (1.0, 1.25));
+        assert_eq!(e5m2_bracket(2f64.powi(-17)), (0.0, 2f64.powi(-16)));
+    }
+
+    /// Two requests of pages 16: request 0 holds pages [7, 3], request 1 page [5]; a token of
+    /// batch index -1 (padding) and addresses outside the arrays write nothing.
+    #[test]
+    fn page_table_slots_follow_indptr_and_indices() {
+        let (indices, indptr) = ([7, 3, 5], [0, 2, 3]);
+        let batch = [0, 0, 1, -1, 1, 2];
+        let positions = [0, 17, 4, 0, 16, 0];
+        let slot = |t| page_table_slot((&indices, &indptr), (&batch, &positions), 16, t);
+        assert_eq!(slot(0), Some((7, 0)));
+        assert_eq!(slot(1), Some((3, 1)));
+        assert_eq!(slot(2), Some((5, 4)));
+        assert_eq!(slot(3), None, "batch index -1");
+        assert_eq!(slot(4), None, "position past the request's pages");
+        assert_eq!(slot(5), None, "batch index past kv_indptr");
+        assert_eq!(slot(6), None, "token past the arrays");
     }
 }

@@ -216,6 +216,49 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     sign * magnitude
 }
 
+/// The largest finite FP8 E5M2 value (5 exponent bits of bias 15, 2 mantissa
+/// bits, infinities and NaNs as in IEEE 754): `1.75 * 2^15`.
+pub const E5M2_MAX: f32 = 57_344.0;
+
+/// Rounds an `f32` to FP8 E5M2 bits, to nearest with ties to even, saturating as CUDA's
+/// `__NV_SATFINITE` conversion does: a magnitude at or above [`E5M2_MAX`] (infinity included)
+/// gives `±57344`; NaN gives `0x7f` with the input's sign. Magnitudes below `2^-14` round to the
+/// subnormals `m * 2^-16`.
+///
+/// Branch-free, as [`f32_to_e4m3`].
+#[inline(always)]
+pub fn f32_to_e5m2(v: f32) -> u8 {
+    const TWO_23: f32 = 8_388_608.0;
+    let bits = v.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let a = bits & 0x7fff_ffff;
+    // At or above 2^-14: keep 2 of the 23 mantissa bits, rounding to nearest even; bits 21.. of
+    // the rounded value are then the exponent (bias 127) and the 2 kept bits.
+    let rounded = a.wrapping_add(0xf_ffff + ((a >> 21) & 1));
+    let normal = (rounded >> 21).wrapping_sub((127 - 15) << 2);
+    // Below 2^-14: a multiple of 2^-16, found as `f32_to_e4m3` finds its subnormals (4 is the
+    // smallest normal's code).
+    let subnormal = (f32::from_bits(a) * 65_536.0 + TWO_23).to_bits() - TWO_23.to_bits();
+    let code = if a < 0x3880_0000 { subnormal } else { normal };
+    let code = if a >= E5M2_MAX.to_bits() { 0x7b } else { code };
+    let code = if a > 0x7f80_0000 { 0x7f } else { code };
+    sign | code as u8
+}
+
+/// The value of FP8 E5M2 bits as an `f32` (exact).
+#[inline(always)]
+pub fn e5m2_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (i32::from((b >> 2) & 0x1f), f32::from(b & 3));
+    let magnitude = match (e, b & 3) {
+        (31, 0) => f32::INFINITY,
+        (31, _) => f32::NAN,
+        (0, _) => m * (1.0 / 65_536.0),
+        _ => (1.0 + m / 4.0) * f32::from_bits(((e - 15 + 127) as u32) << 23),
+    };
+    sign * magnitude
+}
+
 #[cfg(test)]
 mod tests {
     extern crate std;
@@ -359,23 +402,23 @@ mod tests {
         }
     }
 
-    /// Every `e4m3fn` value, in increasing order of magnitude, as `(bits, value)`.
-    fn e4m3_values() -> std::vec::Vec<(u8, f64)> {
-        (0u8..0x7f)
-            .map(|b| (b, f64::from(e4m3_to_f32(b))))
-            .collect()
+    /// Every non-negative finite value of an FP8 format, in increasing order of magnitude, as
+    /// `(bits, value)`: the codes below `end` (the first code of infinity or NaN).
+    fn fp8_values(decode: fn(u8) -> f32, end: u8) -> std::vec::Vec<(u8, f64)> {
+        (0u8..end).map(|b| (b, f64::from(decode(b)))).collect()
     }
 
-    /// The nearest `e4m3fn` to `x` (ties to the even mantissa), saturating at 448, by search.
-    fn nearest_e4m3(x: f32) -> u8 {
+    /// The nearest of `values` to `x` (ties to the even mantissa), saturating at the largest,
+    /// by search; `nan` for NaN.
+    fn nearest(x: f32, values: &[(u8, f64)], nan: u8) -> u8 {
         let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-        let a = f64::from(x.abs());
         if x.is_nan() {
-            return sign | 0x7f;
+            return sign | nan;
         }
-        let values = e4m3_values();
+        // Saturated first: far past the largest value, distances to the largest few are equal.
+        let a = f64::from(x.abs()).min(values[values.len() - 1].1);
         let mut best = values[0];
-        for &(b, v) in &values {
+        for &(b, v) in values {
             let (d, best_d) = ((v - a).abs(), (best.1 - a).abs());
             if d < best_d || (d == best_d && b & 1 == 0) {
                 best = (b, v);
@@ -384,21 +427,9 @@ mod tests {
         sign | best.0
     }
 
-    #[test]
-    fn e4m3_values_increase_and_reach_448() {
-        let values = e4m3_values();
-        assert!(values.windows(2).all(|w| w[0].1 < w[1].1));
-        assert_eq!(values[values.len() - 1].1, f64::from(E4M3_MAX));
-        assert_eq!(values[1].1, 2f64.powi(-9));
-        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
-        assert_eq!(e4m3_to_f32(0xfe), -448.0);
-    }
-
-    /// Rounding matches the nearest value by search (ties to even, saturation at 448) on every
-    /// value, every midpoint and its neighbours, and a sweep of `f32` bit patterns.
-    #[test]
-    fn e4m3_rounds_to_nearest_even_and_saturates() {
-        let values = e4m3_values();
+    /// Probes for a rounding to `values`: every value, every midpoint and its neighbours, values
+    /// past the largest, and a sweep of `f32` bit patterns.
+    fn rounding_probes(values: &[(u8, f64)]) -> std::vec::Vec<f32> {
         let mut probes: std::vec::Vec<f32> = std::vec::Vec::new();
         for w in values.windows(2) {
             let mid = ((w[0].1 + w[1].1) / 2.0) as f32;
@@ -407,10 +438,11 @@ mod tests {
                 probes.push(f32::from_bits(mid.to_bits() - 1));
             }
         }
+        let max = values[values.len() - 1].1 as f32;
         probes.extend([
-            448.0,
-            464.0,
-            500.0,
+            max,
+            max * 1.03,
+            max * 1.2,
             1e30,
             f32::INFINITY,
             f32::MIN_POSITIVE,
@@ -419,15 +451,55 @@ mod tests {
         probes.extend(
             (0..1u32 << 16).map(|i| f32::from_bits(i.wrapping_mul(65_537 * 4099) ^ i << 7)),
         );
-        for x in probes {
+        probes
+    }
+
+    /// `round(x)` equals the nearest value by search for every probe and its negation.
+    fn check_rounding(round: fn(f32) -> u8, values: &[(u8, f64)], nan: u8) {
+        for x in rounding_probes(values) {
             for x in [x, -x] {
-                let (got, want) = (f32_to_e4m3(x), nearest_e4m3(x));
+                let (got, want) = (round(x), nearest(x, values, nan));
                 if x.is_nan() {
-                    assert_eq!(got & 0x7f, 0x7f);
+                    assert_eq!(got & 0x7f, nan);
                 } else {
                     assert_eq!(got, want, "{x:e}: got {got:#04x}, nearest {want:#04x}");
                 }
             }
         }
+    }
+
+    #[test]
+    fn e4m3_values_increase_and_reach_448() {
+        let values = fp8_values(e4m3_to_f32, 0x7f);
+        assert!(values.windows(2).all(|w| w[0].1 < w[1].1));
+        assert_eq!(values[values.len() - 1].1, f64::from(E4M3_MAX));
+        assert_eq!(values[1].1, 2f64.powi(-9));
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        assert_eq!(e4m3_to_f32(0xfe), -448.0);
+    }
+
+    /// Rounding matches the nearest value by search (ties to even, saturation at 448).
+    #[test]
+    fn e4m3_rounds_to_nearest_even_and_saturates() {
+        check_rounding(f32_to_e4m3, &fp8_values(e4m3_to_f32, 0x7f), 0x7f);
+    }
+
+    #[test]
+    fn e5m2_values_increase_and_reach_57344() {
+        let values = fp8_values(e5m2_to_f32, 0x7c);
+        assert!(values.windows(2).all(|w| w[0].1 < w[1].1));
+        assert_eq!(values[values.len() - 1].1, f64::from(E5M2_MAX));
+        assert_eq!(values[1].1, 2f64.powi(-16));
+        assert_eq!(values[4].1, 2f64.powi(-14));
+        assert_eq!(e5m2_to_f32(0x7c), f32::INFINITY);
+        assert!(e5m2_to_f32(0x7d).is_nan() && e5m2_to_f32(0xff).is_nan());
+        assert_eq!(e5m2_to_f32(0xfb), -57_344.0);
+    }
+
+    /// Rounding matches the nearest value by search (ties to even, saturation at 57344 as
+    /// `__NV_SATFINITE`, infinity included).
+    #[test]
+    fn e5m2_rounds_to_nearest_even_and_saturates() {
+        check_rounding(f32_to_e5m2, &fp8_values(e5m2_to_f32, 0x7c), 0x7f);
     }
 }
