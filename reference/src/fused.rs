@@ -86,8 +86,9 @@ fn bracket(v: f64, values: impl Iterator<Item = f64>) -> (f64, f64) {
 /// FlashInfer's paged-cache address of token `t` (`rope_quantize_fp8_append_paged_kv_cache`,
 /// `append_paged_kv_cache`): request `b = batch_indices[t]` (a negative one writes nothing),
 /// its page `kv_indices[kv_indptr[b] + positions[t] / page_size]` and the entry
-/// `positions[t] % page_size` in it, as `(page, entry)`. `None` as well for addresses outside
-/// the arrays or a negative position (what a kernel guarding device metadata skips).
+/// `positions[t] % page_size` in it, as `(page, entry)`. `None` as well for a negative
+/// position, a page past the request's own (`kv_indptr[b + 1]`; FlashInfer does not check it)
+/// and addresses outside the arrays: what a kernel guarding device metadata skips.
 pub fn page_table_slot(
     (kv_indices, kv_indptr): (&[i32], &[i32]),
     (batch_indices, positions): (&[i32], &[i32]),
@@ -100,7 +101,11 @@ pub fn page_table_slot(
         return None;
     }
     let first = usize::try_from(kv_indptr[b]).ok()?;
-    let page = usize::try_from(*kv_indices.get(first + pos / page_size)?).ok()?;
+    let at = first + pos / page_size;
+    if at >= usize::try_from(kv_indptr[b + 1]).ok()? {
+        return None;
+    }
+    let page = usize::try_from(*kv_indices.get(at)?).ok()?;
     Some((page, pos % page_size))
 }
 
@@ -220,12 +225,13 @@ mod tests {
     }
 
     /// Two requests of pages 16: request 0 holds pages [7, 3], request 1 page [5]; a token of
-    /// batch index -1 (padding) and addresses outside the arrays write nothing.
+    /// batch index -1 (padding), positions past a request's pages and addresses outside the
+    /// arrays write nothing.
     #[test]
     fn page_table_slots_follow_indptr_and_indices() {
         let (indices, indptr) = ([7, 3, 5], [0, 2, 3]);
-        let batch = [0, 0, 1, -1, 1, 2];
-        let positions = [0, 17, 4, 0, 16, 0];
+        let batch = [0, 0, 1, -1, 1, 2, 0];
+        let positions = [0, 17, 4, 0, 16, 0, 32];
         let slot = |t| page_table_slot((&indices, &indptr), (&batch, &positions), 16, t);
         assert_eq!(slot(0), Some((7, 0)));
         assert_eq!(slot(1), Some((3, 1)));
@@ -233,6 +239,7 @@ mod tests {
         assert_eq!(slot(3), None, "batch index -1");
         assert_eq!(slot(4), None, "position past the request's pages");
         assert_eq!(slot(5), None, "batch index past kv_indptr");
-        assert_eq!(slot(6), None, "token past the arrays");
+        assert_eq!(slot(6), None, "a page of the next request");
+        assert_eq!(slot(7), None, "token past the arrays");
     }
 }
