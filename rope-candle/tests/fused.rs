@@ -332,6 +332,47 @@ fn table_rope_and_fp8_cache_match_the_reference_bf16() -> Res {
     Ok(())
 }
 
+/// NeoX pairs of `[batch, seq, heads, head_dim]` tensors rotated by sin/cos computed from
+/// theta 10^4, without a norm: the launch the refusal tests make.
+fn plain_spec() -> FusedSpec {
+    FusedSpec {
+        style: RopeStyle::Neox,
+        axes: Axes::Bshd,
+        sincos: SinCos::Computed { theta: 10_000.0 },
+        norm: None,
+    }
+}
+
+/// Launches [`plain_spec`] on q, k and v (3 tokens at offset 0, one kv head of 64) with a
+/// write into zeroed caches `[2, 4, 1, 64]` of `cache_dtype` at slots 0, 1 and 2, which must
+/// fail: its error, and the k cache after it.
+fn refused_with_caches(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    cache_dtype: DType,
+    why: &str,
+) -> candle_core::Result<(candle_core::Error, Tensor)> {
+    let dev = q.device();
+    let k_cache = Tensor::zeros((2, 4, 1, 64), cache_dtype, dev)?;
+    let v_cache = Tensor::zeros((2, 4, 1, 64), cache_dtype, dev)?;
+    let slots = Tensor::from_vec(vec![0i64, 1, 2], 3, dev)?;
+    let cache = PagedKvCache {
+        k_cache: &k_cache,
+        v_cache: &v_cache,
+        slot_mapping: &slots,
+        values: &CacheValues::Elem,
+    };
+    let err = rope_candle::fused_inplace(
+        q,
+        k,
+        Some(v),
+        &plain_spec(),
+        Positions::Offset(0),
+        Some(cache),
+    )
+    .expect_err(why);
+    Ok((err, k_cache))
+}
+
 /// A cache of another dtype than q's is refused by name before anything is written: q, k and
 /// both caches keep their values.
 #[test]
@@ -343,25 +384,9 @@ fn a_cache_of_another_dtype_is_refused_and_nothing_is_written() -> Res {
     let q = Tensor::randn(0f32, 1., (1, 3, 2, 64), &dev)?;
     let k = Tensor::randn(0f32, 1., (1, 3, 1, 64), &dev)?;
     let v = Tensor::randn(0f32, 1., (1, 3, 1, 64), &dev)?;
-    let k_cache = Tensor::zeros((2, 4, 1, 64), DType::BF16, &dev)?;
-    let v_cache = Tensor::zeros((2, 4, 1, 64), DType::BF16, &dev)?;
-    let slots = Tensor::from_vec(vec![0i64, 1, 2], 3, &dev)?;
     let (q0, k0) = (values(&q)?, values(&k)?);
-    let spec = FusedSpec {
-        style: RopeStyle::Neox,
-        axes: Axes::Bshd,
-        sincos: SinCos::Computed { theta: 10_000.0 },
-        norm: None,
-    };
-    let cache = PagedKvCache {
-        k_cache: &k_cache,
-        v_cache: &v_cache,
-        slot_mapping: &slots,
-        values: &CacheValues::Elem,
-    };
-    let err =
-        rope_candle::fused_inplace(&q, &k, Some(&v), &spec, Positions::Offset(0), Some(cache))
-            .expect_err("a bf16 cache for f32 tensors");
+    let (err, k_cache) =
+        refused_with_caches((&q, &k, &v), DType::BF16, "a bf16 cache for f32 tensors")?;
     assert!(err.to_string().contains("cache.k_cache"), "{err}");
     assert_eq!(values(&q)?, q0);
     assert_eq!(values(&k)?, k0);
@@ -379,25 +404,9 @@ fn a_v_outside_a_shared_qk_allocation_is_refused_by_name() -> Res {
     let qk = Tensor::randn(0f32, 1., (1, 3, 3, 64), &dev)?;
     let (q, k) = (qk.narrow(2, 0, 2)?, qk.narrow(2, 2, 1)?);
     let v = Tensor::randn(0f32, 1., (1, 3, 1, 64), &dev)?;
-    let k_cache = Tensor::zeros((2, 4, 1, 64), DType::F32, &dev)?;
-    let v_cache = Tensor::zeros((2, 4, 1, 64), DType::F32, &dev)?;
-    let slots = Tensor::from_vec(vec![0i64, 1, 2], 3, &dev)?;
     let qk0 = values(&qk)?;
-    let spec = FusedSpec {
-        style: RopeStyle::Neox,
-        axes: Axes::Bshd,
-        sincos: SinCos::Computed { theta: 10_000.0 },
-        norm: None,
-    };
-    let cache = PagedKvCache {
-        k_cache: &k_cache,
-        v_cache: &v_cache,
-        slot_mapping: &slots,
-        values: &CacheValues::Elem,
-    };
-    let err =
-        rope_candle::fused_inplace(&q, &k, Some(&v), &spec, Positions::Offset(0), Some(cache))
-            .expect_err("v outside q and k's allocation");
+    let (err, k_cache) =
+        refused_with_caches((&q, &k, &v), DType::F32, "v outside q and k's allocation")?;
     assert!(err.to_string().contains("v:"), "{err}");
     assert_eq!(values(&qk)?, qk0);
     assert!(values(&k_cache)?.iter().all(|x| *x == 0.0));
@@ -410,13 +419,7 @@ fn fused_on_cpu_is_an_error_naming_q() -> Res {
     let dev = Device::Cpu;
     let q = Tensor::zeros((1, 2, 2, 64), DType::F32, &dev)?;
     let k = Tensor::zeros((1, 2, 1, 64), DType::F32, &dev)?;
-    let spec = FusedSpec {
-        style: RopeStyle::Neox,
-        axes: Axes::Bshd,
-        sincos: SinCos::Computed { theta: 10_000.0 },
-        norm: None,
-    };
-    let err = rope_candle::fused_inplace(&q, &k, None, &spec, Positions::Offset(0), None)
+    let err = rope_candle::fused_inplace(&q, &k, None, &plain_spec(), Positions::Offset(0), None)
         .expect_err("CPU tensors");
     assert!(err.to_string().contains("q:"), "{err}");
     Ok(())
