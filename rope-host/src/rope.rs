@@ -228,6 +228,11 @@ impl Rope {
     /// # Safety
     /// The promises of [`Rope::run_raw`] for `req`'s addresses and `stream`.
     unsafe fn launch(&self, req: &Request, stream: CUstream, on: FreqUse) -> Result<()> {
+        if let Some((fused, plan)) = self.rotation_on_fused(req) {
+            // SAFETY: the fused request holds `req`'s addresses and nothing else; the caller's
+            // promises for them and `stream` are `launch_fused`'s.
+            return unsafe { self.launch_fused_plan(&fused, &plan, stream, on) };
+        }
         let Some(plan) = plan(req, &self.facts, &|kernel| self.blocks_per_sm(kernel))? else {
             return Ok(()); // Empty tensors: nothing to rotate.
         };

@@ -767,3 +767,62 @@ fn longrope(
         attention_factor,
     }
 }
+
+/// A random prefill-sized rotation of the kind the planner gives the fused four-heads kernels
+/// (`rope-host`'s "plain rotations at prefill take the fused kernels"): NeoX, forward, `f16` or
+/// `bf16`, the whole head of 64 or 128 elements, 24 to 32 q heads with k (separate or packed),
+/// 3072 to 4096 tokens; every layout, sin/cos source, position kind and in or out of place as
+/// [`case`].
+pub fn prefill_case() -> impl Strategy<Value = Case> {
+    (
+        prop_oneof![Just(DTypeCase::F16), Just(DTypeCase::BF16)],
+        prop_oneof![Just(64usize), Just(128)],
+        prop_oneof![
+            Just((1usize, 4096usize)),
+            Just((2, 1536)),
+            (3072usize..=4096).prop_map(|s| (1, s))
+        ],
+        24usize..=32,
+        (theta(), any::<bool>(), any::<bool>(), any::<u64>()),
+    )
+        .prop_flat_map(|(dtype, head_dim, (batch, seq), heads, rest)| {
+            let (theta, table, in_place, seed) = rest;
+            let limit = if table { seq as u32 + 32 } else { 1 << 20 };
+            let source = if table {
+                any::<bool>()
+                    .prop_map(move |in_f32| Source::Table {
+                        theta,
+                        max_position: limit as usize,
+                        format: TableFormat::Separate,
+                        in_f32,
+                    })
+                    .boxed()
+            } else {
+                Just(Source::Theta(theta)).boxed()
+            };
+            let k = k_case(heads.min(8), in_place).prop_filter("k present", |k| *k != KCase::None);
+            (
+                positions(batch, seq, limit, table),
+                source,
+                layout(RopeStyle::Neox),
+                k,
+            )
+                .prop_map(move |(positions, source, layout, k)| Case {
+                    style: RopeStyle::Neox,
+                    direction: Direction::Forward,
+                    dtype,
+                    batch,
+                    seq,
+                    heads,
+                    head_dim,
+                    rotary_dim: head_dim,
+                    rotary_offset: 0,
+                    layout,
+                    k,
+                    source,
+                    positions,
+                    in_place,
+                    seed,
+                })
+        })
+}

@@ -33,7 +33,7 @@ mod tests;
 
 use cudarc::driver::sys::CUstream;
 use cudarc::driver::{CudaView, CudaViewMut};
-use rope_kernels::abi::{FormatCode, FusedKernelName, NormCode};
+use rope_kernels::abi::{FormatCode, FusedKernelName, Mapping, NormCode};
 
 use crate::bind::Binder;
 use crate::config::RopeElem;
@@ -42,14 +42,16 @@ use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::FusedArgs;
 use crate::layout::Layout;
 use crate::op::{RopeOp, Tensor, TensorMut};
-use crate::plan::TensorReq;
+use crate::plan::{Request, TensorReq};
 use crate::positions::{DeviceInts, IntType};
 use crate::rope::{Work, encode_work};
-use plan::{FusedPlan, plan_fused};
+pub(crate) use plan::FusedPlan;
+use plan::{plan_fused, rotation_may_take_four_heads};
 pub use raw::{
     RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawQOut, RawQkNorm,
 };
-use request::{FusedRequest, RawCache, RawNorm, RawScale};
+pub(crate) use request::FusedRequest;
+use request::{RawCache, RawNorm, RawScale};
 use rows::RowsLaunch;
 
 /// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
@@ -296,15 +298,50 @@ impl Rope {
         stream: CUstream,
         on: FreqUse,
     ) -> Result<()> {
+        let Some(plan) = self.plan_fused(req)? else {
+            return Ok(());
+        };
+        // SAFETY: the caller's promises, for the plan of `req`.
+        unsafe { self.launch_fused_plan(req, &plan, stream, on) }
+    }
+
+    /// The fused launch that a plain rotation takes instead of the RoPE kernels': its request
+    /// with nothing normalised or cached and the plan, where the planner gives it a four-heads
+    /// or a rows kernel (prefill; docs/perf/decisions.md, "Plain rotations at prefill take the
+    /// fused kernels"). `None` leaves it to the RoPE kernels, which validate it again and name
+    /// what is wrong where the fused planner refused it.
+    pub(crate) fn rotation_on_fused(&self, rope: &Request) -> Option<(FusedRequest, FusedPlan)> {
+        let req = FusedRequest::rotation(rope)?;
+        if !rotation_may_take_four_heads(&req, &self.facts) {
+            return None;
+        }
+        let plan = self.plan_fused(&req).ok()??;
+        matches!(plan.kernel.mapping, Mapping::FOUR_HEADS | Mapping::Rows).then_some((req, plan))
+    }
+
+    /// The fused plan of `req` on this handle's device, module and kernel choice (`None`: an
+    /// empty launch).
+    pub(crate) fn plan_fused(&self, req: &FusedRequest) -> Result<Option<FusedPlan>> {
         let module = &self.module;
         let blocks = |k: FusedKernelName| module.blocks_per_sm(k.symbol());
         let rows_blocks = |k: FusedKernelName, l: &RowsLaunch| {
             module.blocks_per_sm_at(k.symbol(), l.threads, l.shared_bytes)
         };
         let rows = module.bulk_rows().then_some(&rows_blocks as _);
-        let Some(plan) = plan_fused(req, &self.facts, &blocks, self.fused_kernels, rows)? else {
-            return Ok(());
-        };
+        plan_fused(req, &self.facts, &blocks, self.fused_kernels, rows)
+    }
+
+    /// Encodes and launches a fused request planned by [`Rope::plan_fused`].
+    ///
+    /// # Safety
+    /// As [`Rope::launch_fused`]; `plan` is `req`'s.
+    pub(crate) unsafe fn launch_fused_plan(
+        &self,
+        req: &FusedRequest,
+        plan: &FusedPlan,
+        stream: CUstream,
+        on: FreqUse,
+    ) -> Result<()> {
         let positions = req.rope.positions.encode(&plan.positions);
         let (raw, config) = (&req.rope.sincos, &req.rope.config);
         let inv_freq = self.launch_inv_freq(raw, config, on)?;
@@ -316,7 +353,7 @@ impl Rope {
             lanes: plan.lanes,
         };
         let rope = encode_work(&req.rope, &work, &positions, &sincos);
-        let args = encode(req, &plan, rope);
+        let args = encode(req, plan, rope);
         let function = self.module.function(plan.kernel.symbol())?;
         // SAFETY: `FusedArgs` comes from `fused_kernel_params!`, the entry points' list. The
         // plan proved what the entry points' `# Safety` asks: every tensor, output, weight,

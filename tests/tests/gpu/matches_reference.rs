@@ -87,6 +87,22 @@ fn kernels_match_reference_on_random_cases() {
     );
 }
 
+/// Prefill-sized NeoX 16-bit rotations of q and k, which the planner gives the fused four-heads
+/// kernels (their layouts, sources and positions as random as
+/// [`kernels_match_reference_on_random_cases`]'s; those whose alignment narrows the access
+/// stay on the RoPE kernels): within the same tolerances of the f64 reference, every output
+/// element written, nothing else touched.
+#[test]
+fn prefill_rotations_on_the_fused_kernels_match_reference() {
+    check_random_cases(
+        "prefill_rotations_on_the_fused_kernels_match_reference",
+        48,
+        strategies::prefill_case(),
+        |case| format!("{:?} prefill", case.dtype),
+        "",
+    );
+}
+
 /// Packed sequences split over 1 to 8 context-parallel ranks (whole `cu_seqlens`, random
 /// cuts, empty sequences, a random rank), with every other option of
 /// [`kernels_match_reference_on_random_cases`] and its tolerances: the kernel's derived

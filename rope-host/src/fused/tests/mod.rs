@@ -2,6 +2,7 @@
 
 mod prefetch;
 mod properties;
+mod rotation;
 mod rows;
 
 use rope_kernels::abi::{DType, FusedKernelName, MAX_FUSED_ITEMS, Mapping, NormCode};

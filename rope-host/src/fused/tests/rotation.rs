@@ -1,0 +1,68 @@
+//! Which plain rotations the fused kernels take ([`FusedRequest::rotation`],
+//! [`rotation_may_take_four_heads`]).
+
+use rope_kernels::abi::Mapping;
+
+use super::super::plan::rotation_may_take_four_heads;
+use super::*;
+
+/// [`with_tokens`]'s q and k as a plain rotation of `style` (`bf16`, computed sin/cos).
+fn rotation(style: RopeStyle, tokens: usize) -> Request {
+    with_tokens(style, tokens).rope
+}
+
+#[test]
+fn prefill_neox_16_bit_rotations_plan_on_the_four_heads_kernels() {
+    for (dtype, tokens) in [(DType::BF16, 8192), (DType::F16, 4096)] {
+        let mut rope = rotation(RopeStyle::Neox, tokens);
+        rope.dtype = dtype;
+        let req = FusedRequest::rotation(&rope).expect("a whole-head forward q and k");
+        assert!(req.norm.is_none() && req.cache.is_none() && req.v.is_none());
+        assert!(req.k_written && req.q_fp8.is_none());
+        assert!(rotation_may_take_four_heads(&req, &H200));
+        let plan = plan_on(&H200, &req, FusedKernels::Auto, true);
+        assert_eq!(
+            plan.kernel.mapping,
+            Mapping::FOUR_HEADS,
+            "{dtype:?} {tokens}"
+        );
+    }
+}
+
+#[test]
+fn decode_and_other_pairings_and_types_stay_on_the_rope_kernels() {
+    // Decode: a wave or less.
+    let decode = FusedRequest::rotation(&rotation(RopeStyle::Neox, TOKENS)).expect("forward");
+    assert!(!rotation_may_take_four_heads(&decode, &H200));
+    // No four-heads kernel: interleaved pairs, f32.
+    let interleaved = FusedRequest::rotation(&rotation(RopeStyle::Interleaved, 8192)).expect("ok");
+    assert!(!rotation_may_take_four_heads(&interleaved, &H200));
+    let mut f32_rope = rotation(RopeStyle::Neox, 8192);
+    f32_rope.dtype = DType::F32;
+    let f32_req = FusedRequest::rotation(&f32_rope).expect("forward");
+    assert!(!rotation_may_take_four_heads(&f32_req, &H200));
+}
+
+#[test]
+fn backward_partial_and_q_only_rotations_are_not_fused_requests() {
+    let prefill = rotation(RopeStyle::Neox, 8192);
+    let backward = Request {
+        config: RopeConfig::builder(D as u32, RopeStyle::Neox)
+            .direction(Direction::Backward)
+            .build()
+            .expect("valid"),
+        ..prefill
+    };
+    assert!(FusedRequest::rotation(&backward).is_none());
+    let partial = Request {
+        config: RopeConfig::builder(D as u32, RopeStyle::Neox)
+            .rotary_dim(64)
+            .build()
+            .expect("valid"),
+        ..prefill
+    };
+    assert!(FusedRequest::rotation(&partial).is_none());
+    let q_only = Request { k: None, ..prefill };
+    assert!(FusedRequest::rotation(&q_only).is_none());
+    assert!(FusedRequest::rotation(&prefill).is_some());
+}
