@@ -96,7 +96,7 @@ fn kernels_match_reference_on_random_cases() {
 fn prefill_rotations_on_the_fused_kernels_match_reference() {
     check_random_cases(
         "prefill_rotations_on_the_fused_kernels_match_reference",
-        48,
+        16,
         strategies::prefill_case(),
         |case| format!("{:?} prefill", case.dtype),
         "",
