@@ -1150,7 +1150,9 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// a tensor the launch stores nothing of, and for the other kernels, which do not read them);
 /// for the four-heads kernels ([`Mapping::FOUR_HEADS`]), `prefetch_tokens`: how many tokens ahead
 /// each thread asks L2 for the lines of the heads its place takes in token `token +
-/// prefetch_tokens` (0: none; the other kernels do not read it).
+/// prefetch_tokens` (0: none; the other kernels do not read it); last `sin_sign`, as the RoPE
+/// kernels' ([`Direction::sin_sign`]): `-1.0` only where nothing is normalised, quantised or
+/// cached (a plain backward rotation).
 #[macro_export]
 macro_rules! fused_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -1189,6 +1191,7 @@ macro_rules! fused_kernel_params {
             k_warps: u32,
             v_warps: u32,
             prefetch_tokens: u32,
+            sin_sign: f32,
         }
     };
 }

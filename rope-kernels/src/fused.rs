@@ -4,7 +4,9 @@
 //! (in the tensors' type or FP8).
 //!
 //! # Formula
-//! For each q and k head `x` of token `t` (both pairings, forward, the full head rotated):
+//! For each q and k head `x` of token `t` (both pairings, the full head rotated, forward or,
+//! as `sin_sign` says, backward: the transposed rotation, for launches that normalise, quantise
+//! and cache nothing):
 //! - normalisation (`norm` not [`NormCode::None`]): `r = 1 / sqrt(sum_e x_e^2 / head_dim +
 //!   eps)`, `x_e <- x_e * r * w_e` (`w` q's or k's weights, `1 + w_e` for
 //!   [`NormCode::RmsOnePlus`]), all in `f32`: the sum with fused multiply-adds, the mean plus
@@ -61,7 +63,7 @@
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    Direction, FormatCode, MAX_FUSED_ITEMS, Mapping, NormCode, ThreadHeads, for_each_fused_kernel,
+    FormatCode, MAX_FUSED_ITEMS, Mapping, NormCode, ThreadHeads, for_each_fused_kernel,
 };
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Half, unrolled};
@@ -1318,11 +1320,10 @@ macro_rules! fused_params_struct {
 }
 crate::fused_kernel_params!(fused_params_struct {});
 
-/// The RoPE parameters of a fused entry point's parameters `$p`, rotating forward (a `sin_sign`
-/// known when the kernel compiles, so its products fold away).
+/// The RoPE parameters of a fused entry point's parameters `$p`, its `sin_sign` among them.
 macro_rules! rope_params_of {
     ({ $p:ident } $($param:ident: $kind:ident,)*) => {
-        Params { $($param: $p.$param,)* sin_sign: Direction::Forward.sin_sign() }
+        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign }
     };
 }
 

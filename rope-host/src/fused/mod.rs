@@ -1,7 +1,8 @@
 //! Fused launches: [`Rope::run_fused`]. Mirrors `rope-kernels/src/fused.rs`.
 //!
 //! # Formula
-//! For each q and k head `x` of a token (forward, the whole head rotated, both pairings):
+//! For each q and k head `x` of a token (the whole head rotated, both pairings; forward, or
+//! backward where nothing is normalised, quantised or cached):
 //! 1. with [`QkNorm`]: `x_e <- x_e / sqrt(sum_e x_e^2 / head_dim + eps) * w_e` (`1 + w_e` for
 //!    [`NormWeight::OnePlus`]), in `f32`;
 //! 2. the rotation of [`Rope::run`];
@@ -249,10 +250,11 @@ pub struct KvCache<'a, T> {
     pub data: CacheData<'a, T>,
 }
 
-/// A fused operation: the rotation (whole head, forward) with an optional q/k normalisation.
+/// A fused operation: the rotation (whole head) with an optional q/k normalisation.
 #[derive(Debug)]
 pub struct FusedOp<'a, T> {
-    /// The rotation: the config must rotate the whole head forward.
+    /// The rotation: the config must rotate the whole head, forward (backward only without a
+    /// norm, an FP8 q or a cache).
     pub rope: RopeOp<'a, T>,
     /// Per-head RMS normalisation before the rotation.
     pub norm: Option<QkNorm<'a, T>>,
@@ -618,6 +620,7 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 k_warps: plan.token_warps[1],
                 v_warps: plan.token_warps[2],
                 prefetch_tokens: plan.prefetch_tokens,
+                sin_sign: req.rope.config.direction().sin_sign(),
             }
         };
     }

@@ -68,7 +68,7 @@ pub(crate) fn plan_fused(
     rows_occupancy: Option<RowsOccupancy>,
 ) -> Result<Option<FusedPlan>> {
     let cfg = &req.rope.config;
-    check_config(cfg)?;
+    check_config(req)?;
     let es = req.rope.dtype.size();
     let Some(k_req) = req.rope.k else {
         return Err(invalid("k", "a fused launch needs k"));
@@ -257,10 +257,16 @@ pub(crate) fn plan_fused(
     }))
 }
 
-/// The fused kernels rotate the whole head, forward.
-fn check_config(cfg: &RopeConfig) -> Result<()> {
-    if cfg.direction() != Direction::Forward {
-        return Err(invalid("config", "fused kernels rotate forward only"));
+/// The fused kernels rotate the whole head, forward, or backward where they normalise,
+/// quantise and cache nothing (a plain rotation).
+fn check_config(req: &FusedRequest) -> Result<()> {
+    let cfg = &req.rope.config;
+    let plain = req.norm.is_none() && req.q_fp8.is_none() && req.cache.is_none();
+    if cfg.direction() != Direction::Forward && !plain {
+        return Err(invalid(
+            "config",
+            "fused kernels rotate backward only where nothing is normalised, quantised or cached",
+        ));
     }
     if cfg.rotary_dim() != cfg.head_dim() || cfg.rotary_offset() != 0 {
         return Err(invalid(

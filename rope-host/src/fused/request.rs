@@ -1,7 +1,7 @@
 //! A fused launch by address ([`FusedRequest`]): what `bind` makes of the views, and what the
 //! planner (`plan.rs`, `rows.rs`) validates and plans, in plain values.
 
-use rope_kernels::abi::{Direction, NormCode};
+use rope_kernels::abi::NormCode;
 
 use super::CacheLayout;
 use crate::bind::RawBuf;
@@ -54,12 +54,12 @@ pub(crate) struct FusedRequest {
 
 impl FusedRequest {
     /// A plain rotation as a fused launch with nothing normalised, quantised or cached: q and k
-    /// rotated forward over the whole head, each in place or into its output. `None` for the
-    /// rotations the fused kernels do not perform (backward, partial or offset, q alone).
+    /// rotated over the whole head (either direction), each in place or into its output.
+    /// `None` for the rotations the fused kernels do not perform (partial or offset, q alone).
     pub(crate) fn rotation(rope: &Request) -> Option<Self> {
         let cfg = &rope.config;
         let whole_head = cfg.rotary_dim() == cfg.head_dim() && cfg.rotary_offset() == 0;
-        (cfg.direction() == Direction::Forward && whole_head && rope.k.is_some()).then_some(Self {
+        (whole_head && rope.k.is_some()).then_some(Self {
             rope: *rope,
             q_fp8: None,
             k_written: true,

@@ -312,7 +312,7 @@ fn norm_groups_are_a_power_of_two_of_at_most_32() {
 }
 
 #[test]
-fn rejects_partial_or_backward_rotation() {
+fn rejects_partial_rotation_and_backward_with_a_norm_or_cache() {
     let mut r = request(RopeStyle::Neox);
     r.rope.config = RopeConfig::builder(D as u32, RopeStyle::Neox)
         .rotary_dim(64)

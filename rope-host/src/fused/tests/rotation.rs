@@ -44,7 +44,7 @@ fn decode_and_other_pairings_and_types_stay_on_the_rope_kernels() {
 }
 
 #[test]
-fn backward_partial_and_q_only_rotations_are_not_fused_requests() {
+fn partial_and_q_only_rotations_are_not_fused_requests_and_backward_ones_are() {
     let prefill = rotation(RopeStyle::Neox, 8192);
     let backward = Request {
         config: RopeConfig::builder(D as u32, RopeStyle::Neox)
@@ -53,7 +53,9 @@ fn backward_partial_and_q_only_rotations_are_not_fused_requests() {
             .expect("valid"),
         ..prefill
     };
-    assert!(FusedRequest::rotation(&backward).is_none());
+    let req = FusedRequest::rotation(&backward).expect("a plain backward rotation");
+    let plan = plan_on(&H200, &req, FusedKernels::Auto, true);
+    assert_eq!(plan.kernel.mapping, Mapping::FOUR_HEADS);
     let partial = Request {
         config: RopeConfig::builder(D as u32, RopeStyle::Neox)
             .rotary_dim(64)
