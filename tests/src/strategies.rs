@@ -775,7 +775,10 @@ fn longrope(
 /// [`case`].
 pub fn prefill_case() -> impl Strategy<Value = Case> {
     (
-        prop_oneof![Just(DTypeCase::F16), Just(DTypeCase::BF16)],
+        (
+            prop_oneof![Just(DTypeCase::F16), Just(DTypeCase::BF16)],
+            direction(),
+        ),
         prop_oneof![Just(64usize), Just(128)],
         prop_oneof![
             Just((1usize, 4096usize)),
@@ -785,44 +788,47 @@ pub fn prefill_case() -> impl Strategy<Value = Case> {
         24usize..=32,
         (theta(), any::<bool>(), any::<bool>(), any::<u64>()),
     )
-        .prop_flat_map(|(dtype, head_dim, (batch, seq), heads, rest)| {
-            let (theta, table, in_place, seed) = rest;
-            let limit = if table { seq as u32 + 32 } else { 1 << 20 };
-            let source = if table {
-                any::<bool>()
-                    .prop_map(move |in_f32| Source::Table {
-                        theta,
-                        max_position: limit as usize,
-                        format: TableFormat::Separate,
-                        in_f32,
-                    })
-                    .boxed()
-            } else {
-                Just(Source::Theta(theta)).boxed()
-            };
-            let k = k_case(heads.min(8), in_place).prop_filter("k present", |k| *k != KCase::None);
-            (
-                positions(batch, seq, limit, table),
-                source,
-                layout(RopeStyle::Neox),
-                k,
-            )
-                .prop_map(move |(positions, source, layout, k)| Case {
-                    style: RopeStyle::Neox,
-                    direction: Direction::Forward,
-                    dtype,
-                    batch,
-                    seq,
-                    heads,
-                    head_dim,
-                    rotary_dim: head_dim,
-                    rotary_offset: 0,
-                    layout,
-                    k,
+        .prop_flat_map(
+            |((dtype, direction), head_dim, (batch, seq), heads, rest)| {
+                let (theta, table, in_place, seed) = rest;
+                let limit = if table { seq as u32 + 32 } else { 1 << 20 };
+                let source = if table {
+                    any::<bool>()
+                        .prop_map(move |in_f32| Source::Table {
+                            theta,
+                            max_position: limit as usize,
+                            format: TableFormat::Separate,
+                            in_f32,
+                        })
+                        .boxed()
+                } else {
+                    Just(Source::Theta(theta)).boxed()
+                };
+                let k =
+                    k_case(heads.min(8), in_place).prop_filter("k present", |k| *k != KCase::None);
+                (
+                    positions(batch, seq, limit, table),
                     source,
-                    positions,
-                    in_place,
-                    seed,
-                })
-        })
+                    layout(RopeStyle::Neox),
+                    k,
+                )
+                    .prop_map(move |(positions, source, layout, k)| Case {
+                        style: RopeStyle::Neox,
+                        direction,
+                        dtype,
+                        batch,
+                        seq,
+                        heads,
+                        head_dim,
+                        rotary_dim: head_dim,
+                        rotary_offset: 0,
+                        layout,
+                        k,
+                        source,
+                        positions,
+                        in_place,
+                        seed,
+                    })
+            },
+        )
 }

@@ -87,8 +87,8 @@ fn kernels_match_reference_on_random_cases() {
     );
 }
 
-/// Prefill-sized NeoX 16-bit rotations of q and k, which the planner gives the fused four-heads
-/// kernels (their layouts, sources and positions as random as
+/// Prefill-sized NeoX 16-bit rotations of q and k, forward and backward, which the planner
+/// gives the fused four-heads kernels (their layouts, sources and positions as random as
 /// [`kernels_match_reference_on_random_cases`]'s; those whose alignment narrows the access
 /// stay on the RoPE kernels): within the same tolerances of the f64 reference, every output
 /// element written, nothing else touched.
