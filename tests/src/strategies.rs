@@ -769,9 +769,9 @@ fn longrope(
 }
 
 /// A random prefill-sized rotation of the kind the planner gives the fused four-heads kernels
-/// (`rope-host`'s "plain rotations at prefill take the fused kernels"): NeoX, forward, `f16` or
-/// `bf16`, the whole head of 64 or 128 elements, 24 to 32 q heads with k (separate or packed),
-/// 3072 to 4096 tokens; every layout, sin/cos source, position kind and in or out of place as
+/// (`rope-host`'s "plain rotations at prefill take the fused kernels"): NeoX, either direction,
+/// `f16` or `bf16`, the whole head of 64 or 128 elements, 24 to 32 q heads alone or with k
+/// (separate or packed), 3072 to 4096 tokens; every layout, sin/cos source, position kind and in or out of place as
 /// [`case`].
 pub fn prefill_case() -> impl Strategy<Value = Case> {
     (
@@ -804,8 +804,7 @@ pub fn prefill_case() -> impl Strategy<Value = Case> {
                 } else {
                     Just(Source::Theta(theta)).boxed()
                 };
-                let k =
-                    k_case(heads.min(8), in_place).prop_filter("k present", |k| *k != KCase::None);
+                let k = k_case(heads.min(8), in_place);
                 (
                     positions(batch, seq, limit, table),
                     source,

@@ -309,7 +309,7 @@ impl Rope {
 
     /// The fused launch that a plain rotation takes instead of the RoPE kernels': its request
     /// with nothing normalised or cached and the plan, where the planner gives it a four-heads
-    /// or a rows kernel (prefill; docs/perf/decisions.md, "Plain rotations at prefill take the
+    /// kernel (prefill; docs/perf/decisions.md, "Plain rotations at prefill take the
     /// fused kernels"). `None` leaves it to the RoPE kernels, which validate it again and name
     /// what is wrong where the fused planner refused it.
     pub(crate) fn rotation_on_fused(&self, rope: &Request) -> Option<(FusedRequest, FusedPlan)> {
@@ -318,7 +318,7 @@ impl Rope {
             return None;
         }
         let plan = self.plan_fused(&req).ok()??;
-        matches!(plan.kernel.mapping, Mapping::FOUR_HEADS | Mapping::Rows).then_some((req, plan))
+        (plan.kernel.mapping == Mapping::FOUR_HEADS).then_some((req, plan))
     }
 
     /// The fused plan of `req` on this handle's device, module and kernel choice (`None`: an

@@ -24,8 +24,8 @@ use crate::layout::{Layout, packed_are_disjoint};
 use crate::plan::{
     Grid, TensorReq, fused_grid, grid, option_reads, spans_below_2_32, token_heads_warps,
 };
-use crate::positions::{PositionsPlan, RawInts};
-use crate::sincos::SinCosPlan;
+use crate::positions::{PositionsPlan, RawInts, RawPositions};
+use crate::sincos::{RawSinCos, SinCosPlan};
 use crate::tuning::{FusedKernels, many_waves, prefetch_tokens};
 
 /// Everything a fused launch needs except the device pointers.
@@ -543,12 +543,21 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
 /// Whether a plain rotation ([`FusedRequest::rotation`]) should be planned on the fused kernels:
 /// only where the planner takes a four-heads kernel for it, NeoX 16-bit launches at many waves
 /// ([`many_waves`], reckoned here at the preferred width from the shapes alone), so that the
-/// launches that stay on the RoPE kernels (decode above all) are not planned twice.
+/// launches that stay on the RoPE kernels (decode above all) are not planned twice; and not
+/// with multi-axis positions read with a table, which the RoPE kernels serve faster (they
+/// read one position for a group's pairs of one axis).
 pub(crate) fn rotation_may_take_four_heads(req: &FusedRequest, facts: &DeviceFacts) -> bool {
     let rope = &req.rope;
     let Some(k) = rope.k else {
         return false;
     };
+    let table = matches!(
+        rope.sincos,
+        RawSinCos::Table { .. } | RawSinCos::CosSinCache { .. }
+    );
+    if table && matches!(rope.positions, RawPositions::MultiAxis { .. }) {
+        return false;
+    }
     let cfg = &rope.config;
     let two_heads = FusedKernelName {
         style: cfg.style(),

@@ -87,16 +87,16 @@ fn kernels_match_reference_on_random_cases() {
     );
 }
 
-/// Prefill-sized NeoX 16-bit rotations of q and k, forward and backward, which the planner
-/// gives the fused four-heads kernels (their layouts, sources and positions as random as
-/// [`kernels_match_reference_on_random_cases`]'s; those whose alignment narrows the access
+/// Prefill-sized NeoX 16-bit rotations of q alone or with k, forward and backward, which the
+/// planner gives the fused four-heads kernels (their layouts, sources and positions as random
+/// as [`kernels_match_reference_on_random_cases`]'s; those whose alignment narrows the access
 /// stay on the RoPE kernels): within the same tolerances of the f64 reference, every output
 /// element written, nothing else touched.
 #[test]
 fn prefill_rotations_on_the_fused_kernels_match_reference() {
     check_random_cases(
         "prefill_rotations_on_the_fused_kernels_match_reference",
-        16,
+        24,
         strategies::prefill_case(),
         |case| format!("{:?} prefill", case.dtype),
         "",

@@ -44,7 +44,7 @@ fn decode_and_other_pairings_and_types_stay_on_the_rope_kernels() {
 }
 
 #[test]
-fn partial_and_q_only_rotations_are_not_fused_requests_and_backward_ones_are() {
+fn partial_rotations_are_not_fused_requests_and_backward_ones_are() {
     let prefill = rotation(RopeStyle::Neox, 8192);
     let backward = Request {
         config: RopeConfig::builder(D as u32, RopeStyle::Neox)
@@ -64,7 +64,47 @@ fn partial_and_q_only_rotations_are_not_fused_requests_and_backward_ones_are() {
         ..prefill
     };
     assert!(FusedRequest::rotation(&partial).is_none());
-    let q_only = Request { k: None, ..prefill };
-    assert!(FusedRequest::rotation(&q_only).is_none());
     assert!(FusedRequest::rotation(&prefill).is_some());
+}
+
+#[test]
+fn q_alone_plans_with_an_empty_k_that_no_thread_takes() {
+    let prefill = rotation(RopeStyle::Neox, 8192);
+    let q_only = Request { k: None, ..prefill };
+    let req = FusedRequest::rotation(&q_only).expect("q alone, whole head");
+    let k = req.rope.k.expect("an empty k");
+    assert_eq!((k.x_layout.heads, k.x), (0, q_only.q.x));
+    assert!(rotation_may_take_four_heads(&req, &H200));
+    let plan = plan_on(&H200, &req, FusedKernels::Auto, false);
+    assert_eq!(plan.kernel.mapping, Mapping::FOUR_HEADS);
+    assert_eq!(plan.token_warps[1..], [0, 0]);
+    assert!(plan.token_warps[0] > 0);
+}
+
+#[test]
+fn multi_axis_positions_take_the_four_heads_kernels_only_with_computed_sin_cos() {
+    let mut rope = rotation(RopeStyle::Neox, 8192);
+    rope.positions = RawPositions::MultiAxis {
+        positions: RawInts {
+            buf: buf(1 << 47, 3 * 8192),
+            ty: IntType::I64,
+        },
+        axes: crate::positions::RawAxisMap {
+            axes: buf(1 << 48, D / 2),
+            n_axes: 3,
+            item_axes: crate::positions::ItemAxes::UNKNOWN,
+        },
+    };
+    let computed = FusedRequest::rotation(&rope).expect("forward");
+    assert!(rotation_may_take_four_heads(&computed, &H200));
+    rope.sincos = RawSinCos::CosSinCache {
+        cache: buf(1 << 49, 8192 * D),
+        dtype: DType::BF16,
+        shape: TableShape {
+            max_position: 8192,
+            rotary_dim: D as u32,
+        },
+    };
+    let table = FusedRequest::rotation(&rope).expect("forward");
+    assert!(!rotation_may_take_four_heads(&table, &H200));
 }
