@@ -61,7 +61,7 @@ impl DeviceFacts {
 /// decode steps take, and the fused kernels but the item-loop fallbacks); every other launch,
 /// and every launch on older devices, is ordered as with [`StreamOverlap::None`]. The kernels
 /// do not trigger their dependents early, so a launch after them starts no sooner than it would
-/// after any kernel.
+/// after any kernel, unless the handle reads ahead ([`crate::Rope::with_read_ahead`]).
 /// Captured in a CUDA graph, such launches become programmatic edges (a driver of CUDA 12.3 or
 /// newer).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use rope_kernels::abi::KernelName;
+use rope_kernels::abi::{KernelName, Mapping};
 
 use crate::config::RopeConfig;
 use crate::device::{DeviceFacts, StreamOverlap};
@@ -76,6 +76,8 @@ pub struct Rope {
     /// The fused kernels launches take: chosen per launch unless pinned
     /// ([`Rope::with_fused_kernels`]).
     pub(crate) fused_kernels: FusedKernels,
+    /// Whether programmatic one-head launches read ahead ([`Rope::with_read_ahead`]).
+    read_ahead: bool,
 }
 
 impl Rope {
@@ -95,6 +97,7 @@ impl Rope {
             inv_freq: Mutex::new(FreqCache::default()),
             overlap: StreamOverlap::None,
             fused_kernels: FusedKernels::Auto,
+            read_ahead: false,
         })
     }
 
@@ -115,6 +118,32 @@ impl Rope {
     pub fn with_fused_kernels(mut self, kernels: FusedKernels) -> Self {
         self.fused_kernels = kernels;
         self
+    }
+
+    /// The handle with its programmatic launches of the one-head RoPE kernels (decode steps with
+    /// [`StreamOverlap::Programmatic`] on compute capability 9.0 and newer) reading ahead: each
+    /// lets the launch after it start at once, and reads its positions, frequencies and sin/cos
+    /// tables before waiting for the kernel before it, so that those reads overlap it; q and k
+    /// are still read after the wait. Other launches are unchanged.
+    ///
+    /// # Safety
+    /// For every launch of this handle with [`StreamOverlap::Programmatic`], nothing that the
+    /// kernel before it on its stream does writes that launch's position arrays, frequency
+    /// vector or sin/cos tables (a rotation after the kernel that computes its positions would
+    /// read stale ones): write them earlier, on the stream or before it, as a decode loop does
+    /// when it prepares its step's positions before the model's kernels.
+    #[must_use]
+    pub unsafe fn with_read_ahead(mut self) -> Self {
+        self.read_ahead = true;
+        self
+    }
+
+    /// Whether a launch of `kernel` reads ahead: the handle asked for it, the kernel is a
+    /// one-head RoPE kernel and its launch is programmatic.
+    pub(crate) fn reads_ahead(&self, kernel: KernelName) -> bool {
+        self.read_ahead
+            && kernel.mapping == Mapping::ONE_HEAD
+            && self.overlap_for(kernel.symbol()) == StreamOverlap::Programmatic
     }
 
     /// How this handle's launches may overlap the kernel before them.

@@ -239,7 +239,10 @@ impl Rope {
         let positions = req.positions.encode(&plan.positions);
         let inv_freq = self.launch_inv_freq(&req.sincos, &req.config, on)?;
         let sincos = req.sincos.encode(&plan.sincos, &req.config, inv_freq);
-        let args = encode(req, &plan, &positions, &sincos);
+        let args = RopeArgs {
+            read_ahead: u32::from(self.reads_ahead(plan.kernel)),
+            ..encode(req, &plan, &positions, &sincos)
+        };
         let function = self.module.function(plan.kernel.symbol())?;
         // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in
         // `rope_kernels::rope_kernel_params!`, so they agree in order and type. `plan` proved,
@@ -440,5 +443,6 @@ pub(crate) fn encode_work(
         pos_count: positions.pos_count,
         pos_base: positions.pos_base,
         sin_sign: req.config.direction().sin_sign(),
+        read_ahead: 0,
     }
 }

@@ -593,14 +593,19 @@ macro_rules! rope_kernel_params {
 /// Calls `$m!` with `{ $($pass)* }` and the parameter list of every RoPE entry point
 /// (`rope-kernels/src/rope.rs`): [`crate::rope_kernel_params!`]'s, then `sin_sign`, `+1.0` for the
 /// forward rotation and `-1.0` for its gradient ([`Direction::sin_sign`]), which multiplies
-/// every `sin` (so one kernel serves both directions). The fused kernels, which rotate forward
-/// only, take [`crate::rope_kernel_params!`]'s without it.
+/// every `sin` (so one kernel serves both directions), and `read_ahead`: 1 where the one-head
+/// kernels ([`Mapping::ONE_HEAD`]) may read positions, frequencies and tables before they wait
+/// for the grid before them, and let the grid after them start at once
+/// (`griddepcontrol.launch_dependents`); 0 for every other launch, and the other kernels do
+/// not read it. The fused kernels take [`crate::rope_kernel_params!`]'s, and their own
+/// `sin_sign` last ([`crate::fused_kernel_params!`]).
 #[macro_export]
 macro_rules! plain_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
         $crate::rope_kernel_params! {
             $m { $($pass)* }
             sin_sign: f32,
+            read_ahead: u32,
         }
     };
 }

@@ -1320,10 +1320,11 @@ macro_rules! fused_params_struct {
 }
 crate::fused_kernel_params!(fused_params_struct {});
 
-/// The RoPE parameters of a fused entry point's parameters `$p`, its `sin_sign` among them.
+/// The RoPE parameters of a fused entry point's parameters `$p`, its `sin_sign` among them
+/// (`read_ahead` is the one-head RoPE kernels' alone).
 macro_rules! rope_params_of {
     ({ $p:ident } $($param:ident: $kind:ident,)*) => {
-        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign }
+        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign, read_ahead: 0 }
     };
 }
 

@@ -357,6 +357,24 @@ pub fn wait_for_prior_grids() {
     };
 }
 
+/// Lets the grid launched after this one on its stream with programmatic stream serialization
+/// start before this one ends (`griddepcontrol.launch_dependents`, sm_90+): once every block
+/// of this grid has run it or exited, the next grid's blocks may run up to their own
+/// [`wait_for_prior_grids`], which still waits for this grid to complete. Nothing on targets
+/// before sm_90.
+#[inline(always)]
+pub fn allow_dependent_grids() {
+    #[cfg(target_feature = "sm_90")]
+    // SAFETY: `griddepcontrol.launch_dependents` only signals the scheduler; it has no operands
+    // and touches no memory.
+    unsafe {
+        asm!(
+            "griddepcontrol.launch_dependents;",
+            options(nostack, preserves_flags)
+        )
+    };
+}
+
 /// Defines a function rounding two `f32` to nearest even with one paired `cvt.rn.*x2.f32`
 /// into a word `$word` (register class `$class`) of two elements: `lo` in its low half and `hi`
 /// in its high half.

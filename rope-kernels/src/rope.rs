@@ -46,8 +46,8 @@ use crate::access;
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Half, unrolled};
 use crate::intrinsics::{
-    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, load_evict_last, prefetch_l2, thread_idx_x,
-    trap, wait_for_prior_grids,
+    allow_dependent_grids, block_dim_x, block_idx_x, block_idx_y, grid_dim_x, load_evict_last,
+    prefetch_l2, thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::math;
 
@@ -138,6 +138,9 @@ pub(crate) struct Args<T> {
     pub(crate) pos_base: i64,
     /// `1.0` forward, `-1.0` backward (the transposed rotation): `Direction::sin_sign`.
     pub(crate) sin_sign: f32,
+    /// Non-zero: the one-head kernels read positions, frequencies and tables before waiting for
+    /// the grid before them, and let the next grid start first (see `one_head_body`).
+    pub(crate) read_ahead: u32,
 }
 
 impl<T: Elem> Args<T> {
@@ -1190,7 +1193,15 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     let (b32, s32) = a.seq.div_rem_u32(token);
     let (b, s) = (u64::from(b32), u64::from(s32));
     let (j0, half) = (group as usize * pairs, a.half as usize);
-    wait_for_prior_grids();
+    // Reading ahead, the next grid may start now, and this one reads what the grid before it
+    // does not write (the host's promise: positions, frequencies, tables) before waiting for
+    // it; the head, which it may write, only after. Otherwise every read follows the wait.
+    let read_ahead = a.read_ahead != 0;
+    if read_ahead {
+        allow_dependent_grids();
+    } else {
+        wait_for_prior_grids();
+    }
     // SAFETY: j0 + pairs <= half, the promised length of inv_freq.
     let freqs = unsafe { preload_frequencies::<T, S, L>(a, j0, pairs) };
     // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
@@ -1207,8 +1218,18 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     // half; the promises of `load_head` and `cos_sin`.
     unsafe {
         let (x, out) = (t.x.add(at(&t.x_strides)), t.out.add(at(&t.out_strides)));
-        let v = load_head::<T, P, L>(x, j0, half);
+        // The head's loads are in flight while cos/sin are read or computed, unless they must
+        // wait for the grid before.
+        let mut v = if read_ahead {
+            [[T::ZERO; L]; 2]
+        } else {
+            load_head::<T, P, L>(x, j0, half)
+        };
         let (cos, sin) = cos_sin_preloaded::<T, S, L>(a, pos, (j0, pairs), &freqs);
+        if read_ahead {
+            wait_for_prior_grids();
+            v = load_head::<T, P, L>(x, j0, half);
+        }
         rotate_store_head::<T, P, L>(out, j0, half, v, &cos, &sin);
     }
 }
@@ -1320,6 +1341,7 @@ impl<T> Args<T> {
             pos_count: p.pos_count,
             pos_base: p.pos_base,
             sin_sign: p.sin_sign,
+            read_ahead: p.read_ahead,
         }
     }
 }

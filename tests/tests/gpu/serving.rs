@@ -461,8 +461,10 @@ fn raw_pointers_and_streams_match_the_safe_api() {
 /// bit, what the same launches give serialized: chains of in-place launches on one stream, each
 /// reading what the one before wrote, eager and captured in a CUDA graph, for the one-head
 /// kernels (decode-sized launches: every head its own block row) of both pairings with table
-/// and in-kernel sin/cos, and for a fused norm + rope launch. A kernel that read its input
-/// before the previous grid had finished would read stale data and differ. On devices before
+/// and in-kernel sin/cos, and for a fused norm + rope launch; again from a handle that reads
+/// ahead ([`Rope::with_read_ahead`]: the next launch starts early, positions and sin/cos are
+/// read before the wait). A kernel that read its input before the previous grid had finished
+/// would read stale data and differ. On devices before
 /// sm_90 both chains run serialized (the test then checks only that the option is accepted).
 #[test]
 fn programmatic_launch_chains_match_serialized_ones_bit_for_bit() {
@@ -477,8 +479,15 @@ fn programmatic_launch_chains_match_serialized_ones_bit_for_bit() {
         .expect("handle")
         .with_overlap(StreamOverlap::Programmatic);
     assert_eq!(overlapped.overlap(), StreamOverlap::Programmatic);
+    // SAFETY: the ids and tables are written before the chains, never by a launch of them.
+    let reading_ahead = unsafe {
+        Rope::new(stream.clone())
+            .expect("handle")
+            .with_overlap(StreamOverlap::Programmatic)
+            .with_read_ahead()
+    };
     let (batch, hq, hk, d) = (64, 32, 8, 128);
-    for rope in [&serial, &overlapped] {
+    for rope in [&serial, &overlapped, &reading_ahead] {
         rope.prepare(THETA, d as u32).expect("frequencies");
     }
     let ids: Vec<i64> = (0..batch as i64).map(|b| 7 + 5 * b).collect();
@@ -578,11 +587,13 @@ fn programmatic_launch_chains_match_serialized_ones_bit_for_bit() {
         let want = chain(&serial, false);
         let start_bits: Vec<u16> = q0.iter().chain(&k0).map(|v| v.to_bits()).collect();
         assert_ne!(want, start_bits, "the chain changed nothing");
-        for graph in [false, true] {
-            assert!(
-                chain(&overlapped, graph) == want,
-                "{style:?} table {table} fused {fused} graph {graph}: overlapped chain differs"
-            );
+        for (rope, how) in [(&overlapped, "overlapped"), (&reading_ahead, "read-ahead")] {
+            for graph in [false, true] {
+                assert!(
+                    chain(rope, graph) == want,
+                    "{style:?} table {table} fused {fused} graph {graph}: {how} chain differs"
+                );
+            }
         }
     }
     use rope_host::cudarc::driver::sys::CUdevice_attribute::{
