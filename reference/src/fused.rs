@@ -4,7 +4,7 @@
 //! normalisation followed by the rotation ([`rms_norm_rope_backward`]).
 
 use rope_host::RopeStyle;
-use rope_kernels::math::{e4m3_to_f32, e5m2_to_f32};
+use rope_kernels::math::{e2m1_to_f32, e4m3_to_f32, e5m2_to_f32};
 
 /// `x_e / sqrt(mean(x^2) + eps) * w_e` (`1 + w_e` when `one_plus`), in f64.
 pub fn rms_norm(x: &[f64], w: &[f64], eps: f64, one_plus: bool) -> Vec<f64> {
@@ -62,6 +62,12 @@ pub fn e4m3_bracket(v: f64) -> (f64, f64) {
 /// `__NV_SATFINITE` conversion, which FlashInfer's FP8 outputs use), as [`e4m3_bracket`].
 pub fn e5m2_bracket(v: f64) -> (f64, f64) {
     bracket(v, (0u8..0x7c).map(|b| f64::from(e5m2_to_f32(b))))
+}
+
+/// The FP4 E2M1 values (NVFP4's elements) nearest `v` below and above, saturated at ±6, as
+/// [`e4m3_bracket`].
+pub fn e2m1_bracket(v: f64) -> (f64, f64) {
+    bracket(v, (0u8..8).map(|b| f64::from(e2m1_to_f32(b))))
 }
 
 /// The two of `values` (the non-negative finite values of a format, increasing) nearest `v`
@@ -213,7 +219,7 @@ mod tests {
     }
 
     #[test]
-    fn fp8_brackets_hold_the_value_and_saturate() {
+    fn fp8_and_fp4_brackets_hold_the_value_and_saturate() {
         assert_eq!(e4m3_bracket(448.0), (448.0, 448.0));
         assert_eq!(e4m3_bracket(1e9), (448.0, 448.0));
         assert_eq!(e4m3_bracket(-1.1), (-1.125, -1.0));
@@ -222,6 +228,11 @@ mod tests {
         // 1.1 lies between 1 and 1.25 (two mantissa bits), 2^-17 between 0 and 2^-16.
         assert_eq!(e5m2_bracket(1.1), (1.0, 1.25));
         assert_eq!(e5m2_bracket(2f64.powi(-17)), (0.0, 2f64.powi(-16)));
+        assert_eq!(e2m1_bracket(2.6), (2.0, 3.0));
+        assert_eq!(e2m1_bracket(-5.0), (-6.0, -4.0));
+        assert_eq!(e2m1_bracket(100.0), (6.0, 6.0));
+        assert_eq!(e2m1_bracket(0.5), (0.5, 0.5));
+        assert_eq!(e2m1_bracket(0.1), (0.0, 0.5));
     }
 
     /// Two requests of pages 16: request 0 holds pages [7, 3], request 1 page [5]; a token of

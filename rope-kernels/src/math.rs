@@ -245,6 +245,45 @@ pub fn f32_to_e5m2(v: f32) -> u8 {
     sign | code as u8
 }
 
+/// The largest FP4 E2M1 value (2 exponent bits of bias 1, 1 mantissa bit, no infinities or
+/// NaNs; the element type of NVFP4): `1.5 * 2^2`.
+pub const E2M1_MAX: f32 = 6.0;
+
+/// Rounds an `f32` to FP4 E2M1 bits (the low 4 bits; bit 3 the sign), to nearest with ties to
+/// even, saturating: a magnitude at or above [`E2M1_MAX`] (infinity included) gives `±6`. E2M1
+/// holds no NaN: a NaN gives `±6` too, with the input's sign. The eight magnitudes are `0, 0.5,
+/// 1, 1.5, 2, 3, 4, 6` (codes 0 to 7), so the code is the number of rounding boundaries at or
+/// below the magnitude: a tie at a boundary goes to the even code, so boundaries whose lower
+/// code is even are passed only above them.
+///
+/// Branch-free, as [`f32_to_e4m3`].
+#[inline(always)]
+pub fn f32_to_e2m1(v: f32) -> u8 {
+    let sign = ((v.to_bits() >> 28) & 0x8) as u8;
+    let a = v.abs();
+    let code = u8::from(a > 0.25)
+        + u8::from(a >= 0.75)
+        + u8::from(a > 1.25)
+        + u8::from(a >= 1.75)
+        + u8::from(a > 2.5)
+        + u8::from(a >= 3.5)
+        + u8::from(a > 5.0);
+    let code = if v.is_nan() { 7 } else { code };
+    sign | code
+}
+
+/// The value of FP4 E2M1 bits (the low 4 bits of `b`) as an `f32` (exact).
+#[inline(always)]
+pub fn e2m1_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x8 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (i32::from((b >> 1) & 3), f32::from(b & 1));
+    let magnitude = match e {
+        0 => m * 0.5,
+        _ => (1.0 + m / 2.0) * f32::from_bits(((e - 1 + 127) as u32) << 23),
+    };
+    sign * magnitude
+}
+
 /// The value of FP8 E5M2 bits as an `f32` (exact).
 #[inline(always)]
 pub fn e5m2_to_f32(b: u8) -> f32 {
@@ -409,9 +448,9 @@ mod tests {
     }
 
     /// The nearest of `values` to `x` (ties to the even mantissa), saturating at the largest,
-    /// by search; `nan` for NaN.
-    fn nearest(x: f32, values: &[(u8, f64)], nan: u8) -> u8 {
-        let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    /// by search; `nan` for NaN; `sign` the format's sign bit.
+    fn nearest(x: f32, values: &[(u8, f64)], (nan, sign_bit): (u8, u8)) -> u8 {
+        let sign = if x.is_sign_negative() { sign_bit } else { 0 };
         if x.is_nan() {
             return sign | nan;
         }
@@ -454,13 +493,14 @@ mod tests {
         probes
     }
 
-    /// `round(x)` equals the nearest value by search for every probe and its negation.
-    fn check_rounding(round: fn(f32) -> u8, values: &[(u8, f64)], nan: u8) {
+    /// `round(x)` equals the nearest value by search for every probe and its negation; a NaN
+    /// gives `nan` (whatever its sign); `sign_bit` is the format's sign bit.
+    fn check_rounding(round: fn(f32) -> u8, values: &[(u8, f64)], (nan, sign_bit): (u8, u8)) {
         for x in rounding_probes(values) {
             for x in [x, -x] {
-                let (got, want) = (round(x), nearest(x, values, nan));
+                let (got, want) = (round(x), nearest(x, values, (nan, sign_bit)));
                 if x.is_nan() {
-                    assert_eq!(got & 0x7f, nan);
+                    assert_eq!(got & !sign_bit, nan);
                 } else {
                     assert_eq!(got, want, "{x:e}: got {got:#04x}, nearest {want:#04x}");
                 }
@@ -481,7 +521,7 @@ mod tests {
     /// Rounding matches the nearest value by search (ties to even, saturation at 448).
     #[test]
     fn e4m3_rounds_to_nearest_even_and_saturates() {
-        check_rounding(f32_to_e4m3, &fp8_values(e4m3_to_f32, 0x7f), 0x7f);
+        check_rounding(f32_to_e4m3, &fp8_values(e4m3_to_f32, 0x7f), (0x7f, 0x80));
     }
 
     #[test]
@@ -500,6 +540,25 @@ mod tests {
     /// `__NV_SATFINITE`, infinity included).
     #[test]
     fn e5m2_rounds_to_nearest_even_and_saturates() {
-        check_rounding(f32_to_e5m2, &fp8_values(e5m2_to_f32, 0x7c), 0x7f);
+        check_rounding(f32_to_e5m2, &fp8_values(e5m2_to_f32, 0x7c), (0x7f, 0x80));
+    }
+
+    #[test]
+    fn e2m1_values_increase_and_reach_6() {
+        let values = fp8_values(e2m1_to_f32, 8);
+        let magnitudes: std::vec::Vec<f64> = values.iter().map(|&(_, v)| v).collect();
+        assert_eq!(magnitudes, [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]);
+        assert_eq!(e2m1_to_f32(0xf), -6.0);
+        assert_eq!(e2m1_to_f32(0x9), -0.5);
+    }
+
+    /// Rounding matches the nearest value by search (ties to even, saturation at 6, infinity
+    /// included); NaN gives the largest magnitude, E2M1 having no NaN.
+    #[test]
+    fn e2m1_rounds_to_nearest_even_and_saturates() {
+        check_rounding(f32_to_e2m1, &fp8_values(e2m1_to_f32, 8), (7, 0x8));
+        assert_eq!(f32_to_e2m1(-f32::NAN), 0xf);
+        assert_eq!(f32_to_e2m1(f32::NAN), 0x7);
+        assert_eq!(f32_to_e2m1(-0.0), 0x8);
     }
 }
