@@ -57,8 +57,8 @@ const PLAIN: [(&str, &str, &str, &str); 5] = [
 ];
 
 /// The decode-in-a-graph variants shown (`bench-support/src/decode.rs`): the copy, then table
-/// and computed sin/cos with device position ids, each also with `, PDL` and (reports from v64
-/// on) with `, PDL, read-ahead`.
+/// and computed sin/cos with device position ids, each also with `, PDL` and, where the report
+/// has them, with `, PDL, read-ahead`.
 const DECODE_COPY: &str = "copy of the same bytes";
 const DECODE_TABLE: &str = "ids, cos_sin_cache";
 const DECODE_COMPUTED: &str = "ids, computed";

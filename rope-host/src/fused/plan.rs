@@ -5,7 +5,7 @@
 use std::num::NonZeroU32;
 
 use rope_kernels::abi::{
-    BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, Mapping, SinCosSource, ThreadHeads,
+    BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, Mapping, ThreadHeads,
     preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
@@ -24,8 +24,8 @@ use crate::layout::{Layout, packed_are_disjoint};
 use crate::plan::{
     Grid, TensorReq, fused_grid, grid, option_reads, spans_below_2_32, token_heads_warps,
 };
-use crate::positions::{PositionsPlan, RawInts, RawPositions};
-use crate::sincos::{RawSinCos, SinCosPlan};
+use crate::positions::{PositionsPlan, RawInts};
+use crate::sincos::SinCosPlan;
 use crate::tuning::{FusedKernels, many_waves, prefetch_tokens};
 
 /// Everything a fused launch needs except the device pointers.
@@ -538,43 +538,4 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
             .flatten()
             .filter(|(_, l, _)| !l.is_empty())
             .all(|(addr, l, es)| layout_aligned(*addr, l, *es, lanes))
-}
-
-/// Whether a plain rotation ([`FusedRequest::rotation`]) should be planned on the fused kernels:
-/// only where the planner takes a four-heads kernel for it, NeoX 16-bit launches at many waves
-/// ([`many_waves`], reckoned here at the preferred width from the shapes alone), so that the
-/// launches that stay on the RoPE kernels (decode above all) are not planned twice; and not
-/// with multi-axis positions read with a table, which the RoPE kernels serve faster (they
-/// read one position for a group's pairs of one axis).
-pub(crate) fn rotation_may_take_four_heads(req: &FusedRequest, facts: &DeviceFacts) -> bool {
-    let rope = &req.rope;
-    let Some(k) = rope.k else {
-        return false;
-    };
-    let table = matches!(
-        rope.sincos,
-        RawSinCos::Table { .. } | RawSinCos::CosSinCache { .. }
-    );
-    if table && matches!(rope.positions, RawPositions::MultiAxis { .. }) {
-        return false;
-    }
-    let cfg = &rope.config;
-    let two_heads = FusedKernelName {
-        style: cfg.style(),
-        source: SinCosSource::Theta,
-        dtype: rope.dtype,
-        mapping: Mapping::TWO_HEADS,
-    };
-    if two_heads.four_heads().is_none() {
-        return false;
-    }
-    let pairs = preferred_lanes(cfg.style(), rope.dtype.size());
-    let groups = cfg.half() / pairs;
-    let heads = [rope.q.x_layout.heads, k.x_layout.heads].map(|h| h.min(u32::MAX as usize) as u32);
-    let warps = heads
-        .iter()
-        .map(|&h| token_heads_warps(h, groups, ThreadHeads::Two.count()))
-        .fold(0u32, u32::saturating_add);
-    let tokens = (rope.q.x_layout.batch as u64).saturating_mul(rope.q.x_layout.seq as u64);
-    many_waves(two_heads, facts, tokens, warps)
 }

@@ -6,7 +6,7 @@ use rope_kernels::abi::NormCode;
 use super::CacheLayout;
 use crate::bind::RawBuf;
 use crate::layout::Layout;
-use crate::plan::{Request, TensorReq};
+use crate::plan::Request;
 use crate::positions::RawInts;
 
 /// An FP8 scale array by address: one `f32`, or one per head.
@@ -50,37 +50,4 @@ pub(crate) struct FusedRequest {
     pub(crate) v: Option<(RawBuf, Layout)>,
     pub(crate) norm: Option<RawNorm>,
     pub(crate) cache: Option<RawCache>,
-}
-
-impl FusedRequest {
-    /// A plain rotation as a fused launch with nothing normalised, quantised or cached: q and k
-    /// rotated over the whole head (either direction), each in place or into its output. q
-    /// alone goes with an empty k: no heads, at q's address, so that it spans, stores and
-    /// overlaps nothing, and no thread of the fused kernels takes a head of it. `None` for the
-    /// rotations the fused kernels do not perform (partial or offset).
-    pub(crate) fn rotation(rope: &Request) -> Option<Self> {
-        let cfg = &rope.config;
-        if cfg.rotary_dim() != cfg.head_dim() || cfg.rotary_offset() != 0 {
-            return None;
-        }
-        let k = rope.k.unwrap_or(TensorReq {
-            x: rope.q.x,
-            x_layout: Layout {
-                heads: 0,
-                ..rope.q.x_layout
-            },
-            out: None,
-        });
-        Some(Self {
-            rope: Request {
-                k: Some(k),
-                ..*rope
-            },
-            q_fp8: None,
-            k_written: true,
-            v: None,
-            norm: None,
-            cache: None,
-        })
-    }
 }

@@ -3,7 +3,7 @@
 
 use rope_kernels::abi::Mapping;
 
-use super::super::plan::rotation_may_take_four_heads;
+use super::super::rotation::rotation_may_take_four_heads;
 use super::*;
 
 /// [`with_tokens`]'s q and k as a plain rotation of `style` (`bf16`, computed sin/cos).

@@ -1,0 +1,156 @@
+//! The bind step of a fused launch: the views of [`super::FusedOp`], [`super::FusedIo`] and
+//! [`super::KvCache`] reduced to a [`FusedRequest`] of addresses, each checked to belong to the
+//! binder's context (as `crate::bind` does for the RoPE launches).
+
+use super::raw::RawFp8Scale;
+use super::request::{FusedRequest, RawCache, RawNorm, RawScale};
+use super::{CacheData, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, QOut};
+use crate::bind::Binder;
+use crate::config::RopeElem;
+use crate::error::Result;
+use crate::op::{Tensor, TensorMut};
+use crate::plan::TensorReq;
+
+/// Reduces the views to a [`FusedRequest`] of addresses, each checked to belong to the
+/// binder's context.
+pub(super) fn bind<'s, T: RopeElem>(
+    binder: &mut Binder<'s>,
+    op: &'s FusedOp<'_, T>,
+    io: &'s mut FusedIo<'_, T>,
+    cache: Option<&'s mut KvCache<'_, T>>,
+) -> Result<FusedRequest> {
+    let tensor = |buf, layout| TensorReq {
+        x: buf,
+        x_layout: layout,
+        out: None,
+    };
+    let (q, q_fp8, k, k_written, v, packed) = match io {
+        FusedIo::Separate { q, k, v } => {
+            let (q, q_fp8) = match q {
+                QOut::InPlace(t) => (tensor(binder.write("q", &mut t.data)?, t.layout), None),
+                QOut::OutOfPlace { input, output } => (
+                    bind_out_of_place(binder, ("q", "q.output"), input, output)?,
+                    None,
+                ),
+                QOut::Fp8 {
+                    input,
+                    output,
+                    scale,
+                } => (
+                    bind_out_of_place(binder, ("q", "q.output"), input, output)?,
+                    Some(bind_scale(binder, "q.scale", scale)?),
+                ),
+            };
+            let (k, k_written) = match k {
+                KOut::InPlace(t) => (tensor(binder.write("k", &mut t.data)?, t.layout), true),
+                KOut::OutOfPlace { input, output } => (
+                    bind_out_of_place(binder, ("k", "k.output"), input, output)?,
+                    true,
+                ),
+                KOut::CacheOnly(t) => (tensor(binder.read("k", &t.data)?, t.layout), false),
+            };
+            let v = match v {
+                Some(t) => Some((binder.read("v", &t.data)?, t.layout)),
+                None => None,
+            };
+            (q, q_fp8, k, k_written, v, false)
+        }
+        FusedIo::Packed { data, q, k, v } => {
+            let buf = binder.write("q", data)?;
+            (
+                tensor(buf, *q),
+                None,
+                tensor(buf, *k),
+                true,
+                v.map(|l| (buf, l)),
+                true,
+            )
+        }
+    };
+    let norm = match &op.norm {
+        Some(n) => Some(RawNorm {
+            q_weight: binder.read("norm.q_weight", &n.q_weight)?,
+            k_weight: binder.read("norm.k_weight", &n.k_weight)?,
+            eps: n.eps,
+            code: n.weight.code(),
+        }),
+        None => None,
+    };
+    let cache = match cache {
+        Some(c) => {
+            let slots = c.slot_mapping.bind("cache.slot_mapping", binder)?;
+            let (k, v, fp8) = match &mut c.data {
+                CacheData::Elem { k, v } => (
+                    binder.write("cache.k", k)?,
+                    binder.write("cache.v", v)?,
+                    None,
+                ),
+                CacheData::Fp8 {
+                    k,
+                    v,
+                    k_scale,
+                    v_scale,
+                } => (
+                    binder.write("cache.k", k)?,
+                    binder.write("cache.v", v)?,
+                    Some((
+                        bind_scale(binder, "cache.k_scale", k_scale)?,
+                        bind_scale(binder, "cache.v_scale", v_scale)?,
+                    )),
+                ),
+            };
+            Some(RawCache {
+                slots,
+                layout: c.layout,
+                k,
+                v,
+                fp8,
+            })
+        }
+        None => None,
+    };
+    Ok(FusedRequest {
+        rope: crate::plan::Request {
+            config: op.rope.config,
+            dtype: T::DTYPE,
+            q,
+            k: Some(k),
+            packed,
+            positions: op.rope.positions.bind(binder)?,
+            sincos: op.rope.sincos.bind(binder)?,
+        },
+        q_fp8,
+        k_written,
+        v,
+        norm,
+        cache,
+    })
+}
+
+/// Binds a read input and a written output (of the input's type, or FP8 bits), named
+/// `names` in errors.
+fn bind_out_of_place<'s, T, O>(
+    binder: &mut Binder<'s>,
+    (x_name, out_name): (&'static str, &'static str),
+    input: &'s Tensor<'_, T>,
+    output: &'s mut TensorMut<'_, O>,
+) -> Result<TensorReq> {
+    Ok(TensorReq {
+        x: binder.read(x_name, &input.data)?,
+        x_layout: input.layout,
+        out: Some((binder.write(out_name, &mut output.data)?, output.layout)),
+    })
+}
+
+/// Binds an FP8 scale for reading.
+fn bind_scale<'s>(
+    binder: &mut Binder<'s>,
+    arg: &'static str,
+    scale: &'s Fp8Scale<'_>,
+) -> Result<RawScale> {
+    let raw = match scale {
+        Fp8Scale::PerTensor(s) => RawFp8Scale::PerTensor(binder.read(arg, s)?),
+        Fp8Scale::PerHead(s) => RawFp8Scale::PerHead(binder.read(arg, s)?),
+    };
+    Ok(raw.raw(arg))
+}
