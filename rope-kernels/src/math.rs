@@ -441,14 +441,15 @@ mod tests {
         }
     }
 
-    /// Every non-negative finite value of an FP8 format, in increasing order of magnitude, as
-    /// `(bits, value)`: the codes below `end` (the first code of infinity or NaN).
-    fn fp8_values(decode: fn(u8) -> f32, end: u8) -> std::vec::Vec<(u8, f64)> {
+    /// Every non-negative finite value of a small float format (FP8, FP4), in increasing order
+    /// of magnitude, as `(bits, value)`: the codes below `end` (the first code of infinity or
+    /// NaN, or of the negative values).
+    fn format_values(decode: fn(u8) -> f32, end: u8) -> std::vec::Vec<(u8, f64)> {
         (0u8..end).map(|b| (b, f64::from(decode(b)))).collect()
     }
 
     /// The nearest of `values` to `x` (ties to the even mantissa), saturating at the largest,
-    /// by search; `nan` for NaN; `sign` the format's sign bit.
+    /// by search; `nan` for NaN; `sign_bit` the format's sign bit.
     fn nearest(x: f32, values: &[(u8, f64)], (nan, sign_bit): (u8, u8)) -> u8 {
         let sign = if x.is_sign_negative() { sign_bit } else { 0 };
         if x.is_nan() {
@@ -510,7 +511,7 @@ mod tests {
 
     #[test]
     fn e4m3_values_increase_and_reach_448() {
-        let values = fp8_values(e4m3_to_f32, 0x7f);
+        let values = format_values(e4m3_to_f32, 0x7f);
         assert!(values.windows(2).all(|w| w[0].1 < w[1].1));
         assert_eq!(values[values.len() - 1].1, f64::from(E4M3_MAX));
         assert_eq!(values[1].1, 2f64.powi(-9));
@@ -521,12 +522,12 @@ mod tests {
     /// Rounding matches the nearest value by search (ties to even, saturation at 448).
     #[test]
     fn e4m3_rounds_to_nearest_even_and_saturates() {
-        check_rounding(f32_to_e4m3, &fp8_values(e4m3_to_f32, 0x7f), (0x7f, 0x80));
+        check_rounding(f32_to_e4m3, &format_values(e4m3_to_f32, 0x7f), (0x7f, 0x80));
     }
 
     #[test]
     fn e5m2_values_increase_and_reach_57344() {
-        let values = fp8_values(e5m2_to_f32, 0x7c);
+        let values = format_values(e5m2_to_f32, 0x7c);
         assert!(values.windows(2).all(|w| w[0].1 < w[1].1));
         assert_eq!(values[values.len() - 1].1, f64::from(E5M2_MAX));
         assert_eq!(values[1].1, 2f64.powi(-16));
@@ -540,12 +541,12 @@ mod tests {
     /// `__NV_SATFINITE`, infinity included).
     #[test]
     fn e5m2_rounds_to_nearest_even_and_saturates() {
-        check_rounding(f32_to_e5m2, &fp8_values(e5m2_to_f32, 0x7c), (0x7f, 0x80));
+        check_rounding(f32_to_e5m2, &format_values(e5m2_to_f32, 0x7c), (0x7f, 0x80));
     }
 
     #[test]
     fn e2m1_values_increase_and_reach_6() {
-        let values = fp8_values(e2m1_to_f32, 8);
+        let values = format_values(e2m1_to_f32, 8);
         let magnitudes: std::vec::Vec<f64> = values.iter().map(|&(_, v)| v).collect();
         assert_eq!(magnitudes, [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]);
         assert_eq!(e2m1_to_f32(0xf), -6.0);
@@ -556,7 +557,7 @@ mod tests {
     /// included); NaN gives the largest magnitude, E2M1 having no NaN.
     #[test]
     fn e2m1_rounds_to_nearest_even_and_saturates() {
-        check_rounding(f32_to_e2m1, &fp8_values(e2m1_to_f32, 8), (7, 0x8));
+        check_rounding(f32_to_e2m1, &format_values(e2m1_to_f32, 8), (7, 0x8));
         assert_eq!(f32_to_e2m1(-f32::NAN), 0xf);
         assert_eq!(f32_to_e2m1(f32::NAN), 0x7);
         assert_eq!(f32_to_e2m1(-0.0), 0x8);
