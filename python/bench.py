@@ -165,6 +165,37 @@ def serving_cases(tokens, stream):
         lambda: rope_rs.rotary_embedding(*rope_args, value=value, **cached),
         lambda: _native.rotary_embedding(*rope_args, value=value, **cached, stream=stream, producer_sync=False),
     )
+    # FlashInfer's rope_quantize_fp8 forms (no non-rotary part), E4M3, a page table of one
+    # request per token row.
+    e4m3 = torch.float8_e4m3fn
+    q3, k3, v3 = query.view(t, hq, d), key.view(t, hk, d), value.view(t, hk, d)
+    q_out, k_out = torch.empty(t, hq, d, device=dev, dtype=e4m3), torch.empty(t, hk, d, device=dev, dtype=e4m3)
+    fi_caches = (torch.zeros(blocks, 16, hk, d, device=dev, dtype=e4m3), torch.zeros(blocks, 16, hk, d, device=dev, dtype=e4m3))
+    i32 = torch.int32
+    table = (
+        torch.arange(blocks, device=dev, dtype=i32),
+        torch.tensor([0, blocks], device=dev, dtype=i32),
+        torch.zeros(t, device=dev, dtype=i32),
+        torch.arange(t, device=dev, dtype=i32),
+    )
+    quant_args = (q3, k3, cache, positions, True, d, "float8_e4m3fn", 1.0, 1.0, q_out, k_out)
+    yield (
+        f"{step}, FlashInfer rope_quantize_fp8",
+        (query, key),
+        lambda: rope_rs.rope_quantize_fp8(q3, k3, None, None, cache, positions, True, None, 1.0, 1.0, q_out, k_out),
+        lambda: _native.rope_quantize_fp8(*quant_args, stream=stream, producer_sync=False),
+    )
+    yield (
+        f"{step}, FlashInfer rope_quantize_fp8_append_paged_kv_cache",
+        (query, key, value),
+        lambda: rope_rs.rope_quantize_fp8_append_paged_kv_cache(
+            q3, k3, None, None, v3, cache, positions, fi_caches, *table, q_rope_out=q_out
+        ),
+        lambda: _native.rope_quantize_fp8_append_paged_kv_cache(
+            q3, k3, v3, cache, positions, *fi_caches, *table, True, d, "float8_e4m3fn", 1.0, 1.0, 16, "NHD", q_out,
+            stream=stream, producer_sync=False,
+        ),
+    )
     arg = rope_rs.FusedSetKVBufferArg(value, pool, v_pool, None, None, slots)
     yield (
         f"{step}, SGLang rope + fused_set_kv_buffer",

@@ -12,9 +12,9 @@ use std::time::Instant;
 
 use rope_host::half::bf16;
 use rope_host::{
-    CacheData, CacheLayout, DeviceInts, FusedIo, FusedOp, KOut, KvCache, Layout, NormWeight,
-    Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableFormat,
-    Tensor, TensorMut, open_device,
+    CacheAddress, CacheData, CacheLayout, DeviceInts, FusedIo, FusedOp, KOut, KvCache, Layout,
+    NormWeight, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    TableFormat, Tensor, TensorMut, open_device,
 };
 use serde::Serialize;
 
@@ -180,7 +180,7 @@ fn launch(rope: &Rope, family: Family) -> rope_host::Result<()> {
                 }),
             };
             let cache = KvCache {
-                slot_mapping: DeviceInts::I64(slots.as_view()),
+                address: CacheAddress::Slots(DeviceInts::I64(slots.as_view())),
                 layout: CacheLayout::blocks_rows_heads(blocks, 16, HK, D),
                 data: CacheData::Elem {
                     k: k_cache.as_view_mut(),

@@ -19,9 +19,10 @@ use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMo
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use rope_host::half::bf16;
 use rope_host::{
-    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, Io, KOut, KvCache,
-    Layout, NormWeight, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
-    SinCosTables, StreamOverlap, TableFormat, Tensor, TensorMut,
+    CacheAddress, CacheData, CacheLayout, DeviceInts, Fp8Format, Fp8Scale, FusedIo, FusedOp,
+    IdsShape, Io, KOut, KvCache, Layout, NormWeight, PageTable, Positions, QOut, QkIo, QkNorm,
+    Rope, RopeConfig, RopeOp, RopeStyle, SinCos, SinCosTables, StreamOverlap, TableFormat, Tensor,
+    TensorMut,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -66,6 +67,10 @@ enum Variant {
     NormRopeCache,
     /// As `NormRopeCache` with FP8 q output and FP8 cache.
     NormRopeCacheFp8,
+    /// FlashInfer's `rope_quantize_fp8_append_paged_kv_cache` form: rotation (no norm) into an
+    /// FP8 q output and an FP8 cache of `x * multiplier` by value, the cache addressed by a page
+    /// table.
+    RopeFp8PageTable,
     /// rope-rs's rotation plus copies of the bytes of a separate norm and cache write.
     Unfused,
 }
@@ -89,7 +94,7 @@ const COPY_FP8: &str = "copy of 3/4 of q, k, v";
 
 /// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
 /// before (the rotation's, for the unfused sequence).
-const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 13] = [
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 15] = [
     (Variant::Copy(Bytes::Qk), COPY_QK, None, StreamOverlap::None),
     (
         Variant::Copy(Bytes::Qkv),
@@ -128,6 +133,12 @@ const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 13] = [
         StreamOverlap::None,
     ),
     (
+        Variant::RopeFp8PageTable,
+        "rope + FP8 q, page-table cache",
+        Some(COPY_FP8),
+        StreamOverlap::None,
+    ),
+    (
         Variant::Unfused,
         "unfused: rope + copies",
         Some(COPY_QKV),
@@ -158,6 +169,12 @@ const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 13] = [
         StreamOverlap::Programmatic,
     ),
     (
+        Variant::RopeFp8PageTable,
+        "rope + FP8 q, page-table cache, PDL",
+        Some(COPY_FP8),
+        StreamOverlap::Programmatic,
+    ),
+    (
         Variant::Unfused,
         "unfused: rope + copies, PDL",
         Some(COPY_QKV),
@@ -182,6 +199,9 @@ struct Buffers {
     v_cache: CudaSlice<bf16>,
     k_cache8: CudaSlice<u8>,
     v_cache8: CudaSlice<u8>,
+    /// FlashInfer's page table of the same slots: `batch_indices` (one request), `positions`,
+    /// `kv_indptr`, `kv_indices` (the blocks in reverse order).
+    page_table: [CudaSlice<i32>; 4],
     /// vLLM's `cos_sin_cache` when [`SINCOS_VAR`] asks for it, else sin/cos are computed.
     table: Option<SinCosTables<bf16>>,
 }
@@ -228,6 +248,12 @@ impl Buffers {
             v_cache: stream.alloc_zeros(cache)?,
             k_cache8: stream.alloc_zeros(cache)?,
             v_cache8: stream.alloc_zeros(cache)?,
+            page_table: [
+                stream.alloc_zeros(tokens)?,
+                stream.clone_htod(&(0..tokens as i32).collect::<Vec<_>>())?,
+                stream.clone_htod(&[0, blocks as i32])?,
+                stream.clone_htod(&(0..blocks as i32).rev().collect::<Vec<_>>())?,
+            ],
             table,
         })
     }
@@ -331,6 +357,7 @@ impl Buffers {
                             layout: lq,
                         },
                         scale: Fp8Scale::PerTensor(self.scale.as_view()),
+                        format: Fp8Format::E4m3,
                     }
                 } else {
                     QOut::InPlace(TensorMut {
@@ -355,6 +382,7 @@ impl Buffers {
                         v: self.v_cache8.as_view_mut(),
                         k_scale: Fp8Scale::PerTensor(self.scale.as_view()),
                         v_scale: Fp8Scale::PerTensor(self.scale.as_view()),
+                        format: Fp8Format::E4m3,
                     }
                 } else {
                     CacheData::Elem {
@@ -363,9 +391,55 @@ impl Buffers {
                     }
                 };
                 let cache = KvCache {
-                    slot_mapping: DeviceInts::I64(self.slots.as_view()),
+                    address: CacheAddress::Slots(DeviceInts::I64(self.slots.as_view())),
                     layout,
                     data,
+                };
+                Ok(rope.run_fused(&op, io, Some(cache))?)
+            }
+            Variant::RopeFp8PageTable => {
+                let op = FusedOp {
+                    rope: rope_op(),
+                    norm: None,
+                };
+                let io = FusedIo::Separate {
+                    q: QOut::Fp8 {
+                        input: Tensor {
+                            data: self.q.as_view(),
+                            layout: lq,
+                        },
+                        output: TensorMut {
+                            data: self.q8.as_view_mut(),
+                            layout: lq,
+                        },
+                        scale: Fp8Scale::Multiplier(20.0),
+                        format: Fp8Format::E4m3,
+                    },
+                    k: KOut::CacheOnly(Tensor {
+                        data: self.k.as_view(),
+                        layout: lk,
+                    }),
+                    v: Some(Tensor {
+                        data: self.v.as_view(),
+                        layout: lk,
+                    }),
+                };
+                let [batch_indices, positions, kv_indptr, kv_indices] = &self.page_table;
+                let cache = KvCache {
+                    address: CacheAddress::PageTable(PageTable {
+                        batch_indices: batch_indices.as_view(),
+                        positions: positions.as_view(),
+                        kv_indptr: kv_indptr.as_view(),
+                        kv_indices: kv_indices.as_view(),
+                    }),
+                    layout,
+                    data: CacheData::Fp8 {
+                        k: self.k_cache8.as_view_mut(),
+                        v: self.v_cache8.as_view_mut(),
+                        k_scale: Fp8Scale::Multiplier(20.0),
+                        v_scale: Fp8Scale::Multiplier(20.0),
+                        format: Fp8Format::E4m3,
+                    },
                 };
                 Ok(rope.run_fused(&op, io, Some(cache))?)
             }

@@ -1,8 +1,8 @@
 //! The fused kernels' GPU harness (`Rope::run_fused`): a random fused case (`Case`, with its
 //! cache in `CacheCase`), its host data (`Data`) uploaded (`upload`) and launched (`launch`),
 //! and every output and cache byte compared with the f64 reference (`verify`, by
-//! [`crate::tolerance`] for values and the E4M3 bracket for FP8 bytes); the fused GPU tests
-//! drive it.
+//! [`crate::tolerance`] for values and the E4M3 or E5M2 bracket for FP8 bytes); the fused GPU
+//! tests drive it.
 
 use std::sync::Arc;
 
@@ -10,14 +10,17 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use rope_host::{
-    CacheData, CacheLayout, DeviceInts, Fp8Scale, FusedIo, FusedOp, IdsShape, IntType, KOut,
-    KvCache, Layout, NormWeight, Positions, QOut, QkNorm, RawBuf, RawCacheData, RawFp8Scale,
-    RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawOp, RawPositions, RawQOut,
-    RawQkNorm, RawSinCos, RawTensor, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData,
-    TableFormat, TableShape, Tensor, TensorMut,
+    CacheAddress, CacheData, CacheLayout, DeviceInts, Fp8Format, Fp8Scale, FusedIo, FusedOp,
+    IdsShape, IntType, KOut, KvCache, Layout, NormWeight, PageTable, Positions, QOut, QkNorm,
+    RawBuf, RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo,
+    RawKOut, RawKvCache, RawOp, RawPageTable, RawPositions, RawQOut, RawQkNorm, RawSinCos,
+    RawTensor, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData, TableFormat, TableShape,
+    Tensor, TensorMut,
 };
-use rope_kernels::math::e4m3_to_f32;
-use rope_reference::fused::{ElementScale, e4m3_bracket, rms_norm, rotate_head};
+use rope_kernels::math::{e4m3_to_f32, e5m2_to_f32};
+use rope_reference::fused::{
+    ElementScale, e4m3_bracket, e5m2_bracket, page_table_slot, rms_norm, rotate_head,
+};
 use rope_reference::reference::inv_freq;
 
 use crate::elem::TestElem;
@@ -45,6 +48,10 @@ pub enum KMode {
     InPlace,
     Out,
     CacheOnly,
+    /// An FP8 output (cases without a cache).
+    Fp8 {
+        per_head: bool,
+    },
 }
 
 /// One random fused case.
@@ -64,6 +71,11 @@ pub struct Case {
     pub q: QMode,
     pub k: KMode,
     pub cache: Option<CacheCase>,
+    /// The format of every FP8 store of the case.
+    pub fp8: Fp8Format,
+    /// FP8 scales passed as multipliers by value (`1 / scale[0]`, FlashInfer's `quant_scale`)
+    /// rather than as scale arrays.
+    pub multipliers: bool,
     pub seed: u64,
 }
 
@@ -80,6 +92,100 @@ pub struct CacheCase {
     pub k_per_head: bool,
     /// v's, drawn apart from k's.
     pub v_per_head: bool,
+    /// Addressed by FlashInfer's page table rather than by `slots`; `slots` then holds the
+    /// slot the reference finds for each token (`-1`: none).
+    pub page_table: Option<PageTableCase>,
+}
+
+/// A FlashInfer page table (all `i32`): see [`rope_host::PageTable`].
+#[derive(Clone, Debug)]
+pub struct PageTableCase {
+    pub batch_indices: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub kv_indptr: Vec<i32>,
+    pub kv_indices: Vec<i32>,
+}
+
+impl PageTableCase {
+    /// A table of 1-3 requests over the cache's `num_blocks` pages (each page in at most one
+    /// request, in random order, at times one past the cache or negative), and for each token a
+    /// distinct (request, position): mostly inside its request's pages, at times padding (a
+    /// negative request), a request past `kv_indptr`, a negative position or one past the
+    /// request's pages. Returns the table and each token's slot by
+    /// [`rope_reference::fused::page_table_slot`] (`-1` for none).
+    pub fn random(
+        rng: &mut StdRng,
+        tokens: usize,
+        (num_blocks, block_size): (usize, usize),
+    ) -> (Self, Vec<i64>) {
+        let requests = rng.random_range(1..=3usize);
+        let mut pages: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..pages.len()).rev() {
+            pages.swap(i, rng.random_range(0..=i));
+        }
+        match rng.random_range(0..4) {
+            0 => pages.push(num_blocks as i32),
+            1 => pages.push(-1),
+            _ => {}
+        }
+        // Split the pages among the requests.
+        let mut kv_indptr = vec![0i32];
+        for r in 0..requests {
+            let left = pages.len() - *kv_indptr.last().expect("one") as usize;
+            let take = if r + 1 == requests {
+                left
+            } else {
+                rng.random_range(0..=left)
+            };
+            kv_indptr.push(kv_indptr[r] + take as i32);
+        }
+        let mut used = std::collections::HashSet::new();
+        let mut batch_indices = Vec::with_capacity(tokens);
+        let mut positions = Vec::with_capacity(tokens);
+        for _ in 0..tokens {
+            let (b, p) = loop {
+                let b = match rng.random_range(0..12) {
+                    0 => -1,
+                    1 => requests as i32,
+                    _ => rng.random_range(0..requests as i32),
+                };
+                let own = if (0..requests as i32).contains(&b) {
+                    (kv_indptr[b as usize + 1] - kv_indptr[b as usize]) as usize * block_size
+                } else {
+                    block_size
+                };
+                let p = match rng.random_range(0..12) {
+                    0 => -1,
+                    1 => (own + rng.random_range(0..block_size)) as i32,
+                    _ => rng.random_range(0..own.max(1)) as i32,
+                };
+                // Distinct (request, position) pairs address distinct slots.
+                if b < 0 || p < 0 || used.insert((b, p)) {
+                    break (b, p);
+                }
+            };
+            batch_indices.push(b);
+            positions.push(p);
+        }
+        let table = PageTableCase {
+            batch_indices,
+            positions,
+            kv_indptr,
+            kv_indices: pages,
+        };
+        let slots = (0..tokens)
+            .map(|t| {
+                page_table_slot(
+                    (&table.kv_indices, &table.kv_indptr),
+                    (&table.batch_indices, &table.positions),
+                    block_size,
+                    t,
+                )
+                .map_or(-1, |(page, entry)| (page * block_size + entry) as i64)
+            })
+            .collect();
+        (table, slots)
+    }
 }
 
 impl CacheCase {
@@ -98,7 +204,7 @@ impl CacheCase {
                 _ => free.swap_remove(rng.random_range(0..free.len())),
             })
             .collect();
-        CacheCase {
+        let mut c = CacheCase {
             fp8: rng.random_bool(0.5),
             heads_first: rng.random_bool(0.5),
             block_size,
@@ -106,7 +212,13 @@ impl CacheCase {
             slots,
             k_per_head: rng.random_bool(0.5),
             v_per_head: rng.random_bool(0.5),
+            page_table: None,
+        };
+        if rng.random_bool(0.3) {
+            let (table, slots) = PageTableCase::random(rng, tokens, (num_blocks, block_size));
+            (c.page_table, c.slots) = (Some(table), slots);
         }
+        c
     }
 }
 
@@ -190,12 +302,23 @@ impl Case {
         let cache = rng
             .random_bool(0.7)
             .then(|| CacheCase::random(&mut rng, tokens));
-        let k = match (rng.random_range(0..3), &cache) {
+        let mut k = match (rng.random_range(0..3), &cache) {
             (0, _) => KMode::InPlace,
             (1, _) | (_, None) => KMode::Out,
             _ => KMode::CacheOnly,
         };
-        Case {
+        let fp8 = if rng.random_bool(0.5) {
+            Fp8Format::E4m3
+        } else {
+            Fp8Format::E5m2
+        };
+        let multipliers = rng.random_bool(0.3);
+        if cache.is_none() && rng.random_bool(0.3) {
+            k = KMode::Fp8 {
+                per_head: rng.random_bool(0.5),
+            };
+        }
+        let mut case = Case {
             style,
             d,
             batch,
@@ -212,7 +335,33 @@ impl Case {
             q,
             k,
             cache,
+            fp8,
+            multipliers,
             seed,
+        };
+        if !case.takes_flashinfer_forms() {
+            case.plain_fp8();
+        }
+        case
+    }
+
+    /// Whether the case's launches take the token-heads kernels, which alone store FlashInfer's
+    /// forms (page tables, E5M2, multipliers, an FP8 k output): the harness's tensors and tables
+    /// are aligned, so heads of a multiple of 8 elements take the widest accesses in every style
+    /// and type.
+    pub fn takes_flashinfer_forms(&self) -> bool {
+        self.d.is_multiple_of(8)
+    }
+
+    /// Drops the case's FlashInfer forms: E4M3 of scale arrays, k not to an FP8 output, and a
+    /// page table's slots as a slot mapping (the same slots).
+    pub fn plain_fp8(&mut self) {
+        (self.fp8, self.multipliers) = (Fp8Format::E4m3, false);
+        if matches!(self.k, KMode::Fp8 { .. }) {
+            self.k = KMode::Out;
+        }
+        if let Some(c) = &mut self.cache {
+            c.page_table = None;
         }
     }
 
@@ -264,9 +413,11 @@ impl<T: TestElem> Data<T> {
             (0..n).map(|_| rng.random_range(0.01f32..0.2)).collect()
         };
         let heads = |per_head: bool, h: usize| if per_head { h } else { 1 };
-        let (k_heads, v_heads) = c.cache.as_ref().map_or((1, 1), |cc| {
-            (heads(cc.k_per_head, c.hk), heads(cc.v_per_head, c.hk))
-        });
+        let (k_heads, v_heads) = match (&c.cache, c.k) {
+            (Some(cc), _) => (heads(cc.k_per_head, c.hk), heads(cc.v_per_head, c.hk)),
+            (None, KMode::Fp8 { per_head }) => (heads(per_head, c.hk), 1),
+            (None, _) => (1, 1),
+        };
         let q_heads = match c.q {
             QMode::Fp8 { per_head } => heads(per_head, c.hq),
             _ => 1,
@@ -316,6 +467,7 @@ pub struct Device<T> {
     pub q8: CudaSlice<u8>,
     pub k: CudaSlice<T>,
     pub k_out: CudaSlice<T>,
+    pub k8: CudaSlice<u8>,
     pub v: CudaSlice<T>,
     pub q_w: CudaSlice<T>,
     pub k_w: CudaSlice<T>,
@@ -328,6 +480,8 @@ pub struct Device<T> {
     pub v_cache: CudaSlice<T>,
     pub k_cache8: CudaSlice<u8>,
     pub v_cache8: CudaSlice<u8>,
+    /// The page table's `batch_indices`, `positions`, `kv_indptr`, `kv_indices`.
+    pub page_table: Option<[CudaSlice<i32>; 4]>,
     pub tables: Option<rope_host::SinCosTables<T>>,
 }
 
@@ -366,6 +520,7 @@ pub fn upload<T: TestElem>(
         q8: poison_u8(data.q.len())?,
         k: stream.clone_htod(&data.k).map_err(e)?,
         k_out: poison_t(data.k.len())?,
+        k8: poison_u8(data.k.len())?,
         v: stream.clone_htod(&data.v).map_err(e)?,
         q_w: stream.clone_htod(&data.q_w).map_err(e)?,
         k_w: stream.clone_htod(&data.k_w).map_err(e)?,
@@ -378,20 +533,64 @@ pub fn upload<T: TestElem>(
         v_cache: poison_t(cache_len(c))?,
         k_cache8: poison_u8(cache_len(c))?,
         v_cache8: poison_u8(cache_len(c))?,
+        page_table: match c.cache.as_ref().and_then(|cc| cc.page_table.as_ref()) {
+            Some(t) => {
+                let up = |v: &Vec<i32>| stream.clone_htod(v).map_err(e);
+                Some([
+                    up(&t.batch_indices)?,
+                    up(&t.positions)?,
+                    up(&t.kv_indptr)?,
+                    // An empty kv_indices still needs an allocation to point at.
+                    stream
+                        .clone_htod(if t.kv_indices.is_empty() {
+                            &[0][..]
+                        } else {
+                            &t.kv_indices
+                        })
+                        .map_err(e)?,
+                ])
+            }
+            None => None,
+        },
         tables,
     })
 }
 
-pub fn scale_of(per_head: bool, s: &CudaSlice<f32>) -> Fp8Scale<'_> {
-    if per_head {
+/// The FP8 scale of a destination: its scale array (one, or one per head), or with
+/// `c.multipliers` the multiplier `1 / host[0]` by value.
+pub fn scale_of<'a>(
+    c: &Case,
+    per_head: bool,
+    (host, s): (&[f32], &'a CudaSlice<f32>),
+) -> Fp8Scale<'a> {
+    if c.multipliers {
+        Fp8Scale::Multiplier(1.0 / host[0])
+    } else if per_head {
         Fp8Scale::PerHead(s.as_view())
     } else {
         Fp8Scale::PerTensor(s.as_view())
     }
 }
 
-/// Launches the case on `rope` (its stream), reading and writing `dev`.
-pub fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_host::Result<()> {
+/// A page table's four arrays' lengths as the launch passes them (`kv_indices` may be empty
+/// though its allocation is not).
+fn page_table_lens(t: &PageTableCase) -> [usize; 4] {
+    [
+        t.batch_indices.len(),
+        t.positions.len(),
+        t.kv_indptr.len(),
+        t.kv_indices.len(),
+    ]
+}
+
+/// Launches the case on `rope` (its stream), reading and writing `dev` (`data`: the host copy
+/// of its scales, for multipliers).
+pub fn launch<T: TestElem>(
+    c: &Case,
+    data: &Data<T>,
+    dev: &mut Device<T>,
+    rope: &Rope,
+) -> rope_host::Result<()> {
     let config = RopeConfig::builder(c.d as u32, c.style).build()?;
     let positions = match &c.ids {
         Some(_) => Positions::Ids {
@@ -444,7 +643,8 @@ pub fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_h
                 data: dev.q8.as_view_mut(),
                 layout: lq,
             },
-            scale: scale_of(per_head, &dev.q_scale),
+            scale: scale_of(c, per_head, (&data.q_scale, &dev.q_scale)),
+            format: c.fp8,
         },
     };
     let k = match c.k {
@@ -466,16 +666,41 @@ pub fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_h
             data: dev.k.as_view(),
             layout: lk,
         }),
+        KMode::Fp8 { per_head } => KOut::Fp8 {
+            input: Tensor {
+                data: dev.k.as_view(),
+                layout: lk,
+            },
+            output: TensorMut {
+                data: dev.k8.as_view_mut(),
+                layout: lk,
+            },
+            scale: scale_of(c, per_head, (&data.k_scale, &dev.k_scale)),
+            format: c.fp8,
+        },
+    };
+    let address = match (
+        &dev.page_table,
+        c.cache.as_ref().and_then(|cc| cc.page_table.as_ref()),
+    ) {
+        (Some([b, p, indptr, indices]), Some(t)) => CacheAddress::PageTable(PageTable {
+            batch_indices: b.as_view(),
+            positions: p.as_view(),
+            kv_indptr: indptr.as_view(),
+            kv_indices: indices.slice(0..t.kv_indices.len()),
+        }),
+        _ => CacheAddress::Slots(DeviceInts::I64(dev.slots.as_view())),
     };
     let cache = c.cache.as_ref().map(|cc| KvCache {
-        slot_mapping: DeviceInts::I64(dev.slots.as_view()),
+        address,
         layout: c.cache_layout(cc),
         data: if cc.fp8 {
             CacheData::Fp8 {
                 k: dev.k_cache8.as_view_mut(),
                 v: dev.v_cache8.as_view_mut(),
-                k_scale: scale_of(cc.k_per_head, &dev.k_scale),
-                v_scale: scale_of(cc.v_per_head, &dev.v_scale),
+                k_scale: scale_of(c, cc.k_per_head, (&data.k_scale, &dev.k_scale)),
+                v_scale: scale_of(c, cc.v_per_head, (&data.v_scale, &dev.v_scale)),
+                format: c.fp8,
             }
         } else {
             CacheData::Elem {
@@ -495,6 +720,7 @@ pub fn launch<T: TestElem>(c: &Case, dev: &mut Device<T>, rope: &Rope) -> rope_h
 /// buffer of `dev` given by address: what a front end owning its memory does.
 pub fn launch_raw<T: TestElem>(
     c: &Case,
+    data: &Data<T>,
     dev: &mut Device<T>,
     rope: &Rope,
     stream: &Arc<CudaStream>,
@@ -544,8 +770,10 @@ pub fn launch_raw<T: TestElem>(
             weight,
         }),
     };
-    let scale = |per_head: bool, s: &CudaSlice<f32>| {
-        if per_head {
+    let scale = |per_head: bool, (host, s): (&[f32], &CudaSlice<f32>)| {
+        if c.multipliers {
+            RawFp8Scale::Multiplier(1.0 / host[0])
+        } else if per_head {
             RawFp8Scale::PerHead(buf(s, stream))
         } else {
             RawFp8Scale::PerTensor(buf(s, stream))
@@ -563,7 +791,8 @@ pub fn launch_raw<T: TestElem>(
         QMode::Fp8 { per_head } => RawQOut::Fp8 {
             input: tensor(b(&dev.q), lq),
             output: tensor(buf(&dev.q8, stream), lq),
-            scale: scale(per_head, &dev.q_scale),
+            scale: scale(per_head, (&data.q_scale, &dev.q_scale)),
+            format: c.fp8,
         },
     };
     let k = match c.k {
@@ -573,19 +802,45 @@ pub fn launch_raw<T: TestElem>(
             output: tensor(b(&dev.k_out), lk),
         }),
         KMode::CacheOnly => RawKOut::CacheOnly(tensor(b(&dev.k), lk)),
+        KMode::Fp8 { per_head } => RawKOut::Fp8 {
+            input: tensor(b(&dev.k), lk),
+            output: tensor(buf(&dev.k8, stream), lk),
+            scale: scale(per_head, (&data.k_scale, &dev.k_scale)),
+            format: c.fp8,
+        },
     };
-    let cache = c.cache.as_ref().map(|cc| RawKvCache {
-        slot_mapping: RawInts {
+    let address = match (
+        &dev.page_table,
+        c.cache.as_ref().and_then(|cc| cc.page_table.as_ref()),
+    ) {
+        (Some(arrays), Some(t)) => {
+            let [b, p, indptr, indices] = arrays.each_ref().map(|a| buf(a, stream));
+            let [_, _, _, indices_len] = page_table_lens(t);
+            RawCacheAddress::PageTable(RawPageTable {
+                batch_indices: b,
+                positions: p,
+                kv_indptr: indptr,
+                kv_indices: RawBuf {
+                    len: indices_len,
+                    ..indices
+                },
+            })
+        }
+        _ => RawCacheAddress::Slots(RawInts {
             buf: buf(&dev.slots, stream),
             ty: IntType::I64,
-        },
+        }),
+    };
+    let cache = c.cache.as_ref().map(|cc| RawKvCache {
+        address,
         layout: c.cache_layout(cc),
         data: if cc.fp8 {
             RawCacheData::Fp8 {
                 k: buf(&dev.k_cache8, stream),
                 v: buf(&dev.v_cache8, stream),
-                k_scale: scale(cc.k_per_head, &dev.k_scale),
-                v_scale: scale(cc.v_per_head, &dev.v_scale),
+                k_scale: scale(cc.k_per_head, (&data.k_scale, &dev.k_scale)),
+                v_scale: scale(cc.v_per_head, (&data.v_scale, &dev.v_scale)),
+                format: c.fp8,
             }
         } else {
             RawCacheData::Elem {
@@ -637,10 +892,19 @@ pub fn check_elem<T: TestElem>(
     if err <= bound { Ok(()) } else { Err(g) }
 }
 
-/// Checks an FP8 byte: one of the two E4M3 values around `want / scale`.
-pub fn check_fp8(got: u8, want: f64, scale: f32, worst: &mut Worst) -> Result<(), f64> {
-    let g = f64::from(e4m3_to_f32(got));
-    let (lo, hi) = e4m3_bracket(want / f64::from(scale));
+/// Checks an FP8 byte of the case's format: one of the two values around `want * m`, `m` the
+/// destination's multiplier (`1 / scale`, or the multiplier by value: `1 / host_scale`
+/// rounded to `f32`, as the launch passed it).
+pub fn check_fp8(c: &Case, got: u8, want: f64, scale: f32, worst: &mut Worst) -> Result<(), f64> {
+    let m = if c.multipliers {
+        f64::from(1.0 / scale)
+    } else {
+        1.0 / f64::from(scale)
+    };
+    let (g, (lo, hi)) = match c.fp8 {
+        Fp8Format::E4m3 => (f64::from(e4m3_to_f32(got)), e4m3_bracket(want * m)),
+        Fp8Format::E5m2 => (f64::from(e5m2_to_f32(got)), e5m2_bracket(want * m)),
+    };
     worst.add(if g >= lo && g <= hi { 0.0 } else { 2.0 }, 1.0);
     if g >= lo && g <= hi { Ok(()) } else { Err(g) }
 }
@@ -694,8 +958,8 @@ pub fn check_case_on<T: TestElem>(
     let data = Data::<T>::random(c, &mut rng);
     let mut dev = upload(c, &data, stream, rope)?;
     match entry {
-        Entry::Views => launch(c, &mut dev, rope),
-        Entry::Raw => launch_raw(c, &mut dev, rope, stream),
+        Entry::Views => launch(c, &data, &mut dev, rope),
+        Entry::Raw => launch_raw(c, &data, &mut dev, rope, stream),
     }
     .map_err(|e| format!("launch: {e}"))?;
     verify(c, &data, &dev, stream)
@@ -746,8 +1010,8 @@ pub fn verify<T: TestElem>(
                 let r = match (&q_got_t, c.q) {
                     (Some(got), _) => check_elem(c, got[at], want[i], scale[i], &mut worst),
                     (None, QMode::Fp8 { per_head }) => {
-                        let s = data.q_scale[if per_head { h } else { 0 }];
-                        check_fp8(q8[at], want[i], s, &mut worst)
+                        let s = data.q_scale[if per_head && !c.multipliers { h } else { 0 }];
+                        check_fp8(c, q8[at], want[i], s, &mut worst)
                     }
                     _ => unreachable!(),
                 };
@@ -755,21 +1019,29 @@ pub fn verify<T: TestElem>(
             }
         }
     }
-    // k in its tensor; unchanged when only cached.
+    // k in its tensor (or its FP8 output); unchanged when only cached or quantised.
     let k_got = match c.k {
-        KMode::InPlace | KMode::CacheOnly => stream.clone_dtoh(&dev.k).map_err(e)?,
+        KMode::InPlace | KMode::CacheOnly | KMode::Fp8 { .. } => {
+            stream.clone_dtoh(&dev.k).map_err(e)?
+        }
         KMode::Out => stream.clone_dtoh(&dev.k_out).map_err(e)?,
     };
+    let k8 = stream.clone_dtoh(&dev.k8).map_err(e)?;
     for t in 0..c.tokens() {
         for h in 0..c.hk {
             let (want, scale) = reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
             for i in 0..c.d {
                 let at = (t * c.hk + h) * c.d + i;
-                if let KMode::CacheOnly = c.k {
-                    if k_got[at].bits() != data.k[at].bits() {
-                        return Err(format!("k changed at {at} ({c:?})"));
-                    }
-                } else {
+                if matches!(c.k, KMode::CacheOnly | KMode::Fp8 { .. })
+                    && k_got[at].bits() != data.k[at].bits()
+                {
+                    return Err(format!("k changed at {at} ({c:?})"));
+                }
+                if let KMode::Fp8 { per_head } = c.k {
+                    let s = data.k_scale[if per_head && !c.multipliers { h } else { 0 }];
+                    check_fp8(c, k8[at], want[i], s, &mut worst)
+                        .map_err(|g| fail("k FP8", t, h, i, g, want[i]))?;
+                } else if !matches!(c.k, KMode::CacheOnly) {
                     check_elem(c, k_got[at], want[i], scale[i], &mut worst)
                         .map_err(|g| fail("k", t, h, i, g, want[i]))?;
                 }
@@ -797,17 +1069,25 @@ pub fn verify<T: TestElem>(
         for h in 0..c.hk {
             let (k_want, k_scale_terms) =
                 reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
-            let ks = if cc.k_per_head { h } else { 0 };
-            let vs = if cc.v_per_head { h } else { 0 };
+            let ks = if cc.k_per_head && !c.multipliers {
+                h
+            } else {
+                0
+            };
+            let vs = if cc.v_per_head && !c.multipliers {
+                h
+            } else {
+                0
+            };
             for i in 0..c.d {
                 let at =
                     block * layout.strides[0] + row * layout.strides[1] + h * layout.strides[2] + i;
                 written[at] = true;
                 let v_want = data.v[(t * c.hk + h) * c.d + i].to_f64();
                 if cc.fp8 {
-                    check_fp8(kc8[at], k_want[i], data.k_scale[ks], &mut worst)
+                    check_fp8(c, kc8[at], k_want[i], data.k_scale[ks], &mut worst)
                         .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
-                    check_fp8(vc8[at], v_want, data.v_scale[vs], &mut worst)
+                    check_fp8(c, vc8[at], v_want, data.v_scale[vs], &mut worst)
                         .map_err(|g| fail("v cache", t, h, i, g, v_want))?;
                 } else {
                     check_elem(c, kc[at], k_want[i], k_scale_terms[i], &mut worst)

@@ -14,8 +14,10 @@ come from ``torch.empty_like``, autograd and ``torch.compile`` work (see ``rope_
 Drop-ins, a one-line change from the original: ``rotary_embedding`` and ``fused_qk_norm_rope``
 (vLLM; both also write vLLM's paged KV cache in the same launch when given one),
 ``apply_rope_with_cos_sin_cache_inplace`` (FlashInfer's, and SGLang's with its
-``FusedSetKVBufferArg``) and ``apply_rotary_pos_emb`` (Hugging Face). ``frequencies`` shows the
-frequencies a call computes sin/cos from.
+``FusedSetKVBufferArg``), ``rope_quantize_fp8``, ``mla_rope_quantize_fp8`` and
+``rope_quantize_fp8_append_paged_kv_cache`` (FlashInfer's, for the rotated features) and
+``apply_rotary_pos_emb`` (Hugging Face). ``frequencies`` shows the frequencies a call computes
+sin/cos from.
 """
 
 import sys
@@ -33,6 +35,9 @@ __all__ = [
     "apply_rotary_pos_emb",
     "frequencies",
     "fused_qk_norm_rope",
+    "mla_rope_quantize_fp8",
+    "rope_quantize_fp8",
+    "rope_quantize_fp8_append_paged_kv_cache",
     "rotary_embedding",
 ]
 
@@ -297,7 +302,8 @@ def rotary_embedding(
     ``slot_mapping[t] // block_size``, a negative slot writes nothing. ``kv_cache_dtype``
     ``"auto"`` stores query's dtype, ``"fp8"``/``"fp8_e4m3"`` FP8 E4M3 of ``x / k_scale`` and
     ``x / v_scale`` (float32 tensors, one element or one per kv head) into uint8 or
-    float8_e4m3fn caches. With a cache the whole head rotates.
+    float8_e4m3fn caches, ``"fp8_e5m2"`` FP8 E5M2 into uint8 or float8_e5m2 caches. With a
+    cache the whole head rotates.
 
     Launched on ``stream``, by default PyTorch's current stream (as vLLM's op); ``pdl`` as in
     ``apply_rope``. Under ``torch.compile`` it is the custom operator
@@ -434,6 +440,211 @@ def fused_qk_norm_rope(
         qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
         position_ids, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, stream, sync, pdl,
     )
+
+
+def _no_nope(x: Any, arg: str) -> None:
+    """FlashInfer's non-rotary part: only None or zero features (rope-rs rotates and quantises
+    the rotated part; the non-rotary features are not supported yet)."""
+    if x is not None and x.shape[-1] != 0:
+        raise ValueError(
+            f"{arg}: non-rotary features ({x.shape[-1]} per head) are not supported yet; pass None "
+            "(rope-rs quantises the rotated part only)"
+        )
+
+
+def _quantize_dtype(torch: Any, quantize_dtype: Any, outs: Tuple[Any, ...]) -> Any:
+    """FlashInfer's choice of the FP8 type: `quantize_dtype`, else the first output's, else
+    float8_e4m3fn."""
+    if quantize_dtype is None:
+        quantize_dtype = torch.float8_e4m3fn
+        for o in reversed(outs):
+            if o is not None:
+                quantize_dtype = o.dtype
+    if quantize_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"quantize_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {quantize_dtype}")
+    return quantize_dtype
+
+
+def _torch_tensors(q_rope: Any, fn: str) -> Any:
+    torch = _torch_of(q_rope)
+    if torch is None:
+        raise TypeError(f"{fn}: q_rope must be a torch.Tensor, got {type(q_rope).__name__}")
+    return torch
+
+
+def _nope_out(out: Any, nope: Any, rope_out: Any, dtype: Any) -> Any:
+    """The output of a non-rotary part that has no features: `out` if given, else one of
+    `nope`'s shape (FlashInfer's ``empty_like``), or without `nope` the zero-feature view of the
+    rotated part's output (the same shape FlashInfer allocates, with no allocation)."""
+    if out is not None:
+        return out
+    if nope is not None:
+        return nope.new_empty(nope.shape, dtype=dtype)
+    return rope_out[..., :0]
+
+
+def rope_quantize_fp8(
+    q_rope: Any,
+    k_rope: Any,
+    q_nope: Any,
+    k_nope: Any,
+    cos_sin_cache: Any,
+    pos_ids: Any,
+    is_neox: bool = True,
+    quantize_dtype: Any = None,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+    q_rope_out: Any = None,
+    k_rope_out: Any = None,
+    q_nope_out: Any = None,
+    k_nope_out: Any = None,
+    enable_pdl: bool = False,
+    *,
+    stream: Optional[int] = None,
+) -> Tuple[Any, Any, Any, Any]:
+    """FlashInfer's ``rope_quantize_fp8`` for ``torch.Tensor``s: rotates ``q_rope`` ``[nnz,
+    num_qo_heads, rope_dim]`` and ``k_rope`` ``[nnz, num_kv_heads, rope_dim]`` (``[nnz,
+    rope_dim]`` for MLA) at ``pos_ids`` ``[nnz]`` with ``cos_sin_cache`` ``[max_seq_len,
+    rope_dim]`` (cosines, then sines; float32 as FlashInfer asks, or q_rope's dtype) and returns
+    ``(q_rope_out, k_rope_out, q_nope_out, k_nope_out)``: FP8 (``quantize_dtype``,
+    float8_e4m3fn or float8_e5m2; by default the first output's type, else E4M3) of ``x *
+    quant_scale_q`` and ``x * quant_scale_kv``, rounded to nearest even and saturated, one
+    launch. Outputs not given are allocated. ``q_nope`` and ``k_nope`` must be None or hold no
+    features (non-rotary parts are not supported yet); their outputs are then empty.
+    ``enable_pdl`` as ``pdl`` in ``apply_rope``. Under ``torch.compile`` it is
+    ``torch.ops.rope_rs.rope_quantize_fp8_``.
+    """
+    torch = _torch_tensors(q_rope, "rope_quantize_fp8")
+    _no_nope(q_nope, "q_nope")
+    _no_nope(k_nope, "k_nope")
+    dtype = _quantize_dtype(torch, quantize_dtype, (q_rope_out, k_rope_out, q_nope_out, k_nope_out))
+    if q_rope_out is None:
+        q_rope_out = torch.empty_like(q_rope, dtype=dtype)
+    if k_rope_out is None:
+        k_rope_out = torch.empty_like(k_rope, dtype=dtype)
+    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype)
+    k_nope_out = _nope_out(k_nope_out, k_nope, k_rope_out, dtype)
+    name = "float8_e5m2" if dtype == torch.float8_e5m2 else "float8_e4m3fn"
+    launch = _eager_stream(q_rope, stream)
+    if launch is None:
+        import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
+
+        ops.rope_quantize_fp8_op(
+            q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, name, float(quant_scale_q), float(quant_scale_kv),
+            q_rope_out, k_rope_out, enable_pdl,
+        )
+    else:
+        stream, sync = launch
+        _native.rope_quantize_fp8(
+            q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, q_rope.shape[-1], name, quant_scale_q, quant_scale_kv,
+            q_rope_out, k_rope_out, stream, sync, enable_pdl,
+        )
+    return q_rope_out, k_rope_out, q_nope_out, k_nope_out
+
+
+def mla_rope_quantize_fp8(
+    q_rope: Any,
+    k_rope: Any,
+    q_nope: Any,
+    k_nope: Any,
+    cos_sin_cache: Any,
+    pos_ids: Any,
+    is_neox: bool = True,
+    quantize_dtype: Any = None,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+    q_rope_out: Any = None,
+    k_rope_out: Any = None,
+    q_nope_out: Any = None,
+    k_nope_out: Any = None,
+    enable_pdl: bool = False,
+    *,
+    stream: Optional[int] = None,
+) -> Tuple[Any, Any, Any, Any]:
+    """FlashInfer's ``mla_rope_quantize_fp8``: :func:`rope_quantize_fp8` with MLA's 2-D
+    ``k_rope`` ``[nnz, rope_dim]`` (one shared head)."""
+    return rope_quantize_fp8(
+        q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, quantize_dtype, quant_scale_q,
+        quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out, enable_pdl, stream=stream,
+    )
+
+
+def rope_quantize_fp8_append_paged_kv_cache(
+    q_rope: Any,
+    k_rope: Any,
+    q_nope: Any,
+    k_nope: Any,
+    v: Any,
+    cos_sin_cache: Any,
+    pos_ids: Any,
+    paged_kv_cache: Tuple[Any, Any],
+    kv_indices: Any,
+    kv_indptr: Any,
+    batch_indices: Any,
+    positions: Any,
+    is_neox: bool = True,
+    quantize_dtype: Any = None,
+    quant_scale_q: float = 1.0,
+    quant_scale_kv: float = 1.0,
+    page_size: int = 16,
+    kv_layout: str = "NHD",
+    q_rope_out: Any = None,
+    q_nope_out: Any = None,
+    enable_pdl: bool = False,
+    *,
+    stream: Optional[int] = None,
+) -> Tuple[Any, Any]:
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` for GQA/MHA, in one launch: q as
+    :func:`rope_quantize_fp8` (into ``q_rope_out``), and the rotated k and ``v`` (``[nnz,
+    num_kv_heads, rope_dim]``) as FP8 of ``x * quant_scale_kv`` into ``paged_kv_cache = (k_cache,
+    v_cache)``, ``[max_pages, page_size, num_kv_heads, rope_dim]`` (``kv_layout="NHD"``) or
+    ``[max_pages, num_kv_heads, page_size, rope_dim]`` (``"HND"``) of the FP8 type. Token ``t`` of
+    request ``b = batch_indices[t]`` at ``positions[t]`` goes to entry ``positions[t] %
+    page_size`` of page ``kv_indices[kv_indptr[b] + positions[t] // page_size]``; a negative
+    ``b`` (padding) writes nothing, and so does an entry outside the request's pages or the
+    arrays (device metadata is checked before it addresses anything; FlashInfer does not check
+    it). Returns ``(q_rope_out, q_nope_out)``. MLA's form (2-D ``k_rope``) and non-rotary
+    features are not supported yet. Under ``torch.compile`` it is
+    ``torch.ops.rope_rs.rope_quantize_fp8_append_paged_kv_cache_``.
+    """
+    torch = _torch_tensors(q_rope, "rope_quantize_fp8_append_paged_kv_cache")
+    if k_rope.dim() == 2:
+        raise ValueError("k_rope: MLA's paged cache (2-D k_rope, ckv and kpe caches) is not supported yet")
+    if v is None:
+        raise ValueError("v: GQA/MHA expects a V tensor")
+    if len(paged_kv_cache) != 2:
+        raise ValueError("paged_kv_cache must be a tuple of 2 tensors")
+    k_cache, v_cache = paged_kv_cache
+    _no_nope(q_nope, "q_nope")
+    _no_nope(k_nope, "k_nope")
+    dtype = _quantize_dtype(torch, quantize_dtype, (q_rope_out, q_nope_out))
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise ValueError(f"paged_kv_cache: expected {dtype}, got k={k_cache.dtype}, v={v_cache.dtype}")
+    if q_rope_out is None:
+        q_rope_out = torch.empty_like(q_rope, dtype=dtype)
+    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype)
+    # FlashInfer's own conversions (no copy for int32 tensors).
+    kv_indices, kv_indptr, batch_indices, positions = [
+        t if t.dtype == torch.int32 else t.int() for t in (kv_indices, kv_indptr, batch_indices, positions)
+    ]
+    name = "float8_e5m2" if dtype == torch.float8_e5m2 else "float8_e4m3fn"
+    launch = _eager_stream(q_rope, stream)
+    if launch is None:
+        import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
+
+        ops.rope_quantize_fp8_append_paged_kv_cache_op(
+            q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
+            positions, is_neox, name, float(quant_scale_q), float(quant_scale_kv), page_size, kv_layout, q_rope_out,
+            enable_pdl,
+        )
+    else:
+        stream, sync = launch
+        _native.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
+            positions, is_neox, q_rope.shape[-1], name, quant_scale_q, quant_scale_kv, page_size, kv_layout,
+            q_rope_out, stream, sync, enable_pdl,
+        )
+    return q_rope_out, q_nope_out
 
 
 def apply_rotary_pos_emb(

@@ -59,7 +59,7 @@ def rotary_embedding(
     key_cache: Optional[Any] = None,
     value_cache: Optional[Any] = None,
     slot_mapping: Optional[Any] = None,
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto",
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto",
     k_scale: Optional[Any] = None,
     v_scale: Optional[Any] = None,
     stream: int = 0,
@@ -102,7 +102,7 @@ def fused_qk_norm_rope(
     key_cache: Optional[Any] = None,
     value_cache: Optional[Any] = None,
     slot_mapping: Optional[Any] = None,
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto",
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto",
     k_scale: Optional[Any] = None,
     v_scale: Optional[Any] = None,
     stream: int = 0,
@@ -111,6 +111,52 @@ def fused_qk_norm_rope(
 ) -> None:
     """vLLM's ``fused_qk_norm_rope``: RMS-normalises and rotates the q and k heads of the packed
     ``qkv`` in place; with a cache, also writes k and v into it."""
+
+def rope_quantize_fp8(
+    q_rope: Any,
+    k_rope: Any,
+    cos_sin_cache: Any,
+    pos_ids: Any,
+    is_neox: bool,
+    rope_dim: int,
+    quantize_dtype: Literal["float8_e4m3fn", "float8_e5m2"],
+    quant_scale_q: float,
+    quant_scale_kv: float,
+    q_rope_out: Any,
+    k_rope_out: Any,
+    stream: int = 0,
+    producer_sync: bool = True,
+    pdl: bool = False,
+) -> None:
+    """FlashInfer's ``rope_quantize_fp8`` for the rotated parts: rotates q_rope and k_rope
+    into FP8 ``q_rope_out`` and ``k_rope_out`` of ``x * quant_scale``."""
+
+def rope_quantize_fp8_append_paged_kv_cache(
+    q_rope: Any,
+    k_rope: Any,
+    v: Any,
+    cos_sin_cache: Any,
+    pos_ids: Any,
+    k_cache: Any,
+    v_cache: Any,
+    kv_indices: Any,
+    kv_indptr: Any,
+    batch_indices: Any,
+    positions: Any,
+    is_neox: bool,
+    rope_dim: int,
+    quantize_dtype: Literal["float8_e4m3fn", "float8_e5m2"],
+    quant_scale_q: float,
+    quant_scale_kv: float,
+    page_size: int,
+    kv_layout: Literal["NHD", "HND"],
+    q_rope_out: Any,
+    stream: int = 0,
+    producer_sync: bool = True,
+    pdl: bool = False,
+) -> None:
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (GQA/MHA, rotated parts): q
+    into FP8 ``q_rope_out``, the rotated k and v into FP8 paged caches by the page table."""
 
 def frequencies(
     head_dim: int,

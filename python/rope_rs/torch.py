@@ -14,7 +14,8 @@ What it adds to the native call for ``torch.Tensor`` arguments:
 - the in-place operators ``torch.ops.rope_rs.rotary_embedding_`` and ``fused_qk_norm_rope_``,
   which ``rope_rs.rotary_embedding``, ``apply_rope_with_cos_sin_cache_inplace`` and
   ``fused_qk_norm_rope`` (the serving drop-ins, with their KV-cache writes) become under
-  ``torch.compile``; each marks every tensor it writes (rotated tensors and caches) mutated.
+  ``torch.compile``, and ``rope_quantize_fp8_`` and ``rope_quantize_fp8_append_paged_kv_cache_``
+  (FlashInfer's drop-ins); each marks every tensor it writes (outputs and caches) mutated.
 
 Importing this module registers the custom operators, which imports ``torch.compile``'s
 machinery (seconds in a fresh process). ``rope_rs.apply_rope`` does not import it for eager
@@ -218,6 +219,65 @@ fused_qk_norm_rope_op = torch.library.custom_op(
         f"{_CACHE_SCHEMA}) -> ()"
     ),
 )
+
+
+# FlashInfer's rope_quantize_fp8 and rope_quantize_fp8_append_paged_kv_cache under
+# torch.compile: the FP8 outputs (allocated by the caller) and the caches are marked mutated.
+def _rope_quantize_fp8_impl(
+    q_rope: Tensor, k_rope: Tensor, cos_sin_cache: Tensor, pos_ids: Tensor, is_neox: bool, quantize_dtype: str,
+    quant_scale_q: float, quant_scale_kv: float, q_rope_out: Tensor, k_rope_out: Tensor, pdl: bool,
+) -> None:
+    with torch.cuda.device(q_rope.device):
+        _native.rope_quantize_fp8(
+            q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, q_rope.shape[-1], quantize_dtype, quant_scale_q,
+            quant_scale_kv, q_rope_out, k_rope_out, _stream(q_rope), False, pdl,
+        )
+
+
+def _rope_quantize_fp8_append_impl(
+    q_rope: Tensor, k_rope: Tensor, v: Tensor, cos_sin_cache: Tensor, pos_ids: Tensor, k_cache: Tensor,
+    v_cache: Tensor, kv_indices: Tensor, kv_indptr: Tensor, batch_indices: Tensor, positions: Tensor, is_neox: bool,
+    quantize_dtype: str, quant_scale_q: float, quant_scale_kv: float, page_size: int, kv_layout: str,
+    q_rope_out: Tensor, pdl: bool,
+) -> None:
+    with torch.cuda.device(q_rope.device):
+        _native.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
+            positions, is_neox, q_rope.shape[-1], quantize_dtype, quant_scale_q, quant_scale_kv, page_size,
+            kv_layout, q_rope_out, _stream(q_rope), False, pdl,
+        )
+
+
+rope_quantize_fp8_op = torch.library.custom_op(
+    "rope_rs::rope_quantize_fp8_",
+    _rope_quantize_fp8_impl,
+    mutates_args=("q_rope_out", "k_rope_out"),
+    schema=(
+        "(Tensor q_rope, Tensor k_rope, Tensor cos_sin_cache, Tensor pos_ids, bool is_neox, str quantize_dtype, "
+        "float quant_scale_q, float quant_scale_kv, Tensor(a!) q_rope_out, Tensor(b!) k_rope_out, bool pdl) -> ()"
+    ),
+)
+rope_quantize_fp8_append_paged_kv_cache_op = torch.library.custom_op(
+    "rope_rs::rope_quantize_fp8_append_paged_kv_cache_",
+    _rope_quantize_fp8_append_impl,
+    mutates_args=("k_cache", "v_cache", "q_rope_out"),
+    schema=(
+        "(Tensor q_rope, Tensor k_rope, Tensor v, Tensor cos_sin_cache, Tensor pos_ids, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor kv_indices, Tensor kv_indptr, Tensor batch_indices, Tensor positions, "
+        "bool is_neox, str quantize_dtype, float quant_scale_q, float quant_scale_kv, int page_size, str kv_layout, "
+        "Tensor(c!) q_rope_out, bool pdl) -> ()"
+    ),
+)
+
+
+@rope_quantize_fp8_op.register_fake
+def _(*args: Any) -> None:
+    return None
+
+
+@rope_quantize_fp8_append_paged_kv_cache_op.register_fake
+def _(*args: Any) -> None:
+    return None
 
 
 @rotary_embedding_op.register_fake

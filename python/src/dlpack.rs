@@ -4,7 +4,9 @@
 
 use std::ffi::c_void;
 
-use rope_host::{CacheLayout, DType, Layout, RawBuf, RawFp8Scale, RawInts, RawTensor, TableShape};
+use rope_host::{
+    CacheLayout, DType, Fp8Format, Layout, RawBuf, RawFp8Scale, RawInts, RawTensor, TableShape,
+};
 
 /// `kDLCUDA`: memory of a CUDA device.
 pub const DL_CUDA: i32 = 2;
@@ -93,6 +95,8 @@ pub enum Elem {
     U8,
     /// `float8_e4m3fn` (FP8 E4M3 caches and outputs).
     E4m3,
+    /// `float8_e5m2` (FP8 E5M2 caches and outputs).
+    E5m2,
 }
 
 impl Elem {
@@ -106,6 +110,7 @@ impl Elem {
             (0, 64, 1) => Some(Self::I64),
             (1, 8, 1) => Some(Self::U8),
             (10, 8, 1) => Some(Self::E4m3),
+            (12, 8, 1) => Some(Self::E5m2),
             _ => None,
         }
     }
@@ -121,6 +126,7 @@ impl Elem {
             Self::I64 => "int64",
             Self::U8 => "uint8",
             Self::E4m3 => "float8_e4m3fn",
+            Self::E5m2 => "float8_e5m2",
         }
     }
 
@@ -130,13 +136,16 @@ impl Elem {
             Self::F32 => Some(DType::F32),
             Self::F16 => Some(DType::F16),
             Self::BF16 => Some(DType::BF16),
-            Self::F64 | Self::I32 | Self::I64 | Self::U8 | Self::E4m3 => None,
+            Self::F64 | Self::I32 | Self::I64 | Self::U8 | Self::E4m3 | Self::E5m2 => None,
         }
     }
 
-    /// Whether FP8 E4M3 bytes are stored in it (`uint8` or `float8_e4m3fn`).
-    pub fn fp8_bytes(self) -> bool {
-        matches!(self, Self::U8 | Self::E4m3)
+    /// Whether FP8 bytes of `format` are stored in it (`uint8`, or the format's own type).
+    pub fn holds(self, format: Fp8Format) -> bool {
+        match format {
+            Fp8Format::E4m3 => matches!(self, Self::U8 | Self::E4m3),
+            Fp8Format::E5m2 => matches!(self, Self::U8 | Self::E5m2),
+        }
     }
 }
 
@@ -492,6 +501,21 @@ pub fn ints_1d(d: &Dense, arg: &str, what: &str) -> Result<RawInts, ArgError> {
         )));
     }
     ints(d, arg)
+}
+
+/// A one-dimensional `int32` array of `what` (FlashInfer's page-table arrays).
+///
+/// # Errors
+/// [`ArgError::Value`] naming `arg` for another rank or type, as [`ints_1d`].
+pub fn i32_1d(d: &Dense, arg: &str, what: &str) -> Result<RawBuf, ArgError> {
+    let ints = ints_1d(d, arg, what)?;
+    if ints.ty != rope_host::IntType::I32 {
+        return Err(ArgError::Value(format!(
+            "{arg} must be int32, got {}",
+            d.elem.name()
+        )));
+    }
+    Ok(ints.buf)
 }
 
 /// The element type of a tensor of floats: float32, float16 or bfloat16.
@@ -1057,7 +1081,15 @@ mod tests {
                 lanes: 1,
             };
             let d = read_fake(&mut fake(&[4], None, e4m3), "key_cache").expect("valid");
-            assert!(d.elem.fp8_bytes() && d.elem.float().is_none());
+            assert!(d.elem.holds(Fp8Format::E4m3) && d.elem.float().is_none());
+            let e5m2 = DLDataType {
+                code: 12,
+                bits: 8,
+                lanes: 1,
+            };
+            let d = read_fake(&mut fake(&[4], None, e5m2), "key_cache").expect("valid");
+            assert!(d.elem.holds(Fp8Format::E5m2) && !d.elem.holds(Fp8Format::E4m3));
+            assert_eq!(d.elem.name(), "float8_e5m2");
         }
 
         #[test]

@@ -1,17 +1,18 @@
 //! The fused serving epilogue from Python objects: q/k RMS normalisation (optional), the
-//! rotation, and k and v written into a KV cache (optional; in the tensors' type or FP8 E4M3),
+//! rotation, and k and v written into a KV cache (optional; in the tensors' type or FP8),
 //! one launch of [`Rope::run_fused_raw`] on the caller's stream. The tensors come as vLLM's
-//! packed QKV (`fused_qk_norm_rope`) or as separate query, key and value (vLLM's and SGLang's
-//! rotations with a cache write); `native.rs` reads the Python arguments into a
-//! [`FusedLaunch`].
+//! packed QKV (`fused_qk_norm_rope`), as separate query, key and value (vLLM's and SGLang's
+//! rotations with a cache write), or as FlashInfer's rotated parts with FP8 outputs
+//! (`rope_quantize_fp8*`, its cache addressed by a page table); `native.rs` reads the Python
+//! arguments into a [`FusedLaunch`].
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
-    CacheLayout, DType, Layout, NormWeight, RawBuf, RawCacheData, RawFusedIo, RawFusedOp, RawIo,
-    RawKOut, RawKvCache, RawOp, RawQOut, RawQkNorm, RawTensor, RopeConfig, RopeStyle,
-    StreamOverlap,
+    CacheLayout, DType, Fp8Format, Layout, NormWeight, RawBuf, RawCacheAddress, RawCacheData,
+    RawFp8Scale, RawFusedIo, RawFusedOp, RawIo, RawKOut, RawKvCache, RawOp, RawPageTable, RawQOut,
+    RawQkNorm, RawTensor, RopeConfig, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{self, Elem};
@@ -20,13 +21,13 @@ use crate::launch::{
     raw_positions, raw_sincos, rope_for,
 };
 
-/// The element type of a KV cache (vLLM's `kv_cache_dtype`).
+/// The element type of a KV cache (vLLM's `kv_cache_dtype`; FlashInfer's cache tensors').
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum CacheType {
     /// The tensors' own type (`"auto"`).
     Auto,
-    /// FP8 E4M3 bytes, `e4m3(x / scale)` (`"fp8"`, `"fp8_e4m3"`).
-    Fp8E4m3,
+    /// FP8 bytes (`"fp8"`, `"fp8_e4m3"`: E4M3; `"fp8_e5m2"`: E5M2).
+    Fp8(Fp8Format),
 }
 
 impl CacheType {
@@ -34,11 +35,21 @@ impl CacheType {
     pub(crate) fn parse(name: &str) -> PyResult<Self> {
         match name {
             "auto" => Ok(Self::Auto),
-            "fp8" | "fp8_e4m3" => Ok(Self::Fp8E4m3),
+            "fp8" | "fp8_e4m3" => Ok(Self::Fp8(Fp8Format::E4m3)),
+            "fp8_e5m2" => Ok(Self::Fp8(Fp8Format::E5m2)),
             other => Err(PyValueError::new_err(format!(
-                "kv_cache_dtype must be \"auto\", \"fp8\" or \"fp8_e4m3\", got {other:?}"
+                "kv_cache_dtype must be \"auto\", \"fp8\", \"fp8_e4m3\" or \"fp8_e5m2\", got \
+                 {other:?}"
             ))),
         }
+    }
+}
+
+/// The PyTorch type names of FP8 bytes of `format`, for messages.
+fn fp8_names(format: Fp8Format) -> &'static str {
+    match format {
+        Fp8Format::E4m3 => "uint8 or float8_e4m3fn",
+        Fp8Format::E5m2 => "uint8 or float8_e5m2",
     }
 }
 
@@ -62,6 +73,41 @@ pub(crate) enum FusedTensors<'a, 'py> {
         /// Copied into the cache.
         value: Option<&'a Bound<'py, PyAny>>,
     },
+    /// FlashInfer's rotated parts, read only, rotated into FP8 outputs of `x * multiplier`:
+    /// q to `q_out`, k to `k_out` (or only to the cache, without one).
+    Quantized {
+        /// q's rotated features.
+        q: &'a Bound<'py, PyAny>,
+        /// k's.
+        k: &'a Bound<'py, PyAny>,
+        /// Copied into the cache.
+        value: Option<&'a Bound<'py, PyAny>>,
+        /// q's FP8 output.
+        q_out: &'a Bound<'py, PyAny>,
+        /// k's FP8 output, when there is no cache.
+        k_out: Option<&'a Bound<'py, PyAny>>,
+        /// The outputs' format.
+        format: Fp8Format,
+        /// q's and k's multipliers (FlashInfer's `quant_scale_q`, `quant_scale_kv`).
+        multipliers: (f32, f32),
+    },
+}
+
+/// Which cache slot each token writes, still to borrow.
+pub(crate) enum AddressArg<'a, 'py> {
+    /// vLLM's `slot_mapping` (SGLang's `cache_loc`): int32/int64, one per token.
+    Slots(&'a Bound<'py, PyAny>),
+    /// FlashInfer's page table, all int32: `batch_indices`, `positions` (one per token),
+    /// `kv_indptr`, `kv_indices`.
+    PageTable([&'a Bound<'py, PyAny>; 4]),
+}
+
+/// An FP8 cache's scales, still to borrow.
+pub(crate) enum ScalesArg<'a, 'py> {
+    /// float32 tensors for k and v, one element or one per kv head: `fp8(x / scale)`.
+    Tensors(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>),
+    /// One multiplier for both (FlashInfer's `quant_scale_kv`): `fp8(x * multiplier)`.
+    Multiplier(f32),
 }
 
 /// The KV-cache write of a fused launch, still to borrow.
@@ -71,12 +117,18 @@ pub(crate) struct CacheArg<'a, 'py> {
     pub key_cache: &'a Bound<'py, PyAny>,
     /// v's cache, of key_cache's shape and strides.
     pub value_cache: &'a Bound<'py, PyAny>,
-    /// One slot per token, int32 or int64; negative: nothing written.
-    pub slot_mapping: &'a Bound<'py, PyAny>,
+    /// Each token's slot; a negative slot (or padding request) writes nothing.
+    pub address: AddressArg<'a, 'py>,
     /// The caches' element type.
     pub dtype: CacheType,
-    /// FP8 scales (float32, one or one per kv head), required with FP8.
-    pub scales: Option<(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>)>,
+    /// FP8 scales, required with FP8.
+    pub scales: Option<ScalesArg<'a, 'py>>,
+    /// The 4-D caches are FlashInfer's HND `[pages, kv_heads, page_size, head_size]` (else
+    /// `[num_blocks, block_size, kv_heads, head_size]`, vLLM's and FlashInfer's NHD).
+    pub heads_first: bool,
+    /// The page size the caller states (FlashInfer's `page_size=`), checked against the
+    /// cache's.
+    pub page_size: Option<usize>,
 }
 
 /// One fused launch as the Python functions describe it.
@@ -147,12 +199,12 @@ fn raw_cache<'py>(
         let d = held.borrow(obj, name(arg))?;
         let want_ok = match c.dtype {
             CacheType::Auto => d.elem == elem,
-            CacheType::Fp8E4m3 => d.elem.fp8_bytes(),
+            CacheType::Fp8(format) => d.elem.holds(format),
         };
         if !want_ok {
             let want = match c.dtype {
                 CacheType::Auto => format!("{} (kv_cache_dtype=\"auto\")", elem.name()),
-                CacheType::Fp8E4m3 => "uint8 or float8_e4m3fn (an FP8 kv_cache_dtype)".into(),
+                CacheType::Fp8(format) => format!("{} (the FP8 format asked)", fp8_names(format)),
             };
             return Err(PyValueError::new_err(format!(
                 "{} must be {want}, got {}",
@@ -160,7 +212,15 @@ fn raw_cache<'py>(
                 d.elem.name()
             )));
         }
-        dlpack::cache(d, head_size, name(arg)).map_err(arg_error)
+        let four_d = d.shape.len() == 4;
+        let (buf, mut layout) = dlpack::cache(d, head_size, name(arg)).map_err(arg_error)?;
+        if c.heads_first && four_d {
+            // [pages, kv_heads, page_size, head_size]: dlpack::cache read the second and third
+            // dimensions as rows and heads.
+            (layout.block_size, layout.kv_heads) = (layout.kv_heads, layout.block_size);
+            layout.strides.swap(1, 2);
+        }
+        Ok((buf, layout))
     };
     let (k, layout) = cache(held, c.key_cache, "cache.k")?;
     let (v, v_layout) = cache(held, c.value_cache, "cache.v")?;
@@ -171,10 +231,44 @@ fn raw_cache<'py>(
             name("cache.k")
         )));
     }
-    let slots = held.borrow(c.slot_mapping, name("cache.slot_mapping"))?;
-    let slot_mapping =
-        dlpack::ints_1d(slots, name("cache.slot_mapping"), "num_tokens").map_err(arg_error)?;
-    let data = match (c.dtype, c.scales) {
+    if let Some(page_size) = c.page_size
+        && page_size != layout.block_size
+    {
+        return Err(PyValueError::new_err(format!(
+            "page_size: {page_size}, the caches hold pages of {}",
+            layout.block_size
+        )));
+    }
+    let address = match c.address {
+        AddressArg::Slots(obj) => {
+            let slots = held.borrow(obj, name("cache.slot_mapping"))?;
+            RawCacheAddress::Slots(
+                dlpack::ints_1d(slots, name("cache.slot_mapping"), "num_tokens")
+                    .map_err(arg_error)?,
+            )
+        }
+        AddressArg::PageTable(objs) => {
+            const ARGS: [(&str, &str); 4] = [
+                ("cache.batch_indices", "num_tokens"),
+                ("cache.positions", "num_tokens"),
+                ("cache.kv_indptr", "batch_size + 1"),
+                ("cache.kv_indices", "total_pages"),
+            ];
+            let mut bufs = [RawBuf { ptr: 0, len: 0 }; 4];
+            for ((buf, obj), (arg, what)) in bufs.iter_mut().zip(objs).zip(ARGS) {
+                let d = held.borrow(obj, name(arg))?;
+                *buf = dlpack::i32_1d(d, name(arg), what).map_err(arg_error)?;
+            }
+            let [batch_indices, positions, kv_indptr, kv_indices] = bufs;
+            RawCacheAddress::PageTable(RawPageTable {
+                batch_indices,
+                positions,
+                kv_indptr,
+                kv_indices,
+            })
+        }
+    };
+    let data = match (c.dtype, &c.scales) {
         (CacheType::Auto, None) => RawCacheData::Elem { k, v },
         (CacheType::Auto, Some(_)) => {
             return Err(PyValueError::new_err(format!(
@@ -182,13 +276,13 @@ fn raw_cache<'py>(
                 name("cache.k_scale")
             )));
         }
-        (CacheType::Fp8E4m3, None) => {
+        (CacheType::Fp8(_), None) => {
             return Err(PyValueError::new_err(format!(
                 "{}: an FP8 cache needs k_scale and v_scale (float32 tensors)",
                 name("cache.k_scale")
             )));
         }
-        (CacheType::Fp8E4m3, Some((ks, vs))) => {
+        (CacheType::Fp8(format), Some(ScalesArg::Tensors(ks, vs))) => {
             let scale = |held: &mut Held<'py>, obj, arg| {
                 let d = held.borrow(obj, name(arg))?;
                 dlpack::fp8_scale(d, name(arg)).map_err(arg_error)
@@ -198,11 +292,19 @@ fn raw_cache<'py>(
                 v,
                 k_scale: scale(held, ks, "cache.k_scale")?,
                 v_scale: scale(held, vs, "cache.v_scale")?,
+                format,
             }
         }
+        (CacheType::Fp8(format), Some(ScalesArg::Multiplier(m))) => RawCacheData::Fp8 {
+            k,
+            v,
+            k_scale: RawFp8Scale::Multiplier(*m),
+            v_scale: RawFp8Scale::Multiplier(*m),
+            format,
+        },
     };
     Ok(RawKvCache {
-        slot_mapping,
+        address,
         layout,
         data,
     })
@@ -258,6 +360,50 @@ fn raw_io<'py>(
             };
             Ok((io, elem, dtype))
         }
+        FusedTensors::Quantized {
+            k,
+            value,
+            q_out,
+            k_out,
+            format,
+            multipliers: (mq, mk),
+            ..
+        } => {
+            let q = first;
+            let spec = (elem, arg, view);
+            let k_in = held
+                .tensor(Some(k), names.python_name("k"), spec)?
+                .expect("given");
+            let v = held.tensor(value, names.python_name("v"), spec)?;
+            let mut fp8_out = |obj, arg| -> PyResult<RawTensor> {
+                let name = names.python_name(arg);
+                let d = held.borrow(obj, name)?;
+                if !d.elem.holds(format) {
+                    return Err(PyValueError::new_err(format!(
+                        "{name} must be {}, got {}",
+                        fp8_names(format),
+                        d.elem.name()
+                    )));
+                }
+                dlpack::heads_tensor(d, head_size, name).map_err(arg_error)
+            };
+            let q = RawQOut::Fp8 {
+                input: q,
+                output: fp8_out(q_out, "q.output")?,
+                scale: RawFp8Scale::Multiplier(mq),
+                format,
+            };
+            let k = match k_out {
+                Some(obj) => RawKOut::Fp8 {
+                    input: k_in,
+                    output: fp8_out(obj, "k.output")?,
+                    scale: RawFp8Scale::Multiplier(mk),
+                    format,
+                },
+                None => RawKOut::CacheOnly(k_in),
+            };
+            Ok((RawFusedIo::Separate { q, k, v }, elem, dtype))
+        }
     }
 }
 
@@ -268,6 +414,7 @@ pub(crate) fn launch(l: FusedLaunch<'_, '_>) -> PyResult<()> {
     let first = match &l.tensors {
         FusedTensors::Packed { qkv, .. } => *qkv,
         FusedTensors::Separate { query, .. } => *query,
+        FusedTensors::Quantized { q, .. } => *q,
     };
     let dlpack_stream = dlpack_stream(l.stream, l.producer_sync);
     let mut held = Held::first(first, names.python_name("q"), dlpack_stream)?;

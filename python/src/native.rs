@@ -12,13 +12,13 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use rope_host::{
-    AngleMode, ConfigBase, ConfigValue, ContextParallel, DEFAULT_THETA, Direction, FrequencySpec,
-    ROPE_SCALING_KEYS, RopeStyle, StreamOverlap,
+    AngleMode, ConfigBase, ConfigValue, ContextParallel, DEFAULT_THETA, Direction, Fp8Format,
+    FrequencySpec, ROPE_SCALING_KEYS, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::exchange;
-use crate::fused::{self, CacheArg, CacheType, FusedLaunch, FusedTensors};
+use crate::fused::{self, AddressArg, CacheArg, CacheType, FusedLaunch, FusedTensors, ScalesArg};
 use crate::launch::{
     self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
@@ -416,9 +416,11 @@ fn cache_arg<'a, 'py>(
         (Some(key_cache), Some(value_cache), Some(slot_mapping)) => Ok(Some(CacheArg {
             key_cache,
             value_cache,
-            slot_mapping,
+            address: AddressArg::Slots(slot_mapping),
             dtype,
-            scales,
+            scales: scales.map(|(k, v)| ScalesArg::Tensors(k, v)),
+            heads_first: false,
+            page_size: None,
         })),
         (None, None, None) if scales.is_none() && dtype == CacheType::Auto => Ok(None),
         (None, None, None) => Err(PyValueError::new_err(
@@ -487,8 +489,9 @@ const VLLM_CACHE_NAMES: [(&str, &str); 6] = [
 /// `slot_mapping[t] // block_size` (`slot_mapping` int32/int64 `[num_tokens]`; a negative slot
 /// writes nothing). `kv_cache_dtype` "auto" stores query's dtype; "fp8" (or "fp8_e4m3") stores
 /// FP8 E4M3 of `x / k_scale` and `x / v_scale` (float32 tensors of one element or one per kv
-/// head) into uint8 or float8_e4m3fn caches, rounded to nearest even and saturated at ±448.
-/// The cache write rotates the whole head (rotary_dim = head_size).
+/// head) into uint8 or float8_e4m3fn caches, rounded to nearest even and saturated at ±448;
+/// "fp8_e5m2" stores E5M2 (uint8 or float8_e5m2 caches, saturated at ±57344). The cache write
+/// rotates the whole head (rotary_dim = head_size).
 ///
 /// Launched asynchronously on `stream` (a `CUstream` handle as an int; 0, the default, is the
 /// legacy default stream), with the caller's guarantees of `apply_rope` (`producer_sync` and
@@ -686,9 +689,11 @@ fn apply_rope_with_cos_sin_cache_inplace(
         cache: Some(CacheArg {
             key_cache: &k_buffer,
             value_cache: &v_buffer,
-            slot_mapping: &cache_loc,
+            address: AddressArg::Slots(&cache_loc),
             dtype: CacheType::Auto,
             scales: None,
+            heads_first: false,
+            page_size: None,
         }),
         names: Names {
             other: &OTHER,
@@ -791,6 +796,195 @@ fn fused_qk_norm_rope(
     })
 }
 
+/// FlashInfer's `quantize_dtype` by PyTorch's name.
+fn quantize_format(name: &str) -> PyResult<Fp8Format> {
+    match name {
+        "float8_e4m3fn" => Ok(Fp8Format::E4m3),
+        "float8_e5m2" => Ok(Fp8Format::E5m2),
+        other => Err(PyValueError::new_err(format!(
+            "quantize_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {other}"
+        ))),
+    }
+}
+
+/// A quantisation multiplier (`quant_scale_*`) as the kernels take it: finite in `f32`.
+fn multiplier(value: f64, arg: &str) -> PyResult<f32> {
+    let m = value as f32;
+    if m.is_finite() {
+        Ok(m)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "{arg} must be finite in float32, got {value}"
+        )))
+    }
+}
+
+/// rope-host's names of FlashInfer's `rope_quantize_fp8*` arguments.
+const FLASHINFER_NAMES: Names = Names {
+    q: "q_rope",
+    k: "k_rope",
+    out: "q_rope_out",
+    k_out: "k_rope_out",
+    positions: "pos_ids",
+    sincos: "cos_sin_cache",
+    other: &[
+        ("v", "v"),
+        ("config", "cos_sin_cache"),
+        ("q.scale", "quant_scale_q"),
+        ("k.scale", "quant_scale_kv"),
+        ("cache", "paged_kv_cache"),
+        ("cache.k", "paged_kv_cache[0]"),
+        ("cache.v", "paged_kv_cache[1]"),
+        ("cache.layout", "paged_kv_cache"),
+        ("cache.k_scale", "quant_scale_kv"),
+        ("cache.v_scale", "quant_scale_kv"),
+        ("cache.batch_indices", "batch_indices"),
+        ("cache.positions", "positions"),
+        ("cache.kv_indptr", "kv_indptr"),
+        ("cache.kv_indices", "kv_indices"),
+    ],
+};
+
+/// FlashInfer's `rope_quantize_fp8` (and `mla_rope_quantize_fp8`) for the rotated parts: rotates
+/// `q_rope` `[nnz, num_qo_heads, rope_dim]` and `k_rope` `[nnz, num_kv_heads, rope_dim]` (or
+/// `[nnz, rope_dim]`, MLA's one head) at `pos_ids` with `cos_sin_cache` `[max_seq_len,
+/// rope_dim]` (cosines, then sines) and stores FP8 (`quantize_dtype`, "float8_e4m3fn" or
+/// "float8_e5m2") of `x * quant_scale_q` into `q_rope_out` and of `x * quant_scale_kv` into
+/// `k_rope_out` (tensors of q_rope's and k_rope's shapes, of that FP8 type or uint8), rounded
+/// to nearest even and saturated at the format's largest finite value. q_rope and k_rope are
+/// only read.
+///
+/// Launched asynchronously on `stream` with the caller's guarantees of `apply_rope`
+/// (`producer_sync` and `pdl` as there).
+#[pyfunction]
+#[pyo3(signature = (
+    q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, rope_dim, quantize_dtype, quant_scale_q,
+    quant_scale_kv, q_rope_out, k_rope_out, stream=0, producer_sync=true, pdl=false
+))]
+#[allow(clippy::too_many_arguments)]
+fn rope_quantize_fp8(
+    q_rope: &Bound<'_, PyAny>,
+    k_rope: &Bound<'_, PyAny>,
+    cos_sin_cache: &Bound<'_, PyAny>,
+    pos_ids: &Bound<'_, PyAny>,
+    is_neox: bool,
+    rope_dim: usize,
+    quantize_dtype: &str,
+    quant_scale_q: f64,
+    quant_scale_kv: f64,
+    q_rope_out: &Bound<'_, PyAny>,
+    k_rope_out: &Bound<'_, PyAny>,
+    stream: u64,
+    producer_sync: bool,
+    pdl: bool,
+) -> PyResult<()> {
+    fused::launch(FusedLaunch {
+        tensors: FusedTensors::Quantized {
+            q: q_rope,
+            k: k_rope,
+            value: None,
+            q_out: q_rope_out,
+            k_out: Some(k_rope_out),
+            format: quantize_format(quantize_dtype)?,
+            multipliers: (
+                multiplier(quant_scale_q, "quant_scale_q")?,
+                multiplier(quant_scale_kv, "quant_scale_kv")?,
+            ),
+        },
+        head_size: rope_dim,
+        norm: None,
+        positions: pos_ids,
+        cos_sin_cache,
+        style: pairing(is_neox),
+        cache: None,
+        names: FLASHINFER_NAMES,
+        stream,
+        producer_sync,
+        overlap: overlap(pdl),
+    })
+}
+
+/// FlashInfer's `rope_quantize_fp8_append_paged_kv_cache` for GQA/MHA without non-rotary
+/// features: as [`rope_quantize_fp8`] for q (into `q_rope_out`), and the rotated k and `v`
+/// (`[nnz, num_kv_heads, rope_dim]`) as FP8 of `x * quant_scale_kv` into the paged caches
+/// `k_cache` and `v_cache` (`[max_pages, page_size, num_kv_heads, rope_dim]` for
+/// `kv_layout` "NHD", `[max_pages, num_kv_heads, page_size, rope_dim]` for "HND"), token `t` at
+/// entry `positions[t] % page_size` of page `kv_indices[kv_indptr[b] + positions[t] //
+/// page_size]`, `b = batch_indices[t]` (all int32; a negative `b` is padding and writes
+/// nothing, as does an entry outside the request's pages or the arrays).
+#[pyfunction]
+#[pyo3(signature = (
+    q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr,
+    batch_indices, positions, is_neox, rope_dim, quantize_dtype, quant_scale_q, quant_scale_kv,
+    page_size, kv_layout, q_rope_out, stream=0, producer_sync=true, pdl=false
+))]
+#[allow(clippy::too_many_arguments)]
+fn rope_quantize_fp8_append_paged_kv_cache(
+    q_rope: &Bound<'_, PyAny>,
+    k_rope: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    cos_sin_cache: &Bound<'_, PyAny>,
+    pos_ids: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    kv_indices: &Bound<'_, PyAny>,
+    kv_indptr: &Bound<'_, PyAny>,
+    batch_indices: &Bound<'_, PyAny>,
+    positions: &Bound<'_, PyAny>,
+    is_neox: bool,
+    rope_dim: usize,
+    quantize_dtype: &str,
+    quant_scale_q: f64,
+    quant_scale_kv: f64,
+    page_size: usize,
+    kv_layout: &str,
+    q_rope_out: &Bound<'_, PyAny>,
+    stream: u64,
+    producer_sync: bool,
+    pdl: bool,
+) -> PyResult<()> {
+    let format = quantize_format(quantize_dtype)?;
+    let heads_first = match kv_layout {
+        "NHD" => false,
+        "HND" => true,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "kv_layout must be \"NHD\" or \"HND\", got {other:?}"
+            )));
+        }
+    };
+    let kv = multiplier(quant_scale_kv, "quant_scale_kv")?;
+    fused::launch(FusedLaunch {
+        tensors: FusedTensors::Quantized {
+            q: q_rope,
+            k: k_rope,
+            value: Some(v),
+            q_out: q_rope_out,
+            k_out: None,
+            format,
+            multipliers: (multiplier(quant_scale_q, "quant_scale_q")?, kv),
+        },
+        head_size: rope_dim,
+        norm: None,
+        positions: pos_ids,
+        cos_sin_cache,
+        style: pairing(is_neox),
+        cache: Some(CacheArg {
+            key_cache: k_cache,
+            value_cache: v_cache,
+            address: AddressArg::PageTable([batch_indices, positions, kv_indptr, kv_indices]),
+            dtype: CacheType::Fp8(format),
+            scales: Some(ScalesArg::Multiplier(kv)),
+            heads_first,
+            page_size: Some(page_size),
+        }),
+        names: FLASHINFER_NAMES,
+        stream,
+        producer_sync,
+        overlap: overlap(pdl),
+    })
+}
+
 /// The frequencies `apply_rope` computes sin/cos from for `theta=`, `scaling=`,
 /// `rotary_dim=` and `angle=` on heads of `head_dim` elements: `(inv_freq, attention_factor)`,
 /// `rotary_dim / 2` floats computed on the host in float64 by rope-host (nothing touches the
@@ -886,6 +1080,11 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(apply_rope_with_cos_sin_cache_inplace, m)?)?;
     m.add_function(wrap_pyfunction!(fused_qk_norm_rope, m)?)?;
+    m.add_function(wrap_pyfunction!(rope_quantize_fp8, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        rope_quantize_fp8_append_paged_kv_cache,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
     m.add_function(wrap_pyfunction!(_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_exchange_api_used, m)?)?;

@@ -198,7 +198,7 @@ class TestServingArguments:
         with pytest.raises(ValueError, match="key_cache, value_cache and slot_mapping go together"):
             s.fused(key_cache=k, value_cache=v)
         with pytest.raises(ValueError, match="kv_cache_dtype must be"):
-            s.fused(key_cache=k, value_cache=v, slot_mapping=ints(7), kv_cache_dtype="fp8_e5m2")
+            s.fused(key_cache=k, value_cache=v, slot_mapping=ints(7), kv_cache_dtype="fp8_e3m4")
         with pytest.raises(ValueError, match="describe a cache write"):
             s.fused(kv_cache_dtype="fp8")
         with pytest.raises(ValueError, match="v_scale: given k_scale"):

@@ -772,6 +772,34 @@ class TestServing:
         check(key.reshape(c.t, c.hk, c.d), want_k)
         c.check_paged(key_cache, value_cache, key, v0)
 
+    def test_vllm_rotary_embedding_into_an_e5m2_cache(self):
+        c = ServingCase(seed=15)
+        _, want_k = c.reference("neox", norm=False)
+        query, key, value = c.split()
+        v0 = value.clone()
+        shape = (c.blocks, c.block_size, c.hk, c.d)
+        key_cache = torch.full(shape, 0x3C, device=DEV, dtype=torch.uint8).view(torch.float8_e5m2)
+        value_cache = torch.full(shape, 0x3C, device=DEV, dtype=torch.uint8).view(torch.float8_e5m2)
+        k_scale, v_scale = torch.tensor([0.5], device=DEV), torch.tensor([0.125], device=DEV)
+        rope_rs.rotary_embedding(
+            c.positions, query, key, c.d, c.cache, True, value=value, key_cache=key_cache,
+            value_cache=value_cache, slot_mapping=c.slots, kv_cache_dtype="fp8_e5m2", k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        kept = c.slots >= 0
+        rows = c.slots[kept]
+        fp8_near(key_cache.view(-1, c.hk, c.d)[rows], want_k[kept], 2.0, torch.float8_e5m2)
+        fp8_near(value_cache.view(-1, c.hk, c.d)[rows], v0.reshape(c.t, c.hk, c.d)[kept], 8.0, torch.float8_e5m2)
+        others = torch.ones(c.blocks * c.block_size, dtype=torch.bool, device=DEV)
+        others[rows] = False
+        assert (key_cache.view(torch.uint8).view(-1, c.hk, c.d)[others] == 0x3C).all()
+        with pytest.raises(ValueError, match="^key_cache"):
+            rope_rs.rotary_embedding(
+                c.positions, query, key, c.d, c.cache, True, value=value, key_cache=key_cache,
+                value_cache=value_cache, slot_mapping=c.slots, kv_cache_dtype="fp8_e4m3", k_scale=k_scale,
+                v_scale=v_scale,
+            )
+
     def test_sglang_fused_set_kv_buffer(self):
         c = ServingCase(seed=5)
         want_q, want_k = c.reference("neox", norm=False)
@@ -889,6 +917,229 @@ class TestServing:
             check(q.reshape(new.t, new.hq, new.d), want_q, extra_atol=2e-2)
             check(k.reshape(new.t, new.hk, new.d), want_k, extra_atol=2e-2)
             new.check_paged(key_cache, value_cache, k, v0)
+
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def fp8_near(got, want, multiplier, dtype):
+    """FP8 bytes `got` (of `dtype`, or uint8) decode to `want * multiplier` (f64, saturated at the
+    format's largest value) within one step of the format, and nearly all to the nearest value
+    exactly (FlashInfer's quantisation: the value times ``quant_scale``)."""
+    decoded = got.view(dtype).to(torch.float64)
+    big = FP8_MAX[dtype]
+    target = (want.to(torch.float64) * multiplier).clamp(-big, big)
+    step = 2.0**-3 if dtype == torch.float8_e4m3fn else 2.0**-2
+    tiny = 2.0**-9 if dtype == torch.float8_e4m3fn else 2.0**-16
+    torch.testing.assert_close(decoded, target, atol=tiny, rtol=step)
+    exact = (decoded == target.to(dtype).to(torch.float64)).double().mean().item()
+    assert exact > 0.98, f"only {exact:.4f} of the FP8 bytes are the nearest value"
+
+
+class FlashInferCase:
+    """FlashInfer's ``rope_quantize_fp8*`` inputs: q_rope [t, hq, r] and k_rope [t, hk, r] (or
+    [t, r] for MLA), v, a float32 cos_sin_cache, pos_ids, and a page table of a few requests
+    over `pages` pages of `page_size` (a shuffled ``kv_indices``; some tokens padding, one token
+    at a page past its request's own)."""
+
+    def __init__(self, t=29, hq=8, hk=2, r=64, page_size=4, pages=24, dtype=torch.bfloat16, mla=False, seed=0):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.t, self.hq, self.hk, self.r, self.dtype = t, hq, hk, r, dtype
+        self.q = torch.randn(t, hq, r, device=DEV, generator=g).to(dtype)
+        k_shape = (t, r) if mla else (t, hk, r)
+        self.k = torch.randn(*k_shape, device=DEV, generator=g).to(dtype)
+        self.v = torch.randn(t, hk, r, device=DEV, generator=g).to(dtype)
+        self.cache = vllm_cache(10000.0, r, 4096)
+        self.pos_ids = torch.randint(0, 4096, (t,), device=DEV, generator=g)
+        self.page_size, self.pages = page_size, pages
+        # Three requests of 8 pages each, their pages in random order.
+        self.kv_indices = torch.randperm(pages, device=DEV, generator=g).int()
+        self.kv_indptr = torch.tensor([0, 8, 16, 24], device=DEV, dtype=torch.int32)
+        self.batch_indices = (torch.arange(t, device=DEV) % 3).int()
+        self.positions = (torch.arange(t, device=DEV) // 3).int()
+        self.batch_indices[::7] = -1
+        # Past request 1's 8 pages: FlashInfer's kernel would write request 2's page.
+        self.positions[4] = 8 * page_size + 1
+
+    def rotated(self, x, style):
+        """x [t, h, r] (or [t, r]) rotated at pos_ids in f64."""
+        r = self.r
+        cos, sin = table_cos_sin(self.pos_ids, self.cache[:, : r // 2], self.cache[:, r // 2 :])
+        x3 = x if x.dim() == 3 else x[:, None]
+        out = reference(x3[None], cos[None], sin[None], style)[0]
+        return out if x.dim() == 3 else out[:, 0]
+
+    def slots(self):
+        """Each written token's (token, page, entry) by the page table."""
+        out = []
+        indptr, indices = self.kv_indptr.tolist(), self.kv_indices.tolist()
+        for t, (b, p) in enumerate(zip(self.batch_indices.tolist(), self.positions.tolist())):
+            if b < 0:
+                continue
+            at = indptr[b] + p // self.page_size
+            if at < indptr[b + 1]:
+                out.append((t, indices[at], p % self.page_size))
+        return out
+
+
+class TestFlashInferQuantize:
+    """FlashInfer's ``rope_quantize_fp8``, ``mla_rope_quantize_fp8`` and
+    ``rope_quantize_fp8_append_paged_kv_cache`` (rotated parts, GQA/MHA cache), against a
+    reference written from FlashInfer's documented semantics: FP8 of the rotated value times
+    ``quant_scale``, the cache entry ``positions[t] % page_size`` of page
+    ``kv_indices[kv_indptr[b] + positions[t] // page_size]``; eagerly, compiled and from a
+    graph."""
+
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+    @pytest.mark.parametrize("mla", [False, True])
+    def test_rope_quantize_fp8(self, is_neox, dtype, fp8, mla):
+        c = FlashInferCase(dtype=dtype, mla=mla, seed=int(is_neox) + 2 * int(mla))
+        style = "neox" if is_neox else "interleaved"
+        q0, k0 = c.q.clone(), c.k.clone()
+        fn = rope_rs.mla_rope_quantize_fp8 if mla else rope_rs.rope_quantize_fp8
+        q_out, k_out, q_nope_out, k_nope_out = fn(
+            c.q, c.k, None, None, c.cache, c.pos_ids, is_neox, fp8, quant_scale_q=1.7, quant_scale_kv=0.37
+        )
+        assert q_out.dtype == fp8 and k_out.dtype == fp8 and q_out.shape == c.q.shape and k_out.shape == c.k.shape
+        assert q_nope_out.shape == (c.t, c.hq, 0) and k_nope_out.shape == c.k.shape[:-1] + (0,)
+        fp8_near(q_out, c.rotated(c.q, style), 1.7, fp8)
+        fp8_near(k_out, c.rotated(c.k, style), 0.37, fp8)
+        assert torch.equal(c.q, q0) and torch.equal(c.k, k0), "inputs are only read"
+
+    def test_rope_quantize_fp8_into_given_outputs(self):
+        c = FlashInferCase(seed=5)
+        q_out = torch.full(c.q.shape, 0x11, device=DEV, dtype=torch.uint8).view(torch.float8_e5m2)
+        k_out = torch.empty_like(c.k, dtype=torch.float8_e5m2)
+        got = rope_rs.rope_quantize_fp8(c.q, c.k, None, None, c.cache, c.pos_ids, q_rope_out=q_out, k_rope_out=k_out)
+        assert got[0] is q_out and got[1] is k_out
+        fp8_near(q_out, c.rotated(c.q, "neox"), 1.0, torch.float8_e5m2)
+
+    @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+    @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+    @pytest.mark.parametrize("is_neox", [True, False])
+    def test_append_paged_kv_cache(self, kv_layout, fp8, is_neox):
+        c = FlashInferCase(seed=7 + int(is_neox))
+        style = "neox" if is_neox else "interleaved"
+        shape = (c.pages, c.page_size, c.hk, c.r) if kv_layout == "NHD" else (c.pages, c.hk, c.page_size, c.r)
+        k_cache = torch.full(shape, 0x3C, device=DEV, dtype=torch.uint8).view(fp8)
+        v_cache = torch.full(shape, 0x3C, device=DEV, dtype=torch.uint8).view(fp8)
+        q_out, q_nope_out = rope_rs.rope_quantize_fp8_append_paged_kv_cache(
+            c.q, c.k, None, None, c.v, c.cache, c.pos_ids, (k_cache, v_cache), c.kv_indices, c.kv_indptr,
+            c.batch_indices, c.positions, is_neox, quantize_dtype=fp8, quant_scale_q=0.8, quant_scale_kv=2.5,
+            page_size=c.page_size, kv_layout=kv_layout,
+        )
+        assert q_out.dtype == fp8 and q_nope_out.shape == (c.t, c.hq, 0)
+        fp8_near(q_out, c.rotated(c.q, style), 0.8, fp8)
+        k_want = c.rotated(c.k, style)
+        heads_first = kv_layout == "HND"
+        entry = lambda cache, page, e: cache[page, :, e] if heads_first else cache[page, e]  # noqa: E731
+        written = torch.zeros(c.pages, c.page_size, dtype=torch.bool)
+        slots = c.slots()
+        assert 4 not in [t for t, _, _ in slots], "the token past its request's pages writes nothing"
+        for t, page, e in slots:
+            fp8_near(entry(k_cache, page, e), k_want[t], 2.5, fp8)
+            fp8_near(entry(v_cache, page, e), c.v[t], 2.5, fp8)
+            written[page, e] = True
+        for cache in (k_cache, v_cache):
+            bytes_ = cache.view(torch.uint8)
+            rows = bytes_ if not heads_first else bytes_.transpose(1, 2)
+            assert (rows[~written.to(DEV)] == 0x3C).all(), "entries outside the table's are untouched"
+
+    def test_int64_page_table_and_errors(self):
+        c = FlashInferCase(seed=11)
+        shape = (c.pages, c.page_size, c.hk, c.r)
+        k_cache = torch.zeros(shape, device=DEV, dtype=torch.float8_e4m3fn)
+        v_cache = torch.zeros(shape, device=DEV, dtype=torch.float8_e4m3fn)
+        args = lambda **kw: dict(  # noqa: E731
+            dict(
+                q_rope=c.q, k_rope=c.k, q_nope=None, k_nope=None, v=c.v, cos_sin_cache=c.cache, pos_ids=c.pos_ids,
+                paged_kv_cache=(k_cache, v_cache), kv_indices=c.kv_indices.long(), kv_indptr=c.kv_indptr.long(),
+                batch_indices=c.batch_indices.long(), positions=c.positions.long(), page_size=c.page_size,
+            ),
+            **kw,
+        )
+        rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args())
+        k_int64 = k_cache.clone()
+        k_cache.zero_()
+        rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(kv_indices=c.kv_indices, kv_indptr=c.kv_indptr))
+        assert torch.equal(k_cache.view(torch.uint8), k_int64.view(torch.uint8))
+        k_cache.zero_()
+        with pytest.raises(ValueError, match="^q_nope"):
+            rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(q_nope=torch.zeros(c.t, c.hq, 64, device=DEV, dtype=c.dtype)))
+        with pytest.raises(ValueError, match="^page_size"):
+            rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(page_size=16))
+        with pytest.raises(ValueError, match="^paged_kv_cache"):
+            rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(quantize_dtype=torch.float8_e5m2))
+        with pytest.raises(ValueError, match="^batch_indices"):
+            rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(batch_indices=c.batch_indices[:3]))
+        with pytest.raises(ValueError, match="^quant_scale_kv"):
+            rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(quant_scale_kv=float("inf")))
+        with pytest.raises(ValueError, match="^k_rope"):
+            rope_rs.rope_quantize_fp8(c.q, c.k[:, :, :32], None, None, c.cache, c.pos_ids)
+        torch.cuda.synchronize()
+        assert (k_cache.view(torch.uint8) == 0).all(), "a refused call writes nothing"
+
+    def test_custom_ops_pass_opcheck(self):
+        # FP8 outputs as uint8 (the operators take either): opcheck's own checks do arithmetic
+        # that PyTorch has no FP8 kernels for.
+        c = FlashInferCase(t=6, seed=12)
+        u8 = torch.uint8
+        torch.library.opcheck(
+            rope_torch.rope_quantize_fp8_op,
+            (c.q, c.k, c.cache, c.pos_ids, True, "float8_e4m3fn", 1.0, 0.5,
+             torch.empty_like(c.q, dtype=u8), torch.empty_like(c.k, dtype=u8), False),
+        )
+        shape = (c.pages, c.page_size, c.hk, c.r)
+        torch.library.opcheck(
+            rope_torch.rope_quantize_fp8_append_paged_kv_cache_op,
+            (c.q, c.k, c.v, c.cache, c.pos_ids, torch.zeros(shape, device=DEV, dtype=u8),
+             torch.zeros(shape, device=DEV, dtype=u8), c.kv_indices, c.kv_indptr, c.batch_indices, c.positions,
+             True, "float8_e4m3fn", 1.0, 0.5, c.page_size, "NHD", torch.empty_like(c.q, dtype=u8), False),
+        )
+
+    def test_compiled_and_graph_replays_match_eager(self):
+        c = FlashInferCase(t=32, seed=13)
+        shape = (c.pages, c.page_size, c.hk, c.r)
+        e4m3 = torch.float8_e4m3fn
+
+        def step(q, k, v, pos_ids, batch_indices, positions, k_cache, v_cache):
+            q_out, _ = rope_rs.rope_quantize_fp8_append_paged_kv_cache(
+                q * 2, k, None, None, v, c.cache, pos_ids, (k_cache, v_cache), c.kv_indices, c.kv_indptr,
+                batch_indices, positions, quant_scale_kv=0.5, page_size=c.page_size, enable_pdl=True,
+            )
+            return q_out.float().sum(-1)
+
+        caches = lambda: (torch.zeros(shape, device=DEV, dtype=e4m3), torch.zeros(shape, device=DEV, dtype=e4m3))  # noqa: E731
+        inputs = (c.q, c.k, c.v, c.pos_ids, c.batch_indices, c.positions)
+        eager_caches = caches()
+        want = step(*inputs, *eager_caches)
+        compiled_caches = caches()
+        got = torch.compile(step, fullgraph=True)(*inputs, *compiled_caches)
+        assert torch.equal(got, want)
+        for a, b in zip(compiled_caches, eager_caches):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        # A graph replayed with new inputs, positions and batch indices.
+        static = [x.clone() for x in inputs]
+        graph_caches = caches()
+        step(*static, *graph_caches)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(*static, *graph_caches)
+        new = FlashInferCase(t=32, seed=14)
+        new.batch_indices = new.batch_indices.flip(0).contiguous()
+        for x, y in zip(static, (new.q, new.k, new.v, new.pos_ids, new.batch_indices, new.positions)):
+            x.copy_(y)
+        for cache in graph_caches:
+            cache.zero_()
+        graph.replay()
+        fresh = caches()
+        want = step(new.q, new.k, new.v, new.pos_ids, new.batch_indices, new.positions, *fresh)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        for a, b in zip(graph_caches, fresh):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 class TestAutograd:

@@ -9,9 +9,9 @@ use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
 use candle_core::{Layout, Storage, Tensor};
 use rope_host::cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
 use rope_host::{
-    CacheLayout, DType, IntType, NormWeight, RawBuf, RawCacheData, RawFp8Scale, RawFusedIo,
-    RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawOp, RawPositions, RawQOut, RawQkNorm,
-    RawSinCos, RawTensor, RopeConfig, RopeStyle, TableShape,
+    CacheLayout, DType, Fp8Format, IntType, NormWeight, RawBuf, RawCacheAddress, RawCacheData,
+    RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawOp, RawPositions,
+    RawQOut, RawQkNorm, RawSinCos, RawTensor, RopeConfig, RopeStyle, TableShape,
 };
 
 use crate::error::{Error, invalid};
@@ -389,7 +389,7 @@ fn launch(
     };
     let cache = match &cache_h {
         Some((kc, vc, slots, scales)) => Some(RawKvCache {
-            slot_mapping: ints_buf(&mut g, slots)?,
+            address: RawCacheAddress::Slots(ints_buf(&mut g, slots)?),
             layout: cache_layout(kc, vc)?,
             data: cache_data(&mut g, kc, vc, scales.as_ref(), dtype)?,
         }),
@@ -512,6 +512,7 @@ fn cache_data<'a>(
                 v: v_buf,
                 k_scale: fp8_scale(g, ks, kv_heads)?,
                 v_scale: fp8_scale(g, vs, kv_heads)?,
+                format: Fp8Format::E4m3,
             })
         }
     }

@@ -178,6 +178,12 @@ rope_kernels::fused_kernel_params!(host_args {
     FusedArgs
 });
 
+rope_kernels::fused_forms_kernel_params!(host_args {
+    /// The arguments of the fused entry points of FlashInfer's forms: the fused arguments, then
+    /// the forms' own.
+    FusedFormsArgs
+});
+
 rope_kernels::table_kernel_params!(host_args {
     /// The arguments of the table-building entry point (`rope-kernels/src/table.rs`).
     TableArgs
@@ -193,7 +199,9 @@ mod tests {
     fn argument_structs_have_the_parameter_layout() {
         assert!(RopeArgs::has_parameter_layout());
         assert!(FusedArgs::has_parameter_layout());
+        assert!(FusedFormsArgs::has_parameter_layout());
         assert!(TableArgs::has_parameter_layout());
         const { assert!(FusedArgs::PARAM_BYTES > RopeArgs::PARAM_BYTES) };
+        const { assert!(FusedFormsArgs::PARAM_BYTES > FusedArgs::PARAM_BYTES) };
     }
 }

@@ -83,8 +83,9 @@ pub use freq::{
     inv_freq,
 };
 pub use fused::{
-    CacheData, CacheLayout, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NormWeight, QOut, QkNorm,
-    RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawQOut, RawQkNorm,
+    CacheAddress, CacheData, CacheLayout, Fp8Format, Fp8Scale, FusedIo, FusedOp, KOut, KvCache,
+    NormWeight, PageTable, QOut, QkNorm, RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo,
+    RawFusedOp, RawKOut, RawKvCache, RawPageTable, RawQOut, RawQkNorm,
 };
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};

@@ -827,15 +827,38 @@ impl NormCode {
     }
 }
 
-/// How a fused kernel stores an output, passed as its `q_format` and `cache_format` arguments.
+/// How a fused kernel stores an output, passed as its `q_format`, `k_format` and
+/// `cache_format` arguments. An FP8 store rounds the value times its multiplier (`1 / scale`
+/// with a scale array, else the launch's multiplier argument) to nearest even, saturating.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FormatCode {
     /// The tensors' element type.
     Elem = 0,
-    /// FP8 E4M3 (`e4m3fn`) of the value divided by its scale, rounded to nearest even and
-    /// saturated at ±448 ([`crate::math::f32_to_e4m3`]).
+    /// FP8 E4M3 (`e4m3fn`), saturated at ±448 ([`crate::math::f32_to_e4m3`]).
     E4m3 = 1,
+    /// FP8 E5M2, saturated at ±57344 ([`crate::math::f32_to_e5m2`]).
+    E5m2 = 2,
+}
+
+impl FormatCode {
+    /// Bytes per element of this format for elements of `elem_bytes`.
+    pub const fn bytes(self, elem_bytes: usize) -> usize {
+        match self {
+            Self::Elem => elem_bytes,
+            Self::E4m3 | Self::E5m2 => 1,
+        }
+    }
+}
+
+/// Where a fused kernel finds each token's cache slot, passed as its `slot_mode` argument.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotCode {
+    /// `slots[t]` (`i64` where `slots_wide` is 1, else `i32`): vLLM's `slot_mapping`.
+    Slots = 0,
+    /// FlashInfer's page table (see [`crate::fused_kernel_params!`]).
+    PageTable = 1,
 }
 
 /// Whether the fused token-heads kernels ([`Mapping::TokenHeads`]) may read a launch's tables,
@@ -870,7 +893,8 @@ pub const fn planned_table_vectors(pairs: u64, entry_bytes: u64) -> bool {
 /// `_two_heads` for [`Mapping::TWO_HEADS`] (a thread per two heads and one access: launches at
 /// the preferred width whose tensors span fewer than 2^32 elements and whose tables fit
 /// [`planned_table_fits`]), `_four_heads` for [`Mapping::FOUR_HEADS`] (NeoX, `f16` and `bf16`
-/// only) and `_rows` for [`Mapping::Rows`] (the same). Forward only.
+/// only) and `_rows` for [`Mapping::Rows`] (the same); the two-heads kernels of FlashInfer's
+/// forms ([`FusedForms::FlashInfer`]) end in `_two_heads_flashinfer`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedKernelName {
     /// Pairing.
@@ -881,6 +905,19 @@ pub struct FusedKernelName {
     pub dtype: DType,
     /// Thread mapping and access width.
     pub mapping: Mapping,
+    /// Which stores the kernel has.
+    pub forms: FusedForms,
+}
+
+/// The stores a fused kernel has beyond the tensors' type and FP8 E4M3 of scale arrays into
+/// slot-mapped caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FusedForms {
+    /// None beyond those.
+    Plain,
+    /// FlashInfer's forms too: page-table caches, E5M2, multipliers by value, an FP8 k output;
+    /// the two-heads mapping only, with [`crate::fused_forms_kernel_params!`]'s parameters.
+    FlashInfer,
 }
 
 impl FusedKernelName {
@@ -929,10 +966,10 @@ impl FusedKernelName {
 
     /// The four-heads kernel ([`Mapping::FOUR_HEADS`]) of this two-heads kernel, if it has one:
     /// the NeoX kernels of 16-bit elements, the only ones whose four heads per thread were
-    /// measured (docs/perf/decisions.md).
+    /// measured (docs/perf/decisions.md), without FlashInfer's forms.
     pub const fn four_heads(self) -> Option<Self> {
-        match (self.mapping, self.style, self.dtype) {
-            (Mapping::TWO_HEADS, RopeStyle::Neox, DType::F16 | DType::BF16) => {
+        match (self.mapping, self.style, self.dtype, self.forms) {
+            (Mapping::TWO_HEADS, RopeStyle::Neox, DType::F16 | DType::BF16, FusedForms::Plain) => {
                 Some(FusedKernelName {
                     mapping: Mapping::FOUR_HEADS,
                     ..self
@@ -943,24 +980,24 @@ impl FusedKernelName {
     }
 }
 
-/// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, two-heads symbol: Style,
-/// Source, DType, storage type;`, then `@four_heads` and every four-heads kernel (NeoX) as
+/// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, two-heads symbol,
+/// two-heads symbol of FlashInfer's forms: Style, Source, DType, storage type;`, then `@four_heads` and every four-heads kernel (NeoX) as
 /// `symbol: Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
-            rope_fused_interleaved_table_f32, rope_fused_interleaved_table_f32_narrow, rope_fused_interleaved_table_f32_two_heads: Interleaved, Table, F32, f32;
-            rope_fused_interleaved_theta_f32, rope_fused_interleaved_theta_f32_narrow, rope_fused_interleaved_theta_f32_two_heads: Interleaved, Theta, F32, f32;
-            rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow, rope_fused_neox_table_f32_two_heads: Neox, Table, F32, f32;
-            rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow, rope_fused_neox_theta_f32_two_heads: Neox, Theta, F32, f32;
-            rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow, rope_fused_interleaved_table_f16_two_heads: Interleaved, Table, F16, Half;
-            rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow, rope_fused_interleaved_theta_f16_two_heads: Interleaved, Theta, F16, Half;
-            rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow, rope_fused_neox_table_f16_two_heads: Neox, Table, F16, Half;
-            rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow, rope_fused_neox_theta_f16_two_heads: Neox, Theta, F16, Half;
-            rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow, rope_fused_interleaved_table_bf16_two_heads: Interleaved, Table, BF16, Bf16;
-            rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow, rope_fused_interleaved_theta_bf16_two_heads: Interleaved, Theta, BF16, Bf16;
-            rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_two_heads: Neox, Table, BF16, Bf16;
-            rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_two_heads: Neox, Theta, BF16, Bf16;
+            rope_fused_interleaved_table_f32, rope_fused_interleaved_table_f32_narrow, rope_fused_interleaved_table_f32_two_heads, rope_fused_interleaved_table_f32_two_heads_flashinfer: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32, rope_fused_interleaved_theta_f32_narrow, rope_fused_interleaved_theta_f32_two_heads, rope_fused_interleaved_theta_f32_two_heads_flashinfer: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32, rope_fused_neox_table_f32_narrow, rope_fused_neox_table_f32_two_heads, rope_fused_neox_table_f32_two_heads_flashinfer: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32, rope_fused_neox_theta_f32_narrow, rope_fused_neox_theta_f32_two_heads, rope_fused_neox_theta_f32_two_heads_flashinfer: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16, rope_fused_interleaved_table_f16_narrow, rope_fused_interleaved_table_f16_two_heads, rope_fused_interleaved_table_f16_two_heads_flashinfer: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_theta_f16, rope_fused_interleaved_theta_f16_narrow, rope_fused_interleaved_theta_f16_two_heads, rope_fused_interleaved_theta_f16_two_heads_flashinfer: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16, rope_fused_neox_table_f16_narrow, rope_fused_neox_table_f16_two_heads, rope_fused_neox_table_f16_two_heads_flashinfer: Neox, Table, F16, Half;
+            rope_fused_neox_theta_f16, rope_fused_neox_theta_f16_narrow, rope_fused_neox_theta_f16_two_heads, rope_fused_neox_theta_f16_two_heads_flashinfer: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16, rope_fused_interleaved_table_bf16_narrow, rope_fused_interleaved_table_bf16_two_heads, rope_fused_interleaved_table_bf16_two_heads_flashinfer: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16, rope_fused_interleaved_theta_bf16_narrow, rope_fused_interleaved_theta_bf16_two_heads, rope_fused_interleaved_theta_bf16_two_heads_flashinfer: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_two_heads, rope_fused_neox_table_bf16_two_heads_flashinfer: Neox, Table, BF16, Bf16;
+            rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_two_heads, rope_fused_neox_theta_bf16_two_heads_flashinfer: Neox, Theta, BF16, Bf16;
             @four_heads
             rope_fused_neox_table_f16_four_heads: Table, F16, Half;
             rope_fused_neox_theta_f16_four_heads: Theta, F16, Half;
@@ -980,31 +1017,41 @@ pub(crate) use for_each_fused_kernel;
 /// Defines [`FusedKernelName::ALL`] and [`FusedKernelName::symbol`] from the kernel list.
 macro_rules! fused_kernel_table {
     (
-        $($sym:ident, $narrow:ident, $two_heads:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
+        $($sym:ident, $narrow:ident, $two_heads:ident, $forms:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fsrc:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
     ) => {
         impl FusedKernelName {
             /// Every fused kernel.
-            pub const ALL: [FusedKernelName; 3 * [$(stringify!($sym)),*].len()
+            pub const ALL: [FusedKernelName; 4 * [$(stringify!($sym)),*].len()
                 + [$(stringify!($four)),*].len() + [$(stringify!($rows)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
                     mapping: Mapping::WIDE,
+                    forms: FusedForms::Plain,
                 },
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
                     mapping: Mapping::NARROW,
+                    forms: FusedForms::Plain,
                 },
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
                     dtype: DType::$dt,
                     mapping: Mapping::TWO_HEADS,
+                    forms: FusedForms::Plain,
+                },
+                FusedKernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    dtype: DType::$dt,
+                    mapping: Mapping::TWO_HEADS,
+                    forms: FusedForms::FlashInfer,
                 },
             )* $(
                 FusedKernelName {
@@ -1012,6 +1059,7 @@ macro_rules! fused_kernel_table {
                     source: SinCosSource::$fsrc,
                     dtype: DType::$fdt,
                     mapping: Mapping::FOUR_HEADS,
+                    forms: FusedForms::Plain,
                 },
             )* $(
                 FusedKernelName {
@@ -1019,31 +1067,38 @@ macro_rules! fused_kernel_table {
                     source: SinCosSource::$rsrc,
                     dtype: DType::$rdt,
                     mapping: Mapping::Rows,
+                    forms: FusedForms::Plain,
                 },
             )*];
 
             /// The exported PTX symbol.
             #[inline]
             pub const fn symbol(self) -> &'static str {
-                match (self.style, self.source, self.dtype, self.mapping) {
+                const P: FusedForms = FusedForms::Plain;
+                const FI: FusedForms = FusedForms::FlashInfer;
+                match (self.style, self.source, self.dtype, self.mapping, self.forms) {
                     $(
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE) =>
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE, P) =>
                             stringify!($sym),
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::NARROW) =>
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::NARROW, P) =>
                             stringify!($narrow),
-                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::TWO_HEADS) =>
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::TWO_HEADS, P) =>
                             stringify!($two_heads),
+                        (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::TWO_HEADS, FI) =>
+                            stringify!($forms),
                     )*
                     $(
-                        (RopeStyle::Neox, SinCosSource::$fsrc, DType::$fdt, Mapping::FOUR_HEADS) =>
+                        (RopeStyle::Neox, SinCosSource::$fsrc, DType::$fdt, Mapping::FOUR_HEADS, P) =>
                             stringify!($four),
                     )*
                     $(
-                        (RopeStyle::Neox, SinCosSource::$rsrc, DType::$rdt, Mapping::Rows) =>
+                        (RopeStyle::Neox, SinCosSource::$rsrc, DType::$rdt, Mapping::Rows, P) =>
                             stringify!($rows),
                     )*
-                    // Kernels without four-heads or rows kernels take two heads per thread.
-                    (_, _, _, Mapping::ONE_HEAD | Mapping::FOUR_HEADS | Mapping::Rows) => {
+                    // FlashInfer's forms have two-heads kernels alone; kernels without
+                    // four-heads or rows kernels take two heads per thread.
+                    (_, _, _, _, FI)
+                    | (_, _, _, Mapping::ONE_HEAD | Mapping::FOUR_HEADS | Mapping::Rows, _) => {
                         FusedKernelName {
                             mapping: Mapping::TWO_HEADS,
                             ..self
@@ -1160,7 +1215,7 @@ pub fn takes_dependent_launch(symbol: &str) -> bool {
 /// cached (a plain backward rotation).
 #[macro_export]
 macro_rules! fused_kernel_params {
-    ($m:ident { $($pass:tt)* }) => {
+    ($m:ident { $($pass:tt)* } $($more:tt)*) => {
         $crate::rope_kernel_params! {
             $m { $($pass)* }
             v: elem_ptr,
@@ -1197,6 +1252,39 @@ macro_rules! fused_kernel_params {
             v_warps: u32,
             prefetch_tokens: u32,
             sin_sign: f32,
+            $($more)*
+        }
+    };
+}
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of the fused entry points of
+/// FlashInfer's forms ([`FusedForms::FlashInfer`]): those of [`crate::fused_kernel_params!`],
+/// then `q_multiplier`, `k_multiplier`, `v_multiplier` (the FP8 multipliers of q's output, of
+/// k's output or cache and of v's cache where their scale pointer is null: FlashInfer's `x *
+/// quant_scale`); `k_format` (a [`FormatCode`]): `out1`'s elements, FP8 taking k's scale (then
+/// the launch has no cache); `slot_mode` (a [`SlotCode`]), and for [`SlotCode::PageTable`]:
+/// `slots` holds `tokens` `i32` request indices `b` (negative: padding), `page_positions`
+/// `tokens` `i32` positions `p` in the request, `kv_indptr` `kv_requests + 1` and `kv_indices`
+/// `kv_pages` `i32`, and token `t`'s slot is `kv_indices[kv_indptr[b] + p / block_size] *
+/// block_size + p % block_size`, none (the token writes no cache) for a negative `b`, `p`, or
+/// page, `b >= kv_requests`, or a page entry outside `kv_indptr[b] .. kv_indptr[b + 1]` or
+/// `kv_indices`. The other fused entry points take none of these: every parameter byte is
+/// copied at each launch, and these made every decode launch slower.
+#[macro_export]
+macro_rules! fused_forms_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $crate::fused_kernel_params! {
+            $m { $($pass)* }
+            q_multiplier: f32,
+            k_multiplier: f32,
+            v_multiplier: f32,
+            k_format: u32,
+            slot_mode: u32,
+            page_positions: byte_ptr,
+            kv_indptr: byte_ptr,
+            kv_indices: byte_ptr,
+            kv_requests: u32,
+            kv_pages: u32,
         }
     };
 }

@@ -148,6 +148,32 @@ impl Elem for Fp8 {
     }
 }
 
+/// FP8 E5M2 bits: converted by [`math::f32_to_e5m2`] (saturating) and [`math::e5m2_to_f32`].
+/// The fused kernels store it; nothing loads it.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Fp8E5m2(u8);
+
+impl Elem for Fp8E5m2 {
+    const ZERO: Self = Fp8E5m2(0);
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        math::e5m2_to_f32(self.0)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        Fp8E5m2(math::f32_to_e5m2(v))
+    }
+    /// Two values per `cvt.rn.satfinite.e5m2x2.f32` where the PTX targets sm_89 or newer (the
+    /// same bits as [`Elem::from_f32`] for every non-NaN input).
+    #[cfg(target_feature = "sm_89")]
+    #[inline(always)]
+    unsafe fn store_rounded<const N: usize>(p: *mut Self, v: [f32; N]) {
+        // SAFETY: the caller's promise.
+        unsafe { store_pairs(p, v, intrinsics::f32x2_to_e5m2x2, Self::from_f32) }
+    }
+}
+
 /// Stores `N` values (`N` at most 8) rounded two at a time by `pair`, which packs its first
 /// argument in the low half of a word `W` of two elements and its second in the high half, as
 /// the words the conversions return: splitting each word into its two elements and joining them

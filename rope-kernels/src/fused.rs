@@ -14,11 +14,19 @@
 //!   approximate reciprocal square root and one Newton step (about one `f32` ulp);
 //! - rotation as in [`crate::rope`], each result with one fused multiply-add;
 //! - q to `out0`; k to `out1` when given; with a cache, k and v (unrotated, unnormalised) to
-//!   slot `slots[t]` of `k_cache` and `v_cache`, skipped for a negative slot or one at or past
-//!   `cache_slots`;
-//! - each store rounds once to its format: the tensors' type, or FP8 E4M3 of `value * (1 /
-//!   scale)` ([`crate::math::f32_to_e4m3`], saturating; the reciprocal from `rcp.approx`, within
-//!   one `f32` ulp: E4M3 keeps 3 bits).
+//!   slot `slots[t]` of `k_cache` and `v_cache` (or the slot a page table gives the token:
+//!   FlashInfer's `kv_indices[kv_indptr[b] + p / block_size] * block_size + p % block_size`),
+//!   skipped for a negative slot or one at or past `cache_slots`;
+//! - each store rounds once to its format: the tensors' type, or FP8 (E4M3,
+//!   [`crate::math::f32_to_e4m3`], or E5M2, [`crate::math::f32_to_e5m2`], saturating) of
+//!   `value * m`, `m = 1 / scale` from a scale array (the reciprocal from `rcp.approx`, within
+//!   one `f32` ulp: FP8 keeps 3 bits at most) or a multiplier passed by value.
+//!
+//! FlashInfer's forms (a page table, E5M2, multipliers by value, an FP8 k output) are stored by
+//! two-heads entry points of their own (`_two_heads_flashinfer`, the body's `FI`), with
+//! parameters of their own (`crate::fused_forms_kernel_params!`): in the item loop and the
+//! four-heads kernels those stores made ptxas spill, and inside the other kernels their code and
+//! parameters made every decode launch slower.
 //!
 //! The instructions each thread issues, and each block's chain of latencies (its loads, the
 //! norm's dependent shuffle steps, the reciprocal square root, the stores), bound the kernels
@@ -63,10 +71,10 @@
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    FormatCode, MAX_FUSED_ITEMS, Mapping, NormCode, ThreadHeads, for_each_fused_kernel,
+    FormatCode, MAX_FUSED_ITEMS, Mapping, NormCode, SlotCode, ThreadHeads, for_each_fused_kernel,
 };
 use crate::divide::Divisor;
-use crate::elem::{Bf16, Elem, Fp8, Half, unrolled};
+use crate::elem::{Bf16, Elem, Fp8, Fp8E5m2, Half, unrolled};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
     prefetch_l2, rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32,
@@ -113,6 +121,20 @@ struct Fused<T> {
     /// The steps of `k_scale` and `v_scale` between heads: 0 (one scale) or 1 (one per head).
     k_scale_step: u32,
     v_scale_step: u32,
+    /// The FP8 multipliers of q's output, k's and v's stores where their scale is null.
+    q_multiplier: f32,
+    k_multiplier: f32,
+    v_multiplier: f32,
+    /// k's output's format (FP8 with k's scale; then there is no cache).
+    k_format: u32,
+    /// Where the slots come from (a [`SlotCode`]).
+    slot_mode: u32,
+    /// The page table, for [`SlotCode::PageTable`] (see `crate::fused_kernel_params!`).
+    page_positions: *const i32,
+    kv_indptr: *const i32,
+    kv_indices: *const i32,
+    kv_requests: u32,
+    kv_pages: u32,
     /// The token-heads kernels' warps per token of q's, k's and v's threads (in
     /// that order).
     q_warps: u32,
@@ -181,7 +203,8 @@ impl<const L: usize> Item<L> {
     }
 }
 
-/// The FP8 scales of one destination. Each head's reciprocal is found where its stores use it
+/// The FP8 scales of one destination of the item loop (E4M3 of scale arrays: the item loop
+/// takes no FlashInfer form, see `token_heads_body`). Each head's reciprocal is found where its stores use it
 /// (one `rcp.approx`): set up ahead of a block, a per-tensor scale's ran (predicated off) in
 /// every block of 16-bit outputs too, and its register through the block made ptxas spill.
 struct Scales {
@@ -213,6 +236,37 @@ impl Scales {
         // SAFETY: one scale per head at `step`, or one (the promise of `new`).
         self.fp8
             .then(|| rcp_approx(unsafe { *self.scale.add(i * self.step as usize) }))
+    }
+}
+
+/// An FP8 destination: its format and where its multipliers come from: `1 / scale[head *
+/// step]`, or `multiplier` where `scale` is null.
+#[derive(Clone, Copy)]
+struct Fp8Dest {
+    e5m2: bool,
+    scale: *const f32,
+    step: u32,
+    multiplier: f32,
+}
+
+impl Fp8Dest {
+    /// The FP8 destination of stores in `format`, `None` for the tensors' type; E5M2 only in
+    /// the code of FlashInfer's forms (`FI`).
+    ///
+    /// Safe to build; its users need `scale` null (`FI` only) or pointing at one `f32` per head
+    /// at a step of `step` (0: one in all).
+    #[inline(always)]
+    fn of<const FI: bool>(
+        format: u32,
+        (scale, step): (*const f32, u32),
+        multiplier: f32,
+    ) -> Option<Self> {
+        (format != FormatCode::Elem as u32).then_some(Fp8Dest {
+            e5m2: FI && format == FormatCode::E5m2 as u32,
+            scale,
+            step,
+            multiplier,
+        })
     }
 }
 
@@ -366,12 +420,30 @@ fn head_range<T>(f: &Fused<T>) -> (u32, u32) {
     (first as u32, last as u32)
 }
 
+/// Token `t`'s cache slot ([`SlotCode`]): its entry of `slots` ([`mapped_slot`]), or with a
+/// page table its page's slot ([`page_table_slot`]).
+///
+/// # Safety
+/// `slots` holds `tokens` integers of its width; `t < tokens`; a page table's arrays hold what
+/// the entry points promise.
+#[inline(always)]
+unsafe fn slot_value<T, const FI: bool>(f: &Fused<T>, t: u64) -> i64 {
+    // SAFETY: the caller's promises.
+    unsafe {
+        if FI && f.slot_mode == SlotCode::PageTable as u32 {
+            page_table_slot(f, t)
+        } else {
+            mapped_slot(f, t)
+        }
+    }
+}
+
 /// Token `t`'s entry of `slots`, widened.
 ///
 /// # Safety
 /// `slots` holds `tokens` integers of its width; `t < tokens`.
 #[inline(always)]
-unsafe fn slot_value<T>(f: &Fused<T>, t: u64) -> i64 {
+unsafe fn mapped_slot<T>(f: &Fused<T>, t: u64) -> i64 {
     // SAFETY: t < tokens, the promised length of `slots`.
     unsafe {
         if f.slots_wide != 0 {
@@ -379,6 +451,40 @@ unsafe fn slot_value<T>(f: &Fused<T>, t: u64) -> i64 {
         } else {
             *f.slots.cast::<i32>().add(t as usize) as i64
         }
+    }
+}
+
+/// Token `t`'s slot by the page table: request `b = slots[t]`, position `p =
+/// page_positions[t]`, page `kv_indices[kv_indptr[b] + p / block_size]`, slot `page *
+/// block_size + p % block_size`; `-1` (no cache write) for a negative request, position or
+/// page, a request at or past `kv_requests`, or an entry outside the request's pages
+/// (`kv_indptr[b] .. kv_indptr[b + 1]`) or outside `kv_indices`: each device value is checked
+/// before it addresses anything.
+///
+/// # Safety
+/// `slots` and `page_positions` hold `tokens` `i32`, `kv_indptr` `kv_requests + 1` and
+/// `kv_indices` `kv_pages`; `t < tokens`.
+#[inline(always)]
+unsafe fn page_table_slot<T>(f: &Fused<T>, t: u64) -> i64 {
+    // SAFETY: t < tokens; each index below is checked against its array's length first.
+    unsafe {
+        let b = *f.slots.cast::<i32>().add(t as usize);
+        let p = *f.page_positions.add(t as usize);
+        if b < 0 || p < 0 || b as u32 >= f.kv_requests {
+            return -1;
+        }
+        let first = *f.kv_indptr.add(b as usize);
+        let end = *f.kv_indptr.add(b as usize + 1);
+        let (page_iter, entry) = f.block.div_rem_u32(p as u32);
+        let at = i64::from(first) + i64::from(page_iter);
+        if first < 0 || at >= i64::from(end) || at >= i64::from(f.kv_pages) {
+            return -1;
+        }
+        let page = *f.kv_indices.add(at as usize);
+        if page < 0 {
+            return -1;
+        }
+        i64::from(page) * i64::from(f.block.divisor.get()) + i64::from(entry)
     }
 }
 
@@ -406,8 +512,8 @@ unsafe fn cache_slot<T>(f: &Fused<T>, t: u64) -> Option<u64> {
     if f.slots.is_null() {
         return None;
     }
-    // SAFETY: the caller's promise.
-    slot_offset(f, unsafe { slot_value(f, t) })
+    // SAFETY: the caller's promise (the item loop takes no page table).
+    slot_offset(f, unsafe { mapped_slot(f, t) })
 }
 
 /// [`cache_slot`] with the slot divided in 32 bits, for caches of at most 2^32 slots.
@@ -415,12 +521,12 @@ unsafe fn cache_slot<T>(f: &Fused<T>, t: u64) -> Option<u64> {
 /// # Safety
 /// As [`cache_slot`], and `cache_slots <= 2^32`.
 #[inline(always)]
-unsafe fn cache_slot_u32<T>(f: &Fused<T>, t: u64) -> Option<u64> {
+unsafe fn cache_slot_u32<T, const FI: bool>(f: &Fused<T>, t: u64) -> Option<u64> {
     if f.slots.is_null() {
         return None;
     }
     // SAFETY: the caller's promise.
-    slot_offset_u32(f, unsafe { slot_value(f, t) })
+    slot_offset_u32(f, unsafe { slot_value::<T, FI>(f, t) })
 }
 
 /// [`slot_offset`] with the slot divided in 32 bits: for caches of at most 2^32 slots, whose
@@ -462,6 +568,17 @@ unsafe fn store_head<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
+/// `y` times `m`, the values an FP8 store rounds.
+#[inline(always)]
+fn scaled<const L: usize>(y: &[[f32; L]; 2], m: f32) -> [[f32; L]; 2] {
+    let mut out = *y;
+    unrolled(L, |k| {
+        out[0][k] *= m;
+        out[1][k] *= m;
+    });
+    out
+}
+
 /// Rounds one head's vectors `y` to `D` and stores them at the element offsets `first` and
 /// (NeoX) `second` of `head`, as [`store_head`] does.
 ///
@@ -485,10 +602,10 @@ unsafe fn put<D: Elem, P: Pairing, const L: usize>(
 /// Bytes per element of a store format.
 #[inline(always)]
 fn format_bytes<T>(format: u32) -> usize {
-    if format == FormatCode::E4m3 as u32 {
-        1
-    } else {
+    if format == FormatCode::Elem as u32 {
         size_of::<T>()
+    } else {
+        1
     }
 }
 
@@ -855,21 +972,25 @@ unsafe fn read_cos_sin<const L: usize>(
 
 /// The FP8 multipliers (`1 / scale`) of `U` consecutive heads from `i0` of a destination whose
 /// scales are `scale[head * step]`: one reciprocal for a per-tensor scale (`step` 0), one per
-/// live head otherwise. `rcp.approx.ftz` (within one `f32` ulp of a normal scale; E4M3 keeps 3
-/// bits).
+/// live head otherwise; the destination's `multiplier` where `scale` is null. `rcp.approx.ftz`
+/// (within one `f32` ulp of a normal scale; E4M3 and E5M2 keep 3 and 2 bits).
 ///
 /// # Safety
-/// `scale` holds one `f32` (`step` 0) or one per head, for every head `i0 + u` with `live[u]`;
-/// `live[0]` when any is.
+/// `scale` is null or holds one `f32` (`step` 0) or one per head, for every head `i0 + u` with
+/// `live[u]`; `live[0]` when any is.
 #[inline(always)]
-unsafe fn fp8_multipliers<const U: usize>(
-    scale: *const f32,
-    step: u32,
+unsafe fn fp8_multipliers<const U: usize, const FI: bool>(
+    dest: &Fp8Dest,
     i0: u32,
     live: [bool; U],
 ) -> [f32; U] {
-    // SAFETY: head i0 is live (the caller's promise), so its scale exists.
-    let first = rcp_approx_ftz(unsafe { *scale.add((i0 * step) as usize) });
+    let (scale, step) = (dest.scale, dest.step);
+    let first = if FI && scale.is_null() {
+        dest.multiplier
+    } else {
+        // SAFETY: head i0 is live (the caller's promise), so its scale exists.
+        rcp_approx_ftz(unsafe { *scale.add((i0 * step) as usize) })
+    };
     let mut m = [first; U];
     if step != 0 {
         unrolled(U, |u| {
@@ -913,7 +1034,14 @@ unsafe fn fp8_multipliers<const U: usize>(
 /// and output spans fewer than 2^32 elements; the cache holds at most 2^32 slots; tables suit
 /// [`PlannedTable`] ([`crate::abi::planned_table_fits`]).
 #[inline(always)]
-unsafe fn token_heads_body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(
+unsafe fn token_heads_body<
+    T: Elem,
+    P: Pairing,
+    S: Source,
+    const L: usize,
+    const U: usize,
+    const FI: bool,
+>(
     f: &Fused<T>,
 ) {
     let a = &f.rope;
@@ -1073,31 +1201,37 @@ unsafe fn token_heads_body<T: Elem, P: Pairing, S: Source, const L: usize, const
     unsafe {
         match kind {
             Kind::Q => {
-                let fp8 = f.q_format == FormatCode::E4m3 as u32;
                 let first = offset_u32(a.q.out_strides, (b, s), i0);
                 let heads = (u64::from(first), u64::from(a.q.out_strides[2] as u32));
-                let scales = fp8.then_some((f.q_scale, f.q_scale_step));
-                store_heads::<T, P, L, U>(a.q.out.cast(), heads, (live, i0), scales, at, &y);
+                let scales = (f.q_scale, f.q_scale_step);
+                let dest = Fp8Dest::of::<FI>(f.q_format, scales, f.q_multiplier);
+                store_heads::<T, P, L, U, FI>(a.q.out.cast(), heads, (live, i0), dest, at, &y);
             }
             _ => {
                 // SAFETY: token < tokens; the cache holds at most 2^32 slots (the token-heads
                 // promise).
-                let slot = cache_slot_u32(f, u64::from(token));
+                let slot = cache_slot_u32::<T, FI>(f, u64::from(token));
                 if kind == Kind::K && !a.k.out.is_null() {
                     let first = offset_u32(a.k.out_strides, (b, s), i0);
                     let heads = (u64::from(first), u64::from(a.k.out_strides[2] as u32));
-                    store_heads::<T, P, L, U>(a.k.out.cast(), heads, (live, i0), None, at, &y);
+                    // An FP8 k output is one of FlashInfer's forms (two-heads kernels only).
+                    let dest = if FI {
+                        let scales = (f.k_scale, f.k_scale_step);
+                        Fp8Dest::of::<FI>(f.k_format, scales, f.k_multiplier)
+                    } else {
+                        None
+                    };
+                    store_heads::<T, P, L, U, FI>(a.k.out.cast(), heads, (live, i0), dest, at, &y);
                 }
                 if let Some(slot) = slot {
-                    let (cache, scale) = match kind {
-                        Kind::K => (f.k_cache, (f.k_scale, f.k_scale_step)),
-                        _ => (f.v_cache, (f.v_scale, f.v_scale_step)),
+                    let (cache, scale, multiplier) = match kind {
+                        Kind::K => (f.k_cache, (f.k_scale, f.k_scale_step), f.k_multiplier),
+                        _ => (f.v_cache, (f.v_scale, f.v_scale_step), f.v_multiplier),
                     };
                     let stride = f.cache_strides[2];
                     let heads = (slot + u64::from(i0) * stride, stride);
-                    let fp8 = f.cache_format == FormatCode::E4m3 as u32;
-                    let scales = fp8.then_some(scale);
-                    store_heads::<T, P, L, U>(cache, heads, (live, i0), scales, at, &y);
+                    let dest = Fp8Dest::of::<FI>(f.cache_format, scale, multiplier);
+                    store_heads::<T, P, L, U, FI>(cache, heads, (live, i0), dest, at, &y);
                 }
             }
         }
@@ -1144,30 +1278,36 @@ fn prefetch_ahead<T, const U: usize>(
 
 /// Stores the token-heads body's live heads `i0 + u` (`live[u]`), each's values `y(u)`, into a
 /// destination whose head `i0 + u` starts `first + u * stride` elements of its format after
-/// `base`: FP8 of the values times `1 / scale` with `scales` (`scale[head * step]`), else the
+/// `base`: FP8 (`dest`) of the values times their multiplier ([`fp8_multipliers`]), else the
 /// tensors' type.
 ///
 /// # Safety
-/// Those heads lie inside the destination, aligned to `lanes`; FP8 destinations' scales hold
-/// one `f32` (step 0) or one per head.
+/// Those heads lie inside the destination, aligned to `lanes`; FP8 destinations' scales are
+/// null or hold one `f32` (step 0) or one per head.
 #[inline(always)]
-unsafe fn store_heads<T: Elem, P: Pairing, const L: usize, const U: usize>(
+unsafe fn store_heads<T: Elem, P: Pairing, const L: usize, const U: usize, const FI: bool>(
     base: *mut u8,
     (first, stride): (u64, u64),
     (live, i0): ([bool; U], u32),
-    scales: Option<(*const f32, u32)>,
+    dest: Option<Fp8Dest>,
     at: (usize, usize),
     y: &impl Fn(usize) -> [[f32; L]; 2],
 ) {
     // SAFETY (each store): the caller's promises.
     unsafe {
-        match scales {
-            Some((scale, step)) => {
-                let mul = fp8_multipliers(scale, step, i0, live);
-                each_head!(U, u => { if live[u] {
-                    let head = base.add((first + u as u64 * stride) as usize);
-                    store_head::<T, P, L>(head, Some(mul[u]), at, &y(u));
-                } });
+        // One branch on the format for all the heads: inside the heads' stores, both formats'
+        // code held the rotated heads at once, which made ptxas spill the four-heads kernels.
+        match dest {
+            Some(d) if d.e5m2 => store_fp8_heads::<Fp8E5m2, P, L, U, FI>(
+                base,
+                (first, stride),
+                (live, i0),
+                &d,
+                at,
+                y,
+            ),
+            Some(d) => {
+                store_fp8_heads::<Fp8, P, L, U, FI>(base, (first, stride), (live, i0), &d, at, y)
             }
             None => {
                 let base = base.cast::<T>();
@@ -1177,6 +1317,31 @@ unsafe fn store_heads<T: Elem, P: Pairing, const L: usize, const U: usize>(
                 } });
             }
         }
+    }
+}
+
+/// [`store_heads`]'s FP8 stores, in the format `D`: each live head's values times its
+/// multiplier ([`fp8_multipliers`]).
+///
+/// # Safety
+/// As [`store_heads`], for a destination of `D`.
+#[inline(always)]
+unsafe fn store_fp8_heads<D: Elem, P: Pairing, const L: usize, const U: usize, const FI: bool>(
+    base: *mut u8,
+    (first, stride): (u64, u64),
+    (live, i0): ([bool; U], u32),
+    dest: &Fp8Dest,
+    at: (usize, usize),
+    y: &impl Fn(usize) -> [[f32; L]; 2],
+) {
+    // SAFETY (each store): the caller's promises.
+    unsafe {
+        let mul = fp8_multipliers::<U, FI>(dest, i0, live);
+        let offsets = vector_offsets::<P>(at.0, at.1);
+        each_head!(U, u => { if live[u] {
+            let head = base.add((first + u as u64 * stride) as usize).cast::<D>();
+            put::<D, P, L>(head, offsets, scaled(&y(u), mul[u]));
+        } });
     }
 }
 
@@ -1277,12 +1442,14 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
     }
 }
 
-/// Picks the monomorphized body for the `lanes` argument, as [`crate::rope`]'s dispatch.
+/// Picks the monomorphized body for the `lanes` argument, as [`crate::rope`]'s dispatch; `FI`:
+/// the two-heads body with FlashInfer's forms (the entry points of
+/// [`crate::fused_forms_kernel_params!`]).
 ///
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T>) {
+unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8, const FI: bool>(f: &Fused<T>) {
     const WIDE: u8 = Mapping::WIDE.code();
     const NARROW: u8 = Mapping::NARROW.code();
     const TWO_HEADS: u8 = Mapping::TWO_HEADS.code();
@@ -1296,10 +1463,10 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
             // Token-heads kernels take the preferred width only: no `lanes` to read. Four-heads
             // kernels exist for NeoX 16-bit elements only.
-            (TWO_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, TWO_HEADS_U>(f),
-            (TWO_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, TWO_HEADS_U>(f),
-            (TWO_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, TWO_HEADS_U>(f),
-            (FOUR_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, FOUR_HEADS_U>(f),
+            (TWO_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI>(f),
+            (TWO_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI>(f),
+            (TWO_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI>(f),
+            (FOUR_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false>(f),
             (ROWS, 2, _, true) => rows_body::<T, P, S>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(f),
@@ -1311,14 +1478,29 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(f: &Fused<T
 
 /// The fused entry points' parameters, one field per entry of [`crate::fused_kernel_params!`].
 macro_rules! fused_params_struct {
-    ({} $($param:ident: $kind:ident,)*) => {
-        /// The parameters of every fused entry point.
-        struct FusedParams<T> {
+    ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
+        $(#[$doc])*
+        struct $name<T> {
             $($param: crate::device_param_type!($kind, T),)*
         }
     };
 }
-crate::fused_kernel_params!(fused_params_struct {});
+crate::fused_kernel_params!(fused_params_struct {
+    /// The parameters of every fused entry point but FlashInfer's forms'.
+    FusedParams
+});
+crate::fused_forms_kernel_params!(fused_params_struct {
+    /// The parameters of the entry points of FlashInfer's forms.
+    FusedFormsParams
+});
+
+/// The parameters of [`crate::fused_kernel_params!`] among `$p`'s (FlashInfer's forms' entry
+/// points take them and more).
+macro_rules! fused_params_of {
+    ({ $p:ident } $($param:ident: $kind:ident,)*) => {
+        FusedParams { $($param: $p.$param,)* }
+    };
+}
 
 /// The RoPE parameters of a fused entry point's parameters `$p`, its `sin_sign` among them
 /// (`read_ahead` is the one-head RoPE kernels' alone).
@@ -1369,10 +1551,38 @@ impl<T> Fused<T> {
             v_scale: p.v_scale.cast(),
             k_scale_step: p.k_scale_step,
             v_scale_step: p.v_scale_step,
+            q_multiplier: 0.0,
+            k_multiplier: 0.0,
+            v_multiplier: 0.0,
+            k_format: FormatCode::Elem as u32,
+            slot_mode: SlotCode::Slots as u32,
+            page_positions: core::ptr::null(),
+            kv_indptr: core::ptr::null(),
+            kv_indices: core::ptr::null(),
+            kv_requests: 0,
+            kv_pages: 0,
             q_warps: p.q_warps,
             k_warps: p.k_warps,
             v_warps: p.v_warps,
             prefetch_tokens: p.prefetch_tokens,
+        }
+    }
+
+    /// Gathers the parameters of an entry point of FlashInfer's forms.
+    #[inline(always)]
+    fn new_forms(p: FusedFormsParams<T>) -> Self {
+        Fused {
+            q_multiplier: p.q_multiplier,
+            k_multiplier: p.k_multiplier,
+            v_multiplier: p.v_multiplier,
+            k_format: p.k_format,
+            slot_mode: p.slot_mode,
+            page_positions: p.page_positions.cast(),
+            kv_indptr: p.kv_indptr.cast(),
+            kv_indices: p.kv_indices.cast(),
+            kv_requests: p.kv_requests,
+            kv_pages: p.kv_pages,
+            ..Self::new(crate::fused_kernel_params!(fused_params_of { p }))
         }
     }
 }
@@ -1381,7 +1591,7 @@ impl<T> Fused<T> {
 /// two heads per thread, then the four-heads and the rows entry points.
 macro_rules! fused_kernel {
     (
-        $($wide:ident, $narrow:ident, $two_heads:ident:
+        $($wide:ident, $narrow:ident, $two_heads:ident, $forms:ident:
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fsource:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
@@ -1391,6 +1601,9 @@ macro_rules! fused_kernel {
             crate::fused_kernel_params!(fused_entry { $narrow, NARROW: $pairing, $source, $t });
             crate::fused_kernel_params!(
                 fused_entry { $two_heads, TWO_HEADS: $pairing, $source, $t }
+            );
+            crate::fused_forms_kernel_params!(
+                fused_forms_entry { $forms: $pairing, $source, $t }
             );
         )*
         $(
@@ -1434,7 +1647,40 @@ macro_rules! fused_entry {
         ) {
             let args = Fused::new(FusedParams::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe { dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }>(&args) }
+            unsafe {
+                dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }, false>(&args)
+            }
+        }
+    };
+}
+
+/// One two-heads entry point of FlashInfer's forms, with the parameter list of
+/// [`crate::fused_forms_kernel_params!`].
+macro_rules! fused_forms_entry {
+    (
+        { $name:ident: $pairing:ident, $source:ident, $t:ty }
+        $($param:ident: $kind:ident,)*
+    ) => {
+        /// One two-heads fused entry point of FlashInfer's forms (`_two_heads_flashinfer`): as
+        /// the `_two_heads` one, and page-table caches, E5M2, multipliers by value and an FP8 k
+        /// output (`fused_forms_kernel_params!` in `abi.rs`).
+        ///
+        /// # Safety
+        /// The promises of the `_two_heads` entry points, and: FP8 scales null (the multiplier
+        /// is then the argument's) or as there; for `slot_mode` 1, `slots`, `page_positions`,
+        /// `kv_indptr` and `kv_indices` hold `tokens`, `tokens`, `kv_requests + 1` and
+        /// `kv_pages` `i32`; with `k_format` FP8, `out1` addresses k's heads in bytes and no
+        /// cache is written.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            $($param: crate::device_param_type!($kind, $t),)*
+        ) {
+            let args = Fused::new_forms(FusedFormsParams::<$t> { $($param,)* });
+            // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
+            unsafe {
+                dispatch::<$t, $pairing, $source<$t>, { Mapping::TWO_HEADS.code() }, true>(&args)
+            }
         }
     };
 }

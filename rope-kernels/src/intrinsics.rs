@@ -424,6 +424,16 @@ paired_round!(
     u16,
     reg16
 );
+paired_round!(
+    /// Rounds two `f32` to FP8 E5M2 with one `cvt.rn.satfinite.e5m2x2.f32` (sm_89+, so only in
+    /// the PTX built for sm_89): saturating to `±57344` (infinities included), NaN to a NaN
+    /// code. For every non-NaN input the same bits as [`crate::math::f32_to_e5m2`].
+    #[cfg(target_feature = "sm_89")]
+    f32x2_to_e5m2x2,
+    "cvt.rn.satfinite.e5m2x2.f32",
+    u16,
+    reg16
+);
 
 /// Widens the IEEE binary16 value in the low 16 bits of `bits` to `f32` (exact). Taking a
 /// 32-bit register keeps vectors of 16-bit elements packed two to a register until each is

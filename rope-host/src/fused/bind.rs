@@ -2,9 +2,9 @@
 //! [`super::KvCache`] reduced to a [`FusedRequest`] of addresses, each checked to belong to the
 //! binder's context (as `crate::bind` does for the RoPE launches).
 
-use super::raw::RawFp8Scale;
-use super::request::{FusedRequest, RawCache, RawNorm, RawScale};
-use super::{CacheData, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, QOut};
+use super::raw::{RawCacheAddress, RawFp8Scale, RawPageTable};
+use super::request::{CacheFp8, FusedRequest, RawCache, RawFp8, RawNorm, RawScale};
+use super::{CacheAddress, CacheData, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, QOut};
 use crate::bind::Binder;
 use crate::config::RopeElem;
 use crate::error::Result;
@@ -24,7 +24,7 @@ pub(super) fn bind<'s, T: RopeElem>(
         x_layout: layout,
         out: None,
     };
-    let (q, q_fp8, k, k_written, v, packed) = match io {
+    let (q, q_fp8, (k, k_fp8, k_written), v, packed) = match io {
         FusedIo::Separate { q, k, v } => {
             let (q, q_fp8) = match q {
                 QOut::InPlace(t) => (tensor(binder.write("q", &mut t.data)?, t.layout), None),
@@ -36,32 +36,53 @@ pub(super) fn bind<'s, T: RopeElem>(
                     input,
                     output,
                     scale,
+                    format,
                 } => (
                     bind_out_of_place(binder, ("q", "q.output"), input, output)?,
-                    Some(bind_scale(binder, "q.scale", scale)?),
+                    Some(RawFp8 {
+                        format: *format,
+                        scale: bind_scale(binder, "q.scale", scale)?,
+                    }),
                 ),
             };
-            let (k, k_written) = match k {
-                KOut::InPlace(t) => (tensor(binder.write("k", &mut t.data)?, t.layout), true),
-                KOut::OutOfPlace { input, output } => (
-                    bind_out_of_place(binder, ("k", "k.output"), input, output)?,
+            let k = match k {
+                KOut::InPlace(t) => (
+                    tensor(binder.write("k", &mut t.data)?, t.layout),
+                    None,
                     true,
                 ),
-                KOut::CacheOnly(t) => (tensor(binder.read("k", &t.data)?, t.layout), false),
+                KOut::OutOfPlace { input, output } => (
+                    bind_out_of_place(binder, ("k", "k.output"), input, output)?,
+                    None,
+                    true,
+                ),
+                KOut::CacheOnly(t) => (tensor(binder.read("k", &t.data)?, t.layout), None, false),
+                KOut::Fp8 {
+                    input,
+                    output,
+                    scale,
+                    format,
+                } => (
+                    bind_out_of_place(binder, ("k", "k.output"), input, output)?,
+                    Some(RawFp8 {
+                        format: *format,
+                        scale: bind_scale(binder, "k.scale", scale)?,
+                    }),
+                    true,
+                ),
             };
             let v = match v {
                 Some(t) => Some((binder.read("v", &t.data)?, t.layout)),
                 None => None,
             };
-            (q, q_fp8, k, k_written, v, false)
+            (q, q_fp8, k, v, false)
         }
         FusedIo::Packed { data, q, k, v } => {
             let buf = binder.write("q", data)?;
             (
                 tensor(buf, *q),
                 None,
-                tensor(buf, *k),
-                true,
+                (tensor(buf, *k), None, true),
                 v.map(|l| (buf, l)),
                 true,
             )
@@ -78,7 +99,17 @@ pub(super) fn bind<'s, T: RopeElem>(
     };
     let cache = match cache {
         Some(c) => {
-            let slots = c.slot_mapping.bind("cache.slot_mapping", binder)?;
+            let address = match &c.address {
+                CacheAddress::Slots(s) => {
+                    RawCacheAddress::Slots(s.bind("cache.slot_mapping", binder)?)
+                }
+                CacheAddress::PageTable(t) => RawCacheAddress::PageTable(RawPageTable {
+                    batch_indices: binder.read("cache.batch_indices", &t.batch_indices)?,
+                    positions: binder.read("cache.positions", &t.positions)?,
+                    kv_indptr: binder.read("cache.kv_indptr", &t.kv_indptr)?,
+                    kv_indices: binder.read("cache.kv_indices", &t.kv_indices)?,
+                }),
+            };
             let (k, v, fp8) = match &mut c.data {
                 CacheData::Elem { k, v } => (
                     binder.write("cache.k", k)?,
@@ -90,17 +121,19 @@ pub(super) fn bind<'s, T: RopeElem>(
                     v,
                     k_scale,
                     v_scale,
+                    format,
                 } => (
                     binder.write("cache.k", k)?,
                     binder.write("cache.v", v)?,
-                    Some((
-                        bind_scale(binder, "cache.k_scale", k_scale)?,
-                        bind_scale(binder, "cache.v_scale", v_scale)?,
-                    )),
+                    Some(CacheFp8 {
+                        format: *format,
+                        k: bind_scale(binder, "cache.k_scale", k_scale)?,
+                        v: bind_scale(binder, "cache.v_scale", v_scale)?,
+                    }),
                 ),
             };
             Some(RawCache {
-                slots,
+                address,
                 layout: c.layout,
                 k,
                 v,
@@ -120,6 +153,7 @@ pub(super) fn bind<'s, T: RopeElem>(
             sincos: op.rope.sincos.bind(binder)?,
         },
         q_fp8,
+        k_fp8,
         k_written,
         v,
         norm,
@@ -151,6 +185,7 @@ fn bind_scale<'s>(
     let raw = match scale {
         Fp8Scale::PerTensor(s) => RawFp8Scale::PerTensor(binder.read(arg, s)?),
         Fp8Scale::PerHead(s) => RawFp8Scale::PerHead(binder.read(arg, s)?),
+        Fp8Scale::Multiplier(m) => RawFp8Scale::Multiplier(*m),
     };
     Ok(raw.raw(arg))
 }

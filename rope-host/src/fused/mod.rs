@@ -6,13 +6,18 @@
 //! 1. with [`QkNorm`]: `x_e <- x_e / sqrt(sum_e x_e^2 / head_dim + eps) * w_e` (`1 + w_e` for
 //!    [`NormWeight::OnePlus`]), in `f32`;
 //! 2. the rotation of [`Rope::run`];
-//! 3. q to its output ([`QOut`]: in place, out of place, or FP8 E4M3 of `q / scale`); k to its
-//!    output ([`KOut`]) and, with a [`KvCache`], k and v (v unchanged) into the cache slot of
-//!    the token (`slot_mapping[t]`; a negative slot is padding and writes nothing), in the
-//!    tensors' type or FP8 E4M3 of `value / scale`.
+//! 3. q to its output ([`QOut`]: in place, out of place, or FP8 of `q / scale` or `q *
+//!    multiplier`); k to its output ([`KOut`], FP8 as q's) and, with a [`KvCache`], k and v (v
+//!    unchanged) into the cache slot of the token ([`CacheAddress`]: `slot_mapping[t]`, a
+//!    negative slot is padding and writes nothing; or FlashInfer's [`PageTable`]), in the
+//!    tensors' type or FP8 of `value / scale` or `value * multiplier`.
 //!
-//! Each output is rounded once, from `f32`. FP8 rounds to nearest even and saturates at ±448
-//! ([`rope_kernels::math::f32_to_e4m3`]).
+//! Each output is rounded once, from `f32`. FP8 ([`Fp8Format`]) rounds to nearest even and
+//! saturates at ±448 (E4M3, [`rope_kernels::math::f32_to_e4m3`]) or ±57344 (E5M2,
+//! [`rope_kernels::math::f32_to_e5m2`]). FlashInfer's forms (a page table, E5M2, multipliers, an
+//! FP8 k output) run on the token-heads kernels only; a launch those cannot take (a tensor of
+//! 2^32 elements or more, accesses narrower than 16 bytes) is refused naming the form's
+//! argument.
 //!
 //! # Layouts
 //! q, k and v are [`Layout`]s (`[batch, seq, heads, head_dim]` at any strides with contiguous
@@ -36,13 +41,13 @@ mod tests;
 
 use cudarc::driver::sys::CUstream;
 use cudarc::driver::{CudaView, CudaViewMut};
-use rope_kernels::abi::{FormatCode, FusedKernelName, NormCode};
+use rope_kernels::abi::{FormatCode, FusedForms, FusedKernelName, NormCode, SlotCode};
 
 use crate::bind::Binder;
 use crate::config::RopeElem;
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
-use crate::kernel_args::FusedArgs;
+use crate::kernel_args::{FusedArgs, FusedFormsArgs};
 use crate::layout::Layout;
 use crate::op::{RopeOp, Tensor, TensorMut};
 use crate::positions::{DeviceInts, IntType};
@@ -50,10 +55,11 @@ use crate::rope::{Work, encode_work};
 pub(crate) use plan::FusedPlan;
 use plan::plan_fused;
 pub use raw::{
-    RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawQOut, RawQkNorm,
+    RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache,
+    RawPageTable, RawQOut, RawQkNorm,
 };
 pub(crate) use request::FusedRequest;
-use request::RawScale;
+use request::{RawScale, ScaleSource};
 use rows::RowsLaunch;
 
 /// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
@@ -79,14 +85,37 @@ pub enum NormWeight {
     OnePlus,
 }
 
-/// The scale of FP8 stores, in device memory (so a graph replays with the current value):
-/// the stored value is `e4m3(x / scale)`.
+/// The scale of FP8 stores: in device memory (so a graph replays with the current value),
+/// the stored value `fp8(x / scale)`; or a multiplier passed by value (FlashInfer's
+/// `quant_scale`: `fp8(x * multiplier)`; a graph replays the value captured).
 #[derive(Debug)]
 pub enum Fp8Scale<'a> {
     /// One scale for the tensor.
     PerTensor(CudaView<'a, f32>),
     /// One scale per head of the tensor.
     PerHead(CudaView<'a, f32>),
+    /// One multiplier for the tensor, finite.
+    Multiplier(f32),
+}
+
+/// The FP8 format of a store: the value rounded to nearest even, saturating at the format's
+/// largest finite magnitude.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Format {
+    /// E4M3 (`float8_e4m3fn`), largest 448 ([`rope_kernels::math::f32_to_e4m3`]).
+    E4m3,
+    /// E5M2 (`float8_e5m2`), largest 57344 ([`rope_kernels::math::f32_to_e5m2`]).
+    E5m2,
+}
+
+impl Fp8Format {
+    /// The kernels' code for stores in this format.
+    pub(crate) fn code(self) -> FormatCode {
+        match self {
+            Fp8Format::E4m3 => FormatCode::E4m3,
+            Fp8Format::E5m2 => FormatCode::E5m2,
+        }
+    }
 }
 
 /// Where the rotated q goes.
@@ -101,14 +130,17 @@ pub enum QOut<'a, T> {
         /// Written only.
         output: TensorMut<'a, T>,
     },
-    /// Into an FP8 E4M3 tensor (`u8` bits) of q's dimensions, as `e4m3(q / scale)`.
+    /// Into an FP8 tensor (`u8` bits) of q's dimensions, as `fp8(q / scale)` (or `fp8(q *
+    /// multiplier)`).
     Fp8 {
         /// Read only.
         input: Tensor<'a, T>,
         /// Written only, at its own strides (in bytes).
         output: TensorMut<'a, u8>,
-        /// Per tensor or per q head.
+        /// Per tensor or per q head, or a multiplier.
         scale: Fp8Scale<'a>,
+        /// E4M3 or E5M2.
+        format: Fp8Format,
     },
 }
 
@@ -126,6 +158,18 @@ pub enum KOut<'a, T> {
     },
     /// Only into the cache (a [`KvCache`] is required): k itself is read only.
     CacheOnly(Tensor<'a, T>),
+    /// Into an FP8 tensor (`u8` bits) of k's dimensions, as `fp8(k / scale)` (or `fp8(k *
+    /// multiplier)`); a launch with a cache does not take it.
+    Fp8 {
+        /// Read only.
+        input: Tensor<'a, T>,
+        /// Written only, at its own strides (in bytes).
+        output: TensorMut<'a, u8>,
+        /// Per tensor or per k head, or a multiplier.
+        scale: Fp8Scale<'a>,
+        /// E4M3 or E5M2.
+        format: Fp8Format,
+    },
 }
 
 /// The tensors of a fused launch.
@@ -226,25 +270,57 @@ pub enum CacheData<'a, T> {
         /// v's cache.
         v: CudaViewMut<'a, T>,
     },
-    /// FP8 E4M3 bits, `e4m3(value / scale)`.
+    /// FP8 bits, `fp8(value / scale)` (or `fp8(value * multiplier)`).
     Fp8 {
         /// k's cache.
         k: CudaViewMut<'a, u8>,
         /// v's cache.
         v: CudaViewMut<'a, u8>,
-        /// Per tensor or per kv head.
+        /// Per tensor or per kv head, or a multiplier.
         k_scale: Fp8Scale<'a>,
-        /// Per tensor or per kv head.
+        /// Per tensor or per kv head, or a multiplier.
         v_scale: Fp8Scale<'a>,
+        /// E4M3 or E5M2, both caches.
+        format: Fp8Format,
     },
+}
+
+/// Which cache slot each token's k and v go to. Device data: a slot outside the cache (or a
+/// page-table entry outside its arrays) is skipped, never written.
+#[derive(Debug)]
+pub enum CacheAddress<'a> {
+    /// vLLM's `slot_mapping`: one slot per token (`batch * seq`, `i32` or `i64`); a negative
+    /// slot (padding) writes nothing.
+    Slots(DeviceInts<'a>),
+    /// FlashInfer's page table ([`PageTable`]).
+    PageTable(PageTable<'a>),
+}
+
+/// FlashInfer's paged-KV addressing (`append_paged_kv_cache`,
+/// `rope_quantize_fp8_append_paged_kv_cache`), all `i32`: token `t` of request `b =
+/// batch_indices[t]` at position `p = positions[t]` in it goes to entry `p % page_size` of page
+/// `kv_indices[kv_indptr[b] + p / page_size]` (`page_size` the layout's `block_size`). A
+/// negative `b` (padding) writes nothing; so does a negative position or page, a request
+/// without an entry in `kv_indptr`, or a page entry outside `kv_indptr[b] .. kv_indptr[b + 1]`
+/// or `kv_indices` (FlashInfer's kernel does not check these).
+#[derive(Debug)]
+pub struct PageTable<'a> {
+    /// The request of each token (`batch * seq`).
+    pub batch_indices: CudaView<'a, i32>,
+    /// Each token's position in its request (`batch * seq`).
+    pub positions: CudaView<'a, i32>,
+    /// Request `b`'s pages are entries `kv_indptr[b] .. kv_indptr[b + 1]` of `kv_indices`
+    /// (requests + 1 entries).
+    pub kv_indptr: CudaView<'a, i32>,
+    /// Page numbers.
+    pub kv_indices: CudaView<'a, i32>,
 }
 
 /// The paged-cache write of a fused launch.
 #[derive(Debug)]
 pub struct KvCache<'a, T> {
-    /// One slot per token (`batch * seq`, `i32` or `i64` as vLLM's `slot_mapping`); a negative
-    /// slot (padding) writes nothing. Device data: a slot past the cache is skipped too.
-    pub slot_mapping: DeviceInts<'a>,
+    /// Where each token's k and v go.
+    pub address: CacheAddress<'a>,
     /// The layout of both caches.
     pub layout: CacheLayout,
     /// The caches.
@@ -344,22 +420,27 @@ impl Rope {
         let rope = encode_work(&req.rope, &work, &positions, &sincos);
         let args = encode(req, plan, rope);
         let function = self.module.function(plan.kernel.symbol())?;
-        // SAFETY: `FusedArgs` comes from `fused_kernel_params!`, the entry points' list. The
-        // plan proved what the entry points' `# Safety` asks: every tensor, output, weight,
-        // scale, slot array and cache holds what its layout and the kernel address (the cache
-        // for every slot below `cache_slots`), written regions overlap nothing else,
-        // pointers and strides are aligned to `lanes`, the whole head is rotated, and
-        // `groups` is a power of two of at most 32 with a norm; positions and sin/cos as for
-        // `Rope::run`. The function was loaded in this context.
-        // With programmatic overlap the function comes from `PTX_SM90` (`overlap_for`).
+        let (context, overlap) = (
+            self.stream.context(),
+            self.overlap_for(plan.kernel.symbol()),
+        );
+        let config = plan.grid.config;
+        // SAFETY: `FusedArgs` comes from `fused_kernel_params!`, and `FusedFormsArgs` from
+        // `fused_forms_kernel_params!`, the entry points' lists, and the kernel's forms pick the
+        // list its entry point takes. The plan proved what the entry points' `# Safety` asks:
+        // every tensor, output, weight, scale, slot array, page table and cache holds what its
+        // layout and the kernel address (the cache for every slot below `cache_slots`), written
+        // regions overlap nothing else, pointers and strides are aligned to `lanes`, the whole
+        // head is rotated, and `groups` is a power of two of at most 32 with a norm; positions
+        // and sin/cos as for `Rope::run`. The function was loaded in this context. With
+        // programmatic overlap the function comes from `PTX_SM90` (`overlap_for`).
         unsafe {
-            args.launch(
-                self.stream.context(),
-                &function,
-                plan.grid.config,
-                stream,
-                self.overlap_for(plan.kernel.symbol()),
-            )
+            match plan.kernel.forms {
+                FusedForms::Plain => args.launch(context, &function, config, stream, overlap),
+                FusedForms::FlashInfer => {
+                    encode_forms(req, args).launch(context, &function, config, stream, overlap)
+                }
+            }
         }
     }
 }
@@ -374,29 +455,61 @@ impl NormWeight {
     }
 }
 
-/// The FP8 scales of q's output, k's cache and v's cache, in that order, as the kernels take
-/// them: the address and the step between heads, 0 for one scale (or no FP8 store: then the
-/// address is 0 too) and 1 for one per head. Each destination keeps its own granularity, so a
-/// per-head k scale beside a per-tensor v scale (or the reverse) is read as given.
-fn scale_args(req: &FusedRequest) -> [(u64, u32); 3] {
-    let arg = |s: Option<RawScale>| s.map_or((0, 0), |s| (s.buf.ptr, u32::from(s.per_head)));
+/// The FP8 scales of q's output, k's (FP8 output or cache) and v's cache, in that order, as the
+/// kernels take them: the address, the step between heads (0 for one scale, 1 for one per
+/// head) and the multiplier the kernel takes where the address is 0 (a multiplier by value, or
+/// no FP8 store). Each destination keeps its own granularity, so a per-head k scale beside a
+/// per-tensor v scale (or the reverse) is read as given.
+fn scale_args(req: &FusedRequest) -> [(u64, u32, f32); 3] {
+    let arg = |s: Option<RawScale>| match s.map(|s| s.source) {
+        Some(ScaleSource::Array { buf, per_head }) => (buf.ptr, u32::from(per_head), 0.0),
+        Some(ScaleSource::Multiplier(m)) => (0, 0, m),
+        None => (0, 0, 0.0),
+    };
     let cache = req.cache.and_then(|c| c.fp8);
+    let k = req.k_fp8.map(|f| f.scale).or(cache.map(|c| c.k));
     [
-        arg(req.q_fp8),
-        arg(cache.map(|(k, _)| k)),
-        arg(cache.map(|(_, v)| v)),
+        arg(req.q_fp8.map(|f| f.scale)),
+        arg(k),
+        arg(cache.map(|c| c.v)),
     ]
+}
+
+/// The kernels' code of an output stored as `fp8` (the tensors' type without).
+fn format_code(fp8: Option<Fp8Format>) -> u32 {
+    fp8.map_or(FormatCode::Elem, Fp8Format::code) as u32
+}
+
+/// The page-table arguments: `slot_mode`, `page_positions`, `kv_indptr`, `kv_indices`,
+/// `kv_requests`, `kv_pages` (zeros without one); with one, `slots` is its `batch_indices`.
+fn page_table_args(cache: Option<&request::RawCache>) -> (u32, u64, u64, u64, u32, u32) {
+    match cache.map(|c| c.address) {
+        Some(RawCacheAddress::PageTable(t)) => (
+            SlotCode::PageTable as u32,
+            t.positions.ptr,
+            t.kv_indptr.ptr,
+            t.kv_indices.ptr,
+            // The plan checked the lengths fit u32 and kv_indptr holds at least one entry.
+            (t.kv_indptr.len - 1) as u32,
+            t.kv_indices.len as u32,
+        ),
+        _ => (SlotCode::Slots as u32, 0, 0, 0, 0, 0),
+    }
 }
 
 /// The fused kernel's arguments: the RoPE arguments of the request (q's output in bytes for
 /// FP8, k's output null when k is only cached) and the fused ones.
 fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeArgs) -> FusedArgs {
+    // An FP8 output's offset counts bytes, not elements of the input's type.
     let out0 = match (req.q_fp8, req.rope.q.out) {
-        // The output's offset counts bytes, not elements of the input's type.
         (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
         _ => rope.out0,
     };
-    let out1 = if req.k_written { rope.out1 } else { 0 };
+    let out1 = match (req.k_fp8, req.rope.k.and_then(|k| k.out)) {
+        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
+        _ if req.k_written => rope.out1,
+        _ => 0,
+    };
     let es = req.rope.dtype.size() as u64;
     let (v, heads_v, v_strides) = match req.v {
         Some((buf, l)) => (
@@ -410,16 +523,17 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
         Some(n) => (n.code as u32, n.q_weight.ptr, n.k_weight.ptr, n.eps),
         None => (NormCode::None as u32, 0, 0, 0.0),
     };
-    let q_format = match req.q_fp8 {
-        Some(_) => FormatCode::E4m3 as u32,
-        None => FormatCode::Elem as u32,
-    };
     let [
-        (q_scale, q_scale_step),
-        (k_scale, k_scale_step),
-        (v_scale, v_scale_step),
+        (q_scale, q_scale_step, _),
+        (k_scale, k_scale_step, _),
+        (v_scale, v_scale_step, _),
     ] = scale_args(req);
     let c = req.cache.as_ref();
+    let (slots, slots_wide) = match c.map(|c| c.address) {
+        Some(RawCacheAddress::Slots(s)) => (s.buf.ptr, u32::from(s.ty == IntType::I64)),
+        Some(RawCacheAddress::PageTable(t)) => (t.batch_indices.ptr, 0),
+        None => (0, 0),
+    };
     let strides = c.map_or([0; 3], |c| c.layout.strides.map(|s| s as u64));
     let block = plan.block;
     macro_rules! with_rope {
@@ -436,11 +550,11 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 q_norm_weight,
                 k_norm_weight,
                 norm_eps,
-                q_format,
+                q_format: format_code(req.q_fp8.map(|f| f.format)),
                 q_scale,
                 q_scale_step,
-                slots: c.map_or(0, |c| c.slots.buf.ptr),
-                slots_wide: u32::from(c.is_some_and(|c| c.slots.ty == IntType::I64)),
+                slots,
+                slots_wide,
                 k_cache: c.map_or(0, |c| c.k.ptr),
                 v_cache: c.map_or(0, |c| c.v.ptr),
                 cache_stride_block: strides[0],
@@ -450,11 +564,7 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
                 block_magic: block.magic,
                 block_shift: block.shift,
                 cache_slots: plan.cache_slots,
-                cache_format: if c.is_some_and(|c| c.fp8.is_some()) {
-                    FormatCode::E4m3 as u32
-                } else {
-                    FormatCode::Elem as u32
-                },
+                cache_format: format_code(c.and_then(|c| c.fp8).map(|f| f.format)),
                 k_scale,
                 v_scale,
                 k_scale_step,
@@ -470,4 +580,35 @@ fn encode(req: &FusedRequest, plan: &FusedPlan, rope: crate::kernel_args::RopeAr
     let mut args = rope_kernels::rope_kernel_params!(with_rope { rope });
     (args.out0, args.out1) = (out0, out1);
     args
+}
+
+/// The arguments of a kernel of FlashInfer's forms: `base` ([`encode`]'s) and the forms' own
+/// (`rope_kernels::fused_forms_kernel_params!`): the multipliers, k's output format, the page
+/// table.
+fn encode_forms(req: &FusedRequest, base: FusedArgs) -> FusedFormsArgs {
+    let [
+        (_, _, q_multiplier),
+        (_, _, k_multiplier),
+        (_, _, v_multiplier),
+    ] = scale_args(req);
+    let (slot_mode, page_positions, kv_indptr, kv_indices, kv_requests, kv_pages) =
+        page_table_args(req.cache.as_ref());
+    macro_rules! with_base {
+        ({ $b:ident } $($param:ident: $kind:ident,)*) => {
+            FusedFormsArgs {
+                $($param: $b.$param,)*
+                q_multiplier,
+                k_multiplier,
+                v_multiplier,
+                k_format: format_code(req.k_fp8.map(|f| f.format)),
+                slot_mode,
+                page_positions,
+                kv_indptr,
+                kv_indices,
+                kv_requests,
+                kv_pages,
+            }
+        };
+    }
+    rope_kernels::fused_kernel_params!(with_base { base })
 }

@@ -5,14 +5,15 @@
 use std::num::NonZeroU32;
 
 use rope_kernels::abi::{
-    BLOCK_THREADS, Direction, FusedKernelName, MAX_FUSED_ITEMS, Mapping, ThreadHeads,
+    BLOCK_THREADS, Direction, FusedForms, FusedKernelName, MAX_FUSED_ITEMS, Mapping, ThreadHeads,
     preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
 
-use super::CacheLayout;
-use super::request::{FusedRequest, RawCache, RawScale};
+use super::request::{FusedRequest, RawCache, RawFp8, RawScale, ScaleSource};
 use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
+use super::{CacheLayout, Fp8Format, RawCacheAddress, RawPageTable};
+use crate::bind::RawBuf;
 use crate::check::{
     Of, Region, check_overlaps, layout_aligned, read_region, region, same_dims, span_below_2_32,
     widest_lanes,
@@ -93,7 +94,7 @@ pub(crate) fn plan_fused(
     let max_position = positions.max_implicit.filter(|_| !empty);
     let sincos = req.rope.sincos.check(cfg, req.rope.dtype, max_position)?;
     if let Some(c) = &req.cache {
-        check_ints(&c.slots, tokens)?;
+        check_address(&c.address, tokens)?;
     }
     if empty {
         return Ok(None);
@@ -135,6 +136,7 @@ pub(crate) fn plan_fused(
         } else {
             Mapping::NARROW
         },
+        forms: FusedForms::Plain,
     };
     let (block, cache_slots) = match &req.cache {
         Some(c) => (block_size(&c.layout)?, cache_slots(&c.layout)?),
@@ -147,17 +149,36 @@ pub(crate) fn plan_fused(
     // its length is one head's chain; at prefill its many resident threads keep more loads in
     // flight than the item loop, which holds one block of heads per thread), with 32-bit
     // element offsets and slot division. Other launches take the item loop.
-    let token_heads = choice != FusedKernels::ItemLoop
+    //
+    // FlashInfer's forms are stored by the two-heads kernels of those forms alone (in the item
+    // loop and the four-heads kernels their stores made ptxas spill, and their parameters made
+    // every other launch slower at decode), even where other kernels are pinned.
+    let flashinfer = flashinfer_form(req);
+    let token_heads = (choice != FusedKernels::ItemLoop || flashinfer.is_some())
         && kernel.mapping == Mapping::WIDE
         && spans_below_2_32(&req.rope)
         && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
         && cache_slots <= 1 << 32
         && req.rope.sincos.planned_table_fits(&sincos, cfg, pairs);
+    if let Some(arg) = flashinfer.filter(|_| !token_heads) {
+        return Err(invalid(
+            arg,
+            "page tables, E5M2, multipliers and FP8 k outputs are stored by the token-heads \
+             kernels alone, which this launch cannot take: each tensor below 2^32 elements at the \
+             widest access (addresses and strides aligned to 16 bytes), a cache of at most 2^32 \
+             slots, and tables within 2^32 elements aligned to their reads",
+        ));
+    }
     let kernel = FusedKernelName {
         mapping: if token_heads {
             Mapping::TWO_HEADS
         } else {
             kernel.mapping
+        },
+        forms: if flashinfer.is_some() {
+            FusedForms::FlashInfer
+        } else {
+            FusedForms::Plain
         },
         ..kernel
     };
@@ -171,7 +192,8 @@ pub(crate) fn plan_fused(
             .map_or(0, |(_, l)| l.heads as u32),
     ];
     let warps_at = |heads: u32| stored_heads.map(|h| token_heads_warps(h, groups, heads));
-    // Only a two-heads kernel has a four-heads kernel, so the item loop never takes one.
+    // Only a two-heads kernel without FlashInfer's forms has a four-heads kernel, so the item
+    // loop never takes one.
     let four_heads = kernel.four_heads().filter(|_| match choice {
         FusedKernels::FourHeads => true,
         FusedKernels::TwoHeads => false,
@@ -257,11 +279,36 @@ pub(crate) fn plan_fused(
     }))
 }
 
+/// The argument of `req`'s first FlashInfer form, if it has one: a multiplier or E5M2 for q's
+/// FP8 output, an FP8 k output, an FP8 cache of E5M2 or multipliers, a page table.
+pub(super) fn flashinfer_form(req: &FusedRequest) -> Option<&'static str> {
+    let extended = |f: RawFp8| {
+        f.format != Fp8Format::E4m3 || matches!(f.scale.source, ScaleSource::Multiplier(_))
+    };
+    if req.q_fp8.is_some_and(extended) {
+        return Some("q.scale");
+    }
+    if req.k_fp8.is_some() {
+        return Some("k.output");
+    }
+    let c = req.cache?;
+    if let Some(f) = c.fp8
+        && (extended(RawFp8 {
+            format: f.format,
+            scale: f.k,
+        }) || matches!(f.v.source, ScaleSource::Multiplier(_)))
+    {
+        return Some("cache.k_scale");
+    }
+    matches!(c.address, RawCacheAddress::PageTable(_)).then_some("cache.kv_indices")
+}
+
 /// The fused kernels rotate the whole head, forward, or backward where they normalise,
 /// quantise and cache nothing (a plain rotation).
 fn check_config(req: &FusedRequest) -> Result<()> {
     let cfg = &req.rope.config;
-    let plain = req.norm.is_none() && req.q_fp8.is_none() && req.cache.is_none();
+    let plain =
+        req.norm.is_none() && req.q_fp8.is_none() && req.k_fp8.is_none() && req.cache.is_none();
     if cfg.direction() != Direction::Forward && !plain {
         return Err(invalid(
             "config",
@@ -308,6 +355,12 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
             "is only cached (KOut::CacheOnly), which needs a KvCache",
         ));
     }
+    if req.k_fp8.is_some() && req.cache.is_some() {
+        return Err(invalid(
+            "k.output",
+            "an FP8 k output and a cache write do not come together (k's scale serves one)",
+        ));
+    }
     let k_in_place = k.out.is_none() && req.k_written;
     regions.push(region(
         ("k", Of::K),
@@ -318,8 +371,9 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
     )?);
     same_tokens("k", &k.x_layout, &q.x_layout)?;
     if let Some((buf, l)) = k.out {
+        let out_es = if req.k_fp8.is_some() { 1 } else { es };
         same_dims("k.output", &l, &k.x_layout)?;
-        regions.push(region(("k.output", Of::K), buf, &l, cfg, (es, true))?);
+        regions.push(region(("k.output", Of::K), buf, &l, cfg, (out_es, true))?);
     }
     if req.rope.packed && !packed_are_disjoint(&q.x_layout, &k.x_layout) {
         return Err(invalid(
@@ -376,8 +430,11 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
             regions.push(read_region(arg, (w.ptr, (w.len * es) as u64)));
         }
     }
-    if let Some(s) = req.q_fp8 {
-        regions.push(check_scale(&s, q.x_layout.heads)?);
+    if let Some(f) = req.q_fp8 {
+        regions.extend(check_scale(&f.scale, q.x_layout.heads)?);
+    }
+    if let Some(f) = req.k_fp8 {
+        regions.extend(check_scale(&f.scale, k.x_layout.heads)?);
     }
     if let Some(c) = &req.cache {
         check_cache(c, cfg, es, k.x_layout.heads, &mut regions)?;
@@ -401,20 +458,74 @@ fn same_tokens(arg: &'static str, l: &Layout, q: &Layout) -> Result<()> {
     Ok(())
 }
 
-/// An FP8 scale holds one `f32`, or one per head, aligned; returns its region.
-fn check_scale(s: &RawScale, heads: usize) -> Result<Region> {
-    let want = if s.per_head { heads } else { 1 };
-    if s.buf.len != want {
-        let what = if s.per_head { "one per head" } else { "one" };
+/// An FP8 scale array holds one `f32`, or one per head, aligned (its region returned); a
+/// multiplier is finite.
+fn check_scale(s: &RawScale, heads: usize) -> Result<Option<Region>> {
+    let (buf, per_head) = match s.source {
+        ScaleSource::Array { buf, per_head } => (buf, per_head),
+        ScaleSource::Multiplier(m) if m.is_finite() => return Ok(None),
+        ScaleSource::Multiplier(m) => {
+            return Err(invalid(s.arg, format!("multiplier {m} is not finite")));
+        }
+    };
+    let want = if per_head { heads } else { 1 };
+    if buf.len != want {
+        let what = if per_head { "one per head" } else { "one" };
         return Err(invalid(
             s.arg,
-            format!("holds {} scales, needs {what}: {want}", s.buf.len),
+            format!("holds {} scales, needs {what}: {want}", buf.len),
         ));
     }
-    if !s.buf.ptr.is_multiple_of(4) {
+    if !buf.ptr.is_multiple_of(4) {
         return Err(invalid(s.arg, "is not aligned to 4 bytes"));
     }
-    Ok(read_region(s.arg, (s.buf.ptr, 4 * want as u64)))
+    Ok(Some(read_region(s.arg, (buf.ptr, 4 * want as u64))))
+}
+
+/// The cache's addressing arrays: one slot per token, or a page table of `i32` arrays (one
+/// request index and one position per token, at least one `kv_indptr` entry, lengths within
+/// `u32`), each aligned.
+fn check_address(address: &RawCacheAddress, tokens: u64) -> Result<()> {
+    let t = match address {
+        RawCacheAddress::Slots(slots) => return check_ints(slots, tokens),
+        RawCacheAddress::PageTable(t) => t,
+    };
+    for (arg, buf) in [
+        ("cache.batch_indices", t.batch_indices),
+        ("cache.positions", t.positions),
+    ] {
+        if buf.len as u64 != tokens {
+            return Err(invalid(
+                arg,
+                format!("holds {} entries, needs one per token: {tokens}", buf.len),
+            ));
+        }
+    }
+    if t.kv_indptr.len == 0 {
+        return Err(invalid(
+            "cache.kv_indptr",
+            "is empty: it needs one entry per request and one more",
+        ));
+    }
+    for (arg, buf) in page_table_arrays(t) {
+        if !buf.ptr.is_multiple_of(4) {
+            return Err(invalid(arg, "is not 4-byte aligned"));
+        }
+        if u32::try_from(buf.len).is_err() {
+            return Err(invalid(arg, "holds more than u32::MAX entries"));
+        }
+    }
+    Ok(())
+}
+
+/// A page table's four `i32` arrays, named as in errors.
+pub(super) fn page_table_arrays(t: &RawPageTable) -> [(&'static str, RawBuf); 4] {
+    [
+        ("cache.batch_indices", t.batch_indices),
+        ("cache.positions", t.positions),
+        ("cache.kv_indptr", t.kv_indptr),
+        ("cache.kv_indices", t.kv_indices),
+    ]
 }
 
 /// The slot mapping holds one integer per token, aligned.
@@ -497,12 +608,21 @@ fn check_cache(
     for (arg, buf) in [("cache.k", c.k), ("cache.v", c.v)] {
         regions.push(region((arg, Of::Cache), buf, &layout, cfg, (ces, true))?);
     }
-    if let Some((k_scale, v_scale)) = &c.fp8 {
-        regions.push(check_scale(k_scale, k_heads)?);
-        regions.push(check_scale(v_scale, k_heads)?);
+    if let Some(f) = &c.fp8 {
+        regions.extend(check_scale(&f.k, k_heads)?);
+        regions.extend(check_scale(&f.v, k_heads)?);
     }
-    let bytes = (c.slots.buf.len as u64).saturating_mul(c.slots.ty.size());
-    regions.push(read_region("cache.slot_mapping", (c.slots.buf.ptr, bytes)));
+    match &c.address {
+        RawCacheAddress::Slots(slots) => {
+            let bytes = (slots.buf.len as u64).saturating_mul(slots.ty.size());
+            regions.push(read_region("cache.slot_mapping", (slots.buf.ptr, bytes)));
+        }
+        RawCacheAddress::PageTable(t) => {
+            for (arg, buf) in page_table_arrays(t) {
+                regions.push(read_region(arg, (buf.ptr, 4 * buf.len as u64)));
+            }
+        }
+    }
     Ok(())
 }
 
@@ -512,6 +632,7 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
     let es = req.rope.dtype.size();
     let q = &req.rope.q;
     let out_es = if req.q_fp8.is_some() { 1 } else { es };
+    let k_out_es = if req.k_fp8.is_some() { 1 } else { es };
     let cache = req.cache.as_ref().and_then(|c| {
         let ces = if c.fp8.is_some() { 1 } else { es };
         let l = cache_as_layout(&c.layout).ok()?;
@@ -522,7 +643,7 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
         Some((q.x.ptr, q.x_layout, es)),
         Some((k.x.ptr, k.x_layout, es)),
         q.out.map(|(b, l)| (b.ptr, l, out_es)),
-        k.out.map(|(b, l)| (b.ptr, l, es)),
+        k.out.map(|(b, l)| (b.ptr, l, k_out_es)),
         req.v.map(|(b, l)| (b.ptr, l, es)),
         cache.map(|c| c[0]),
         cache.map(|c| c[1]),

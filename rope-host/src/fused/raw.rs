@@ -6,8 +6,8 @@
 
 use cudarc::driver::sys::CUstream;
 
-use super::request::{FusedRequest, RawCache, RawNorm, RawScale};
-use super::{CacheLayout, NormWeight};
+use super::request::{CacheFp8, FusedRequest, RawCache, RawFp8, RawNorm, RawScale, ScaleSource};
+use super::{CacheLayout, Fp8Format, NormWeight};
 use crate::bind::RawBuf;
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
@@ -16,13 +16,16 @@ use crate::plan::{Request, TensorReq};
 use crate::positions::RawInts;
 use crate::rope::{RawIo, RawOp, RawTensor};
 
-/// An FP8 scale array by address (`f32`): the stored value is `e4m3(x / scale)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// An FP8 scale by address (`f32`; the stored value is `fp8(x / scale)`) or a multiplier by
+/// value (`fp8(x * multiplier)`), as [`super::Fp8Scale`].
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RawFp8Scale {
     /// One scale for the tensor (`len >= 1`).
     PerTensor(RawBuf),
     /// One scale per head of the tensor.
     PerHead(RawBuf),
+    /// One multiplier for the tensor, finite.
+    Multiplier(f32),
 }
 
 /// [`super::QkNorm`] by address: `x_e / sqrt(mean_e(x_e^2) + eps) * w_e` (or `* (1 + w_e)`),
@@ -50,32 +53,45 @@ pub struct RawFusedOp {
 }
 
 /// Where the rotated q goes (as [`super::QOut`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RawQOut {
     /// In place or into an output of q's type.
     Elem(RawIo),
-    /// Into FP8 E4M3 bits: `output`'s buffer and layout count bytes.
+    /// Into FP8 bits: `output`'s buffer and layout count bytes.
     Fp8 {
         /// Read only.
         input: RawTensor,
         /// Written only, one byte per element.
         output: RawTensor,
-        /// Per tensor or per q head.
+        /// Per tensor or per q head, or a multiplier.
         scale: RawFp8Scale,
+        /// E4M3 or E5M2.
+        format: Fp8Format,
     },
 }
 
 /// Where the rotated k goes besides the cache (as [`super::KOut`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RawKOut {
     /// In place or into an output of k's type.
     Elem(RawIo),
     /// Only into the cache: k is read only.
     CacheOnly(RawTensor),
+    /// Into FP8 bits (no cache): `output`'s buffer and layout count bytes.
+    Fp8 {
+        /// Read only.
+        input: RawTensor,
+        /// Written only, one byte per element.
+        output: RawTensor,
+        /// Per tensor or per k head, or a multiplier.
+        scale: RawFp8Scale,
+        /// E4M3 or E5M2.
+        format: Fp8Format,
+    },
 }
 
 /// The tensors of a [`Rope::run_fused_raw`] launch (as [`super::FusedIo`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 #[allow(clippy::large_enum_variant)] // Built once per launch and consumed at once.
 pub enum RawFusedIo {
     /// q, k (and v for a cache) in buffers of their own (or read-only views of one).
@@ -101,8 +117,8 @@ pub enum RawFusedIo {
 }
 
 /// The caches by address (as [`super::CacheData`]): elements of the tensors' type, or FP8
-/// E4M3 bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RawCacheData {
     /// Elements of the tensors' type.
     Elem {
@@ -111,25 +127,49 @@ pub enum RawCacheData {
         /// v's cache.
         v: RawBuf,
     },
-    /// FP8 E4M3 bytes, `e4m3(value / scale)`.
+    /// FP8 bytes, `fp8(value / scale)` (or `fp8(value * multiplier)`).
     Fp8 {
         /// k's cache, in bytes.
         k: RawBuf,
         /// v's cache, in bytes.
         v: RawBuf,
-        /// Per tensor or per kv head.
+        /// Per tensor or per kv head, or a multiplier.
         k_scale: RawFp8Scale,
-        /// Per tensor or per kv head.
+        /// Per tensor or per kv head, or a multiplier.
         v_scale: RawFp8Scale,
+        /// E4M3 or E5M2, both caches.
+        format: Fp8Format,
     },
 }
 
-/// The paged-cache write by address (as [`super::KvCache`]): token `t`'s k and v go to slot
-/// `slot_mapping[t]` (negative: padding, nothing written; past the cache: skipped).
+/// Which slot each token's k and v go to, by address (as [`super::CacheAddress`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawCacheAddress {
+    /// One slot per token, `i32` or `i64` (negative: padding, nothing written; past the cache:
+    /// skipped).
+    Slots(RawInts),
+    /// FlashInfer's page table (as [`super::PageTable`]).
+    PageTable(RawPageTable),
+}
+
+/// [`super::PageTable`] by address: four `i32` arrays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawPageTable {
+    /// The request of each token.
+    pub batch_indices: RawBuf,
+    /// Each token's position in its request.
+    pub positions: RawBuf,
+    /// Requests + 1 offsets into `kv_indices`.
+    pub kv_indptr: RawBuf,
+    /// Page numbers.
+    pub kv_indices: RawBuf,
+}
+
+/// The paged-cache write by address (as [`super::KvCache`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RawKvCache {
-    /// One slot per token, `i32` or `i64`.
-    pub slot_mapping: RawInts,
+    /// Where each token's k and v go.
+    pub address: RawCacheAddress,
     /// The layout of both caches.
     pub layout: CacheLayout,
     /// The caches.
@@ -139,11 +179,18 @@ pub struct RawKvCache {
 impl RawFp8Scale {
     /// The planner's form of the scale, named `arg` in errors.
     pub(super) fn raw(self, arg: &'static str) -> RawScale {
-        let (buf, per_head) = match self {
-            Self::PerTensor(buf) => (buf, false),
-            Self::PerHead(buf) => (buf, true),
+        let source = match self {
+            Self::PerTensor(buf) => ScaleSource::Array {
+                buf,
+                per_head: false,
+            },
+            Self::PerHead(buf) => ScaleSource::Array {
+                buf,
+                per_head: true,
+            },
+            Self::Multiplier(m) => ScaleSource::Multiplier(m),
         };
-        RawScale { arg, buf, per_head }
+        RawScale { arg, source }
     }
 }
 
@@ -155,7 +202,7 @@ impl From<RawTensor> for TensorReq {
 
 /// The request the planner validates: the same form [`Rope::run_fused`]'s bind step makes.
 fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedRequest {
-    let (q, q_fp8, k, k_written, v, packed) = match io {
+    let (q, q_fp8, (k, k_fp8, k_written), v, packed) = match io {
         RawFusedIo::Separate { q, k, v } => {
             let (q, q_fp8) = match q {
                 RawQOut::Elem(io) => (io.into(), None),
@@ -163,20 +210,43 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                     input,
                     output,
                     scale,
+                    format,
                 } => (
                     RawIo::OutOfPlace { input, output }.into(),
-                    Some(scale.raw("q.scale")),
+                    Some(RawFp8 {
+                        format,
+                        scale: scale.raw("q.scale"),
+                    }),
                 ),
             };
-            let (k, k_written) = match k {
-                RawKOut::Elem(io) => (io.into(), true),
-                RawKOut::CacheOnly(t) => (t.into(), false),
+            let k = match k {
+                RawKOut::Elem(io) => (io.into(), None, true),
+                RawKOut::CacheOnly(t) => (t.into(), None, false),
+                RawKOut::Fp8 {
+                    input,
+                    output,
+                    scale,
+                    format,
+                } => (
+                    RawIo::OutOfPlace { input, output }.into(),
+                    Some(RawFp8 {
+                        format,
+                        scale: scale.raw("k.scale"),
+                    }),
+                    true,
+                ),
             };
-            (q, q_fp8, k, k_written, v.map(|t| (t.buf, t.layout)), false)
+            (q, q_fp8, k, v.map(|t| (t.buf, t.layout)), false)
         }
         RawFusedIo::Packed { buf, q, k, v } => {
             let tensor = |layout| RawTensor { buf, layout }.into();
-            (tensor(q), None, tensor(k), true, v.map(|l| (buf, l)), true)
+            (
+                tensor(q),
+                None,
+                (tensor(k), None, true),
+                v.map(|l| (buf, l)),
+                true,
+            )
         }
     };
     let norm = op.norm.map(|n| RawNorm {
@@ -193,14 +263,19 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                 v,
                 k_scale,
                 v_scale,
+                format,
             } => (
                 k,
                 v,
-                Some((k_scale.raw("cache.k_scale"), v_scale.raw("cache.v_scale"))),
+                Some(CacheFp8 {
+                    format,
+                    k: k_scale.raw("cache.k_scale"),
+                    v: v_scale.raw("cache.v_scale"),
+                }),
             ),
         };
         RawCache {
-            slots: c.slot_mapping,
+            address: c.address,
             layout: c.layout,
             k,
             v,
@@ -218,6 +293,7 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
             sincos: op.rope.sincos,
         },
         q_fp8,
+        k_fp8,
         k_written,
         v,
         norm,

@@ -3,19 +3,42 @@
 
 use rope_kernels::abi::NormCode;
 
-use super::CacheLayout;
+use super::{CacheLayout, Fp8Format, RawCacheAddress};
 use crate::bind::RawBuf;
 use crate::layout::Layout;
 use crate::plan::Request;
-use crate::positions::RawInts;
 
-/// An FP8 scale array by address: one `f32`, or one per head.
+/// An FP8 destination's scale: an array by address (one `f32`, or one per head; the stored
+/// value is `fp8(x / scale)`), or a multiplier by value (`fp8(x * multiplier)`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RawScale {
     /// The argument it came from, for errors.
     pub(crate) arg: &'static str,
-    pub(crate) buf: RawBuf,
-    pub(crate) per_head: bool,
+    pub(crate) source: ScaleSource,
+}
+
+/// Where [`RawScale`]'s multipliers come from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ScaleSource {
+    /// `1 / scale`, from one `f32` or one per head.
+    Array { buf: RawBuf, per_head: bool },
+    /// The value itself.
+    Multiplier(f32),
+}
+
+/// An FP8 output: its format and its scale.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawFp8 {
+    pub(crate) format: Fp8Format,
+    pub(crate) scale: RawScale,
+}
+
+/// An FP8 cache's format and its k and v scales.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CacheFp8 {
+    pub(crate) format: Fp8Format,
+    pub(crate) k: RawScale,
+    pub(crate) v: RawScale,
 }
 
 /// The normalisation's weights by address.
@@ -30,21 +53,24 @@ pub(crate) struct RawNorm {
 /// The cache write by address.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RawCache {
-    pub(crate) slots: RawInts,
+    pub(crate) address: RawCacheAddress,
     pub(crate) layout: CacheLayout,
     pub(crate) k: RawBuf,
     pub(crate) v: RawBuf,
-    /// FP8 caches' scales (k's, v's); `None` for caches of the tensors' type.
-    pub(crate) fp8: Option<(RawScale, RawScale)>,
+    /// FP8 caches' format and scales; `None` for caches of the tensors' type.
+    pub(crate) fp8: Option<CacheFp8>,
 }
 
 /// Everything validation of a fused launch needs, in plain values.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct FusedRequest {
     /// q and k (always present) with their inputs and outputs, positions and sin/cos; q's
-    /// output is FP8 bits when `q_fp8` is set, and `fused` means one QKV buffer.
+    /// output is FP8 bits when `q_fp8` is set (k's when `k_fp8` is), and `fused` means one QKV
+    /// buffer.
     pub(crate) rope: Request,
-    pub(crate) q_fp8: Option<RawScale>,
+    pub(crate) q_fp8: Option<RawFp8>,
+    /// k's output is FP8 (then there is no cache).
+    pub(crate) k_fp8: Option<RawFp8>,
     /// Whether k's rotated heads are written to k (in place or its output), not only cached.
     pub(crate) k_written: bool,
     pub(crate) v: Option<(RawBuf, Layout)>,

@@ -3,7 +3,9 @@
 //! is launched on it (docs/perf/decisions.md, "Plain rotations at prefill take the fused
 //! kernels").
 
-use rope_kernels::abi::{FusedKernelName, Mapping, SinCosSource, ThreadHeads, preferred_lanes};
+use rope_kernels::abi::{
+    FusedForms, FusedKernelName, Mapping, SinCosSource, ThreadHeads, preferred_lanes,
+};
 
 use super::plan::FusedPlan;
 use super::request::FusedRequest;
@@ -56,6 +58,7 @@ impl FusedRequest {
                 ..*rope
             },
             q_fp8: None,
+            k_fp8: None,
             k_written: true,
             v: None,
             norm: None,
@@ -88,6 +91,7 @@ pub(super) fn rotation_may_take_four_heads(req: &FusedRequest, facts: &DeviceFac
         source: SinCosSource::Theta,
         dtype: rope.dtype,
         mapping: Mapping::TWO_HEADS,
+        forms: FusedForms::Plain,
     };
     if two_heads.four_heads().is_none() {
         return false;

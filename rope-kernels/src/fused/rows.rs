@@ -15,8 +15,8 @@
 //! (the norm's weights, the FP8 multipliers of its heads) is found once for all its tokens.
 
 use super::{
-    Fused, Kind, butterfly, norm_factor, norm_weights, put, rotate_fma, slot_offset_u32,
-    slot_value, sum_squares,
+    Fused, Kind, butterfly, mapped_slot, norm_factor, norm_weights, put, rotate_fma,
+    slot_offset_u32, sum_squares,
 };
 use crate::abi::{
     FormatCode, NormCode, ROWS_COS_SIN_BYTES, ROWS_DATA_OFFSET, ROWS_GROUPS, ROWS_HEAD_DIM,
@@ -458,7 +458,7 @@ unsafe fn heads_loop<T: Elem, const NORM: bool, const ROTATES: bool, A: RowsStor
     let slot_at = |t: u32| {
         if B::ON && valid(t) {
             // SAFETY: t < tokens; with a cache, `slots` holds one per token.
-            unsafe { slot_value(f, u64::from(t)) }
+            unsafe { mapped_slot(f, u64::from(t)) }
         } else {
             -1
         }

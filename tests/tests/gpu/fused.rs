@@ -112,6 +112,8 @@ fn run_fp8_granularities<T: TestElem>(name: &str, cases_per_pairing: u64) {
             if j % 4 == 1 {
                 c.norm = None;
             }
+            // Scale arrays of E4M3 and slot mappings (the FlashInfer forms have their own test).
+            c.plain_fp8();
             let (kernels, rope) = &handles[pinned_for(pairing as u64 * cases + j)];
             match check_case::<T>(&c, &stream, rope) {
                 Ok(w) => worst.merge(w),
@@ -157,6 +159,91 @@ fn fused_fp8_scales_of_each_granularity_match_reference_f32() {
     );
 }
 
+/// FlashInfer's forms on the fused kernels: caches addressed by a page table (shuffled pages,
+/// padding tokens, negative positions, requests past `kv_indptr`, entries past a request's
+/// pages or past `kv_indices`, pages past the cache), FP8 of E4M3 and E5M2, multipliers by value
+/// (`x * quant_scale`) and k into an FP8 output without a cache. Every written byte matches the
+/// reference's encoding, the slots the reference finds no entry for (and every byte outside
+/// the table's slots) keep their poison; through both entries and every kernel choice, every
+/// fifth case prefill-sized.
+fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
+    let Some((stream, _)) = gpu_or_skip(name) else {
+        return;
+    };
+    let handles = pinned_handles(&stream);
+    let mut worst = Worst::default();
+    let cases = cases.min(case_cap());
+    for j in 0..cases {
+        let size = if j % 5 == 4 { Size::Large } else { Size::Small };
+        let seed = 0xf1_0000 + j * 131 + size_of::<T>() as u64;
+        let mut c = Case::random_sized(seed, size_of::<T>(), size);
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xbeef);
+        if !c.takes_flashinfer_forms() {
+            // Heads the token-heads kernels take (the norm sums 32 accesses of them at most).
+            c.d = 128;
+        }
+        c.fp8 = if j % 2 == 0 {
+            rope_host::Fp8Format::E5m2
+        } else {
+            rope_host::Fp8Format::E4m3
+        };
+        c.multipliers = j % 3 != 2;
+        c.q = QMode::Fp8 {
+            per_head: j % 4 == 3,
+        };
+        if j % 6 == 5 {
+            // k into an FP8 output, no cache.
+            (c.cache, c.k) = (
+                None,
+                KMode::Fp8 {
+                    per_head: j % 4 == 1,
+                },
+            );
+        } else {
+            let mut cache = c
+                .cache
+                .take()
+                .unwrap_or_else(|| CacheCase::random(&mut rng, c.tokens()));
+            let (table, slots) =
+                PageTableCase::random(&mut rng, c.tokens(), (cache.num_blocks, cache.block_size));
+            (cache.page_table, cache.slots, cache.fp8) = (Some(table), slots, true);
+            c.cache = Some(cache);
+            if matches!(c.k, KMode::Fp8 { .. }) {
+                c.k = KMode::CacheOnly;
+            }
+        }
+        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
+        let (kernels, rope) = &handles[pinned_for(j)];
+        match check_case_on::<T>(&c, &stream, rope, entry) {
+            Ok(w) => worst.merge(w),
+            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
+        }
+    }
+    report(&format!(
+        "{name}: {cases} cases (page tables, E4M3 and E5M2, multipliers, FP8 k), {} values \
+         checked, largest error {:.3} of its bound",
+        worst.checked, worst.ratio
+    ));
+}
+
+#[test]
+fn fused_flashinfer_forms_match_reference_bf16() {
+    run_flashinfer_forms::<rope_host::half::bf16>(
+        "fused_flashinfer_forms_match_reference_bf16",
+        120,
+    );
+}
+
+#[test]
+fn fused_flashinfer_forms_match_reference_f16() {
+    run_flashinfer_forms::<rope_host::half::f16>("fused_flashinfer_forms_match_reference_f16", 60);
+}
+
+#[test]
+fn fused_flashinfer_forms_match_reference_f32() {
+    run_flashinfer_forms::<f32>("fused_flashinfer_forms_match_reference_f32", 60);
+}
+
 /// k only cached (`KOut::CacheOnly`) without a `KvCache` is refused naming `k`, whatever q's
 /// head count (no heads once reached a panic), and leaves every buffer as it was.
 #[test]
@@ -184,7 +271,7 @@ fn fused_cache_only_k_without_a_cache_is_refused_and_outputs_untouched() {
             (bits, stream.clone_dtoh(&dev.q8).expect("download"))
         };
         let before = snapshot(&dev);
-        match launch(&c, &mut dev, &rope) {
+        match launch(&c, &data, &mut dev, &rope) {
             Err(rope_host::Error::Invalid { arg: "k", .. }) => {}
             other => panic!("{name}: {hq} q heads: expected Invalid naming k, got {other:?}"),
         }
@@ -227,12 +314,18 @@ fn fused_launch_replays_in_a_graph_with_new_data() {
         c.ids = Some((0..c.tokens()).map(|t| t as i64).collect());
         c.table = false;
         c.q = QMode::Out;
+        // The replay uploads new slots and scales: a multiplier by value or a page table
+        // would keep the captured ones.
+        c.multipliers = false;
+        if let Some(cc) = &mut c.cache {
+            cc.page_table = None;
+        }
         let data = Data::<rope_host::half::bf16>::random(&c, &mut StdRng::seed_from_u64(seed));
         let mut dev = upload(&c, &data, &stream, &rope).expect("upload");
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .expect("capture");
-        launch(&c, &mut dev, &rope).expect("captured launch");
+        launch(&c, &data, &mut dev, &rope).expect("captured launch");
         let graph = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
             .expect("end capture")
@@ -338,7 +431,7 @@ fn fused_positions_outside_the_table_give_nan_tokens_and_leave_the_others_alone(
             let mut rng = StdRng::seed_from_u64(seed);
             let data = Data::<rope_host::half::bf16>::random(&c, &mut rng);
             let mut dev = upload(&c, &data, &stream, rope).expect("upload");
-            launch(&c, &mut dev, rope).expect("launch");
+            launch(&c, &data, &mut dev, rope).expect("launch");
             (
                 stream.clone_dtoh(&dev.q_out).expect("q"),
                 stream.clone_dtoh(&dev.k_out).expect("k"),

@@ -26,9 +26,21 @@ fn scale(arg: &'static str, slot: u64, (per_head, wrong): (bool, bool), heads: u
     let len = if per_head { heads } else { 1 };
     RawScale {
         arg,
-        buf: buf(slot * SPACING, if wrong { len + 1 } else { len }),
-        per_head,
+        source: ScaleSource::Array {
+            buf: buf(slot * SPACING, if wrong { len + 1 } else { len }),
+            per_head,
+        },
     }
+}
+
+/// An FP8 destination of `scale`, E5M2 or E4M3.
+fn fp8(scale: RawScale, e5m2: bool) -> RawFp8 {
+    let format = if e5m2 {
+        Fp8Format::E5m2
+    } else {
+        Fp8Format::E4m3
+    };
+    RawFp8 { format, scale }
 }
 
 /// One random description: its tensors' shapes, destinations, cache and options, mostly
@@ -45,8 +57,10 @@ struct Description {
     /// 0: in place, 1: out of place, 2: FP8 out.
     q_out: u8,
     q_scale: (bool, bool),
-    /// 0: in place, 1: out of place, 2: only cached.
+    /// 0: in place, 1: out of place, 2: only cached, 3: FP8 out (a multiplier, or NaN).
     k_out: u8,
+    /// FP8 stores in E5M2 rather than E4M3.
+    e5m2: bool,
     cache: Option<CacheDescription>,
     norm: Option<(bool, f32)>,
     ids: bool,
@@ -65,6 +79,8 @@ struct CacheDescription {
     fp8: Option<((bool, bool), (bool, bool))>,
     slots_wide: bool,
     slots_off: bool,
+    /// Addressed by a page table of this many requests (0: an empty `kv_indptr`).
+    page_table: Option<usize>,
 }
 
 fn granularity() -> impl Strategy<Value = (bool, bool)> {
@@ -80,9 +96,10 @@ fn cache() -> impl Strategy<Value = CacheDescription> {
         proptest::option::of((granularity(), granularity())),
         any::<bool>(),
         prop::bool::weighted(0.1),
+        proptest::option::of(prop_oneof![Just(0usize), Just(1), Just(4)]),
     )
         .prop_map(
-            |(v, block_size, num_blocks, kv_heads_off, fp8, slots_wide, slots_off)| {
+            |(v, block_size, num_blocks, kv_heads_off, fp8, slots_wide, slots_off, page_table)| {
                 CacheDescription {
                     v,
                     block_size,
@@ -91,6 +108,7 @@ fn cache() -> impl Strategy<Value = CacheDescription> {
                     fp8,
                     slots_wide,
                     slots_off,
+                    page_table,
                 }
             },
         )
@@ -109,7 +127,7 @@ fn description() -> impl Strategy<Value = Description> {
     let io = (
         0u8..3,
         granularity(),
-        0u8..3,
+        (0u8..4, any::<bool>()),
         proptest::option::of(cache()),
         proptest::option::of((
             any::<bool>(),
@@ -118,7 +136,7 @@ fn description() -> impl Strategy<Value = Description> {
         any::<bool>(),
     );
     let plan = (
-        prop_oneof![8 => Just(usize::MAX), 1 => 0usize..8],
+        prop_oneof![8 => Just(usize::MAX), 1 => 0usize..9],
         prop_oneof![
             Just(FusedKernels::ItemLoop),
             Just(FusedKernels::Auto),
@@ -132,7 +150,7 @@ fn description() -> impl Strategy<Value = Description> {
     (shape, io, plan).prop_map(
         |(
             (neox, dtype, d, batch, seq, q_heads, k_heads),
-            (q_out, q_scale, k_out, cache, norm, ids),
+            (q_out, q_scale, (k_out, e5m2), cache, norm, ids),
             (short, choice, bulk_rows, h100),
         )| Description {
             neox,
@@ -145,6 +163,7 @@ fn description() -> impl Strategy<Value = Description> {
             q_out,
             q_scale,
             k_out,
+            e5m2,
             cache,
             norm,
             ids,
@@ -183,7 +202,10 @@ impl Description {
             1 => q.out = Some((buf_for(2, &lq, short(1)), lq)),
             _ => {
                 q.out = Some((buf_for(2, &lq, short(1)), lq));
-                q_fp8 = Some(scale("q.scale", 3, self.q_scale, self.q_heads));
+                q_fp8 = Some(fp8(
+                    scale("q.scale", 3, self.q_scale, self.q_heads),
+                    self.e5m2,
+                ));
             }
         }
         let mut k = TensorReq {
@@ -191,8 +213,17 @@ impl Description {
             x_layout: lk,
             out: None,
         };
-        if self.k_out == 1 {
+        let mut k_fp8 = None;
+        if self.k_out == 1 || self.k_out == 3 {
             k.out = Some((buf_for(5, &lk, short(3)), lk));
+        }
+        if self.k_out == 3 {
+            let m = if self.short == 8 { f32::NAN } else { 0.5 };
+            let scale = RawScale {
+                arg: "k.scale",
+                source: ScaleSource::Multiplier(m),
+            };
+            k_fp8 = Some(fp8(scale, self.e5m2));
         }
         let (v, cache) = match &self.cache {
             None => (None, None),
@@ -211,20 +242,31 @@ impl Description {
                 };
                 let slots = tokens + usize::from(c.slots_off);
                 let fp8 = c.fp8.map(|(kg, vg)| {
-                    (
-                        scale("cache.k_scale", 10, kg, kv_heads),
-                        scale("cache.v_scale", 11, vg, kv_heads),
-                    )
+                    let k = fp8(scale("cache.k_scale", 10, kg, kv_heads), self.e5m2);
+                    CacheFp8 {
+                        format: k.format,
+                        k: k.scale,
+                        v: scale("cache.v_scale", 11, vg, kv_heads),
+                    }
                 });
-                let raw = RawCache {
-                    slots: RawInts {
+                let address = match c.page_table {
+                    Some(requests) => RawCacheAddress::PageTable(RawPageTable {
+                        batch_indices: buf(9 * SPACING, slots),
+                        positions: buf(15 * SPACING, tokens),
+                        kv_indptr: buf(16 * SPACING, requests),
+                        kv_indices: buf(17 * SPACING, 8),
+                    }),
+                    None => RawCacheAddress::Slots(RawInts {
                         buf: buf(9 * SPACING, slots),
                         ty: if c.slots_wide {
                             IntType::I64
                         } else {
                             IntType::I32
                         },
-                    },
+                    }),
+                };
+                let raw = RawCache {
+                    address,
                     layout,
                     k: cache_buf(7),
                     v: cache_buf(8),
@@ -265,6 +307,7 @@ impl Description {
                 sincos: RawSinCos::Computed { theta: 1e4 },
             },
             q_fp8,
+            k_fp8,
             k_written: self.k_out != 2,
             v,
             norm,
@@ -304,10 +347,18 @@ proptest! {
             Err(e) => prop_assert!(false, "unexpected error kind: {e}"),
             Ok(None) => {
                 prop_assert!(desc.k_out != 2 || desc.cache.is_some(), "{desc:?}");
+                prop_assert!(desc.k_out != 3 || desc.cache.is_none(), "{desc:?}");
                 prop_assert!(tokens == 0 || desc.stored_heads() == 0, "{desc:?}");
             }
             Ok(Some(p)) => {
                 prop_assert!(desc.k_out != 2 || desc.cache.is_some(), "{desc:?}");
+                prop_assert!(desc.k_out != 3 || desc.cache.is_none(), "{desc:?}");
+                // The rows kernels take no page table, multiplier, E5M2 or FP8 k output.
+                if p.kernel.mapping == Mapping::Rows {
+                    let fp8 = desc.q_out == 2 || desc.cache.as_ref().is_some_and(|c| c.fp8.is_some());
+                    prop_assert!(!(desc.e5m2 && fp8) && desc.k_out != 3, "{desc:?}");
+                    prop_assert!(desc.cache.as_ref().is_none_or(|c| c.page_table.is_none()));
+                }
                 prop_assert!(tokens > 0 && desc.stored_heads() > 0, "{desc:?}");
                 prop_assert_eq!(p.tokens, tokens as u64);
                 let LaunchConfig { grid_dim: (x, y, z), block_dim: (bx, by, bz), .. } =
