@@ -7,10 +7,11 @@ mod rows;
 
 use rope_kernels::abi::{DType, FusedKernelName, MAX_FUSED_ITEMS, Mapping, NormCode};
 
+use super::encode::scale_args;
 use super::plan::{FusedPlan, plan_fused};
 use super::request::{CacheFp8, FusedRequest, RawCache, RawFp8, RawNorm, RawScale, ScaleSource};
 use super::rows::{RowsLaunch, RowsOccupancy};
-use super::{CacheLayout, Fp8Format, RawCacheAddress, RawPageTable, scale_args};
+use super::{CacheLayout, Fp8Format, RawCacheAddress, RawPageTable};
 use crate::Direction;
 use crate::bind::RawBuf;
 use crate::config::{RopeConfig, RopeStyle};

@@ -1,0 +1,168 @@
+//! The encode step of a fused launch: a validated [`FusedRequest`] and its [`FusedPlan`] as the
+//! kernels' arguments ([`FusedArgs`], and for FlashInfer's forms [`FusedFormsArgs`]).
+
+use rope_kernels::abi::{FormatCode, NormCode, SlotCode};
+
+use super::plan::FusedPlan;
+use super::request::{self, FusedRequest, RawScale, ScaleSource};
+use super::{Fp8Format, RawCacheAddress};
+use crate::kernel_args::{FusedArgs, FusedFormsArgs, RopeArgs};
+use crate::positions::IntType;
+
+/// The FP8 scales of q's output, k's (FP8 output or cache) and v's cache, in that order, as the
+/// kernels take them: the address, the step between heads (0 for one scale, 1 for one per
+/// head) and the multiplier the kernel takes where the address is 0 (a multiplier by value, or
+/// no FP8 store). Each destination keeps its own granularity, so a per-head k scale beside a
+/// per-tensor v scale (or the reverse) is read as given.
+pub(super) fn scale_args(req: &FusedRequest) -> [(u64, u32, f32); 3] {
+    let arg = |s: Option<RawScale>| match s.map(|s| s.source) {
+        Some(ScaleSource::Array { buf, per_head }) => (buf.ptr, u32::from(per_head), 0.0),
+        Some(ScaleSource::Multiplier(m)) => (0, 0, m),
+        None => (0, 0, 0.0),
+    };
+    let cache = req.cache.and_then(|c| c.fp8);
+    let k = req.k_fp8.map(|f| f.scale).or(cache.map(|c| c.k));
+    [
+        arg(req.q_fp8.map(|f| f.scale)),
+        arg(k),
+        arg(cache.map(|c| c.v)),
+    ]
+}
+
+/// The kernels' code of an output stored as `fp8` (the tensors' type without).
+fn format_code(fp8: Option<Fp8Format>) -> u32 {
+    fp8.map_or(FormatCode::Elem, Fp8Format::code) as u32
+}
+
+/// The page-table arguments: `slot_mode`, `page_positions`, `kv_indptr`, `kv_indices`,
+/// `kv_requests`, `kv_pages` (zeros without one); with one, `slots` is its `batch_indices`.
+fn page_table_args(cache: Option<&request::RawCache>) -> (u32, u64, u64, u64, u32, u32) {
+    match cache.map(|c| c.address) {
+        Some(RawCacheAddress::PageTable(t)) => (
+            SlotCode::PageTable as u32,
+            t.positions.ptr,
+            t.kv_indptr.ptr,
+            t.kv_indices.ptr,
+            // The plan checked the lengths fit u32 and kv_indptr holds at least one entry.
+            (t.kv_indptr.len - 1) as u32,
+            t.kv_indices.len as u32,
+        ),
+        _ => (SlotCode::Slots as u32, 0, 0, 0, 0, 0),
+    }
+}
+
+/// The fused kernel's arguments: the RoPE arguments of the request (q's output in bytes for
+/// FP8, k's output null when k is only cached) and the fused ones.
+pub(super) fn encode(req: &FusedRequest, plan: &FusedPlan, rope: RopeArgs) -> FusedArgs {
+    // An FP8 output's offset counts bytes, not elements of the input's type.
+    let out0 = match (req.q_fp8, req.rope.q.out) {
+        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
+        _ => rope.out0,
+    };
+    let out1 = match (req.k_fp8, req.rope.k.and_then(|k| k.out)) {
+        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
+        _ if req.k_written => rope.out1,
+        _ => 0,
+    };
+    let es = req.rope.dtype.size() as u64;
+    let (v, heads_v, v_strides) = match req.v {
+        Some((buf, l)) => (
+            buf.ptr + l.offset as u64 * es,
+            l.heads as u32,
+            l.strides.map(|s| s as u64),
+        ),
+        None => (0, 0, [0; 3]),
+    };
+    let (norm, q_norm_weight, k_norm_weight, norm_eps) = match req.norm {
+        Some(n) => (n.code as u32, n.q_weight.ptr, n.k_weight.ptr, n.eps),
+        None => (NormCode::None as u32, 0, 0, 0.0),
+    };
+    let [
+        (q_scale, q_scale_step, _),
+        (k_scale, k_scale_step, _),
+        (v_scale, v_scale_step, _),
+    ] = scale_args(req);
+    let c = req.cache.as_ref();
+    let (slots, slots_wide) = match c.map(|c| c.address) {
+        Some(RawCacheAddress::Slots(s)) => (s.buf.ptr, u32::from(s.ty == IntType::I64)),
+        Some(RawCacheAddress::PageTable(t)) => (t.batch_indices.ptr, 0),
+        None => (0, 0),
+    };
+    let strides = c.map_or([0; 3], |c| c.layout.strides.map(|s| s as u64));
+    let block = plan.block;
+    macro_rules! with_rope {
+        ({ $r:ident } $($param:ident: $kind:ident,)*) => {
+            FusedArgs {
+                $($param: $r.$param,)*
+                v,
+                heads_v,
+                v_stride_batch: v_strides[0],
+                v_stride_seq: v_strides[1],
+                v_stride_head: v_strides[2],
+                head_dim: req.rope.config.head_dim(),
+                norm,
+                q_norm_weight,
+                k_norm_weight,
+                norm_eps,
+                q_format: format_code(req.q_fp8.map(|f| f.format)),
+                q_scale,
+                q_scale_step,
+                slots,
+                slots_wide,
+                k_cache: c.map_or(0, |c| c.k.ptr),
+                v_cache: c.map_or(0, |c| c.v.ptr),
+                cache_stride_block: strides[0],
+                cache_stride_slot: strides[1],
+                cache_stride_head: strides[2],
+                block_size: block.divisor.get(),
+                block_magic: block.magic,
+                block_shift: block.shift,
+                cache_slots: plan.cache_slots,
+                cache_format: format_code(c.and_then(|c| c.fp8).map(|f| f.format)),
+                k_scale,
+                v_scale,
+                k_scale_step,
+                v_scale_step,
+                q_warps: plan.token_warps[0],
+                k_warps: plan.token_warps[1],
+                v_warps: plan.token_warps[2],
+                prefetch_tokens: plan.prefetch_tokens,
+                sin_sign: req.rope.config.direction().sin_sign(),
+            }
+        };
+    }
+    let mut args = rope_kernels::rope_kernel_params!(with_rope { rope });
+    (args.out0, args.out1) = (out0, out1);
+    args
+}
+
+/// The arguments of a kernel of FlashInfer's forms: `base` ([`encode`]'s) and the forms' own
+/// (`rope_kernels::fused_forms_kernel_params!`): the multipliers, k's output format, the page
+/// table.
+pub(super) fn encode_forms(req: &FusedRequest, base: FusedArgs) -> FusedFormsArgs {
+    let [
+        (_, _, q_multiplier),
+        (_, _, k_multiplier),
+        (_, _, v_multiplier),
+    ] = scale_args(req);
+    let (slot_mode, page_positions, kv_indptr, kv_indices, kv_requests, kv_pages) =
+        page_table_args(req.cache.as_ref());
+    macro_rules! with_base {
+        ({ $b:ident } $($param:ident: $kind:ident,)*) => {
+            FusedFormsArgs {
+                $($param: $b.$param,)*
+                q_multiplier,
+                k_multiplier,
+                v_multiplier,
+                k_format: format_code(req.k_fp8.map(|f| f.format)),
+                slot_mode,
+                page_positions,
+                kv_indptr,
+                kv_indices,
+                kv_requests,
+                kv_pages,
+            }
+        };
+    }
+    rope_kernels::fused_kernel_params!(with_base { base })
+}
