@@ -32,6 +32,7 @@
 //! encode (`encode.rs`), launch.
 
 mod bind;
+mod cache_checks;
 mod encode;
 mod plan;
 mod raw;

@@ -1,0 +1,183 @@
+//! The fused checks of the cache write and the FP8 scales: the addressing arrays (a slot
+//! mapping or FlashInfer's page table), the cache's layout and buffers, and each scale (an
+//! array of one or one per head, or a finite multiplier). Pure, as the rest of the plan step
+//! (`plan.rs`), which calls them.
+
+use std::num::NonZeroU32;
+
+use super::request::{RawCache, RawScale, ScaleSource};
+use super::{CacheLayout, RawCacheAddress, RawPageTable};
+use crate::bind::RawBuf;
+use crate::check::{Of, Region, read_region, region};
+use crate::config::RopeConfig;
+use crate::error::{Result, invalid};
+use crate::layout::Layout;
+use crate::positions::RawInts;
+
+/// An FP8 scale array holds one `f32`, or one per head, aligned (its region returned); a
+/// multiplier is finite.
+pub(super) fn check_scale(s: &RawScale, heads: usize) -> Result<Option<Region>> {
+    let (buf, per_head) = match s.source {
+        ScaleSource::Array { buf, per_head } => (buf, per_head),
+        ScaleSource::Multiplier(m) if m.is_finite() => return Ok(None),
+        ScaleSource::Multiplier(m) => {
+            return Err(invalid(s.arg, format!("multiplier {m} is not finite")));
+        }
+    };
+    let want = if per_head { heads } else { 1 };
+    if buf.len != want {
+        let what = if per_head { "one per head" } else { "one" };
+        return Err(invalid(
+            s.arg,
+            format!("holds {} scales, needs {what}: {want}", buf.len),
+        ));
+    }
+    if !buf.ptr.is_multiple_of(4) {
+        return Err(invalid(s.arg, "is not aligned to 4 bytes"));
+    }
+    Ok(Some(read_region(s.arg, (buf.ptr, 4 * want as u64))))
+}
+
+/// The cache's addressing arrays: one slot per token, or a page table of `i32` arrays (one
+/// request index and one position per token, at least one `kv_indptr` entry, lengths within
+/// `u32`), each aligned.
+pub(super) fn check_address(address: &RawCacheAddress, tokens: u64) -> Result<()> {
+    let t = match address {
+        RawCacheAddress::Slots(slots) => return check_ints(slots, tokens),
+        RawCacheAddress::PageTable(t) => t,
+    };
+    for (arg, buf) in [
+        ("cache.batch_indices", t.batch_indices),
+        ("cache.positions", t.positions),
+    ] {
+        if buf.len as u64 != tokens {
+            return Err(invalid(
+                arg,
+                format!("holds {} entries, needs one per token: {tokens}", buf.len),
+            ));
+        }
+    }
+    if t.kv_indptr.len == 0 {
+        return Err(invalid(
+            "cache.kv_indptr",
+            "is empty: it needs one entry per request and one more",
+        ));
+    }
+    for (arg, buf) in page_table_arrays(t) {
+        if !buf.ptr.is_multiple_of(4) {
+            return Err(invalid(arg, "is not 4-byte aligned"));
+        }
+        if u32::try_from(buf.len).is_err() {
+            return Err(invalid(arg, "holds more than u32::MAX entries"));
+        }
+    }
+    Ok(())
+}
+
+/// A page table's four `i32` arrays, named as in errors.
+fn page_table_arrays(t: &RawPageTable) -> [(&'static str, RawBuf); 4] {
+    [
+        ("cache.batch_indices", t.batch_indices),
+        ("cache.positions", t.positions),
+        ("cache.kv_indptr", t.kv_indptr),
+        ("cache.kv_indices", t.kv_indices),
+    ]
+}
+
+/// The slot mapping holds one integer per token, aligned.
+pub(super) fn check_ints(slots: &RawInts, tokens: u64) -> Result<()> {
+    if slots.buf.len as u64 != tokens {
+        return Err(invalid(
+            "cache.slot_mapping",
+            format!(
+                "holds {} slots, needs one per token: {tokens}",
+                slots.buf.len
+            ),
+        ));
+    }
+    if !slots.buf.ptr.is_multiple_of(slots.ty.size()) {
+        return Err(invalid(
+            "cache.slot_mapping",
+            format!("is not {}-byte aligned", slots.ty.size()),
+        ));
+    }
+    Ok(())
+}
+
+/// `num_blocks * block_size`, the slots a cache holds.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `cache.layout` when it overflows `u64`.
+pub(super) fn cache_slots(l: &CacheLayout) -> Result<u64> {
+    (l.num_blocks as u64)
+        .checked_mul(l.block_size as u64)
+        .ok_or_else(|| invalid("cache.layout", "num_blocks * block_size overflows u64"))
+}
+
+/// The cache's block size, 1 to `u32::MAX` slots.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `cache.layout` for any other.
+pub(super) fn block_size(l: &CacheLayout) -> Result<NonZeroU32> {
+    u32::try_from(l.block_size)
+        .ok()
+        .and_then(NonZeroU32::new)
+        .ok_or_else(|| {
+            invalid(
+                "cache.layout",
+                format!("block_size must be 1 to u32::MAX, got {}", l.block_size),
+            )
+        })
+}
+
+/// The cache as a [`Layout`] (`[num_blocks, block_size, kv_heads, head_dim]` at its strides),
+/// so the tensor checks apply to it.
+pub(super) fn cache_as_layout(l: &CacheLayout) -> Result<Layout> {
+    Layout::strided(
+        [l.num_blocks, l.block_size, l.kv_heads, l.head_dim],
+        [l.strides[0], l.strides[1], l.strides[2], 1],
+        0,
+    )
+    .map_err(|_| invalid("cache.layout", format!("{l:?} overflows usize")))
+}
+
+/// Checks the cache layout against k and the config, both caches' buffers and the scales;
+/// adds their regions (the slot mapping's included) to `regions`.
+pub(super) fn check_cache(
+    c: &RawCache,
+    cfg: &RopeConfig,
+    es: usize,
+    k_heads: usize,
+    regions: &mut Vec<Region>,
+) -> Result<()> {
+    let l = &c.layout;
+    if l.kv_heads != k_heads {
+        return Err(invalid(
+            "cache.layout",
+            format!("has {} kv heads, k has {k_heads}", l.kv_heads),
+        ));
+    }
+    block_size(l)?;
+    cache_slots(l)?;
+    let layout = cache_as_layout(l)?;
+    let ces = if c.fp8.is_some() { 1 } else { es };
+    for (arg, buf) in [("cache.k", c.k), ("cache.v", c.v)] {
+        regions.push(region((arg, Of::Cache), buf, &layout, cfg, (ces, true))?);
+    }
+    if let Some(f) = &c.fp8 {
+        regions.extend(check_scale(&f.k, k_heads)?);
+        regions.extend(check_scale(&f.v, k_heads)?);
+    }
+    match &c.address {
+        RawCacheAddress::Slots(slots) => {
+            let bytes = (slots.buf.len as u64).saturating_mul(slots.ty.size());
+            regions.push(read_region("cache.slot_mapping", (slots.buf.ptr, bytes)));
+        }
+        RawCacheAddress::PageTable(t) => {
+            for (arg, buf) in page_table_arrays(t) {
+                regions.push(read_region(arg, (buf.ptr, 4 * buf.len as u64)));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,214 @@
+//! The fused planner's FP8 stores and FlashInfer's forms: scales, multipliers, FP8 q and k
+//! outputs, page tables and the kernels those launches take.
+
+use super::*;
+
+#[test]
+fn rejects_fp8_scales_of_the_wrong_length() {
+    for (len, per_head, ok) in [
+        (1, false, true),
+        (8, true, true),
+        (2, false, false),
+        (32, true, false),
+    ] {
+        let mut r = request(RopeStyle::Neox);
+        r.cache.as_mut().expect("cache").fp8 = Some(CacheFp8 {
+            format: Fp8Format::E4m3,
+            k: array_scale("cache.k_scale", 9 << 24, len, per_head),
+            v: array_scale("cache.v_scale", 10 << 24, 1, false),
+        });
+        if ok {
+            assert!(plan_of(&r).is_ok(), "{len} {per_head}");
+        } else {
+            assert_eq!(invalid_arg(&r), "cache.k_scale");
+        }
+    }
+}
+
+/// An FP8 q output is addressed in bytes: its alignment to `lanes` bytes, not elements,
+/// decides the width.
+#[test]
+fn fp8_q_output_is_checked_in_bytes() {
+    let mut r = request(RopeStyle::Interleaved);
+    let out = Layout::thd(TOKENS, 32, D);
+    r.rope.q.out = Some((buf(11 << 24, out.end().expect("small")), out));
+    r.q_fp8 = Some(RawFp8 {
+        format: Fp8Format::E4m3,
+        scale: array_scale("q.scale", 12 << 24, 1, false),
+    });
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    assert_eq!(p.lanes, 8);
+    // An output 4 bytes off a multiple of 8 takes 4-lane accesses.
+    r.rope.q.out = Some((buf((11 << 24) + 4, out.end().expect("small")), out));
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    assert_eq!((p.lanes, p.kernel.mapping), (4, Mapping::NARROW));
+    // Too short by one byte.
+    r.rope.q.out = Some((buf(11 << 24, out.end().expect("small") - 1), out));
+    assert_eq!(invalid_arg(&r), "q.output");
+}
+
+/// k's and v's FP8 cache scales are each passed with their own step between heads (0: one
+/// scale, 1: one per head), in all four combinations, beside q's of either granularity; a
+/// mixed pair plans like any other.
+#[test]
+fn k_and_v_scales_keep_their_own_granularity() {
+    let scale =
+        |arg, ptr, per_head: bool| array_scale(arg, ptr, if per_head { 8 } else { 1 }, per_head);
+    for (k_head, v_head, q_head) in [
+        (false, false, true),
+        (true, false, false),
+        (false, true, true),
+        (true, true, false),
+    ] {
+        let mut r = request(RopeStyle::Neox);
+        let q_out = Layout::thd(TOKENS, 32, D);
+        r.rope.q.out = Some((buf(11 << 24, q_out.end().expect("small")), q_out));
+        r.q_fp8 = Some(RawFp8 {
+            format: Fp8Format::E4m3,
+            scale: array_scale("q.scale", 12 << 24, if q_head { 32 } else { 1 }, q_head),
+        });
+        r.cache.as_mut().expect("cache").fp8 = Some(CacheFp8 {
+            format: Fp8Format::E4m3,
+            k: scale("cache.k_scale", 9 << 24, k_head),
+            v: scale("cache.v_scale", 10 << 24, v_head),
+        });
+        assert!(plan_of(&r).expect("valid").is_some());
+        let want = [
+            (12 << 24, u32::from(q_head), 0.0),
+            (9 << 24, u32::from(k_head), 0.0),
+            (10 << 24, u32::from(v_head), 0.0),
+        ];
+        assert_eq!(scale_args(&r), want, "k {k_head} v {v_head} q {q_head}");
+    }
+    let r = request(RopeStyle::Neox);
+    assert_eq!(scale_args(&r), [(0, 0, 0.0); 3]);
+}
+
+/// Multipliers by value (FlashInfer's `quant_scale`) pass as the kernels' multiplier arguments
+/// with a null scale address; k's FP8 output takes k's; a multiplier that is not finite is
+/// refused, naming its argument.
+#[test]
+fn multipliers_pass_by_value_and_must_be_finite() {
+    let mut r = request(RopeStyle::Neox);
+    r.cache = None;
+    r.v = None;
+    r.k_written = true;
+    let q_out = Layout::thd(TOKENS, 32, D);
+    r.rope.q.out = Some((buf(11 << 24, q_out.end().expect("small")), q_out));
+    let k_out = Layout::thd(TOKENS, 8, D);
+    r.rope.k.as_mut().expect("k").out = Some((buf(12 << 24, k_out.end().expect("small")), k_out));
+    let multiplier = |arg, m| RawFp8 {
+        format: Fp8Format::E5m2,
+        scale: RawScale {
+            arg,
+            source: ScaleSource::Multiplier(m),
+        },
+    };
+    r.q_fp8 = Some(multiplier("q.scale", 2.0));
+    r.k_fp8 = Some(multiplier("k.scale", 0.25));
+    assert!(plan_of(&r).expect("valid").is_some());
+    assert_eq!(scale_args(&r), [(0, 0, 2.0), (0, 0, 0.25), (0, 0, 0.0)]);
+    r.k_fp8 = Some(multiplier("k.scale", f32::INFINITY));
+    assert_eq!(invalid_arg(&r), "k.scale");
+    r.k_fp8 = Some(multiplier("k.scale", 1.0));
+    r.q_fp8 = Some(multiplier("q.scale", f32::NAN));
+    assert_eq!(invalid_arg(&r), "q.scale");
+}
+
+/// A launch with an FP8 k output never takes the four-heads (or rows) kernels, which have no
+/// such store, even where they are pinned: the two-heads kernels serve it.
+#[test]
+fn fp8_k_output_takes_the_two_heads_kernels() {
+    let mut r = with_tokens(RopeStyle::Neox, 8192);
+    (r.cache, r.v, r.k_written) = (None, None, true);
+    let k = r.rope.k.as_mut().expect("k");
+    k.out = Some((buf(1 << 47, k.x_layout.end().expect("fits")), k.x_layout));
+    let four = plan_with(&r, FusedKernels::FourHeads)
+        .expect("valid")
+        .expect("non-empty");
+    assert_eq!(
+        four.kernel.mapping,
+        Mapping::FOUR_HEADS,
+        "without FP8, four heads"
+    );
+    r.k_fp8 = Some(RawFp8 {
+        format: Fp8Format::E4m3,
+        scale: array_scale("k.scale", 1 << 48, 1, false),
+    });
+    for choice in [
+        FusedKernels::Auto,
+        FusedKernels::FourHeads,
+        FusedKernels::Rows { stages: 2 },
+    ] {
+        let p = plan_on(&H200, &r, choice, true);
+        assert_eq!(p.kernel.mapping, Mapping::TWO_HEADS, "{choice:?}");
+    }
+}
+
+/// FlashInfer's forms (here a page table) take the token-heads kernels even where the item loop
+/// is pinned, and a launch those kernels cannot take (a q one element off its vector alignment,
+/// so narrower accesses) is refused naming the form's argument.
+#[test]
+fn flashinfer_forms_take_the_token_heads_kernels_or_are_refused() {
+    let mut r = request(RopeStyle::Neox);
+    r.cache.as_mut().expect("cache").address = RawCacheAddress::PageTable(RawPageTable {
+        batch_indices: buf(20 << 24, TOKENS),
+        positions: buf(21 << 24, TOKENS),
+        kv_indptr: buf(22 << 24, 2),
+        kv_indices: buf(23 << 24, 16),
+    });
+    let p = plan_with(&r, FusedKernels::ItemLoop)
+        .expect("valid")
+        .expect("non-empty");
+    assert_eq!(p.kernel.mapping, Mapping::TWO_HEADS);
+    (r.norm, r.rope.q.x.ptr) = (None, r.rope.q.x.ptr + 2);
+    assert_eq!(invalid_arg(&r), "cache.kv_indices");
+}
+
+/// An FP8 k output is refused beside a cache write (k's scale serves one of them).
+#[test]
+fn fp8_k_output_excludes_a_cache() {
+    let mut r = request(RopeStyle::Neox);
+    let k_out = Layout::thd(TOKENS, 8, D);
+    r.rope.k.as_mut().expect("k").out = Some((buf(12 << 24, k_out.end().expect("small")), k_out));
+    r.k_written = true;
+    r.k_fp8 = Some(RawFp8 {
+        format: Fp8Format::E4m3,
+        scale: array_scale("k.scale", 13 << 24, 1, false),
+    });
+    assert_eq!(invalid_arg(&r), "k.output");
+}
+
+/// A page table's arrays: one request index and one position per token, a `kv_indptr` of at
+/// least one entry, each 4-byte aligned; errors name the array.
+#[test]
+fn page_tables_are_checked_array_by_array() {
+    let table = || RawPageTable {
+        batch_indices: buf(20 << 24, TOKENS),
+        positions: buf(21 << 24, TOKENS),
+        kv_indptr: buf(22 << 24, 3),
+        kv_indices: buf(23 << 24, 16),
+    };
+    let with = |t: RawPageTable| {
+        let mut r = request(RopeStyle::Neox);
+        r.cache.as_mut().expect("cache").address = RawCacheAddress::PageTable(t);
+        r
+    };
+    assert!(plan_of(&with(table())).expect("valid").is_some());
+    let mut t = table();
+    t.batch_indices.len -= 1;
+    assert_eq!(invalid_arg(&with(t)), "cache.batch_indices");
+    let mut t = table();
+    t.positions.len += 1;
+    assert_eq!(invalid_arg(&with(t)), "cache.positions");
+    let mut t = table();
+    t.kv_indptr.len = 0;
+    assert_eq!(invalid_arg(&with(t)), "cache.kv_indptr");
+    let mut t = table();
+    t.kv_indices.ptr += 2;
+    assert_eq!(invalid_arg(&with(t)), "cache.kv_indices");
+    // The arrays are read regions: one inside the k cache is refused.
+    let mut t = table();
+    t.kv_indices.ptr = 7 << 24;
+    assert_eq!(invalid_arg(&with(t)), "cache.k");
+}
