@@ -11,8 +11,7 @@ use rope_kernels::abi::{
 };
 use rope_kernels::divide::Divisor;
 
-use super::request::{FusedRequest, RawFp8, ScaleSource};
-use super::{Fp8Format, RawCacheAddress};
+use super::request::FusedRequest;
 use crate::bind::RawBuf;
 use crate::device::DeviceFacts;
 use crate::error::Result;
@@ -98,7 +97,8 @@ fn rows_launch(
 /// The rows kernel and launch that take `req` of the two-heads `kernel`, if any: every launch
 /// they can serve ([`rows_launch`]) when `choice` pins them, and under [`FusedKernels::Auto`]
 /// the launches the four-heads kernels would take (`four_heads`) that store FP8 (q's output or
-/// the cache) on devices of at least [`ROWS_MIN_DRAM_GB_PER_S`].
+/// the cache) on devices of at least [`ROWS_MIN_DRAM_GB_PER_S`]. A kernel of FlashInfer's forms
+/// has no rows kernel ([`FusedKernelName::rows`]), so those forms never reach the rows kernels.
 pub(crate) fn rows_kernel(
     req: &FusedRequest,
     kernel: FusedKernelName,
@@ -108,9 +108,6 @@ pub(crate) fn rows_kernel(
     groups: (u32, u32),
     stored: [u32; 3],
 ) -> Option<(FusedKernelName, RowsLaunch)> {
-    if !rows_take(req) {
-        return None;
-    }
     let stores_fp8 = req.q_fp8.is_some() || req.cache.is_some_and(|c| c.fp8.is_some());
     let stages = match choice {
         FusedKernels::Rows { stages } => stages,
@@ -122,24 +119,6 @@ pub(crate) fn rows_kernel(
         _ => return None,
     };
     Some((kernel.rows()?, rows_launch(req, groups, stored, stages)?))
-}
-
-/// Whether the rows kernels serve `req`'s stores: FP8 only as E4M3 of scale arrays, no FP8 k
-/// output, and cache slots from a slot mapping (not a page table).
-fn rows_take(req: &FusedRequest) -> bool {
-    let e4m3_array = |f: RawFp8| {
-        f.format == Fp8Format::E4m3 && matches!(f.scale.source, ScaleSource::Array { .. })
-    };
-    let cache_ok = req.cache.is_none_or(|c| {
-        matches!(c.address, RawCacheAddress::Slots(_))
-            && c.fp8.is_none_or(|f| {
-                e4m3_array(RawFp8 {
-                    format: f.format,
-                    scale: f.k,
-                }) && matches!(f.v.source, ScaleSource::Array { .. })
-            })
-    });
-    req.q_fp8.is_none_or(e4m3_array) && req.k_fp8.is_none() && cache_ok
 }
 
 /// The persistent grid of a rows `launch` over `tokens` tokens (`seq` per batch row): the
