@@ -4,7 +4,7 @@
 
 use super::raw::{RawCacheAddress, RawFp8Scale, RawPageTable};
 use super::request::{CacheFp8, FusedRequest, RawCache, RawFp8, RawNorm, RawScale};
-use super::{CacheAddress, CacheData, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, QOut};
+use super::{CacheAddress, CacheData, Fp8Format, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, QOut};
 use crate::bind::Binder;
 use crate::config::RopeElem;
 use crate::error::Result;
@@ -37,13 +37,11 @@ pub(super) fn bind<'s, T: RopeElem>(
                     output,
                     scale,
                     format,
-                } => (
-                    bind_out_of_place(binder, ("q", "q.output"), input, output)?,
-                    Some(RawFp8 {
-                        format: *format,
-                        scale: bind_scale(binder, "q.scale", scale)?,
-                    }),
-                ),
+                } => {
+                    let names = ("q", "q.output", "q.scale");
+                    let (q, fp8) = bind_fp8(binder, names, (input, output), scale, *format)?;
+                    (q, Some(fp8))
+                }
             };
             let k = match k {
                 KOut::InPlace(t) => (
@@ -62,14 +60,11 @@ pub(super) fn bind<'s, T: RopeElem>(
                     output,
                     scale,
                     format,
-                } => (
-                    bind_out_of_place(binder, ("k", "k.output"), input, output)?,
-                    Some(RawFp8 {
-                        format: *format,
-                        scale: bind_scale(binder, "k.scale", scale)?,
-                    }),
-                    true,
-                ),
+                } => {
+                    let names = ("k", "k.output", "k.scale");
+                    let (k, fp8) = bind_fp8(binder, names, (input, output), scale, *format)?;
+                    (k, Some(fp8), true)
+                }
             };
             let v = match v {
                 Some(t) => Some((binder.read("v", &t.data)?, t.layout)),
@@ -174,6 +169,20 @@ fn bind_out_of_place<'s, T, O>(
         x_layout: input.layout,
         out: Some((binder.write(out_name, &mut output.data)?, output.layout)),
     })
+}
+
+/// Binds an FP8 output (q's or k's): its input, its output of FP8 bytes and its scale, named
+/// `names` in errors.
+fn bind_fp8<'s, T>(
+    binder: &mut Binder<'s>,
+    (x_name, out_name, scale_name): (&'static str, &'static str, &'static str),
+    (input, output): (&'s Tensor<'_, T>, &'s mut TensorMut<'_, u8>),
+    scale: &'s Fp8Scale<'_>,
+    format: Fp8Format,
+) -> Result<(TensorReq, RawFp8)> {
+    let tensor = bind_out_of_place(binder, (x_name, out_name), input, output)?;
+    let scale = bind_scale(binder, scale_name, scale)?;
+    Ok((tensor, RawFp8 { format, scale }))
 }
 
 /// Binds an FP8 scale for reading.

@@ -200,6 +200,19 @@ impl From<RawTensor> for TensorReq {
     }
 }
 
+/// An FP8 output (q's or k's) as the planner takes it: the input read, the output written (in
+/// bytes), and its format and scale.
+fn fp8_output(
+    (input, output): (RawTensor, RawTensor),
+    scale: RawScale,
+    format: Fp8Format,
+) -> (TensorReq, RawFp8) {
+    (
+        RawIo::OutOfPlace { input, output }.into(),
+        RawFp8 { format, scale },
+    )
+}
+
 /// The request the planner validates: the same form [`Rope::run_fused`]'s bind step makes.
 fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedRequest {
     let (q, q_fp8, (k, k_fp8, k_written), v, packed) = match io {
@@ -211,13 +224,10 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                     output,
                     scale,
                     format,
-                } => (
-                    RawIo::OutOfPlace { input, output }.into(),
-                    Some(RawFp8 {
-                        format,
-                        scale: scale.raw("q.scale"),
-                    }),
-                ),
+                } => {
+                    let (q, fp8) = fp8_output((input, output), scale.raw("q.scale"), format);
+                    (q, Some(fp8))
+                }
             };
             let k = match k {
                 RawKOut::Elem(io) => (io.into(), None, true),
@@ -227,14 +237,10 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                     output,
                     scale,
                     format,
-                } => (
-                    RawIo::OutOfPlace { input, output }.into(),
-                    Some(RawFp8 {
-                        format,
-                        scale: scale.raw("k.scale"),
-                    }),
-                    true,
-                ),
+                } => {
+                    let (k, fp8) = fp8_output((input, output), scale.raw("k.scale"), format);
+                    (k, Some(fp8), true)
+                }
             };
             (q, q_fp8, k, v.map(|t| (t.buf, t.layout)), false)
         }
