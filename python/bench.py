@@ -196,6 +196,24 @@ def serving_cases(tokens, stream):
             stream=stream, producer_sync=False,
         ),
     )
+    # DeepSeek's MLA: 128 q heads of 512 non-rotary and 64 rotary features (views of one
+    # [t, 128, 576] tensor), k's 512 latent and 64 rotary features; everything to E4M3.
+    q_mla = torch.randn(t, 128, 576, device=dev, dtype=bf16)
+    k_mla = torch.randn(t, 576, device=dev, dtype=bf16)
+    mla_in = (q_mla[..., 512:], k_mla[:, 512:], q_mla[..., :512], k_mla[:, :512])
+    mla_out = [torch.empty(x.shape, device=dev, dtype=e4m3) for x in mla_in]
+    mla_cache = torch.randn(8192, 64, device=dev, dtype=torch.float32)
+    yield (
+        f"{step}, FlashInfer mla_rope_quantize_fp8 (128 heads, 512 + 64)",
+        (q_mla, k_mla),
+        lambda: rope_rs.mla_rope_quantize_fp8(
+            mla_in[0], mla_in[1], mla_in[2], mla_in[3], mla_cache, positions, True, None, 1.0, 1.0, *mla_out
+        ),
+        lambda: _native.rope_quantize_fp8(
+            mla_in[0], mla_in[1], mla_cache, positions, True, 64, "float8_e4m3fn", 1.0, 1.0, mla_out[0], mla_out[1],
+            stream, False, False, mla_in[2], mla_out[2], mla_in[3], mla_out[3],
+        ),
+    )
     arg = rope_rs.FusedSetKVBufferArg(value, pool, v_pool, None, None, slots)
     yield (
         f"{step}, SGLang rope + fused_set_kv_buffer",

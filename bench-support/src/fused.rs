@@ -358,6 +358,7 @@ impl Buffers {
                         },
                         scale: Fp8Scale::PerTensor(self.scale.as_view()),
                         format: Fp8Format::E4m3,
+                        non_rotary: None,
                     }
                 } else {
                     QOut::InPlace(TensorMut {
@@ -414,6 +415,7 @@ impl Buffers {
                         },
                         scale: Fp8Scale::Multiplier(20.0),
                         format: Fp8Format::E4m3,
+                        non_rotary: None,
                     },
                     k: KOut::CacheOnly(Tensor {
                         data: self.k.as_view(),

@@ -645,6 +645,7 @@ pub fn launch<T: TestElem>(
             },
             scale: scale_of(c, per_head, (&data.q_scale, &dev.q_scale)),
             format: c.fp8,
+            non_rotary: None,
         },
     };
     let k = match c.k {
@@ -677,6 +678,7 @@ pub fn launch<T: TestElem>(
             },
             scale: scale_of(c, per_head, (&data.k_scale, &dev.k_scale)),
             format: c.fp8,
+            non_rotary: None,
         },
     };
     let address = match (
@@ -793,6 +795,7 @@ pub fn launch_raw<T: TestElem>(
             output: tensor(buf(&dev.q8, stream), lq),
             scale: scale(per_head, (&data.q_scale, &dev.q_scale)),
             format: c.fp8,
+            non_rotary: None,
         },
     };
     let k = match c.k {
@@ -807,6 +810,7 @@ pub fn launch_raw<T: TestElem>(
             output: tensor(buf(&dev.k8, stream), lk),
             scale: scale(per_head, (&data.k_scale, &dev.k_scale)),
             format: c.fp8,
+            non_rotary: None,
         },
     };
     let address = match (

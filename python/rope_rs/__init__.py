@@ -15,7 +15,8 @@ Drop-ins, a one-line change from the original: ``rotary_embedding`` and ``fused_
 (vLLM; both also write vLLM's paged KV cache in the same launch when given one),
 ``apply_rope_with_cos_sin_cache_inplace`` (FlashInfer's, and SGLang's with its
 ``FusedSetKVBufferArg``), ``rope_quantize_fp8``, ``mla_rope_quantize_fp8`` and
-``rope_quantize_fp8_append_paged_kv_cache`` (FlashInfer's, for the rotated features) and
+``rope_quantize_fp8_append_paged_kv_cache`` (FlashInfer's; the cache form for the rotated
+features) and
 ``apply_rotary_pos_emb`` (Hugging Face). ``frequencies`` shows the frequencies a call computes
 sin/cos from.
 """
@@ -443,13 +444,19 @@ def fused_qk_norm_rope(
 
 
 def _no_nope(x: Any, arg: str) -> None:
-    """FlashInfer's non-rotary part: only None or zero features (rope-rs rotates and quantises
-    the rotated part; the non-rotary features are not supported yet)."""
+    """FlashInfer's non-rotary part in a form with a cache: only None or zero features (the
+    cache takes the rotated part only, so far)."""
     if x is not None and x.shape[-1] != 0:
         raise ValueError(
-            f"{arg}: non-rotary features ({x.shape[-1]} per head) are not supported yet; pass None "
-            "(rope-rs quantises the rotated part only)"
+            f"{arg}: non-rotary features ({x.shape[-1]} per head) are not supported with the paged cache yet; "
+            "pass None"
         )
+
+
+def _nope(x: Any) -> Any:
+    """A non-rotary part with features, else None (FlashInfer's zero-feature tensors carry
+    nothing)."""
+    return x if x is not None and x.shape[-1] != 0 else None
 
 
 def _quantize_dtype(torch: Any, quantize_dtype: Any, outs: Tuple[Any, ...]) -> Any:
@@ -457,10 +464,11 @@ def _quantize_dtype(torch: Any, quantize_dtype: Any, outs: Tuple[Any, ...]) -> A
     float8_e4m3fn."""
     if quantize_dtype is None:
         quantize_dtype = torch.float8_e4m3fn
-        for o in reversed(outs):
+        for o in outs:
             if o is not None:
                 quantize_dtype = o.dtype
-    if quantize_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+                break
+    if quantize_dtype is not torch.float8_e4m3fn and quantize_dtype is not torch.float8_e5m2:
         raise ValueError(f"quantize_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {quantize_dtype}")
     return quantize_dtype
 
@@ -472,15 +480,36 @@ def _torch_tensors(q_rope: Any, fn: str) -> Any:
     return torch
 
 
-def _nope_out(out: Any, nope: Any, rope_out: Any, dtype: Any) -> Any:
+def _nope_out(out: Any, nope: Any, rope_out: Any, dtype: Any, eager: bool) -> Any:
     """The output of a non-rotary part that has no features: `out` if given, else one of
-    `nope`'s shape (FlashInfer's ``empty_like``), or without `nope` the zero-feature view of the
-    rotated part's output (the same shape FlashInfer allocates, with no allocation)."""
+    `nope`'s shape (FlashInfer's ``empty_like``), or without `nope` a tensor of the rotated
+    part's output's shape with no features (the shape FlashInfer allocates): for an `eager`
+    call one kept per shape, dtype and device (a tensor with no elements has nothing to write),
+    else, under ``torch.compile``, the zero-feature view of the rotated part's output."""
     if out is not None:
         return out
     if nope is not None:
         return nope.new_empty(nope.shape, dtype=dtype)
-    return rope_out[..., :0]
+    if not eager:
+        return rope_out[..., :0]
+    key = (rope_out.shape, dtype, rope_out.get_device())
+    kept = _EMPTY_NOPE.get(key)
+    # One a caller reshaped (resize_) or marked for autograd is replaced.
+    if kept is not None and kept[0].shape == kept[1] and not kept[0].requires_grad:
+        return kept[0]
+    shape = rope_out.shape[:-1] + (0,)
+    empty = rope_out.new_empty(shape, dtype=dtype)
+    if len(_EMPTY_NOPE) >= _EMPTY_NOPE_KEPT:
+        _EMPTY_NOPE.clear()
+    _EMPTY_NOPE[key] = (empty, empty.shape)
+    return empty
+
+
+# The zero-feature outputs `_nope_out` hands out again, with the shape each was made with, by
+# the rotated part's (shape, dtype, device); at most `_EMPTY_NOPE_KEPT` (decode batches come in
+# many sizes), then started afresh. A tensor with no elements owns no memory.
+_EMPTY_NOPE: dict = {}
+_EMPTY_NOPE_KEPT = 256
 
 
 def rope_quantize_fp8(
@@ -509,35 +538,41 @@ def rope_quantize_fp8(
     ``(q_rope_out, k_rope_out, q_nope_out, k_nope_out)``: FP8 (``quantize_dtype``,
     float8_e4m3fn or float8_e5m2; by default the first output's type, else E4M3) of ``x *
     quant_scale_q`` and ``x * quant_scale_kv``, rounded to nearest even and saturated, one
-    launch. Outputs not given are allocated. ``q_nope`` and ``k_nope`` must be None or hold no
-    features (non-rotary parts are not supported yet); their outputs are then empty.
+    launch. The non-rotary parts ``q_nope`` ``[nnz, num_qo_heads, no_rope_dim]`` and ``k_nope``
+    (``[nnz, num_kv_heads, no_rope_dim]``, or ``[nnz, no_rope_dim]`` for MLA; ``no_rope_dim`` a
+    multiple of 16 bytes) are stored unrotated into ``q_nope_out`` and ``k_nope_out`` as FP8 of
+    ``x * quant_scale_q`` and ``x * quant_scale_kv`` in the same launch. Outputs not given are
+    allocated; with no ``q_nope``/``k_nope`` their outputs have no features (zero-element
+    tensors that successive calls may share).
     ``enable_pdl`` as ``pdl`` in ``apply_rope``. Under ``torch.compile`` it is
     ``torch.ops.rope_rs.rope_quantize_fp8_``.
     """
     torch = _torch_tensors(q_rope, "rope_quantize_fp8")
-    _no_nope(q_nope, "q_nope")
-    _no_nope(k_nope, "k_nope")
     dtype = _quantize_dtype(torch, quantize_dtype, (q_rope_out, k_rope_out, q_nope_out, k_nope_out))
     if q_rope_out is None:
         q_rope_out = torch.empty_like(q_rope, dtype=dtype)
     if k_rope_out is None:
         k_rope_out = torch.empty_like(k_rope, dtype=dtype)
-    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype)
-    k_nope_out = _nope_out(k_nope_out, k_nope, k_rope_out, dtype)
-    name = "float8_e5m2" if dtype == torch.float8_e5m2 else "float8_e4m3fn"
     launch = _eager_stream(q_rope, stream)
+    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype, launch is not None)
+    k_nope_out = _nope_out(k_nope_out, k_nope, k_rope_out, dtype, launch is not None)
+    # The non-rotary parts that have features, with their outputs (None: nothing to store).
+    q_nope, k_nope = _nope(q_nope), _nope(k_nope)
+    q_part_out = None if q_nope is None else q_nope_out
+    k_part_out = None if k_nope is None else k_nope_out
+    name = "float8_e5m2" if dtype == torch.float8_e5m2 else "float8_e4m3fn"
     if launch is None:
         import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
 
         ops.rope_quantize_fp8_op(
             q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, name, float(quant_scale_q), float(quant_scale_kv),
-            q_rope_out, k_rope_out, enable_pdl,
+            q_rope_out, k_rope_out, enable_pdl, q_nope, q_part_out, k_nope, k_part_out,
         )
     else:
         stream, sync = launch
         _native.rope_quantize_fp8(
             q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, q_rope.shape[-1], name, quant_scale_q, quant_scale_kv,
-            q_rope_out, k_rope_out, stream, sync, enable_pdl,
+            q_rope_out, k_rope_out, stream, sync, enable_pdl, q_nope, q_part_out, k_nope, k_part_out,
         )
     return q_rope_out, k_rope_out, q_nope_out, k_nope_out
 
@@ -622,13 +657,13 @@ def rope_quantize_fp8_append_paged_kv_cache(
         raise ValueError(f"paged_kv_cache: expected {dtype}, got k={k_cache.dtype}, v={v_cache.dtype}")
     if q_rope_out is None:
         q_rope_out = torch.empty_like(q_rope, dtype=dtype)
-    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype)
+    launch = _eager_stream(q_rope, stream)
+    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype, launch is not None)
     # FlashInfer's own conversions (no copy for int32 tensors).
     kv_indices, kv_indptr, batch_indices, positions = [
         t if t.dtype == torch.int32 else t.int() for t in (kv_indices, kv_indptr, batch_indices, positions)
     ]
     name = "float8_e5m2" if dtype == torch.float8_e5m2 else "float8_e4m3fn"
-    launch = _eager_stream(q_rope, stream)
     if launch is None:
         import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
 

@@ -127,9 +127,14 @@ def rope_quantize_fp8(
     stream: int = 0,
     producer_sync: bool = True,
     pdl: bool = False,
+    q_nope: Any = None,
+    q_nope_out: Any = None,
+    k_nope: Any = None,
+    k_nope_out: Any = None,
 ) -> None:
-    """FlashInfer's ``rope_quantize_fp8`` for the rotated parts: rotates q_rope and k_rope
-    into FP8 ``q_rope_out`` and ``k_rope_out`` of ``x * quant_scale``."""
+    """FlashInfer's ``rope_quantize_fp8``: rotates q_rope and k_rope into FP8 ``q_rope_out``
+    and ``k_rope_out`` of ``x * quant_scale``, and stores the non-rotary parts ``q_nope`` and
+    ``k_nope`` (when given, with their outputs) as FP8 of ``x * quant_scale``, unrotated."""
 
 def rope_quantize_fp8_append_paged_kv_cache(
     q_rope: Any,

@@ -226,11 +226,13 @@ fused_qk_norm_rope_op = torch.library.custom_op(
 def _rope_quantize_fp8_impl(
     q_rope: Tensor, k_rope: Tensor, cos_sin_cache: Tensor, pos_ids: Tensor, is_neox: bool, quantize_dtype: str,
     quant_scale_q: float, quant_scale_kv: float, q_rope_out: Tensor, k_rope_out: Tensor, pdl: bool,
+    q_nope: Optional[Tensor], q_nope_out: Optional[Tensor], k_nope: Optional[Tensor], k_nope_out: Optional[Tensor],
 ) -> None:
     with torch.cuda.device(q_rope.device):
         _native.rope_quantize_fp8(
             q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, q_rope.shape[-1], quantize_dtype, quant_scale_q,
-            quant_scale_kv, q_rope_out, k_rope_out, _stream(q_rope), False, pdl,
+            quant_scale_kv, q_rope_out, k_rope_out, _stream(q_rope), False, pdl, q_nope, q_nope_out, k_nope,
+            k_nope_out,
         )
 
 
@@ -251,10 +253,11 @@ def _rope_quantize_fp8_append_impl(
 rope_quantize_fp8_op = torch.library.custom_op(
     "rope_rs::rope_quantize_fp8_",
     _rope_quantize_fp8_impl,
-    mutates_args=("q_rope_out", "k_rope_out"),
+    mutates_args=("q_rope_out", "k_rope_out", "q_nope_out", "k_nope_out"),
     schema=(
         "(Tensor q_rope, Tensor k_rope, Tensor cos_sin_cache, Tensor pos_ids, bool is_neox, str quantize_dtype, "
-        "float quant_scale_q, float quant_scale_kv, Tensor(a!) q_rope_out, Tensor(b!) k_rope_out, bool pdl) -> ()"
+        "float quant_scale_q, float quant_scale_kv, Tensor(a!) q_rope_out, Tensor(b!) k_rope_out, bool pdl, "
+        "Tensor? q_nope, Tensor(c!)? q_nope_out, Tensor? k_nope, Tensor(d!)? k_nope_out) -> ()"
     ),
 )
 rope_quantize_fp8_append_paged_kv_cache_op = torch.library.custom_op(

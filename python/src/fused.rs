@@ -11,8 +11,8 @@ use pyo3::prelude::*;
 use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
     CacheLayout, DType, Fp8Format, Layout, NormWeight, RawBuf, RawCacheAddress, RawCacheData,
-    RawFp8Scale, RawFusedIo, RawFusedOp, RawIo, RawKOut, RawKvCache, RawOp, RawPageTable, RawQOut,
-    RawQkNorm, RawTensor, RopeConfig, RopeStyle, StreamOverlap,
+    RawFp8Scale, RawFusedIo, RawFusedOp, RawIo, RawKOut, RawKvCache, RawNonRotary, RawOp,
+    RawPageTable, RawQOut, RawQkNorm, RawTensor, RopeConfig, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{self, Elem};
@@ -86,6 +86,9 @@ pub(crate) enum FusedTensors<'a, 'py> {
         q_out: &'a Bound<'py, PyAny>,
         /// k's FP8 output, when there is no cache.
         k_out: Option<&'a Bound<'py, PyAny>>,
+        /// q's and k's non-rotary parts with their FP8 outputs (FlashInfer's `q_nope`,
+        /// `q_nope_out`, `k_nope`, `k_nope_out`).
+        nope: [Option<&'a (Bound<'py, PyAny>, Bound<'py, PyAny>)>; 2],
         /// The outputs' format.
         format: Fp8Format,
         /// q's and k's multipliers (FlashInfer's `quant_scale_q`, `quant_scale_kv`).
@@ -365,6 +368,7 @@ fn raw_io<'py>(
             value,
             q_out,
             k_out,
+            nope,
             format,
             multipliers: (mq, mk),
             ..
@@ -375,30 +379,60 @@ fn raw_io<'py>(
                 .tensor(Some(k), names.python_name("k"), spec)?
                 .expect("given");
             let v = held.tensor(value, names.python_name("v"), spec)?;
-            let mut fp8_out = |obj, arg| -> PyResult<RawTensor> {
+            // An FP8 output (`fp8`) or an input of the tensors' type, of heads of `size`
+            // elements (the last dimension's with `None`).
+            let mut heads = |obj: &Bound<'py, PyAny>, arg, fp8: bool, size: Option<usize>| {
                 let name = names.python_name(arg);
                 let d = held.borrow(obj, name)?;
-                if !d.elem.holds(format) {
+                if fp8 && !d.elem.holds(format) {
                     return Err(PyValueError::new_err(format!(
                         "{name} must be {}, got {}",
                         fp8_names(format),
                         d.elem.name()
                     )));
                 }
-                dlpack::heads_tensor(d, head_size, name).map_err(arg_error)
+                if !fp8 && d.elem != elem {
+                    return Err(PyValueError::new_err(format!(
+                        "{name} must be {}, got {}",
+                        elem.name(),
+                        d.elem.name()
+                    )));
+                }
+                let size = size.unwrap_or(d.shape.last().copied().unwrap_or(0));
+                dlpack::heads_tensor(d, size, name).map_err(arg_error)
+            };
+            let q_output = heads(q_out, "q.output", true, Some(head_size))?;
+            let k_output = match k_out {
+                Some(obj) => Some(heads(obj, "k.output", true, Some(head_size))?),
+                None => None,
+            };
+            let mut part = |pair: Option<&(Bound<'py, PyAny>, Bound<'py, PyAny>)>, who: &str| {
+                let Some((x, out)) = pair else {
+                    return Ok(None);
+                };
+                let (input, output) = match who {
+                    "q" => ("q.non_rotary.input", "q.non_rotary.output"),
+                    _ => ("k.non_rotary.input", "k.non_rotary.output"),
+                };
+                PyResult::Ok(Some(RawNonRotary {
+                    input: heads(x, input, false, None)?,
+                    output: heads(out, output, true, None)?,
+                }))
             };
             let q = RawQOut::Fp8 {
                 input: q,
-                output: fp8_out(q_out, "q.output")?,
+                output: q_output,
                 scale: RawFp8Scale::Multiplier(mq),
                 format,
+                non_rotary: part(nope[0], "q")?,
             };
-            let k = match k_out {
-                Some(obj) => RawKOut::Fp8 {
+            let k = match k_output {
+                Some(output) => RawKOut::Fp8 {
                     input: k_in,
-                    output: fp8_out(obj, "k.output")?,
+                    output,
                     scale: RawFp8Scale::Multiplier(mk),
                     format,
+                    non_rotary: part(nope[1], "k")?,
                 },
                 None => RawKOut::CacheOnly(k_in),
             };

@@ -842,6 +842,10 @@ const FLASHINFER_NAMES: Names = Names {
         ("cache.positions", "positions"),
         ("cache.kv_indptr", "kv_indptr"),
         ("cache.kv_indices", "kv_indices"),
+        ("q.non_rotary.input", "q_nope"),
+        ("q.non_rotary.output", "q_nope_out"),
+        ("k.non_rotary.input", "k_nope"),
+        ("k.non_rotary.output", "k_nope_out"),
     ],
 };
 
@@ -851,15 +855,19 @@ const FLASHINFER_NAMES: Names = Names {
 /// rope_dim]` (cosines, then sines) and stores FP8 (`quantize_dtype`, "float8_e4m3fn" or
 /// "float8_e5m2") of `x * quant_scale_q` into `q_rope_out` and of `x * quant_scale_kv` into
 /// `k_rope_out` (tensors of q_rope's and k_rope's shapes, of that FP8 type or uint8), rounded
-/// to nearest even and saturated at the format's largest finite value. q_rope and k_rope are
-/// only read.
+/// to nearest even and saturated at the format's largest finite value. The non-rotary parts
+/// `q_nope` `[nnz, num_qo_heads, no_rope_dim]` and `k_nope` (`[nnz, num_kv_heads,
+/// no_rope_dim]`, or `[nnz, no_rope_dim]`) go, unrotated, into `q_nope_out` and `k_nope_out`
+/// as FP8 of `x * quant_scale_q` and `x * quant_scale_kv`, in the same launch (each with its
+/// output, or neither). The inputs are only read.
 ///
 /// Launched asynchronously on `stream` with the caller's guarantees of `apply_rope`
 /// (`producer_sync` and `pdl` as there).
 #[pyfunction]
 #[pyo3(signature = (
     q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, rope_dim, quantize_dtype, quant_scale_q,
-    quant_scale_kv, q_rope_out, k_rope_out, stream=0, producer_sync=true, pdl=false
+    quant_scale_kv, q_rope_out, k_rope_out, stream=0, producer_sync=true, pdl=false, q_nope=None,
+    q_nope_out=None, k_nope=None, k_nope_out=None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn rope_quantize_fp8(
@@ -877,7 +885,13 @@ fn rope_quantize_fp8(
     stream: u64,
     producer_sync: bool,
     pdl: bool,
+    q_nope: Option<&Bound<'_, PyAny>>,
+    q_nope_out: Option<&Bound<'_, PyAny>>,
+    k_nope: Option<&Bound<'_, PyAny>>,
+    k_nope_out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
+    let q_nope = nope_pair(q_nope, q_nope_out, "q_nope_out")?;
+    let k_nope = nope_pair(k_nope, k_nope_out, "k_nope_out")?;
     fused::launch(FusedLaunch {
         tensors: FusedTensors::Quantized {
             q: q_rope,
@@ -885,6 +899,7 @@ fn rope_quantize_fp8(
             value: None,
             q_out: q_rope_out,
             k_out: Some(k_rope_out),
+            nope: [q_nope.as_ref(), k_nope.as_ref()],
             format: quantize_format(quantize_dtype)?,
             multipliers: (
                 multiplier(quant_scale_q, "quant_scale_q")?,
@@ -902,6 +917,24 @@ fn rope_quantize_fp8(
         producer_sync,
         overlap: overlap(pdl),
     })
+}
+
+/// A non-rotary part with its output, both or neither (`arg` names the output in the error).
+type NopePair<'py> = Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>;
+
+/// [`NopePair`] of the arguments given.
+fn nope_pair<'py>(
+    x: Option<&Bound<'py, PyAny>>,
+    out: Option<&Bound<'py, PyAny>>,
+    arg: &str,
+) -> PyResult<NopePair<'py>> {
+    match (x, out) {
+        (Some(x), Some(out)) => Ok(Some((x.clone(), out.clone()))),
+        (None, None) => Ok(None),
+        _ => Err(PyValueError::new_err(format!(
+            "{arg}: give the non-rotary part with its output, or neither"
+        ))),
+    }
 }
 
 /// FlashInfer's `rope_quantize_fp8_append_paged_kv_cache` for GQA/MHA without non-rotary
@@ -961,6 +994,7 @@ fn rope_quantize_fp8_append_paged_kv_cache(
             value: Some(v),
             q_out: q_rope_out,
             k_out: None,
+            nope: [None, None],
             format,
             multipliers: (multiplier(quant_scale_q, "quant_scale_q")?, kv),
         },

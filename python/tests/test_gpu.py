@@ -1004,9 +1004,118 @@ class TestFlashInferQuantize:
         )
         assert q_out.dtype == fp8 and k_out.dtype == fp8 and q_out.shape == c.q.shape and k_out.shape == c.k.shape
         assert q_nope_out.shape == (c.t, c.hq, 0) and k_nope_out.shape == c.k.shape[:-1] + (0,)
+        assert q_nope_out.dtype == fp8 and k_nope_out.dtype == fp8 and q_nope_out.device == c.q.device
         fp8_near(q_out, c.rotated(c.q, style), 1.7, fp8)
         fp8_near(k_out, c.rotated(c.k, style), 0.37, fp8)
         assert torch.equal(c.q, q0) and torch.equal(c.k, k0), "inputs are only read"
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+    @pytest.mark.parametrize("mla", [False, True])
+    def test_non_rotary_parts_are_fp8_of_the_scaled_input(self, dtype, fp8, mla):
+        # MLA's q as DeepSeek holds it: [t, heads, 512 + 64], the non-rotary 512 then the rotary
+        # 64, both parts views of it; k's latent part [t, 512] and its shared rotary head [t, 64].
+        # GQA: parts of their own. The non-rotary bytes are PyTorch's own cast of x * scale
+        # (the same f32 product, rounded to nearest even), byte for byte.
+        c = FlashInferCase(dtype=dtype, mla=mla, seed=21 + int(mla))
+        nope_dim = 512 if mla else 96
+        if mla:
+            q_full = randn(c.t, c.hq, nope_dim + c.r, dtype=dtype)
+            q_nope, q_rope = q_full[..., :nope_dim], q_full[..., nope_dim:]
+            k_nope = randn(c.t, nope_dim, dtype=dtype)
+        else:
+            q_nope, q_rope = randn(c.t, c.hq, nope_dim, dtype=dtype), c.q
+            k_nope = randn(c.t, c.hk, nope_dim, dtype=dtype)
+        inputs = [x.clone() for x in (q_nope, q_rope, k_nope, c.k)]
+        fn = rope_rs.mla_rope_quantize_fp8 if mla else rope_rs.rope_quantize_fp8
+        q_out, k_out, q_nope_out, k_nope_out = fn(
+            q_rope, c.k, q_nope, k_nope, c.cache, c.pos_ids, True, fp8, quant_scale_q=1.7, quant_scale_kv=0.37
+        )
+        assert q_nope_out.shape == q_nope.shape and k_nope_out.shape == k_nope.shape and q_nope_out.dtype == fp8
+        as_bytes = lambda x: x.view(torch.uint8)  # noqa: E731
+        assert torch.equal(as_bytes(q_nope_out), as_bytes((q_nope.float() * 1.7).to(fp8)))
+        assert torch.equal(as_bytes(k_nope_out), as_bytes((k_nope.float() * 0.37).to(fp8)))
+        fp8_near(q_out, c.rotated(q_rope, "neox"), 1.7, fp8)
+        fp8_near(k_out, c.rotated(c.k, "neox"), 0.37, fp8)
+        for x, y in zip((q_nope, q_rope, k_nope, c.k), inputs):
+            assert torch.equal(x, y), "inputs are only read"
+
+    def test_non_rotary_parts_into_given_outputs_at_strides(self):
+        # Outputs given as views of wider buffers (every other head of a [t, 2 h, d] buffer): the
+        # bytes between them stay untouched.
+        c = FlashInferCase(seed=23)
+        q_nope, k_nope = randn(c.t, c.hq, 64, dtype=c.dtype), randn(c.t, c.hk, 64, dtype=c.dtype)
+        e4m3 = torch.float8_e4m3fn
+        q_buf = torch.full((c.t, 2 * c.hq, 64), 7, device=DEV, dtype=torch.uint8)
+        k_buf = torch.full((c.t, 2 * c.hk, 64), 7, device=DEV, dtype=torch.uint8)
+        q_nope_out, k_nope_out = q_buf[:, ::2].view(e4m3), k_buf[:, 1::2].view(e4m3)
+        rope_rs.rope_quantize_fp8(
+            c.q, c.k, q_nope, k_nope, c.cache, c.pos_ids, False, None, 2.0, 0.5,
+            q_nope_out=q_nope_out, k_nope_out=k_nope_out,
+        )
+        assert torch.equal(q_buf[:, ::2], (q_nope.float() * 2.0).to(e4m3).view(torch.uint8))
+        assert torch.equal(k_buf[:, 1::2], (k_nope.float() * 0.5).to(e4m3).view(torch.uint8))
+        assert (q_buf[:, 1::2] == 7).all() and (k_buf[:, ::2] == 7).all(), "bytes between the heads untouched"
+
+    def test_non_rotary_errors_name_the_argument(self):
+        c = FlashInferCase(seed=24)
+        q_out = torch.zeros(c.t, c.hq, c.r, device=DEV, dtype=torch.float8_e4m3fn)
+        call = lambda **kw: rope_rs.rope_quantize_fp8(  # noqa: E731
+            c.q, c.k, kw.pop("q_nope", None), kw.pop("k_nope", None), c.cache, c.pos_ids, True, None, 1.0, 1.0,
+            q_rope_out=q_out, **kw,
+        )
+        with pytest.raises(ValueError, match="^q_nope: .*multiple of 8"):
+            call(q_nope=randn(c.t, c.hq, 12, dtype=c.dtype))
+        with pytest.raises(ValueError, match="^q_nope: .*heads"):
+            call(q_nope=randn(c.t, c.hq + 1, 64, dtype=c.dtype))
+        with pytest.raises(ValueError, match="^k_nope: .*features per head"):
+            call(q_nope=randn(c.t, c.hq, 64, dtype=c.dtype), k_nope=randn(c.t, c.hk, 32, dtype=c.dtype))
+        with pytest.raises(ValueError, match="^q_nope must be"):
+            call(q_nope=randn(c.t, c.hq, 64, dtype=torch.float16))
+        with pytest.raises(ValueError, match="^q_nope_out must be"):
+            call(q_nope=randn(c.t, c.hq, 64, dtype=c.dtype), q_nope_out=torch.empty(c.t, c.hq, 64, device=DEV))
+        assert (q_out.view(torch.uint8) == 0).all(), "a refused call writes nothing"
+
+    def test_non_rotary_compiled_and_graph_replay_match_eager(self):
+        c = FlashInferCase(t=32, mla=True, seed=25)
+        q_nope, k_nope = randn(c.t, c.hq, 512, dtype=c.dtype), randn(c.t, 512, dtype=c.dtype)
+
+        def step(q, k, qn, kn, pos_ids):
+            outs = rope_rs.mla_rope_quantize_fp8(q, k, qn * 2, kn, c.cache, pos_ids, True, torch.float8_e5m2)
+            return [o.view(torch.uint8).clone() for o in outs]
+
+        want = step(c.q, c.k, q_nope, k_nope, c.pos_ids)
+        got = torch.compile(step, fullgraph=True)(c.q, c.k, q_nope, k_nope, c.pos_ids)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        static = [x.clone() for x in (c.q, c.k, q_nope, k_nope, c.pos_ids)]
+        step(*static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(*static)
+        new = [randn(*x.shape, dtype=x.dtype) for x in static[:4]] + [torch.randint(0, 4096, (c.t,), device=DEV)]
+        for x, y in zip(static, new):
+            x.copy_(y)
+        graph.replay()
+        want = step(*new)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+    def test_empty_nope_outputs_kept_across_calls_stay_right(self):
+        # The zero-feature outputs an eager call hands out again: the same shape, dtype and
+        # device each call, replaced once a caller resized one or marked it for autograd.
+        c = FlashInferCase(seed=7)
+        args = (c.q, c.k, None, None, c.cache, c.pos_ids, True, torch.float8_e4m3fn)
+        first = rope_rs.rope_quantize_fp8(*args)[2]
+        first.resize_(3, 5)
+        second = rope_rs.rope_quantize_fp8(*args)[2]
+        assert second.shape == (c.t, c.hq, 0) and second.numel() == 0
+        second.requires_grad_(True)
+        third = rope_rs.rope_quantize_fp8(*args)[2]
+        assert third.shape == (c.t, c.hq, 0) and not third.requires_grad
+        e5m2 = rope_rs.rope_quantize_fp8(c.q, c.k, None, None, c.cache, c.pos_ids, True, torch.float8_e5m2)[2]
+        assert e5m2.dtype == torch.float8_e5m2 and e5m2.shape == (c.t, c.hq, 0)
+        fewer = rope_rs.rope_quantize_fp8(c.q[:3], c.k[:3], None, None, c.cache, c.pos_ids[:3], True)[2]
+        assert fewer.shape == (3, c.hq, 0)
 
     def test_rope_quantize_fp8_into_given_outputs(self):
         c = FlashInferCase(seed=5)
@@ -1089,7 +1198,14 @@ class TestFlashInferQuantize:
         torch.library.opcheck(
             rope_torch.rope_quantize_fp8_op,
             (c.q, c.k, c.cache, c.pos_ids, True, "float8_e4m3fn", 1.0, 0.5,
-             torch.empty_like(c.q, dtype=u8), torch.empty_like(c.k, dtype=u8), False),
+             torch.empty_like(c.q, dtype=u8), torch.empty_like(c.k, dtype=u8), False, None, None, None, None),
+        )
+        q_nope, k_nope = randn(c.t, c.hq, 32, dtype=c.dtype), randn(c.t, c.hk, 32, dtype=c.dtype)
+        torch.library.opcheck(
+            rope_torch.rope_quantize_fp8_op,
+            (c.q, c.k, c.cache, c.pos_ids, True, "float8_e4m3fn", 1.0, 0.5,
+             torch.empty_like(c.q, dtype=u8), torch.empty_like(c.k, dtype=u8), False,
+             q_nope, torch.empty_like(q_nope, dtype=u8), k_nope, torch.empty_like(k_nope, dtype=u8)),
         )
         shape = (c.pages, c.page_size, c.hk, c.r)
         torch.library.opcheck(

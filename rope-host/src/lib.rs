@@ -84,8 +84,8 @@ pub use freq::{
 };
 pub use fused::{
     CacheAddress, CacheData, CacheLayout, Fp8Format, Fp8Scale, FusedIo, FusedOp, KOut, KvCache,
-    NormWeight, PageTable, QOut, QkNorm, RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo,
-    RawFusedOp, RawKOut, RawKvCache, RawPageTable, RawQOut, RawQkNorm,
+    NonRotary, NormWeight, PageTable, QOut, QkNorm, RawCacheAddress, RawCacheData, RawFp8Scale,
+    RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
 };
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};

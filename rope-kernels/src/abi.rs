@@ -1268,8 +1268,15 @@ macro_rules! fused_kernel_params {
 /// `kv_pages` `i32`, and token `t`'s slot is `kv_indices[kv_indptr[b] + p / block_size] *
 /// block_size + p % block_size`, none (the token writes no cache) for a negative `b`, `p`, or
 /// page, `b >= kv_requests`, or a page entry outside `kv_indptr[b] .. kv_indptr[b + 1]` or
-/// `kv_indices`. The other fused entry points take none of these: every parameter byte is
-/// copied at each launch, and these made every decode launch slower.
+/// `kv_indices`. Then FlashInfer's non-rotary parts (`q_nope`, `k_nope`): blocks of a token's
+/// row from `rope_blocks` on take them, `nope_groups` accesses (`nope_magic`, `nope_shift`: its
+/// [`crate::divide::Divisor`]) of `16 / size_of::<T>()` elements per head, q's heads (when
+/// `q_nope` is not null) then k's (when `k_nope` is not null), the same heads as the rotated
+/// parts; token `t`'s head `h` starts at element `t * stride_token + h * stride_head` of its
+/// input and at that byte of its output (`q_nope_out`, `k_nope_out`), stored as FP8 of
+/// `x * m` in the format and with the multiplier of its rotated part's FP8 output, unrotated.
+/// The other fused entry points take none of these: every parameter byte is copied at each
+/// launch, and these made every decode launch slower.
 #[macro_export]
 macro_rules! fused_forms_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -1285,6 +1292,22 @@ macro_rules! fused_forms_kernel_params {
             kv_indices: byte_ptr,
             kv_requests: u32,
             kv_pages: u32,
+            rope_blocks: u32,
+            nope_groups: nonzero_u32,
+            nope_magic: u32,
+            nope_shift: u32,
+            q_nope: elem_ptr,
+            q_nope_stride_token: u32,
+            q_nope_stride_head: u32,
+            q_nope_out: byte_ptr_mut,
+            q_nope_out_stride_token: u32,
+            q_nope_out_stride_head: u32,
+            k_nope: elem_ptr,
+            k_nope_stride_token: u32,
+            k_nope_stride_head: u32,
+            k_nope_out: byte_ptr_mut,
+            k_nope_out_stride_token: u32,
+            k_nope_out_stride_head: u32,
         }
     };
 }

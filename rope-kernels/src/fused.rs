@@ -142,6 +142,45 @@ struct Fused<T> {
     v_warps: u32,
     /// The four-heads kernels' prefetch distance in tokens (0: none); see [`prefetch_ahead`].
     prefetch_tokens: u32,
+    /// FlashInfer's non-rotary parts (none outside its forms' entry points).
+    nope: NonRotary<T>,
+}
+
+/// FlashInfer's non-rotary parts by address (see `crate::fused_forms_kernel_params!`): the
+/// blocks of a token's row from `rope_blocks` on, `groups` accesses per head, and q's and k's
+/// inputs (null: no such part) and FP8 outputs at their (token, head) strides.
+#[derive(Clone, Copy)]
+struct NonRotary<T> {
+    rope_blocks: u32,
+    groups: Divisor,
+    q: *const T,
+    q_strides: [u32; 2],
+    q_out: *mut u8,
+    q_out_strides: [u32; 2],
+    k: *const T,
+    k_strides: [u32; 2],
+    k_out: *mut u8,
+    k_out_strides: [u32; 2],
+}
+
+impl<T> NonRotary<T> {
+    /// No non-rotary part: no block reaches `rope_blocks`.
+    const NONE: Self = NonRotary {
+        rope_blocks: u32::MAX,
+        groups: Divisor {
+            divisor: core::num::NonZeroU32::MIN,
+            magic: 0,
+            shift: 0,
+        },
+        q: core::ptr::null(),
+        q_strides: [0; 2],
+        q_out: core::ptr::null_mut(),
+        q_out_strides: [0; 2],
+        k: core::ptr::null(),
+        k_strides: [0; 2],
+        k_out: core::ptr::null_mut(),
+        k_out_strides: [0; 2],
+    };
 }
 
 /// Heads a work item loads before it stores any (both pairings): two heads are 16 elements, 32
@@ -1058,6 +1097,18 @@ unsafe fn token_heads_body<
     if u64::from(token) >= a.tokens {
         return;
     }
+    // Uniform in the block: its blocks past the rotation's take the non-rotary parts.
+    if FI && block_idx_x() >= f.nope.rope_blocks {
+        // SAFETY: token < tokens; the entry points' promises for the non-rotary parts.
+        unsafe {
+            if T::SIZE == 4 {
+                non_rotary::<T, 4>(f, token)
+            } else {
+                non_rotary::<T, 8>(f, token)
+            }
+        }
+        return;
+    }
     let first_warp = block_idx_x() * (block_threads / 32);
     let warp = first_warp + tid / 32;
     let qk_warps = f.q_warps + f.k_warps;
@@ -1234,6 +1285,72 @@ unsafe fn token_heads_body<
                     store_heads::<T, P, L, U, FI>(cache, heads, (live, i0), dest, at, &y);
                 }
             }
+        }
+    }
+}
+
+/// FlashInfer's non-rotary parts, in the blocks of token `token`'s row from `rope_blocks` on:
+/// thread `n` of those blocks takes access `n % groups` (`N` elements, 16 bytes) of head
+/// `n / groups` of q's part then k's, and stores `fp8(x * m)`, unrotated, in the format and
+/// with the multiplier `m` of its rotated part's FP8 output (q's, or k's). Threads past the
+/// heads store nothing.
+///
+/// # Safety
+/// `token < tokens`; the entry points' promises for the non-rotary parts (each part's heads
+/// inside its input and output, aligned to `N` elements and `N` bytes, spanning fewer than
+/// 2^32 elements), and an FP8 output of the rotated part of each part given.
+#[inline(always)]
+unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
+    let n = &f.nope;
+    let index = (block_idx_x() - n.rope_blocks) * block_dim_x() + thread_idx_x();
+    let (head, group) = n.groups.div_rem_u32(index);
+    let q_heads = if n.q.is_null() { 0 } else { f.rope.q.heads };
+    let k_heads = if n.k.is_null() { 0 } else { f.rope.k.heads };
+    // Scalars chosen one by one: a tuple of the part's arrays went to local memory.
+    let is_q = head < q_heads;
+    if !is_q && head - q_heads >= k_heads {
+        return;
+    }
+    let head = if is_q { head } else { head - q_heads };
+    let (x, out) = if is_q { (n.q, n.q_out) } else { (n.k, n.k_out) };
+    let (x_token, x_head) = if is_q {
+        (n.q_strides[0], n.q_strides[1])
+    } else {
+        (n.k_strides[0], n.k_strides[1])
+    };
+    let (out_token, out_head) = if is_q {
+        (n.q_out_strides[0], n.q_out_strides[1])
+    } else {
+        (n.k_out_strides[0], n.k_out_strides[1])
+    };
+    let (format, scale, step, multiplier) = if is_q {
+        (f.q_format, f.q_scale, f.q_scale_step, f.q_multiplier)
+    } else {
+        (f.k_format, f.k_scale, f.k_scale_step, f.k_multiplier)
+    };
+    if format == FormatCode::Elem as u32 {
+        trap()
+    }
+    let element = group * N as u32;
+    // Every global access comes after this (see `token_heads_body`).
+    wait_for_prior_grids();
+    // SAFETY: the head and its access lie inside the part's input and output, aligned (the
+    // caller's promise); a scale array holds this head's (`fp8_multipliers`).
+    unsafe {
+        let m = if scale.is_null() {
+            multiplier
+        } else {
+            rcp_approx_ftz(*scale.add((head * step) as usize))
+        };
+        let at = token * x_token + head * x_head + element;
+        let raw = crate::access::load::<T, N>(x.add(at as usize));
+        let mut v = T::widen(raw);
+        unrolled(N, |e| v[e] *= m);
+        let o = out.add((token * out_token + head * out_head + element) as usize);
+        if format == FormatCode::E5m2 as u32 {
+            Fp8E5m2::store_rounded::<N>(o.cast(), v)
+        } else {
+            Fp8::store_rounded::<N>(o.cast(), v)
         }
     }
 }
@@ -1565,6 +1682,7 @@ impl<T> Fused<T> {
             k_warps: p.k_warps,
             v_warps: p.v_warps,
             prefetch_tokens: p.prefetch_tokens,
+            nope: NonRotary::NONE,
         }
     }
 
@@ -1582,6 +1700,22 @@ impl<T> Fused<T> {
             kv_indices: p.kv_indices.cast(),
             kv_requests: p.kv_requests,
             kv_pages: p.kv_pages,
+            nope: NonRotary {
+                rope_blocks: p.rope_blocks,
+                groups: Divisor {
+                    divisor: p.nope_groups,
+                    magic: p.nope_magic,
+                    shift: p.nope_shift,
+                },
+                q: p.q_nope,
+                q_strides: [p.q_nope_stride_token, p.q_nope_stride_head],
+                q_out: p.q_nope_out,
+                q_out_strides: [p.q_nope_out_stride_token, p.q_nope_out_stride_head],
+                k: p.k_nope,
+                k_strides: [p.k_nope_stride_token, p.k_nope_stride_head],
+                k_out: p.k_nope_out,
+                k_out_strides: [p.k_nope_out_stride_token, p.k_nope_out_stride_head],
+            },
             ..Self::new(crate::fused_kernel_params!(fused_params_of { p }))
         }
     }

@@ -3,8 +3,12 @@
 //! binder's context (as `crate::bind` does for the RoPE launches).
 
 use super::raw::{RawCacheAddress, RawFp8Scale, RawPageTable};
-use super::request::{CacheFp8, FusedRequest, RawCache, RawFp8, RawNorm, RawScale};
-use super::{CacheAddress, CacheData, Fp8Format, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, QOut};
+use super::request::{
+    CacheFp8, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
+};
+use super::{
+    CacheAddress, CacheData, Fp8Format, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NonRotary, QOut,
+};
 use crate::bind::Binder;
 use crate::config::RopeElem;
 use crate::error::Result;
@@ -24,6 +28,7 @@ pub(super) fn bind<'s, T: RopeElem>(
         x_layout: layout,
         out: None,
     };
+    let mut nope = NopeParts::default();
     let (q, q_fp8, (k, k_fp8, k_written), v, packed) = match io {
         FusedIo::Separate { q, k, v } => {
             let (q, q_fp8) = match q {
@@ -37,9 +42,12 @@ pub(super) fn bind<'s, T: RopeElem>(
                     output,
                     scale,
                     format,
+                    non_rotary,
                 } => {
                     let names = ("q", "q.output", "q.scale");
                     let (q, fp8) = bind_fp8(binder, names, (input, output), scale, *format)?;
+                    let names = ("q.non_rotary.input", "q.non_rotary.output");
+                    nope.q = bind_nope(binder, names, non_rotary.as_mut())?;
                     (q, Some(fp8))
                 }
             };
@@ -60,9 +68,12 @@ pub(super) fn bind<'s, T: RopeElem>(
                     output,
                     scale,
                     format,
+                    non_rotary,
                 } => {
                     let names = ("k", "k.output", "k.scale");
                     let (k, fp8) = bind_fp8(binder, names, (input, output), scale, *format)?;
+                    let names = ("k.non_rotary.input", "k.non_rotary.output");
+                    nope.k = bind_nope(binder, names, non_rotary.as_mut())?;
                     (k, Some(fp8), true)
                 }
             };
@@ -153,7 +164,24 @@ pub(super) fn bind<'s, T: RopeElem>(
         v,
         norm,
         cache,
+        nope,
     })
+}
+
+/// Binds a non-rotary part (if any): its input read and its FP8 output written, named
+/// `names` in errors.
+fn bind_nope<'s, T>(
+    binder: &mut Binder<'s>,
+    (x_name, out_name): (&'static str, &'static str),
+    part: Option<&'s mut NonRotary<'_, T>>,
+) -> Result<Option<NopePart>> {
+    let Some(p) = part else {
+        return Ok(None);
+    };
+    Ok(Some(NopePart {
+        input: (binder.read(x_name, &p.input.data)?, p.input.layout),
+        output: (binder.write(out_name, &mut p.output.data)?, p.output.layout),
+    }))
 }
 
 /// Binds a read input and a written output (of the input's type, or FP8 bits), named

@@ -1,10 +1,13 @@
 //! The encode step of a fused launch: a validated [`FusedRequest`] and its [`FusedPlan`] as the
 //! kernels' arguments ([`FusedArgs`], and for FlashInfer's forms [`FusedFormsArgs`]).
 
+use std::num::NonZeroU32;
+
 use rope_kernels::abi::{FormatCode, NormCode, SlotCode};
+use rope_kernels::divide::Divisor;
 
 use super::plan::FusedPlan;
-use super::request::{self, FusedRequest, RawScale, ScaleSource};
+use super::request::{self, FusedRequest, NopePart, RawScale, ScaleSource};
 use super::{Fp8Format, RawCacheAddress};
 use crate::kernel_args::{FusedArgs, FusedFormsArgs, RopeArgs};
 use crate::positions::IntType;
@@ -27,6 +30,25 @@ pub(super) fn scale_args(req: &FusedRequest) -> [(u64, u32, f32); 3] {
         arg(k),
         arg(cache.map(|c| c.v)),
     ]
+}
+
+/// A non-rotary part's arguments (zeros without one): the input's address (at its offset,
+/// `es`-byte elements), its token and head strides, then the output's (bytes). The plan
+/// checked both spans are below 2^32 elements, so the strides fit `u32`.
+fn nope_args(part: Option<NopePart>, es: usize) -> (u64, u32, u32, u64, u32, u32) {
+    let Some(p) = part else {
+        return (0, 0, 0, 0, 0, 0);
+    };
+    let at = |(buf, l): (crate::bind::RawBuf, crate::layout::Layout), size: usize| {
+        (
+            buf.ptr + (l.offset * size) as u64,
+            l.strides[1] as u32,
+            l.strides[2] as u32,
+        )
+    };
+    let (x, xt, xh) = at(p.input, es);
+    let (o, ot, oh) = at(p.output, 1);
+    (x, xt, xh, o, ot, oh)
 }
 
 /// The kernels' code of an output stored as `fp8` (the tensors' type without).
@@ -139,7 +161,11 @@ pub(super) fn encode(req: &FusedRequest, plan: &FusedPlan, rope: RopeArgs) -> Fu
 /// The arguments of a kernel of FlashInfer's forms: `base` ([`encode`]'s) and the forms' own
 /// (`rope_kernels::fused_forms_kernel_params!`): the multipliers, k's output format, the page
 /// table.
-pub(super) fn encode_forms(req: &FusedRequest, base: FusedArgs) -> FusedFormsArgs {
+pub(super) fn encode_forms(
+    req: &FusedRequest,
+    plan: &FusedPlan,
+    base: FusedArgs,
+) -> FusedFormsArgs {
     let [
         (_, _, q_multiplier),
         (_, _, k_multiplier),
@@ -147,6 +173,14 @@ pub(super) fn encode_forms(req: &FusedRequest, base: FusedArgs) -> FusedFormsArg
     ] = scale_args(req);
     let (slot_mode, page_positions, kv_indptr, kv_indices, kv_requests, kv_pages) =
         page_table_args(req.cache.as_ref());
+    let es = req.rope.dtype.size();
+    let [q_nope, k_nope] = [req.nope.q, req.nope.k].map(|p| nope_args(p, es));
+    // Without parts no block reaches `rope_blocks`.
+    let (rope_blocks, groups) = plan
+        .nope
+        .map_or((u32::MAX, Divisor::new(NonZeroU32::MIN)), |n| {
+            (n.rope_blocks, n.groups)
+        });
     macro_rules! with_base {
         ({ $b:ident } $($param:ident: $kind:ident,)*) => {
             FusedFormsArgs {
@@ -161,6 +195,22 @@ pub(super) fn encode_forms(req: &FusedRequest, base: FusedArgs) -> FusedFormsArg
                 kv_indices,
                 kv_requests,
                 kv_pages,
+                rope_blocks,
+                nope_groups: groups.divisor.get(),
+                nope_magic: groups.magic,
+                nope_shift: groups.shift,
+                q_nope: q_nope.0,
+                q_nope_stride_token: q_nope.1,
+                q_nope_stride_head: q_nope.2,
+                q_nope_out: q_nope.3,
+                q_nope_out_stride_token: q_nope.4,
+                q_nope_out_stride_head: q_nope.5,
+                k_nope: k_nope.0,
+                k_nope_stride_token: k_nope.1,
+                k_nope_stride_head: k_nope.2,
+                k_nope_out: k_nope.3,
+                k_nope_out_stride_token: k_nope.4,
+                k_nope_out_stride_head: k_nope.5,
             }
         };
     }

@@ -34,6 +34,7 @@
 mod bind;
 mod cache_checks;
 mod encode;
+mod non_rotary;
 mod plan;
 mod raw;
 mod request;
@@ -58,7 +59,7 @@ pub(crate) use plan::FusedPlan;
 use plan::plan_fused;
 pub use raw::{
     RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache,
-    RawPageTable, RawQOut, RawQkNorm,
+    RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
 };
 pub(crate) use request::FusedRequest;
 use rows::RowsLaunch;
@@ -121,6 +122,7 @@ impl Fp8Format {
 
 /// Where the rotated q goes.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // Built once per launch and consumed at once.
 pub enum QOut<'a, T> {
     /// Back into q.
     InPlace(TensorMut<'a, T>),
@@ -142,11 +144,34 @@ pub enum QOut<'a, T> {
         scale: Fp8Scale<'a>,
         /// E4M3 or E5M2.
         format: Fp8Format,
+        /// q's features outside the rotation in tensors of their own, stored alongside.
+        non_rotary: Option<NonRotary<'a, T>>,
     },
+}
+
+/// A head's features that are not rotated, kept in tensors of their own beside the rotated
+/// ones (FlashInfer's `q_nope` and `k_nope`, MLA's latent part): stored, unrotated, as FP8 with
+/// the format and scale of the rotated part's FP8 output, `fp8(x / scale)` or `fp8(x *
+/// multiplier)`, in the same launch.
+///
+/// Layout: `input` is `[batch, seq, heads, nope_dim]` with the rotated tensor's batch, seq and
+/// heads, tokens at one stride (`stride_batch = seq * stride_seq`, or one batch row); `output`
+/// (FP8 bytes) has the input's dimensions at its own strides; q's and k's parts have the same
+/// `nope_dim`. Token `t = b * seq + s`, head `h`, element `e` is read at `t * stride_seq + h *
+/// stride_head + e` of the input. `nope_dim`, the strides and the offsets are multiples of `16 /
+/// size_of::<T>()` (one 16-byte access), and each part spans fewer than 2^32 elements. Runs
+/// on the token-heads kernels of FlashInfer's forms.
+#[derive(Debug)]
+pub struct NonRotary<'a, T> {
+    /// Read only.
+    pub input: Tensor<'a, T>,
+    /// Written only, FP8 bytes.
+    pub output: TensorMut<'a, u8>,
 }
 
 /// Where the rotated k goes (besides the cache, with one).
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // Built once per launch and consumed at once.
 pub enum KOut<'a, T> {
     /// Back into k.
     InPlace(TensorMut<'a, T>),
@@ -170,6 +195,8 @@ pub enum KOut<'a, T> {
         scale: Fp8Scale<'a>,
         /// E4M3 or E5M2.
         format: Fp8Format,
+        /// k's features outside the rotation in tensors of their own, stored alongside.
+        non_rotary: Option<NonRotary<'a, T>>,
     },
 }
 
@@ -438,7 +465,7 @@ impl Rope {
         unsafe {
             match plan.kernel.forms {
                 FusedForms::Plain => args.launch(context, &function, config, stream, overlap),
-                FusedForms::FlashInfer => encode::encode_forms(req, args)
+                FusedForms::FlashInfer => encode::encode_forms(req, plan, args)
                     .launch(context, &function, config, stream, overlap),
             }
         }

@@ -14,6 +14,7 @@ use rope_kernels::divide::Divisor;
 use super::cache_checks::{
     block_size, cache_as_layout, cache_slots, check_address, check_cache, check_scale,
 };
+use super::non_rotary::{NopePlan, check_nope, plan_nope};
 use super::request::{FusedRequest, RawFp8, ScaleSource};
 use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
 use super::{Fp8Format, RawCacheAddress};
@@ -52,6 +53,8 @@ pub(crate) struct FusedPlan {
     /// How many tokens ahead the four-heads kernels ask L2 for heads ([`prefetch_tokens`]; 0
     /// for the other kernels).
     pub(crate) prefetch_tokens: u32,
+    /// The blocks of the non-rotary parts (FlashInfer's forms only).
+    pub(crate) nope: Option<NopePlan>,
 }
 
 /// Items of one token and head that the normalisation's warp-shuffle sum can span.
@@ -166,8 +169,8 @@ pub(crate) fn plan_fused(
     if let Some(arg) = flashinfer.filter(|_| !token_heads) {
         return Err(invalid(
             arg,
-            "page tables, E5M2, multipliers and FP8 k outputs are stored by the token-heads \
-             kernels alone, which this launch cannot take: each tensor below 2^32 elements at the \
+            "page tables, E5M2, multipliers, FP8 k outputs and non-rotary parts are stored by \
+             the token-heads kernels alone, which this launch cannot take: each tensor below 2^32 elements at the \
              widest access (addresses and strides aligned to 16 bytes), a cache of at most 2^32 \
              slots, and tables within 2^32 elements aligned to their reads",
         ));
@@ -264,9 +267,11 @@ pub(crate) fn plan_fused(
         grid((tokens, seq), groups, heads as u32, &resident, per_sm)?
     };
     // A grid of no threads stores nothing: every tensor a launch stores into has no heads.
-    let Some(grid) = grid else {
+    let Some(mut grid) = grid else {
         return Ok(None);
     };
+    // The non-rotary parts take blocks after each token's (FlashInfer's forms: token-heads).
+    let nope = plan_nope(req, &mut grid, es)?;
     Ok(Some(FusedPlan {
         kernel,
         grid,
@@ -279,17 +284,21 @@ pub(crate) fn plan_fused(
         cache_slots,
         token_warps,
         prefetch_tokens,
+        nope,
     }))
 }
 
 /// The argument of `req`'s first FlashInfer form, if it has one: a multiplier or E5M2 for q's
-/// FP8 output, an FP8 k output, an FP8 cache of E5M2 or multipliers, a page table.
+/// FP8 output, q's non-rotary part, an FP8 k output (with or without its non-rotary part), an FP8 cache of E5M2 or multipliers, a page table.
 pub(super) fn flashinfer_form(req: &FusedRequest) -> Option<&'static str> {
     let extended = |f: RawFp8| {
         f.format != Fp8Format::E4m3 || matches!(f.scale.source, ScaleSource::Multiplier(_))
     };
     if req.q_fp8.is_some_and(extended) {
         return Some("q.scale");
+    }
+    if req.nope.q.is_some() {
+        return Some("q.non_rotary.input");
     }
     if req.k_fp8.is_some() {
         return Some("k.output");
@@ -442,6 +451,7 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
     if let Some(c) = &req.cache {
         check_cache(c, cfg, es, k.x_layout.heads, &mut regions)?;
     }
+    regions.extend(check_nope(req, es)?);
     regions.extend(option_reads(&req.rope));
     Ok(regions)
 }

@@ -6,7 +6,9 @@
 
 use cudarc::driver::sys::CUstream;
 
-use super::request::{CacheFp8, FusedRequest, RawCache, RawFp8, RawNorm, RawScale, ScaleSource};
+use super::request::{
+    CacheFp8, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale, ScaleSource,
+};
 use super::{CacheLayout, Fp8Format, NormWeight};
 use crate::bind::RawBuf;
 use crate::error::Result;
@@ -67,7 +69,29 @@ pub enum RawQOut {
         scale: RawFp8Scale,
         /// E4M3 or E5M2.
         format: Fp8Format,
+        /// q's features outside the rotation, stored alongside.
+        non_rotary: Option<RawNonRotary>,
     },
+}
+
+/// A head's features outside the rotation by address (as [`super::NonRotary`]): the input's
+/// and the FP8 output's buffers and layouts (the output's counting bytes).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RawNonRotary {
+    /// Read only.
+    pub input: RawTensor,
+    /// Written only, one byte per element.
+    pub output: RawTensor,
+}
+
+impl RawNonRotary {
+    /// The form the planner takes.
+    fn part(self) -> NopePart {
+        NopePart {
+            input: (self.input.buf, self.input.layout),
+            output: (self.output.buf, self.output.layout),
+        }
+    }
 }
 
 /// Where the rotated k goes besides the cache (as [`super::KOut`]).
@@ -87,6 +111,8 @@ pub enum RawKOut {
         scale: RawFp8Scale,
         /// E4M3 or E5M2.
         format: Fp8Format,
+        /// k's features outside the rotation, stored alongside.
+        non_rotary: Option<RawNonRotary>,
     },
 }
 
@@ -215,6 +241,7 @@ fn fp8_output(
 
 /// The request the planner validates: the same form [`Rope::run_fused`]'s bind step makes.
 fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedRequest {
+    let mut nope = NopeParts::default();
     let (q, q_fp8, (k, k_fp8, k_written), v, packed) = match io {
         RawFusedIo::Separate { q, k, v } => {
             let (q, q_fp8) = match q {
@@ -224,7 +251,9 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                     output,
                     scale,
                     format,
+                    non_rotary,
                 } => {
+                    nope.q = non_rotary.map(RawNonRotary::part);
                     let (q, fp8) = fp8_output((input, output), scale.raw("q.scale"), format);
                     (q, Some(fp8))
                 }
@@ -237,7 +266,9 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                     output,
                     scale,
                     format,
+                    non_rotary,
                 } => {
+                    nope.k = non_rotary.map(RawNonRotary::part);
                     let (k, fp8) = fp8_output((input, output), scale.raw("k.scale"), format);
                     (k, Some(fp8), true)
                 }
@@ -304,6 +335,7 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
         v,
         norm,
         cache,
+        nope,
     }
 }
 

@@ -41,6 +41,22 @@ pub(crate) struct CacheFp8 {
     pub(crate) v: RawScale,
 }
 
+/// A head's features outside the rotation by address (see [`super::NonRotary`]): the input
+/// and its FP8 output (bytes), each with its layout.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NopePart {
+    pub(crate) input: (RawBuf, Layout),
+    pub(crate) output: (RawBuf, Layout),
+}
+
+/// q's and k's features outside the rotation, stored beside their FP8 outputs (none for most
+/// launches).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct NopeParts {
+    pub(crate) q: Option<NopePart>,
+    pub(crate) k: Option<NopePart>,
+}
+
 /// The normalisation's weights by address.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RawNorm {
@@ -76,4 +92,6 @@ pub(crate) struct FusedRequest {
     pub(crate) v: Option<(RawBuf, Layout)>,
     pub(crate) norm: Option<RawNorm>,
     pub(crate) cache: Option<RawCache>,
+    /// The non-rotary parts of q's and k's FP8 outputs.
+    pub(crate) nope: NopeParts,
 }

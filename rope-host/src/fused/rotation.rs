@@ -63,6 +63,7 @@ impl FusedRequest {
             v: None,
             norm: None,
             cache: None,
+            nope: Default::default(),
         })
     }
 }

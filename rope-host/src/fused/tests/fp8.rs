@@ -212,3 +212,91 @@ fn page_tables_are_checked_array_by_array() {
     t.kv_indices.ptr = 7 << 24;
     assert_eq!(invalid_arg(&with(t)), "cache.k");
 }
+
+/// A request with q's and k's FP8 outputs and no cache, as FlashInfer's `rope_quantize_fp8`
+/// makes it, and the non-rotary parts of `nope_dim` features it stores beside them.
+fn with_nope(nope_dim: usize) -> FusedRequest {
+    let mut r = request(RopeStyle::Neox);
+    (r.cache, r.v, r.norm, r.k_written) = (None, None, None, true);
+    let fp8 = |arg| RawFp8 {
+        format: Fp8Format::E4m3,
+        scale: RawScale {
+            arg,
+            source: ScaleSource::Multiplier(1.0),
+        },
+    };
+    let (q_out, k_out) = (Layout::thd(TOKENS, 32, D), Layout::thd(TOKENS, 8, D));
+    r.rope.q.out = Some((buf(11 << 24, q_out.end().expect("small")), q_out));
+    r.rope.k.as_mut().expect("k").out = Some((buf(12 << 24, k_out.end().expect("small")), k_out));
+    (r.q_fp8, r.k_fp8) = (Some(fp8("q.scale")), Some(fp8("k.scale")));
+    let part = |heads, ptr: u64| {
+        let l = Layout::thd(TOKENS, heads, nope_dim);
+        let len = l.end().expect("small");
+        NopePart {
+            input: (buf(ptr, len), l),
+            output: (buf(ptr + (1 << 40), len), l),
+        }
+    };
+    r.nope.q = Some(part(32, 30 << 24));
+    r.nope.k = Some(part(8, 31 << 24));
+    r
+}
+
+/// The non-rotary parts take the token-heads kernels of FlashInfer's forms and blocks of their
+/// own after each token's: one thread per 16-byte access of every head of both parts.
+#[test]
+fn non_rotary_parts_take_blocks_after_each_tokens_rotation() {
+    let r = with_nope(512);
+    let p = plan_with(&r, FusedKernels::ItemLoop)
+        .expect("valid")
+        .expect("non-empty");
+    assert_eq!(p.kernel.mapping, Mapping::TWO_HEADS);
+    assert_eq!(p.kernel.forms, rope_kernels::abi::FusedForms::FlashInfer);
+    let nope = p.nope.expect("non-rotary blocks");
+    let block = u64::from(p.grid.config.block_dim.0);
+    assert_eq!(nope.groups.divisor.get(), 512 / 8);
+    let blocks = u64::from(p.grid.config.grid_dim.0 - nope.rope_blocks);
+    assert_eq!(blocks, ((32 + 8) * 64u64).div_ceil(block));
+    // Without the parts: no such blocks.
+    let mut plain = r;
+    plain.nope = Default::default();
+    let p = plan_of(&plain).expect("valid").expect("non-empty");
+    assert!(p.nope.is_none());
+}
+
+/// Each part's input and output are checked against the rotated tensor and each other, naming
+/// the part's argument.
+#[test]
+fn non_rotary_parts_are_checked_naming_their_argument() {
+    assert!(plan_of(&with_nope(64)).is_ok());
+    // Features not a multiple of one 16-byte access (8 bf16).
+    assert_eq!(invalid_arg(&with_nope(12)), "q.non_rotary.input");
+    // Heads other than the rotated tensor's.
+    let mut r = with_nope(64);
+    let q = r.nope.q.as_mut().expect("q part");
+    q.input.1 = Layout::thd(TOKENS, 16, 64);
+    assert_eq!(invalid_arg(&r), "q.non_rotary.input");
+    // An output of other dimensions.
+    let mut r = with_nope(64);
+    r.nope.k.as_mut().expect("k part").output.1 = Layout::thd(TOKENS, 8, 32);
+    assert_eq!(invalid_arg(&r), "k.non_rotary.output");
+    // k's features other than q's.
+    let mut r = with_nope(64);
+    let l = Layout::thd(TOKENS, 8, 32);
+    r.nope.k = Some(NopePart {
+        input: (buf(31 << 24, l.end().expect("small")), l),
+        output: (buf((31 << 24) + (1 << 40), l.end().expect("small")), l),
+    });
+    assert_eq!(invalid_arg(&r), "k.non_rotary.input");
+    // A buffer one element short, and one off its 16-byte alignment.
+    let mut r = with_nope(64);
+    r.nope.q.as_mut().expect("q part").input.0.len -= 1;
+    assert_eq!(invalid_arg(&r), "q.non_rotary.input");
+    let mut r = with_nope(64);
+    r.nope.q.as_mut().expect("q part").output.0.ptr += 4;
+    assert_eq!(invalid_arg(&r), "q.non_rotary.output");
+    // An output over q's rotated output: the overlap names the first of the two written.
+    let mut r = with_nope(64);
+    r.nope.q.as_mut().expect("q part").output.0.ptr = 11 << 24;
+    assert_eq!(invalid_arg(&r), "q.output");
+}

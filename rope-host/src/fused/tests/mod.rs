@@ -10,7 +10,9 @@ use rope_kernels::abi::{DType, FusedKernelName, MAX_FUSED_ITEMS, Mapping, NormCo
 
 use super::encode::scale_args;
 use super::plan::{FusedPlan, plan_fused};
-use super::request::{CacheFp8, FusedRequest, RawCache, RawFp8, RawNorm, RawScale, ScaleSource};
+use super::request::{
+    CacheFp8, FusedRequest, NopePart, RawCache, RawFp8, RawNorm, RawScale, ScaleSource,
+};
 use super::rows::{RowsLaunch, RowsOccupancy};
 use super::{CacheLayout, Fp8Format, RawCacheAddress, RawPageTable};
 use crate::Direction;
@@ -80,6 +82,7 @@ fn request(style: RopeStyle) -> FusedRequest {
             v: buf(8 << 24, cache_len),
             fp8: None,
         }),
+        nope: Default::default(),
     }
 }
 

@@ -312,6 +312,7 @@ impl Description {
             v,
             norm,
             cache,
+            nope: Default::default(),
         }
     }
 

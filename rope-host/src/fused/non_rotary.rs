@@ -1,0 +1,200 @@
+//! The non-rotary parts of q's and k's FP8 outputs ([`super::NonRotary`], FlashInfer's
+//! `q_nope` and `k_nope`): their checks, and the blocks of a token's row that store them
+//! ([`NopePlan`]). Pure, as the rest of the plan step (`plan.rs`, which calls them).
+
+use std::num::NonZeroU32;
+
+use rope_kernels::divide::Divisor;
+
+use super::request::{FusedRequest, NopePart};
+use crate::bind::RawBuf;
+use crate::check::{Of, Region, layout_aligned, span_below_2_32};
+use crate::error::{Result, invalid};
+use crate::layout::Layout;
+use crate::plan::Grid;
+
+/// Where the non-rotary parts go in a token's row of blocks: from block `rope_blocks` on,
+/// `groups` accesses per head (see `crate::fused_forms_kernel_params!`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NopePlan {
+    pub(crate) rope_blocks: u32,
+    pub(crate) groups: Divisor,
+}
+
+/// Elements of one 16-byte access of `es`-byte elements: the non-rotary parts' access.
+pub(crate) fn nope_lanes(es: usize) -> usize {
+    16 / es
+}
+
+/// Checks the non-rotary parts against their rotated tensors (q's and k's inputs, `es`-byte
+/// elements) and returns their regions: each input `[batch, seq, heads, nope_dim]` of its
+/// rotated tensor's batch, seq and heads, tokens at one stride, inside its buffer; each output
+/// of its input's dimensions in bytes, no two elements at one address; both parts of one
+/// `nope_dim`; addresses, strides and `nope_dim` multiples of one 16-byte access; spans below
+/// 2^32 elements (the kernels' 32-bit offsets).
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the part's `input` or `output`.
+pub(crate) fn check_nope(req: &FusedRequest, es: usize) -> Result<Vec<Region>> {
+    let mut regions = Vec::new();
+    let k = req.rope.k.map_or(req.rope.q.x_layout, |k| k.x_layout);
+    let parts = [
+        (
+            req.nope.q,
+            req.rope.q.x_layout,
+            Of::Q,
+            ("q.non_rotary.input", "q.non_rotary.output"),
+        ),
+        (
+            req.nope.k,
+            k,
+            Of::K,
+            ("k.non_rotary.input", "k.non_rotary.output"),
+        ),
+    ];
+    let mut dim = None;
+    for (part, rotated, of, names) in parts {
+        let Some(p) = part else { continue };
+        let nope_dim = p.input.1.head_dim;
+        let first = *dim.get_or_insert(nope_dim);
+        if first != nope_dim {
+            return Err(invalid(
+                names.0,
+                format!("has {nope_dim} features per head, q's non-rotary part {first}"),
+            ));
+        }
+        let (x, out) = check_part(p, &rotated, names, es, of)?;
+        regions.extend([x, out]);
+    }
+    Ok(regions)
+}
+
+/// One part's checks (see [`check_nope`]); its input's and output's regions.
+fn check_part(
+    p: NopePart,
+    rotated: &Layout,
+    (input, output): (&'static str, &'static str),
+    es: usize,
+    of: Of,
+) -> Result<(Region, Region)> {
+    let lanes = nope_lanes(es);
+    let (x, out) = (p.input.1, p.output.1);
+    let dims = |l: &Layout| (l.batch, l.seq, l.heads);
+    if dims(&x) != dims(rotated) {
+        return Err(invalid(
+            input,
+            format!(
+                "dimensions {x:?} differ from the rotated tensor's {rotated:?} in batch, seq or heads"
+            ),
+        ));
+    }
+    if dims(&out) != dims(&x) || out.head_dim != x.head_dim {
+        return Err(invalid(
+            output,
+            format!("dimensions {out:?} differ from the input's {x:?}"),
+        ));
+    }
+    if x.head_dim == 0 || !x.head_dim.is_multiple_of(lanes) {
+        return Err(invalid(
+            input,
+            format!(
+                "has {} features per head; the non-rotary part takes a positive multiple of {lanes} (16 bytes)",
+                x.head_dim
+            ),
+        ));
+    }
+    let x_region = part_region((p.input, input), (es, lanes), (false, of))?;
+    let out_region = part_region((p.output, output), (1, lanes), (true, of))?;
+    Ok((x_region, out_region))
+}
+
+/// A part's input or output (`written`), elements of `size` bytes, in its buffer: inside it,
+/// tokens at one stride, address, offset and strides multiples of `lanes` elements, spanning
+/// fewer than 2^32 elements, and a written layout mapping no two elements to one address; its
+/// region.
+fn part_region(
+    ((buf, l), arg): ((RawBuf, Layout), &'static str),
+    (size, lanes): (usize, usize),
+    (written, of): (bool, Of),
+) -> Result<Region> {
+    let end = l
+        .end()
+        .ok_or_else(|| invalid(arg, "the addressed span overflows usize"))?;
+    if !l.is_empty() && buf.len < end {
+        return Err(invalid(
+            arg,
+            format!(
+                "holds {} elements, the layout addresses up to {end}",
+                buf.len
+            ),
+        ));
+    }
+    if l.batch > 1 && l.strides[0] != l.seq.saturating_mul(l.strides[1]) {
+        return Err(invalid(
+            arg,
+            "tokens must lie at one stride (stride_batch = seq * stride_seq)",
+        ));
+    }
+    if !layout_aligned(buf.ptr, &l, size, lanes) {
+        return Err(invalid(
+            arg,
+            format!("address, offset and strides must be multiples of {lanes} elements"),
+        ));
+    }
+    if !span_below_2_32(&l) {
+        return Err(invalid(arg, "spans 2^32 elements or more"));
+    }
+    if written && !l.is_non_overlapping() {
+        return Err(invalid(
+            arg,
+            "the layout maps different elements to one address",
+        ));
+    }
+    let start = u128::from(buf.ptr) + l.offset as u128 * size as u128;
+    Ok(Region {
+        start,
+        end: start + l.span().unwrap_or(0) as u128 * size as u128,
+        written,
+        name: arg,
+        of,
+    })
+}
+
+/// Adds the non-rotary parts' blocks to a token-heads `grid` (`blockDim.x` threads a block):
+/// each token's row gets, after its `rope_blocks` blocks, enough for one thread per access of
+/// every head of each part (`es`-byte elements). `None` without parts.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `q.non_rotary.input` when a token's blocks pass `u32`.
+pub(crate) fn plan_nope(
+    req: &FusedRequest,
+    grid: &mut Grid,
+    es: usize,
+) -> Result<Option<NopePlan>> {
+    let heads = |part: Option<NopePart>| part.map_or(0, |p| p.input.1.heads as u64);
+    let Some(dim) = req.nope.q.or(req.nope.k).map(|p| p.input.1.head_dim) else {
+        return Ok(None);
+    };
+    let groups = (dim / nope_lanes(es)) as u64;
+    let threads = (heads(req.nope.q) + heads(req.nope.k)) * groups;
+    let block = u64::from(grid.config.block_dim.0);
+    let rope_blocks = grid.config.grid_dim.0;
+    let blocks = u64::from(rope_blocks) + threads.div_ceil(block);
+    // The kernel counts a token's non-rotary threads in `u32`.
+    let threads_fit = threads.div_ceil(block) * block <= u64::from(u32::MAX);
+    let (Ok(blocks), Some(groups), true) = (
+        u32::try_from(blocks),
+        u32::try_from(groups).ok().and_then(NonZeroU32::new),
+        threads_fit,
+    ) else {
+        return Err(invalid(
+            "q.non_rotary.input",
+            "a token's non-rotary accesses are more than the grid's row of blocks holds",
+        ));
+    };
+    grid.config.grid_dim.0 = blocks;
+    Ok(Some(NopePlan {
+        rope_blocks,
+        groups: Divisor::new(groups),
+    }))
+}
