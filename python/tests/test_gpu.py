@@ -8,21 +8,15 @@ Skipped without torch or CUDA (failed instead with ROPE_REQUIRE_GPU=1, as the GP
 runner sets it); the tests that use transformers skip without it.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-if os.environ.get("ROPE_REQUIRE_GPU") == "1":
-    import torch
-else:
-    torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    if os.environ.get("ROPE_REQUIRE_GPU") == "1":
-        raise RuntimeError("ROPE_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
-    pytest.skip("SKIPPED (no GPU): torch.cuda.is_available() is False", allow_module_level=True)
+from gpu_gate import cuda_torch
+
+torch = cuda_torch()
 
 import rope_rs  # noqa: E402
 import rope_rs.torch as rope_torch  # noqa: E402

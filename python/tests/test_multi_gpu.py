@@ -18,14 +18,9 @@ import time
 
 import pytest
 
-if os.environ.get("ROPE_REQUIRE_GPU") == "1":
-    import torch
-else:
-    torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    if os.environ.get("ROPE_REQUIRE_GPU") == "1":
-        raise RuntimeError("ROPE_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
-    pytest.skip("SKIPPED (no GPU): torch.cuda.is_available() is False", allow_module_level=True)
+from gpu_gate import cuda_torch
+
+torch = cuda_torch()
 if torch.cuda.device_count() < 2:
     pytest.skip(
         f"SKIPPED (one GPU): the context-parallel test needs two, found {torch.cuda.device_count()}",

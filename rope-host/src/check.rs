@@ -1,6 +1,6 @@
 //! The validation every family's plan shares, pure so that it is tested without a GPU: a
-//! layout against its buffer and the configuration ([`check_layout`]), the byte range it
-//! addresses ([`Region`], [`region`], [`read_region`]), written ranges against every other
+//! layout against its buffer and the configuration ([`check_layout`], [`check_in_buffer`]), the
+//! byte range it addresses ([`Region`], [`region`], [`layout_region`], [`read_region`]), written ranges against every other
 //! range of a launch ([`check_overlaps`]), and the widest access the pairing and the alignment of
 //! every tensor allow ([`widest_lanes`], [`layout_aligned`]).
 
@@ -32,13 +32,24 @@ pub(crate) fn region(
     (es, written): (usize, bool),
 ) -> Result<Region> {
     check_layout(arg, buf, layout, cfg, es)?;
+    layout_region((arg, of), buf.ptr, layout, (es, written))
+}
+
+/// The byte range `layout` (elements of `es` bytes) addresses from `ptr`; a written layout
+/// must not map two elements to one address.
+pub(crate) fn layout_region(
+    (arg, of): (&'static str, Of),
+    ptr: u64,
+    layout: &Layout,
+    (es, written): (usize, bool),
+) -> Result<Region> {
     if written && !layout.is_non_overlapping() {
         return Err(invalid(
             arg,
             "the layout maps different elements to one address",
         ));
     }
-    let start = u128::from(buf.ptr) + layout.offset as u128 * es as u128;
+    let start = u128::from(ptr) + layout.offset as u128 * es as u128;
     Ok(Region {
         start,
         end: start + layout.span().unwrap_or(0) as u128 * es as u128,
@@ -110,6 +121,17 @@ pub(crate) fn check_layout(
             format!("seq and heads must fit in u32, got {layout:?}"),
         ));
     }
+    check_in_buffer(arg, buf, layout, elem_size)
+}
+
+/// Checks that the elements `layout` addresses (of `elem_size` bytes) lie inside `buf`, whose
+/// address is aligned to them.
+pub(crate) fn check_in_buffer(
+    arg: &'static str,
+    buf: RawBuf,
+    layout: &Layout,
+    elem_size: usize,
+) -> Result<()> {
     let end = layout
         .end()
         .ok_or_else(|| invalid(arg, "the addressed span overflows usize"))?;

@@ -8,7 +8,7 @@ use rope_kernels::divide::Divisor;
 
 use super::request::{FusedRequest, NopePart};
 use crate::bind::RawBuf;
-use crate::check::{Of, Region, layout_aligned, span_below_2_32};
+use crate::check::{Of, Region, check_in_buffer, layout_aligned, layout_region, span_below_2_32};
 use crate::error::{Result, invalid};
 use crate::layout::Layout;
 use crate::plan::Grid;
@@ -117,18 +117,7 @@ fn part_region(
     (size, lanes): (usize, usize),
     (written, of): (bool, Of),
 ) -> Result<Region> {
-    let end = l
-        .end()
-        .ok_or_else(|| invalid(arg, "the addressed span overflows usize"))?;
-    if !l.is_empty() && buf.len < end {
-        return Err(invalid(
-            arg,
-            format!(
-                "holds {} elements, the layout addresses up to {end}",
-                buf.len
-            ),
-        ));
-    }
+    check_in_buffer(arg, buf, &l, size)?;
     if l.batch > 1 && l.strides[0] != l.seq.saturating_mul(l.strides[1]) {
         return Err(invalid(
             arg,
@@ -144,20 +133,7 @@ fn part_region(
     if !span_below_2_32(&l) {
         return Err(invalid(arg, "spans 2^32 elements or more"));
     }
-    if written && !l.is_non_overlapping() {
-        return Err(invalid(
-            arg,
-            "the layout maps different elements to one address",
-        ));
-    }
-    let start = u128::from(buf.ptr) + l.offset as u128 * size as u128;
-    Ok(Region {
-        start,
-        end: start + l.span().unwrap_or(0) as u128 * size as u128,
-        written,
-        name: arg,
-        of,
-    })
+    layout_region((arg, of), buf.ptr, &l, (size, written))
 }
 
 /// Adds the non-rotary parts' blocks to a token-heads `grid` (`blockDim.x` threads a block):
