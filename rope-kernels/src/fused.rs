@@ -1731,35 +1731,51 @@ macro_rules! fused_kernel {
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
     ) => {
         $(
-            crate::fused_kernel_params!(fused_entry { $wide, WIDE: $pairing, $source, $t });
-            crate::fused_kernel_params!(fused_entry { $narrow, NARROW: $pairing, $source, $t });
-            crate::fused_kernel_params!(
-                fused_entry { $two_heads, TWO_HEADS: $pairing, $source, $t }
-            );
-            crate::fused_forms_kernel_params!(
-                fused_forms_entry { $forms: $pairing, $source, $t }
-            );
+            crate::fused_kernel_params!(fused_entry {
+                $wide, WIDE: $pairing, $source, $t, FusedParams => new, false
+            });
+            crate::fused_kernel_params!(fused_entry {
+                $narrow, NARROW: $pairing, $source, $t, FusedParams => new, false
+            });
+            crate::fused_kernel_params!(fused_entry {
+                $two_heads, TWO_HEADS: $pairing, $source, $t, FusedParams => new, false
+            });
+            crate::fused_forms_kernel_params!(fused_entry {
+                $forms, TWO_HEADS: $pairing, $source, $t, FusedFormsParams => new_forms, true
+            });
         )*
         $(
-            crate::fused_kernel_params!(fused_entry { $four, FOUR_HEADS: Neox, $fsource, $ft });
+            crate::fused_kernel_params!(fused_entry {
+                $four, FOUR_HEADS: Neox, $fsource, $ft, FusedParams => new, false
+            });
         )*
         $(
-            crate::fused_kernel_params!(fused_entry { $rows, Rows: Neox, $rsource, $rt });
+            crate::fused_kernel_params!(fused_entry {
+                $rows, Rows: Neox, $rsource, $rt, FusedParams => new, false
+            });
         )*
     };
 }
 
-/// One entry point with the parameter list of [`crate::fused_kernel_params!`].
+/// One entry point: its parameter list (`crate::fused_kernel_params!`, or for FlashInfer's
+/// forms `crate::fused_forms_kernel_params!`) as the struct `$params`, gathered by `Fused::$new`
+/// for the generic body of `$mapping`; `$forms` says whether it stores FlashInfer's forms.
 macro_rules! fused_entry {
     (
-        { $name:ident, $mapping:ident: $pairing:ident, $source:ident, $t:ty }
+        {
+            $name:ident, $mapping:ident: $pairing:ident, $source:ident, $t:ty,
+            $params:ident => $new:ident, $forms:literal
+        }
         $($param:ident: $kind:ident,)*
     ) => {
         /// One fused entry point; its name says the pairing, the sin/cos source, the element
         /// type and the mapping (`_narrow`: narrower than the preferred width; `_two_heads`,
         /// and `_four_heads`: a thread per two, or four, heads and access, on the grid of
-        /// `token_heads_body`; `_rows`: the rows kernels). See the module documentation, and
-        /// `fused_kernel_params!` in `abi.rs` for the parameters.
+        /// `token_heads_body`; `_rows`: the rows kernels; `_two_heads_flashinfer`: the
+        /// two-heads kernels of FlashInfer's forms, with page-table caches, E5M2, multipliers by
+        /// value, an FP8 k output and non-rotary parts). See the module documentation, and
+        /// `fused_kernel_params!` and `fused_forms_kernel_params!` in `abi.rs` for the
+        /// parameters.
         ///
         /// # Safety
         /// The promises of the RoPE entry points (`crate::rope`) for q and k (with `out1` null
@@ -1773,47 +1789,23 @@ macro_rules! fused_entry {
         /// overlap nothing else the launch reads or writes; `groups` is a power of two of at
         /// most 32 when `norm` is not 0. The `_two_heads` and `_four_heads` kernels also need
         /// every tensor and output to span fewer than 2^32 elements, the cache to hold at most
-        /// 2^32 slots and the tables to fit `crate::abi::planned_table_fits`.
+        /// 2^32 slots and the tables to fit `crate::abi::planned_table_fits`. The
+        /// `_two_heads_flashinfer` kernels also need: FP8 scales null (the multiplier is then
+        /// the argument's) or as above; for `slot_mode` 1, `slots`, `page_positions`,
+        /// `kv_indptr` and `kv_indices` holding `tokens`, `tokens`, `kv_requests + 1` and
+        /// `kv_pages` `i32`; with `k_format` FP8, `out1` addressing k's heads in bytes and no
+        /// cache written; and each non-rotary part's heads (of q's or k's FP8 output) inside
+        /// its input and output at their strides, aligned to one 16-byte access, spanning
+        /// fewer than 2^32 elements.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
             $($param: crate::device_param_type!($kind, $t),)*
         ) {
-            let args = Fused::new(FusedParams::<$t> { $($param,)* });
+            let args = Fused::$new($params::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
             unsafe {
-                dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }, false>(&args)
-            }
-        }
-    };
-}
-
-/// One two-heads entry point of FlashInfer's forms, with the parameter list of
-/// [`crate::fused_forms_kernel_params!`].
-macro_rules! fused_forms_entry {
-    (
-        { $name:ident: $pairing:ident, $source:ident, $t:ty }
-        $($param:ident: $kind:ident,)*
-    ) => {
-        /// One two-heads fused entry point of FlashInfer's forms (`_two_heads_flashinfer`): as
-        /// the `_two_heads` one, and page-table caches, E5M2, multipliers by value and an FP8 k
-        /// output (`fused_forms_kernel_params!` in `abi.rs`).
-        ///
-        /// # Safety
-        /// The promises of the `_two_heads` entry points, and: FP8 scales null (the multiplier
-        /// is then the argument's) or as there; for `slot_mode` 1, `slots`, `page_positions`,
-        /// `kv_indptr` and `kv_indices` hold `tokens`, `tokens`, `kv_requests + 1` and
-        /// `kv_pages` `i32`; with `k_format` FP8, `out1` addresses k's heads in bytes and no
-        /// cache is written.
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            $($param: crate::device_param_type!($kind, $t),)*
-        ) {
-            let args = Fused::new_forms(FusedFormsParams::<$t> { $($param,)* });
-            // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
-            unsafe {
-                dispatch::<$t, $pairing, $source<$t>, { Mapping::TWO_HEADS.code() }, true>(&args)
+                dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }, $forms>(&args)
             }
         }
     };
