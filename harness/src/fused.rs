@@ -11,11 +11,11 @@ use rand::{RngExt, SeedableRng};
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use rope_host::{
     CacheAddress, CacheData, CacheLayout, DeviceInts, Fp8Format, Fp8Scale, FusedIo, FusedOp,
-    IdsShape, IntType, KOut, KvCache, Layout, NormWeight, PageTable, Positions, QOut, QkNorm,
-    RawBuf, RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo,
-    RawKOut, RawKvCache, RawOp, RawPageTable, RawPositions, RawQOut, RawQkNorm, RawSinCos,
-    RawTensor, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData, TableFormat, TableShape,
-    Tensor, TensorMut,
+    IdsShape, IntType, KOut, KvCache, Layout, NonRotary, NormWeight, PageTable, Positions, QOut,
+    QkNorm, RawBuf, RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawInts,
+    RawIo, RawKOut, RawKvCache, RawNonRotary, RawOp, RawPageTable, RawPositions, RawQOut,
+    RawQkNorm, RawSinCos, RawTensor, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData,
+    TableFormat, TableShape, Tensor, TensorMut,
 };
 use rope_kernels::math::{e4m3_to_f32, e5m2_to_f32};
 use rope_reference::fused::{
@@ -76,8 +76,15 @@ pub struct Case {
     /// FP8 scales passed as multipliers by value (`1 / scale[0]`, FlashInfer's `quant_scale`)
     /// rather than as scale arrays.
     pub multipliers: bool,
+    /// Features per head of the non-rotary parts stored beside q's and k's FP8 outputs
+    /// (FlashInfer's `q_nope`, `k_nope`; 0: none), each part in a tensor of its own whose
+    /// output heads are [`NOPE_PAD`] bytes apart.
+    pub nope: usize,
     pub seed: u64,
 }
+
+/// Bytes between the heads of a non-rotary part's FP8 output (poisoned, never written).
+pub const NOPE_PAD: usize = 16;
 
 /// A paged cache: FP8 or of the tensors' type, heads-first or rows-first blocks, and each
 /// token's slot.
@@ -337,6 +344,7 @@ impl Case {
             cache,
             fp8,
             multipliers,
+            nope: 0,
             seed,
         };
         if !case.takes_flashinfer_forms() {
@@ -395,6 +403,9 @@ pub struct Data<T> {
     pub q_scale: Vec<f32>,
     pub k_scale: Vec<f32>,
     pub v_scale: Vec<f32>,
+    /// The non-rotary parts (`[tokens, heads, nope]`; empty without them).
+    pub q_nope: Vec<T>,
+    pub k_nope: Vec<T>,
 }
 
 impl<T: TestElem> Data<T> {
@@ -427,15 +438,26 @@ impl<T: TestElem> Data<T> {
             scales(rng, k_heads),
             scales(rng, v_heads),
         );
+        let (q, k, v) = (
+            vals(rng, per_token(c.hq), -2.0, 2.0),
+            vals(rng, per_token(c.hk), -2.0, 2.0),
+            vals(rng, per_token(c.hk), -2.0, 2.0),
+        );
+        let (q_w, k_w) = (vals(rng, c.d, wlo, whi), vals(rng, c.d, wlo, whi));
+        // Drawn last, so that cases without parts draw what they drew before.
+        let nope = |rng: &mut StdRng, h: usize| vals(rng, c.tokens() * h * c.nope, -40.0, 40.0);
+        let (q_nope, k_nope) = (nope(rng, c.hq), nope(rng, c.hk));
         Data {
-            q: vals(rng, per_token(c.hq), -2.0, 2.0),
-            k: vals(rng, per_token(c.hk), -2.0, 2.0),
-            v: vals(rng, per_token(c.hk), -2.0, 2.0),
-            q_w: vals(rng, c.d, wlo, whi),
-            k_w: vals(rng, c.d, wlo, whi),
+            q,
+            k,
+            v,
+            q_w,
+            k_w,
             q_scale,
             k_scale,
             v_scale,
+            q_nope,
+            k_nope,
         }
     }
 }
@@ -482,6 +504,11 @@ pub struct Device<T> {
     pub v_cache8: CudaSlice<u8>,
     /// The page table's `batch_indices`, `positions`, `kv_indptr`, `kv_indices`.
     pub page_table: Option<[CudaSlice<i32>; 4]>,
+    /// The non-rotary parts and their FP8 outputs (poisoned; [`nope_layouts`]).
+    pub q_nope: CudaSlice<T>,
+    pub k_nope: CudaSlice<T>,
+    pub q_nope8: CudaSlice<u8>,
+    pub k_nope8: CudaSlice<u8>,
     pub tables: Option<rope_host::SinCosTables<T>>,
 }
 
@@ -552,8 +579,32 @@ pub fn upload<T: TestElem>(
             }
             None => None,
         },
+        q_nope: stream.clone_htod(&pad_one(&data.q_nope)).map_err(e)?,
+        k_nope: stream.clone_htod(&pad_one(&data.k_nope)).map_err(e)?,
+        q_nope8: poison_u8(nope_layouts(c, c.hq).1.end().unwrap_or(0))?,
+        k_nope8: poison_u8(nope_layouts(c, c.hk).1.end().unwrap_or(0))?,
         tables,
     })
+}
+
+/// `x`, or one zero element where it is empty (every upload needs an allocation).
+fn pad_one<T: TestElem>(x: &[T]) -> Vec<T> {
+    if x.is_empty() {
+        vec![T::from_f64(0.0)]
+    } else {
+        x.to_vec()
+    }
+}
+
+/// The layouts of a non-rotary part of `heads` heads: its input `[batch, seq, heads, nope]`,
+/// contiguous, and its FP8 output, whose heads are [`NOPE_PAD`] bytes apart.
+pub fn nope_layouts(c: &Case, heads: usize) -> (Layout, Layout) {
+    let input = Layout::bshd(c.batch, c.seq, heads, c.nope);
+    let head = c.nope + NOPE_PAD;
+    let strides = [c.seq * heads * head, heads * head, head, 1];
+    let output = Layout::strided([c.batch, c.seq, heads, c.nope], strides, 0)
+        .expect("a layout of the case's dimensions");
+    (input, output)
 }
 
 /// The FP8 scale of a destination: its scale array (one, or one per head), or with
@@ -645,7 +696,19 @@ pub fn launch<T: TestElem>(
             },
             scale: scale_of(c, per_head, (&data.q_scale, &dev.q_scale)),
             format: c.fp8,
-            non_rotary: None,
+            non_rotary: (c.nope > 0).then(|| {
+                let (input, output) = nope_layouts(c, c.hq);
+                NonRotary {
+                    input: Tensor {
+                        data: dev.q_nope.as_view(),
+                        layout: input,
+                    },
+                    output: TensorMut {
+                        data: dev.q_nope8.as_view_mut(),
+                        layout: output,
+                    },
+                }
+            }),
         },
     };
     let k = match c.k {
@@ -678,7 +741,19 @@ pub fn launch<T: TestElem>(
             },
             scale: scale_of(c, per_head, (&data.k_scale, &dev.k_scale)),
             format: c.fp8,
-            non_rotary: None,
+            non_rotary: (c.nope > 0).then(|| {
+                let (input, output) = nope_layouts(c, c.hk);
+                NonRotary {
+                    input: Tensor {
+                        data: dev.k_nope.as_view(),
+                        layout: input,
+                    },
+                    output: TensorMut {
+                        data: dev.k_nope8.as_view_mut(),
+                        layout: output,
+                    },
+                }
+            }),
         },
     };
     let address = match (
@@ -782,6 +857,15 @@ pub fn launch_raw<T: TestElem>(
         }
     };
     let tensor = |buf, layout| RawTensor { buf, layout };
+    let raw_nope = |heads, x: &CudaSlice<T>, out: &CudaSlice<u8>| {
+        (c.nope > 0).then(|| {
+            let (input, output) = nope_layouts(c, heads);
+            RawNonRotary {
+                input: tensor(b(x), input),
+                output: tensor(buf(out, stream), output),
+            }
+        })
+    };
     let lq = Layout::bshd(c.batch, c.seq, c.hq, c.d);
     let lk = Layout::bshd(c.batch, c.seq, c.hk, c.d);
     let q = match c.q {
@@ -795,7 +879,7 @@ pub fn launch_raw<T: TestElem>(
             output: tensor(buf(&dev.q8, stream), lq),
             scale: scale(per_head, (&data.q_scale, &dev.q_scale)),
             format: c.fp8,
-            non_rotary: None,
+            non_rotary: raw_nope(c.hq, &dev.q_nope, &dev.q_nope8),
         },
     };
     let k = match c.k {
@@ -810,7 +894,7 @@ pub fn launch_raw<T: TestElem>(
             output: tensor(buf(&dev.k8, stream), lk),
             scale: scale(per_head, (&data.k_scale, &dev.k_scale)),
             format: c.fp8,
-            non_rotary: None,
+            non_rotary: raw_nope(c.hk, &dev.k_nope, &dev.k_nope8),
         },
     };
     let address = match (
@@ -1052,6 +1136,7 @@ pub fn verify<T: TestElem>(
             }
         }
     }
+    verify_nope(c, data, dev, stream, &mut worst)?;
     let Some(cc) = &c.cache else {
         return Ok(worst);
     };
@@ -1120,4 +1205,67 @@ pub fn verify<T: TestElem>(
         }
     }
     Ok(worst)
+}
+
+/// The non-rotary parts' FP8 outputs (of q's and of k's FP8 outputs, when the case has parts):
+/// each element the FP8 of `x * m` with its rotated part's scale ([`check_fp8`]), and the
+/// bytes between the heads still poisoned.
+fn verify_nope<T: TestElem>(
+    c: &Case,
+    data: &Data<T>,
+    dev: &Device<T>,
+    stream: &Arc<CudaStream>,
+    worst: &mut Worst,
+) -> Result<(), String> {
+    let e = |e: rope_host::cudarc::driver::DriverError| e.to_string();
+    let parts = [
+        match c.q {
+            QMode::Fp8 { per_head } => Some((
+                "q non-rotary",
+                c.hq,
+                per_head,
+                &data.q_nope,
+                &dev.q_nope8,
+                &data.q_scale,
+            )),
+            _ => None,
+        },
+        match c.k {
+            KMode::Fp8 { per_head } => Some((
+                "k non-rotary",
+                c.hk,
+                per_head,
+                &data.k_nope,
+                &dev.k_nope8,
+                &data.k_scale,
+            )),
+            _ => None,
+        },
+    ];
+    for (what, heads, per_head, x, out, scales) in
+        parts.into_iter().flatten().filter(|_| c.nope > 0)
+    {
+        let got = stream.clone_dtoh(out).map_err(e)?;
+        let (_, layout) = nope_layouts(c, heads);
+        let mut written = vec![false; got.len()];
+        for t in 0..c.tokens() {
+            for h in 0..heads {
+                let s = scales[if per_head && !c.multipliers { h } else { 0 }];
+                for i in 0..c.nope {
+                    let at = t * layout.strides()[1] + h * layout.strides()[2] + i;
+                    written[at] = true;
+                    let want = x[(t * heads + h) * c.nope + i].to_f64();
+                    check_fp8(c, got[at], want, s, worst).map_err(|g| {
+                        format!("{what} token {t} head {h} element {i}: got {g}, want {want} x m ({c:?})")
+                    })?;
+                }
+            }
+        }
+        if let Some(at) = (0..got.len()).find(|&at| !written[at] && got[at] != POISON) {
+            return Err(format!(
+                "{what} output byte {at} written between the heads ({c:?})"
+            ));
+        }
+    }
+    Ok(())
 }

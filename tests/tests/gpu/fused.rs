@@ -162,10 +162,11 @@ fn fused_fp8_scales_of_each_granularity_match_reference_f32() {
 /// FlashInfer's forms on the fused kernels: caches addressed by a page table (shuffled pages,
 /// padding tokens, negative positions, requests past `kv_indptr`, entries past a request's
 /// pages or past `kv_indices`, pages past the cache), FP8 of E4M3 and E5M2, multipliers by value
-/// (`x * quant_scale`) and k into an FP8 output without a cache. Every written byte matches the
-/// reference's encoding, the slots the reference finds no entry for (and every byte outside
-/// the table's slots) keep their poison; through both entries and every kernel choice, every
-/// fifth case prefill-sized.
+/// (`x * quant_scale`), k into an FP8 output without a cache, and non-rotary parts beside q's
+/// and k's FP8 outputs (FlashInfer's `q_nope`, `k_nope`; two cases in five). Every written
+/// byte matches the reference's encoding, the slots the reference finds no entry for (and
+/// every byte outside the table's slots, and between the non-rotary heads) keep their poison;
+/// through both entries and every kernel choice, every fifth case prefill-sized.
 fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
     let Some((stream, _)) = gpu_or_skip(name) else {
         return;
@@ -212,6 +213,10 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
                 c.k = KMode::CacheOnly;
             }
         }
+        if j % 5 < 2 {
+            // Multiples of one 16-byte access of every element type.
+            c.nope = [16, 136, 512][j as usize % 3];
+        }
         let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
         let (kernels, rope) = &handles[pinned_for(j)];
         match check_case_on::<T>(&c, &stream, rope, entry) {
@@ -220,8 +225,8 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
         }
     }
     report(&format!(
-        "{name}: {cases} cases (page tables, E4M3 and E5M2, multipliers, FP8 k), {} values \
-         checked, largest error {:.3} of its bound",
+        "{name}: {cases} cases (page tables, E4M3 and E5M2, multipliers, FP8 k, non-rotary \
+         parts), {} values checked, largest error {:.3} of its bound",
         worst.checked, worst.ratio
     ));
 }
