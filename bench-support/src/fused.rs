@@ -210,6 +210,27 @@ struct Buffers {
 /// `cos_sin_cache` (vLLM's format) instead of computing them.
 pub const SINCOS_VAR: &str = "ROPE_BENCH_FUSED_SINCOS";
 
+/// q (`layout`) into the E4M3 bytes `q8` with `scale`: the FP8 q output of the bench's rows.
+fn q_fp8<'a>(
+    (q, q8): (&'a CudaSlice<bf16>, &'a mut CudaSlice<u8>),
+    layout: Layout,
+    scale: Fp8Scale<'a>,
+) -> QOut<'a, bf16> {
+    QOut::Fp8 {
+        input: Tensor {
+            data: q.as_view(),
+            layout,
+        },
+        output: TensorMut {
+            data: q8.as_view_mut(),
+            layout,
+        },
+        scale,
+        format: Fp8Format::E4m3,
+        non_rotary: None,
+    }
+}
+
 impl Buffers {
     fn new(
         stream: &Arc<CudaStream>,
@@ -347,19 +368,8 @@ impl Buffers {
                     norm: norm(variant != Variant::RopeCache),
                 };
                 let q = if fp8 {
-                    QOut::Fp8 {
-                        input: Tensor {
-                            data: self.q.as_view(),
-                            layout: lq,
-                        },
-                        output: TensorMut {
-                            data: self.q8.as_view_mut(),
-                            layout: lq,
-                        },
-                        scale: Fp8Scale::PerTensor(self.scale.as_view()),
-                        format: Fp8Format::E4m3,
-                        non_rotary: None,
-                    }
+                    let scale = Fp8Scale::PerTensor(self.scale.as_view());
+                    q_fp8((&self.q, &mut self.q8), lq, scale)
                 } else {
                     QOut::InPlace(TensorMut {
                         data: self.q.as_view_mut(),
@@ -404,19 +414,7 @@ impl Buffers {
                     norm: None,
                 };
                 let io = FusedIo::Separate {
-                    q: QOut::Fp8 {
-                        input: Tensor {
-                            data: self.q.as_view(),
-                            layout: lq,
-                        },
-                        output: TensorMut {
-                            data: self.q8.as_view_mut(),
-                            layout: lq,
-                        },
-                        scale: Fp8Scale::Multiplier(20.0),
-                        format: Fp8Format::E4m3,
-                        non_rotary: None,
-                    },
+                    q: q_fp8((&self.q, &mut self.q8), lq, Fp8Scale::Multiplier(20.0)),
                     k: KOut::CacheOnly(Tensor {
                         data: self.k.as_view(),
                         layout: lk,
