@@ -2,6 +2,7 @@
 //! [`super::KvCache`] reduced to a [`FusedRequest`] of addresses, each checked to belong to the
 //! binder's context (as `crate::bind` does for the RoPE launches).
 
+use super::non_rotary::{K_NOPE_NAMES, Q_NOPE_NAMES};
 use super::raw::{RawCacheAddress, RawFp8Scale, RawPageTable};
 use super::request::{
     CacheFp8, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
@@ -44,10 +45,10 @@ pub(super) fn bind<'s, T: RopeElem>(
                     format,
                     non_rotary,
                 } => {
-                    let names = ("q", "q.output", "q.scale");
-                    let (q, fp8) = bind_fp8(binder, names, (input, output), scale, *format)?;
-                    let names = ("q.non_rotary.input", "q.non_rotary.output");
-                    nope.q = bind_nope(binder, names, non_rotary.as_mut())?;
+                    let names = ("q", "q.output", "q.scale", Q_NOPE_NAMES);
+                    let io = (&*input, output, non_rotary.as_mut());
+                    let (q, fp8, part) = bind_fp8(binder, names, io, scale, *format)?;
+                    nope.q = part;
                     (q, Some(fp8))
                 }
             };
@@ -70,10 +71,10 @@ pub(super) fn bind<'s, T: RopeElem>(
                     format,
                     non_rotary,
                 } => {
-                    let names = ("k", "k.output", "k.scale");
-                    let (k, fp8) = bind_fp8(binder, names, (input, output), scale, *format)?;
-                    let names = ("k.non_rotary.input", "k.non_rotary.output");
-                    nope.k = bind_nope(binder, names, non_rotary.as_mut())?;
+                    let names = ("k", "k.output", "k.scale", K_NOPE_NAMES);
+                    let io = (&*input, output, non_rotary.as_mut());
+                    let (k, fp8, part) = bind_fp8(binder, names, io, scale, *format)?;
+                    nope.k = part;
                     (k, Some(fp8), true)
                 }
             };
@@ -168,22 +169,6 @@ pub(super) fn bind<'s, T: RopeElem>(
     })
 }
 
-/// Binds a non-rotary part (if any): its input read and its FP8 output written, named
-/// `names` in errors.
-fn bind_nope<'s, T>(
-    binder: &mut Binder<'s>,
-    (x_name, out_name): (&'static str, &'static str),
-    part: Option<&'s mut NonRotary<'_, T>>,
-) -> Result<Option<NopePart>> {
-    let Some(p) = part else {
-        return Ok(None);
-    };
-    Ok(Some(NopePart {
-        input: (binder.read(x_name, &p.input.data)?, p.input.layout),
-        output: (binder.write(out_name, &mut p.output.data)?, p.output.layout),
-    }))
-}
-
 /// Binds a read input and a written output (of the input's type, or FP8 bits), named
 /// `names` in errors.
 fn bind_out_of_place<'s, T, O>(
@@ -199,18 +184,37 @@ fn bind_out_of_place<'s, T, O>(
     })
 }
 
-/// Binds an FP8 output (q's or k's): its input, its output of FP8 bytes and its scale, named
-/// `names` in errors.
+/// Binds an FP8 output (q's or k's): its input, its output of FP8 bytes, its scale and its
+/// non-rotary part (if any: input read, FP8 output written), named `names` in errors.
 fn bind_fp8<'s, T>(
     binder: &mut Binder<'s>,
-    (x_name, out_name, scale_name): (&'static str, &'static str, &'static str),
-    (input, output): (&'s Tensor<'_, T>, &'s mut TensorMut<'_, u8>),
+    (x_name, out_name, scale_name, nope_names): (
+        &'static str,
+        &'static str,
+        &'static str,
+        (&'static str, &'static str),
+    ),
+    (input, output, non_rotary): (
+        &'s Tensor<'_, T>,
+        &'s mut TensorMut<'_, u8>,
+        Option<&'s mut NonRotary<'_, T>>,
+    ),
     scale: &'s Fp8Scale<'_>,
     format: Fp8Format,
-) -> Result<(TensorReq, RawFp8)> {
+) -> Result<(TensorReq, RawFp8, Option<NopePart>)> {
     let tensor = bind_out_of_place(binder, (x_name, out_name), input, output)?;
     let scale = bind_scale(binder, scale_name, scale)?;
-    Ok((tensor, RawFp8 { format, scale }))
+    let part = match non_rotary {
+        Some(p) => Some(NopePart {
+            input: (binder.read(nope_names.0, &p.input.data)?, p.input.layout),
+            output: (
+                binder.write(nope_names.1, &mut p.output.data)?,
+                p.output.layout,
+            ),
+        }),
+        None => None,
+    };
+    Ok((tensor, RawFp8 { format, scale }, part))
 }
 
 /// Binds an FP8 scale for reading.

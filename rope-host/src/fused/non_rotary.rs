@@ -21,8 +21,13 @@ pub(crate) struct NopePlan {
     pub(crate) groups: Divisor,
 }
 
+/// The argument names of q's non-rotary part's input and output.
+pub(super) const Q_NOPE_NAMES: (&str, &str) = ("q.non_rotary.input", "q.non_rotary.output");
+/// The argument names of k's.
+pub(super) const K_NOPE_NAMES: (&str, &str) = ("k.non_rotary.input", "k.non_rotary.output");
+
 /// Elements of one 16-byte access of `es`-byte elements: the non-rotary parts' access.
-pub(crate) fn nope_lanes(es: usize) -> usize {
+fn nope_lanes(es: usize) -> usize {
     16 / es
 }
 
@@ -39,18 +44,8 @@ pub(crate) fn check_nope(req: &FusedRequest, es: usize) -> Result<Vec<Region>> {
     let mut regions = Vec::new();
     let k = req.rope.k.map_or(req.rope.q.x_layout, |k| k.x_layout);
     let parts = [
-        (
-            req.nope.q,
-            req.rope.q.x_layout,
-            Of::Q,
-            ("q.non_rotary.input", "q.non_rotary.output"),
-        ),
-        (
-            req.nope.k,
-            k,
-            Of::K,
-            ("k.non_rotary.input", "k.non_rotary.output"),
-        ),
+        (req.nope.q, req.rope.q.x_layout, Of::Q, Q_NOPE_NAMES),
+        (req.nope.k, k, Of::K, K_NOPE_NAMES),
     ];
     let mut dim = None;
     for (part, rotated, of, names) in parts {
@@ -164,7 +159,7 @@ pub(crate) fn plan_nope(
         threads_fit,
     ) else {
         return Err(invalid(
-            "q.non_rotary.input",
+            Q_NOPE_NAMES.0,
             "a token's non-rotary accesses are more than the grid's row of blocks holds",
         ));
     };
