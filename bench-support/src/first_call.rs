@@ -180,6 +180,7 @@ fn launch(rope: &Rope, family: Family) -> rope_host::Result<()> {
                 }),
             };
             let cache = KvCache {
+                non_rotary: None,
                 address: CacheAddress::Slots(DeviceInts::I64(slots.as_view())),
                 layout: CacheLayout::blocks_rows_heads(blocks, 16, HK, D),
                 data: CacheData::Elem {

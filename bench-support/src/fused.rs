@@ -402,6 +402,7 @@ impl Buffers {
                     }
                 };
                 let cache = KvCache {
+                    non_rotary: None,
                     address: CacheAddress::Slots(DeviceInts::I64(self.slots.as_view())),
                     layout,
                     data,
@@ -426,6 +427,7 @@ impl Buffers {
                 };
                 let [batch_indices, positions, kv_indptr, kv_indices] = &self.page_table;
                 let cache = KvCache {
+                    non_rotary: None,
                     address: CacheAddress::PageTable(PageTable {
                         batch_indices: batch_indices.as_view(),
                         positions: positions.as_view(),

@@ -769,6 +769,7 @@ pub fn launch<T: TestElem>(
         _ => CacheAddress::Slots(DeviceInts::I64(dev.slots.as_view())),
     };
     let cache = c.cache.as_ref().map(|cc| KvCache {
+        non_rotary: None,
         address,
         layout: c.cache_layout(cc),
         data: if cc.fp8 {
@@ -920,6 +921,7 @@ pub fn launch_raw<T: TestElem>(
         }),
     };
     let cache = c.cache.as_ref().map(|cc| RawKvCache {
+        non_rotary: None,
         address,
         layout: c.cache_layout(cc),
         data: if cc.fp8 {

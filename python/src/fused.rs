@@ -307,6 +307,7 @@ fn raw_cache<'py>(
         },
     };
     Ok(RawKvCache {
+        non_rotary: None,
         address,
         layout,
         data,

@@ -389,6 +389,7 @@ fn launch(
     };
     let cache = match &cache_h {
         Some((kc, vc, slots, scales)) => Some(RawKvCache {
+            non_rotary: None,
             address: RawCacheAddress::Slots(ints_buf(&mut g, slots)?),
             layout: cache_layout(kc, vc)?,
             data: cache_data(&mut g, kc, vc, scales.as_ref(), dtype)?,

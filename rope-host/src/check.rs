@@ -35,6 +35,19 @@ pub(crate) fn region(
     layout_region((arg, of), buf.ptr, layout, (es, written))
 }
 
+/// [`region`] for a layout whose heads are `head_dim` elements wide, the config's and more (a
+/// cache head or a v head that also holds non-rotary features; `whose` names the sum).
+pub(crate) fn wide_region(
+    (arg, of): (&'static str, Of),
+    buf: RawBuf,
+    layout: &Layout,
+    head_dim: (usize, &str),
+    (es, written): (usize, bool),
+) -> Result<Region> {
+    check_layout_width(arg, buf, layout, head_dim, es)?;
+    layout_region((arg, of), buf.ptr, layout, (es, written))
+}
+
 /// The byte range `layout` (elements of `es` bytes) addresses from `ptr`; a written layout
 /// must not map two elements to one address.
 pub(crate) fn layout_region(
@@ -105,13 +118,24 @@ pub(crate) fn check_layout(
     config: &RopeConfig,
     elem_size: usize,
 ) -> Result<()> {
-    if layout.head_dim != config.head_dim() as usize {
+    let head_dim = (config.head_dim() as usize, "the config's");
+    check_layout_width(arg, buf, layout, head_dim, elem_size)
+}
+
+/// [`check_layout`] for heads of `head_dim` elements (`whose`, for the message).
+fn check_layout_width(
+    arg: &'static str,
+    buf: RawBuf,
+    layout: &Layout,
+    (head_dim, whose): (usize, &str),
+    elem_size: usize,
+) -> Result<()> {
+    if layout.head_dim != head_dim {
         return Err(invalid(
             arg,
             format!(
-                "head_dim {} differs from the config's {}",
-                layout.head_dim,
-                config.head_dim()
+                "head_dim {} differs from {whose} {head_dim}",
+                layout.head_dim
             ),
         ));
     }

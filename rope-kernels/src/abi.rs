@@ -861,6 +861,27 @@ pub enum SlotCode {
     PageTable = 1,
 }
 
+/// Where a fused launch of FlashInfer's forms stores its cached non-rotary parts: the bits of its
+/// `nope_cached` argument (see [`crate::fused_forms_kernel_params!`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NopeCached(pub u32);
+
+impl NopeCached {
+    /// No part is cached: k's part (if any) goes to `k_nope_out` at its token and head strides.
+    pub const NONE: Self = Self(0);
+    /// k's part goes into a cache at `k_nope_out`, by the token's slot, at the
+    /// `nope_cache_stride_*` strides.
+    pub const K: u32 = 1;
+    /// v's heads hold `head_dim + nope_dim` features: those from `head_dim` on go into `v_cache`
+    /// at element `head_dim` of the slot's head, at the cache's strides.
+    pub const V: u32 = 2;
+
+    /// Whether `bit` is set.
+    pub const fn has(self, bit: u32) -> bool {
+        self.0 & bit != 0
+    }
+}
+
 /// Whether the fused token-heads kernels ([`Mapping::TokenHeads`]) may read a launch's tables,
 /// which they read with 32-bit row offsets and, where an item's `pairs` entries of `entry_bytes` make 4, 8 or 16 bytes, with one
 /// vector access per table and no alignment test: each table spans fewer than 2^32 elements
@@ -1275,6 +1296,13 @@ macro_rules! fused_kernel_params {
 /// parts; token `t`'s head `h` starts at element `t * stride_token + h * stride_head` of its
 /// input and at that byte of its output (`q_nope_out`, `k_nope_out`), stored as FP8 of
 /// `x * m` in the format and with the multiplier of its rotated part's FP8 output, unrotated.
+/// `nope_cached` ([`NopeCached`] bits) sends parts into the cache instead, in its format with
+/// k's (v's) scale or multiplier, for tokens that have a slot (`(block, row)` of
+/// [`crate::fused_kernel_params!`]): with [`NopeCached::K`], k's part goes to `k_nope_out +
+/// block * nope_cache_stride_block + row * nope_cache_stride_slot + h * nope_cache_stride_head`
+/// (bytes); with [`NopeCached::V`], v's heads, `head_dim + nope_dim` wide at v's strides, add
+/// their features from `head_dim` on as a third part after k's, into `v_cache` at element
+/// `head_dim` of the head's cache entry.
 /// The other fused entry points take none of these: every parameter byte is copied at each
 /// launch, and these made every decode launch slower.
 #[macro_export]
@@ -1308,6 +1336,10 @@ macro_rules! fused_forms_kernel_params {
             k_nope_out: byte_ptr_mut,
             k_nope_out_stride_token: u32,
             k_nope_out_stride_head: u32,
+            nope_cached: u32,
+            nope_cache_stride_block: u64,
+            nope_cache_stride_slot: u64,
+            nope_cache_stride_head: u64,
         }
     };
 }

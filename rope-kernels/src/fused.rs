@@ -71,7 +71,8 @@
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    FormatCode, MAX_FUSED_ITEMS, Mapping, NormCode, SlotCode, ThreadHeads, for_each_fused_kernel,
+    FormatCode, MAX_FUSED_ITEMS, Mapping, NopeCached, NormCode, SlotCode, ThreadHeads,
+    for_each_fused_kernel,
 };
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Fp8E5m2, Half, unrolled};
@@ -148,7 +149,9 @@ struct Fused<T> {
 
 /// FlashInfer's non-rotary parts by address (see `crate::fused_forms_kernel_params!`): the
 /// blocks of a token's row from `rope_blocks` on, `groups` accesses per head, and q's and k's
-/// inputs (null: no such part) and FP8 outputs at their (token, head) strides.
+/// inputs (null: no such part) and FP8 outputs at their (token, head) strides; `cached`, the
+/// [`NopeCached`] bits, sends k's part into a cache at `k_out` (`cache_strides`: block, row
+/// and head, in bytes) and adds v's features past `head_dim`.
 #[derive(Clone, Copy)]
 struct NonRotary<T> {
     rope_blocks: u32,
@@ -161,6 +164,8 @@ struct NonRotary<T> {
     k_strides: [u32; 2],
     k_out: *mut u8,
     k_out_strides: [u32; 2],
+    cached: NopeCached,
+    cache_strides: [u64; 3],
 }
 
 impl<T> NonRotary<T> {
@@ -180,6 +185,8 @@ impl<T> NonRotary<T> {
         k_strides: [0; 2],
         k_out: core::ptr::null_mut(),
         k_out_strides: [0; 2],
+        cached: NopeCached::NONE,
+        cache_strides: [0; 3],
     };
 }
 
@@ -1291,14 +1298,17 @@ unsafe fn token_heads_body<
 
 /// FlashInfer's non-rotary parts, in the blocks of token `token`'s row from `rope_blocks` on:
 /// thread `n` of those blocks takes access `n % groups` (`N` elements, 16 bytes) of head
-/// `n / groups` of q's part then k's, and stores `fp8(x * m)`, unrotated, in the format and
-/// with the multiplier `m` of its rotated part's FP8 output (q's, or k's). Threads past the
-/// heads store nothing.
+/// `n / groups` of q's part, then k's, then v's (see [`NopeCached::V`]), and stores `fp8(x *
+/// m)`, unrotated: q's in the format and with the multiplier `m` of q's FP8 output; k's in
+/// those of k's FP8 output, or of the cache with k's scale when the part is cached; v's in the
+/// cache's with v's scale. A cached part of a token without a slot, and threads past the heads,
+/// store nothing.
 ///
 /// # Safety
 /// `token < tokens`; the entry points' promises for the non-rotary parts (each part's heads
 /// inside its input and output, aligned to `N` elements and `N` bytes, spanning fewer than
-/// 2^32 elements), and an FP8 output of the rotated part of each part given.
+/// 2^32 elements; a cache part's heads inside the cache for every slot below `cache_slots`),
+/// and an FP8 output of the rotated part of each uncached part given.
 #[inline(always)]
 unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
     let n = &f.nope;
@@ -1306,27 +1316,33 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
     let (head, group) = n.groups.div_rem_u32(index);
     let q_heads = if n.q.is_null() { 0 } else { f.rope.q.heads };
     let k_heads = if n.k.is_null() { 0 } else { f.rope.k.heads };
+    let v_heads = if n.cached.has(NopeCached::V) {
+        f.v.heads
+    } else {
+        0
+    };
     // Scalars chosen one by one: a tuple of the part's arrays went to local memory.
     let is_q = head < q_heads;
-    if !is_q && head - q_heads >= k_heads {
+    let is_k = !is_q && head - q_heads < k_heads;
+    if !is_q && !is_k && head - q_heads - k_heads >= v_heads {
         return;
     }
-    let head = if is_q { head } else { head - q_heads };
-    let (x, out) = if is_q { (n.q, n.q_out) } else { (n.k, n.k_out) };
-    let (x_token, x_head) = if is_q {
-        (n.q_strides[0], n.q_strides[1])
+    let head = if is_q {
+        head
+    } else if is_k {
+        head - q_heads
     } else {
-        (n.k_strides[0], n.k_strides[1])
+        head - q_heads - k_heads
     };
-    let (out_token, out_head) = if is_q {
-        (n.q_out_strides[0], n.q_out_strides[1])
-    } else {
-        (n.k_out_strides[0], n.k_out_strides[1])
-    };
+    let cached = !is_q && (!is_k || n.cached.has(NopeCached::K));
     let (format, scale, step, multiplier) = if is_q {
         (f.q_format, f.q_scale, f.q_scale_step, f.q_multiplier)
-    } else {
+    } else if !cached {
         (f.k_format, f.k_scale, f.k_scale_step, f.k_multiplier)
+    } else if is_k {
+        (f.cache_format, f.k_scale, f.k_scale_step, f.k_multiplier)
+    } else {
+        (f.cache_format, f.v_scale, f.v_scale_step, f.v_multiplier)
     };
     if format == FormatCode::Elem as u32 {
         trap()
@@ -1334,25 +1350,69 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
     let element = group * N as u32;
     // Every global access comes after this (see `token_heads_body`).
     wait_for_prior_grids();
-    // SAFETY: the head and its access lie inside the part's input and output, aligned (the
-    // caller's promise); a scale array holds this head's (`fp8_multipliers`).
+    // SAFETY: the head and its access lie inside the part's input and output (a cached part's
+    // inside the cache, its slot below `cache_slots`), aligned (the caller's promise); a scale
+    // array holds this head's (`fp8_multipliers`).
     unsafe {
+        let (x, out) = if is_q {
+            let at = token * n.q_strides[0] + head * n.q_strides[1];
+            let to = token * n.q_out_strides[0] + head * n.q_out_strides[1];
+            (n.q.add(at as usize), n.q_out.add(to as usize))
+        } else if !cached {
+            let at = token * n.k_strides[0] + head * n.k_strides[1];
+            let to = token * n.k_out_strides[0] + head * n.k_out_strides[1];
+            (n.k.add(at as usize), n.k_out.add(to as usize))
+        } else {
+            let Some((block, row)) = cache_place::<T>(f, token) else {
+                return;
+            };
+            if is_k {
+                let at = token * n.k_strides[0] + head * n.k_strides[1];
+                let [sb, sr, sh] = n.cache_strides;
+                let to = u64::from(block) * sb + u64::from(row) * sr + u64::from(head) * sh;
+                (n.k.add(at as usize), n.k_out.add(to as usize))
+            } else {
+                let (b, s) = f.rope.seq.div_rem_u32(token);
+                let at = offset_u32(f.v.x_strides, (b, s), head) + f.head_dim;
+                let [sb, sr, sh] = f.cache_strides;
+                let to = u64::from(block) * sb + u64::from(row) * sr + u64::from(head) * sh;
+                (
+                    f.v.x.add(at as usize),
+                    f.v_cache.add((to + u64::from(f.head_dim)) as usize),
+                )
+            }
+        };
         let m = if scale.is_null() {
             multiplier
         } else {
             rcp_approx_ftz(*scale.add((head * step) as usize))
         };
-        let at = token * x_token + head * x_head + element;
-        let raw = crate::access::load::<T, N>(x.add(at as usize));
+        let raw = crate::access::load::<T, N>(x.add(element as usize));
         let mut v = T::widen(raw);
         unrolled(N, |e| v[e] *= m);
-        let o = out.add((token * out_token + head * out_head + element) as usize);
+        let o = out.add(element as usize);
         if format == FormatCode::E5m2 as u32 {
             Fp8E5m2::store_rounded::<N>(o.cast(), v)
         } else {
             Fp8::store_rounded::<N>(o.cast(), v)
         }
     }
+}
+
+/// Token `t`'s cache slot as its block and row, or `None` when the token writes no cache (see
+/// [`slot_in_cache`]); FlashInfer's forms.
+///
+/// # Safety
+/// As [`cache_slot_u32`].
+#[inline(always)]
+unsafe fn cache_place<T>(f: &Fused<T>, t: u32) -> Option<(u32, u32)> {
+    if f.slots.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's promise.
+    let slot = unsafe { slot_value::<T, true>(f, u64::from(t)) };
+    // A slot below cache_slots <= 2^32 fits in u32.
+    Some(f.block.div_rem_u32(slot_in_cache(f, slot)? as u32))
 }
 
 /// Asks L2 for this thread's share of the heads its place (heads `i0..i0 + U` of its tensor,
@@ -1715,6 +1775,12 @@ impl<T> Fused<T> {
                 k_strides: [p.k_nope_stride_token, p.k_nope_stride_head],
                 k_out: p.k_nope_out,
                 k_out_strides: [p.k_nope_out_stride_token, p.k_nope_out_stride_head],
+                cached: NopeCached(p.nope_cached),
+                cache_strides: [
+                    p.nope_cache_stride_block,
+                    p.nope_cache_stride_slot,
+                    p.nope_cache_stride_head,
+                ],
             },
             ..Self::new(crate::fused_kernel_params!(fused_params_of { p }))
         }

@@ -2,10 +2,10 @@
 //! [`super::KvCache`] reduced to a [`FusedRequest`] of addresses, each checked to belong to the
 //! binder's context (as `crate::bind` does for the RoPE launches).
 
-use super::non_rotary::{K_NOPE_NAMES, Q_NOPE_NAMES};
+use super::non_rotary::{CACHE_NOPE_NAME, K_NOPE_NAMES, Q_NOPE_NAMES};
 use super::raw::{RawCacheAddress, RawFp8Scale, RawPageTable};
 use super::request::{
-    CacheFp8, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
+    CacheFp8, CachedNope, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
 };
 use super::{
     CacheAddress, CacheData, Fp8Format, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NonRotary, QOut,
@@ -139,6 +139,12 @@ pub(super) fn bind<'s, T: RopeElem>(
                     }),
                 ),
             };
+            if let Some(p) = &c.non_rotary {
+                nope.cached = Some(CachedNope {
+                    input: (binder.read(CACHE_NOPE_NAME, &p.input.data)?, p.input.layout),
+                    into: p.into,
+                });
+            }
             Some(RawCache {
                 address,
                 layout: c.layout,

@@ -5,10 +5,11 @@
 
 use std::num::NonZeroU32;
 
-use super::request::{RawCache, RawScale, ScaleSource};
+use super::non_rotary::head_width;
+use super::request::{NopeParts, RawCache, RawScale, ScaleSource};
 use super::{CacheLayout, RawCacheAddress, RawPageTable};
 use crate::bind::RawBuf;
-use crate::check::{Of, Region, read_region, region};
+use crate::check::{Of, Region, check_in_buffer, layout_region, read_region, wide_region};
 use crate::config::RopeConfig;
 use crate::error::{Result, invalid};
 use crate::layout::Layout;
@@ -141,11 +142,13 @@ pub(super) fn cache_as_layout(l: &CacheLayout) -> Result<Layout> {
     .map_err(|_| invalid("cache.layout", format!("{l:?} overflows usize")))
 }
 
-/// Checks the cache layout against k and the config, both caches' buffers and the scales;
-/// adds their regions (the slot mapping's included) to `regions`.
+/// Checks the cache layout against k and the config (its heads `head_dim` wide, or that and
+/// the non-rotary features after them), both caches' buffers (v's as the latent cache's layout
+/// where k's non-rotary part goes there) and the scales; adds their regions (the slot
+/// mapping's included) to `regions`.
 pub(super) fn check_cache(
     c: &RawCache,
-    cfg: &RopeConfig,
+    (cfg, nope): (&RopeConfig, &NopeParts),
     es: usize,
     k_heads: usize,
     regions: &mut Vec<Region>,
@@ -161,8 +164,43 @@ pub(super) fn check_cache(
     cache_slots(l)?;
     let layout = cache_as_layout(l)?;
     let ces = if c.fp8.is_some() { 1 } else { es };
-    for (arg, buf) in [("cache.k", c.k), ("cache.v", c.v)] {
-        regions.push(region((arg, Of::Cache), buf, &layout, cfg, (ces, true))?);
+    let width = head_width(cfg, nope);
+    regions.push(wide_region(
+        ("cache.k", Of::Cache),
+        c.k,
+        &layout,
+        width,
+        (ces, true),
+    )?);
+    match nope.latent() {
+        Some(latent) => {
+            if (latent.num_blocks, latent.block_size) != (l.num_blocks, l.block_size) {
+                return Err(invalid(
+                    "cache.non_rotary.layout",
+                    format!(
+                        "has {} blocks of {} slots, the k cache {} of {}",
+                        latent.num_blocks, latent.block_size, l.num_blocks, l.block_size
+                    ),
+                ));
+            }
+            let latent = cache_as_layout(&latent)?;
+            check_in_buffer("cache.v", c.v, &latent, ces)?;
+            regions.push(layout_region(
+                ("cache.v", Of::Cache),
+                c.v.ptr,
+                &latent,
+                (ces, true),
+            )?);
+        }
+        None => {
+            regions.push(wide_region(
+                ("cache.v", Of::Cache),
+                c.v,
+                &layout,
+                width,
+                (ces, true),
+            )?);
+        }
     }
     if let Some(f) = &c.fp8 {
         regions.extend(check_scale(&f.k, k_heads)?);

@@ -3,12 +3,12 @@
 
 use std::num::NonZeroU32;
 
-use rope_kernels::abi::{FormatCode, NormCode, SlotCode};
+use rope_kernels::abi::{FormatCode, NopeCached, NormCode, SlotCode};
 use rope_kernels::divide::Divisor;
 
 use super::plan::FusedPlan;
 use super::request::{self, FusedRequest, NopePart, RawScale, ScaleSource};
-use super::{Fp8Format, RawCacheAddress};
+use super::{Fp8Format, NonRotaryCache, RawCacheAddress};
 use crate::kernel_args::{FusedArgs, FusedFormsArgs, RopeArgs};
 use crate::positions::IntType;
 
@@ -35,20 +35,73 @@ pub(super) fn scale_args(req: &FusedRequest) -> [(u64, u32, f32); 3] {
 /// A non-rotary part's arguments (zeros without one): the input's address (at its offset,
 /// `es`-byte elements), its token and head strides, then the output's (bytes). The plan
 /// checked both spans are below 2^32 elements, so the strides fit `u32`.
-fn nope_args(part: Option<NopePart>, es: usize) -> (u64, u32, u32, u64, u32, u32) {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct NopeArgs {
+    pub(super) x: u64,
+    pub(super) x_strides: [u32; 2],
+    pub(super) out: u64,
+    pub(super) out_strides: [u32; 2],
+}
+
+/// The arguments of `part` (zeros without one).
+fn nope_args(part: Option<NopePart>, es: usize) -> NopeArgs {
     let Some(p) = part else {
-        return (0, 0, 0, 0, 0, 0);
+        return NopeArgs::default();
     };
     let at = |(buf, l): (crate::bind::RawBuf, crate::layout::Layout), size: usize| {
         (
             buf.ptr + (l.offset * size) as u64,
-            l.strides[1] as u32,
-            l.strides[2] as u32,
+            [l.strides[1] as u32, l.strides[2] as u32],
         )
     };
-    let (x, xt, xh) = at(p.input, es);
-    let (o, ot, oh) = at(p.output, 1);
-    (x, xt, xh, o, ot, oh)
+    let (x, x_strides) = at(p.input, es);
+    let (out, out_strides) = at(p.output, 1);
+    NopeArgs {
+        x,
+        x_strides,
+        out,
+        out_strides,
+    }
+}
+
+/// k's part into the cache as the kernels take it: its [`NopeArgs`] (the output at the cache
+/// part's first byte: after the rotated features of the k cache, or the latent cache, v's
+/// buffer; no output strides), the [`NopeCached`] bits (v's features past the rotation too,
+/// after the rotated ones) and that destination's block, row and head strides (bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CachedNopeArgs {
+    pub(super) part: NopeArgs,
+    pub(super) cached: NopeCached,
+    pub(super) strides: [u64; 3],
+}
+
+/// [`CachedNopeArgs`] of `req` (`None` without a part into the cache).
+pub(super) fn cached_nope_args(req: &FusedRequest, es: usize) -> Option<CachedNopeArgs> {
+    let (part, cache) = (req.nope.cached?, req.cache?);
+    let input = nope_args(
+        Some(NopePart {
+            input: part.input,
+            output: part.input,
+        }),
+        es,
+    );
+    let (out, layout, bits) = match part.into {
+        NonRotaryCache::AfterRotated => {
+            let v = if req.v.is_some() { NopeCached::V } else { 0 };
+            let head_dim = u64::from(req.rope.config.head_dim());
+            (cache.k.ptr + head_dim, cache.layout, NopeCached::K | v)
+        }
+        NonRotaryCache::Latent(l) => (cache.v.ptr, l, NopeCached::K),
+    };
+    Some(CachedNopeArgs {
+        part: NopeArgs {
+            out,
+            out_strides: [0; 2],
+            ..input
+        },
+        cached: NopeCached(bits),
+        strides: layout.strides.map(|s| s as u64),
+    })
 }
 
 /// The kernels' code of an output stored as `fp8` (the tensors' type without).
@@ -174,7 +227,13 @@ pub(super) fn encode_forms(
     let (slot_mode, page_positions, kv_indptr, kv_indices, kv_requests, kv_pages) =
         page_table_args(req.cache.as_ref());
     let es = req.rope.dtype.size();
-    let [q_nope, k_nope] = [req.nope.q, req.nope.k].map(|p| nope_args(p, es));
+    let q_nope = nope_args(req.nope.q, es);
+    let cached = cached_nope_args(req, es).unwrap_or(CachedNopeArgs {
+        part: nope_args(req.nope.k, es),
+        cached: NopeCached::NONE,
+        strides: [0; 3],
+    });
+    let k_nope = cached.part;
     // Without parts no block reaches `rope_blocks`.
     let (rope_blocks, groups) = plan
         .nope
@@ -199,18 +258,22 @@ pub(super) fn encode_forms(
                 nope_groups: groups.divisor.get(),
                 nope_magic: groups.magic,
                 nope_shift: groups.shift,
-                q_nope: q_nope.0,
-                q_nope_stride_token: q_nope.1,
-                q_nope_stride_head: q_nope.2,
-                q_nope_out: q_nope.3,
-                q_nope_out_stride_token: q_nope.4,
-                q_nope_out_stride_head: q_nope.5,
-                k_nope: k_nope.0,
-                k_nope_stride_token: k_nope.1,
-                k_nope_stride_head: k_nope.2,
-                k_nope_out: k_nope.3,
-                k_nope_out_stride_token: k_nope.4,
-                k_nope_out_stride_head: k_nope.5,
+                q_nope: q_nope.x,
+                q_nope_stride_token: q_nope.x_strides[0],
+                q_nope_stride_head: q_nope.x_strides[1],
+                q_nope_out: q_nope.out,
+                q_nope_out_stride_token: q_nope.out_strides[0],
+                q_nope_out_stride_head: q_nope.out_strides[1],
+                k_nope: k_nope.x,
+                k_nope_stride_token: k_nope.x_strides[0],
+                k_nope_stride_head: k_nope.x_strides[1],
+                k_nope_out: k_nope.out,
+                k_nope_out_stride_token: k_nope.out_strides[0],
+                k_nope_out_stride_head: k_nope.out_strides[1],
+                nope_cached: cached.cached.0,
+                nope_cache_stride_block: cached.strides[0],
+                nope_cache_stride_slot: cached.strides[1],
+                nope_cache_stride_head: cached.strides[2],
             }
         };
     }

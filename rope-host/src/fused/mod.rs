@@ -58,8 +58,8 @@ use crate::rope::{Work, encode_work};
 pub(crate) use plan::FusedPlan;
 use plan::plan_fused;
 pub use raw::{
-    RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache,
-    RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
+    RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut,
+    RawKvCache, RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
 };
 pub(crate) use request::FusedRequest;
 use rows::RowsLaunch;
@@ -353,6 +353,41 @@ pub struct KvCache<'a, T> {
     pub layout: CacheLayout,
     /// The caches.
     pub data: CacheData<'a, T>,
+    /// k's features outside the rotation, written into a cache with the rotated ones.
+    pub non_rotary: Option<CacheNonRotary<'a, T>>,
+}
+
+/// k's features outside the rotation in a tensor of their own (FlashInfer's `k_nope` in
+/// `rope_quantize_fp8_append_paged_kv_cache`), written unrotated into a cache in the same launch
+/// as the rotated ones: `fp8(x / scale)` or `fp8(x * multiplier)` in the cache's format with
+/// k's scale ([`CacheData::Fp8`] only), for each token that has a slot.
+///
+/// Layout: `input` is `[batch, seq, kv_heads, nope_dim]` with k's batch, seq and heads, tokens
+/// at one stride, as [`NonRotary`]'s input (`nope_dim`, strides and offset multiples of one
+/// 16-byte access; q's non-rotary part, if any, of the same `nope_dim`). Runs on the
+/// token-heads kernels of FlashInfer's forms.
+#[derive(Debug)]
+pub struct CacheNonRotary<'a, T> {
+    /// Read only.
+    pub input: Tensor<'a, T>,
+    /// Which cache it goes to.
+    pub into: NonRotaryCache,
+}
+
+/// Where [`CacheNonRotary`]'s part goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NonRotaryCache {
+    /// GQA/MHA (FlashInfer's `k_cache` heads of `rope_dim + no_rope_dim`): each cache head
+    /// holds `head_dim + nope_dim` elements (the [`CacheLayout`]'s `head_dim`), k's rotated
+    /// features at `0..head_dim`, the part at `head_dim..`. v is as wide: its input heads hold
+    /// `head_dim + nope_dim` elements, all stored into v's cache (in its format, with v's scale).
+    AfterRotated,
+    /// MLA (FlashInfer's `(ckv_cache, kpe_cache)`): the part goes into the cache's `v` buffer
+    /// (the latent cache, `ckv_cache`), laid out by this layout (`kv_heads` k's heads, `head_dim`
+    /// the part's `nope_dim`, the k cache's `num_blocks` and `block_size`), and the rotated k
+    /// into the cache's `k` buffer (`kpe_cache`). The launch has no v, and the cache's
+    /// `v_scale` is not used.
+    Latent(CacheLayout),
 }
 
 /// A fused operation: the rotation (whole head) with an optional q/k normalisation.

@@ -6,9 +6,11 @@ use std::num::NonZeroU32;
 
 use rope_kernels::divide::Divisor;
 
-use super::request::{FusedRequest, NopePart};
+use super::NonRotaryCache;
+use super::request::{CachedNope, FusedRequest, NopePart, NopeParts};
 use crate::bind::RawBuf;
 use crate::check::{Of, Region, check_in_buffer, layout_aligned, layout_region, span_below_2_32};
+use crate::config::RopeConfig;
 use crate::error::{Result, invalid};
 use crate::layout::Layout;
 use crate::plan::Grid;
@@ -25,6 +27,21 @@ pub(crate) struct NopePlan {
 pub(super) const Q_NOPE_NAMES: (&str, &str) = ("q.non_rotary.input", "q.non_rotary.output");
 /// The argument names of k's.
 pub(super) const K_NOPE_NAMES: (&str, &str) = ("k.non_rotary.input", "k.non_rotary.output");
+/// The argument name of k's part into the cache ([`super::CacheNonRotary`]).
+pub(super) const CACHE_NOPE_NAME: &str = "cache.non_rotary.input";
+
+/// The elements of a k or v cache head, and of a v head, with how the message names them: the
+/// config's `head_dim`, and the non-rotary features after it when k's part goes there
+/// ([`super::NonRotaryCache::AfterRotated`]).
+pub(super) fn head_width(cfg: &RopeConfig, nope: &NopeParts) -> (usize, &'static str) {
+    match nope.after_rotated() {
+        0 => (cfg.head_dim() as usize, "the config's"),
+        wide => (
+            cfg.head_dim() as usize + wide,
+            "head_dim and the cache's non-rotary features,",
+        ),
+    }
+}
 
 /// Elements of one 16-byte access of `es`-byte elements: the non-rotary parts' access.
 fn nope_lanes(es: usize) -> usize {
@@ -48,20 +65,64 @@ pub(crate) fn check_nope(req: &FusedRequest, es: usize) -> Result<Vec<Region>> {
         (req.nope.k, k, Of::K, K_NOPE_NAMES),
     ];
     let mut dim = None;
-    for (part, rotated, of, names) in parts {
-        let Some(p) = part else { continue };
-        let nope_dim = p.input.1.head_dim;
+    let mut same_dim = |nope_dim: usize, arg: &'static str| {
         let first = *dim.get_or_insert(nope_dim);
         if first != nope_dim {
             return Err(invalid(
-                names.0,
+                arg,
                 format!("has {nope_dim} features per head, q's non-rotary part {first}"),
             ));
         }
+        Ok(())
+    };
+    for (part, rotated, of, names) in parts {
+        let Some(p) = part else { continue };
+        same_dim(p.input.1.head_dim, names.0)?;
         let (x, out) = check_part(p, &rotated, names, es, of)?;
         regions.extend([x, out]);
     }
+    if let Some(c) = req.nope.cached {
+        same_dim(c.input.1.head_dim, CACHE_NOPE_NAME)?;
+        regions.push(check_cached(req, c, &k, es)?);
+    }
     Ok(regions)
+}
+
+/// k's part into the cache (see [`check_nope`]): an FP8 cache; the input as a part's, of k's
+/// batch, seq and heads; a latent cache of k's heads and the part's width, whose stores (one
+/// access of `16 / es` bytes) are aligned; its input's region.
+fn check_cached(req: &FusedRequest, c: CachedNope, k: &Layout, es: usize) -> Result<Region> {
+    let lanes = nope_lanes(es);
+    let x = c.input.1;
+    if !req.cache.is_some_and(|cache| cache.fp8.is_some()) {
+        return Err(invalid(
+            CACHE_NOPE_NAME,
+            "is stored into FP8 caches only (CacheData::Fp8)",
+        ));
+    }
+    check_dims(&x, k, (CACHE_NOPE_NAME, lanes))?;
+    if let (NonRotaryCache::Latent(l), Some(cache)) = (c.into, req.cache) {
+        if (l.kv_heads, l.head_dim) != (x.heads, x.head_dim) {
+            return Err(invalid(
+                "cache.non_rotary.layout",
+                format!(
+                    "has {} heads of {}, the part {} of {}",
+                    l.kv_heads, l.head_dim, x.heads, x.head_dim
+                ),
+            ));
+        }
+        let aligned = cache.v.ptr.is_multiple_of(lanes as u64)
+            && l.strides.iter().all(|s| s.is_multiple_of(lanes));
+        if !aligned {
+            return Err(invalid(
+                "cache.non_rotary.layout",
+                format!(
+                    "the latent cache's address and strides must be multiples of {lanes} bytes"
+                ),
+            ));
+        }
+    }
+    part_region((c.input, CACHE_NOPE_NAME), (es, lanes), (false, Of::K))
 }
 
 /// One part's checks (see [`check_nope`]); its input's and output's regions.
@@ -74,19 +135,29 @@ fn check_part(
 ) -> Result<(Region, Region)> {
     let lanes = nope_lanes(es);
     let (x, out) = (p.input.1, p.output.1);
+    check_dims(&x, rotated, (input, lanes))?;
+    let dims = |l: &Layout| (l.batch, l.seq, l.heads, l.head_dim);
+    if dims(&out) != dims(&x) {
+        return Err(invalid(
+            output,
+            format!("dimensions {out:?} differ from the input's {x:?}"),
+        ));
+    }
+    let x_region = part_region((p.input, input), (es, lanes), (false, of))?;
+    let out_region = part_region((p.output, output), (1, lanes), (true, of))?;
+    Ok((x_region, out_region))
+}
+
+/// A part's input `x` has its rotated tensor's batch, seq and heads, and a positive multiple
+/// of `lanes` (one 16-byte access) features per head.
+fn check_dims(x: &Layout, rotated: &Layout, (input, lanes): (&'static str, usize)) -> Result<()> {
     let dims = |l: &Layout| (l.batch, l.seq, l.heads);
-    if dims(&x) != dims(rotated) {
+    if dims(x) != dims(rotated) {
         return Err(invalid(
             input,
             format!(
                 "dimensions {x:?} differ from the rotated tensor's {rotated:?} in batch, seq or heads"
             ),
-        ));
-    }
-    if dims(&out) != dims(&x) || out.head_dim != x.head_dim {
-        return Err(invalid(
-            output,
-            format!("dimensions {out:?} differ from the input's {x:?}"),
         ));
     }
     if x.head_dim == 0 || !x.head_dim.is_multiple_of(lanes) {
@@ -98,9 +169,7 @@ fn check_part(
             ),
         ));
     }
-    let x_region = part_region((p.input, input), (es, lanes), (false, of))?;
-    let out_region = part_region((p.output, output), (1, lanes), (true, of))?;
-    Ok((x_region, out_region))
+    Ok(())
 }
 
 /// A part's input or output (`written`), elements of `size` bytes, in its buffer: inside it,
@@ -142,12 +211,24 @@ pub(crate) fn plan_nope(
     grid: &mut Grid,
     es: usize,
 ) -> Result<Option<NopePlan>> {
+    let n = &req.nope;
     let heads = |part: Option<NopePart>| part.map_or(0, |p| p.input.1.heads as u64);
-    let Some(dim) = req.nope.q.or(req.nope.k).map(|p| p.input.1.head_dim) else {
+    let cached = n.cached.map(|c| c.input.1);
+    let Some(dim) =
+        n.q.or(n.k)
+            .map(|p| p.input.1.head_dim)
+            .or(cached.map(|l| l.head_dim))
+    else {
         return Ok(None);
     };
     let groups = (dim / nope_lanes(es)) as u64;
-    let threads = (heads(req.nope.q) + heads(req.nope.k)) * groups;
+    // v's heads add their features past the rotation where k's part goes after the rotated ones.
+    let v_heads = match (n.after_rotated(), req.v) {
+        (0, _) | (_, None) => 0,
+        (_, Some((_, l))) => l.heads as u64,
+    };
+    let cached_heads = cached.map_or(0, |l| l.heads as u64);
+    let threads = (heads(n.q) + heads(n.k) + cached_heads + v_heads) * groups;
     let block = u64::from(grid.config.block_dim.0);
     let rope_blocks = grid.config.grid_dim.0;
     let blocks = u64::from(rope_blocks) + threads.div_ceil(block);

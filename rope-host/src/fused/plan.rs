@@ -14,13 +14,13 @@ use rope_kernels::divide::Divisor;
 use super::cache_checks::{
     block_size, cache_as_layout, cache_slots, check_address, check_cache, check_scale,
 };
-use super::non_rotary::{NopePlan, check_nope, plan_nope};
+use super::non_rotary::{CACHE_NOPE_NAME, NopePlan, check_nope, head_width, plan_nope};
 use super::request::{FusedRequest, RawFp8, ScaleSource};
 use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
 use super::{Fp8Format, RawCacheAddress};
 use crate::check::{
     Of, Region, check_overlaps, layout_aligned, read_region, region, same_dims, span_below_2_32,
-    widest_lanes,
+    wide_region, widest_lanes,
 };
 use crate::config::RopeStyle;
 use crate::device::DeviceFacts;
@@ -303,6 +303,9 @@ pub(super) fn flashinfer_form(req: &FusedRequest) -> Option<&'static str> {
     if req.k_fp8.is_some() {
         return Some("k.output");
     }
+    if req.nope.cached.is_some() {
+        return Some(CACHE_NOPE_NAME);
+    }
     let c = req.cache?;
     if let Some(f) = c.fp8
         && (extended(RawFp8 {
@@ -393,7 +396,15 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
             "packed q and k must share batch and seq strides and address disjoint elements",
         ));
     }
+    let latent = req.nope.latent().is_some();
     match (req.v, &req.cache) {
+        (Some(_), Some(_)) if latent => {
+            return Err(invalid(
+                "v",
+                "MLA's latent cache (NonRotaryCache::Latent) takes no v: k's non-rotary part \
+                 stands for it",
+            ));
+        }
         (Some((buf, l)), Some(_)) => {
             same_tokens("v", &l, &q.x_layout)?;
             if l.heads != k.x_layout.heads {
@@ -410,11 +421,13 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
                     "packed v must share q's batch and seq strides and address elements of its own",
                 ));
             }
-            regions.push(region(("v", Of::V), buf, &l, cfg, (es, false))?);
+            let width = head_width(cfg, &req.nope);
+            regions.push(wide_region(("v", Of::V), buf, &l, width, (es, false))?);
         }
         (Some(_), None) => {
             return Err(invalid("v", "is only read to fill a cache; pass a KvCache"));
         }
+        (None, Some(_)) if latent => {}
         (None, Some(_)) => return Err(invalid("v", "a cache write needs v")),
         (None, None) => {}
     }
@@ -449,7 +462,7 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
         regions.extend(check_scale(&f.scale, k.x_layout.heads)?);
     }
     if let Some(c) = &req.cache {
-        check_cache(c, cfg, es, k.x_layout.heads, &mut regions)?;
+        check_cache(c, (cfg, &req.nope), es, k.x_layout.heads, &mut regions)?;
     }
     regions.extend(check_nope(req, es)?);
     regions.extend(option_reads(&req.rope));
@@ -478,10 +491,13 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
     let q = &req.rope.q;
     let out_es = if req.q_fp8.is_some() { 1 } else { es };
     let k_out_es = if req.k_fp8.is_some() { 1 } else { es };
+    // A latent cache (v's buffer) is written by the non-rotary blocks alone, whose checks
+    // (`check_nope`) take its alignment.
     let cache = req.cache.as_ref().and_then(|c| {
         let ces = if c.fp8.is_some() { 1 } else { es };
         let l = cache_as_layout(&c.layout).ok()?;
-        Some([(c.k.ptr, l, ces), (c.v.ptr, l, ces)])
+        let v = req.nope.latent().is_none().then_some((c.v.ptr, l, ces));
+        Some([Some((c.k.ptr, l, ces)), v])
     });
     // No allocation: this runs for each access width a launch tries.
     let layouts = [
@@ -490,8 +506,8 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
         q.out.map(|(b, l)| (b.ptr, l, out_es)),
         k.out.map(|(b, l)| (b.ptr, l, k_out_es)),
         req.v.map(|(b, l)| (b.ptr, l, es)),
-        cache.map(|c| c[0]),
-        cache.map(|c| c[1]),
+        cache.and_then(|c| c[0]),
+        cache.and_then(|c| c[1]),
     ];
     let weights = req.norm.is_none_or(|n| {
         [n.q_weight.ptr, n.k_weight.ptr]

@@ -7,9 +7,10 @@
 use cudarc::driver::sys::CUstream;
 
 use super::request::{
-    CacheFp8, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale, ScaleSource,
+    CacheFp8, CachedNope, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
+    ScaleSource,
 };
-use super::{CacheLayout, Fp8Format, NormWeight};
+use super::{CacheLayout, Fp8Format, NonRotaryCache, NormWeight};
 use crate::bind::RawBuf;
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
@@ -200,6 +201,17 @@ pub struct RawKvCache {
     pub layout: CacheLayout,
     /// The caches.
     pub data: RawCacheData,
+    /// k's features outside the rotation, written into a cache with the rotated ones.
+    pub non_rotary: Option<RawCacheNonRotary>,
+}
+
+/// k's non-rotary part into a cache, by address (as [`super::CacheNonRotary`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RawCacheNonRotary {
+    /// Read only.
+    pub input: RawTensor,
+    /// Which cache it goes to.
+    pub into: NonRotaryCache,
 }
 
 impl RawFp8Scale {
@@ -311,6 +323,10 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
                 }),
             ),
         };
+        nope.cached = c.non_rotary.map(|p| CachedNope {
+            input: (p.input.buf, p.input.layout),
+            into: p.into,
+        });
         RawCache {
             address: c.address,
             layout: c.layout,

@@ -3,7 +3,7 @@
 
 use rope_kernels::abi::NormCode;
 
-use super::{CacheLayout, Fp8Format, RawCacheAddress};
+use super::{CacheLayout, Fp8Format, NonRotaryCache, RawCacheAddress};
 use crate::bind::RawBuf;
 use crate::layout::Layout;
 use crate::plan::Request;
@@ -49,12 +49,40 @@ pub(crate) struct NopePart {
     pub(crate) output: (RawBuf, Layout),
 }
 
-/// q's and k's features outside the rotation, stored beside their FP8 outputs (none for most
-/// launches).
+/// k's features outside the rotation by address, stored into a cache (see
+/// [`super::CacheNonRotary`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CachedNope {
+    pub(crate) input: (RawBuf, Layout),
+    pub(crate) into: NonRotaryCache,
+}
+
+/// q's and k's features outside the rotation, stored beside their FP8 outputs or, k's, into the
+/// cache (none for most launches).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct NopeParts {
     pub(crate) q: Option<NopePart>,
     pub(crate) k: Option<NopePart>,
+    pub(crate) cached: Option<CachedNope>,
+}
+
+impl NopeParts {
+    /// The latent cache's layout, when k's part goes to one (MLA).
+    pub(crate) fn latent(&self) -> Option<CacheLayout> {
+        match self.cached?.into {
+            NonRotaryCache::Latent(l) => Some(l),
+            NonRotaryCache::AfterRotated => None,
+        }
+    }
+
+    /// The features the cached part adds to each k and v cache head (and v head), when it
+    /// goes after the rotated ones (GQA/MHA); 0 otherwise.
+    pub(crate) fn after_rotated(&self) -> usize {
+        match self.cached {
+            Some(c) if c.into == NonRotaryCache::AfterRotated => c.input.1.head_dim,
+            _ => 0,
+        }
+    }
 }
 
 /// The normalisation's weights by address.

@@ -300,3 +300,132 @@ fn non_rotary_parts_are_checked_naming_their_argument() {
     r.nope.q.as_mut().expect("q part").output.0.ptr = 11 << 24;
     assert_eq!(invalid_arg(&r), "q.output");
 }
+
+/// A request as FlashInfer's append form makes it with `k_nope` (GQA): q to an FP8 output, k
+/// only cached, into FP8 caches whose heads hold the rotated `D` features and `nope_dim` more,
+/// v of that width, and k's part of `nope_dim` features after the rotated ones.
+fn with_cached_nope(nope_dim: usize) -> FusedRequest {
+    let mut r = request(RopeStyle::Neox);
+    r.norm = None;
+    let q_out = Layout::thd(TOKENS, 32, D);
+    r.rope.q.out = Some((buf(11 << 24, q_out.end().expect("small")), q_out));
+    r.q_fp8 = Some(RawFp8 {
+        format: Fp8Format::E4m3,
+        scale: RawScale {
+            arg: "q.scale",
+            source: ScaleSource::Multiplier(1.0),
+        },
+    });
+    let width = D + nope_dim;
+    let c = r.cache.as_mut().expect("cache");
+    c.layout = CacheLayout::blocks_rows_heads(16, 16, 8, width);
+    let cache_len = 16 * 16 * 8 * width;
+    (c.k, c.v) = (buf(7 << 24, cache_len), buf(8 << 24, cache_len));
+    fp8_cache(&mut r);
+    let v = Layout::thd(TOKENS, 8, width);
+    r.v = Some((buf(3 << 24, v.end().expect("small")), v));
+    let part = Layout::thd(TOKENS, 8, nope_dim);
+    r.nope.cached = Some(CachedNope {
+        input: (buf(31 << 24, part.end().expect("small")), part),
+        into: NonRotaryCache::AfterRotated,
+    });
+    r
+}
+
+/// [`with_cached_nope`] as MLA's form: one k head of `D` rotated features into the k cache
+/// (`kpe_cache`), its 512 latent features into the cache's v buffer (`ckv_cache`), no v.
+fn with_latent() -> FusedRequest {
+    let mut r = with_cached_nope(512);
+    let kpe = CacheLayout::blocks_rows_heads(16, 16, 1, D);
+    let ckv = CacheLayout::blocks_rows_heads(16, 16, 1, 512);
+    let c = r.cache.as_mut().expect("cache");
+    c.layout = kpe;
+    (c.k, c.v) = (buf(7 << 24, 16 * 16 * D), buf(8 << 24, 16 * 16 * 512));
+    let k = r.rope.k.as_mut().expect("k");
+    k.x_layout = Layout::thd(TOKENS, 1, D);
+    r.v = None;
+    let part = Layout::thd(TOKENS, 1, 512);
+    r.nope.cached = Some(CachedNope {
+        input: (buf(31 << 24, part.end().expect("small")), part),
+        into: NonRotaryCache::Latent(ckv),
+    });
+    r
+}
+
+/// k's part into the cache takes FlashInfer's forms' kernels and blocks after each token's: a
+/// thread per 16-byte access of each k head, and (after the rotated features) of each v head's
+/// features past them; the arguments send k's part to the k cache after each head's rotated
+/// features, or to the latent cache at its own strides.
+#[test]
+fn cached_non_rotary_parts_take_blocks_for_k_and_v() {
+    let r = with_cached_nope(64);
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    assert_eq!(p.kernel.forms, rope_kernels::abi::FusedForms::FlashInfer);
+    let nope = p.nope.expect("non-rotary blocks");
+    assert_eq!(nope.groups.divisor.get(), 64 / 8);
+    let block = u64::from(p.grid.config.block_dim.0);
+    let blocks = u64::from(p.grid.config.grid_dim.0 - nope.rope_blocks);
+    assert_eq!(blocks, ((8 + 8) * 8u64).div_ceil(block));
+    let a = cached_nope_args(&r, 2).expect("cached");
+    assert_eq!((a.part.x, a.part.out), (31 << 24, (7 << 24) + D as u64));
+    assert_eq!(a.cached, NopeCached(NopeCached::K | NopeCached::V));
+    let width = (D + 64) as u64;
+    assert_eq!(a.strides, [16 * 8 * width, 8 * width, width]);
+    let r = with_latent();
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    let nope = p.nope.expect("non-rotary blocks");
+    let blocks = u64::from(p.grid.config.grid_dim.0 - nope.rope_blocks);
+    assert_eq!(blocks, 64u64.div_ceil(u64::from(p.grid.config.block_dim.0)));
+    let a = cached_nope_args(&r, 2).expect("cached");
+    assert_eq!(a.part.out, 8 << 24);
+    assert_eq!(a.cached, NopeCached(NopeCached::K));
+    assert_eq!(a.strides, [16 * 512, 512, 512]);
+}
+
+/// k's part into the cache is checked against k, the caches and v, naming the argument.
+#[test]
+fn cached_non_rotary_parts_are_checked_naming_their_argument() {
+    assert!(plan_of(&with_cached_nope(64)).is_ok());
+    assert!(plan_of(&with_latent()).is_ok());
+    // Caches of the tensors' type.
+    let mut r = with_cached_nope(64);
+    r.cache.as_mut().expect("cache").fp8 = None;
+    assert_eq!(invalid_arg(&r), "cache.non_rotary.input");
+    // Features other than q's part's, and heads other than k's.
+    let mut r = with_cached_nope(64);
+    let l = Layout::thd(TOKENS, 32, 32);
+    r.nope.q = Some(NopePart {
+        input: (buf(40 << 24, l.end().expect("small")), l),
+        output: (buf(41 << 24, l.end().expect("small")), l),
+    });
+    assert_eq!(invalid_arg(&r), "cache.non_rotary.input");
+    let mut r = with_cached_nope(64);
+    r.nope.cached.as_mut().expect("part").input.1 = Layout::thd(TOKENS, 4, 64);
+    assert_eq!(invalid_arg(&r), "cache.non_rotary.input");
+    // Cache heads without room for the part, and a v of the rotated width alone.
+    let mut r = with_cached_nope(64);
+    r.cache.as_mut().expect("cache").layout = CacheLayout::blocks_rows_heads(16, 16, 8, D);
+    assert_eq!(invalid_arg(&r), "cache.k");
+    let mut r = with_cached_nope(64);
+    r.v = Some((buf(3 << 24, TOKENS * 8 * D), Layout::thd(TOKENS, 8, D)));
+    assert_eq!(invalid_arg(&r), "v");
+    // MLA: a v, a latent cache of other blocks, heads or width, one off its alignment.
+    let mut r = with_latent();
+    r.v = Some((buf(3 << 24, TOKENS * D), Layout::thd(TOKENS, 1, D)));
+    assert_eq!(invalid_arg(&r), "v");
+    for latent in [
+        CacheLayout::blocks_rows_heads(8, 16, 1, 512),
+        CacheLayout::blocks_rows_heads(16, 16, 2, 256),
+    ] {
+        let mut r = with_latent();
+        r.nope.cached.as_mut().expect("part").into = NonRotaryCache::Latent(latent);
+        assert_eq!(invalid_arg(&r), "cache.non_rotary.layout", "{latent:?}");
+    }
+    let mut r = with_latent();
+    r.cache.as_mut().expect("cache").v.ptr += 4;
+    assert_eq!(invalid_arg(&r), "cache.non_rotary.layout");
+    // A latent cache one byte short.
+    let mut r = with_latent();
+    r.cache.as_mut().expect("cache").v.len -= 1;
+    assert_eq!(invalid_arg(&r), "cache.v");
+}

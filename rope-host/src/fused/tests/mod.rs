@@ -6,15 +6,15 @@ mod properties;
 mod rotation;
 mod rows;
 
-use rope_kernels::abi::{DType, FusedKernelName, MAX_FUSED_ITEMS, Mapping, NormCode};
+use rope_kernels::abi::{DType, FusedKernelName, MAX_FUSED_ITEMS, Mapping, NopeCached, NormCode};
 
-use super::encode::scale_args;
+use super::encode::{cached_nope_args, scale_args};
 use super::plan::{FusedPlan, plan_fused};
 use super::request::{
-    CacheFp8, FusedRequest, NopePart, RawCache, RawFp8, RawNorm, RawScale, ScaleSource,
+    CacheFp8, CachedNope, FusedRequest, NopePart, RawCache, RawFp8, RawNorm, RawScale, ScaleSource,
 };
 use super::rows::{RowsLaunch, RowsOccupancy};
-use super::{CacheLayout, Fp8Format, RawCacheAddress, RawPageTable};
+use super::{CacheLayout, Fp8Format, NonRotaryCache, RawCacheAddress, RawPageTable};
 use crate::Direction;
 use crate::bind::RawBuf;
 use crate::config::{RopeConfig, RopeStyle};
