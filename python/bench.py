@@ -214,6 +214,24 @@ def serving_cases(tokens, stream):
             stream, False, False, mla_in[2], mla_out[2], mla_in[3], mla_out[3],
         ),
     )
+    # The same into MLA's paged caches (FlashInfer's append form): k's latent features into
+    # ckv_cache, its rotated 64 into kpe_cache, pages of 16 tokens.
+    mla_caches = (
+        torch.zeros(blocks, 16, 512, device=dev, dtype=e4m3),
+        torch.zeros(blocks, 16, 64, device=dev, dtype=e4m3),
+    )
+    yield (
+        f"{step}, FlashInfer rope_quantize_fp8_append_paged_kv_cache, MLA (128 heads, 512 + 64)",
+        (q_mla, k_mla),
+        lambda: rope_rs.rope_quantize_fp8_append_paged_kv_cache(
+            mla_in[0], mla_in[1], mla_in[2], mla_in[3], None, mla_cache, positions, mla_caches, *table,
+            q_rope_out=mla_out[0], q_nope_out=mla_out[2],
+        ),
+        lambda: _native.rope_quantize_fp8_append_paged_kv_cache(
+            mla_in[0], mla_in[1], None, mla_cache, positions, mla_caches[1], mla_caches[0], *table, True, 64,
+            "float8_e4m3fn", 1.0, 1.0, 16, "NHD", mla_out[0], stream, False, False, mla_in[2], mla_out[2], mla_in[3],
+        ),
+    )
     arg = rope_rs.FusedSetKVBufferArg(value, pool, v_pool, None, None, slots)
     yield (
         f"{step}, SGLang rope + fused_set_kv_buffer",

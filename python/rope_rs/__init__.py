@@ -443,16 +443,6 @@ def fused_qk_norm_rope(
     )
 
 
-def _no_nope(x: Any, arg: str) -> None:
-    """FlashInfer's non-rotary part in a form with a cache: only None or zero features (the
-    cache takes the rotated part only, so far)."""
-    if x is not None and x.shape[-1] != 0:
-        raise ValueError(
-            f"{arg}: non-rotary features ({x.shape[-1]} per head) are not supported with the paged cache yet; "
-            "pass None"
-        )
-
-
 def _nope(x: Any) -> Any:
     """A non-rotary part with features, else None (FlashInfer's zero-feature tensors carry
     nothing)."""
@@ -629,29 +619,33 @@ def rope_quantize_fp8_append_paged_kv_cache(
     *,
     stream: Optional[int] = None,
 ) -> Tuple[Any, Any]:
-    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` for GQA/MHA, in one launch: q as
-    :func:`rope_quantize_fp8` (into ``q_rope_out``), and the rotated k and ``v`` (``[nnz,
-    num_kv_heads, rope_dim]``) as FP8 of ``x * quant_scale_kv`` into ``paged_kv_cache = (k_cache,
-    v_cache)``, ``[max_pages, page_size, num_kv_heads, rope_dim]`` (``kv_layout="NHD"``) or
-    ``[max_pages, num_kv_heads, page_size, rope_dim]`` (``"HND"``) of the FP8 type. Token ``t`` of
-    request ``b = batch_indices[t]`` at ``positions[t]`` goes to entry ``positions[t] %
-    page_size`` of page ``kv_indices[kv_indptr[b] + positions[t] // page_size]``; a negative
-    ``b`` (padding) writes nothing, and so does an entry outside the request's pages or the
-    arrays (device metadata is checked before it addresses anything; FlashInfer does not check
-    it). Returns ``(q_rope_out, q_nope_out)``. MLA's form (2-D ``k_rope``) and non-rotary
-    features are not supported yet. Under ``torch.compile`` it is
-    ``torch.ops.rope_rs.rope_quantize_fp8_append_paged_kv_cache_``.
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` in one launch: q as
+    :func:`rope_quantize_fp8` (into ``q_rope_out``, ``q_nope`` into ``q_nope_out``), and k and v
+    as FP8 of ``x * quant_scale_kv`` into the paged caches. GQA/MHA (3-D ``k_rope``):
+    ``paged_kv_cache = (k_cache, v_cache)``, ``[max_pages, page_size, num_kv_heads, head_dim]``
+    (``kv_layout="NHD"``) or ``[max_pages, num_kv_heads, page_size, head_dim]`` (``"HND"``) of
+    the FP8 type, ``head_dim = rope_dim + no_rope_dim``: each k head's rotated features at
+    ``[:rope_dim]``, its ``k_nope`` features after them, and ``v`` (``[nnz, num_kv_heads,
+    head_dim]``) whole. MLA (2-D ``k_rope`` ``[nnz, rope_dim]``, ``v`` None): ``paged_kv_cache =
+    (ckv_cache, kpe_cache)``, ``[max_pages, page_size, no_rope_dim]`` and ``[max_pages,
+    page_size, rope_dim]``: ``k_nope`` ``[nnz, no_rope_dim]`` into ``ckv_cache``, the rotated k
+    into ``kpe_cache``. Token ``t`` of request ``b = batch_indices[t]`` at ``positions[t]`` goes
+    to entry ``positions[t] % page_size`` of page ``kv_indices[kv_indptr[b] + positions[t] //
+    page_size]``; a negative ``b`` (padding) writes nothing, and so does an entry outside the
+    request's pages or the arrays (device metadata is checked before it addresses anything;
+    FlashInfer does not check it). Returns ``(q_rope_out, q_nope_out)``. Under
+    ``torch.compile`` it is ``torch.ops.rope_rs.rope_quantize_fp8_append_paged_kv_cache_``.
     """
     torch = _torch_tensors(q_rope, "rope_quantize_fp8_append_paged_kv_cache")
-    if k_rope.dim() == 2:
-        raise ValueError("k_rope: MLA's paged cache (2-D k_rope, ckv and kpe caches) is not supported yet")
-    if v is None:
+    mla = k_rope.dim() == 2
+    if mla and v is not None:
+        raise ValueError("v: MLA's form (2-D k_rope) takes no v: pass None")
+    if not mla and v is None:
         raise ValueError("v: GQA/MHA expects a V tensor")
     if len(paged_kv_cache) != 2:
         raise ValueError("paged_kv_cache must be a tuple of 2 tensors")
-    k_cache, v_cache = paged_kv_cache
-    _no_nope(q_nope, "q_nope")
-    _no_nope(k_nope, "k_nope")
+    # rope-host's k cache takes the rotated k, its v cache v or (MLA) k's latent part.
+    k_cache, v_cache = paged_kv_cache if not mla else paged_kv_cache[::-1]
     dtype = _quantize_dtype(torch, quantize_dtype, (q_rope_out, q_nope_out))
     if k_cache.dtype != dtype or v_cache.dtype != dtype:
         raise ValueError(f"paged_kv_cache: expected {dtype}, got k={k_cache.dtype}, v={v_cache.dtype}")
@@ -659,6 +653,10 @@ def rope_quantize_fp8_append_paged_kv_cache(
         q_rope_out = torch.empty_like(q_rope, dtype=dtype)
     launch = _eager_stream(q_rope, stream)
     q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype, launch is not None)
+    q_nope, k_nope = _nope(q_nope), _nope(k_nope)
+    q_part_out = None if q_nope is None else q_nope_out
+    if mla and k_nope is None:
+        raise ValueError("k_nope: MLA's form writes k's latent features into ckv_cache; pass them")
     # FlashInfer's own conversions (no copy for int32 tensors).
     kv_indices, kv_indptr, batch_indices, positions = [
         t if t.dtype == torch.int32 else t.int() for t in (kv_indices, kv_indptr, batch_indices, positions)
@@ -670,14 +668,14 @@ def rope_quantize_fp8_append_paged_kv_cache(
         ops.rope_quantize_fp8_append_paged_kv_cache_op(
             q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
             positions, is_neox, name, float(quant_scale_q), float(quant_scale_kv), page_size, kv_layout, q_rope_out,
-            enable_pdl,
+            enable_pdl, q_nope, q_part_out, k_nope,
         )
     else:
         stream, sync = launch
         _native.rope_quantize_fp8_append_paged_kv_cache(
             q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
             positions, is_neox, q_rope.shape[-1], name, quant_scale_q, quant_scale_kv, page_size, kv_layout,
-            q_rope_out, stream, sync, enable_pdl,
+            q_rope_out, stream, sync, enable_pdl, q_nope, q_part_out, k_nope,
         )
     return q_rope_out, q_nope_out
 

@@ -139,7 +139,7 @@ def rope_quantize_fp8(
 def rope_quantize_fp8_append_paged_kv_cache(
     q_rope: Any,
     k_rope: Any,
-    v: Any,
+    v: Optional[Any],
     cos_sin_cache: Any,
     pos_ids: Any,
     k_cache: Any,
@@ -159,9 +159,14 @@ def rope_quantize_fp8_append_paged_kv_cache(
     stream: int = 0,
     producer_sync: bool = True,
     pdl: bool = False,
+    q_nope: Any = None,
+    q_nope_out: Any = None,
+    k_nope: Any = None,
 ) -> None:
-    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (GQA/MHA, rotated parts): q
-    into FP8 ``q_rope_out``, the rotated k and v into FP8 paged caches by the page table."""
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``: q into FP8 ``q_rope_out``
+    (``q_nope`` into ``q_nope_out``), the rotated k, ``k_nope`` after it and v into FP8 paged
+    caches by the page table (GQA/MHA), or with ``v`` None the rotated k into ``k_cache``
+    (``kpe_cache``) and ``k_nope`` into ``v_cache`` (``ckv_cache``, MLA)."""
 
 def frequencies(
     head_dim: int,

@@ -237,16 +237,16 @@ def _rope_quantize_fp8_impl(
 
 
 def _rope_quantize_fp8_append_impl(
-    q_rope: Tensor, k_rope: Tensor, v: Tensor, cos_sin_cache: Tensor, pos_ids: Tensor, k_cache: Tensor,
+    q_rope: Tensor, k_rope: Tensor, v: Optional[Tensor], cos_sin_cache: Tensor, pos_ids: Tensor, k_cache: Tensor,
     v_cache: Tensor, kv_indices: Tensor, kv_indptr: Tensor, batch_indices: Tensor, positions: Tensor, is_neox: bool,
     quantize_dtype: str, quant_scale_q: float, quant_scale_kv: float, page_size: int, kv_layout: str,
-    q_rope_out: Tensor, pdl: bool,
+    q_rope_out: Tensor, pdl: bool, q_nope: Optional[Tensor], q_nope_out: Optional[Tensor], k_nope: Optional[Tensor],
 ) -> None:
     with torch.cuda.device(q_rope.device):
         _native.rope_quantize_fp8_append_paged_kv_cache(
             q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr, batch_indices,
             positions, is_neox, q_rope.shape[-1], quantize_dtype, quant_scale_q, quant_scale_kv, page_size,
-            kv_layout, q_rope_out, _stream(q_rope), False, pdl,
+            kv_layout, q_rope_out, _stream(q_rope), False, pdl, q_nope, q_nope_out, k_nope,
         )
 
 
@@ -263,12 +263,12 @@ rope_quantize_fp8_op = torch.library.custom_op(
 rope_quantize_fp8_append_paged_kv_cache_op = torch.library.custom_op(
     "rope_rs::rope_quantize_fp8_append_paged_kv_cache_",
     _rope_quantize_fp8_append_impl,
-    mutates_args=("k_cache", "v_cache", "q_rope_out"),
+    mutates_args=("k_cache", "v_cache", "q_rope_out", "q_nope_out"),
     schema=(
-        "(Tensor q_rope, Tensor k_rope, Tensor v, Tensor cos_sin_cache, Tensor pos_ids, Tensor(a!) k_cache, "
+        "(Tensor q_rope, Tensor k_rope, Tensor? v, Tensor cos_sin_cache, Tensor pos_ids, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor kv_indices, Tensor kv_indptr, Tensor batch_indices, Tensor positions, "
         "bool is_neox, str quantize_dtype, float quant_scale_q, float quant_scale_kv, int page_size, str kv_layout, "
-        "Tensor(c!) q_rope_out, bool pdl) -> ()"
+        "Tensor(c!) q_rope_out, bool pdl, Tensor? q_nope, Tensor(d!)? q_nope_out, Tensor? k_nope) -> ()"
     ),
 )
 

@@ -720,19 +720,63 @@ pub fn cache(d: &Dense, head_size: usize, arg: &str) -> Result<(RawBuf, CacheLay
             )));
         }
     };
-    let empty = d.shape.contains(&0);
-    let len = if empty {
-        0
-    } else {
-        d.shape
-            .iter()
-            .zip(d.strides.iter())
-            .try_fold(1usize, |end, (&n, &s)| {
-                (n - 1).checked_mul(s).and_then(|x| x.checked_add(end))
-            })
-            .ok_or_else(|| ArgError::Value(format!("{arg} spans more than 2^64 elements")))?
+    Ok((
+        RawBuf {
+            ptr: d.ptr,
+            len: span(d, arg)?,
+        },
+        layout,
+    ))
+}
+
+/// One of MLA's paged latent caches (FlashInfer's `ckv_cache` and `kpe_cache`): `[max_pages,
+/// page_size, dim]` with a contiguous last dimension, read as pages of `page_size` slots of one
+/// head of `dim` elements. Returns the buffer, in bytes for FP8, and the layout.
+///
+/// # Errors
+/// [`ArgError::Value`] for another rank or a last stride other than 1.
+pub fn latent_cache(d: &Dense, arg: &str) -> Result<(RawBuf, CacheLayout), ArgError> {
+    let (&[pages, page_size, dim], &[sp, ss, se]) = (d.shape.as_slice(), d.strides.as_slice())
+    else {
+        return Err(ArgError::Value(format!(
+            "{arg} must be [max_pages, page_size, dim] (MLA's paged caches), got shape {:?}",
+            d.shape
+        )));
     };
-    Ok((RawBuf { ptr: d.ptr, len }, layout))
+    if se != 1 && dim > 1 {
+        return Err(ArgError::Value(format!(
+            "{arg} must have a contiguous last dimension (stride 1), got strides {:?}",
+            d.strides
+        )));
+    }
+    let layout = CacheLayout {
+        num_blocks: pages,
+        block_size: page_size,
+        kv_heads: 1,
+        head_dim: dim,
+        strides: [sp, ss, dim],
+    };
+    Ok((
+        RawBuf {
+            ptr: d.ptr,
+            len: span(d, arg)?,
+        },
+        layout,
+    ))
+}
+
+/// The elements from `d`'s first to past its last (0 when it has none).
+fn span(d: &Dense, arg: &str) -> Result<usize, ArgError> {
+    if d.shape.contains(&0) {
+        return Ok(0);
+    }
+    d.shape
+        .iter()
+        .zip(d.strides.iter())
+        .try_fold(1usize, |end, (&n, &s)| {
+            (n - 1).checked_mul(s).and_then(|x| x.checked_add(end))
+        })
+        .ok_or_else(|| ArgError::Value(format!("{arg} spans more than 2^64 elements")))
 }
 
 /// `Ok` when `d` is contiguous, else an error naming `arg` with its strides and shape.

@@ -10,9 +10,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
-    CacheLayout, DType, Fp8Format, Layout, NormWeight, RawBuf, RawCacheAddress, RawCacheData,
-    RawFp8Scale, RawFusedIo, RawFusedOp, RawIo, RawKOut, RawKvCache, RawNonRotary, RawOp,
-    RawPageTable, RawQOut, RawQkNorm, RawTensor, RopeConfig, RopeStyle, StreamOverlap,
+    CacheLayout, DType, Fp8Format, Layout, NonRotaryCache, NormWeight, RawBuf, RawCacheAddress,
+    RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawIo, RawKOut,
+    RawKvCache, RawNonRotary, RawOp, RawPageTable, RawQOut, RawQkNorm, RawTensor, RopeConfig,
+    RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{self, Elem};
@@ -113,6 +114,17 @@ pub(crate) enum ScalesArg<'a, 'py> {
     Multiplier(f32),
 }
 
+/// k's non-rotary part into the cache (FlashInfer's `k_nope` in its append form), still to
+/// borrow.
+pub(crate) enum CacheNopeArg<'a, 'py> {
+    /// GQA/MHA: after each k cache head's rotated features; the caches' and v's heads hold
+    /// `rope_dim + no_rope_dim` elements.
+    AfterRotated(&'a Bound<'py, PyAny>),
+    /// MLA: into `value_cache` (`ckv_cache`, `[max_pages, page_size, no_rope_dim]`), the rotated
+    /// k into `key_cache` (`kpe_cache`, `[max_pages, page_size, rope_dim]`); no v.
+    Latent(&'a Bound<'py, PyAny>),
+}
+
 /// The KV-cache write of a fused launch, still to borrow.
 pub(crate) struct CacheArg<'a, 'py> {
     /// k's cache: paged `[num_blocks, block_size, kv_heads, head_size]` or a token pool
@@ -132,6 +144,8 @@ pub(crate) struct CacheArg<'a, 'py> {
     /// The page size the caller states (FlashInfer's `page_size=`), checked against the
     /// cache's.
     pub page_size: Option<usize>,
+    /// k's non-rotary part into the cache, if any.
+    pub non_rotary: Option<CacheNopeArg<'a, 'py>>,
 }
 
 /// One fused launch as the Python functions describe it.
@@ -198,6 +212,7 @@ fn raw_cache<'py>(
     names: &Names,
 ) -> PyResult<RawKvCache> {
     let name = |arg| names.python_name(arg);
+    let latent = matches!(c.non_rotary, Some(CacheNopeArg::Latent(_)));
     let cache = |held: &mut Held<'py>, obj, arg| -> PyResult<(RawBuf, CacheLayout)> {
         let d = held.borrow(obj, name(arg))?;
         let want_ok = match c.dtype {
@@ -215,6 +230,9 @@ fn raw_cache<'py>(
                 d.elem.name()
             )));
         }
+        if latent {
+            return dlpack::latent_cache(d, name(arg)).map_err(arg_error);
+        }
         let four_d = d.shape.len() == 4;
         let (buf, mut layout) = dlpack::cache(d, head_size, name(arg)).map_err(arg_error)?;
         if c.heads_first && four_d {
@@ -227,7 +245,7 @@ fn raw_cache<'py>(
     };
     let (k, layout) = cache(held, c.key_cache, "cache.k")?;
     let (v, v_layout) = cache(held, c.value_cache, "cache.v")?;
-    if v_layout != layout {
+    if !latent && v_layout != layout {
         return Err(PyValueError::new_err(format!(
             "{} must have {}'s shape and strides: {v_layout:?} against {layout:?}",
             name("cache.v"),
@@ -306,12 +324,43 @@ fn raw_cache<'py>(
             format,
         },
     };
+    let non_rotary = match c.non_rotary {
+        Some(CacheNopeArg::AfterRotated(obj)) => Some(RawCacheNonRotary {
+            input: input_heads(held, obj, elem, name("cache.non_rotary.input"))?,
+            into: NonRotaryCache::AfterRotated,
+        }),
+        Some(CacheNopeArg::Latent(obj)) => Some(RawCacheNonRotary {
+            input: input_heads(held, obj, elem, name("cache.non_rotary.input"))?,
+            into: NonRotaryCache::Latent(v_layout),
+        }),
+        None => None,
+    };
     Ok(RawKvCache {
-        non_rotary: None,
         address,
         layout,
         data,
+        non_rotary,
     })
+}
+
+/// An input of heads as wide as its last dimension (a non-rotary part's `[nnz, heads,
+/// no_rope_dim]`, or `[nnz, no_rope_dim]` as one head; v's), of the tensors' element type `elem`.
+fn input_heads<'py>(
+    held: &mut Held<'py>,
+    obj: &Bound<'py, PyAny>,
+    elem: Elem,
+    name: &'static str,
+) -> PyResult<RawTensor> {
+    let d = held.borrow(obj, name)?;
+    if d.elem != elem {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be {}, got {}",
+            elem.name(),
+            d.elem.name()
+        )));
+    }
+    let size = d.shape.last().copied().unwrap_or(0);
+    dlpack::heads_tensor(d, size, name).map_err(arg_error)
 }
 
 /// The launch's tensors as rope-host's fused forms, with the buffers' element type; the first
@@ -379,7 +428,13 @@ fn raw_io<'py>(
             let k_in = held
                 .tensor(Some(k), names.python_name("k"), spec)?
                 .expect("given");
-            let v = held.tensor(value, names.python_name("v"), spec)?;
+            // v's heads may hold non-rotary features after the rotated ones (FlashInfer's
+            // `rope_dim + no_rope_dim`): its width is its own, checked by rope-host against the
+            // cache's.
+            let v = match value {
+                Some(obj) => Some(input_heads(held, obj, elem, names.python_name("v"))?),
+                None => None,
+            };
             // An FP8 output (`fp8`) or an input of the tensors' type, of heads of `size`
             // elements (the last dimension's with `None`).
             let mut heads = |obj: &Bound<'py, PyAny>, arg, fp8: bool, size: Option<usize>| {

@@ -18,7 +18,9 @@ use rope_host::{
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::exchange;
-use crate::fused::{self, AddressArg, CacheArg, CacheType, FusedLaunch, FusedTensors, ScalesArg};
+use crate::fused::{
+    self, AddressArg, CacheArg, CacheNopeArg, CacheType, FusedLaunch, FusedTensors, ScalesArg,
+};
 use crate::launch::{
     self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
@@ -421,6 +423,7 @@ fn cache_arg<'a, 'py>(
             scales: scales.map(|(k, v)| ScalesArg::Tensors(k, v)),
             heads_first: false,
             page_size: None,
+            non_rotary: None,
         })),
         (None, None, None) if scales.is_none() && dtype == CacheType::Auto => Ok(None),
         (None, None, None) => Err(PyValueError::new_err(
@@ -694,6 +697,7 @@ fn apply_rope_with_cos_sin_cache_inplace(
             scales: None,
             heads_first: false,
             page_size: None,
+            non_rotary: None,
         }),
         names: Names {
             other: &OTHER,
@@ -819,35 +823,55 @@ fn multiplier(value: f64, arg: &str) -> PyResult<f32> {
     }
 }
 
-/// rope-host's names of FlashInfer's `rope_quantize_fp8*` arguments.
-const FLASHINFER_NAMES: Names = Names {
-    q: "q_rope",
-    k: "k_rope",
-    out: "q_rope_out",
-    k_out: "k_rope_out",
-    positions: "pos_ids",
-    sincos: "cos_sin_cache",
-    other: &[
-        ("v", "v"),
-        ("config", "cos_sin_cache"),
-        ("q.scale", "quant_scale_q"),
-        ("k.scale", "quant_scale_kv"),
-        ("cache", "paged_kv_cache"),
-        ("cache.k", "paged_kv_cache[0]"),
-        ("cache.v", "paged_kv_cache[1]"),
-        ("cache.layout", "paged_kv_cache"),
-        ("cache.k_scale", "quant_scale_kv"),
-        ("cache.v_scale", "quant_scale_kv"),
-        ("cache.batch_indices", "batch_indices"),
-        ("cache.positions", "positions"),
-        ("cache.kv_indptr", "kv_indptr"),
-        ("cache.kv_indices", "kv_indices"),
-        ("q.non_rotary.input", "q_nope"),
-        ("q.non_rotary.output", "q_nope_out"),
-        ("k.non_rotary.input", "k_nope"),
-        ("k.non_rotary.output", "k_nope_out"),
-    ],
-};
+/// rope-host's names of FlashInfer's `rope_quantize_fp8*` arguments, the caches' first (as
+/// `paged_kv_cache` holds them: `(k_cache, v_cache)`, or MLA's `(ckv_cache, kpe_cache)`).
+macro_rules! flashinfer_names {
+    ($($cache:expr,)*) => {
+        Names {
+            q: "q_rope",
+            k: "k_rope",
+            out: "q_rope_out",
+            k_out: "k_rope_out",
+            positions: "pos_ids",
+            sincos: "cos_sin_cache",
+            other: &[
+                $($cache,)*
+                ("v", "v"),
+                ("config", "cos_sin_cache"),
+                ("q.scale", "quant_scale_q"),
+                ("k.scale", "quant_scale_kv"),
+                ("cache", "paged_kv_cache"),
+                ("cache.layout", "paged_kv_cache"),
+                ("cache.k_scale", "quant_scale_kv"),
+                ("cache.v_scale", "quant_scale_kv"),
+                ("cache.batch_indices", "batch_indices"),
+                ("cache.positions", "positions"),
+                ("cache.kv_indptr", "kv_indptr"),
+                ("cache.kv_indices", "kv_indices"),
+                ("q.non_rotary.input", "q_nope"),
+                ("q.non_rotary.output", "q_nope_out"),
+                ("k.non_rotary.input", "k_nope"),
+                ("k.non_rotary.output", "k_nope_out"),
+                ("cache.non_rotary.input", "k_nope"),
+            ],
+        }
+    };
+}
+
+/// FlashInfer's names, GQA/MHA: `paged_kv_cache = (k_cache, v_cache)`.
+const FLASHINFER_NAMES: Names = flashinfer_names!(
+    ("cache.k", "paged_kv_cache[0]"),
+    ("cache.v", "paged_kv_cache[1]"),
+);
+
+/// FlashInfer's names, MLA: `paged_kv_cache = (ckv_cache, kpe_cache)`, the rotated k into
+/// `kpe_cache` (rope-host's `cache.k`) and `k_nope` into `ckv_cache` (its `cache.v`).
+const FLASHINFER_MLA_NAMES: Names = flashinfer_names!(
+    ("cache.k", "paged_kv_cache[1]"),
+    ("cache.v", "paged_kv_cache[0]"),
+    ("cache.non_rotary.layout", "paged_kv_cache[0]"),
+    ("cache.layout", "paged_kv_cache[1]"),
+);
 
 /// FlashInfer's `rope_quantize_fp8` (and `mla_rope_quantize_fp8`) for the rotated parts: rotates
 /// `q_rope` `[nnz, num_qo_heads, rope_dim]` and `k_rope` `[nnz, num_kv_heads, rope_dim]` (or
@@ -945,17 +969,25 @@ fn nope_pair<'py>(
 /// entry `positions[t] % page_size` of page `kv_indices[kv_indptr[b] + positions[t] //
 /// page_size]`, `b = batch_indices[t]` (all int32; a negative `b` is padding and writes
 /// nothing, as does an entry outside the request's pages or the arrays).
+///
+/// The non-rotary parts: `q_nope` into `q_nope_out` as in [`rope_quantize_fp8`]; `k_nope`
+/// (`[nnz, num_kv_heads, no_rope_dim]`) into each k cache head after its rotated features, the
+/// caches' heads and v's then holding `rope_dim + no_rope_dim` elements. MLA's form (`v` None):
+/// `k_rope` `[nnz, rope_dim]` into `k_cache` (`kpe_cache`, `[max_pages, page_size,
+/// rope_dim]`) and `k_nope` `[nnz, no_rope_dim]` into `v_cache` (`ckv_cache`, `[max_pages,
+/// page_size, no_rope_dim]`), both FP8 of `x * quant_scale_kv`.
 #[pyfunction]
 #[pyo3(signature = (
     q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr,
     batch_indices, positions, is_neox, rope_dim, quantize_dtype, quant_scale_q, quant_scale_kv,
-    page_size, kv_layout, q_rope_out, stream=0, producer_sync=true, pdl=false
+    page_size, kv_layout, q_rope_out, stream=0, producer_sync=true, pdl=false, q_nope=None,
+    q_nope_out=None, k_nope=None
 ))]
 #[allow(clippy::too_many_arguments)]
 fn rope_quantize_fp8_append_paged_kv_cache(
     q_rope: &Bound<'_, PyAny>,
     k_rope: &Bound<'_, PyAny>,
-    v: &Bound<'_, PyAny>,
+    v: Option<&Bound<'_, PyAny>>,
     cos_sin_cache: &Bound<'_, PyAny>,
     pos_ids: &Bound<'_, PyAny>,
     k_cache: &Bound<'_, PyAny>,
@@ -975,7 +1007,21 @@ fn rope_quantize_fp8_append_paged_kv_cache(
     stream: u64,
     producer_sync: bool,
     pdl: bool,
+    q_nope: Option<&Bound<'_, PyAny>>,
+    q_nope_out: Option<&Bound<'_, PyAny>>,
+    k_nope: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
+    let q_nope = nope_pair(q_nope, q_nope_out, "q_nope_out")?;
+    let non_rotary = match (k_nope, v) {
+        (Some(k), Some(_)) => Some(CacheNopeArg::AfterRotated(k)),
+        (Some(k), None) => Some(CacheNopeArg::Latent(k)),
+        (None, Some(_)) => None,
+        (None, None) => {
+            return Err(PyValueError::new_err(
+                "k_nope: MLA's paged cache (v None) takes k's latent features",
+            ));
+        }
+    };
     let format = quantize_format(quantize_dtype)?;
     let heads_first = match kv_layout {
         "NHD" => false,
@@ -991,10 +1037,10 @@ fn rope_quantize_fp8_append_paged_kv_cache(
         tensors: FusedTensors::Quantized {
             q: q_rope,
             k: k_rope,
-            value: Some(v),
+            value: v,
             q_out: q_rope_out,
             k_out: None,
-            nope: [None, None],
+            nope: [q_nope.as_ref(), None],
             format,
             multipliers: (multiplier(quant_scale_q, "quant_scale_q")?, kv),
         },
@@ -1011,8 +1057,13 @@ fn rope_quantize_fp8_append_paged_kv_cache(
             scales: Some(ScalesArg::Multiplier(kv)),
             heads_first,
             page_size: Some(page_size),
+            non_rotary,
         }),
-        names: FLASHINFER_NAMES,
+        names: if v.is_some() {
+            FLASHINFER_NAMES
+        } else {
+            FLASHINFER_MLA_NAMES
+        },
         stream,
         producer_sync,
         overlap: overlap(pdl),

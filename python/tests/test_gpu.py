@@ -930,6 +930,11 @@ def fp8_near(got, want, multiplier, dtype):
     assert exact > 0.98, f"only {exact:.4f} of the FP8 bytes are the nearest value"
 
 
+def as_bytes(x):
+    """An FP8 tensor's bytes."""
+    return x.view(torch.uint8)
+
+
 class FlashInferCase:
     """FlashInfer's ``rope_quantize_fp8*`` inputs: q_rope [t, hq, r] and k_rope [t, hk, r] (or
     [t, r] for MLA), v, a float32 cos_sin_cache, pos_ids, and a page table of a few requests
@@ -1026,7 +1031,6 @@ class TestFlashInferQuantize:
             q_rope, c.k, q_nope, k_nope, c.cache, c.pos_ids, True, fp8, quant_scale_q=1.7, quant_scale_kv=0.37
         )
         assert q_nope_out.shape == q_nope.shape and k_nope_out.shape == k_nope.shape and q_nope_out.dtype == fp8
-        as_bytes = lambda x: x.view(torch.uint8)  # noqa: E731
         assert torch.equal(as_bytes(q_nope_out), as_bytes((q_nope.float() * 1.7).to(fp8)))
         assert torch.equal(as_bytes(k_nope_out), as_bytes((k_nope.float() * 0.37).to(fp8)))
         fp8_near(q_out, c.rotated(q_rope, "neox"), 1.7, fp8)
@@ -1170,7 +1174,7 @@ class TestFlashInferQuantize:
         assert torch.equal(k_cache.view(torch.uint8), k_int64.view(torch.uint8))
         k_cache.zero_()
         with pytest.raises(ValueError, match="^q_nope"):
-            rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(q_nope=torch.zeros(c.t, c.hq, 64, device=DEV, dtype=c.dtype)))
+            rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(q_nope=torch.zeros(c.t, c.hq, 12, device=DEV, dtype=c.dtype)))
         with pytest.raises(ValueError, match="^page_size"):
             rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args(page_size=16))
         with pytest.raises(ValueError, match="^paged_kv_cache"):
@@ -1206,7 +1210,8 @@ class TestFlashInferQuantize:
             rope_torch.rope_quantize_fp8_append_paged_kv_cache_op,
             (c.q, c.k, c.v, c.cache, c.pos_ids, torch.zeros(shape, device=DEV, dtype=u8),
              torch.zeros(shape, device=DEV, dtype=u8), c.kv_indices, c.kv_indptr, c.batch_indices, c.positions,
-             True, "float8_e4m3fn", 1.0, 0.5, c.page_size, "NHD", torch.empty_like(c.q, dtype=u8), False),
+             True, "float8_e4m3fn", 1.0, 0.5, c.page_size, "NHD", torch.empty_like(c.q, dtype=u8), False,
+             None, None, None),
         )
 
     def test_compiled_and_graph_replays_match_eager(self):
@@ -1250,6 +1255,192 @@ class TestFlashInferQuantize:
         assert torch.equal(out, want)
         for a, b in zip(graph_caches, fresh):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+class TestFlashInferAppendNonRotary:
+    """FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` with non-rotary parts, against
+    its documented semantics: GQA/MHA caches of ``rope_dim + no_rope_dim`` per head (the rotated
+    k first, ``k_nope`` after it, ``v`` whole), and MLA's ``(ckv_cache, kpe_cache)`` (``k_nope``
+    into ckv, the rotated 2-D ``k_rope`` into kpe); ``q_nope`` into ``q_nope_out``. The parts are
+    FP8 of ``x * quant_scale`` byte for byte as PyTorch casts them; entries the table does not
+    give are untouched."""
+
+    @staticmethod
+    def entry(cache, page, e, heads_first):
+        return cache[page, :, e] if heads_first else cache[page, e]
+
+    @staticmethod
+    def untouched(cache, written, heads_first=False):
+        rows = cache.view(torch.uint8)
+        rows = rows.transpose(1, 2) if heads_first else rows
+        assert (rows[~written.to(DEV)] == 0x3C).all(), "entries outside the table's are untouched"
+
+    @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+    @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_gqa_caches_hold_the_rotated_k_then_k_nope(self, kv_layout, fp8, is_neox, dtype):
+        c = FlashInferCase(seed=21 + int(is_neox), dtype=dtype)
+        nope, sq, skv = 64, 0.8, 2.5
+        style = "neox" if is_neox else "interleaved"
+        heads_first = kv_layout == "HND"
+        width = c.r + nope
+        shape = (c.pages, c.page_size, c.hk, width) if not heads_first else (c.pages, c.hk, c.page_size, width)
+        k_cache = torch.full(shape, 0x3C, device=DEV, dtype=torch.uint8).view(fp8)
+        v_cache = torch.full(shape, 0x3C, device=DEV, dtype=torch.uint8).view(fp8)
+        q_nope, k_nope = randn(c.t, c.hq, nope, dtype=dtype), randn(c.t, c.hk, nope, dtype=dtype)
+        v = randn(c.t, c.hk, width, dtype=dtype)
+        inputs = [x.clone() for x in (c.q, c.k, q_nope, k_nope, v)]
+        q_out, q_nope_out = rope_rs.rope_quantize_fp8_append_paged_kv_cache(
+            c.q, c.k, q_nope, k_nope, v, c.cache, c.pos_ids, (k_cache, v_cache), c.kv_indices, c.kv_indptr,
+            c.batch_indices, c.positions, is_neox, quantize_dtype=fp8, quant_scale_q=sq, quant_scale_kv=skv,
+            page_size=c.page_size, kv_layout=kv_layout,
+        )
+        torch.cuda.synchronize()
+        fp8_near(q_out, c.rotated(c.q, style), sq, fp8)
+        assert q_nope_out.shape == q_nope.shape and q_nope_out.dtype == fp8
+        assert torch.equal(as_bytes(q_nope_out), as_bytes((q_nope.float() * sq).to(fp8)))
+        k_want = c.rotated(c.k, style)
+        written = torch.zeros(c.pages, c.page_size, dtype=torch.bool)
+        for t, page, e in c.slots():
+            k_entry, v_entry = self.entry(k_cache, page, e, heads_first), self.entry(v_cache, page, e, heads_first)
+            fp8_near(k_entry[:, : c.r], k_want[t], skv, fp8)
+            assert torch.equal(as_bytes(k_entry[:, c.r :]), as_bytes((k_nope[t].float() * skv).to(fp8)))
+            fp8_near(v_entry[:, : c.r], v[t, :, : c.r], skv, fp8)
+            assert torch.equal(as_bytes(v_entry[:, c.r :]), as_bytes((v[t, :, c.r :].float() * skv).to(fp8)))
+            written[page, e] = True
+        for cache in (k_cache, v_cache):
+            self.untouched(cache, written, heads_first)
+        for x, y in zip((c.q, c.k, q_nope, k_nope, v), inputs):
+            assert torch.equal(x, y), "inputs are only read"
+
+    @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+    @pytest.mark.parametrize("is_neox", [True, False])
+    def test_mla_latent_and_rotated_k_go_to_ckv_and_kpe(self, fp8, is_neox):
+        c = FlashInferCase(hq=16, mla=True, seed=25 + int(is_neox))
+        nope, sq, skv = 512, 1.3, 0.6
+        style = "neox" if is_neox else "interleaved"
+        # DeepSeek's q: views of one [t, heads, 512 + 64] tensor.
+        q_full = randn(c.t, c.hq, nope + c.r, dtype=c.dtype)
+        q_nope, q_rope = q_full[..., :nope], q_full[..., nope:]
+        k_nope = randn(c.t, nope, dtype=c.dtype)
+        ckv = torch.full((c.pages, c.page_size, nope), 0x3C, device=DEV, dtype=torch.uint8).view(fp8)
+        kpe = torch.full((c.pages, c.page_size, c.r), 0x3C, device=DEV, dtype=torch.uint8).view(fp8)
+        q_out, q_nope_out = rope_rs.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, c.k, q_nope, k_nope, None, c.cache, c.pos_ids, (ckv, kpe), c.kv_indices, c.kv_indptr,
+            c.batch_indices, c.positions, is_neox, quantize_dtype=fp8, quant_scale_q=sq, quant_scale_kv=skv,
+            page_size=c.page_size,
+        )
+        torch.cuda.synchronize()
+        fp8_near(q_out, c.rotated(q_rope, style), sq, fp8)
+        assert torch.equal(as_bytes(q_nope_out), as_bytes((q_nope.float() * sq).to(fp8)))
+        k_want = c.rotated(c.k, style)
+        written = torch.zeros(c.pages, c.page_size, dtype=torch.bool)
+        for t, page, e in c.slots():
+            fp8_near(kpe[page, e], k_want[t], skv, fp8)
+            assert torch.equal(as_bytes(ckv[page, e]), as_bytes((k_nope[t].float() * skv).to(fp8)))
+            written[page, e] = True
+        for cache in (ckv, kpe):
+            self.untouched(cache, written)
+
+    def test_errors_name_the_argument_and_write_nothing(self):
+        c = FlashInferCase(seed=27)
+        e4m3 = torch.float8_e4m3fn
+        k_nope, v = randn(c.t, c.hk, 64, dtype=c.dtype), randn(c.t, c.hk, c.r + 64, dtype=c.dtype)
+        shape = (c.pages, c.page_size, c.hk, c.r + 64)
+        caches = (torch.zeros(shape, device=DEV, dtype=e4m3), torch.zeros(shape, device=DEV, dtype=e4m3))
+
+        def call(**kw):
+            args = dict(
+                q_rope=c.q, k_rope=c.k, q_nope=None, k_nope=k_nope, v=v, cos_sin_cache=c.cache, pos_ids=c.pos_ids,
+                paged_kv_cache=caches, kv_indices=c.kv_indices, kv_indptr=c.kv_indptr,
+                batch_indices=c.batch_indices, positions=c.positions, page_size=c.page_size,
+            )
+            args.update(kw)
+            return rope_rs.rope_quantize_fp8_append_paged_kv_cache(**args)
+
+        call()
+        for cache in caches:
+            cache.zero_()
+        narrow = [torch.zeros(c.pages, c.page_size, c.hk, c.r, device=DEV, dtype=e4m3) for _ in range(2)]
+        with pytest.raises(ValueError, match=r"^paged_kv_cache\[0\]: head_dim 64 differs .* 128"):
+            call(paged_kv_cache=tuple(narrow))
+        with pytest.raises(ValueError, match="^v"):
+            call(v=c.v)
+        with pytest.raises(ValueError, match="^k_nope"):
+            call(k_nope=randn(c.t, c.hk, 64, dtype=torch.float16))
+        # k_nope's features set the caches' and v's width (rotated + non-rotary): other widths
+        # are refused on the first of them checked.
+        with pytest.raises(ValueError, match="^v: head_dim 128 differs .* 96"):
+            call(k_nope=randn(c.t, c.hk, 32, dtype=c.dtype))
+        # MLA: a v, no latent part, a ckv cache of other pages.
+        m = FlashInferCase(mla=True, seed=28)
+        ckv = torch.zeros(m.pages, m.page_size, 512, device=DEV, dtype=e4m3)
+        kpe = torch.zeros(m.pages, m.page_size, m.r, device=DEV, dtype=e4m3)
+        latent = randn(m.t, 512, dtype=m.dtype)
+        mla = dict(q_rope=m.q, k_rope=m.k, k_nope=latent, v=None, paged_kv_cache=(ckv, kpe))
+        call(**mla)
+        ckv.zero_(), kpe.zero_()
+        with pytest.raises(ValueError, match="^v"):
+            call(**dict(mla, v=m.v))
+        with pytest.raises(ValueError, match="^k_nope"):
+            call(**dict(mla, k_nope=None))
+        with pytest.raises(ValueError, match=r"^paged_kv_cache\[0\]"):
+            call(**dict(mla, paged_kv_cache=(ckv[:-1], kpe)))
+        torch.cuda.synchronize()
+        for cache in (*caches, *narrow, ckv, kpe):
+            assert (cache.view(torch.uint8) == 0).all(), "a refused call writes nothing"
+
+    def test_mla_compiled_graph_and_opcheck_match_eager(self):
+        c = FlashInferCase(t=32, hq=16, mla=True, seed=29)
+        e4m3 = torch.float8_e4m3fn
+        q_nope, k_nope = randn(c.t, c.hq, 512, dtype=c.dtype), randn(c.t, 512, dtype=c.dtype)
+
+        def step(q, k, q_nope, k_nope, pos_ids, ckv, kpe):
+            q_out, q_nope_out = rope_rs.rope_quantize_fp8_append_paged_kv_cache(
+                q * 2, k, q_nope, k_nope, None, c.cache, pos_ids, (ckv, kpe), c.kv_indices, c.kv_indptr,
+                c.batch_indices, c.positions, quant_scale_kv=0.5, page_size=c.page_size, enable_pdl=True,
+            )
+            return q_out.float().sum(-1) + q_nope_out.float().sum(-1)
+
+        caches = lambda: (  # noqa: E731
+            torch.zeros(c.pages, c.page_size, 512, device=DEV, dtype=e4m3),
+            torch.zeros(c.pages, c.page_size, c.r, device=DEV, dtype=e4m3),
+        )
+        inputs = (c.q, c.k, q_nope, k_nope, c.pos_ids)
+        eager = caches()
+        want = step(*inputs, *eager)
+        compiled = caches()
+        got = torch.compile(step, fullgraph=True)(*inputs, *compiled)
+        assert torch.equal(got, want)
+        for a, b in zip(compiled, eager):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        static, graphed = [x.clone() for x in inputs], caches()
+        step(*static, *graphed)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(*static, *graphed)
+        new = FlashInferCase(t=32, hq=16, mla=True, seed=30)
+        fresh_inputs = (new.q, new.k, randn(c.t, c.hq, 512, dtype=c.dtype), randn(c.t, 512, dtype=c.dtype), new.pos_ids)
+        for x, y in zip(static, fresh_inputs):
+            x.copy_(y)
+        for cache in graphed:
+            cache.zero_()
+        graph.replay()
+        fresh = caches()
+        want = step(*fresh_inputs, *fresh)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        for a, b in zip(graphed, fresh):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        u8 = torch.uint8
+        ckv, kpe = (x.view(u8) for x in caches())
+        torch.library.opcheck(
+            rope_torch.rope_quantize_fp8_append_paged_kv_cache_op,
+            (c.q, c.k, None, c.cache, c.pos_ids, kpe, ckv, c.kv_indices, c.kv_indptr, c.batch_indices, c.positions,
+             True, "float8_e4m3fn", 1.0, 0.5, c.page_size, "NHD", torch.empty_like(c.q, dtype=u8), False,
+             q_nope, torch.empty_like(q_nope, dtype=u8), k_nope),
+        )
 
 
 class TestAutograd:
