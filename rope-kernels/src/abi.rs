@@ -861,6 +861,12 @@ pub enum SlotCode {
     PageTable = 1,
 }
 
+/// The 16-byte accesses of a non-rotary part a thread of FlashInfer's forms' kernels takes,
+/// all loaded before any is stored (see [`crate::fused_forms_kernel_params!`]): one access per
+/// thread kept too few bytes in flight to reach a copy's speed on parts of hundreds of features
+/// (MLA's 512).
+pub const NOPE_ACCESSES_PER_THREAD: u32 = 4;
+
 /// Where a fused launch of FlashInfer's forms stores its cached non-rotary parts: the bits of its
 /// `nope_cached` argument (see [`crate::fused_forms_kernel_params!`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1290,8 +1296,10 @@ macro_rules! fused_kernel_params {
 /// block_size + p % block_size`, none (the token writes no cache) for a negative `b`, `p`, or
 /// page, `b >= kv_requests`, or a page entry outside `kv_indptr[b] .. kv_indptr[b + 1]` or
 /// `kv_indices`. Then FlashInfer's non-rotary parts (`q_nope`, `k_nope`): blocks of a token's
-/// row from `rope_blocks` on take them, `nope_groups` accesses (`nope_magic`, `nope_shift`: its
-/// [`crate::divide::Divisor`]) of `16 / size_of::<T>()` elements per head, q's heads (when
+/// row from `rope_blocks` on take them, `nope_accesses` accesses of `16 / size_of::<T>()`
+/// elements per head, `nope_threads` threads a head (`nope_magic`, `nope_shift`: its
+/// [`crate::divide::Divisor`]), thread `i` of a head taking accesses `i + j * nope_threads`
+/// below `nope_accesses` for `j` below [`NOPE_ACCESSES_PER_THREAD`], over q's heads (when
 /// `q_nope` is not null) then k's (when `k_nope` is not null), the same heads as the rotated
 /// parts; token `t`'s head `h` starts at element `t * stride_token + h * stride_head` of its
 /// input and at that byte of its output (`q_nope_out`, `k_nope_out`), stored as FP8 of
@@ -1321,9 +1329,10 @@ macro_rules! fused_forms_kernel_params {
             kv_requests: u32,
             kv_pages: u32,
             rope_blocks: u32,
-            nope_groups: nonzero_u32,
+            nope_threads: nonzero_u32,
             nope_magic: u32,
             nope_shift: u32,
+            nope_accesses: u32,
             q_nope: elem_ptr,
             q_nope_stride_token: u32,
             q_nope_stride_head: u32,

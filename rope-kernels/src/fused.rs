@@ -71,8 +71,8 @@
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    FormatCode, MAX_FUSED_ITEMS, Mapping, NopeCached, NormCode, SlotCode, ThreadHeads,
-    for_each_fused_kernel,
+    FormatCode, MAX_FUSED_ITEMS, Mapping, NOPE_ACCESSES_PER_THREAD, NopeCached, NormCode, SlotCode,
+    ThreadHeads, for_each_fused_kernel,
 };
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Fp8E5m2, Half, unrolled};
@@ -148,14 +148,16 @@ struct Fused<T> {
 }
 
 /// FlashInfer's non-rotary parts by address (see `crate::fused_forms_kernel_params!`): the
-/// blocks of a token's row from `rope_blocks` on, `groups` accesses per head, and q's and k's
+/// blocks of a token's row from `rope_blocks` on, `threads` threads and `accesses` accesses per
+/// head, and q's and k's
 /// inputs (null: no such part) and FP8 outputs at their (token, head) strides; `cached`, the
 /// [`NopeCached`] bits, sends k's part into a cache at `k_out` (`cache_strides`: block, row
 /// and head, in bytes) and adds v's features past `head_dim`.
 #[derive(Clone, Copy)]
 struct NonRotary<T> {
     rope_blocks: u32,
-    groups: Divisor,
+    threads: Divisor,
+    accesses: u32,
     q: *const T,
     q_strides: [u32; 2],
     q_out: *mut u8,
@@ -172,11 +174,12 @@ impl<T> NonRotary<T> {
     /// No non-rotary part: no block reaches `rope_blocks`.
     const NONE: Self = NonRotary {
         rope_blocks: u32::MAX,
-        groups: Divisor {
+        threads: Divisor {
             divisor: core::num::NonZeroU32::MIN,
             magic: 0,
             shift: 0,
         },
+        accesses: 0,
         q: core::ptr::null(),
         q_strides: [0; 2],
         q_out: core::ptr::null_mut(),
@@ -1297,9 +1300,10 @@ unsafe fn token_heads_body<
 }
 
 /// FlashInfer's non-rotary parts, in the blocks of token `token`'s row from `rope_blocks` on:
-/// thread `n` of those blocks takes access `n % groups` (`N` elements, 16 bytes) of head
-/// `n / groups` of q's part, then k's, then v's (see [`NopeCached::V`]), and stores `fp8(x *
-/// m)`, unrotated: q's in the format and with the multiplier `m` of q's FP8 output; k's in
+/// thread `n` of those blocks takes accesses `i + j * threads` (`N` elements, 16 bytes; `i = n %
+/// threads`, `j` below [`NOPE_ACCESSES_PER_THREAD`], those below `accesses`) of head `n /
+/// threads` of q's part, then k's, then v's (see [`NopeCached::V`]), loads them all, then
+/// stores each as `fp8(x * m)`, unrotated: q's in the format and with the multiplier `m` of q's FP8 output; k's in
 /// those of k's FP8 output, or of the cache with k's scale when the part is cached; v's in the
 /// cache's with v's scale. A cached part of a token without a slot, and threads past the heads,
 /// store nothing.
@@ -1313,7 +1317,7 @@ unsafe fn token_heads_body<
 unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
     let n = &f.nope;
     let index = (block_idx_x() - n.rope_blocks) * block_dim_x() + thread_idx_x();
-    let (head, group) = n.groups.div_rem_u32(index);
+    let (head, lane) = n.threads.div_rem_u32(index);
     let q_heads = if n.q.is_null() { 0 } else { f.rope.q.heads };
     let k_heads = if n.k.is_null() { 0 } else { f.rope.k.heads };
     let v_heads = if n.cached.has(NopeCached::V) {
@@ -1347,7 +1351,7 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
     if format == FormatCode::Elem as u32 {
         trap()
     }
-    let element = group * N as u32;
+    let step = n.threads.divisor.get();
     // Every global access comes after this (see `token_heads_body`).
     wait_for_prior_grids();
     // SAFETY: the head and its access lie inside the part's input and output (a cached part's
@@ -1387,15 +1391,28 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
         } else {
             rcp_approx_ftz(*scale.add((head * step) as usize))
         };
-        let raw = crate::access::load::<T, N>(x.add(element as usize));
-        let mut v = T::widen(raw);
-        unrolled(N, |e| v[e] *= m);
-        let o = out.add(element as usize);
-        if format == FormatCode::E5m2 as u32 {
-            Fp8E5m2::store_rounded::<N>(o.cast(), v)
-        } else {
-            Fp8::store_rounded::<N>(o.cast(), v)
-        }
+        // Every load in flight before the first store.
+        const J: usize = NOPE_ACCESSES_PER_THREAD as usize;
+        let mut raw = [[T::ZERO; N]; J];
+        unrolled(J, |j| {
+            let access = lane + j as u32 * step;
+            if access < n.accesses {
+                raw[j] = crate::access::load::<T, N>(x.add((access * N as u32) as usize));
+            }
+        });
+        unrolled(J, |j| {
+            let access = lane + j as u32 * step;
+            if access < n.accesses {
+                let mut v = T::widen(raw[j]);
+                unrolled(N, |e| v[e] *= m);
+                let o = out.add((access * N as u32) as usize);
+                if format == FormatCode::E5m2 as u32 {
+                    Fp8E5m2::store_rounded::<N>(o.cast(), v)
+                } else {
+                    Fp8::store_rounded::<N>(o.cast(), v)
+                }
+            }
+        });
     }
 }
 
@@ -1762,11 +1779,12 @@ impl<T> Fused<T> {
             kv_pages: p.kv_pages,
             nope: NonRotary {
                 rope_blocks: p.rope_blocks,
-                groups: Divisor {
-                    divisor: p.nope_groups,
+                threads: Divisor {
+                    divisor: p.nope_threads,
                     magic: p.nope_magic,
                     shift: p.nope_shift,
                 },
+                accesses: p.nope_accesses,
                 q: p.q_nope,
                 q_strides: [p.q_nope_stride_token, p.q_nope_stride_head],
                 q_out: p.q_nope_out,

@@ -235,10 +235,10 @@ pub(super) fn encode_forms(
     });
     let k_nope = cached.part;
     // Without parts no block reaches `rope_blocks`.
-    let (rope_blocks, groups) = plan
+    let (rope_blocks, threads, accesses) = plan
         .nope
-        .map_or((u32::MAX, Divisor::new(NonZeroU32::MIN)), |n| {
-            (n.rope_blocks, n.groups)
+        .map_or((u32::MAX, Divisor::new(NonZeroU32::MIN), 0), |n| {
+            (n.rope_blocks, n.threads, n.accesses)
         });
     macro_rules! with_base {
         ({ $b:ident } $($param:ident: $kind:ident,)*) => {
@@ -255,9 +255,10 @@ pub(super) fn encode_forms(
                 kv_requests,
                 kv_pages,
                 rope_blocks,
-                nope_groups: groups.divisor.get(),
-                nope_magic: groups.magic,
-                nope_shift: groups.shift,
+                nope_threads: threads.divisor.get(),
+                nope_magic: threads.magic,
+                nope_shift: threads.shift,
+                nope_accesses: accesses,
                 q_nope: q_nope.x,
                 q_nope_stride_token: q_nope.x_strides[0],
                 q_nope_stride_head: q_nope.x_strides[1],

@@ -4,6 +4,7 @@
 
 use std::num::NonZeroU32;
 
+use rope_kernels::abi::NOPE_ACCESSES_PER_THREAD;
 use rope_kernels::divide::Divisor;
 
 use super::NonRotaryCache;
@@ -16,11 +17,13 @@ use crate::layout::Layout;
 use crate::plan::Grid;
 
 /// Where the non-rotary parts go in a token's row of blocks: from block `rope_blocks` on,
-/// `groups` accesses per head (see `crate::fused_forms_kernel_params!`).
+/// `threads` threads and `accesses` accesses per head (see
+/// `crate::fused_forms_kernel_params!`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct NopePlan {
     pub(crate) rope_blocks: u32,
-    pub(crate) groups: Divisor,
+    pub(crate) threads: Divisor,
+    pub(crate) accesses: u32,
 }
 
 /// The argument names of q's non-rotary part's input and output.
@@ -201,8 +204,9 @@ fn part_region(
 }
 
 /// Adds the non-rotary parts' blocks to a token-heads `grid` (`blockDim.x` threads a block):
-/// each token's row gets, after its `rope_blocks` blocks, enough for one thread per access of
-/// every head of each part (`es`-byte elements). `None` without parts.
+/// each token's row gets, after its `rope_blocks` blocks, enough for every head of each part
+/// (`es`-byte elements) to take a thread per [`NOPE_ACCESSES_PER_THREAD`] of its accesses.
+/// `None` without parts.
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming `q.non_rotary.input` when a token's blocks pass `u32`.
@@ -221,22 +225,24 @@ pub(crate) fn plan_nope(
     else {
         return Ok(None);
     };
-    let groups = (dim / nope_lanes(es)) as u64;
+    let accesses = (dim / nope_lanes(es)) as u64;
+    let per_head = accesses.div_ceil(u64::from(NOPE_ACCESSES_PER_THREAD));
     // v's heads add their features past the rotation where k's part goes after the rotated ones.
     let v_heads = match (n.after_rotated(), req.v) {
         (0, _) | (_, None) => 0,
         (_, Some((_, l))) => l.heads as u64,
     };
     let cached_heads = cached.map_or(0, |l| l.heads as u64);
-    let threads = (heads(n.q) + heads(n.k) + cached_heads + v_heads) * groups;
+    let threads = (heads(n.q) + heads(n.k) + cached_heads + v_heads) * per_head;
     let block = u64::from(grid.config.block_dim.0);
     let rope_blocks = grid.config.grid_dim.0;
     let blocks = u64::from(rope_blocks) + threads.div_ceil(block);
     // The kernel counts a token's non-rotary threads in `u32`.
     let threads_fit = threads.div_ceil(block) * block <= u64::from(u32::MAX);
-    let (Ok(blocks), Some(groups), true) = (
+    let (Ok(blocks), Some(per_head), Ok(accesses), true) = (
         u32::try_from(blocks),
-        u32::try_from(groups).ok().and_then(NonZeroU32::new),
+        u32::try_from(per_head).ok().and_then(NonZeroU32::new),
+        u32::try_from(accesses),
         threads_fit,
     ) else {
         return Err(invalid(
@@ -247,6 +253,7 @@ pub(crate) fn plan_nope(
     grid.config.grid_dim.0 = blocks;
     Ok(Some(NopePlan {
         rope_blocks,
-        groups: Divisor::new(groups),
+        threads: Divisor::new(per_head),
+        accesses,
     }))
 }

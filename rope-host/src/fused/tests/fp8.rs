@@ -254,9 +254,10 @@ fn non_rotary_parts_take_blocks_after_each_tokens_rotation() {
     assert_eq!(p.kernel.forms, rope_kernels::abi::FusedForms::FlashInfer);
     let nope = p.nope.expect("non-rotary blocks");
     let block = u64::from(p.grid.config.block_dim.0);
-    assert_eq!(nope.groups.divisor.get(), 512 / 8);
+    // 64 accesses of 8 bf16 per head, four a thread: 16 threads a head.
+    assert_eq!((nope.accesses, nope.threads.divisor.get()), (512 / 8, 16));
     let blocks = u64::from(p.grid.config.grid_dim.0 - nope.rope_blocks);
-    assert_eq!(blocks, ((32 + 8) * 64u64).div_ceil(block));
+    assert_eq!(blocks, ((32 + 8) * 16u64).div_ceil(block));
     // Without the parts: no such blocks.
     let mut plain = r;
     plain.nope = Default::default();
@@ -362,10 +363,11 @@ fn cached_non_rotary_parts_take_blocks_for_k_and_v() {
     let p = plan_of(&r).expect("valid").expect("non-empty");
     assert_eq!(p.kernel.forms, rope_kernels::abi::FusedForms::FlashInfer);
     let nope = p.nope.expect("non-rotary blocks");
-    assert_eq!(nope.groups.divisor.get(), 64 / 8);
+    // 8 accesses per head, four a thread.
+    assert_eq!((nope.accesses, nope.threads.divisor.get()), (8, 2));
     let block = u64::from(p.grid.config.block_dim.0);
     let blocks = u64::from(p.grid.config.grid_dim.0 - nope.rope_blocks);
-    assert_eq!(blocks, ((8 + 8) * 8u64).div_ceil(block));
+    assert_eq!(blocks, ((8 + 8) * 2u64).div_ceil(block));
     let a = cached_nope_args(&r, 2).expect("cached");
     assert_eq!((a.part.x, a.part.out), (31 << 24, (7 << 24) + D as u64));
     assert_eq!(a.cached, NopeCached(NopeCached::K | NopeCached::V));
@@ -375,7 +377,7 @@ fn cached_non_rotary_parts_take_blocks_for_k_and_v() {
     let p = plan_of(&r).expect("valid").expect("non-empty");
     let nope = p.nope.expect("non-rotary blocks");
     let blocks = u64::from(p.grid.config.grid_dim.0 - nope.rope_blocks);
-    assert_eq!(blocks, 64u64.div_ceil(u64::from(p.grid.config.block_dim.0)));
+    assert_eq!(blocks, 16u64.div_ceil(u64::from(p.grid.config.block_dim.0)));
     let a = cached_nope_args(&r, 2).expect("cached");
     assert_eq!(a.part.out, 8 << 24);
     assert_eq!(a.cached, NopeCached(NopeCached::K));
