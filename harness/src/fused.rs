@@ -10,12 +10,12 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use rope_host::{
-    CacheAddress, CacheData, CacheLayout, DeviceInts, Fp8Format, Fp8Scale, FusedIo, FusedOp,
-    IdsShape, IntType, KOut, KvCache, Layout, NonRotary, NormWeight, PageTable, Positions, QOut,
-    QkNorm, RawBuf, RawCacheAddress, RawCacheData, RawFp8Scale, RawFusedIo, RawFusedOp, RawInts,
-    RawIo, RawKOut, RawKvCache, RawNonRotary, RawOp, RawPageTable, RawPositions, RawQOut,
-    RawQkNorm, RawSinCos, RawTensor, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData,
-    TableFormat, TableShape, Tensor, TensorMut,
+    CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceInts, Fp8Format, Fp8Scale, FusedIo,
+    FusedOp, IdsShape, IntType, KOut, KvCache, Layout, NonRotary, NonRotaryCache, NormWeight,
+    PageTable, Positions, QOut, QkNorm, RawBuf, RawCacheAddress, RawCacheData, RawCacheNonRotary,
+    RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawNonRotary, RawOp,
+    RawPageTable, RawPositions, RawQOut, RawQkNorm, RawSinCos, RawTensor, Rope, RopeConfig, RopeOp,
+    RopeStyle, SinCos, TableData, TableFormat, TableShape, Tensor, TensorMut,
 };
 use rope_kernels::math::{e4m3_to_f32, e5m2_to_f32};
 use rope_reference::fused::{
@@ -86,6 +86,18 @@ pub struct Case {
 /// Bytes between the heads of a non-rotary part's FP8 output (poisoned, never written).
 pub const NOPE_PAD: usize = 16;
 
+/// Where a cache case stores k's non-rotary part (the case's `nope` features of each k head;
+/// see [`rope_host::NonRotaryCache`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheNope {
+    /// Nowhere: the cache holds the rotated heads alone.
+    None,
+    /// After each k cache head's rotated features; v's heads and v's cache heads as wide.
+    AfterRotated,
+    /// Into the cache's v buffer as a latent cache of k's heads of `nope` features (MLA); no v.
+    Latent,
+}
+
 /// A paged cache: FP8 or of the tensors' type, heads-first or rows-first blocks, and each
 /// token's slot.
 #[derive(Clone, Debug)]
@@ -102,6 +114,8 @@ pub struct CacheCase {
     /// Addressed by FlashInfer's page table rather than by `slots`; `slots` then holds the
     /// slot the reference finds for each token (`-1`: none).
     pub page_table: Option<PageTableCase>,
+    /// Where k's non-rotary part goes (FP8 caches of FlashInfer's forms).
+    pub nope: CacheNope,
 }
 
 /// A FlashInfer page table (all `i32`): see [`rope_host::PageTable`].
@@ -220,6 +234,7 @@ impl CacheCase {
             k_per_head: rng.random_bool(0.5),
             v_per_head: rng.random_bool(0.5),
             page_table: None,
+            nope: CacheNope::None,
         };
         if rng.random_bool(0.3) {
             let (table, slots) = PageTableCase::random(rng, tokens, (num_blocks, block_size));
@@ -384,11 +399,35 @@ impl Case {
         }
     }
 
+    /// Where k's non-rotary part goes in the case's cache.
+    pub fn cache_nope(&self) -> CacheNope {
+        self.cache.as_ref().map_or(CacheNope::None, |c| c.nope)
+    }
+
+    /// Elements of each k cache head, v head and v cache head: the rotated `d`, and k's
+    /// non-rotary features after them ([`CacheNope::AfterRotated`]).
+    pub fn cache_width(&self) -> usize {
+        match self.cache_nope() {
+            CacheNope::AfterRotated => self.d + self.nope,
+            CacheNope::None | CacheNope::Latent => self.d,
+        }
+    }
+
     pub fn cache_layout(&self, c: &CacheCase) -> CacheLayout {
+        self.heads_layout(c, self.cache_width())
+    }
+
+    /// The latent cache's layout ([`CacheNope::Latent`]): k's heads of `nope` features.
+    pub fn latent_layout(&self, c: &CacheCase) -> CacheLayout {
+        self.heads_layout(c, self.nope)
+    }
+
+    /// A cache of `c`'s blocks and order, k's heads of `width` elements.
+    fn heads_layout(&self, c: &CacheCase, width: usize) -> CacheLayout {
         if c.heads_first {
-            CacheLayout::blocks_heads_rows(c.num_blocks, c.block_size, self.hk, self.d)
+            CacheLayout::blocks_heads_rows(c.num_blocks, c.block_size, self.hk, width)
         } else {
-            CacheLayout::blocks_rows_heads(c.num_blocks, c.block_size, self.hk, self.d)
+            CacheLayout::blocks_rows_heads(c.num_blocks, c.block_size, self.hk, width)
         }
     }
 }
@@ -441,7 +480,7 @@ impl<T: TestElem> Data<T> {
         let (q, k, v) = (
             vals(rng, per_token(c.hq), -2.0, 2.0),
             vals(rng, per_token(c.hk), -2.0, 2.0),
-            vals(rng, per_token(c.hk), -2.0, 2.0),
+            vals(rng, c.tokens() * c.hk * c.cache_width(), -2.0, 2.0),
         );
         let (q_w, k_w) = (vals(rng, c.d, wlo, whi), vals(rng, c.d, wlo, whi));
         // Drawn last, so that cases without parts draw what they drew before.
@@ -512,11 +551,18 @@ pub struct Device<T> {
     pub tables: Option<rope_host::SinCosTables<T>>,
 }
 
-/// Elements of a cache of the case (0 without one).
-pub fn cache_len(c: &Case) -> usize {
-    c.cache
-        .as_ref()
-        .map_or(0, |cc| cc.num_blocks * cc.block_size * c.hk * c.d)
+/// Elements of the case's k cache and v cache (0 without a cache): v's is the latent cache
+/// with [`CacheNope::Latent`].
+pub fn cache_lens(c: &Case) -> [usize; 2] {
+    let Some(cc) = &c.cache else {
+        return [0; 2];
+    };
+    let slots = cc.num_blocks * cc.block_size * c.hk;
+    let v_width = match cc.nope {
+        CacheNope::Latent => c.nope,
+        CacheNope::None | CacheNope::AfterRotated => c.cache_width(),
+    };
+    [slots * c.cache_width(), slots * v_width]
 }
 
 pub fn upload<T: TestElem>(
@@ -556,10 +602,10 @@ pub fn upload<T: TestElem>(
         v_scale: stream.clone_htod(&data.v_scale).map_err(e)?,
         ids: stream.clone_htod(&ids).map_err(e)?,
         slots: stream.clone_htod(&slots).map_err(e)?,
-        k_cache: poison_t(cache_len(c))?,
-        v_cache: poison_t(cache_len(c))?,
-        k_cache8: poison_u8(cache_len(c))?,
-        v_cache8: poison_u8(cache_len(c))?,
+        k_cache: poison_t(cache_lens(c)[0])?,
+        v_cache: poison_t(cache_lens(c)[1])?,
+        k_cache8: poison_u8(cache_lens(c)[0])?,
+        v_cache8: poison_u8(cache_lens(c)[1])?,
         page_table: match c.cache.as_ref().and_then(|cc| cc.page_table.as_ref()) {
             Some(t) => {
                 let up = |v: &Vec<i32>| stream.clone_htod(v).map_err(e);
@@ -632,6 +678,22 @@ fn page_table_lens(t: &PageTableCase) -> [usize; 4] {
         t.kv_indptr.len(),
         t.kv_indices.len(),
     ]
+}
+
+/// Where the case's cache takes k's non-rotary part, if it does.
+fn cache_nope_into(c: &Case, cc: &CacheCase) -> Option<NonRotaryCache> {
+    match cc.nope {
+        CacheNope::None => None,
+        CacheNope::AfterRotated => Some(NonRotaryCache::AfterRotated),
+        CacheNope::Latent => Some(NonRotaryCache::Latent(c.latent_layout(cc))),
+    }
+}
+
+/// v's layout (`[batch, seq, kv_heads, cache_width]`), for a case with a cache and without a
+/// latent one.
+fn v_layout(c: &Case) -> Option<Layout> {
+    let latent = c.cache_nope() == CacheNope::Latent;
+    (c.cache.is_some() && !latent).then(|| Layout::bshd(c.batch, c.seq, c.hk, c.cache_width()))
 }
 
 /// Launches the case on `rope` (its stream), reading and writing `dev` (`data`: the host copy
@@ -768,8 +830,15 @@ pub fn launch<T: TestElem>(
         }),
         _ => CacheAddress::Slots(DeviceInts::I64(dev.slots.as_view())),
     };
+    let (k_nope, _) = nope_layouts(c, c.hk);
     let cache = c.cache.as_ref().map(|cc| KvCache {
-        non_rotary: None,
+        non_rotary: cache_nope_into(c, cc).map(|into| CacheNonRotary {
+            input: Tensor {
+                data: dev.k_nope.as_view(),
+                layout: k_nope,
+            },
+            into,
+        }),
         address,
         layout: c.cache_layout(cc),
         data: if cc.fp8 {
@@ -787,9 +856,9 @@ pub fn launch<T: TestElem>(
             }
         },
     });
-    let v = cache.as_ref().map(|_| Tensor {
+    let v = v_layout(c).map(|layout| Tensor {
         data: dev.v.as_view(),
-        layout: lk,
+        layout,
     });
     rope.run_fused(&op, FusedIo::Separate { q, k, v }, cache)
 }
@@ -921,7 +990,10 @@ pub fn launch_raw<T: TestElem>(
         }),
     };
     let cache = c.cache.as_ref().map(|cc| RawKvCache {
-        non_rotary: None,
+        non_rotary: cache_nope_into(c, cc).map(|into| RawCacheNonRotary {
+            input: tensor(b(&dev.k_nope), nope_layouts(c, c.hk).0),
+            into,
+        }),
         address,
         layout: c.cache_layout(cc),
         data: if cc.fp8 {
@@ -939,7 +1011,7 @@ pub fn launch_raw<T: TestElem>(
             }
         },
     });
-    let v = cache.map(|_| tensor(b(&dev.v), lk));
+    let v = v_layout(c).map(|layout| tensor(b(&dev.v), layout));
     let io = RawFusedIo::Separate { q, k, v };
     // SAFETY: every buffer is a live allocation of the handle's context holding the length
     // given, used only by this launch on the handle's own stream (the case's uploads were
@@ -1143,6 +1215,7 @@ pub fn verify<T: TestElem>(
         return Ok(worst);
     };
     let layout = c.cache_layout(cc);
+    let latent = c.latent_layout(cc);
     let capacity = (cc.num_blocks * cc.block_size) as i64;
     let (kc, vc, kc8, vc8) = (
         stream.clone_dtoh(&dev.k_cache).map_err(e)?,
@@ -1150,60 +1223,83 @@ pub fn verify<T: TestElem>(
         stream.clone_dtoh(&dev.k_cache8).map_err(e)?,
         stream.clone_dtoh(&dev.v_cache8).map_err(e)?,
     );
-    let mut written = vec![false; cache_len(c)];
+    let [k_len, v_len] = cache_lens(c);
+    let (mut k_written, mut v_written) = (vec![false; k_len], vec![false; v_len]);
+    let (width, nope) = (c.cache_width(), c.nope);
     for t in 0..c.tokens() {
         let slot = cc.slots[t];
         if slot < 0 || slot >= capacity {
             continue;
         }
         let (block, row) = (slot as usize / cc.block_size, slot as usize % cc.block_size);
+        let head_at = |l: &CacheLayout, h: usize| {
+            block * l.strides[0] + row * l.strides[1] + h * l.strides[2]
+        };
         for h in 0..c.hk {
             let (k_want, k_scale_terms) =
                 reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table);
-            let ks = if cc.k_per_head && !c.multipliers {
-                h
-            } else {
-                0
-            };
-            let vs = if cc.v_per_head && !c.multipliers {
-                h
-            } else {
-                0
-            };
-            for i in 0..c.d {
-                let at =
-                    block * layout.strides[0] + row * layout.strides[1] + h * layout.strides[2] + i;
-                written[at] = true;
-                let v_want = data.v[(t * c.hk + h) * c.d + i].to_f64();
-                if cc.fp8 {
-                    check_fp8(c, kc8[at], k_want[i], data.k_scale[ks], &mut worst)
+            let scale_of = |per_head: bool| if per_head && !c.multipliers { h } else { 0 };
+            let (ks, vs) = (
+                data.k_scale[scale_of(cc.k_per_head)],
+                data.v_scale[scale_of(cc.v_per_head)],
+            );
+            let k_nope = |i: usize| data.k_nope[(t * c.hk + h) * nope + i].to_f64();
+            // k's head: the rotated features, then (after them) its non-rotary part.
+            for i in 0..width {
+                let at = head_at(&layout, h) + i;
+                k_written[at] = true;
+                if i >= c.d {
+                    check_fp8(c, kc8[at], k_nope(i - c.d), ks, &mut worst)
+                        .map_err(|g| fail("k cache non-rotary", t, h, i, g, k_nope(i - c.d)))?;
+                } else if cc.fp8 {
+                    check_fp8(c, kc8[at], k_want[i], ks, &mut worst)
                         .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
-                    check_fp8(c, vc8[at], v_want, data.v_scale[vs], &mut worst)
-                        .map_err(|g| fail("v cache", t, h, i, g, v_want))?;
                 } else {
                     check_elem(c, kc[at], k_want[i], k_scale_terms[i], &mut worst)
                         .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
-                    if vc[at].bits() != data.v[(t * c.hk + h) * c.d + i].bits() {
-                        return Err(fail("v cache", t, h, i, vc[at].to_f64(), v_want));
-                    }
+                }
+            }
+            if cc.nope == CacheNope::Latent {
+                // k's part into the latent cache, with k's scale.
+                for i in 0..nope {
+                    let at = head_at(&latent, h) + i;
+                    v_written[at] = true;
+                    check_fp8(c, vc8[at], k_nope(i), ks, &mut worst)
+                        .map_err(|g| fail("latent cache", t, h, i, g, k_nope(i)))?;
+                }
+                continue;
+            }
+            // v's head, as wide as k's cache head, unchanged.
+            for i in 0..width {
+                let at = head_at(&layout, h) + i;
+                v_written[at] = true;
+                let x = data.v[(t * c.hk + h) * width + i];
+                if cc.fp8 {
+                    check_fp8(c, vc8[at], x.to_f64(), vs, &mut worst)
+                        .map_err(|g| fail("v cache", t, h, i, g, x.to_f64()))?;
+                } else if vc[at].bits() != x.bits() {
+                    return Err(fail("v cache", t, h, i, vc[at].to_f64(), x.to_f64()));
                 }
             }
         }
     }
     // Every element outside the written slots keeps its poison, in both formats' caches.
-    for (at, w) in written.iter().enumerate() {
-        let untouched_t = |x: &[T]| x[at].bits() == T::poison().bits();
-        let elem_written = !cc.fp8 && *w;
-        let fp8_written = cc.fp8 && *w;
-        if !elem_written && !(untouched_t(&kc) && untouched_t(&vc)) {
-            return Err(format!(
-                "cache element {at} written outside the slots ({c:?})"
-            ));
-        }
-        if !fp8_written && (kc8[at] != POISON || vc8[at] != POISON) {
-            return Err(format!(
-                "FP8 cache byte {at} written outside the slots ({c:?})"
-            ));
+    for (what, written, elems, bytes) in
+        [("k", &k_written, &kc, &kc8), ("v", &v_written, &vc, &vc8)]
+    {
+        for (at, w) in written.iter().enumerate() {
+            let elem_written = !cc.fp8 && *w;
+            let fp8_written = cc.fp8 && *w;
+            if !elem_written && elems[at].bits() != T::poison().bits() {
+                return Err(format!(
+                    "{what} cache element {at} written outside the slots ({c:?})"
+                ));
+            }
+            if !fp8_written && bytes[at] != POISON {
+                return Err(format!(
+                    "{what} FP8 cache byte {at} written outside the slots ({c:?})"
+                ));
+            }
         }
     }
     Ok(worst)

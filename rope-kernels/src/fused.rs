@@ -1351,7 +1351,7 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
     if format == FormatCode::Elem as u32 {
         trap()
     }
-    let step = n.threads.divisor.get();
+    let stride = n.threads.divisor.get();
     // Every global access comes after this (see `token_heads_body`).
     wait_for_prior_grids();
     // SAFETY: the head and its access lie inside the part's input and output (a cached part's
@@ -1395,13 +1395,13 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
         const J: usize = NOPE_ACCESSES_PER_THREAD as usize;
         let mut raw = [[T::ZERO; N]; J];
         unrolled(J, |j| {
-            let access = lane + j as u32 * step;
+            let access = lane + j as u32 * stride;
             if access < n.accesses {
                 raw[j] = crate::access::load::<T, N>(x.add((access * N as u32) as usize));
             }
         });
         unrolled(J, |j| {
-            let access = lane + j as u32 * step;
+            let access = lane + j as u32 * stride;
             if access < n.accesses {
                 let mut v = T::widen(raw[j]);
                 unrolled(N, |e| v[e] *= m);

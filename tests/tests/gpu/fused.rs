@@ -163,7 +163,9 @@ fn fused_fp8_scales_of_each_granularity_match_reference_f32() {
 /// padding tokens, negative positions, requests past `kv_indptr`, entries past a request's
 /// pages or past `kv_indices`, pages past the cache), FP8 of E4M3 and E5M2, multipliers by value
 /// (`x * quant_scale`), k into an FP8 output without a cache, and non-rotary parts beside q's
-/// and k's FP8 outputs (FlashInfer's `q_nope`, `k_nope`; two cases in five). Every written
+/// and k's FP8 outputs or, k's, into the cache after each head's rotated features (v as wide)
+/// or into a latent cache (FlashInfer's `q_nope`, `k_nope`, MLA's `ckv_cache`; two cases in
+/// five). Every written
 /// byte matches the reference's encoding, the slots the reference finds no entry for (and
 /// every byte outside the table's slots, and between the non-rotary heads) keep their poison;
 /// through both entries and every kernel choice, every fifth case prefill-sized.
@@ -216,6 +218,14 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
         if j % 5 < 2 {
             // Multiples of one 16-byte access of every element type.
             c.nope = [16, 136, 512][j as usize % 3];
+            // k's part into the cache: after the rotated features (v as wide), or a latent
+            // cache of its own (no v).
+            if let Some(cache) = &mut c.cache {
+                cache.nope = match j % 4 {
+                    0 | 3 => CacheNope::AfterRotated,
+                    _ => CacheNope::Latent,
+                };
+            }
         }
         let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
         let (kernels, rope) = &handles[pinned_for(j)];
@@ -226,7 +236,8 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
     }
     report(&format!(
         "{name}: {cases} cases (page tables, E4M3 and E5M2, multipliers, FP8 k, non-rotary \
-         parts), {} values checked, largest error {:.3} of its bound",
+         parts beside the outputs and into the caches), {} values checked, largest error {:.3} \
+         of its bound",
         worst.checked, worst.ratio
     ));
 }
@@ -367,18 +378,18 @@ fn fused_launch_replays_in_a_graph_with_new_data() {
             stream
                 .memcpy_htod(&nc.slots, &mut dev.slots)
                 .expect("slots");
-            let n = cache_len(&next);
+            let [nk, nv] = cache_lens(&next);
             stream
-                .memcpy_htod(&vec![rope_host::half::bf16::poison(); n], &mut dev.k_cache)
+                .memcpy_htod(&vec![rope_host::half::bf16::poison(); nk], &mut dev.k_cache)
                 .expect("k cache");
             stream
-                .memcpy_htod(&vec![rope_host::half::bf16::poison(); n], &mut dev.v_cache)
+                .memcpy_htod(&vec![rope_host::half::bf16::poison(); nv], &mut dev.v_cache)
                 .expect("v cache");
             stream
-                .memcpy_htod(&vec![POISON; n], &mut dev.k_cache8)
+                .memcpy_htod(&vec![POISON; nk], &mut dev.k_cache8)
                 .expect("k cache8");
             stream
-                .memcpy_htod(&vec![POISON; n], &mut dev.v_cache8)
+                .memcpy_htod(&vec![POISON; nv], &mut dev.v_cache8)
                 .expect("v cache8");
         }
         graph.launch().expect("replay");
