@@ -173,16 +173,8 @@ pub(super) fn check_cache(
         (ces, true),
     )?);
     match nope.latent() {
+        // Its dimensions are checked with k's part (`check_nope`).
         Some(latent) => {
-            if (latent.num_blocks, latent.block_size) != (l.num_blocks, l.block_size) {
-                return Err(invalid(
-                    "cache.non_rotary.layout",
-                    format!(
-                        "has {} blocks of {} slots, the k cache {} of {}",
-                        latent.num_blocks, latent.block_size, l.num_blocks, l.block_size
-                    ),
-                ));
-            }
             let latent = cache_as_layout(&latent)?;
             check_in_buffer("cache.v", c.v, &latent, ces)?;
             regions.push(layout_region(

@@ -92,8 +92,8 @@ pub(crate) fn check_nope(req: &FusedRequest, es: usize) -> Result<Vec<Region>> {
 }
 
 /// k's part into the cache (see [`check_nope`]): an FP8 cache; the input as a part's, of k's
-/// batch, seq and heads; a latent cache of k's heads and the part's width, whose stores (one
-/// access of `16 / es` bytes) are aligned; its input's region.
+/// batch, seq and heads; a latent cache of the k cache's blocks, k's heads and the part's
+/// width, whose stores (one access of `16 / es` bytes) are aligned; its input's region.
 fn check_cached(req: &FusedRequest, c: CachedNope, k: &Layout, es: usize) -> Result<Region> {
     let lanes = nope_lanes(es);
     let x = c.input.1;
@@ -105,12 +105,15 @@ fn check_cached(req: &FusedRequest, c: CachedNope, k: &Layout, es: usize) -> Res
     }
     check_dims(&x, k, (CACHE_NOPE_NAME, lanes))?;
     if let (NonRotaryCache::Latent(l), Some(cache)) = (c.into, req.cache) {
-        if (l.kv_heads, l.head_dim) != (x.heads, x.head_dim) {
+        let k_cache = &cache.layout;
+        let want = (k_cache.num_blocks, k_cache.block_size, x.heads, x.head_dim);
+        if (l.num_blocks, l.block_size, l.kv_heads, l.head_dim) != want {
             return Err(invalid(
                 "cache.non_rotary.layout",
                 format!(
-                    "has {} heads of {}, the part {} of {}",
-                    l.kv_heads, l.head_dim, x.heads, x.head_dim
+                    "has {} blocks of {} slots of {} heads of {}; the k cache's blocks and the \
+                     part's heads make {want:?}",
+                    l.num_blocks, l.block_size, l.kv_heads, l.head_dim
                 ),
             ));
         }
