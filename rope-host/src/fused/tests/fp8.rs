@@ -243,7 +243,7 @@ fn with_nope(nope_dim: usize) -> FusedRequest {
 }
 
 /// The non-rotary parts take the token-heads kernels of FlashInfer's forms and blocks of their
-/// own after each token's: one thread per 16-byte access of every head of both parts.
+/// own after each token's: a thread per four 16-byte accesses of every head of both parts.
 #[test]
 fn non_rotary_parts_take_blocks_after_each_tokens_rotation() {
     let r = with_nope(512);
