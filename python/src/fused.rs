@@ -324,13 +324,14 @@ fn raw_cache<'py>(
             format,
         },
     };
+    let part_name = name("cache.non_rotary.input");
     let non_rotary = match c.non_rotary {
         Some(CacheNopeArg::AfterRotated(obj)) => Some(RawCacheNonRotary {
-            input: input_heads(held, obj, elem, name("cache.non_rotary.input"))?,
+            input: heads_arg(held, obj, part_name, (Holds::Elem(elem), None))?,
             into: NonRotaryCache::AfterRotated,
         }),
         Some(CacheNopeArg::Latent(obj)) => Some(RawCacheNonRotary {
-            input: input_heads(held, obj, elem, name("cache.non_rotary.input"))?,
+            input: heads_arg(held, obj, part_name, (Holds::Elem(elem), None))?,
             into: NonRotaryCache::Latent(v_layout),
         }),
         None => None,
@@ -343,23 +344,34 @@ fn raw_cache<'py>(
     })
 }
 
-/// An input of heads as wide as its last dimension (a non-rotary part's `[nnz, heads,
-/// no_rope_dim]`, or `[nnz, no_rope_dim]` as one head; v's), of the tensors' element type `elem`.
-fn input_heads<'py>(
+/// What a tensor of heads must hold: elements of the tensors' type, or FP8 bytes of a format.
+#[derive(Clone, Copy)]
+enum Holds {
+    Elem(Elem),
+    Fp8(Fp8Format),
+}
+
+/// A tensor of heads (`[nnz, heads, size]`, or `[nnz, heads * size]`) holding `holds`, its
+/// heads `size` elements wide, or as wide as its last dimension with `None` (a non-rotary
+/// part's `[nnz, heads, no_rope_dim]`, or `[nnz, no_rope_dim]` as one head; v's).
+fn heads_arg<'py>(
     held: &mut Held<'py>,
     obj: &Bound<'py, PyAny>,
-    elem: Elem,
     name: &'static str,
+    (holds, size): (Holds, Option<usize>),
 ) -> PyResult<RawTensor> {
     let d = held.borrow(obj, name)?;
-    if d.elem != elem {
+    let (ok, want) = match holds {
+        Holds::Elem(elem) => (d.elem == elem, elem.name()),
+        Holds::Fp8(format) => (d.elem.holds(format), fp8_names(format)),
+    };
+    if !ok {
         return Err(PyValueError::new_err(format!(
-            "{name} must be {}, got {}",
-            elem.name(),
+            "{name} must be {want}, got {}",
             d.elem.name()
         )));
     }
-    let size = d.shape.last().copied().unwrap_or(0);
+    let size = size.unwrap_or(d.shape.last().copied().unwrap_or(0));
     dlpack::heads_tensor(d, size, name).map_err(arg_error)
 }
 
@@ -432,30 +444,21 @@ fn raw_io<'py>(
             // `rope_dim + no_rope_dim`): its width is its own, checked by rope-host against the
             // cache's.
             let v = match value {
-                Some(obj) => Some(input_heads(held, obj, elem, names.python_name("v"))?),
+                Some(obj) => {
+                    let v = (Holds::Elem(elem), None);
+                    Some(heads_arg(held, obj, names.python_name("v"), v)?)
+                }
                 None => None,
             };
             // An FP8 output (`fp8`) or an input of the tensors' type, of heads of `size`
             // elements (the last dimension's with `None`).
             let mut heads = |obj: &Bound<'py, PyAny>, arg, fp8: bool, size: Option<usize>| {
-                let name = names.python_name(arg);
-                let d = held.borrow(obj, name)?;
-                if fp8 && !d.elem.holds(format) {
-                    return Err(PyValueError::new_err(format!(
-                        "{name} must be {}, got {}",
-                        fp8_names(format),
-                        d.elem.name()
-                    )));
-                }
-                if !fp8 && d.elem != elem {
-                    return Err(PyValueError::new_err(format!(
-                        "{name} must be {}, got {}",
-                        elem.name(),
-                        d.elem.name()
-                    )));
-                }
-                let size = size.unwrap_or(d.shape.last().copied().unwrap_or(0));
-                dlpack::heads_tensor(d, size, name).map_err(arg_error)
+                let holds = if fp8 {
+                    Holds::Fp8(format)
+                } else {
+                    Holds::Elem(elem)
+                };
+                heads_arg(held, obj, names.python_name(arg), (holds, size))
             };
             let q_output = heads(q_out, "q.output", true, Some(head_size))?;
             let k_output = match k_out {
