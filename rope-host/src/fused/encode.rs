@@ -9,15 +9,21 @@ use rope_kernels::divide::Divisor;
 use super::plan::FusedPlan;
 use super::request::{self, FusedRequest, NopePart, RawScale, ScaleSource};
 use super::{Fp8Format, NonRotaryCache, RawCacheAddress};
+use crate::bind::RawBuf;
 use crate::kernel_args::{FusedArgs, FusedFormsArgs, RopeArgs};
+use crate::layout::Layout;
 use crate::positions::IntType;
 
-/// The FP8 scales of q's output, k's (FP8 output or cache) and v's cache, in that order, as the
-/// kernels take them: the address, the step between heads (0 for one scale, 1 for one per
-/// head) and the multiplier the kernel takes where the address is 0 (a multiplier by value, or
-/// no FP8 store). Each destination keeps its own granularity, so a per-head k scale beside a
+/// One FP8 destination's scale as the kernels take it: the address, the step between heads (0
+/// for one scale, 1 for one per head) and the multiplier the kernel takes where the address is 0
+/// (a multiplier by value, or no FP8 store).
+pub(super) type ScaleArg = (u64, u32, f32);
+
+/// The [`ScaleArg`]s of q's output, k's (FP8 output or cache) and v's cache, in that order,
+/// found once per launch for [`encode`] (the addresses and steps) and [`encode_forms`] (the
+/// multipliers). Each destination keeps its own granularity, so a per-head k scale beside a
 /// per-tensor v scale (or the reverse) is read as given.
-pub(super) fn scale_args(req: &FusedRequest) -> [(u64, u32, f32); 3] {
+pub(super) fn scale_args(req: &FusedRequest) -> [ScaleArg; 3] {
     let arg = |s: Option<RawScale>| match s.map(|s| s.source) {
         Some(ScaleSource::Array { buf, per_head }) => (buf.ptr, u32::from(per_head), 0.0),
         Some(ScaleSource::Multiplier(m)) => (0, 0, m),
@@ -43,19 +49,22 @@ pub(super) struct NopeArgs {
     pub(super) out_strides: [u32; 2],
 }
 
+/// The address of a part's input or output (at its offset, `size`-byte elements) and its token
+/// and head strides.
+fn part_at((buf, l): (RawBuf, Layout), size: usize) -> (u64, [u32; 2]) {
+    (
+        buf.ptr + (l.offset * size) as u64,
+        [l.strides[1] as u32, l.strides[2] as u32],
+    )
+}
+
 /// The arguments of `part` (zeros without one).
 fn nope_args(part: Option<NopePart>, es: usize) -> NopeArgs {
     let Some(p) = part else {
         return NopeArgs::default();
     };
-    let at = |(buf, l): (crate::bind::RawBuf, crate::layout::Layout), size: usize| {
-        (
-            buf.ptr + (l.offset * size) as u64,
-            [l.strides[1] as u32, l.strides[2] as u32],
-        )
-    };
-    let (x, x_strides) = at(p.input, es);
-    let (out, out_strides) = at(p.output, 1);
+    let (x, x_strides) = part_at(p.input, es);
+    let (out, out_strides) = part_at(p.output, 1);
     NopeArgs {
         x,
         x_strides,
@@ -78,13 +87,7 @@ pub(super) struct CachedNopeArgs {
 /// [`CachedNopeArgs`] of `req` (`None` without a part into the cache).
 pub(super) fn cached_nope_args(req: &FusedRequest, es: usize) -> Option<CachedNopeArgs> {
     let (part, cache) = (req.nope.cached?, req.cache?);
-    let input = nope_args(
-        Some(NopePart {
-            input: part.input,
-            output: part.input,
-        }),
-        es,
-    );
+    let (x, x_strides) = part_at(part.input, es);
     let (out, layout, bits) = match part.into {
         NonRotaryCache::AfterRotated => {
             let v = if req.v.is_some() { NopeCached::V } else { 0 };
@@ -95,9 +98,10 @@ pub(super) fn cached_nope_args(req: &FusedRequest, es: usize) -> Option<CachedNo
     };
     Some(CachedNopeArgs {
         part: NopeArgs {
+            x,
+            x_strides,
             out,
             out_strides: [0; 2],
-            ..input
         },
         cached: NopeCached(bits),
         strides: layout.strides.map(|s| s as u64),
@@ -128,7 +132,12 @@ fn page_table_args(cache: Option<&request::RawCache>) -> (u32, u64, u64, u64, u3
 
 /// The fused kernel's arguments: the RoPE arguments of the request (q's output in bytes for
 /// FP8, k's output null when k is only cached) and the fused ones.
-pub(super) fn encode(req: &FusedRequest, plan: &FusedPlan, rope: RopeArgs) -> FusedArgs {
+pub(super) fn encode(
+    req: &FusedRequest,
+    plan: &FusedPlan,
+    rope: RopeArgs,
+    scales: &[ScaleArg; 3],
+) -> FusedArgs {
     // An FP8 output's offset counts bytes, not elements of the input's type.
     let out0 = match (req.q_fp8, req.rope.q.out) {
         (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
@@ -156,7 +165,7 @@ pub(super) fn encode(req: &FusedRequest, plan: &FusedPlan, rope: RopeArgs) -> Fu
         (q_scale, q_scale_step, _),
         (k_scale, k_scale_step, _),
         (v_scale, v_scale_step, _),
-    ] = scale_args(req);
+    ] = *scales;
     let c = req.cache.as_ref();
     let (slots, slots_wide) = match c.map(|c| c.address) {
         Some(RawCacheAddress::Slots(s)) => (s.buf.ptr, u32::from(s.ty == IntType::I64)),
@@ -212,18 +221,19 @@ pub(super) fn encode(req: &FusedRequest, plan: &FusedPlan, rope: RopeArgs) -> Fu
 }
 
 /// The arguments of a kernel of FlashInfer's forms: `base` ([`encode`]'s) and the forms' own
-/// (`rope_kernels::fused_forms_kernel_params!`): the multipliers, k's output format, the page
-/// table.
+/// (`rope_kernels::fused_forms_kernel_params!`): the multipliers (of `scales`, as `base`'s
+/// scales), k's output format, the page table, the non-rotary parts.
 pub(super) fn encode_forms(
     req: &FusedRequest,
     plan: &FusedPlan,
     base: FusedArgs,
+    scales: &[ScaleArg; 3],
 ) -> FusedFormsArgs {
     let [
         (_, _, q_multiplier),
         (_, _, k_multiplier),
         (_, _, v_multiplier),
-    ] = scale_args(req);
+    ] = *scales;
     let (slot_mode, page_positions, kv_indptr, kv_indices, kv_requests, kv_pages) =
         page_table_args(req.cache.as_ref());
     let es = req.rope.dtype.size();

@@ -481,7 +481,8 @@ impl Rope {
             lanes: plan.lanes,
         };
         let rope = encode_work(&req.rope, &work, &positions, &sincos);
-        let args = encode::encode(req, plan, rope);
+        let scales = encode::scale_args(req);
+        let args = encode::encode(req, plan, rope, &scales);
         let function = self.module.function(plan.kernel.symbol())?;
         let (context, overlap) = (
             self.stream.context(),
@@ -500,7 +501,7 @@ impl Rope {
         unsafe {
             match plan.kernel.forms {
                 FusedForms::Plain => args.launch(context, &function, config, stream, overlap),
-                FusedForms::FlashInfer => encode::encode_forms(req, plan, args)
+                FusedForms::FlashInfer => encode::encode_forms(req, plan, args, &scales)
                     .launch(context, &function, config, stream, overlap),
             }
         }
