@@ -370,6 +370,10 @@ def apply_rope_with_cos_sin_cache_inplace(
     """
     pdl = pdl or enable_pdl
     a = fused_set_kv_buffer_arg
+    if _eager_torch(query) and _native._apply_rope_with_cos_sin_cache_inplace_eager(
+        positions, query, key, head_size, cos_sin_cache, is_neox, a, pdl, stream
+    ):
+        return
     launch = _eager_stream(query, stream)
     if launch is None:
         if a is not None and (a.k_scale is not None or a.v_scale is not None):
@@ -470,36 +474,23 @@ def _torch_tensors(q_rope: Any, fn: str) -> Any:
     return torch
 
 
-def _nope_out(out: Any, nope: Any, rope_out: Any, dtype: Any, eager: bool) -> Any:
-    """The output of a non-rotary part that has no features: `out` if given, else one of
-    `nope`'s shape (FlashInfer's ``empty_like``), or without `nope` a tensor of the rotated
-    part's output's shape with no features (the shape FlashInfer allocates): for an `eager`
-    call one kept per shape, dtype and device (a tensor with no elements has nothing to write),
-    else, under ``torch.compile``, the zero-feature view of the rotated part's output."""
+def _nope_out(out: Any, nope: Any, rope_out: Any, dtype: Any) -> Any:
+    """The output of a non-rotary part: `out` if given, else one of `nope`'s shape
+    (FlashInfer's ``empty_like``), or without `nope` the rotated part's output's zero-feature
+    view (the shape FlashInfer allocates; eager calls get one kept per shape from the native
+    call)."""
     if out is not None:
         return out
     if nope is not None:
         return nope.new_empty(nope.shape, dtype=dtype)
-    if not eager:
-        return rope_out[..., :0]
-    key = (rope_out.shape, dtype, rope_out.get_device())
-    kept = _EMPTY_NOPE.get(key)
-    # One a caller reshaped (resize_) or marked for autograd is replaced.
-    if kept is not None and kept[0].shape == kept[1] and not kept[0].requires_grad:
-        return kept[0]
-    shape = rope_out.shape[:-1] + (0,)
-    empty = rope_out.new_empty(shape, dtype=dtype)
-    if len(_EMPTY_NOPE) >= _EMPTY_NOPE_KEPT:
-        _EMPTY_NOPE.clear()
-    _EMPTY_NOPE[key] = (empty, empty.shape)
-    return empty
+    return rope_out[..., :0]
 
 
-# The zero-feature outputs `_nope_out` hands out again, with the shape each was made with, by
-# the rotated part's (shape, dtype, device); at most `_EMPTY_NOPE_KEPT` (decode batches come in
-# many sizes), then started afresh. A tensor with no elements owns no memory.
-_EMPTY_NOPE: dict = {}
-_EMPTY_NOPE_KEPT = 256
+def _eager_torch(x: Any) -> bool:
+    """Whether `x` is a ``torch.Tensor`` of an eager call (not traced by ``torch.compile``):
+    then a drop-in hands FlashInfer's arguments whole to its native eager call."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and not torch.compiler.is_compiling()
 
 
 def rope_quantize_fp8(
@@ -537,6 +528,13 @@ def rope_quantize_fp8(
     ``enable_pdl`` as ``pdl`` in ``apply_rope``. Under ``torch.compile`` it is
     ``torch.ops.rope_rs.rope_quantize_fp8_``.
     """
+    if _eager_torch(q_rope):
+        outs = _native._rope_quantize_fp8_eager(
+            q_rope, k_rope, q_nope, k_nope, cos_sin_cache, pos_ids, is_neox, quantize_dtype, quant_scale_q,
+            quant_scale_kv, q_rope_out, k_rope_out, q_nope_out, k_nope_out, enable_pdl, stream,
+        )
+        if outs is not None:
+            return outs
     torch = _torch_tensors(q_rope, "rope_quantize_fp8")
     dtype = _quantize_dtype(torch, quantize_dtype, (q_rope_out, k_rope_out, q_nope_out, k_nope_out))
     if q_rope_out is None:
@@ -544,8 +542,8 @@ def rope_quantize_fp8(
     if k_rope_out is None:
         k_rope_out = torch.empty_like(k_rope, dtype=dtype)
     launch = _eager_stream(q_rope, stream)
-    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype, launch is not None)
-    k_nope_out = _nope_out(k_nope_out, k_nope, k_rope_out, dtype, launch is not None)
+    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype)
+    k_nope_out = _nope_out(k_nope_out, k_nope, k_rope_out, dtype)
     # The non-rotary parts that have features, with their outputs (None: nothing to store).
     q_nope, k_nope = _nope(q_nope), _nope(k_nope)
     q_part_out = None if q_nope is None else q_nope_out
@@ -636,6 +634,14 @@ def rope_quantize_fp8_append_paged_kv_cache(
     FlashInfer does not check it). Returns ``(q_rope_out, q_nope_out)``. Under
     ``torch.compile`` it is ``torch.ops.rope_rs.rope_quantize_fp8_append_paged_kv_cache_``.
     """
+    if _eager_torch(q_rope):
+        outs = _native._rope_quantize_fp8_append_eager(
+            q_rope, k_rope, q_nope, k_nope, v, cos_sin_cache, pos_ids, paged_kv_cache, kv_indices, kv_indptr,
+            batch_indices, positions, is_neox, quantize_dtype, quant_scale_q, quant_scale_kv, page_size, kv_layout,
+            q_rope_out, q_nope_out, enable_pdl, stream,
+        )
+        if outs is not None:
+            return outs
     torch = _torch_tensors(q_rope, "rope_quantize_fp8_append_paged_kv_cache")
     mla = k_rope.dim() == 2
     if mla and v is not None:
@@ -652,7 +658,7 @@ def rope_quantize_fp8_append_paged_kv_cache(
     if q_rope_out is None:
         q_rope_out = torch.empty_like(q_rope, dtype=dtype)
     launch = _eager_stream(q_rope, stream)
-    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype, launch is not None)
+    q_nope_out = _nope_out(q_nope_out, q_nope, q_rope_out, dtype)
     q_nope, k_nope = _nope(q_nope), _nope(k_nope)
     q_part_out = None if q_nope is None else q_nope_out
     if mla and k_nope is None:

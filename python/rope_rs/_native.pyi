@@ -87,6 +87,20 @@ def apply_rope_with_cos_sin_cache_inplace(
     ``rotary_embedding``, and with ``fused_set_kv_buffer_arg`` (``value``, ``k_buffer``,
     ``v_buffer``, ``cache_loc``) writes the rotated key and value into pool rows ``cache_loc``."""
 
+def _apply_rope_with_cos_sin_cache_inplace_eager(
+    positions: Any,
+    query: Any,
+    key: Optional[Any],
+    head_size: int,
+    cos_sin_cache: Any,
+    is_neox: bool,
+    fused_set_kv_buffer_arg: Any,
+    pdl: bool,
+    stream: Optional[int],
+) -> bool:
+    """``rope_rs.apply_rope_with_cos_sin_cache_inplace``'s eager call for ``torch.Tensor``s:
+    whether it launched (on ``stream``, else PyTorch's current stream)."""
+
 def fused_qk_norm_rope(
     qkv: Any,
     num_heads_q: int,
@@ -167,6 +181,54 @@ def rope_quantize_fp8_append_paged_kv_cache(
     (``q_nope`` into ``q_nope_out``), the rotated k, ``k_nope`` after it and v into FP8 paged
     caches by the page table (GQA/MHA), or with ``v`` None the rotated k into ``k_cache``
     (``kpe_cache``) and ``k_nope`` into ``v_cache`` (``ckv_cache``, MLA)."""
+
+def _rope_quantize_fp8_eager(
+    q_rope: Any,
+    k_rope: Any,
+    q_nope: Optional[Any],
+    k_nope: Optional[Any],
+    cos_sin_cache: Any,
+    pos_ids: Any,
+    is_neox: bool,
+    quantize_dtype: Optional[Any],
+    quant_scale_q: float,
+    quant_scale_kv: float,
+    q_rope_out: Optional[Any],
+    k_rope_out: Optional[Any],
+    q_nope_out: Optional[Any],
+    k_nope_out: Optional[Any],
+    enable_pdl: bool,
+    stream: Optional[int],
+) -> Optional[Tuple[Any, Any, Any, Any]]:
+    """``rope_rs.rope_quantize_fp8``'s eager call for ``torch.Tensor``s (FlashInfer's arguments
+    as given): the four outputs after the launch, or None where the wrapper takes the call."""
+
+def _rope_quantize_fp8_append_eager(
+    q_rope: Any,
+    k_rope: Any,
+    q_nope: Optional[Any],
+    k_nope: Optional[Any],
+    v: Optional[Any],
+    cos_sin_cache: Any,
+    pos_ids: Any,
+    paged_kv_cache: Any,
+    kv_indices: Any,
+    kv_indptr: Any,
+    batch_indices: Any,
+    positions: Any,
+    is_neox: bool,
+    quantize_dtype: Optional[Any],
+    quant_scale_q: float,
+    quant_scale_kv: float,
+    page_size: int,
+    kv_layout: str,
+    q_rope_out: Optional[Any],
+    q_nope_out: Optional[Any],
+    enable_pdl: bool,
+    stream: Optional[int],
+) -> Optional[Tuple[Any, Any]]:
+    """``rope_rs.rope_quantize_fp8_append_paged_kv_cache``'s eager call for ``torch.Tensor``s:
+    ``(q_rope_out, q_nope_out)`` after the launch, or None where the wrapper takes the call."""
 
 def frequencies(
     head_dim: int,

@@ -202,6 +202,12 @@ impl std::ops::Deref for Dims {
     }
 }
 
+impl std::ops::DerefMut for Dims {
+    fn deref_mut(&mut self) -> &mut [usize] {
+        &mut self.values[..self.len]
+    }
+}
+
 impl PartialEq for Dims {
     fn eq(&self, other: &Self) -> bool {
         self.as_slice() == other.as_slice()
@@ -209,6 +215,12 @@ impl PartialEq for Dims {
 }
 
 impl Eq for Dims {}
+
+impl std::hash::Hash for Dims {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_slice().hash(state);
+    }
+}
 
 impl std::fmt::Debug for Dims {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

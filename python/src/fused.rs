@@ -502,7 +502,6 @@ fn raw_io<'py>(
 
 /// Validates `l` (here and in rope-host) and launches it on its stream.
 pub(crate) fn launch(l: FusedLaunch<'_, '_>) -> PyResult<()> {
-    let names = l.names;
     // The first tensor sets the device every other must be on.
     let first = match &l.tensors {
         FusedTensors::Packed { qkv, .. } => *qkv,
@@ -510,7 +509,14 @@ pub(crate) fn launch(l: FusedLaunch<'_, '_>) -> PyResult<()> {
         FusedTensors::Quantized { q, .. } => *q,
     };
     let dlpack_stream = dlpack_stream(l.stream, l.producer_sync);
-    let mut held = Held::first(first, names.python_name("q"), dlpack_stream)?;
+    let held = Held::first(first, l.names.python_name("q"), dlpack_stream)?;
+    launch_held(l, held)
+}
+
+/// [`launch`] with tensors already borrowed: `held` began with `l`'s first tensor (`qkv`,
+/// `query` or `q`) and borrowed as `l.stream` and `l.producer_sync` ask ([`dlpack_stream`]).
+pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> PyResult<()> {
+    let names = l.names;
     let device = held.device;
     let (io, elem, dtype) = raw_io(
         &l.tensors,

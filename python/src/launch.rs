@@ -130,6 +130,9 @@ pub(crate) fn arg_error(e: ArgError) -> PyErr {
 struct Borrowed<'py> {
     _keep: Bound<'py, PyAny>,
     dense: Dense,
+    /// The address of the object borrowed (the argument, not the capsule): a second borrow of
+    /// it in the same launch reads it again from here.
+    source: usize,
 }
 
 /// The `stream=` argument of `__dlpack__` for a launch on `stream`: DLPack's number for it (1
@@ -141,6 +144,17 @@ pub(crate) fn dlpack_stream(stream: u64, producer_sync: bool) -> i64 {
         (false, _) => -1,
         (true, 0) => 1,
         (true, s) => s as i64,
+    }
+}
+
+/// The stream of an eager call with `x` first and whether the producers must order their
+/// writes before it: `stream` if given (they must), else the producer's current stream on
+/// `x`'s device by the DLPack exchange API (they are ordered already); None without that API
+/// (the wrapper finds the stream).
+pub(crate) fn eager_stream(x: &Bound<'_, PyAny>, stream: Option<u64>) -> Option<(u64, bool)> {
+    match stream {
+        Some(s) => Some((s, true)),
+        None => exchange::types::current_stream(x).map(|s| (s, false)),
     }
 }
 
@@ -162,6 +176,7 @@ fn borrow<'py>(obj: &Bound<'py, PyAny>, arg: &str, dlpack_stream: i64) -> PyResu
             return Ok(Borrowed {
                 _keep: obj.clone(),
                 dense,
+                source: obj.as_ptr() as usize,
             });
         }
         // The producer could not describe `obj` (an exception is set): `__dlpack__` decides,
@@ -232,6 +247,7 @@ fn borrow_capsule<'py>(
     Ok(Borrowed {
         _keep: capsule,
         dense,
+        source: obj.as_ptr() as usize,
     })
 }
 
@@ -389,8 +405,14 @@ impl<'py> Held<'py> {
     }
 
     /// Borrows `obj` (named `name`), which must be on the launch's device; returns what was
-    /// read from it.
+    /// read from it. An object borrowed before in this launch (an eager drop-in reads some
+    /// tensors to choose its form, then the launch reads them) is not borrowed again: the GIL
+    /// is held throughout, so it is unchanged.
     pub(crate) fn borrow(&mut self, obj: &Bound<'py, PyAny>, name: &str) -> PyResult<&Dense> {
+        let source = obj.as_ptr() as usize;
+        if let Some(i) = self.borrowed.iter().position(|b| b.source == source) {
+            return Ok(&self.borrowed[i].dense);
+        }
         let b = borrow(obj, name, self.dlpack_stream)?;
         if b.dense.device_id != self.device {
             return Err(PyValueError::new_err(format!(

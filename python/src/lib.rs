@@ -10,7 +10,8 @@
 //! - `options.rs`: which of `apply_rope`'s exclusive arguments select positions and sin/cos;
 //!
 //! Behind the feature `python` (the extension module `rope_rs._native`):
-//! - `native.rs`: the Python functions and their arguments;
+//! - `native.rs`: the Python functions and their arguments (`flashinfer.rs`: FlashInfer's
+//!   `rope_quantize_fp8` forms, with the eager calls of its drop-ins);
 //! - `launch.rs`: tensors borrowed by DLPack (the exchange API's fast path, else `__dlpack__`),
 //!   one launch, and what persists between calls.
 //!
@@ -19,6 +20,8 @@
 
 pub mod dlpack;
 pub mod exchange;
+#[cfg(feature = "python")]
+mod flashinfer;
 #[cfg(feature = "python")]
 mod fused;
 #[cfg(feature = "python")]

@@ -12,17 +12,16 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use rope_host::{
-    AngleMode, ConfigBase, ConfigValue, ContextParallel, DEFAULT_THETA, Direction, Fp8Format,
-    FrequencySpec, ROPE_SCALING_KEYS, RopeStyle, StreamOverlap,
+    AngleMode, ConfigBase, ConfigValue, ContextParallel, DEFAULT_THETA, Direction, FrequencySpec,
+    ROPE_SCALING_KEYS, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::exchange;
-use crate::fused::{
-    self, AddressArg, CacheArg, CacheNopeArg, CacheType, FusedLaunch, FusedTensors, ScalesArg,
-};
+use crate::fused::{self, AddressArg, CacheArg, CacheType, FusedLaunch, FusedTensors, ScalesArg};
 use crate::launch::{
-    self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
+    self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, eager_stream,
+    same_name_error,
 };
 use crate::options::{self, PositionsGiven, PositionsKind, SinCosGiven, SinCosKind};
 
@@ -139,7 +138,7 @@ fn scaling_given(scaling: &Bound<'_, PyAny>) -> PyResult<Scaling> {
 /// `attention_factor=`, checked against [`ATTENTION_RANGE`]; 1 when not given.
 /// The launches' overlap for `pdl=`: programmatic dependent launch where the device and kernel
 /// support it (see `rope_host::StreamOverlap`).
-fn overlap(pdl: bool) -> StreamOverlap {
+pub(crate) fn overlap(pdl: bool) -> StreamOverlap {
     if pdl {
         StreamOverlap::Programmatic
     } else {
@@ -445,7 +444,7 @@ type CacheObjects<'a, 'py> = (
 );
 
 /// The pairing of the peers' `is_neox`: rotate-half, else interleaved.
-fn pairing(is_neox: bool) -> RopeStyle {
+pub(crate) fn pairing(is_neox: bool) -> RopeStyle {
     if is_neox {
         RopeStyle::Neox
     } else {
@@ -610,14 +609,14 @@ fn rotary_embedding(
     stream=0, producer_sync=true, pdl=false
 ))]
 #[allow(clippy::too_many_arguments)]
-fn apply_rope_with_cos_sin_cache_inplace(
-    positions: &Bound<'_, PyAny>,
-    query: &Bound<'_, PyAny>,
-    key: Option<&Bound<'_, PyAny>>,
+fn apply_rope_with_cos_sin_cache_inplace<'py>(
+    positions: &Bound<'py, PyAny>,
+    query: &Bound<'py, PyAny>,
+    key: Option<&Bound<'py, PyAny>>,
     head_size: usize,
-    cos_sin_cache: &Bound<'_, PyAny>,
+    cos_sin_cache: &Bound<'py, PyAny>,
     is_neox: bool,
-    fused_set_kv_buffer_arg: Option<&Bound<'_, PyAny>>,
+    fused_set_kv_buffer_arg: Option<&Bound<'py, PyAny>>,
     stream: u64,
     producer_sync: bool,
     pdl: bool,
@@ -642,7 +641,7 @@ fn apply_rope_with_cos_sin_cache_inplace(
             pdl,
         );
     };
-    let field = |name: &str| -> PyResult<Bound<'_, PyAny>> {
+    let field = |name: &Bound<'py, PyString>| -> PyResult<Bound<'py, PyAny>> {
         arg.getattr(name).map_err(|_| {
             PyTypeError::new_err(format!(
                 "fused_set_kv_buffer_arg must have value, k_buffer, v_buffer and cache_loc (as \
@@ -650,14 +649,19 @@ fn apply_rope_with_cos_sin_cache_inplace(
             ))
         })
     };
+    let py = arg.py();
     let (value, k_buffer, v_buffer, cache_loc) = (
-        field("value")?,
-        field("k_buffer")?,
-        field("v_buffer")?,
-        field("cache_loc")?,
+        field(pyo3::intern!(py, "value"))?,
+        field(pyo3::intern!(py, "k_buffer"))?,
+        field(pyo3::intern!(py, "v_buffer"))?,
+        field(pyo3::intern!(py, "cache_loc"))?,
     );
-    for scale in ["k_scale", "v_scale"] {
-        if arg.getattr(scale).is_ok_and(|s| !s.is_none()) {
+    let scales = [
+        ("k_scale", pyo3::intern!(py, "k_scale")),
+        ("v_scale", pyo3::intern!(py, "v_scale")),
+    ];
+    for (scale, attr) in scales {
+        if arg.getattr(attr).is_ok_and(|s| !s.is_none()) {
             return Err(PyValueError::new_err(format!(
                 "fused_set_kv_buffer_arg.{scale} must be None (as in SGLang's kernel): the pool \
                  stores the tensors' dtype"
@@ -707,6 +711,42 @@ fn apply_rope_with_cos_sin_cache_inplace(
         producer_sync,
         overlap: overlap(pdl),
     })
+}
+
+/// `rope_rs.apply_rope_with_cos_sin_cache_inplace`'s eager call for `torch.Tensor`s: as
+/// [`apply_rope_with_cos_sin_cache_inplace`], on `stream` if given (the producers then order
+/// their writes before it), else on PyTorch's current stream, found by the DLPack exchange API.
+/// Returns whether it launched: false, launching nothing, for a producer without that API (the
+/// wrapper finds the stream).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn _apply_rope_with_cos_sin_cache_inplace_eager(
+    positions: &Bound<'_, PyAny>,
+    query: &Bound<'_, PyAny>,
+    key: Option<&Bound<'_, PyAny>>,
+    head_size: usize,
+    cos_sin_cache: &Bound<'_, PyAny>,
+    is_neox: bool,
+    fused_set_kv_buffer_arg: Option<&Bound<'_, PyAny>>,
+    pdl: bool,
+    stream: Option<u64>,
+) -> PyResult<bool> {
+    let Some((stream, producer_sync)) = eager_stream(query, stream) else {
+        return Ok(false);
+    };
+    apply_rope_with_cos_sin_cache_inplace(
+        positions,
+        query,
+        key,
+        head_size,
+        cos_sin_cache,
+        is_neox,
+        fused_set_kv_buffer_arg,
+        stream,
+        producer_sync,
+        pdl,
+    )?;
+    Ok(true)
 }
 
 /// vLLM's `fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
@@ -793,276 +833,6 @@ fn fused_qk_norm_rope(
             positions: "position_ids",
             sincos: "cos_sin_cache",
             other: &OTHER,
-        },
-        stream,
-        producer_sync,
-        overlap: overlap(pdl),
-    })
-}
-
-/// FlashInfer's `quantize_dtype` by PyTorch's name.
-fn quantize_format(name: &str) -> PyResult<Fp8Format> {
-    match name {
-        "float8_e4m3fn" => Ok(Fp8Format::E4m3),
-        "float8_e5m2" => Ok(Fp8Format::E5m2),
-        other => Err(PyValueError::new_err(format!(
-            "quantize_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {other}"
-        ))),
-    }
-}
-
-/// A quantisation multiplier (`quant_scale_*`) as the kernels take it: finite in `f32`.
-fn multiplier(value: f64, arg: &str) -> PyResult<f32> {
-    let m = value as f32;
-    if m.is_finite() {
-        Ok(m)
-    } else {
-        Err(PyValueError::new_err(format!(
-            "{arg} must be finite in float32, got {value}"
-        )))
-    }
-}
-
-/// rope-host's names of FlashInfer's `rope_quantize_fp8*` arguments, the caches' first (as
-/// `paged_kv_cache` holds them: `(k_cache, v_cache)`, or MLA's `(ckv_cache, kpe_cache)`).
-macro_rules! flashinfer_names {
-    ($($cache:expr,)*) => {
-        Names {
-            q: "q_rope",
-            k: "k_rope",
-            out: "q_rope_out",
-            k_out: "k_rope_out",
-            positions: "pos_ids",
-            sincos: "cos_sin_cache",
-            other: &[
-                $($cache,)*
-                ("v", "v"),
-                ("config", "cos_sin_cache"),
-                ("q.scale", "quant_scale_q"),
-                ("k.scale", "quant_scale_kv"),
-                ("cache", "paged_kv_cache"),
-                ("cache.layout", "paged_kv_cache"),
-                ("cache.k_scale", "quant_scale_kv"),
-                ("cache.v_scale", "quant_scale_kv"),
-                ("cache.batch_indices", "batch_indices"),
-                ("cache.positions", "positions"),
-                ("cache.kv_indptr", "kv_indptr"),
-                ("cache.kv_indices", "kv_indices"),
-                ("q.non_rotary.input", "q_nope"),
-                ("q.non_rotary.output", "q_nope_out"),
-                ("k.non_rotary.input", "k_nope"),
-                ("k.non_rotary.output", "k_nope_out"),
-                ("cache.non_rotary.input", "k_nope"),
-            ],
-        }
-    };
-}
-
-/// FlashInfer's names, GQA/MHA: `paged_kv_cache = (k_cache, v_cache)`.
-const FLASHINFER_NAMES: Names = flashinfer_names!(
-    ("cache.k", "paged_kv_cache[0]"),
-    ("cache.v", "paged_kv_cache[1]"),
-);
-
-/// FlashInfer's names, MLA: `paged_kv_cache = (ckv_cache, kpe_cache)`, the rotated k into
-/// `kpe_cache` (rope-host's `cache.k`) and `k_nope` into `ckv_cache` (its `cache.v`).
-const FLASHINFER_MLA_NAMES: Names = flashinfer_names!(
-    ("cache.k", "paged_kv_cache[1]"),
-    ("cache.v", "paged_kv_cache[0]"),
-    ("cache.non_rotary.layout", "paged_kv_cache[0]"),
-    ("cache.layout", "paged_kv_cache[1]"),
-);
-
-/// FlashInfer's `rope_quantize_fp8` (and `mla_rope_quantize_fp8`) for the rotated parts: rotates
-/// `q_rope` `[nnz, num_qo_heads, rope_dim]` and `k_rope` `[nnz, num_kv_heads, rope_dim]` (or
-/// `[nnz, rope_dim]`, MLA's one head) at `pos_ids` with `cos_sin_cache` `[max_seq_len,
-/// rope_dim]` (cosines, then sines) and stores FP8 (`quantize_dtype`, "float8_e4m3fn" or
-/// "float8_e5m2") of `x * quant_scale_q` into `q_rope_out` and of `x * quant_scale_kv` into
-/// `k_rope_out` (tensors of q_rope's and k_rope's shapes, of that FP8 type or uint8), rounded
-/// to nearest even and saturated at the format's largest finite value. The non-rotary parts
-/// `q_nope` `[nnz, num_qo_heads, no_rope_dim]` and `k_nope` (`[nnz, num_kv_heads,
-/// no_rope_dim]`, or `[nnz, no_rope_dim]`) go, unrotated, into `q_nope_out` and `k_nope_out`
-/// as FP8 of `x * quant_scale_q` and `x * quant_scale_kv`, in the same launch (each with its
-/// output, or neither). The inputs are only read.
-///
-/// Launched asynchronously on `stream` with the caller's guarantees of `apply_rope`
-/// (`producer_sync` and `pdl` as there).
-#[pyfunction]
-#[pyo3(signature = (
-    q_rope, k_rope, cos_sin_cache, pos_ids, is_neox, rope_dim, quantize_dtype, quant_scale_q,
-    quant_scale_kv, q_rope_out, k_rope_out, stream=0, producer_sync=true, pdl=false, q_nope=None,
-    q_nope_out=None, k_nope=None, k_nope_out=None
-))]
-#[allow(clippy::too_many_arguments)]
-fn rope_quantize_fp8(
-    q_rope: &Bound<'_, PyAny>,
-    k_rope: &Bound<'_, PyAny>,
-    cos_sin_cache: &Bound<'_, PyAny>,
-    pos_ids: &Bound<'_, PyAny>,
-    is_neox: bool,
-    rope_dim: usize,
-    quantize_dtype: &str,
-    quant_scale_q: f64,
-    quant_scale_kv: f64,
-    q_rope_out: &Bound<'_, PyAny>,
-    k_rope_out: &Bound<'_, PyAny>,
-    stream: u64,
-    producer_sync: bool,
-    pdl: bool,
-    q_nope: Option<&Bound<'_, PyAny>>,
-    q_nope_out: Option<&Bound<'_, PyAny>>,
-    k_nope: Option<&Bound<'_, PyAny>>,
-    k_nope_out: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let q_nope = nope_pair(q_nope, q_nope_out, "q_nope_out")?;
-    let k_nope = nope_pair(k_nope, k_nope_out, "k_nope_out")?;
-    fused::launch(FusedLaunch {
-        tensors: FusedTensors::Quantized {
-            q: q_rope,
-            k: k_rope,
-            value: None,
-            q_out: q_rope_out,
-            k_out: Some(k_rope_out),
-            nope: [q_nope.as_ref(), k_nope.as_ref()],
-            format: quantize_format(quantize_dtype)?,
-            multipliers: (
-                multiplier(quant_scale_q, "quant_scale_q")?,
-                multiplier(quant_scale_kv, "quant_scale_kv")?,
-            ),
-        },
-        head_size: rope_dim,
-        norm: None,
-        positions: pos_ids,
-        cos_sin_cache,
-        style: pairing(is_neox),
-        cache: None,
-        names: FLASHINFER_NAMES,
-        stream,
-        producer_sync,
-        overlap: overlap(pdl),
-    })
-}
-
-/// A non-rotary part with its output, both or neither (`arg` names the output in the error).
-type NopePair<'py> = Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>;
-
-/// [`NopePair`] of the arguments given.
-fn nope_pair<'py>(
-    x: Option<&Bound<'py, PyAny>>,
-    out: Option<&Bound<'py, PyAny>>,
-    arg: &str,
-) -> PyResult<NopePair<'py>> {
-    match (x, out) {
-        (Some(x), Some(out)) => Ok(Some((x.clone(), out.clone()))),
-        (None, None) => Ok(None),
-        _ => Err(PyValueError::new_err(format!(
-            "{arg}: give the non-rotary part with its output, or neither"
-        ))),
-    }
-}
-
-/// FlashInfer's `rope_quantize_fp8_append_paged_kv_cache` for GQA/MHA without non-rotary
-/// features: as [`rope_quantize_fp8`] for q (into `q_rope_out`), and the rotated k and `v`
-/// (`[nnz, num_kv_heads, rope_dim]`) as FP8 of `x * quant_scale_kv` into the paged caches
-/// `k_cache` and `v_cache` (`[max_pages, page_size, num_kv_heads, rope_dim]` for
-/// `kv_layout` "NHD", `[max_pages, num_kv_heads, page_size, rope_dim]` for "HND"), token `t` at
-/// entry `positions[t] % page_size` of page `kv_indices[kv_indptr[b] + positions[t] //
-/// page_size]`, `b = batch_indices[t]` (all int32; a negative `b` is padding and writes
-/// nothing, as does an entry outside the request's pages or the arrays).
-///
-/// The non-rotary parts: `q_nope` into `q_nope_out` as in [`rope_quantize_fp8`]; `k_nope`
-/// (`[nnz, num_kv_heads, no_rope_dim]`) into each k cache head after its rotated features, the
-/// caches' heads and v's then holding `rope_dim + no_rope_dim` elements. MLA's form (`v` None):
-/// `k_rope` `[nnz, rope_dim]` into `k_cache` (`kpe_cache`, `[max_pages, page_size,
-/// rope_dim]`) and `k_nope` `[nnz, no_rope_dim]` into `v_cache` (`ckv_cache`, `[max_pages,
-/// page_size, no_rope_dim]`), both FP8 of `x * quant_scale_kv`.
-#[pyfunction]
-#[pyo3(signature = (
-    q_rope, k_rope, v, cos_sin_cache, pos_ids, k_cache, v_cache, kv_indices, kv_indptr,
-    batch_indices, positions, is_neox, rope_dim, quantize_dtype, quant_scale_q, quant_scale_kv,
-    page_size, kv_layout, q_rope_out, stream=0, producer_sync=true, pdl=false, q_nope=None,
-    q_nope_out=None, k_nope=None
-))]
-#[allow(clippy::too_many_arguments)]
-fn rope_quantize_fp8_append_paged_kv_cache(
-    q_rope: &Bound<'_, PyAny>,
-    k_rope: &Bound<'_, PyAny>,
-    v: Option<&Bound<'_, PyAny>>,
-    cos_sin_cache: &Bound<'_, PyAny>,
-    pos_ids: &Bound<'_, PyAny>,
-    k_cache: &Bound<'_, PyAny>,
-    v_cache: &Bound<'_, PyAny>,
-    kv_indices: &Bound<'_, PyAny>,
-    kv_indptr: &Bound<'_, PyAny>,
-    batch_indices: &Bound<'_, PyAny>,
-    positions: &Bound<'_, PyAny>,
-    is_neox: bool,
-    rope_dim: usize,
-    quantize_dtype: &str,
-    quant_scale_q: f64,
-    quant_scale_kv: f64,
-    page_size: usize,
-    kv_layout: &str,
-    q_rope_out: &Bound<'_, PyAny>,
-    stream: u64,
-    producer_sync: bool,
-    pdl: bool,
-    q_nope: Option<&Bound<'_, PyAny>>,
-    q_nope_out: Option<&Bound<'_, PyAny>>,
-    k_nope: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
-    let q_nope = nope_pair(q_nope, q_nope_out, "q_nope_out")?;
-    let non_rotary = match (k_nope, v) {
-        (Some(k), Some(_)) => Some(CacheNopeArg::AfterRotated(k)),
-        (Some(k), None) => Some(CacheNopeArg::Latent(k)),
-        (None, Some(_)) => None,
-        (None, None) => {
-            return Err(PyValueError::new_err(
-                "k_nope: MLA's paged cache (v None) takes k's latent features",
-            ));
-        }
-    };
-    let format = quantize_format(quantize_dtype)?;
-    let heads_first = match kv_layout {
-        "NHD" => false,
-        "HND" => true,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "kv_layout must be \"NHD\" or \"HND\", got {other:?}"
-            )));
-        }
-    };
-    let kv = multiplier(quant_scale_kv, "quant_scale_kv")?;
-    fused::launch(FusedLaunch {
-        tensors: FusedTensors::Quantized {
-            q: q_rope,
-            k: k_rope,
-            value: v,
-            q_out: q_rope_out,
-            k_out: None,
-            nope: [q_nope.as_ref(), None],
-            format,
-            multipliers: (multiplier(quant_scale_q, "quant_scale_q")?, kv),
-        },
-        head_size: rope_dim,
-        norm: None,
-        positions: pos_ids,
-        cos_sin_cache,
-        style: pairing(is_neox),
-        cache: Some(CacheArg {
-            key_cache: k_cache,
-            value_cache: v_cache,
-            address: AddressArg::PageTable([batch_indices, positions, kv_indptr, kv_indices]),
-            dtype: CacheType::Fp8(format),
-            scales: Some(ScalesArg::Multiplier(kv)),
-            heads_first,
-            page_size: Some(page_size),
-            non_rotary,
-        }),
-        names: if v.is_some() {
-            FLASHINFER_NAMES
-        } else {
-            FLASHINFER_MLA_NAMES
         },
         stream,
         producer_sync,
@@ -1164,12 +934,12 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(apply_rope, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(apply_rope_with_cos_sin_cache_inplace, m)?)?;
-    m.add_function(wrap_pyfunction!(fused_qk_norm_rope, m)?)?;
-    m.add_function(wrap_pyfunction!(rope_quantize_fp8, m)?)?;
     m.add_function(wrap_pyfunction!(
-        rope_quantize_fp8_append_paged_kv_cache,
+        _apply_rope_with_cos_sin_cache_inplace_eager,
         m
     )?)?;
+    m.add_function(wrap_pyfunction!(fused_qk_norm_rope, m)?)?;
+    crate::flashinfer::register(m)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
     m.add_function(wrap_pyfunction!(_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_exchange_api_used, m)?)?;
