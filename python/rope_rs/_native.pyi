@@ -230,6 +230,14 @@ def _rope_quantize_fp8_append_eager(
     """``rope_rs.rope_quantize_fp8_append_paged_kv_cache``'s eager call for ``torch.Tensor``s:
     ``(q_rope_out, q_nope_out)`` after the launch, or None where the wrapper takes the call."""
 
+def _hf_key(q: Any, cos: Any, sin: Any, unsqueeze_dim: int) -> Optional[Tuple[int, int, int, int, int, int]]:
+    """The key under which ``rope_rs._torch_eager`` keeps the tables made of ``cos`` and ``sin``
+    for ``q``; None when they cannot be read as CUDA tensors or the shapes do not fit."""
+
+def _apply_rotary_pos_emb_eager(q: Any, k: Optional[Any], unsqueeze_dim: int, kept: Tuple[Any, ...]) -> Optional[Tuple[Any, Any]]:
+    """Hugging Face's drop-in with the kept tables ``kept``: new ``(q_embed, k_embed)``, or None
+    where the Python function decides."""
+
 def frequencies(
     head_dim: int,
     *,

@@ -330,8 +330,8 @@ def _hf_ids(q: Tensor, cos: Tensor, position_ids: Optional[Tensor], batch: int, 
 
 
 # The last cos/sin a Hugging Face call read, with what it made of them: `(cos, sin, key, cos
-# rows, sin rows, ids)`, the key being `(cos address, sin address, batch, seq, q's dtype, q's
-# device index)`. A model passes the same cos and sin tensors to every layer of a forward, so
+# rows, sin rows, ids)`, the key being `rope_rs._native._hf_key`'s (cos's and sin's addresses,
+# q's batch, seq, dtype and CUDA device). A model passes the same cos and sin tensors to every layer of a forward, so
 # the views and ids are made once per forward. Kept only when the rows are views of cos and sin
 # (no copy or conversion): then they read whatever cos and sin hold, and holding them keeps that
 # memory allocated. An entry is used for the same cos and sin objects, still at the same
@@ -339,12 +339,8 @@ def _hf_ids(q: Tensor, cos: Tensor, position_ids: Optional[Tensor], batch: int, 
 _HF_TABLES: List[Tuple[Tensor, Tensor, Any, Tensor, Tensor, Tensor]] = []
 
 
-def _hf_key(q: Tensor, cos: Tensor, sin: Tensor, batch: int, seq: int) -> Any:
-    return (cos.data_ptr(), sin.data_ptr(), batch, seq, q.dtype, q.get_device())
-
-
 def _hf_tables(
-    q: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], batch: int, seq: int
+    q: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], batch: int, seq: int, unsqueeze_dim: int
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """HF's cos and sin (already checked and converted) as rope-rs tables of half rows and the
     half row each token reads (`_hf_rows`, `_hf_ids`), kept for the next call when they are
@@ -360,7 +356,9 @@ def _hf_tables(
         and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
     ):
-        _HF_TABLES[:] = [(cos, sin, _hf_key(q, cos, sin, batch, seq), cos_rows, sin_rows, ids)]
+        key = _native._hf_key(q, cos, sin, unsqueeze_dim)
+        if key is not None:
+            _HF_TABLES[:] = [(cos, sin, key, cos_rows, sin_rows, ids)]
     return cos_rows, sin_rows, ids
 
 
@@ -392,6 +390,19 @@ def apply_rotary_pos_emb(
     ``arange`` of int64 too). Raises ValueError naming the argument for shapes
     that do not fit.
     """
+    kept = _HF_TABLES[0] if _HF_TABLES and position_ids is None else None
+    if (
+        kept is not None
+        and kept[0] is cos
+        and kept[1] is sin
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)))
+    ):
+        # The kept tables, nothing for autograd: one native call checks their key, allocates the
+        # outputs and launches on the current stream (None: the rest of this function decides).
+        rotated = _native._apply_rotary_pos_emb_eager(q, k, unsqueeze_dim, kept)
+        if rotated is not None:
+            return rotated
     if unsqueeze_dim == 1:
         layout, batch, seq = "bhsd", q.shape[0], q.shape[2]
     elif unsqueeze_dim == 2:
@@ -403,13 +414,12 @@ def apply_rotary_pos_emb(
         )
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D for apply_rotary_pos_emb, got shape {tuple(q.shape)}")
-    kept = _HF_TABLES[0] if _HF_TABLES and position_ids is None else None
     if (
         kept is not None
         and kept[0] is cos
         and kept[1] is sin
-        and kept[2] == _hf_key(q, cos, sin, batch, seq)
         and not torch.compiler.is_compiling()
+        and kept[2] == _native._hf_key(q, cos, sin, unsqueeze_dim)
     ):
         cos_rows, sin_rows, ids = kept[3:]
     else:
@@ -420,7 +430,7 @@ def apply_rotary_pos_emb(
             raise ValueError(f"cos must have an even last dimension (rotary_dim), got {rotary_dim}")
         if cos.dtype not in (torch.float32, q.dtype):
             cos, sin = cos.float(), sin.float()
-        cos_rows, sin_rows, ids = _hf_tables(q, cos, sin, position_ids, batch, seq)
+        cos_rows, sin_rows, ids = _hf_tables(q, cos, sin, position_ids, batch, seq, unsqueeze_dim)
     direct = rope_rs._direct(torch, q, k, None, None, None, None)
     if direct is None:
         # Autograd, torch.compile, another device: the public call's full path.

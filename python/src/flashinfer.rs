@@ -17,15 +17,15 @@ use std::sync::Mutex;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::PyTuple;
 use rope_host::Fp8Format;
 
 use crate::dlpack::{Dims, Elem};
+use crate::eager::{Torch, torch};
 use crate::fused::{
     self, AddressArg, CacheArg, CacheNopeArg, CacheType, FusedLaunch, FusedTensors, ScalesArg,
 };
-use crate::launch::{self, Held, Names, dlpack_stream, eager_stream};
+use crate::launch::{self, Held, Names};
 use crate::native::{overlap, pairing};
 
 /// FlashInfer's `quantize_dtype` by PyTorch's name.
@@ -408,78 +408,6 @@ fn rope_quantize_fp8_append_paged_kv_cache(
     .launch(None)
 }
 
-/// torch's objects the eager calls use, found once per process (an eager call comes with a
-/// `torch.Tensor`, so torch is imported already).
-struct Torch {
-    /// `torch.empty_like`.
-    empty_like: Py<PyAny>,
-    /// `torch.float8_e4m3fn`.
-    e4m3: Py<PyAny>,
-    /// `torch.float8_e5m2`.
-    e5m2: Py<PyAny>,
-}
-
-static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
-
-/// [`Torch`], found at the first eager call.
-fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
-    TORCH.get_or_try_init(py, || {
-        let torch = py.import("torch")?;
-        Ok(Torch {
-            empty_like: torch.getattr("empty_like")?.unbind(),
-            e4m3: torch.getattr("float8_e4m3fn")?.unbind(),
-            e5m2: torch.getattr("float8_e5m2")?.unbind(),
-        })
-    })
-}
-
-impl Torch {
-    /// torch's dtype of `format`.
-    fn dtype<'py>(&self, py: Python<'py>, format: Fp8Format) -> &Bound<'py, PyAny> {
-        match format {
-            Fp8Format::E4m3 => self.e4m3.bind(py),
-            Fp8Format::E5m2 => self.e5m2.bind(py),
-        }
-    }
-
-    /// The format of torch's dtype `dtype`, if it is one of the two.
-    fn format(&self, dtype: &Bound<'_, PyAny>) -> Option<Fp8Format> {
-        if dtype.is(&self.e4m3) {
-            Some(Fp8Format::E4m3)
-        } else if dtype.is(&self.e5m2) {
-            Some(Fp8Format::E5m2)
-        } else {
-            None
-        }
-    }
-
-    /// `torch.empty_like(x, dtype=format)`.
-    fn empty_like<'py>(
-        &self,
-        x: &Bound<'py, PyAny>,
-        format: Fp8Format,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = x.py();
-        let kwargs = PyDict::new(py);
-        kwargs.set_item(pyo3::intern!(py, "dtype"), self.dtype(py, format))?;
-        self.empty_like.bind(py).call((x,), Some(&kwargs))
-    }
-
-    /// A new contiguous tensor of `shape` on `like`'s device, of `format`'s type.
-    fn new_empty<'py>(
-        &self,
-        like: &Bound<'py, PyAny>,
-        shape: &[usize],
-        format: Fp8Format,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let py = like.py();
-        let kwargs = PyDict::new(py);
-        kwargs.set_item(pyo3::intern!(py, "dtype"), self.dtype(py, format))?;
-        let shape = PyTuple::new(py, shape)?;
-        like.call_method(pyo3::intern!(py, "new_empty"), (shape,), Some(&kwargs))
-    }
-}
-
 /// The FP8 format of an eager call: `quantize_dtype` (torch's two FP8 types), else the type of
 /// the first output given, else E4M3 (FlashInfer's choice). None for another type: the
 /// wrapper refuses it.
@@ -611,11 +539,10 @@ fn _rope_quantize_fp8_eager<'py>(
     stream: Option<u64>,
 ) -> PyResult<Option<Bound<'py, PyTuple>>> {
     let py = q_rope.py();
-    let Some(stream) = eager_stream(q_rope, stream) else {
+    let Some((mut held, stream)) = Held::eager(q_rope, "q_rope", stream)? else {
         return Ok(None);
     };
     let torch = torch(py)?;
-    let mut held = Held::first(q_rope, "q_rope", dlpack_stream(stream.0, stream.1))?;
     let outputs = [
         (q_rope_out, "q_rope_out"),
         (k_rope_out, "k_rope_out"),
@@ -628,11 +555,11 @@ fn _rope_quantize_fp8_eager<'py>(
     let rope_dim = held.first_dense().shape.last().copied().unwrap_or(0);
     let q_rope_out = match q_rope_out {
         Some(o) => o.clone(),
-        None => torch.empty_like(q_rope, format)?,
+        None => torch.empty_like_fp8(q_rope, format)?,
     };
     let k_rope_out = match k_rope_out {
         Some(o) => o.clone(),
-        None => torch.empty_like(k_rope, format)?,
+        None => torch.empty_like_fp8(k_rope, format)?,
     };
     let q_part = with_features(&mut held, q_nope, "q_nope")?;
     let k_part = with_features(&mut held, k_nope, "k_nope")?;
@@ -708,11 +635,10 @@ fn _rope_quantize_fp8_append_eager<'py>(
     stream: Option<u64>,
 ) -> PyResult<Option<Bound<'py, PyTuple>>> {
     let py = q_rope.py();
-    let Some(stream) = eager_stream(q_rope, stream) else {
+    let Some((mut held, stream)) = Held::eager(q_rope, "q_rope", stream)? else {
         return Ok(None);
     };
     let torch = torch(py)?;
-    let mut held = Held::first(q_rope, "q_rope", dlpack_stream(stream.0, stream.1))?;
     let mla = held.borrow(k_rope, "k_rope")?.shape.len() == 2;
     let Ok(pair) = paged_kv_cache.cast::<PyTuple>() else {
         return Ok(None);
@@ -754,7 +680,7 @@ fn _rope_quantize_fp8_append_eager<'py>(
     let rope_dim = held.first_dense().shape.last().copied().unwrap_or(0);
     let q_rope_out = match q_rope_out {
         Some(o) => o.clone(),
-        None => torch.empty_like(q_rope, format)?,
+        None => torch.empty_like_fp8(q_rope, format)?,
     };
     let q_part = with_features(&mut held, q_nope, "q_nope")?;
     let q_nope_out = part_output(

@@ -147,17 +147,6 @@ pub(crate) fn dlpack_stream(stream: u64, producer_sync: bool) -> i64 {
     }
 }
 
-/// The stream of an eager call with `x` first and whether the producers must order their
-/// writes before it: `stream` if given (they must), else the producer's current stream on
-/// `x`'s device by the DLPack exchange API (they are ordered already); None without that API
-/// (the wrapper finds the stream).
-pub(crate) fn eager_stream(x: &Bound<'_, PyAny>, stream: Option<u64>) -> Option<(u64, bool)> {
-    match stream {
-        Some(s) => Some((s, true)),
-        None => exchange::types::current_stream(x).map(|s| (s, false)),
-    }
-}
-
 /// Borrows `obj` (named `arg` in errors): through its type's DLPack C exchange API when it has
 /// one and no synchronization is asked (`dlpack_stream` -1, as the exchange API's "no_sync"
 /// functions do none), else through `__dlpack__(stream=dlpack_stream)`.
@@ -397,6 +386,34 @@ impl<'py> Held<'py> {
             device,
             borrowed,
         })
+    }
+
+    /// The borrows of an eager call whose first tensor is `x` (named `name`), with the stream
+    /// it launches on and whether the producers must order their writes before it: `stream` if
+    /// given (they must), else the producer's current stream on `x`'s device by the DLPack
+    /// exchange API (they are ordered already). None, having borrowed nothing, for a producer
+    /// without that API: the wrapper finds the stream.
+    pub(crate) fn eager(
+        x: &Bound<'py, PyAny>,
+        name: &str,
+        stream: Option<u64>,
+    ) -> PyResult<Option<(Self, (u64, bool))>> {
+        if let Some(s) = stream {
+            let held = Self::first(x, name, dlpack_stream(s, true))?;
+            return Ok(Some((held, (s, true))));
+        }
+        let Some(api) = exchange::types::api_of(x) else {
+            return Ok(None);
+        };
+        let held = Self::first(x, name, -1)?;
+        // SAFETY: we hold the GIL, which the producer needs.
+        match unsafe { api.current_cuda_stream(held.device) } {
+            Some(s) => Ok(Some((held, (s, false)))),
+            None => {
+                let _ = PyErr::take(x.py());
+                Ok(None)
+            }
+        }
     }
 
     /// What was read from the first tensor.

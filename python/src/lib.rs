@@ -11,7 +11,8 @@
 //!
 //! Behind the feature `python` (the extension module `rope_rs._native`):
 //! - `native.rs`: the Python functions and their arguments (`flashinfer.rs`: FlashInfer's
-//!   `rope_quantize_fp8` forms, with the eager calls of its drop-ins);
+//!   `rope_quantize_fp8` forms, with the eager calls of its drop-ins; `hf.rs`: Hugging Face's
+//!   `apply_rotary_pos_emb` eager call; `eager.rs`: torch's objects those calls use);
 //! - `launch.rs`: tensors borrowed by DLPack (the exchange API's fast path, else `__dlpack__`),
 //!   one launch, and what persists between calls.
 //!
@@ -19,11 +20,15 @@
 //! `cargo test` builds this crate without Python (the feature is off).
 
 pub mod dlpack;
+#[cfg(feature = "python")]
+mod eager;
 pub mod exchange;
 #[cfg(feature = "python")]
 mod flashinfer;
 #[cfg(feature = "python")]
 mod fused;
+#[cfg(feature = "python")]
+mod hf;
 #[cfg(feature = "python")]
 mod launch;
 #[cfg(feature = "python")]

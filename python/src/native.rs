@@ -20,8 +20,7 @@ use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::exchange;
 use crate::fused::{self, AddressArg, CacheArg, CacheType, FusedLaunch, FusedTensors, ScalesArg};
 use crate::launch::{
-    self, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, eager_stream,
-    same_name_error,
+    self, Held, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
 use crate::options::{self, PositionsGiven, PositionsKind, SinCosGiven, SinCosKind};
 
@@ -292,7 +291,7 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
     backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0, pdl=false
 ))]
 #[allow(clippy::too_many_arguments)]
-fn apply_rope(
+pub(crate) fn apply_rope(
     q: &Bound<'_, PyAny>,
     k: Option<&Bound<'_, PyAny>>,
     out: Option<&Bound<'_, PyAny>>,
@@ -731,7 +730,7 @@ fn _apply_rope_with_cos_sin_cache_inplace_eager(
     pdl: bool,
     stream: Option<u64>,
 ) -> PyResult<bool> {
-    let Some((stream, producer_sync)) = eager_stream(query, stream) else {
+    let Some((_, (stream, producer_sync))) = Held::eager(query, "query", stream)? else {
         return Ok(false);
     };
     apply_rope_with_cos_sin_cache_inplace(
@@ -940,6 +939,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?)?;
     m.add_function(wrap_pyfunction!(fused_qk_norm_rope, m)?)?;
     crate::flashinfer::register(m)?;
+    crate::hf::register(m)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
     m.add_function(wrap_pyfunction!(_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_exchange_api_used, m)?)?;
