@@ -199,6 +199,7 @@ impl DLPackExchangeAPI {
 /// Finding, caching and switching off the exchange API of Python types.
 #[cfg(feature = "python")]
 pub(crate) mod types {
+    use std::cell::Cell;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
@@ -255,25 +256,39 @@ pub(crate) mod types {
         FAST_BORROWS.load(Ordering::Relaxed)
     }
 
+    thread_local! {
+        /// The type and table of this thread's last [`api_of`] answered from [`CACHE`] (whose
+        /// types live as long as the process, so the address names the same type): a launch
+        /// reads up to a dozen tensors of one type, and this spares the lock for all but the
+        /// first.
+        static LAST: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+    }
+
     /// The usable exchange table of `obj`'s type, if it has one and the API is enabled.
     pub fn api_of(obj: &Bound<'_, PyAny>) -> Option<&'static DLPackExchangeAPI> {
         if !enabled() {
             return None;
         }
-        let ty = obj.get_type();
-        let key = ty.as_ptr() as usize;
+        let key = obj.get_type_ptr() as usize;
+        let (last, last_api) = LAST.with(Cell::get);
+        if last == key {
+            return table(last_api);
+        }
         if let Ok(cache) = CACHE.lock()
             && let Some(&(_, _, api)) = cache.iter().find(|(k, _, _)| *k == key)
         {
+            LAST.with(|l| l.set((key, api)));
             return table(api);
         }
         // Looked up outside the lock: the attribute lookup may run Python code.
+        let ty = obj.get_type();
         let api = lookup(&ty);
         if let Ok(mut cache) = CACHE.lock()
             && cache.len() < CACHE_LIMIT
             && !cache.iter().any(|(k, _, _)| *k == key)
         {
             cache.push((key, ty.unbind(), api));
+            LAST.with(|l| l.set((key, api)));
         }
         table(api)
     }
