@@ -513,6 +513,40 @@ fn part_output<'py>(
     Ok(made)
 }
 
+/// One rotated part's outputs in an eager call.
+struct PartOutputs<'py> {
+    /// The rotated features' FP8 output.
+    rope_out: Bound<'py, PyAny>,
+    /// The non-rotary part's FP8 output.
+    nope_out: Bound<'py, PyAny>,
+    /// The non-rotary part, if it has features, with its output.
+    nope: NopePair<'py>,
+}
+
+/// The outputs of `x_rope` and its non-rotary part in an eager call: `rope_out` if given, else
+/// `torch.empty_like(x_rope, dtype=format)`; the part's output as [`part_output`] finds it.
+/// `names` names `rope_out` and the part in errors.
+fn part_outputs<'py>(
+    torch: &Torch,
+    held: &mut Held<'py>,
+    (x_rope, rope_out): (&Bound<'py, PyAny>, Option<&Bound<'py, PyAny>>),
+    (nope, nope_out): (Option<&Bound<'py, PyAny>>, Option<&Bound<'py, PyAny>>),
+    (names, format): ([&str; 2], Fp8Format),
+) -> PyResult<PartOutputs<'py>> {
+    let rope_out = match rope_out {
+        Some(o) => o.clone(),
+        None => torch.empty_like_fp8(x_rope, format)?,
+    };
+    let part = with_features(held, nope, names[1])?;
+    let nope_out = part_output(torch, held, (nope_out, part), (&rope_out, names[0]), format)?;
+    let nope = part.map(|x| (x.clone(), nope_out.clone()));
+    Ok(PartOutputs {
+        rope_out,
+        nope_out,
+        nope,
+    })
+}
+
 /// `rope_rs.rope_quantize_fp8`'s eager call for `torch.Tensor`s: FlashInfer's arguments as
 /// given (`quantize_dtype` a torch dtype or None, outputs None to allocate), and the `stream=`
 /// keyword (None: PyTorch's current stream). Returns `(q_rope_out, k_rope_out, q_nope_out,
@@ -553,32 +587,20 @@ fn _rope_quantize_fp8_eager<'py>(
         return Ok(None);
     };
     let rope_dim = held.first_dense().shape.last().copied().unwrap_or(0);
-    let q_rope_out = match q_rope_out {
-        Some(o) => o.clone(),
-        None => torch.empty_like_fp8(q_rope, format)?,
-    };
-    let k_rope_out = match k_rope_out {
-        Some(o) => o.clone(),
-        None => torch.empty_like_fp8(k_rope, format)?,
-    };
-    let q_part = with_features(&mut held, q_nope, "q_nope")?;
-    let k_part = with_features(&mut held, k_nope, "k_nope")?;
-    let q_nope_out = part_output(
+    let q = part_outputs(
         torch,
         &mut held,
-        (q_nope_out, q_part),
-        (&q_rope_out, "q_rope_out"),
-        format,
+        (q_rope, q_rope_out),
+        (q_nope, q_nope_out),
+        (["q_rope_out", "q_nope"], format),
     )?;
-    let k_nope_out = part_output(
+    let k = part_outputs(
         torch,
         &mut held,
-        (k_nope_out, k_part),
-        (&k_rope_out, "k_rope_out"),
-        format,
+        (k_rope, k_rope_out),
+        (k_nope, k_nope_out),
+        (["k_rope_out", "k_nope"], format),
     )?;
-    let q_pair = q_part.map(|x| (x.clone(), q_nope_out.clone()));
-    let k_pair = k_part.map(|x| (x.clone(), k_nope_out.clone()));
     Call {
         q_rope,
         k_rope,
@@ -588,17 +610,17 @@ fn _rope_quantize_fp8_eager<'py>(
         rope_dim,
         format,
         scales: (quant_scale_q, quant_scale_kv),
-        q_rope_out: &q_rope_out,
-        q_nope: q_pair.as_ref(),
+        q_rope_out: &q.rope_out,
+        q_nope: q.nope.as_ref(),
         k: KInto::Outputs {
-            k_rope_out: &k_rope_out,
-            k_nope: k_pair.as_ref(),
+            k_rope_out: &k.rope_out,
+            k_nope: k.nope.as_ref(),
         },
         stream,
         pdl: enable_pdl,
     }
     .launch(Some(held))?;
-    PyTuple::new(py, [q_rope_out, k_rope_out, q_nope_out, k_nope_out]).map(Some)
+    PyTuple::new(py, [q.rope_out, k.rope_out, q.nope_out, k.nope_out]).map(Some)
 }
 
 /// `rope_rs.rope_quantize_fp8_append_paged_kv_cache`'s eager call for `torch.Tensor`s:
@@ -678,19 +700,13 @@ fn _rope_quantize_fp8_append_eager<'py>(
         return Ok(None);
     }
     let rope_dim = held.first_dense().shape.last().copied().unwrap_or(0);
-    let q_rope_out = match q_rope_out {
-        Some(o) => o.clone(),
-        None => torch.empty_like_fp8(q_rope, format)?,
-    };
-    let q_part = with_features(&mut held, q_nope, "q_nope")?;
-    let q_nope_out = part_output(
+    let q = part_outputs(
         torch,
         &mut held,
-        (q_nope_out, q_part),
-        (&q_rope_out, "q_rope_out"),
-        format,
+        (q_rope, q_rope_out),
+        (q_nope, q_nope_out),
+        (["q_rope_out", "q_nope"], format),
     )?;
-    let q_pair = q_part.map(|x| (x.clone(), q_nope_out.clone()));
     Call {
         q_rope,
         k_rope,
@@ -700,8 +716,8 @@ fn _rope_quantize_fp8_append_eager<'py>(
         rope_dim,
         format,
         scales: (quant_scale_q, quant_scale_kv),
-        q_rope_out: &q_rope_out,
-        q_nope: q_pair.as_ref(),
+        q_rope_out: &q.rope_out,
+        q_nope: q.nope.as_ref(),
         k: KInto::Cache(PagedCache {
             v,
             caches: (&k_cache, &v_cache),
@@ -714,7 +730,7 @@ fn _rope_quantize_fp8_append_eager<'py>(
         pdl: enable_pdl,
     }
     .launch(Some(held))?;
-    PyTuple::new(py, [q_rope_out, q_nope_out]).map(Some)
+    PyTuple::new(py, [q.rope_out, q.nope_out]).map(Some)
 }
 
 /// Adds this module's functions to `rope_rs._native`.
