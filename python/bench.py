@@ -1,6 +1,7 @@
 """Times rope_rs from Python against a same-run ``copy_`` of the same bytes (needs torch and CUDA).
 
     python python/bench.py [--reps 200] [--json bench.json]
+    python python/bench.py --host-rounds 7 [--calls 3000]
 
 GPU time: CUDA events around each launch, the L2 cache flushed before each (a write of twice its
 size), median over ``--reps`` launches. Between the flush and the start event the GPU spins for
@@ -12,7 +13,9 @@ per call of ``--reps`` back-to-back calls from Python, the fastest of five round
 never the bottleneck there: each call enqueues one short kernel), for ``rope_rs.apply_rope``, for the native call under it
 with everything precomputed, and for ``copy_``; the same for the serving drop-ins (vLLM's
 ``fused_qk_norm_rope`` and ``rotary_embedding`` with a cache write, SGLang's rotation with
-``fused_set_kv_buffer_arg``) at decode and prefill.
+``fused_set_kv_buffer_arg``) at decode and prefill. ``--host-rounds N`` times only the decode rows'
+calls on the host, in N rounds of ``--calls`` calls of each in turn (``copy_`` among them), for
+comparing two wheels run one after the other on a host whose speed drifts.
 """
 
 import argparse
@@ -249,13 +252,46 @@ def serving_cases(tokens, stream):
     )
 
 
+def host_rounds(rounds, calls):
+    """Host microseconds per call of every decode row's rope_rs call and of a ``copy_`` of
+    decode bytes, timed in `rounds` rounds (each: `calls` calls of each function in turn); the
+    median and the fastest round per function. For comparing two wheels run one after the other
+    on a host whose speed drifts between seconds."""
+    fns = [(name, call) for name, _, call, _ in cases() if name.startswith("decode")]
+    src = torch.randn(64 * 40 * 128, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    fns.insert(0, ("copy_ (64 tokens of 40 heads of 128, bf16)", lambda: dst.copy_(src)))
+    for _, fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name, _ in fns}
+    for _ in range(rounds):
+        for name, fn in fns:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    print(f"rope_rs from {rope_rs.__file__}; {rounds} rounds of {calls} calls; host µs per call")
+    print("| case | median | fastest |\n|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.2f} | {min(ts):.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--host-rounds", type=int, metavar="N", help="only the decode rows' host time, in N interleaved rounds"
+    )
+    parser.add_argument("--calls", type=int, default=3000, help="calls per function and round (--host-rounds)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if args.host_rounds:
+        host_rounds(args.host_rounds, args.calls)
+        return
     props = torch.cuda.get_device_properties(0)
     flush = torch.empty(2 * props.L2_cache_size // 4 + 1, device="cuda", dtype=torch.float32)
     print(f"{props.name}, torch {torch.__version__}, rope_rs {rope_rs.__version__}; median of {args.reps} launches")
