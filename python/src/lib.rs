@@ -34,3 +34,14 @@ mod launch;
 #[cfg(feature = "python")]
 mod native;
 pub mod options;
+
+/// rope-rs: rotary position embedding on NVIDIA GPUs, kernels written in Rust; tensors by
+/// DLPack.
+#[cfg(feature = "python")]
+#[pyo3::pymodule]
+#[pyo3(name = "_native")]
+fn native_module(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+    native::register(m)?;
+    flashinfer::register(m)?;
+    hf::register(m)
+}

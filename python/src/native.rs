@@ -925,11 +925,8 @@ fn _dlpack_view(tensor: &Bound<'_, PyAny>, producer_sync: bool, arg: &str) -> Py
     ))
 }
 
-/// rope-rs: rotary position embedding on NVIDIA GPUs, kernels written in Rust; tensors by
-/// DLPack.
-#[pymodule]
-#[pyo3(name = "_native")]
-fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+/// Adds this module's functions and constants to `rope_rs._native`.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(apply_rope, m)?)?;
     m.add_function(wrap_pyfunction!(rotary_embedding, m)?)?;
     m.add_function(wrap_pyfunction!(apply_rope_with_cos_sin_cache_inplace, m)?)?;
@@ -938,8 +935,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_function(wrap_pyfunction!(fused_qk_norm_rope, m)?)?;
-    crate::flashinfer::register(m)?;
-    crate::hf::register(m)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
     m.add_function(wrap_pyfunction!(_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_exchange_api_used, m)?)?;
