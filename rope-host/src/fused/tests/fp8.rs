@@ -431,3 +431,48 @@ fn cached_non_rotary_parts_are_checked_naming_their_argument() {
     r.cache.as_mut().expect("cache").v.len -= 1;
     assert_eq!(invalid_arg(&r), "cache.v");
 }
+
+/// vLLM's MLA cache (`[num_blocks, block_size, 512 + D]`): the latent cache and the k cache as
+/// column ranges of one buffer's rows, written by one launch as one region; columns that meet
+/// are refused as an overlap, naming the k cache.
+#[test]
+fn latent_and_k_caches_share_one_buffers_rows_when_their_columns_are_apart() {
+    let row = 512 + D;
+    let one_buffer = |k_column: usize| {
+        let mut r = with_latent();
+        let rows = CacheLayout {
+            num_blocks: 16,
+            block_size: 16,
+            kv_heads: 1,
+            head_dim: D,
+            strides: [16 * row, row, row],
+        };
+        let len = 16 * 16 * row;
+        let c = r.cache.as_mut().expect("cache");
+        c.layout = rows;
+        (c.k, c.v) = (
+            buf((7 << 24) + k_column as u64, len - k_column),
+            buf(7 << 24, len),
+        );
+        r.nope.cached.as_mut().expect("part").into = NonRotaryCache::Latent(CacheLayout {
+            head_dim: 512,
+            ..rows
+        });
+        r
+    };
+    let r = one_buffer(512);
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    assert!(p.nope.is_some());
+    let a = cached_nope_args(&r, 2).expect("cached");
+    assert_eq!(
+        (a.part.out, a.strides),
+        (7 << 24, [16 * row as u64, row as u64, row as u64])
+    );
+    // The k cache's columns over the latent's last 16.
+    assert_eq!(invalid_arg(&one_buffer(512 - 16)), "cache.k");
+    // Apart caches in separate buffers still pass, and meeting ones still fail.
+    assert!(plan_of(&with_latent()).is_ok());
+    let mut r = with_latent();
+    r.cache.as_mut().expect("cache").v.ptr = (7 << 24) + 16;
+    assert_eq!(invalid_arg(&r), "cache.k");
+}
