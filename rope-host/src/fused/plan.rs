@@ -465,8 +465,54 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
         check_cache(c, (cfg, &req.nope), es, k.x_layout.heads, &mut regions)?;
     }
     regions.extend(check_nope(req, es)?);
+    one_k_region(req, k, es, &mut regions);
     regions.extend(option_reads(&req.rope));
     Ok(regions)
+}
+
+/// Makes k's region and its cached non-rotary part's one where both are column ranges of one
+/// buffer's rows and no element of one is an element of the other (vLLM splits one `[tokens,
+/// kv_lora_rank + rot_dim]` projection into MLA's `kv_c` and `k_pe`, rotating `k_pe` in
+/// place): the two layouts, offset from the lower of their addresses, are checked as packed
+/// tensors are.
+fn one_k_region(req: &FusedRequest, k: &TensorReq, es: usize, regions: &mut Vec<Region>) {
+    let Some(part) = req.nope.cached else { return };
+    let (Some(ki), Some(pi)) = (
+        regions.iter().position(|r| r.name == "k"),
+        regions.iter().position(|r| r.name == CACHE_NOPE_NAME),
+    ) else {
+        return;
+    };
+    let (Some(kr), Some(pr)) = (regions.get(ki), regions.get(pi)) else {
+        return;
+    };
+    if !(kr.start < pr.end && pr.start < kr.end) {
+        return;
+    }
+    let (start, end) = (kr.start.min(pr.start), kr.end.max(pr.end));
+    let (p_buf, p_layout) = part.input;
+    let low = k.x.ptr.min(p_buf.ptr);
+    // Each layout offset by its distance from `low`, in whole elements.
+    let from_low = |ptr: u64, l: &Layout| -> Option<Layout> {
+        let bytes = usize::try_from(ptr - low).ok()?;
+        let mut l = *l;
+        l.offset = l
+            .offset
+            .checked_add(bytes.is_multiple_of(es).then_some(bytes / es)?)?;
+        Some(l)
+    };
+    let (Some(kl), Some(pl)) = (
+        from_low(k.x.ptr, &k.x_layout),
+        from_low(p_buf.ptr, &p_layout),
+    ) else {
+        return;
+    };
+    if packed_are_disjoint(&kl, &pl)
+        && let Some(kr) = regions.get_mut(ki)
+    {
+        (kr.start, kr.end) = (start, end);
+        regions.remove(pi);
+    }
 }
 
 /// A tensor's batch and seq equal q's.

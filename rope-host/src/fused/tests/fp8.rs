@@ -476,3 +476,29 @@ fn latent_and_k_caches_share_one_buffers_rows_when_their_columns_are_apart() {
     r.cache.as_mut().expect("cache").v.ptr = (7 << 24) + 16;
     assert_eq!(invalid_arg(&r), "cache.k");
 }
+
+/// vLLM's MLA projection: `kv_c` (k's latent part, read) and `k_pe` (k, rotated in place) as
+/// column ranges of one `[tokens, 512 + D]` tensor, one region; columns that meet are refused
+/// as an overlap, naming k.
+#[test]
+fn k_and_its_cached_part_share_one_tensors_rows_when_their_columns_are_apart() {
+    let row = 512 + D;
+    let projection = |k_column: usize| {
+        let mut r = with_latent();
+        r.k_written = true;
+        let base = 50u64 << 24;
+        let len = TOKENS * row;
+        let k = r.rope.k.as_mut().expect("k");
+        k.x = buf(base + 2 * k_column as u64, len - k_column);
+        k.x_layout = Layout::strided([1, TOKENS, 1, D], [len, row, D, 1], 0).expect("small layout");
+        let part = Layout::strided([1, TOKENS, 1, 512], [len, row, 512, 1], 0).expect("small");
+        r.nope.cached.as_mut().expect("part").input = (buf(base, len), part);
+        r
+    };
+    assert!(plan_of(&projection(512)).is_ok());
+    assert_eq!(invalid_arg(&projection(512 - 8)), "k");
+    // Apart tensors still pass.
+    let mut r = with_latent();
+    r.k_written = true;
+    assert!(plan_of(&r).is_ok());
+}
