@@ -210,6 +210,18 @@ struct Buffers {
 /// `cos_sin_cache` (vLLM's format) instead of computing them.
 pub const SINCOS_VAR: &str = "ROPE_BENCH_FUSED_SINCOS";
 
+/// Environment variable: `interleaved` makes every fused launch pair GPT-J's way instead of
+/// NeoX's, for A/B runs of the interleaved kernels.
+pub const STYLE_VAR: &str = "ROPE_BENCH_FUSED_STYLE";
+
+/// The pairing [`STYLE_VAR`] asks for.
+fn style_from_env() -> RopeStyle {
+    match std::env::var(STYLE_VAR).as_deref() {
+        Ok("interleaved") => RopeStyle::Interleaved,
+        _ => RopeStyle::Neox,
+    }
+}
+
 /// q (`layout`) into the E4M3 bytes `q8` with `scale`: the FP8 q output of the bench's rows.
 fn q_fp8<'a>(
     (q, q8): (&'a CudaSlice<bf16>, &'a mut CudaSlice<u8>),
@@ -288,7 +300,7 @@ impl Buffers {
     ) -> anyhow::Result<()> {
         let t = self.tokens;
         let (lq, lk) = (Layout::thd(t, HQ, D), Layout::thd(t, HK, D));
-        let config = RopeConfig::builder(D as u32, RopeStyle::Neox).build()?;
+        let config = RopeConfig::builder(D as u32, style_from_env()).build()?;
         let rope_op = || RopeOp {
             config,
             positions: Positions::Ids {

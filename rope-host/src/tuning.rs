@@ -20,11 +20,11 @@ pub enum FusedKernels {
     /// The item loop for every launch ([`rope_kernels::abi::Mapping::ItemLoop`]), whose
     /// preferred-width kernels otherwise serve only tensors spanning 2^32 elements or more.
     ItemLoop,
-    /// The two-heads kernels wherever they serve (for NeoX 16-bit launches the planner takes
-    /// four heads per thread at many waves).
+    /// The two-heads kernels wherever they serve (where the planner would take four heads per
+    /// thread at many waves).
     TwoHeads,
-    /// The four-heads kernels ([`FusedKernelName::four_heads`]: NeoX, 16-bit) wherever they
-    /// serve, else as [`FusedKernels::TwoHeads`].
+    /// The four-heads kernels ([`FusedKernelName::four_heads`]: every pairing and type without
+    /// FlashInfer's forms) wherever they serve, else as [`FusedKernels::TwoHeads`].
     FourHeads,
     /// The rows kernels ([`rope_kernels::abi::Mapping::Rows`], sm_90 builds) wherever they
     /// serve, with this many token buffers per block (2 to `ROWS_MAX_STAGES`, fewer where they

@@ -207,8 +207,8 @@ pub enum ThreadHeads {
     One,
     /// Two heads: the fused kernels' (`_two_heads`), for every pairing and element type.
     Two,
-    /// Four heads: the fused NeoX kernels of 16-bit elements (`_four_heads`,
-    /// [`FusedKernelName::four_heads`]), for launches of many waves (prefill): the thread's
+    /// Four heads: the fused kernels `_four_heads` ([`FusedKernelName::four_heads`]), for
+    /// launches of many waves (prefill): the thread's
     /// set-up, its share of the block's cos/sin and its norm weights serve four heads, where
     /// those launches are bound by the instructions they issue. Against two heads per thread,
     /// four made prefill clearly faster on devices of high DRAM bandwidth, and with FP8 stores
@@ -270,7 +270,7 @@ impl Mapping {
     pub const ONE_HEAD: Self = Self::TokenHeads(ThreadHeads::One);
     /// The fused kernels' two heads per thread.
     pub const TWO_HEADS: Self = Self::TokenHeads(ThreadHeads::Two);
-    /// The fused NeoX 16-bit kernels' four heads per thread.
+    /// The fused kernels' four heads per thread.
     pub const FOUR_HEADS: Self = Self::TokenHeads(ThreadHeads::Four);
 
     /// A distinct number per mapping, the kernels' const generic parameter.
@@ -919,8 +919,8 @@ pub const fn planned_table_vectors(pairs: u64, entry_bytes: u64) -> bool {
 /// for example `rope_fused_neox_theta_bf16`, with the suffix `_narrow` for [`Mapping::NARROW`],
 /// `_two_heads` for [`Mapping::TWO_HEADS`] (a thread per two heads and one access: launches at
 /// the preferred width whose tensors span fewer than 2^32 elements and whose tables fit
-/// [`planned_table_fits`]), `_four_heads` for [`Mapping::FOUR_HEADS`] (NeoX, `f16` and `bf16`
-/// only) and `_rows` for [`Mapping::Rows`] (the same); the two-heads kernels of FlashInfer's
+/// [`planned_table_fits`]), `_four_heads` for [`Mapping::FOUR_HEADS`] and `_rows` for
+/// [`Mapping::Rows`] (NeoX, `f16` and `bf16` only); the two-heads kernels of FlashInfer's
 /// forms ([`FusedForms::FlashInfer`]) end in `_two_heads_flashinfer`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FusedKernelName {
@@ -962,23 +962,31 @@ impl FusedKernelName {
     /// multiprocessor's 64 Ki registers (docs/perf/decisions.md).
     pub const fn token_heads_registers(self) -> Option<u32> {
         match self.mapping {
-            // The two-heads kernels that have four-heads kernels beside them.
-            Mapping::TWO_HEADS if self.four_heads().is_some() => Some(48),
+            Mapping::TWO_HEADS if self.neox_16_bit() => Some(48),
             Mapping::TWO_HEADS | Mapping::FOUR_HEADS => Some(64),
             Mapping::Rows => Some(72),
             _ => None,
         }
     }
 
-    /// The rows kernel ([`Mapping::Rows`]) of this two-heads kernel, if it has one: those that
-    /// have a four-heads kernel ([`Self::four_heads`]) have one.
+    /// Whether this is a kernel of NeoX pairs of 16-bit elements without FlashInfer's forms:
+    /// those whose two-heads kernels keep a lower register cap and that have rows kernels.
+    const fn neox_16_bit(self) -> bool {
+        matches!(
+            (self.style, self.dtype, self.forms),
+            (RopeStyle::Neox, DType::F16 | DType::BF16, FusedForms::Plain)
+        )
+    }
+
+    /// The rows kernel ([`Mapping::Rows`]) of this two-heads kernel, if it has one: the NeoX
+    /// kernels of 16-bit elements without FlashInfer's forms.
     pub const fn rows(self) -> Option<Self> {
-        match self.four_heads() {
-            Some(_) => Some(FusedKernelName {
+        match self.mapping {
+            Mapping::TWO_HEADS if self.neox_16_bit() => Some(FusedKernelName {
                 mapping: Mapping::Rows,
                 ..self
             }),
-            None => None,
+            _ => None,
         }
     }
 
@@ -992,24 +1000,21 @@ impl FusedKernelName {
     }
 
     /// The four-heads kernel ([`Mapping::FOUR_HEADS`]) of this two-heads kernel, if it has one:
-    /// the NeoX kernels of 16-bit elements, the only ones whose four heads per thread were
-    /// measured (docs/perf/decisions.md), without FlashInfer's forms.
+    /// every pairing and element type without FlashInfer's forms (docs/perf/decisions.md).
     pub const fn four_heads(self) -> Option<Self> {
-        match (self.mapping, self.style, self.dtype, self.forms) {
-            (Mapping::TWO_HEADS, RopeStyle::Neox, DType::F16 | DType::BF16, FusedForms::Plain) => {
-                Some(FusedKernelName {
-                    mapping: Mapping::FOUR_HEADS,
-                    ..self
-                })
-            }
+        match (self.mapping, self.forms) {
+            (Mapping::TWO_HEADS, FusedForms::Plain) => Some(FusedKernelName {
+                mapping: Mapping::FOUR_HEADS,
+                ..self
+            }),
             _ => None,
         }
     }
 }
 
 /// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, two-heads symbol,
-/// two-heads symbol of FlashInfer's forms: Style, Source, DType, storage type;`, then `@four_heads` and every four-heads kernel (NeoX) as
-/// `symbol: Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) alike.
+/// two-heads symbol of FlashInfer's forms: Style, Source, DType, storage type;`, then `@four_heads` and every four-heads kernel as
+/// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -1026,10 +1031,18 @@ macro_rules! for_each_fused_kernel {
             rope_fused_neox_table_bf16, rope_fused_neox_table_bf16_narrow, rope_fused_neox_table_bf16_two_heads, rope_fused_neox_table_bf16_two_heads_flashinfer: Neox, Table, BF16, Bf16;
             rope_fused_neox_theta_bf16, rope_fused_neox_theta_bf16_narrow, rope_fused_neox_theta_bf16_two_heads, rope_fused_neox_theta_bf16_two_heads_flashinfer: Neox, Theta, BF16, Bf16;
             @four_heads
-            rope_fused_neox_table_f16_four_heads: Table, F16, Half;
-            rope_fused_neox_theta_f16_four_heads: Theta, F16, Half;
-            rope_fused_neox_table_bf16_four_heads: Table, BF16, Bf16;
-            rope_fused_neox_theta_bf16_four_heads: Theta, BF16, Bf16;
+            rope_fused_interleaved_table_f32_four_heads: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32_four_heads: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32_four_heads: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32_four_heads: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16_four_heads: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_theta_f16_four_heads: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16_four_heads: Neox, Table, F16, Half;
+            rope_fused_neox_theta_f16_four_heads: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16_four_heads: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16_four_heads: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16_four_heads: Neox, Table, BF16, Bf16;
+            rope_fused_neox_theta_bf16_four_heads: Neox, Theta, BF16, Bf16;
             @rows
             rope_fused_neox_table_f16_rows: Table, F16, Half;
             rope_fused_neox_theta_f16_rows: Theta, F16, Half;
@@ -1045,7 +1058,7 @@ pub(crate) use for_each_fused_kernel;
 macro_rules! fused_kernel_table {
     (
         $($sym:ident, $narrow:ident, $two_heads:ident, $forms:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
-        @four_heads $($four:ident: $fsrc:ident, $fdt:ident, $ft:ty;)*
+        @four_heads $($four:ident: $fstyle:ident, $fsrc:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
     ) => {
         impl FusedKernelName {
@@ -1082,7 +1095,7 @@ macro_rules! fused_kernel_table {
                 },
             )* $(
                 FusedKernelName {
-                    style: RopeStyle::Neox,
+                    style: RopeStyle::$fstyle,
                     source: SinCosSource::$fsrc,
                     dtype: DType::$fdt,
                     mapping: Mapping::FOUR_HEADS,
@@ -1115,17 +1128,16 @@ macro_rules! fused_kernel_table {
                             stringify!($forms),
                     )*
                     $(
-                        (RopeStyle::Neox, SinCosSource::$fsrc, DType::$fdt, Mapping::FOUR_HEADS, P) =>
+                        (RopeStyle::$fstyle, SinCosSource::$fsrc, DType::$fdt, Mapping::FOUR_HEADS, P) =>
                             stringify!($four),
                     )*
                     $(
                         (RopeStyle::Neox, SinCosSource::$rsrc, DType::$rdt, Mapping::Rows, P) =>
                             stringify!($rows),
                     )*
-                    // FlashInfer's forms have two-heads kernels alone; kernels without
-                    // four-heads or rows kernels take two heads per thread.
-                    (_, _, _, _, FI)
-                    | (_, _, _, Mapping::ONE_HEAD | Mapping::FOUR_HEADS | Mapping::Rows, _) => {
+                    // FlashInfer's forms have two-heads kernels alone; kernels without rows
+                    // kernels take two heads per thread.
+                    (_, _, _, _, FI) | (_, _, _, Mapping::ONE_HEAD | Mapping::Rows, _) => {
                         FusedKernelName {
                             mapping: Mapping::TWO_HEADS,
                             ..self

@@ -54,8 +54,8 @@
 //!
 //! The token-heads kernels (every launch at the preferred width whose tensors span fewer than
 //! 2^32 elements and whose tables suit [`crate::rope::PlannedTable`], decode and prefill
-//! alike): one thread per two heads (the two-heads kernels; the four-heads kernels, NeoX
-//! 16-bit in launches of many waves, four: [`crate::abi::ThreadHeads`]) of one tensor and one
+//! alike): one thread per two heads (the two-heads kernels; the four-heads kernels, in
+//! launches of many waves, four: [`crate::abi::ThreadHeads`]) of one tensor and one
 //! group, one block row per token, each warp of one tensor (a block holds up to
 //! [`crate::abi::TOKEN_HEADS_MAX_WARPS`] of the token's q, k and v warps), no loop. Each
 //! thread issues its heads' loads, then reads its table rows, or takes its pairs' cos/sin from
@@ -1185,7 +1185,10 @@ unsafe fn token_heads_body<
     }
     // With tables, the norm's weights (as loaded: fewer registers) are in flight with the
     // heads; with sin/cos computed they are loaded after the block's barrier (held across it,
-    // they spilled the computed kernels at their register cap).
+    // they spilled the computed kernels at their register cap), and so in the four-heads
+    // kernels but the NeoX 16-bit ones (held across the table reads, they made ptxas spill the
+    // interleaved 16-bit and the `f32` ones).
+    let early = S::TABLE && (U == TWO_HEADS_U || (P::NEOX && T::SIZE == 2));
     let normed = norm && rotates;
     let weights = || {
         let mut raw = [[T::ZERO; L]; 2];
@@ -1195,11 +1198,7 @@ unsafe fn token_heads_body<
         }
         raw
     };
-    let early_weights = if S::TABLE {
-        weights()
-    } else {
-        [[T::ZERO; L]; 2]
-    };
+    let early_weights = if early { weights() } else { [[T::ZERO; L]; 2] };
     if shared {
         // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); every thread
         // of the block that stays is here, with the same token.
@@ -1233,7 +1232,7 @@ unsafe fn token_heads_body<
     unrolled(U, |u| v[u] = widen(raw[u]));
     if normed {
         // Uniform in the warp, so the shuffles have the whole warp.
-        let w = weights_f32(f, if S::TABLE { early_weights } else { weights() });
+        let w = weights_f32(f, if early { early_weights } else { weights() });
         let mut squares = [0.0f32; U];
         unrolled(U, |u| squares[u] = sum_squares::<P, L>(&v[u]));
         // Exact for powers of two, within one ulp otherwise.
@@ -1656,10 +1655,12 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8, const FI: b
             (WIDE, 2, 8, false) => body::<T, P, S, 8>(f),
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
             // Token-heads kernels take the preferred width only: no `lanes` to read. Four-heads
-            // kernels exist for NeoX 16-bit elements only.
+            // kernels have no FlashInfer forms.
             (TWO_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI>(f),
             (TWO_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI>(f),
             (TWO_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI>(f),
+            (FOUR_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false>(f),
+            (FOUR_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, FOUR_HEADS_U, false>(f),
             (FOUR_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false>(f),
             (ROWS, 2, _, true) => rows_body::<T, P, S>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
@@ -1811,7 +1812,7 @@ macro_rules! fused_kernel {
     (
         $($wide:ident, $narrow:ident, $two_heads:ident, $forms:ident:
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
-        @four_heads $($four:ident: $fsource:ident, $fdt:ident, $ft:ty;)*
+        @four_heads $($four:ident: $fpairing:ident, $fsource:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
     ) => {
         $(
@@ -1830,7 +1831,7 @@ macro_rules! fused_kernel {
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $four, FOUR_HEADS: Neox, $fsource, $ft, FusedParams => new, false
+                $four, FOUR_HEADS: $fpairing, $fsource, $ft, FusedParams => new, false
             });
         )*
         $(

@@ -769,15 +769,23 @@ fn longrope(
 }
 
 /// A random prefill-sized rotation of the kind the planner gives the fused four-heads kernels
-/// (`rope-host`'s "plain rotations at prefill take the fused kernels"): NeoX, either direction,
-/// `f16` or `bf16`, the whole head of 64 or 128 elements, 24 to 32 q heads alone or with k
-/// (separate or packed), 3072 to 4096 tokens; every layout, sin/cos source, position kind and in or out of place as
-/// [`case`].
+/// (`rope-host`'s "plain rotations at prefill take the fused kernels"): either pairing and
+/// direction, every element type, heads of 64 or 128 elements rotated whole or in part (a half
+/// or a quarter, from the start or from an offset: in place, the fused kernels take the rotated
+/// elements as narrower heads), 24 to 32 q heads alone or with k (separate or packed), 3072 to
+/// 4096 tokens; every layout, sin/cos source, position kind and in or out of place as [`case`].
 pub fn prefill_case() -> impl Strategy<Value = Case> {
     (
         (
-            prop_oneof![Just(DTypeCase::F16), Just(DTypeCase::BF16)],
+            (dtype(), style()),
             direction(),
+            // Rotated elements: (numerator over 4 of the head, offset in eighths of the head).
+            prop_oneof![
+                2 => Just((4usize, 0usize)),
+                1 => Just((2, 0)),
+                1 => Just((2, 2)),
+                1 => Just((1, 5)),
+            ],
         ),
         prop_oneof![Just(64usize), Just(128)],
         prop_oneof![
@@ -789,7 +797,9 @@ pub fn prefill_case() -> impl Strategy<Value = Case> {
         (theta(), any::<bool>(), any::<bool>(), any::<u64>()),
     )
         .prop_flat_map(
-            |((dtype, direction), head_dim, (batch, seq), heads, rest)| {
+            |(((dtype, style), direction, rotated), head_dim, (batch, seq), heads, rest)| {
+                let (rotary_dim, rotary_offset) =
+                    (head_dim * rotated.0 / 4, head_dim * rotated.1 / 8);
                 let (theta, table, in_place, seed) = rest;
                 let limit = if table { seq as u32 + 32 } else { 1 << 20 };
                 let source = if table {
@@ -808,19 +818,19 @@ pub fn prefill_case() -> impl Strategy<Value = Case> {
                 (
                     positions(batch, seq, limit, table),
                     source,
-                    layout(RopeStyle::Neox),
+                    layout(style),
                     k,
                 )
                     .prop_map(move |(positions, source, layout, k)| Case {
-                        style: RopeStyle::Neox,
+                        style,
                         direction,
                         dtype,
                         batch,
                         seq,
                         heads,
                         head_dim,
-                        rotary_dim: head_dim,
-                        rotary_offset: 0,
+                        rotary_dim,
+                        rotary_offset,
                         layout,
                         k,
                         source,

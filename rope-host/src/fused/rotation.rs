@@ -9,6 +9,7 @@ use rope_kernels::abi::{
 
 use super::plan::FusedPlan;
 use super::request::FusedRequest;
+use crate::config::RopeConfig;
 use crate::device::DeviceFacts;
 use crate::handle::Rope;
 use crate::layout::Layout;
@@ -37,13 +38,23 @@ impl FusedRequest {
     /// A plain rotation as a fused launch with nothing normalised, quantised or cached: q and k
     /// rotated over the whole head (either direction), each in place or into its output. q
     /// alone goes with an empty k: no heads, at q's address, so that it spans, stores and
-    /// overlaps nothing, and no thread of the fused kernels takes a head of it. `None` for the
-    /// rotations the fused kernels do not perform (partial or offset).
+    /// overlaps nothing, and no thread of the fused kernels takes a head of it.
+    ///
+    /// A partial or offset rotation in place rotates, of each head, the `rotary_dim` elements
+    /// from `rotary_offset` on and leaves the rest as they are: the same as a whole-head
+    /// rotation of heads of `rotary_dim` elements that start `rotary_offset` elements further
+    /// into the same buffers at the same strides (heads apart when `rotary_dim < head_dim`).
+    /// `None` for the partial or offset rotations out of place, whose other elements are
+    /// copied, which the fused kernels do not do.
     pub(crate) fn rotation(rope: &Request) -> Option<Self> {
         let cfg = &rope.config;
-        if cfg.rotary_dim() != cfg.head_dim() || cfg.rotary_offset() != 0 {
-            return None;
-        }
+        let whole = cfg.rotary_dim() == cfg.head_dim() && cfg.rotary_offset() == 0;
+        let rope = if whole {
+            *rope
+        } else {
+            narrowed_in_place(rope)?
+        };
+        let rope = &rope;
         let k = rope.k.unwrap_or(TensorReq {
             x: rope.q.x,
             x_layout: Layout {
@@ -68,8 +79,44 @@ impl FusedRequest {
     }
 }
 
+/// `rope`, rotated in place, as the whole-head rotation of its rotated elements
+/// ([`FusedRequest::rotation`]): heads of `rotary_dim` elements, `rotary_offset` elements
+/// further into each buffer. `None` when a tensor is written out of place.
+fn narrowed_in_place(rope: &Request) -> Option<Request> {
+    let cfg = &rope.config;
+    let in_place = |t: &TensorReq| t.out.is_none();
+    if !in_place(&rope.q) || !rope.k.as_ref().is_none_or(in_place) {
+        return None;
+    }
+    let config = RopeConfig::builder(cfg.rotary_dim(), cfg.style())
+        .direction(cfg.direction())
+        .build()
+        .ok()?;
+    let (width, skip) = (cfg.rotary_dim() as usize, cfg.rotary_offset() as usize);
+    let narrow = |t: TensorReq| {
+        let layout = t.x_layout;
+        Some(TensorReq {
+            x_layout: Layout {
+                head_dim: width,
+                offset: layout.offset.checked_add(skip)?,
+                ..layout
+            },
+            ..t
+        })
+    };
+    Some(Request {
+        config,
+        q: narrow(rope.q)?,
+        k: match rope.k {
+            Some(k) => Some(narrow(k)?),
+            None => None,
+        },
+        ..*rope
+    })
+}
+
 /// Whether a plain rotation ([`FusedRequest::rotation`]) should be planned on the fused kernels:
-/// only where the planner takes a four-heads kernel for it, NeoX 16-bit launches at many waves
+/// only where the planner takes a four-heads kernel for it, launches at many waves
 /// ([`many_waves`], reckoned here at the preferred width from the shapes alone), so that the
 /// launches that stay on the RoPE kernels (decode above all) are not planned twice; and not
 /// with multi-axis positions read with a table, which the RoPE kernels serve faster (they

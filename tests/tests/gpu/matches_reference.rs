@@ -87,11 +87,11 @@ fn kernels_match_reference_on_random_cases() {
     );
 }
 
-/// Prefill-sized NeoX 16-bit rotations of q alone or with k, forward and backward, which the
-/// planner gives the fused four-heads kernels (their layouts, sources and positions as random
-/// as [`kernels_match_reference_on_random_cases`]'s; those whose alignment narrows the access
-/// stay on the RoPE kernels): within the same tolerances of the f64 reference, every output
-/// element written, nothing else touched.
+/// Prefill-sized rotations of q alone or with k, of either pairing and every element type,
+/// forward and backward, which the planner gives the fused four-heads kernels (their layouts,
+/// sources and positions as random as [`kernels_match_reference_on_random_cases`]'s; those
+/// whose alignment narrows the access stay on the RoPE kernels): within the same tolerances of
+/// the f64 reference, every output element written, nothing else touched.
 #[test]
 fn prefill_rotations_on_the_fused_kernels_match_reference() {
     check_random_cases(

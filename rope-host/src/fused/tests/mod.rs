@@ -267,13 +267,13 @@ fn table_launches_take_the_token_heads_kernels_only_with_tables_their_reads_fit(
     assert_eq!(access(cache((1 << 49) + 4)), Mapping::WIDE);
 }
 
-/// NeoX 16-bit launches take the four-heads kernels once the two-heads grid's threads are more
-/// than twice what the device holds of the two-heads kernel at once at its 48 registers
-/// (132 x 1365 threads on the H200-like device: past 938 tokens of 12 warps); the other
-/// token-heads kernels and smaller launches take two heads per thread, and the tests' override
-/// pins either where a four-heads kernel exists.
+/// Launches take the four-heads kernels once the two-heads grid's threads are more than twice
+/// what the device holds of the two-heads kernel at once at its registers (132 x 1365 threads
+/// on the H200-like device at the NeoX 16-bit kernels' 48: past 938 tokens of 12 warps; 132 x
+/// 1024 at the interleaved ones' 64: past 704); smaller launches take two heads per thread, and
+/// the tests' override pins either.
 #[test]
-fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
+fn four_heads_per_thread_only_for_launches_of_many_waves() {
     let planned = |style, tokens, choice| {
         let p = plan_with(&with_tokens(style, tokens), choice)
             .expect("valid")
@@ -290,11 +290,13 @@ fn four_heads_per_thread_only_for_neox_16_bit_launches_of_many_waves() {
     // 12 warps of them.
     assert_eq!(planned(RopeStyle::Neox, 938, auto), (2, [8, 2, 2]));
     assert_eq!(planned(RopeStyle::Neox, 939, auto), (4, [4, 1, 1]));
-    assert_eq!(planned(RopeStyle::Interleaved, 8192, auto), (2, [8, 2, 2]));
+    assert_eq!(planned(RopeStyle::Interleaved, 704, auto), (2, [8, 2, 2]));
+    assert_eq!(planned(RopeStyle::Interleaved, 705, auto), (4, [4, 1, 1]));
     let (two, four) = (FusedKernels::TwoHeads, FusedKernels::FourHeads);
     assert_eq!(planned(RopeStyle::Neox, 64, four), (4, [4, 1, 1]));
     assert_eq!(planned(RopeStyle::Neox, 8192, two), (2, [8, 2, 2]));
-    assert_eq!(planned(RopeStyle::Interleaved, 64, four), (2, [8, 2, 2]));
+    assert_eq!(planned(RopeStyle::Interleaved, 64, four), (4, [4, 1, 1]));
+    assert_eq!(planned(RopeStyle::Interleaved, 8192, two), (2, [8, 2, 2]));
 }
 
 /// With a norm, a head's items are rounded up to a power of two so that they share a warp

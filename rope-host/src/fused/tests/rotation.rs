@@ -12,9 +12,16 @@ fn rotation(style: RopeStyle, tokens: usize) -> Request {
 }
 
 #[test]
-fn prefill_neox_16_bit_rotations_plan_on_the_four_heads_kernels() {
-    for (dtype, tokens) in [(DType::BF16, 8192), (DType::F16, 4096)] {
-        let mut rope = rotation(RopeStyle::Neox, tokens);
+fn prefill_rotations_of_every_pairing_and_type_plan_on_the_four_heads_kernels() {
+    let cases = [
+        (RopeStyle::Neox, DType::BF16, 8192),
+        (RopeStyle::Neox, DType::F16, 4096),
+        (RopeStyle::Neox, DType::F32, 4096),
+        (RopeStyle::Interleaved, DType::BF16, 8192),
+        (RopeStyle::Interleaved, DType::F32, 4096),
+    ];
+    for (style, dtype, tokens) in cases {
+        let mut rope = rotation(style, tokens);
         rope.dtype = dtype;
         let req = FusedRequest::rotation(&rope).expect("a whole-head forward q and k");
         assert!(req.norm.is_none() && req.cache.is_none() && req.v.is_none());
@@ -24,27 +31,22 @@ fn prefill_neox_16_bit_rotations_plan_on_the_four_heads_kernels() {
         assert_eq!(
             plan.kernel.mapping,
             Mapping::FOUR_HEADS,
-            "{dtype:?} {tokens}"
+            "{style:?} {dtype:?} {tokens}"
         );
     }
 }
 
 #[test]
-fn decode_and_other_pairings_and_types_stay_on_the_rope_kernels() {
+fn decode_rotations_stay_on_the_rope_kernels() {
     // Decode: a wave or less.
-    let decode = FusedRequest::rotation(&rotation(RopeStyle::Neox, TOKENS)).expect("forward");
-    assert!(!rotation_may_take_four_heads(&decode, &H200));
-    // No four-heads kernel: interleaved pairs, f32.
-    let interleaved = FusedRequest::rotation(&rotation(RopeStyle::Interleaved, 8192)).expect("ok");
-    assert!(!rotation_may_take_four_heads(&interleaved, &H200));
-    let mut f32_rope = rotation(RopeStyle::Neox, 8192);
-    f32_rope.dtype = DType::F32;
-    let f32_req = FusedRequest::rotation(&f32_rope).expect("forward");
-    assert!(!rotation_may_take_four_heads(&f32_req, &H200));
+    for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+        let decode = FusedRequest::rotation(&rotation(style, TOKENS)).expect("forward");
+        assert!(!rotation_may_take_four_heads(&decode, &H200), "{style:?}");
+    }
 }
 
 #[test]
-fn partial_rotations_are_not_fused_requests_and_backward_ones_are() {
+fn partial_rotations_in_place_are_narrower_heads_and_backward_ones_are_fused_requests() {
     let prefill = rotation(RopeStyle::Neox, 8192);
     let backward = Request {
         config: RopeConfig::builder(D as u32, RopeStyle::Neox)
@@ -56,14 +58,39 @@ fn partial_rotations_are_not_fused_requests_and_backward_ones_are() {
     let req = FusedRequest::rotation(&backward).expect("a plain backward rotation");
     let plan = plan_on(&H200, &req, FusedKernels::Auto, true);
     assert_eq!(plan.kernel.mapping, Mapping::FOUR_HEADS);
+    // Elements 32..96 of each head of 128, in place: heads of 64 elements, 32 further in.
     let partial = Request {
         config: RopeConfig::builder(D as u32, RopeStyle::Neox)
             .rotary_dim(64)
+            .rotary_offset(32)
             .build()
             .expect("valid"),
         ..prefill
     };
-    assert!(FusedRequest::rotation(&partial).is_none());
+    let req = FusedRequest::rotation(&partial).expect("in place");
+    let (cfg, q, k) = (req.rope.config, req.rope.q, req.rope.k.expect("k"));
+    assert_eq!(
+        (cfg.head_dim(), cfg.rotary_dim(), cfg.rotary_offset()),
+        (64, 64, 0)
+    );
+    for (narrow, whole) in [(q, prefill.q), (k, prefill.k.expect("k"))] {
+        assert_eq!((narrow.x.ptr, narrow.x.len), (whole.x.ptr, whole.x.len));
+        assert_eq!(narrow.x_layout.head_dim, 64);
+        assert_eq!(narrow.x_layout.offset, whole.x_layout.offset + 32);
+        assert_eq!(narrow.x_layout.strides, whole.x_layout.strides);
+    }
+    let plan = plan_on(&H200, &req, FusedKernels::Auto, true);
+    assert_eq!(plan.kernel.mapping, Mapping::FOUR_HEADS);
+    // Out of place, the other elements are copied: not a fused request.
+    let out = |t: TensorReq| TensorReq {
+        out: Some((buf(1 << 50, t.x.len), t.x_layout)),
+        ..t
+    };
+    let copied = Request {
+        q: out(partial.q),
+        ..partial
+    };
+    assert!(FusedRequest::rotation(&copied).is_none());
     assert!(FusedRequest::rotation(&prefill).is_some());
 }
 

@@ -112,7 +112,7 @@ fn rows_kernels_take_fp8_launches_of_many_waves_with_contiguous_rows_on_fast_dra
         )
         .kernel
         .mapping,
-        Mapping::TWO_HEADS
+        Mapping::FOUR_HEADS
     );
     // q's heads apart (a head stride past head_dim): no whole rows.
     let mut apart = r;
