@@ -34,6 +34,7 @@ __all__ = [
     "apply_rope",
     "apply_rope_with_cos_sin_cache_inplace",
     "apply_rotary_pos_emb",
+    "concat_and_cache_mla_rope_fused",
     "frequencies",
     "fused_qk_norm_rope",
     "mla_rope_quantize_fp8",
@@ -324,6 +325,76 @@ def rotary_embedding(
         positions, query, key, head_size, cos_sin_cache, is_neox, value, key_cache, value_cache, slot_mapping,
         kv_cache_dtype, k_scale, v_scale, stream, sync, pdl,
     )
+
+
+def concat_and_cache_mla_rope_fused(
+    positions: Any,
+    q_pe: Any,
+    k_pe: Any,
+    kv_c: Any,
+    cos_sin_cache: Any,
+    is_neox: bool,
+    slot_mapping: Any,
+    kv_cache: Any,
+    kv_cache_dtype: str,
+    kv_cache_scale: Any,
+    *,
+    stream: Optional[int] = None,
+    pdl: bool = False,
+) -> None:
+    """vLLM's ``concat_and_cache_mla_rope_fused(positions, q_pe, k_pe, kv_c, cos_sin_cache,
+    is_neox, slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale)``: MLA's (DeepSeek's)
+    rotation and latent-cache write in one launch.
+
+    Rotates ``q_pe`` ``[num_tokens, num_heads, rot_dim]`` and the shared ``k_pe`` ``[num_tokens,
+    rot_dim]`` in place at ``positions`` (int32/int64 ``[num_tokens]``) with ``cos_sin_cache``
+    ``[max_position, rot_dim]`` (cos half then sin half, float32 or q_pe's dtype); ``is_neox``:
+    rotate-half pairs, else interleaved. Each token's ``kv_c`` ``[num_tokens, kv_lora_rank]``
+    and rotated ``k_pe`` go to row ``slot % block_size`` of block ``slot // block_size`` of
+    ``kv_cache`` ``[num_blocks, block_size, kv_lora_rank + rot_dim]`` (latent features first),
+    ``slot = slot_mapping[t]`` (int32/int64); a negative slot writes nothing. ``kv_cache_dtype``
+    ``"fp8"``/``"fp8_e4m3"`` stores FP8 E4M3 of ``x / kv_cache_scale`` (float32, one element)
+    into a uint8 or float8_e4m3fn cache, ``"fp8_e5m2"`` E5M2; ``"auto"`` (a cache of q_pe's
+    dtype) raises ValueError: the kernels store ``kv_c`` as FP8 only.
+
+    As in vLLM, only the first ``slot_mapping.shape[0]`` tokens are taken (the rest is CUDA-graph
+    padding). Unlike vLLM's kernel, tokens with a negative slot still have their ``q_pe`` and
+    ``k_pe`` rotated (vLLM leaves them as they were); rotation runs in float32 and rounds once.
+    ``k_pe`` may be a view of the same projection as ``kv_c`` (``kv[..., kv_lora_rank:]``).
+
+    Launched on ``stream``, by default PyTorch's current stream; ``pdl`` as in ``apply_rope``.
+    Under ``torch.compile`` it is ``torch.ops.rope_rs.concat_and_cache_mla_rope_fused_``.
+    Raises as ``apply_rope``.
+    """
+    n = _rows(slot_mapping)
+    if n is not None and _rows(q_pe) not in (None, n):
+        positions, q_pe, k_pe, kv_c = positions[:n], q_pe[:n], k_pe[:n], kv_c[:n]
+    launch = _eager_stream(q_pe, stream)
+    if launch is None:
+        import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
+
+        ops.concat_and_cache_mla_rope_fused_op(
+            positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype,
+            kv_cache_scale, pdl,
+        )
+        return
+    stream, sync = launch
+    _native.concat_and_cache_mla_rope_fused(
+        positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype,
+        kv_cache_scale, _last_extent(q_pe), stream, sync, pdl,
+    )
+
+
+def _rows(x: Any) -> Optional[int]:
+    """`x`'s first extent, or None for an object without a shape (the native call names it)."""
+    shape = getattr(x, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) > 0 else None
+
+
+def _last_extent(x: Any) -> int:
+    """`x`'s last extent (0 without a shape: the native call then refuses `x` by name)."""
+    shape = getattr(x, "shape", None)
+    return int(shape[-1]) if shape is not None and len(shape) > 0 else 0
 
 
 @dataclass

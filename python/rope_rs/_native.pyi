@@ -48,6 +48,29 @@ def apply_rope(
     Raises TypeError, ValueError naming the argument, RuntimeError (CUDA driver).
     """
 
+def concat_and_cache_mla_rope_fused(
+    positions: Any,
+    q_pe: Any,
+    k_pe: Any,
+    kv_c: Any,
+    cos_sin_cache: Any,
+    is_neox: bool,
+    slot_mapping: Any,
+    kv_cache: Any,
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    kv_cache_scale: Any,
+    rot_dim: int,
+    stream: int = 0,
+    producer_sync: bool = True,
+    pdl: bool = False,
+) -> None:
+    """vLLM's ``concat_and_cache_mla_rope_fused``: rotates ``q_pe`` ``[num_tokens, num_heads,
+    rot_dim]`` and ``k_pe`` ``[num_tokens, rot_dim]`` in place and writes ``[kv_c | rotated
+    k_pe]`` into ``kv_cache`` ``[num_blocks, block_size, kv_lora_rank + rot_dim]`` at
+    ``slot_mapping``, FP8 of ``x / kv_cache_scale`` ("auto" raises). Every token row is taken
+    (``rope_rs.concat_and_cache_mla_rope_fused`` cuts them to ``slot_mapping``'s length).
+    """
+
 def rotary_embedding(
     positions: Any,
     query: Any,

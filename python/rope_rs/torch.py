@@ -162,8 +162,8 @@ rope_op.register_autograd(_rope_backward, setup_context=_setup_context)
 rope_qk_op.register_autograd(_rope_qk_backward, setup_context=_setup_context)
 
 
-# The serving drop-ins (rope_rs.rotary_embedding, apply_rope_with_cos_sin_cache_inplace and
-# fused_qk_norm_rope) under torch.compile: in place, each written tensor marked mutated (the
+# The serving drop-ins (rope_rs.rotary_embedding, apply_rope_with_cos_sin_cache_inplace,
+# fused_qk_norm_rope and concat_and_cache_mla_rope_fused) under torch.compile: in place, each written tensor marked mutated (the
 # rotated ones and the caches), launched on the current stream of the first tensor's device.
 _CACHE_SCHEMA = (
     "Tensor(c!)? key_cache, Tensor(d!)? value_cache, Tensor? slot_mapping, str kv_cache_dtype, "
@@ -200,6 +200,17 @@ def _fused_qk_norm_rope_impl(
         )
 
 
+def _concat_and_cache_mla_rope_fused_impl(
+    positions: Tensor, q_pe: Tensor, k_pe: Tensor, kv_c: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+    slot_mapping: Tensor, kv_cache: Tensor, kv_cache_dtype: str, kv_cache_scale: Tensor, pdl: bool,
+) -> None:
+    with torch.cuda.device(q_pe.device):
+        _native.concat_and_cache_mla_rope_fused(
+            positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype,
+            kv_cache_scale, q_pe.shape[-1], stream=_stream(q_pe), producer_sync=False, pdl=pdl,
+        )
+
+
 rotary_embedding_op = torch.library.custom_op(
     "rope_rs::rotary_embedding_",
     _rotary_embedding_impl,
@@ -207,6 +218,15 @@ rotary_embedding_op = torch.library.custom_op(
     schema=(
         "(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, Tensor cos_sin_cache, "
         f"bool is_neox, Tensor? value, {_CACHE_SCHEMA}) -> ()"
+    ),
+)
+concat_and_cache_mla_rope_fused_op = torch.library.custom_op(
+    "rope_rs::concat_and_cache_mla_rope_fused_",
+    _concat_and_cache_mla_rope_fused_impl,
+    mutates_args=("q_pe", "k_pe", "kv_cache"),
+    schema=(
+        "(Tensor positions, Tensor(a!) q_pe, Tensor(b!) k_pe, Tensor kv_c, Tensor cos_sin_cache, bool is_neox, "
+        "Tensor slot_mapping, Tensor(c!) kv_cache, str kv_cache_dtype, Tensor kv_cache_scale, bool pdl) -> ()"
     ),
 )
 fused_qk_norm_rope_op = torch.library.custom_op(
@@ -279,6 +299,11 @@ def _(*args: Any) -> None:
 
 
 @rope_quantize_fp8_append_paged_kv_cache_op.register_fake
+def _(*args: Any) -> None:
+    return None
+
+
+@concat_and_cache_mla_rope_fused_op.register_fake
 def _(*args: Any) -> None:
     return None
 

@@ -140,6 +140,16 @@ impl Elem {
         }
     }
 
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::U8 | Self::E4m3 | Self::E5m2 => 1,
+            Self::F16 | Self::BF16 => 2,
+            Self::F32 | Self::I32 => 4,
+            Self::F64 | Self::I64 => 8,
+        }
+    }
+
     /// Whether FP8 bytes of `format` are stored in it (`uint8`, or the format's own type).
     pub fn holds(self, format: Fp8Format) -> bool {
         match format {
@@ -777,6 +787,40 @@ pub fn latent_cache(d: &Dense, arg: &str) -> Result<(RawBuf, CacheLayout), ArgEr
     ))
 }
 
+/// Columns `start..start + width` of `d`'s last dimension, as a tensor of its own: the same
+/// extents and strides but the last, `width`, from element `start` of each row on (vLLM's MLA
+/// cache `[num_blocks, block_size, kv_lora_rank + rot_dim]` read as its latent part and its
+/// rotated k's).
+///
+/// # Errors
+/// [`ArgError::Value`] for a tensor without dimensions, a last stride other than 1, or columns
+/// past the last dimension.
+pub fn columns(d: &Dense, (start, width): (usize, usize), arg: &str) -> Result<Dense, ArgError> {
+    let (Some(&last), Some(&stride)) = (d.shape.as_slice().last(), d.strides.as_slice().last())
+    else {
+        return Err(ArgError::Value(format!("{arg} has no dimensions")));
+    };
+    if stride != 1 && last > 1 {
+        return Err(ArgError::Value(format!(
+            "{arg} must have a contiguous last dimension (stride 1), got strides {:?}",
+            d.strides
+        )));
+    }
+    if start.checked_add(width).is_none_or(|end| end > last) {
+        return Err(ArgError::Value(format!(
+            "{arg} rows hold {last} elements, not columns {start}..{}",
+            start.saturating_add(width)
+        )));
+    }
+    let mut shape = d.shape.as_slice().to_vec();
+    *shape.last_mut().expect("has dimensions") = width;
+    Ok(Dense {
+        ptr: d.ptr + (start * d.elem.size()) as u64,
+        shape: Dims::from_slice(&shape).expect("as many dimensions as d"),
+        ..d.clone()
+    })
+}
+
 /// The elements from `d`'s first to past its last (0 when it has none).
 fn span(d: &Dense, arg: &str) -> Result<usize, ArgError> {
     if d.shape.contains(&0) {
@@ -1071,6 +1115,41 @@ mod tests {
             );
             let d = read_fake(&mut fake(&[0], None, f64), "inv_freq").expect("valid");
             is_value(inv_freq(&d, "inv_freq"), "rotary_dim, twice that");
+        }
+
+        #[test]
+        fn columns_are_a_narrower_last_dimension_further_into_each_row() {
+            // vLLM's MLA cache [blocks=3, rows=16, 512 + 64] of bf16 at address 0x1000.
+            let mut t = fake(&[3, 16, 576], None, BF16);
+            let d = read_fake(&mut t, "kv_cache").expect("valid");
+            let pe = columns(&d, (512, 64), "kv_cache").expect("inside the rows");
+            assert_eq!(
+                (pe.ptr, pe.shape.as_slice()),
+                (d.ptr + 1024, &[3, 16, 64][..])
+            );
+            assert_eq!(pe.strides, d.strides);
+            let (buf, l) = latent_cache(&pe, "kv_cache").expect("valid");
+            assert_eq!(
+                (l.head_dim, l.strides, buf.ptr),
+                (64, [16 * 576, 576, 64], pe.ptr)
+            );
+            assert_eq!(buf.len, 2 * 16 * 576 + 15 * 576 + 64);
+            let latent = columns(&d, (0, 512), "kv_cache").expect("inside the rows");
+            assert_eq!(
+                (latent.ptr, latent.shape.as_slice()),
+                (d.ptr, &[3, 16, 512][..])
+            );
+            is_value(columns(&d, (512, 65), "kv_cache"), "not columns 512..577");
+            is_value(
+                columns(&d, (usize::MAX, 2), "kv_cache"),
+                "kv_cache rows hold 576",
+            );
+            let mut strided = fake(&[3, 16, 576], Some(&[18432, 1152, 2]), BF16);
+            let d = read_fake(&mut strided, "kv_cache").expect("valid");
+            is_value(
+                columns(&d, (0, 512), "kv_cache"),
+                "contiguous last dimension",
+            );
         }
 
         #[test]

@@ -123,6 +123,10 @@ pub(crate) enum CacheNopeArg<'a, 'py> {
     /// MLA: into `value_cache` (`ckv_cache`, `[max_pages, page_size, no_rope_dim]`), the rotated
     /// k into `key_cache` (`kpe_cache`, `[max_pages, page_size, rope_dim]`); no v.
     Latent(&'a Bound<'py, PyAny>),
+    /// MLA into one cache (vLLM's `kv_cache`, `[num_blocks, block_size, kv_lora_rank +
+    /// rot_dim]`, given as both `key_cache` and `value_cache`): the part into each row's first
+    /// `kv_lora_rank` columns, the rotated k into the rest; no v.
+    LatentColumns(&'a Bound<'py, PyAny>, usize),
 }
 
 /// The KV-cache write of a fused launch, still to borrow.
@@ -212,7 +216,10 @@ fn raw_cache<'py>(
     names: &Names,
 ) -> PyResult<RawKvCache> {
     let name = |arg| names.python_name(arg);
-    let latent = matches!(c.non_rotary, Some(CacheNopeArg::Latent(_)));
+    let latent = matches!(
+        c.non_rotary,
+        Some(CacheNopeArg::Latent(_) | CacheNopeArg::LatentColumns(..))
+    );
     let cache = |held: &mut Held<'py>, obj, arg| -> PyResult<(RawBuf, CacheLayout)> {
         let d = held.borrow(obj, name(arg))?;
         let want_ok = match c.dtype {
@@ -229,6 +236,24 @@ fn raw_cache<'py>(
                 name(arg),
                 d.elem.name()
             )));
+        }
+        if let Some(CacheNopeArg::LatentColumns(_, rank)) = c.non_rotary {
+            // The latent part's columns for v's cache, the rotated k's after them for k's.
+            let row = d.shape.as_slice().last().copied().unwrap_or(0);
+            if rank >= row {
+                return Err(PyValueError::new_err(format!(
+                    "{} rows hold {row} elements: no room after the {rank} latent features \
+                     ({}'s) for the rotated k",
+                    name(arg),
+                    name("cache.non_rotary.input")
+                )));
+            }
+            let cols = match arg {
+                "cache.k" => (rank, row.saturating_sub(rank)),
+                _ => (0, rank),
+            };
+            let part = dlpack::columns(d, cols, name(arg)).map_err(arg_error)?;
+            return dlpack::latent_cache(&part, name(arg)).map_err(arg_error);
         }
         if latent {
             return dlpack::latent_cache(d, name(arg)).map_err(arg_error);
@@ -330,10 +355,12 @@ fn raw_cache<'py>(
             input: heads_arg(held, obj, part_name, (Holds::Elem(elem), None))?,
             into: NonRotaryCache::AfterRotated,
         }),
-        Some(CacheNopeArg::Latent(obj)) => Some(RawCacheNonRotary {
-            input: heads_arg(held, obj, part_name, (Holds::Elem(elem), None))?,
-            into: NonRotaryCache::Latent(v_layout),
-        }),
+        Some(CacheNopeArg::Latent(obj) | CacheNopeArg::LatentColumns(obj, _)) => {
+            Some(RawCacheNonRotary {
+                input: heads_arg(held, obj, part_name, (Holds::Elem(elem), None))?,
+                into: NonRotaryCache::Latent(v_layout),
+            })
+        }
         None => None,
     };
     Ok(RawKvCache {

@@ -18,7 +18,9 @@ use rope_host::{
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
 use crate::exchange;
-use crate::fused::{self, AddressArg, CacheArg, CacheType, FusedLaunch, FusedTensors, ScalesArg};
+use crate::fused::{
+    self, AddressArg, CacheArg, CacheNopeArg, CacheType, FusedLaunch, FusedTensors, ScalesArg,
+};
 use crate::launch::{
     self, Held, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
@@ -590,6 +592,112 @@ fn rotary_embedding(
     })
 }
 
+/// The names of vLLM's `concat_and_cache_mla_rope_fused` arguments: q's and k's rotated parts
+/// `q_pe` and `k_pe`, the latent part `kv_c` (rope-host's k non-rotary part into the cache) and
+/// the one cache `kv_cache` holding both.
+const VLLM_MLA_NAMES: Names = Names {
+    q: "q_pe",
+    k: "k_pe",
+    out: "q_pe",
+    k_out: "k_pe",
+    positions: "positions",
+    sincos: "cos_sin_cache",
+    other: &[
+        ("config", "cos_sin_cache"),
+        ("cache", "kv_cache"),
+        ("cache.k", "kv_cache"),
+        ("cache.v", "kv_cache"),
+        ("cache.layout", "kv_cache"),
+        ("cache.non_rotary.layout", "kv_cache"),
+        ("cache.non_rotary.input", "kv_c"),
+        ("cache.slot_mapping", "slot_mapping"),
+        ("cache.k_scale", "kv_cache_scale"),
+        ("cache.v_scale", "kv_cache_scale"),
+    ],
+};
+
+/// vLLM's `concat_and_cache_mla_rope_fused(positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox,
+/// slot_mapping, kv_cache, kv_cache_dtype, kv_cache_scale)`, MLA's (DeepSeek's) rotation and
+/// latent-cache write in one launch: rotates `q_pe` `[num_tokens, num_heads, rot_dim]` and the
+/// one shared `k_pe` `[num_tokens, rot_dim]` in place at `positions` (int32/int64
+/// `[num_tokens]`) with `cos_sin_cache` `[max_position, rot_dim]`, and writes each token's
+/// `[kv_c | rotated k_pe]` (`kv_c` `[num_tokens, kv_lora_rank]`) into row `slot % block_size`
+/// of block `slot // block_size` of `kv_cache` `[num_blocks, block_size, kv_lora_rank +
+/// rot_dim]` (`slot_mapping` int32/int64 `[num_tokens]`; a negative slot writes nothing, the
+/// token's q_pe and k_pe are still rotated). `kv_cache_dtype` "fp8" (or "fp8_e4m3") stores FP8
+/// E4M3 of `x / kv_cache_scale` (a float32 tensor of one element) into a uint8 or
+/// float8_e4m3fn cache, "fp8_e5m2" E5M2; "auto" (the cache in q_pe's dtype) is refused: the
+/// fused kernels store the latent part as FP8 only. `rot_dim` is `q_pe`'s last extent (the
+/// Python wrapper passes it), every token row is rotated (the wrapper cuts them to
+/// `slot_mapping`'s length, as vLLM does for padded batches).
+///
+/// Launched as `rotary_embedding`; raises as `apply_rope` does.
+#[pyfunction]
+#[pyo3(signature = (
+    positions, q_pe, k_pe, kv_c, cos_sin_cache, is_neox, slot_mapping, kv_cache, kv_cache_dtype,
+    kv_cache_scale, rot_dim, stream=0, producer_sync=true, pdl=false
+))]
+#[allow(clippy::too_many_arguments)]
+fn concat_and_cache_mla_rope_fused(
+    positions: &Bound<'_, PyAny>,
+    q_pe: &Bound<'_, PyAny>,
+    k_pe: &Bound<'_, PyAny>,
+    kv_c: &Bound<'_, PyAny>,
+    cos_sin_cache: &Bound<'_, PyAny>,
+    is_neox: bool,
+    slot_mapping: &Bound<'_, PyAny>,
+    kv_cache: &Bound<'_, PyAny>,
+    kv_cache_dtype: &str,
+    kv_cache_scale: &Bound<'_, PyAny>,
+    rot_dim: usize,
+    stream: u64,
+    producer_sync: bool,
+    pdl: bool,
+) -> PyResult<()> {
+    let dtype = CacheType::parse(kv_cache_dtype)?;
+    if dtype == CacheType::Auto {
+        return Err(PyValueError::new_err(
+            "kv_cache_dtype: \"auto\" (a kv_cache of q_pe's dtype) is not supported: the fused \
+             kernels store kv_c into FP8 caches only; give \"fp8\" or \"fp8_e5m2\" with a \
+             uint8 or float8 kv_cache",
+        ));
+    }
+    // kv_c's features: the latent part's width, its columns first in each kv_cache row.
+    let kv_lora_rank = kv_c
+        .getattr(pyo3::intern!(kv_c.py(), "shape"))
+        .and_then(|s| s.get_item(-1))
+        .and_then(|n| n.extract::<usize>())
+        .map_err(|_| {
+            PyValueError::new_err("kv_c must be a tensor [num_tokens, kv_lora_rank] with a shape")
+        })?;
+    fused::launch(FusedLaunch {
+        tensors: FusedTensors::Separate {
+            query: q_pe,
+            key: k_pe,
+            value: None,
+        },
+        head_size: rot_dim,
+        norm: None,
+        positions,
+        cos_sin_cache,
+        style: pairing(is_neox),
+        cache: Some(CacheArg {
+            key_cache: kv_cache,
+            value_cache: kv_cache,
+            address: AddressArg::Slots(slot_mapping),
+            dtype,
+            scales: Some(ScalesArg::Tensors(kv_cache_scale, kv_cache_scale)),
+            heads_first: false,
+            page_size: None,
+            non_rotary: Some(CacheNopeArg::LatentColumns(kv_c, kv_lora_rank)),
+        }),
+        names: VLLM_MLA_NAMES,
+        stream,
+        producer_sync,
+        overlap: overlap(pdl),
+    })
+}
+
 /// SGLang's `apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size,
 /// cos_sin_cache, is_neox=True, fused_set_kv_buffer_arg=None)` (FlashInfer's without the last
 /// argument): rotates query and key in place as `rotary_embedding` does; with
@@ -935,6 +1043,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_function(wrap_pyfunction!(fused_qk_norm_rope, m)?)?;
+    m.add_function(wrap_pyfunction!(concat_and_cache_mla_rope_fused, m)?)?;
     m.add_function(wrap_pyfunction!(frequencies, m)?)?;
     m.add_function(wrap_pyfunction!(_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(_exchange_api_used, m)?)?;

@@ -259,6 +259,74 @@ class TestServingArguments:
             rope_rs.apply_rope_with_cos_sin_cache_inplace(s.ids, q, kk, 64, s.cache, True, arg)
 
 
+class Mla:
+    """Fake tensors of vLLM's MLA step: 7 tokens, 16 heads of q_pe of 64, kv_c of 512, an FP8
+    kv_cache [3, 16, 576]."""
+
+    t, h, r, rank = 7, 16, 64, 512
+
+    def __init__(self):
+        self.q_pe = FakeCuda((self.t, self.h, self.r), "bfloat16")
+        self.k_pe = FakeCuda((self.t, self.r), "bfloat16")
+        self.kv_c = FakeCuda((self.t, self.rank), "bfloat16")
+        self.cache = FakeCuda((4096, self.r), "float32")
+        self.kv_cache = FakeCuda((3, 16, self.rank + self.r), "uint8")
+        self.scale = FakeCuda((1,), "float32")
+
+    def call(self, **kw):
+        args = dict(
+            positions=ints(self.t), q_pe=self.q_pe, k_pe=self.k_pe, kv_c=self.kv_c, cos_sin_cache=self.cache,
+            is_neox=True, slot_mapping=ints(self.t), kv_cache=self.kv_cache, kv_cache_dtype="fp8",
+            kv_cache_scale=self.scale,
+        )
+        args.update(kw)
+        rope_rs.concat_and_cache_mla_rope_fused(**args)
+
+
+class TestMlaArguments:
+    """vLLM's ``concat_and_cache_mla_rope_fused`` checks its arguments before the device, naming
+    them as vLLM does."""
+
+    def test_auto_and_unknown_cache_types_are_refused(self):
+        m = Mla()
+        with pytest.raises(ValueError, match=r'^kv_cache_dtype: "auto" .* FP8 caches only'):
+            m.call(kv_cache_dtype="auto", kv_cache=FakeCuda((3, 16, 576), "bfloat16"))
+        with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+            m.call(kv_cache_dtype="fp8_e3m4")
+
+    def test_the_cache_holds_fp8_rows_wide_enough_for_both_parts(self):
+        m = Mla()
+        with pytest.raises(ValueError, match=r"^kv_cache must be uint8 or float8_e4m3fn \(the FP8 format asked\), got bfloat16"):
+            m.call(kv_cache=FakeCuda((3, 16, 576), "bfloat16"))
+        with pytest.raises(ValueError, match=r"^kv_cache rows hold 500 elements: no room after the 512 latent features \(kv_c's\)"):
+            m.call(kv_cache=FakeCuda((3, 16, 500), "uint8"))
+        with pytest.raises(ValueError, match=r"^kv_cache must be \[max_pages, page_size, dim\]"):
+            m.call(kv_cache=FakeCuda((3, 16, 1, 576), "uint8"))
+        strided = FakeCuda((3, 16, 576), "uint8", strides=(16 * 1152, 1152, 2))
+        with pytest.raises(ValueError, match="^kv_cache must have a contiguous last dimension"):
+            m.call(kv_cache=strided)
+
+    def test_scale_slots_and_inputs_are_named(self):
+        m = Mla()
+        with pytest.raises(ValueError, match="^kv_cache_scale must be float32, got float16"):
+            m.call(kv_cache_scale=FakeCuda((1,), "float16"))
+        with pytest.raises(ValueError, match="^slot_mapping must be one-dimensional"):
+            m.call(slot_mapping=FakeCuda((7, 1), "int64"))
+        with pytest.raises(ValueError, match="^k_pe is float16, q_pe is bfloat16"):
+            m.call(k_pe=FakeCuda((7, 64), "float16"))
+        with pytest.raises(ValueError, match="^kv_c must be bfloat16"):
+            m.call(kv_c=FakeCuda((7, 512), "float32"))
+        with pytest.raises(ValueError, match="^kv_c must be a tensor"):
+            m.call(kv_c=object())
+
+    @pytest.mark.skipif(has_driver(), reason="a valid call would launch on the fake addresses")
+    def test_a_valid_call_reaches_the_driver(self):
+        with pytest.raises(RuntimeError, match="no CUDA driver"):
+            Mla().call()
+        with pytest.raises(RuntimeError, match="no CUDA driver"):
+            Mla().call(kv_cache=FakeCuda((3, 16, 576), "float8_e4m3fn"), kv_cache_dtype="fp8_e4m3", is_neox=False)
+
+
 class TestImport:
     def test_imports_without_torch(self):
         code = "import sys, rope_rs; assert 'torch' not in sys.modules, 'rope_rs imported torch'"

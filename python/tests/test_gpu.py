@@ -1860,6 +1860,137 @@ class TestExchangeApi:
         assert times[True] < times[False]
 
 
+class VllmMlaCase:
+    """vLLM's MLA step: a q projection ``[t, heads, 128 + 64]`` whose last 64 features are q_pe, a
+    kv projection ``[t, 512 + 64]`` split into kv_c and k_pe (views of one tensor, as
+    DeepSeek's ``kv_a_proj`` output), `padded` rows past the tokens (CUDA-graph padding),
+    positions, a ``cos_sin_cache`` of the tensors' dtype, and an FP8 ``kv_cache`` ``[blocks,
+    block_size, 576]`` of a sentinel byte with a slot per token (some -1)."""
+
+    def __init__(self, t=37, padded=3, heads=16, block_size=16, blocks=8, dtype=torch.bfloat16, seed=0):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        n = t + padded
+        self.t, self.r, self.rank, self.dtype = t, 64, 512, dtype
+        self.q = torch.randn(n, heads, 128 + 64, device=DEV, generator=g).to(dtype)
+        self.kv = torch.randn(n, 512 + 64, device=DEV, generator=g).to(dtype)
+        self.q_pe, self.kv_c, self.k_pe = self.q[..., 128:], self.kv[:, :512], self.kv[:, 512:]
+        self.cache = vllm_cache(10000.0, 64, 4096, dtype=dtype)
+        self.positions = torch.randint(0, 4096, (n,), device=DEV, generator=g)
+        slots = torch.randperm(blocks * block_size, device=DEV, generator=g)[:t]
+        slots[::6] = -1
+        self.slots = slots
+        self.shape = (blocks, block_size, 512 + 64)
+
+    def kv_cache(self, dtype):
+        return torch.full(self.shape, 0x3C, device=DEV, dtype=torch.uint8).view(dtype)
+
+    def rotated(self, x, style):
+        """x [n, heads, 64] (or [n, 64]) rotated at the positions in f64, the first t tokens."""
+        x = x[: self.t]
+        heads = x.dim() == 3
+        x = x if heads else x[:, None]
+        cos, sin = table_cos_sin(self.positions[: self.t], self.cache[:, :32], self.cache[:, 32:])
+        out = reference(x[None], cos[None], sin[None], style)[0]
+        return out if heads else out[:, 0]
+
+
+class TestVllmMla:
+    """vLLM's ``concat_and_cache_mla_rope_fused`` through its signature: q_pe and k_pe rotated in
+    place, ``[kv_c | rotated k_pe]`` in FP8 in each kept slot's row of the one cache; eagerly,
+    under ``torch.compile(fullgraph=True)`` and replayed from a CUDA graph. The reference is
+    written from vLLM's kernel's semantics (its rows cut to ``slot_mapping``'s length, FP8 of
+    ``x / kv_cache_scale``)."""
+
+    @pytest.mark.parametrize("fp8", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_rotation_and_latent_cache(self, fp8, is_neox, dtype):
+        c = VllmMlaCase(dtype=dtype, seed=40 + int(is_neox))
+        style = "neox" if is_neox else "interleaved"
+        fmt = torch.float8_e5m2 if fp8 == "fp8_e5m2" else torch.float8_e4m3fn
+        kv_cache = c.kv_cache(torch.uint8 if fp8 == "fp8" else fmt)
+        q0, kv0 = c.q.clone(), c.kv.clone()
+        want_q, want_k = c.rotated(c.q_pe, style), c.rotated(c.k_pe, style)
+        scale = torch.tensor([0.5], device=DEV)
+        rope_rs.concat_and_cache_mla_rope_fused(
+            c.positions, c.q_pe, c.k_pe, c.kv_c, c.cache, is_neox, c.slots, kv_cache, fp8, scale
+        )
+        torch.cuda.synchronize()
+        check(c.q_pe[: c.t], want_q)
+        check(c.k_pe[: c.t], want_k)
+        assert torch.equal(c.q[: c.t, :, :128], q0[: c.t, :, :128]), "q_nope is untouched"
+        assert torch.equal(c.q[c.t :], q0[c.t :]) and torch.equal(c.kv[c.t :], kv0[c.t :]), "padding is untouched"
+        assert torch.equal(c.kv_c, kv0[:, :512]), "kv_c is only read"
+        rows = kv_cache.view(torch.uint8).view(-1, 576)
+        kept = c.slots >= 0
+        slots = c.slots[kept]
+        fp8_near(rows[slots, :512], kv0[: c.t, :512][kept], 2.0, fmt)
+        fp8_near(rows[slots, 512:], want_k[kept], 2.0, fmt)
+        others = torch.ones(rows.shape[0], dtype=torch.bool, device=DEV)
+        others[slots] = False
+        assert (rows[others] == 0x3C).all(), "rows of no kept slot are untouched"
+
+    def test_refused_calls_name_the_argument_and_write_nothing(self):
+        c = VllmMlaCase(seed=43)
+        q0, kv0 = c.q.clone(), c.kv.clone()
+        scale = torch.tensor([0.5], device=DEV)
+        call = lambda kv_cache, dtype="fp8", **kw: rope_rs.concat_and_cache_mla_rope_fused(  # noqa: E731
+            kw.get("positions", c.positions), c.q_pe, c.k_pe, c.kv_c, c.cache, True, c.slots, kv_cache, dtype,
+            kw.get("scale", scale),
+        )
+        bf16 = torch.zeros(c.shape, device=DEV, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match='^kv_cache_dtype: "auto"'):
+            call(bf16, "auto")
+        narrow = torch.zeros(8, 16, 512 + 32, device=DEV, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="^kv_cache"):
+            call(narrow)
+        cache = c.kv_cache(torch.uint8)
+        with pytest.raises(ValueError, match="^kv_cache_scale"):
+            call(cache, scale=torch.tensor([0.5], device=DEV, dtype=torch.float16))
+        with pytest.raises(ValueError, match="^positions"):
+            call(cache, positions=c.positions[:5])
+        torch.cuda.synchronize()
+        assert torch.equal(c.q, q0) and torch.equal(c.kv, kv0)
+        assert (narrow == 0).all() and (cache.view(torch.uint8) == 0x3C).all() and (bf16 == 0).all()
+
+    def test_compiled_graph_and_opcheck_match_eager(self):
+        c, fresh = VllmMlaCase(t=32, padded=0, seed=44), VllmMlaCase(t=32, padded=0, seed=45)
+        table, scale = c.cache, torch.tensor([0.25], device=DEV)
+
+        def step(q, kv, positions, slots, kv_cache):
+            q_pe, kv_c, k_pe = q[..., 128:], kv[:, :512], kv[:, 512:]
+            rope_rs.concat_and_cache_mla_rope_fused(
+                positions, q_pe, k_pe, kv_c, table, True, slots, kv_cache, "fp8", scale, pdl=True
+            )
+            return q_pe.float().sum(-1) + k_pe.float().sum(-1)[:, None]
+
+        def inputs(case):
+            return case.q.clone(), case.kv.clone(), case.positions.clone(), case.slots.clone()
+
+        eager_cache, compiled_cache = c.kv_cache(torch.uint8), c.kv_cache(torch.uint8)
+        want = step(*inputs(c), eager_cache)
+        got = torch.compile(step, fullgraph=True)(*inputs(c), compiled_cache)
+        assert torch.equal(got, want) and torch.equal(compiled_cache, eager_cache)
+        static, graphed = inputs(c), c.kv_cache(torch.uint8)
+        step(*static, graphed)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(*static, graphed)
+        for x, y in zip(static, inputs(fresh)):
+            x.copy_(y)
+        graphed.fill_(0x3C)
+        graph.replay()
+        again = fresh.kv_cache(torch.uint8)
+        want = step(*inputs(fresh), again)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(graphed, again)
+        q_pe, k_pe, kv_c = (x.contiguous() for x in (c.q_pe, c.k_pe, c.kv_c))
+        torch.library.opcheck(
+            rope_torch.concat_and_cache_mla_rope_fused_op,
+            (c.positions, q_pe, k_pe, kv_c, table, True, c.slots, c.kv_cache(torch.uint8), "fp8", scale, False),
+        )
+
+
 class TestErrors:
     def test_invalid_cuda_arguments_are_value_errors(self):
         q = randn(4, 2, 64)
