@@ -1243,14 +1243,21 @@ pub fn verify<T: TestElem>(
                 data.k_scale[scale_of(cc.k_per_head)],
                 data.v_scale[scale_of(cc.v_per_head)],
             );
-            let k_nope = |i: usize| data.k_nope[(t * c.hk + h) * nope + i].to_f64();
-            // k's head: the rotated features, then (after them) its non-rotary part.
+            let k_nope_elem = |i: usize| data.k_nope[(t * c.hk + h) * nope + i];
+            let k_nope = |i: usize| k_nope_elem(i).to_f64();
+            // k's head: the rotated features, then (after them) its non-rotary part: FP8 of it
+            // with k's scale, or as it is into a cache of the tensors' type.
             for i in 0..width {
                 let at = head_at(&layout, h) + i;
                 k_written[at] = true;
-                if i >= c.d {
+                if i >= c.d && cc.fp8 {
                     check_fp8(c, kc8[at], k_nope(i - c.d), ks, &mut worst)
                         .map_err(|g| fail("k cache non-rotary", t, h, i, g, k_nope(i - c.d)))?;
+                } else if i >= c.d {
+                    if kc[at].bits() != k_nope_elem(i - c.d).bits() {
+                        let (g, w) = (kc[at].to_f64(), k_nope(i - c.d));
+                        return Err(fail("k cache non-rotary", t, h, i, g, w));
+                    }
                 } else if cc.fp8 {
                     check_fp8(c, kc8[at], k_want[i], ks, &mut worst)
                         .map_err(|g| fail("k cache", t, h, i, g, k_want[i]))?;
@@ -1260,12 +1267,16 @@ pub fn verify<T: TestElem>(
                 }
             }
             if cc.nope == CacheNope::Latent {
-                // k's part into the latent cache, with k's scale.
+                // k's part into the latent cache, with k's scale (or as it is).
                 for i in 0..nope {
                     let at = head_at(&latent, h) + i;
                     v_written[at] = true;
-                    check_fp8(c, vc8[at], k_nope(i), ks, &mut worst)
-                        .map_err(|g| fail("latent cache", t, h, i, g, k_nope(i)))?;
+                    if cc.fp8 {
+                        check_fp8(c, vc8[at], k_nope(i), ks, &mut worst)
+                            .map_err(|g| fail("latent cache", t, h, i, g, k_nope(i)))?;
+                    } else if vc[at].bits() != k_nope_elem(i).bits() {
+                        return Err(fail("latent cache", t, h, i, vc[at].to_f64(), k_nope(i)));
+                    }
                 }
                 continue;
             }

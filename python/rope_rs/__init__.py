@@ -353,9 +353,9 @@ def concat_and_cache_mla_rope_fused(
     and rotated ``k_pe`` go to row ``slot % block_size`` of block ``slot // block_size`` of
     ``kv_cache`` ``[num_blocks, block_size, kv_lora_rank + rot_dim]`` (latent features first),
     ``slot = slot_mapping[t]`` (int32/int64); a negative slot writes nothing. ``kv_cache_dtype``
-    ``"fp8"``/``"fp8_e4m3"`` stores FP8 E4M3 of ``x / kv_cache_scale`` (float32, one element)
-    into a uint8 or float8_e4m3fn cache, ``"fp8_e5m2"`` E5M2; ``"auto"`` (a cache of q_pe's
-    dtype) raises ValueError: the kernels store ``kv_c`` as FP8 only.
+    ``"auto"`` stores q_pe's dtype (``kv_cache_scale`` unused), ``"fp8"``/``"fp8_e4m3"`` FP8 E4M3
+    of ``x / kv_cache_scale`` (float32, one element) into a uint8 or float8_e4m3fn cache,
+    ``"fp8_e5m2"`` E5M2.
 
     As in vLLM, only the first ``slot_mapping.shape[0]`` tokens are taken (the rest is CUDA-graph
     padding). Unlike vLLM's kernel, tokens with a negative slot still have their ``q_pe`` and

@@ -67,8 +67,9 @@ def concat_and_cache_mla_rope_fused(
     """vLLM's ``concat_and_cache_mla_rope_fused``: rotates ``q_pe`` ``[num_tokens, num_heads,
     rot_dim]`` and ``k_pe`` ``[num_tokens, rot_dim]`` in place and writes ``[kv_c | rotated
     k_pe]`` into ``kv_cache`` ``[num_blocks, block_size, kv_lora_rank + rot_dim]`` at
-    ``slot_mapping``, FP8 of ``x / kv_cache_scale`` ("auto" raises). Every token row is taken
-    (``rope_rs.concat_and_cache_mla_rope_fused`` cuts them to ``slot_mapping``'s length).
+    ``slot_mapping``, in q_pe's dtype ("auto") or FP8 of ``x / kv_cache_scale``. Every token row
+    is taken (``rope_rs.concat_and_cache_mla_rope_fused`` cuts them to ``slot_mapping``'s
+    length).
     """
 
 def rotary_embedding(

@@ -624,10 +624,10 @@ const VLLM_MLA_NAMES: Names = Names {
 /// `[kv_c | rotated k_pe]` (`kv_c` `[num_tokens, kv_lora_rank]`) into row `slot % block_size`
 /// of block `slot // block_size` of `kv_cache` `[num_blocks, block_size, kv_lora_rank +
 /// rot_dim]` (`slot_mapping` int32/int64 `[num_tokens]`; a negative slot writes nothing, the
-/// token's q_pe and k_pe are still rotated). `kv_cache_dtype` "fp8" (or "fp8_e4m3") stores FP8
-/// E4M3 of `x / kv_cache_scale` (a float32 tensor of one element) into a uint8 or
-/// float8_e4m3fn cache, "fp8_e5m2" E5M2; "auto" (the cache in q_pe's dtype) is refused: the
-/// fused kernels store the latent part as FP8 only. `rot_dim` is `q_pe`'s last extent (the
+/// token's q_pe and k_pe are still rotated). `kv_cache_dtype` "auto" stores q_pe's dtype
+/// (`kv_cache_scale` unused), "fp8" (or "fp8_e4m3") FP8 E4M3 of `x / kv_cache_scale` (a float32
+/// tensor of one element) into a uint8 or float8_e4m3fn cache, "fp8_e5m2" E5M2. `rot_dim` is
+/// `q_pe`'s last extent (the
 /// Python wrapper passes it), every token row is rotated (the wrapper cuts them to
 /// `slot_mapping`'s length, as vLLM does for padded batches).
 ///
@@ -655,13 +655,11 @@ fn concat_and_cache_mla_rope_fused(
     pdl: bool,
 ) -> PyResult<()> {
     let dtype = CacheType::parse(kv_cache_dtype)?;
-    if dtype == CacheType::Auto {
-        return Err(PyValueError::new_err(
-            "kv_cache_dtype: \"auto\" (a kv_cache of q_pe's dtype) is not supported: the fused \
-             kernels store kv_c into FP8 caches only; give \"fp8\" or \"fp8_e5m2\" with a \
-             uint8 or float8 kv_cache",
-        ));
-    }
+    // As in vLLM, a cache of the tensors' type ignores the scale.
+    let scales = match dtype {
+        CacheType::Auto => None,
+        CacheType::Fp8(_) => Some(ScalesArg::Tensors(kv_cache_scale, kv_cache_scale)),
+    };
     // kv_c's features: the latent part's width, its columns first in each kv_cache row.
     let kv_lora_rank = kv_c
         .getattr(pyo3::intern!(kv_c.py(), "shape"))
@@ -686,7 +684,7 @@ fn concat_and_cache_mla_rope_fused(
             value_cache: kv_cache,
             address: AddressArg::Slots(slot_mapping),
             dtype,
-            scales: Some(ScalesArg::Tensors(kv_cache_scale, kv_cache_scale)),
+            scales,
             heads_first: false,
             page_size: None,
             non_rotary: Some(CacheNopeArg::LatentColumns(kv_c, kv_lora_rank)),

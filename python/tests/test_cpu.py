@@ -287,10 +287,10 @@ class TestMlaArguments:
     """vLLM's ``concat_and_cache_mla_rope_fused`` checks its arguments before the device, naming
     them as vLLM does."""
 
-    def test_auto_and_unknown_cache_types_are_refused(self):
+    def test_the_cache_type_follows_kv_cache_dtype(self):
         m = Mla()
-        with pytest.raises(ValueError, match=r'^kv_cache_dtype: "auto" .* FP8 caches only'):
-            m.call(kv_cache_dtype="auto", kv_cache=FakeCuda((3, 16, 576), "bfloat16"))
+        with pytest.raises(ValueError, match=r'^kv_cache must be bfloat16 \(kv_cache_dtype="auto"\), got uint8'):
+            m.call(kv_cache_dtype="auto")
         with pytest.raises(ValueError, match="kv_cache_dtype must be"):
             m.call(kv_cache_dtype="fp8_e3m4")
 
@@ -325,6 +325,10 @@ class TestMlaArguments:
             Mla().call()
         with pytest.raises(RuntimeError, match="no CUDA driver"):
             Mla().call(kv_cache=FakeCuda((3, 16, 576), "float8_e4m3fn"), kv_cache_dtype="fp8_e4m3", is_neox=False)
+        # "auto": a cache of the tensors' type; the scale is not read (vLLM's rule).
+        with pytest.raises(RuntimeError, match="no CUDA driver"):
+            Mla().call(kv_cache=FakeCuda((3, 16, 576), "bfloat16"), kv_cache_dtype="auto",
+                       kv_cache_scale=FakeCuda((1,), "float16"))
 
 
 class TestImport:

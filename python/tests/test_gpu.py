@@ -1864,8 +1864,9 @@ class VllmMlaCase:
     """vLLM's MLA step: a q projection ``[t, heads, 128 + 64]`` whose last 64 features are q_pe, a
     kv projection ``[t, 512 + 64]`` split into kv_c and k_pe (views of one tensor, as
     DeepSeek's ``kv_a_proj`` output), `padded` rows past the tokens (CUDA-graph padding),
-    positions, a ``cos_sin_cache`` of the tensors' dtype, and an FP8 ``kv_cache`` ``[blocks,
-    block_size, 576]`` of a sentinel byte with a slot per token (some -1)."""
+    positions, a ``cos_sin_cache`` of the tensors' dtype, and a ``kv_cache`` ``[blocks,
+    block_size, 576]`` (FP8 or of the tensors' type) of a sentinel with a slot per token (some
+    -1)."""
 
     def __init__(self, t=37, padded=3, heads=16, block_size=16, blocks=8, dtype=torch.bfloat16, seed=0):
         g = torch.Generator(device=DEV).manual_seed(seed)
@@ -1882,6 +1883,9 @@ class VllmMlaCase:
         self.shape = (blocks, block_size, 512 + 64)
 
     def kv_cache(self, dtype):
+        """The cache of a sentinel: -7.0 in a 16-bit type, else the byte 0x3C."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return torch.full(self.shape, -7.0, device=DEV, dtype=dtype)
         return torch.full(self.shape, 0x3C, device=DEV, dtype=torch.uint8).view(dtype)
 
     def rotated(self, x, style):
@@ -1896,24 +1900,25 @@ class VllmMlaCase:
 
 class TestVllmMla:
     """vLLM's ``concat_and_cache_mla_rope_fused`` through its signature: q_pe and k_pe rotated in
-    place, ``[kv_c | rotated k_pe]`` in FP8 in each kept slot's row of the one cache; eagerly,
-    under ``torch.compile(fullgraph=True)`` and replayed from a CUDA graph. The reference is
-    written from vLLM's kernel's semantics (its rows cut to ``slot_mapping``'s length, FP8 of
-    ``x / kv_cache_scale``)."""
+    place, ``[kv_c | rotated k_pe]`` in each kept slot's row of the one cache (FP8 or the
+    tensors' type); eagerly, under ``torch.compile(fullgraph=True)`` and replayed from a CUDA
+    graph. The reference is written from vLLM's kernel's semantics (its rows cut to
+    ``slot_mapping``'s length, FP8 of ``x / kv_cache_scale``)."""
 
-    @pytest.mark.parametrize("fp8", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+    @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     @pytest.mark.parametrize("is_neox", [True, False])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-    def test_rotation_and_latent_cache(self, fp8, is_neox, dtype):
+    def test_rotation_and_latent_cache(self, kv_cache_dtype, is_neox, dtype):
         c = VllmMlaCase(dtype=dtype, seed=40 + int(is_neox))
         style = "neox" if is_neox else "interleaved"
-        fmt = torch.float8_e5m2 if fp8 == "fp8_e5m2" else torch.float8_e4m3fn
-        kv_cache = c.kv_cache(torch.uint8 if fp8 == "fp8" else fmt)
+        fmt = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+        auto = kv_cache_dtype == "auto"
+        kv_cache = c.kv_cache(dtype if auto else torch.uint8 if kv_cache_dtype == "fp8" else fmt)
         q0, kv0 = c.q.clone(), c.kv.clone()
         want_q, want_k = c.rotated(c.q_pe, style), c.rotated(c.k_pe, style)
         scale = torch.tensor([0.5], device=DEV)
         rope_rs.concat_and_cache_mla_rope_fused(
-            c.positions, c.q_pe, c.k_pe, c.kv_c, c.cache, is_neox, c.slots, kv_cache, fp8, scale
+            c.positions, c.q_pe, c.k_pe, c.kv_c, c.cache, is_neox, c.slots, kv_cache, kv_cache_dtype, scale
         )
         torch.cuda.synchronize()
         check(c.q_pe[: c.t], want_q)
@@ -1921,14 +1926,20 @@ class TestVllmMla:
         assert torch.equal(c.q[: c.t, :, :128], q0[: c.t, :, :128]), "q_nope is untouched"
         assert torch.equal(c.q[c.t :], q0[c.t :]) and torch.equal(c.kv[c.t :], kv0[c.t :]), "padding is untouched"
         assert torch.equal(c.kv_c, kv0[:, :512]), "kv_c is only read"
-        rows = kv_cache.view(torch.uint8).view(-1, 576)
+        rows = kv_cache.view(-1, 576)
         kept = c.slots >= 0
         slots = c.slots[kept]
-        fp8_near(rows[slots, :512], kv0[: c.t, :512][kept], 2.0, fmt)
-        fp8_near(rows[slots, 512:], want_k[kept], 2.0, fmt)
+        if auto:
+            # kv_c as it is, the rotated k_pe as rounded into k_pe.
+            assert torch.equal(rows[slots, :512], kv0[: c.t, :512][kept])
+            assert torch.equal(rows[slots, 512:], c.k_pe[: c.t][kept])
+        else:
+            fp8_near(rows[slots, :512], kv0[: c.t, :512][kept], 2.0, fmt)
+            fp8_near(rows[slots, 512:], want_k[kept], 2.0, fmt)
         others = torch.ones(rows.shape[0], dtype=torch.bool, device=DEV)
         others[slots] = False
-        assert (rows[others] == 0x3C).all(), "rows of no kept slot are untouched"
+        sentinel = c.kv_cache(kv_cache.dtype).view(-1, 576)[0]
+        assert (rows[others].view(torch.uint8) == sentinel.view(torch.uint8)).all(), "rows of no kept slot are untouched"
 
     def test_refused_calls_name_the_argument_and_write_nothing(self):
         c = VllmMlaCase(seed=43)
@@ -1939,8 +1950,10 @@ class TestVllmMla:
             kw.get("scale", scale),
         )
         bf16 = torch.zeros(c.shape, device=DEV, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match='^kv_cache_dtype: "auto"'):
-            call(bf16, "auto")
+        with pytest.raises(ValueError, match="^kv_cache must be uint8"):
+            call(bf16, "fp8")
+        with pytest.raises(ValueError, match="^kv_cache must be bfloat16"):
+            call(torch.zeros(c.shape, device=DEV, dtype=torch.uint8), "auto")
         narrow = torch.zeros(8, 16, 512 + 32, device=DEV, dtype=torch.uint8)
         with pytest.raises(ValueError, match="^kv_cache"):
             call(narrow)

@@ -1302,15 +1302,17 @@ unsafe fn token_heads_body<
 /// thread `n` of those blocks takes accesses `i + j * threads` (`N` elements, 16 bytes; `i = n %
 /// threads`, `j` below [`NOPE_ACCESSES_PER_THREAD`], those below `accesses`) of head `n /
 /// threads` of q's part, then k's, then v's (see [`NopeCached::V`]), loads them all, then
-/// stores each as `fp8(x * m)`, unrotated: q's in the format and with the multiplier `m` of q's FP8 output; k's in
-/// those of k's FP8 output, or of the cache with k's scale when the part is cached; v's in the
-/// cache's with v's scale. A cached part of a token without a slot, and threads past the heads,
+/// stores each unrotated as `fp8(x * m)`: q's in the format and with the multiplier `m` of q's
+/// FP8 output; k's in those of k's FP8 output, or of the cache with k's scale when the part is
+/// cached; v's in the cache's with v's scale. Into a cache of the tensors' type a cached part is
+/// stored as loaded. A cached part of a token without a slot, and threads past the heads,
 /// store nothing.
 ///
 /// # Safety
 /// `token < tokens`; the entry points' promises for the non-rotary parts (each part's heads
-/// inside its input and output, aligned to `N` elements and `N` bytes, spanning fewer than
-/// 2^32 elements; a cache part's heads inside the cache for every slot below `cache_slots`),
+/// inside its input and output, aligned to one access (`N` elements of the input, and of the
+/// output's format), spanning fewer than 2^32 elements; a cache part's heads inside the cache
+/// for every slot below `cache_slots`),
 /// and an FP8 output of the rotated part of each uncached part given.
 #[inline(always)]
 unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
@@ -1347,9 +1349,14 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
     } else {
         (f.cache_format, f.v_scale, f.v_scale_step, f.v_multiplier)
     };
-    if format == FormatCode::Elem as u32 {
+    // A cached part goes into a cache of the tensors' type unconverted; an uncached part's
+    // output is FP8 (the host's rule).
+    let elem = format == FormatCode::Elem as u32;
+    if elem && !cached {
         trap()
     }
+    // Bytes per element of the destination.
+    let size = if elem { T::SIZE as u32 } else { 1 };
     let stride = n.threads.divisor.get();
     // Every global access comes after this (see `token_heads_body`).
     wait_for_prior_grids();
@@ -1369,20 +1376,22 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
             let Some((block, row)) = cache_place::<T>(f, token) else {
                 return;
             };
+            // The cache offsets count elements of the cache's format, `size` bytes each.
             if is_k {
                 let at = token * n.k_strides[0] + head * n.k_strides[1];
                 let [sb, sr, sh] = n.cache_strides;
                 let to = u64::from(block) * sb + u64::from(row) * sr + u64::from(head) * sh;
-                (n.k.add(at as usize), n.k_out.add(to as usize))
+                (
+                    n.k.add(at as usize),
+                    n.k_out.add((to * u64::from(size)) as usize),
+                )
             } else {
                 let (b, s) = f.rope.seq.div_rem_u32(token);
                 let at = offset_u32(f.v.x_strides, (b, s), head) + f.head_dim;
                 let [sb, sr, sh] = f.cache_strides;
                 let to = u64::from(block) * sb + u64::from(row) * sr + u64::from(head) * sh;
-                (
-                    f.v.x.add(at as usize),
-                    f.v_cache.add((to + u64::from(f.head_dim)) as usize),
-                )
+                let to = (to + u64::from(f.head_dim)) * u64::from(size);
+                (f.v.x.add(at as usize), f.v_cache.add(to as usize))
             }
         };
         let m = if scale.is_null() {
@@ -1402,9 +1411,13 @@ unsafe fn non_rotary<T: Elem, const N: usize>(f: &Fused<T>, token: u32) {
         unrolled(J, |j| {
             let access = lane + j as u32 * stride;
             if access < n.accesses {
+                let o = out.add((access * N as u32 * size) as usize);
+                if elem {
+                    crate::access::store::<T, N>(o.cast(), raw[j]);
+                    return;
+                }
                 let mut v = T::widen(raw[j]);
                 unrolled(N, |e| v[e] *= m);
-                let o = out.add((access * N as u32) as usize);
                 if format == FormatCode::E5m2 as u32 {
                     Fp8E5m2::store_rounded::<N>(o.cast(), v)
                 } else {

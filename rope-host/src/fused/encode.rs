@@ -91,7 +91,9 @@ pub(super) fn cached_nope_args(req: &FusedRequest, es: usize) -> Option<CachedNo
     let (out, layout, bits) = match part.into {
         NonRotaryCache::AfterRotated => {
             let v = if req.v.is_some() { NopeCached::V } else { 0 };
-            let head_dim = u64::from(req.rope.config.head_dim());
+            // The part's first element, `head_dim` elements of the cache's format into k's head.
+            let ces = if cache.fp8.is_some() { 1 } else { es as u64 };
+            let head_dim = u64::from(req.rope.config.head_dim()) * ces;
             (cache.k.ptr + head_dim, cache.layout, NopeCached::K | v)
         }
         NonRotaryCache::Latent(l) => (cache.v.ptr, l, NopeCached::K),

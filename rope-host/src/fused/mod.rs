@@ -358,9 +358,10 @@ pub struct KvCache<'a, T> {
 }
 
 /// k's features outside the rotation in a tensor of their own (FlashInfer's `k_nope` in
-/// `rope_quantize_fp8_append_paged_kv_cache`), written unrotated into a cache in the same launch
-/// as the rotated ones: `fp8(x / scale)` or `fp8(x * multiplier)` in the cache's format with
-/// k's scale ([`CacheData::Fp8`] only), for each token that has a slot.
+/// `rope_quantize_fp8_append_paged_kv_cache`, vLLM's MLA `kv_c`), written unrotated into a cache
+/// in the same launch as the rotated ones, for each token that has a slot: `fp8(x / scale)` or
+/// `fp8(x * multiplier)` in the cache's format with k's scale ([`CacheData::Fp8`]), or as they
+/// are ([`CacheData::Elem`]; a latent cache's address then aligned to 16 bytes).
 ///
 /// Layout: `input` is `[batch, seq, kv_heads, nope_dim]` with k's batch, seq and heads, tokens
 /// at one stride, as [`NonRotary`]'s input (`nope_dim`, strides and offset multiples of one

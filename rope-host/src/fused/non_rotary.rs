@@ -91,18 +91,13 @@ pub(crate) fn check_nope(req: &FusedRequest, es: usize) -> Result<Vec<Region>> {
     Ok(regions)
 }
 
-/// k's part into the cache (see [`check_nope`]): an FP8 cache; the input as a part's, of k's
-/// batch, seq and heads; a latent cache of the k cache's blocks, k's heads and the part's
-/// width, whose stores (one access of `16 / es` bytes) are aligned; its input's region.
+/// k's part into the cache (see [`check_nope`]): the input as a part's, of k's batch, seq and
+/// heads; a latent cache of the k cache's blocks, k's heads and the part's width, whose stores
+/// (one access of `16 / es` elements of the cache's format: FP8 bytes, or the tensors' type)
+/// are aligned; its input's region.
 fn check_cached(req: &FusedRequest, c: CachedNope, k: &Layout, es: usize) -> Result<Region> {
     let lanes = nope_lanes(es);
     let x = c.input.1;
-    if !req.cache.is_some_and(|cache| cache.fp8.is_some()) {
-        return Err(invalid(
-            CACHE_NOPE_NAME,
-            "is stored into FP8 caches only (CacheData::Fp8)",
-        ));
-    }
     check_dims(&x, k, (CACHE_NOPE_NAME, lanes))?;
     if let (NonRotaryCache::Latent(l), Some(cache)) = (c.into, req.cache) {
         let k_cache = &cache.layout;
@@ -117,13 +112,16 @@ fn check_cached(req: &FusedRequest, c: CachedNope, k: &Layout, es: usize) -> Res
                 ),
             ));
         }
-        let aligned = cache.v.ptr.is_multiple_of(lanes as u64)
+        let ces = if cache.fp8.is_some() { 1 } else { es };
+        let aligned = cache.v.ptr.is_multiple_of((lanes * ces) as u64)
             && l.strides.iter().all(|s| s.is_multiple_of(lanes));
         if !aligned {
             return Err(invalid(
                 "cache.non_rotary.layout",
                 format!(
-                    "the latent cache's address and strides must be multiples of {lanes} bytes"
+                    "the latent cache's address must be a multiple of {} bytes and its strides \
+                     of {lanes} elements",
+                    lanes * ces
                 ),
             ));
         }

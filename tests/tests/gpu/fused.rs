@@ -165,7 +165,8 @@ fn fused_fp8_scales_of_each_granularity_match_reference_f32() {
 /// (`x * quant_scale`), k into an FP8 output without a cache, and non-rotary parts beside q's
 /// and k's FP8 outputs or, k's, into the cache after each head's rotated features (v as wide)
 /// or into a latent cache (FlashInfer's `q_nope`, `k_nope`, MLA's `ckv_cache`; two cases in
-/// five). Every written
+/// five; a third of those caches of the tensors' type, as vLLM's MLA cache with
+/// `kv_cache_dtype="auto"`). Every written
 /// byte matches the reference's encoding, the slots the reference finds no entry for (and
 /// every byte outside the table's slots, and between the non-rotary heads) keep their poison;
 /// through both entries and every kernel choice, every fifth case prefill-sized.
@@ -225,6 +226,8 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
                     0 | 3 => CacheNope::AfterRotated,
                     _ => CacheNope::Latent,
                 };
+                // One such cache in three of the tensors' type: the part stored as it is.
+                cache.fp8 = j % 3 != 1;
             }
         }
         let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };

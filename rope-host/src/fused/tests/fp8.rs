@@ -371,6 +371,11 @@ fn cached_non_rotary_parts_take_blocks_for_k_and_v() {
     let a = cached_nope_args(&r, 2).expect("cached");
     assert_eq!((a.part.x, a.part.out), (31 << 24, (7 << 24) + D as u64));
     assert_eq!(a.cached, NopeCached(NopeCached::K | NopeCached::V));
+    // Into caches of the tensors' type the part starts `D` elements of 2 bytes into each head.
+    let mut elem = with_cached_nope(64);
+    elem.cache.as_mut().expect("cache").fp8 = None;
+    let a = cached_nope_args(&elem, 2).expect("cached");
+    assert_eq!(a.part.out, (7 << 24) + 2 * D as u64);
     let width = (D + 64) as u64;
     assert_eq!(a.strides, [16 * 8 * width, 8 * width, width]);
     let r = with_latent();
@@ -384,7 +389,8 @@ fn cached_non_rotary_parts_take_blocks_for_k_and_v() {
     assert_eq!(a.strides, [16 * 512, 512, 512]);
 }
 
-/// k's part into the cache is checked against k, the caches and v, naming the argument.
+/// k's part into the cache is checked against k, the caches and v, naming the argument; into
+/// caches of the tensors' type as into FP8 ones, a latent cache then aligned to a 16-byte store.
 #[test]
 fn cached_non_rotary_parts_are_checked_naming_their_argument() {
     assert!(plan_of(&with_cached_nope(64)).is_ok());
@@ -392,7 +398,17 @@ fn cached_non_rotary_parts_are_checked_naming_their_argument() {
     // Caches of the tensors' type.
     let mut r = with_cached_nope(64);
     r.cache.as_mut().expect("cache").fp8 = None;
-    assert_eq!(invalid_arg(&r), "cache.non_rotary.input");
+    assert!(plan_of(&r).is_ok());
+    let mut r = with_latent();
+    r.cache.as_mut().expect("cache").fp8 = None;
+    assert!(plan_of(&r).is_ok());
+    // 8 bytes off: one FP8 store's alignment, half of a 16-bit one's.
+    let c = r.cache.as_mut().expect("cache");
+    c.v.ptr += 8;
+    assert_eq!(invalid_arg(&r), "cache.non_rotary.layout");
+    let mut r = with_latent();
+    r.cache.as_mut().expect("cache").v.ptr += 8;
+    assert!(plan_of(&r).is_ok());
     // Features other than q's part's, and heads other than k's.
     let mut r = with_cached_nope(64);
     let l = Layout::thd(TOKENS, 32, 32);
