@@ -12,8 +12,9 @@ moves its bytes as fast as a copy, so the Python path adds no GPU time. Host tim
 per call of ``--reps`` back-to-back calls from Python, the fastest of five rounds (the GPU is
 never the bottleneck there: each call enqueues one short kernel), for ``rope_rs.apply_rope``, for the native call under it
 with everything precomputed, and for ``copy_``; the same for the serving drop-ins (vLLM's
-``fused_qk_norm_rope`` and ``rotary_embedding`` with a cache write, SGLang's rotation with
-``fused_set_kv_buffer_arg``) at decode and prefill. ``--host-rounds N`` times only the decode rows'
+``fused_qk_norm_rope`` and ``rotary_embedding`` with a cache write, its MLA
+``concat_and_cache_mla_rope_fused``, SGLang's rotation with ``fused_set_kv_buffer_arg``,
+FlashInfer's FP8 forms) at decode and prefill. ``--host-rounds N`` times only the decode rows'
 calls on the host, in N rounds of ``--calls`` calls of each in turn (``copy_`` among them), for
 comparing two wheels run one after the other on a host whose speed drifts.
 """
@@ -244,6 +245,23 @@ def serving_cases(tokens, stream):
             "float8_e4m3fn", 1.0, 1.0, 16, "NHD", mla_out[0], stream, False, False, mla_in[2], mla_out[2], mla_in[3],
         ),
     )
+    # vLLM's MLA (concat_and_cache_mla_rope_fused): q_pe, the last 64 of each of 128 q heads'
+    # 128 + 64 features, and k_pe rotated in place, each token's [kv_c | rotated k_pe] (views of
+    # one [t, 512 + 64] projection) into the one latent cache, E4M3 or bf16; the copy moves q_pe
+    # and the projection.
+    q_v = torch.randn(t, 128, 192, device=dev, dtype=bf16)
+    kv = torch.randn(t, 576, device=dev, dtype=bf16)
+    q_pe, kv_c, k_pe = q_v[..., 128:], kv[:, :512], kv[:, 512:]
+    table_bf16, unit = torch.randn(8192, 64, device=dev, dtype=bf16), torch.ones(1, device=dev)
+    for kv_cache_dtype, cache_type in (("fp8", torch.uint8), ("auto", bf16)):
+        kv_cache = torch.zeros(blocks, 16, 576, device=dev, dtype=cache_type)
+        mla_args = (positions, q_pe, k_pe, kv_c, table_bf16, True, slots, kv_cache, kv_cache_dtype, unit)
+        yield (
+            f"{step}, vLLM concat_and_cache_mla_rope_fused, {kv_cache_dtype} (128 heads, 64 + 512)",
+            (q_pe, kv),
+            lambda a=mla_args: rope_rs.concat_and_cache_mla_rope_fused(*a),
+            lambda a=mla_args: _native.concat_and_cache_mla_rope_fused(*a, 64, stream, False, False),
+        )
     arg = rope_rs.FusedSetKVBufferArg(value, pool, v_pool, None, None, slots)
     yield (
         f"{step}, SGLang rope + fused_set_kv_buffer",
