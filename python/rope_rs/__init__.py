@@ -30,6 +30,7 @@ from rope_rs._native import __version__, frequencies
 
 __all__ = [
     "__version__",
+    "DualChunkRotaryEmbedding",
     "FusedSetKVBufferArg",
     "apply_rope",
     "apply_rope_with_cos_sin_cache_inplace",
@@ -782,3 +783,7 @@ def _hf_eager() -> Any:
 
     _HF_EAGER[:] = [_torch_eager.apply_rotary_pos_emb]
     return _HF_EAGER[0]
+
+
+# Last: the module reads rope_rs.apply_rope when called.
+from rope_rs.dual_chunk import DualChunkRotaryEmbedding  # noqa: E402

@@ -331,6 +331,26 @@ class TestMlaArguments:
                        kv_cache_scale=FakeCuda((1,), "float16"))
 
 
+class TestDualChunk:
+    """vLLM's ``DualChunkRotaryEmbedding``: its sizes are checked when made, and it takes
+    ``torch.Tensor``s only."""
+
+    def test_sizes_vllm_could_not_serve_are_refused(self):
+        make = rope_rs.DualChunkRotaryEmbedding
+        assert make(128, 64, 32768, 1e6, True, None, chunk_size=8192, local_size=1024).chunk_len == 7168
+        with pytest.raises(ValueError, match=r"local_size must lie in \[0, chunk_size\)"):
+            make(128, 128, 32768, 1e6, True, None, chunk_size=1024, local_size=1024)
+        with pytest.raises(ValueError, match="rotary_dim must be even"):
+            make(128, 130, 32768, 1e6, True, None, chunk_size=8192, local_size=1024)
+        with pytest.raises(ValueError, match="max_position_embeddings must be positive"):
+            make(128, 128, 0, 1e6, True, None, chunk_size=8192, local_size=1024)
+
+    def test_other_tensors_are_type_errors(self):
+        rope = rope_rs.DualChunkRotaryEmbedding(64, 64, 4096, 1e4, True, None, 256, 32)
+        with pytest.raises(TypeError, match="must be torch.Tensors"):
+            rope(ints(7), FakeCuda((7, 4 * 64), "bfloat16"), FakeCuda((7, 64), "bfloat16"))
+
+
 class TestImport:
     def test_imports_without_torch(self):
         code = "import sys, rope_rs; assert 'torch' not in sys.modules, 'rope_rs imported torch'"

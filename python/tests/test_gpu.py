@@ -2004,6 +2004,48 @@ class TestVllmMla:
         )
 
 
+class TestDualChunk:
+    """vLLM's ``DualChunkRotaryEmbedding`` (vllm/model_executor/layers/rotary_embedding.py,
+    Qwen2.5-1M's dual chunk attention) against a float64 reference written from that class: its
+    caches index keys by ``positions % chunk_len`` and queries by ``positions % chunk_len`` into
+    tables of ``arange(chunk_len)`` (``q``), ``(arange(chunk_len) + chunk_len).clamp(max=
+    chunk_size)`` (``qc``, also read at ``chunk_len - 1`` for every token), ``arange(chunk_len) +
+    chunk_len`` and ``arange(chunk_len) + chunk_size``, angles ``f32(t) * f32(inv_freq)``; the
+    query variants concatenated along the last dimension, pass-through features copied."""
+
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("rotary_dim", [128, 64])
+    def test_matches_vllms_definition(self, is_neox, dtype, rotary_dim):
+        t, hq, hk, d, chunk_size, local_size, base = 53, 4, 2, 128, 256, 32, 1e6
+        span = chunk_size - local_size
+        g = torch.Generator(device=DEV).manual_seed(50 + int(is_neox) + rotary_dim)
+        query = torch.randn(t, hq * d, device=DEV, generator=g).to(dtype)
+        key = torch.randn(t, hk * d, device=DEV, generator=g).to(dtype)
+        positions = torch.randint(0, 3000, (t,), device=DEV, generator=g)
+        offsets = torch.randint(0, 100, (t,), device=DEV, generator=g)
+        q0, k0 = query.clone(), key.clone()
+        rope = rope_rs.DualChunkRotaryEmbedding(d, rotary_dim, 32768, base, is_neox, dtype, chunk_size, local_size)
+        q_out, k_out = rope(positions, query, key, offsets)
+        assert torch.equal(query, q0) and torch.equal(key, k0), "the inputs are unchanged"
+        assert q_out.shape == (t, 5 * hq * d) and k_out.shape == (t, hk * d)
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        style = "neox" if is_neox else "interleaved"
+
+        def rotated(x, at):
+            angle = (at.to(torch.float32)[:, None] * inv_freq.to(DEV)[None]).to(torch.float64)
+            return reference(x.view(1, t, -1, d), angle.cos()[None], angle.sin()[None], style, rotary_dim)[0]
+
+        p = positions + offsets
+        within = p % span
+        qc = (torch.arange(span, device=DEV) + span).clamp(max=chunk_size)
+        variants = [within, qc[within], qc[span - 1].expand(t), within + span, within + chunk_size]
+        got = q_out.view(t, 5, hq, d)
+        for i, at in enumerate(variants):
+            check(got[:, i], rotated(query, at))
+        check(k_out.view(t, hk, d), rotated(key, within))
+
+
 class TestErrors:
     def test_invalid_cuda_arguments_are_value_errors(self):
         q = randn(4, 2, 64)
