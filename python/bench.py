@@ -111,7 +111,9 @@ def cases():
     # 16-token blocks) and SGLang's token pool. "Tensors" are what the copy moves: q and k, plus
     # k and v again for the cache write.
     yield from serving_cases(64, stream)
+    yield from mla_cases(64, stream)
     yield from serving_cases(4096, stream)
+    yield from mla_cases(8192, stream)
     # Prefill: one sequence of 4096 tokens.
     q, k = torch.randn(1, 4096, 32, 128, device=dev, dtype=bf16), torch.randn(1, 4096, 8, 128, device=dev, dtype=bf16)
     yield (
@@ -245,23 +247,6 @@ def serving_cases(tokens, stream):
             "float8_e4m3fn", 1.0, 1.0, 16, "NHD", mla_out[0], stream, False, False, mla_in[2], mla_out[2], mla_in[3],
         ),
     )
-    # vLLM's MLA (concat_and_cache_mla_rope_fused): q_pe, the last 64 of each of 128 q heads'
-    # 128 + 64 features, and k_pe rotated in place, each token's [kv_c | rotated k_pe] (views of
-    # one [t, 512 + 64] projection) into the one latent cache, E4M3 or bf16; the copy moves q_pe
-    # and the projection.
-    q_v = torch.randn(t, 128, 192, device=dev, dtype=bf16)
-    kv = torch.randn(t, 576, device=dev, dtype=bf16)
-    q_pe, kv_c, k_pe = q_v[..., 128:], kv[:, :512], kv[:, 512:]
-    table_bf16, unit = torch.randn(8192, 64, device=dev, dtype=bf16), torch.ones(1, device=dev)
-    for kv_cache_dtype, cache_type in (("fp8", torch.uint8), ("auto", bf16)):
-        kv_cache = torch.zeros(blocks, 16, 576, device=dev, dtype=cache_type)
-        mla_args = (positions, q_pe, k_pe, kv_c, table_bf16, True, slots, kv_cache, kv_cache_dtype, unit)
-        yield (
-            f"{step}, vLLM concat_and_cache_mla_rope_fused, {kv_cache_dtype} (128 heads, 64 + 512)",
-            (q_pe, kv),
-            lambda a=mla_args: rope_rs.concat_and_cache_mla_rope_fused(*a),
-            lambda a=mla_args: _native.concat_and_cache_mla_rope_fused(*a, 64, stream, False, False),
-        )
     arg = rope_rs.FusedSetKVBufferArg(value, pool, v_pool, None, None, slots)
     yield (
         f"{step}, SGLang rope + fused_set_kv_buffer",
@@ -269,6 +254,31 @@ def serving_cases(tokens, stream):
         lambda: rope_rs.apply_rope_with_cos_sin_cache_inplace(*rope_args, arg),
         lambda: _native.apply_rope_with_cos_sin_cache_inplace(*rope_args, arg, stream=stream, producer_sync=False),
     )
+
+
+def mla_cases(tokens, stream):
+    """vLLM's MLA drop-in (``concat_and_cache_mla_rope_fused``) on `tokens` tokens of 128 q
+    heads: q_pe, the last 64 of each head's 128 + 64 features, and k_pe rotated in place, each
+    token's ``[kv_c | rotated k_pe]`` (views of one ``[t, 512 + 64]`` projection) into the one
+    latent cache, E4M3 or bf16; the copy moves q_pe and the projection."""
+    dev, bf16, t = "cuda", torch.bfloat16, tokens
+    step = "decode b64" if t == 64 else f"prefill {t} tok"
+    q_v = torch.randn(t, 128, 192, device=dev, dtype=bf16)
+    kv = torch.randn(t, 576, device=dev, dtype=bf16)
+    q_pe, kv_c, k_pe = q_v[..., 128:], kv[:, :512], kv[:, 512:]
+    table, unit = torch.randn(8192, 64, device=dev, dtype=bf16), torch.ones(1, device=dev)
+    positions = torch.randint(0, 8192, (t,), device=dev)
+    blocks = (t + 15) // 16 + 8
+    slots = torch.randperm(blocks * 16, device=dev)[:t]
+    for kv_cache_dtype, cache_type in (("fp8", torch.uint8), ("auto", bf16)):
+        kv_cache = torch.zeros(blocks, 16, 576, device=dev, dtype=cache_type)
+        args = (positions, q_pe, k_pe, kv_c, table, True, slots, kv_cache, kv_cache_dtype, unit)
+        yield (
+            f"{step}, vLLM concat_and_cache_mla_rope_fused, {kv_cache_dtype} (128 heads, 64 + 512)",
+            (q_pe, kv),
+            lambda a=args: rope_rs.concat_and_cache_mla_rope_fused(*a),
+            lambda a=args: _native.concat_and_cache_mla_rope_fused(*a, 64, stream, False, False),
+        )
 
 
 def host_rounds(rounds, calls):
