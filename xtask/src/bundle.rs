@@ -27,6 +27,10 @@ const RUNNER: &str = r#"#!/bin/sh
 #
 # run.sh --unpack: only unpacks the executables (each travels as NAME.xz; every mode unpacks
 # first), for running rope-bench or one test executable by hand.
+#
+# run.sh --quick: the same tests with fewer random cases (ROPE_GPU_CASES, default 24 here, 8 on
+# the older builds) and 8 test threads, and no demo: every test and kernel choice reached in a
+# few minutes of a short device session, as a first pass before the full run.
 cd "$(dirname "$0")" || exit 1
 for packed in rope-bench.xz rope-demo.xz tests/*.xz; do
     [ -f "$packed" ] || continue
@@ -37,6 +41,13 @@ done
 export ROPE_REQUIRE_GPU=1
 status=0
 executables=$(ls tests/* | grep -v '\.xz$')
+threads=4
+older_cases=${ROPE_GPU_CASES:-}
+if [ "$1" = "--quick" ]; then
+    threads=8
+    export ROPE_GPU_CASES=${ROPE_GPU_CASES:-24}
+    older_cases=${older_cases:-8}
+fi
 if [ "$1" = "--sanitize" ]; then
     shift
     tools=${*:-memcheck}
@@ -55,7 +66,7 @@ fi
 # (the item loop, two and four heads per thread, the rows kernels), so one run reaches them all.
 for t in $executables; do
     echo "== $t"
-    "$t" --test-threads=4 || status=1
+    "$t" --test-threads=$threads || status=1
 done
 # The fused kernels' tests (and the programmatic-launch chains, then ordered) again on the older
 # builds a newer device otherwise never loads: sm_89's (hardware FP8 stores, no grid dependency
@@ -63,11 +74,14 @@ done
 for arch in sm_89 sm_80; do
     for t in $executables; do
         echo "== ROPE_PTX_ARCH=$arch $t fused programmatic"
-        ROPE_PTX_ARCH=$arch "$t" --test-threads=4 fused programmatic || status=1
+        ROPE_PTX_ARCH=$arch ROPE_GPU_CASES=${older_cases:-$ROPE_GPU_CASES} \
+            "$t" --test-threads=$threads fused programmatic || status=1
     done
 done
-echo "== rope-demo"
-./rope-demo || status=1
+if [ "$1" != "--quick" ]; then
+    echo "== rope-demo"
+    ./rope-demo || status=1
+fi
 echo "== bundle exit status: $status"
 exit $status
 "#;
