@@ -220,6 +220,26 @@ pub(crate) fn packed_are_disjoint(q: &Layout, k: &Layout) -> bool {
         && footprint_is_disjoint(q, q1.max(k1) - q0.min(k0), 1, 0)
 }
 
+/// Whether two layouts of `es`-byte elements starting at addresses `a.0` and `b.0` (views of one
+/// buffer, such as column ranges of its rows) address no common element: each rebased to the
+/// lower address, they are checked as packed tensors are ([`packed_are_disjoint`]). False when
+/// the addresses lie a fraction of an element apart or the rebased offsets overflow.
+pub(crate) fn apart_in_one_buffer(a: (u64, &Layout), b: (u64, &Layout), es: usize) -> bool {
+    let low = a.0.min(b.0);
+    let rebased = |(ptr, l): (u64, &Layout)| -> Option<Layout> {
+        let bytes = usize::try_from(ptr - low).ok()?;
+        let elements = bytes.is_multiple_of(es).then_some(bytes / es)?;
+        Some(Layout {
+            offset: l.offset.checked_add(elements)?,
+            ..*l
+        })
+    };
+    match (rebased(a), rebased(b)) {
+        (Some(a), Some(b)) => packed_are_disjoint(&a, &b),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,6 +269,46 @@ mod tests {
     #[test]
     fn rejects_non_contiguous_last_dimension() {
         assert!(Layout::strided([1, 1, 1, 4], [4, 4, 4, 2], 0).is_err());
+    }
+
+    /// vLLM's MLA rows `[blocks 3, rows 4, 512 + 64]` of 2-byte elements, read as a latent view
+    /// (columns 0..512, at the buffer's address) and a rotated-k view (columns 512..576, 1024
+    /// bytes further): apart; columns that meet, a distance of half an element, or blocks whose
+    /// rows run into the next block's are not.
+    #[test]
+    fn column_ranges_of_one_buffers_rows_are_apart_when_their_columns_are() {
+        let row = 576;
+        let view = |width: usize, block: usize| {
+            Layout::strided([3, 4, 1, width], [block, row, width, 1], 0).expect("valid")
+        };
+        let (latent, rotated) = (view(512, 4 * row), view(64, 4 * row));
+        let base = 1u64 << 40;
+        assert!(apart_in_one_buffer(
+            (base, &latent),
+            (base + 1024, &rotated),
+            2
+        ));
+        assert!(apart_in_one_buffer(
+            (base + 1024, &rotated),
+            (base, &latent),
+            2
+        ));
+        assert!(!apart_in_one_buffer(
+            (base, &latent),
+            (base + 1022, &rotated),
+            2
+        ));
+        assert!(!apart_in_one_buffer(
+            (base, &latent),
+            (base + 1025, &rotated),
+            2
+        ));
+        let short = (view(512, 3 * row), view(64, 3 * row));
+        assert!(!apart_in_one_buffer(
+            (base, &short.0),
+            (base + 1024, &short.1),
+            2
+        ));
     }
 
     #[test]

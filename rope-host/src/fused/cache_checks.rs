@@ -12,7 +12,7 @@ use crate::bind::RawBuf;
 use crate::check::{Of, Region, check_in_buffer, layout_region, read_region, wide_region};
 use crate::config::RopeConfig;
 use crate::error::{Result, invalid};
-use crate::layout::Layout;
+use crate::layout::{Layout, apart_in_one_buffer};
 use crate::positions::RawInts;
 
 /// An FP8 scale array holds one `f32`, or one per head, aligned (its region returned); a
@@ -142,38 +142,6 @@ pub(super) fn cache_as_layout(l: &CacheLayout) -> Result<Layout> {
     .map_err(|_| invalid("cache.layout", format!("{l:?} overflows usize")))
 }
 
-/// Whether a k cache and a latent cache, each `(address, layout, head width)` of `es`-byte
-/// elements, share one buffer's rows as vLLM's MLA cache does (`[num_blocks, block_size,
-/// kv_lora_rank + rot_dim]`: each row the latent features, then the rotated k), so that no
-/// element of one is an element of the other: one head per row in both, the same blocks, slots
-/// and block and row strides, a block stride of at least `block_size` rows (rows of different
-/// slots never meet), and within a row the two caches' columns apart and inside the row stride.
-/// Then slot `s`'s elements of either cache lie in its own row, in the cache's own columns.
-fn shares_rows(
-    (k_ptr, k, k_width): (u64, &CacheLayout, usize),
-    (v_ptr, v, v_width): (u64, &CacheLayout, usize),
-    es: usize,
-) -> bool {
-    let same_rows = k.kv_heads == 1
-        && v.kv_heads == 1
-        && (k.num_blocks, k.block_size) == (v.num_blocks, v.block_size)
-        && k.strides[..2] == v.strides[..2];
-    let [block, row, _] = k.strides;
-    let rows_apart = row > 0 && k.block_size.checked_mul(row).is_some_and(|r| r <= block);
-    if !same_rows || !rows_apart {
-        return false;
-    }
-    // Each cache's columns, in bytes from the lower of the two addresses.
-    let low = k_ptr.min(v_ptr);
-    let cols = |ptr: u64, width: usize| {
-        let start = u128::from(ptr - low);
-        (start, start + (width as u128) * (es as u128))
-    };
-    let ((k0, k1), (v0, v1)) = (cols(k_ptr, k_width), cols(v_ptr, v_width));
-    let row_bytes = (row as u128) * (es as u128);
-    (k1 <= v0 || v1 <= k0) && k1 <= row_bytes && v1 <= row_bytes
-}
-
 /// Checks the cache layout against k and the config (its heads `head_dim` wide, or that and
 /// the non-rotary features after them), both caches' buffers (v's as the latent cache's layout
 /// where k's non-rotary part goes there) and the scales; adds their regions (the slot
@@ -205,10 +173,11 @@ pub(super) fn check_cache(
             check_in_buffer("cache.v", c.v, &latent_layout, ces)?;
             let v_region =
                 layout_region(("cache.v", Of::Cache), c.v.ptr, &latent_layout, (ces, true))?;
-            let k_cols = (c.k.ptr, l, width.0);
-            let v_cols = (c.v.ptr, &latent, latent.head_dim);
-            if shares_rows(k_cols, v_cols, ces) {
-                // One buffer whose rows hold both caches' columns: checked as one region.
+            // vLLM's MLA cache (`[num_blocks, block_size, kv_lora_rank + rot_dim]`: each row
+            // the latent features, then the rotated k): one buffer whose rows hold both
+            // caches' columns, checked as one region when no element of one is an element of
+            // the other.
+            if apart_in_one_buffer((c.k.ptr, &layout), (c.v.ptr, &latent_layout), ces) {
                 regions.push(Region {
                     start: k_region.start.min(v_region.start),
                     end: k_region.end.max(v_region.end),

@@ -25,7 +25,7 @@ use crate::check::{
 use crate::config::RopeStyle;
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
-use crate::layout::{Layout, packed_are_disjoint};
+use crate::layout::{Layout, apart_in_one_buffer, packed_are_disjoint};
 use crate::plan::{
     Grid, TensorReq, fused_grid, grid, option_reads, spans_below_2_32, token_heads_warps,
 };
@@ -473,8 +473,7 @@ fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
 /// Makes k's region and its cached non-rotary part's one where both are column ranges of one
 /// buffer's rows and no element of one is an element of the other (vLLM splits one `[tokens,
 /// kv_lora_rank + rot_dim]` projection into MLA's `kv_c` and `k_pe`, rotating `k_pe` in
-/// place): the two layouts, offset from the lower of their addresses, are checked as packed
-/// tensors are.
+/// place; [`apart_in_one_buffer`]).
 fn one_k_region(req: &FusedRequest, k: &TensorReq, es: usize, regions: &mut Vec<Region>) {
     let Some(part) = req.nope.cached else { return };
     let (Some(ki), Some(pi)) = (
@@ -491,23 +490,7 @@ fn one_k_region(req: &FusedRequest, k: &TensorReq, es: usize, regions: &mut Vec<
     }
     let (start, end) = (kr.start.min(pr.start), kr.end.max(pr.end));
     let (p_buf, p_layout) = part.input;
-    let low = k.x.ptr.min(p_buf.ptr);
-    // Each layout offset by its distance from `low`, in whole elements.
-    let from_low = |ptr: u64, l: &Layout| -> Option<Layout> {
-        let bytes = usize::try_from(ptr - low).ok()?;
-        let mut l = *l;
-        l.offset = l
-            .offset
-            .checked_add(bytes.is_multiple_of(es).then_some(bytes / es)?)?;
-        Some(l)
-    };
-    let (Some(kl), Some(pl)) = (
-        from_low(k.x.ptr, &k.x_layout),
-        from_low(p_buf.ptr, &p_layout),
-    ) else {
-        return;
-    };
-    if packed_are_disjoint(&kl, &pl)
+    if apart_in_one_buffer((k.x.ptr, &k.x_layout), (p_buf.ptr, &p_layout), es)
         && let Some(kr) = regions.get_mut(ki)
     {
         (kr.start, kr.end) = (start, end);
