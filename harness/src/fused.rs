@@ -59,6 +59,9 @@ pub enum KMode {
 pub struct Case {
     pub style: RopeStyle,
     pub d: usize,
+    /// The rotated features of each head, the first `rotary` of `d` (`d` but for partial
+    /// rotations, whose features past them are normalised and stored unrotated).
+    pub rotary: usize,
     pub batch: usize,
     pub seq: usize,
     pub hq: usize,
@@ -343,6 +346,7 @@ impl Case {
         let mut case = Case {
             style,
             d,
+            rotary: d,
             batch,
             seq,
             hq: match size {
@@ -378,6 +382,12 @@ impl Case {
 
     /// Drops the case's FlashInfer forms: E4M3 of scale arrays, k not to an FP8 output, and a
     /// page table's slots as a slot mapping (the same slots).
+    /// Whether the norm's sum spans this case's heads of `dtype_size`-byte elements: at most 32
+    /// accesses of a head at the widest access its pairing allows.
+    pub fn norm_fits(&self, dtype_size: usize) -> bool {
+        norm_accesses(self.style, dtype_size, self.d) <= 32
+    }
+
     pub fn plain_fp8(&mut self) {
         (self.fp8, self.multipliers) = (Fp8Format::E4m3, false);
         if matches!(self.k, KMode::Fp8 { .. }) {
@@ -580,11 +590,17 @@ pub fn upload<T: TestElem>(
     let slots = c.cache.as_ref().map_or(vec![0], |cc| cc.slots.clone());
     let tables = if c.table {
         Some(
-            rope.build_tables::<T>(THETA, c.d as u32, MAX_POSITION + 32, TableFormat::Separate)
-                .map_err(|e| e.to_string())?,
+            rope.build_tables::<T>(
+                THETA,
+                c.rotary as u32,
+                MAX_POSITION + 32,
+                TableFormat::Separate,
+            )
+            .map_err(|e| e.to_string())?,
         )
     } else {
-        rope.prepare(THETA, c.d as u32).map_err(|e| e.to_string())?;
+        rope.prepare(THETA, c.rotary as u32)
+            .map_err(|e| e.to_string())?;
         None
     };
     Ok(Device {
@@ -704,7 +720,9 @@ pub fn launch<T: TestElem>(
     dev: &mut Device<T>,
     rope: &Rope,
 ) -> rope_host::Result<()> {
-    let config = RopeConfig::builder(c.d as u32, c.style).build()?;
+    let config = RopeConfig::builder(c.d as u32, c.style)
+        .rotary_dim(c.rotary as u32)
+        .build()?;
     let positions = match &c.ids {
         Some(_) => Positions::Ids {
             ids: DeviceInts::I64(dev.ids.as_view()),
@@ -879,7 +897,9 @@ pub fn launch_raw<T: TestElem>(
         }
     }
     let b = |s: &CudaSlice<T>| buf(s, stream);
-    let config = RopeConfig::builder(c.d as u32, c.style).build()?;
+    let config = RopeConfig::builder(c.d as u32, c.style)
+        .rotary_dim(c.rotary as u32)
+        .build()?;
     let positions = match &c.ids {
         Some(_) => RawPositions::Ids {
             ids: RawInts {
@@ -897,7 +917,7 @@ pub fn launch_raw<T: TestElem>(
             dtype: T::DTYPE,
             shape: TableShape {
                 max_position: MAX_POSITION + 32,
-                rotary_dim: c.d as u32,
+                rotary_dim: c.rotary as u32,
             },
         },
         Some(TableData::Combined(_)) => unreachable!("built separate"),
@@ -1021,13 +1041,13 @@ pub fn launch_raw<T: TestElem>(
 
 /// The cos/sin of every pair at position `p`: from the downloaded table, or exact.
 pub fn cos_sin(c: &Case, table: Option<&(Vec<f64>, Vec<f64>)>, p: i64) -> (Vec<f64>, Vec<f64>) {
-    let half = c.d / 2;
+    let half = c.rotary / 2;
     match table {
         Some((cos, sin)) => {
             let row = p as usize * half;
             (cos[row..row + half].to_vec(), sin[row..row + half].to_vec())
         }
-        None => inv_freq(THETA, c.d)
+        None => inv_freq(THETA, c.rotary)
             .iter()
             .map(|f| ((p as f64 * f).cos(), (p as f64 * f).sin()))
             .unzip(),
@@ -1088,7 +1108,16 @@ pub fn reference_head<T: TestElem>(
         head = rms_norm(&head, &w, 1e-6, weight == NormWeight::OnePlus);
     }
     let (cos, sin) = cos_sin(c, table, c.position(t));
-    rotate_head(&head, c.style, &cos, &sin)
+    // The first `rotary` features rotated; the rest as they are (normalised with the norm).
+    let (mut y, mut scale) = rotate_head(&head[..c.rotary], c.style, &cos, &sin);
+    for &x in &head[c.rotary..] {
+        y.push(x);
+        scale.push(ElementScale {
+            pair: (x, 0.0),
+            terms: x.abs(),
+        });
+    }
+    (y, scale)
 }
 
 /// Runs and checks one case; returns the worst error ratio.

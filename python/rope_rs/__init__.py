@@ -306,7 +306,7 @@ def rotary_embedding(
     ``"auto"`` stores query's dtype, ``"fp8"``/``"fp8_e4m3"`` FP8 E4M3 of ``x / k_scale`` and
     ``x / v_scale`` (float32 tensors, one element or one per kv head) into uint8 or
     float8_e4m3fn caches, ``"fp8_e5m2"`` FP8 E5M2 into uint8 or float8_e5m2 caches. With a
-    cache the whole head rotates.
+    cache too, the features past ``rotary_dim`` are stored as they are.
 
     Launched on ``stream``, by default PyTorch's current stream (as vLLM's op); ``pdl`` as in
     ``apply_rope``. Under ``torch.compile`` it is the custom operator
@@ -435,8 +435,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     ``[max_seq_len, rotary_dim]`` (cosines, then sines; the peers require float32, rope-rs also
     takes query's dtype), as :func:`rotary_embedding`. With ``fused_set_kv_buffer_arg``
     (:class:`FusedSetKVBufferArg`, or SGLang's), the rotated key and its ``value`` go into row
-    ``cache_loc[t]`` of ``k_buffer`` and ``v_buffer`` in the same launch (the whole head
-    rotates then). Launched on PyTorch's current stream unless ``stream`` is given;
+    ``cache_loc[t]`` of ``k_buffer`` and ``v_buffer`` in the same launch. Launched on PyTorch's current stream unless ``stream`` is given;
     ``enable_pdl`` (or ``pdl``) as ``pdl`` in ``apply_rope``. Under ``torch.compile`` it is
     ``torch.ops.rope_rs.rotary_embedding_``.
     """
@@ -492,8 +491,9 @@ def fused_qk_norm_rope(
     ``[num_tokens, (num_heads_q + num_heads_k + num_heads_v) * head_dim]``, every q and k head is
     RMS-normalised, ``x / sqrt(mean(x**2) + eps) * weight`` (``q_weight``, ``k_weight``:
     ``[head_dim]`` of qkv's dtype), then rotated at ``position_ids`` ``[num_tokens]``
-    (int32/int64) with ``cos_sin_cache`` ``[max_position, head_dim]``; computed in float32 and
-    rounded once. v is left as it is; the whole head rotates.
+    (int32/int64) with ``cos_sin_cache`` ``[max_position, rotary_dim]`` (the first
+    ``rotary_dim`` features of each head rotate, those past them are normalised only); computed
+    in float32 and rounded once. v is left as it is.
 
     With ``key_cache``, ``value_cache`` and ``slot_mapping`` (and ``kv_cache_dtype``,
     ``k_scale``, ``v_scale``), the normalised, rotated k and the v heads also go into vLLM's

@@ -493,8 +493,9 @@ const VLLM_CACHE_NAMES: [(&str, &str); 6] = [
 /// writes nothing). `kv_cache_dtype` "auto" stores query's dtype; "fp8" (or "fp8_e4m3") stores
 /// FP8 E4M3 of `x / k_scale` and `x / v_scale` (float32 tensors of one element or one per kv
 /// head) into uint8 or float8_e4m3fn caches, rounded to nearest even and saturated at ±448;
-/// "fp8_e5m2" stores E5M2 (uint8 or float8_e5m2 caches, saturated at ±57344). The cache write
-/// rotates the whole head (rotary_dim = head_size).
+/// "fp8_e5m2" stores E5M2 (uint8 or float8_e5m2 caches, saturated at ±57344). With the cache
+/// write the features past `rotary_dim` are stored as they are (a partial rotation in the
+/// fused kernels: `head_size - rotary_dim` whole accesses, no offset).
 ///
 /// Launched asynchronously on `stream` (a `CUstream` handle as an int; 0, the default, is the
 /// legacy default stream), with the caller's guarantees of `apply_rope` (`producer_sync` and
@@ -860,8 +861,9 @@ fn _apply_rope_with_cos_sin_cache_inplace_eager(
 /// contiguous rows), each q and k head is RMS-normalised,
 /// `x / sqrt(mean(x^2) + eps) * weight` (`q_weight`, `k_weight`: `[head_dim]` of qkv's dtype),
 /// then rotated at `position_ids [num_tokens]` (int32/int64) with `cos_sin_cache
-/// [max_position, head_dim]` (cos half, then sin half; float32 or qkv's dtype), computed in
-/// float32 and rounded once; v is untouched. The whole head rotates.
+/// [max_position, rotary_dim]` (cos half, then sin half; float32 or qkv's dtype; the first
+/// `rotary_dim` features of each head rotate, those past them are normalised only), computed
+/// in float32 and rounded once; v is untouched.
 ///
 /// With `key_cache`, `value_cache` and `slot_mapping` (and `kv_cache_dtype`, `k_scale`,
 /// `v_scale`), the rotated k and v also go into vLLM's paged KV cache in the same launch, as

@@ -751,6 +751,33 @@ class TestServing:
         others[rows] = False
         assert (key_cache.view(-1, c.hk, c.d)[others] == 0x7E).all()
 
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("d, rotary_dim", [(128, 64), (128, 32), (96, 64), (256, 128), (64, 48)])
+    def test_vllm_fused_qk_norm_rope_partial_rotary(self, d, rotary_dim, dtype, is_neox):
+        """vLLM's ``fused_qk_norm_rope`` with a ``cos_sin_cache`` narrower than the head (GLM-4
+        and Phi rotate part of it): every q and k head normalised whole, its first
+        ``rotary_dim`` features rotated, the rest stored normalised; the cache write stores the
+        same k and v as they are."""
+        c = ServingCase(d=d, dtype=dtype, seed=60 + d + rotary_dim + int(is_neox))
+        style = "neox" if is_neox else "interleaved"
+        cache = vllm_cache(10000.0, rotary_dim, 4096, dtype)
+        q, k, v = (x.reshape(c.t, -1, d) for x in c.split())
+        q, k = rms_normed(q, c.q_weight, 1e-6), rms_normed(k, c.k_weight, 1e-6)
+        half = rotary_dim // 2
+        cos, sin = table_cos_sin(c.positions, cache[:, :half], cache[:, half:])
+        rot = lambda x: reference(x[None], cos[None], sin[None], style, rotary_dim)[0]  # noqa: E731
+        want_q, want_k, v0 = rot(q), rot(k), v.clone()
+        key_cache, value_cache = c.paged(), c.paged()
+        rope_rs.fused_qk_norm_rope(
+            c.qkv, c.hq, c.hk, c.hk, d, 1e-6, c.q_weight, c.k_weight, cache, is_neox, c.positions,
+            key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots,
+        )
+        q, k, _ = c.split()
+        check(q.reshape(c.t, c.hq, d), want_q, extra_atol=2e-2)
+        check(k.reshape(c.t, c.hk, d), want_k, extra_atol=2e-2)
+        c.check_paged(key_cache, value_cache, k, v0)
+
     @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
     def test_vllm_rotary_embedding_with_its_cache_write(self, slot_dtype):
         c = ServingCase(seed=4)
@@ -764,6 +791,26 @@ class TestServing:
         )
         check(query.reshape(c.t, c.hq, c.d), want_q)
         check(key.reshape(c.t, c.hk, c.d), want_k)
+        c.check_paged(key_cache, value_cache, key, v0)
+
+    def test_vllm_rotary_embedding_partial_with_its_cache_write(self):
+        """vLLM's ``rotary_embedding`` with a narrower ``cos_sin_cache`` and a cache write: the
+        first 64 of 128 features rotated, the rest as they were, in place and in the cache."""
+        c = ServingCase(seed=16)
+        r = 64
+        cache = vllm_cache(10000.0, r, 4096, c.dtype)
+        query, key, value = c.split()
+        q0, k0, v0 = (x.reshape(c.t, -1, c.d).clone() for x in (query, key, value))
+        cos, sin = table_cos_sin(c.positions, cache[:, : r // 2], cache[:, r // 2 :])
+        rot = lambda x: reference(x[None], cos[None], sin[None], "neox", r)[0]  # noqa: E731
+        key_cache, value_cache = c.paged(), c.paged()
+        rope_rs.rotary_embedding(
+            c.positions, query, key, c.d, cache, True, value=value, key_cache=key_cache,
+            value_cache=value_cache, slot_mapping=c.slots,
+        )
+        check(query.reshape(c.t, c.hq, c.d), rot(q0))
+        check(key.reshape(c.t, c.hk, c.d), rot(k0))
+        assert torch.equal(query.reshape(c.t, c.hq, c.d)[..., r:], q0[..., r:]), "the rest as it was"
         c.check_paged(key_cache, value_cache, key, v0)
 
     def test_vllm_rotary_embedding_into_an_e5m2_cache(self):

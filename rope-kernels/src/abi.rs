@@ -945,6 +945,11 @@ pub enum FusedForms {
     /// FlashInfer's forms too: page-table caches, E5M2, multipliers by value, an FP8 k output;
     /// the two-heads mapping only, with [`crate::fused_forms_kernel_params!`]'s parameters.
     FlashInfer,
+    /// Heads longer than the rotation (partial rotary with a norm, a cache or FP8): the
+    /// features past `rotary_dim` normalised and stored as the others, unrotated; the
+    /// two-heads mapping only (`_two_heads_partial`: with four heads per thread these kernels
+    /// spilled).
+    Partial,
 }
 
 impl FusedKernelName {
@@ -1000,7 +1005,8 @@ impl FusedKernelName {
     }
 
     /// The four-heads kernel ([`Mapping::FOUR_HEADS`]) of this two-heads kernel, if it has one:
-    /// every pairing and element type without FlashInfer's forms (docs/perf/decisions.md).
+    /// every pairing and element type of whole heads without FlashInfer's forms
+    /// (docs/perf/decisions.md).
     pub const fn four_heads(self) -> Option<Self> {
         match (self.mapping, self.forms) {
             (Mapping::TWO_HEADS, FusedForms::Plain) => Some(FusedKernelName {
@@ -1014,7 +1020,9 @@ impl FusedKernelName {
 
 /// Calls `$m!` with every fused kernel as `wide symbol, narrow symbol, two-heads symbol,
 /// two-heads symbol of FlashInfer's forms: Style, Source, DType, storage type;`, then `@four_heads` and every four-heads kernel as
-/// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) alike.
+/// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) as
+/// `symbol: Source, DType, storage type;`, then `@partial` and every two-heads kernel of partial
+/// heads ([`FusedForms::Partial`]) as `symbol: Style, Source, DType, storage type;`.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -1048,6 +1056,19 @@ macro_rules! for_each_fused_kernel {
             rope_fused_neox_theta_f16_rows: Theta, F16, Half;
             rope_fused_neox_table_bf16_rows: Table, BF16, Bf16;
             rope_fused_neox_theta_bf16_rows: Theta, BF16, Bf16;
+            @partial
+            rope_fused_interleaved_table_f32_two_heads_partial: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32_two_heads_partial: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32_two_heads_partial: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32_two_heads_partial: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16_two_heads_partial: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_theta_f16_two_heads_partial: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16_two_heads_partial: Neox, Table, F16, Half;
+            rope_fused_neox_theta_f16_two_heads_partial: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16_two_heads_partial: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16_two_heads_partial: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16_two_heads_partial: Neox, Table, BF16, Bf16;
+            rope_fused_neox_theta_bf16_two_heads_partial: Neox, Theta, BF16, Bf16;
         }
     };
 }
@@ -1060,11 +1081,13 @@ macro_rules! fused_kernel_table {
         $($sym:ident, $narrow:ident, $two_heads:ident, $forms:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fstyle:ident, $fsrc:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
+        @partial $($ptwo:ident: $pstyle:ident, $psrc:ident, $pdt:ident, $pt:ty;)*
     ) => {
         impl FusedKernelName {
             /// Every fused kernel.
             pub const ALL: [FusedKernelName; 4 * [$(stringify!($sym)),*].len()
-                + [$(stringify!($four)),*].len() + [$(stringify!($rows)),*].len()] = [$(
+                + [$(stringify!($four)),*].len() + [$(stringify!($rows)),*].len()
+                + [$(stringify!($ptwo)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -1109,6 +1132,14 @@ macro_rules! fused_kernel_table {
                     mapping: Mapping::Rows,
                     forms: FusedForms::Plain,
                 },
+            )* $(
+                FusedKernelName {
+                    style: RopeStyle::$pstyle,
+                    source: SinCosSource::$psrc,
+                    dtype: DType::$pdt,
+                    mapping: Mapping::TWO_HEADS,
+                    forms: FusedForms::Partial,
+                },
             )*];
 
             /// The exported PTX symbol.
@@ -1116,6 +1147,7 @@ macro_rules! fused_kernel_table {
             pub const fn symbol(self) -> &'static str {
                 const P: FusedForms = FusedForms::Plain;
                 const FI: FusedForms = FusedForms::FlashInfer;
+                const PART: FusedForms = FusedForms::Partial;
                 match (self.style, self.source, self.dtype, self.mapping, self.forms) {
                     $(
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE, P) =>
@@ -1135,6 +1167,17 @@ macro_rules! fused_kernel_table {
                         (RopeStyle::Neox, SinCosSource::$rsrc, DType::$rdt, Mapping::Rows, P) =>
                             stringify!($rows),
                     )*
+                    $(
+                        (RopeStyle::$pstyle, SinCosSource::$psrc, DType::$pdt, Mapping::TWO_HEADS, PART) =>
+                            stringify!($ptwo),
+                    )*
+                    // Partial heads have two-heads kernels alone: the others are named as
+                    // their two-heads kernel's.
+                    (_, _, _, _, PART) => FusedKernelName {
+                        mapping: Mapping::TWO_HEADS,
+                        ..self
+                    }
+                    .symbol(),
                     // FlashInfer's forms have two-heads kernels alone; kernels without rows
                     // kernels take two heads per thread.
                     (_, _, _, _, FI) | (_, _, _, Mapping::ONE_HEAD | Mapping::Rows, _) => {

@@ -4,9 +4,10 @@
 //! (in the tensors' type or FP8).
 //!
 //! # Formula
-//! For each q and k head `x` of token `t` (both pairings, the full head rotated, forward or,
-//! as `sin_sign` says, backward: the transposed rotation, for launches that normalise, quantise
-//! and cache nothing):
+//! For each q and k head `x` of token `t` (both pairings, the full head rotated, or in the
+//! `_partial` kernels its first `2 half` features and the rest stored as normalised, forward
+//! or, as `sin_sign` says, backward: the transposed rotation, for launches that normalise,
+//! quantise and cache nothing):
 //! - normalisation (`norm` not [`NormCode::None`]): `r = 1 / sqrt(sum_e x_e^2 / head_dim +
 //!   eps)`, `x_e <- x_e * r * w_e` (`w` q's or k's weights, `1 + w_e` for
 //!   [`NormCode::RmsOnePlus`]), all in `f32`: the sum with fused multiply-adds, the mean plus
@@ -760,15 +761,17 @@ unsafe fn store_outputs<T: Elem, P: Pairing, const L: usize>(
 }
 
 /// The norm's weights at this item's elements of a head of tensor `kind` (q's or k's), as
-/// loaded (see [`weights_f32`]).
+/// loaded (see [`weights_f32`]): those of pair `j0` of `half`, from element `skip` on (0 but for
+/// a partial head's features past the rotation).
 ///
 /// # Safety
-/// The weights hold `head_dim` elements aligned like a head; `j0` is this item's first pair.
+/// The weights hold `head_dim` elements aligned like a head; `j0` is this item's first pair and
+/// `skip` a multiple of the access.
 #[inline(always)]
 unsafe fn load_weights<T: Elem, P: Pairing, const L: usize>(
     f: &Fused<T>,
     kind: Kind,
-    (j0, half): (usize, usize),
+    (skip, j0, half): (usize, usize, usize),
 ) -> [[T; L]; 2] {
     let weights = if kind == Kind::Q {
         f.q_norm_weight
@@ -776,7 +779,7 @@ unsafe fn load_weights<T: Elem, P: Pairing, const L: usize>(
         f.k_norm_weight
     };
     // SAFETY: the caller's promise.
-    unsafe { load_head::<T, P, L>(weights, j0, half) }
+    unsafe { load_head::<T, P, L>(weights.add(skip), j0, half) }
 }
 
 /// Loaded norm weights in `f32`, with `1` added for [`NormCode::RmsOnePlus`].
@@ -804,7 +807,9 @@ unsafe fn norm_weights<T: Elem, P: Pairing, const L: usize>(
     pairs: (usize, usize),
 ) -> [[f32; L]; 2] {
     // SAFETY: the caller's promise.
-    weights_f32(f, unsafe { load_weights::<T, P, L>(f, kind, pairs) })
+    weights_f32(f, unsafe {
+        load_weights::<T, P, L>(f, kind, (0, pairs.0, pairs.1))
+    })
 }
 
 /// The sum of the squares of one head's loaded values (as [`load_head`] lays them out), with
@@ -1090,6 +1095,7 @@ unsafe fn token_heads_body<
     const L: usize,
     const U: usize,
     const FI: bool,
+    const PARTIAL: bool,
 >(
     f: &Fused<T>,
 ) {
@@ -1151,13 +1157,30 @@ unsafe fn token_heads_body<
     unrolled(U, |u| {
         live[u] = working && i0 + (u as u32) < heads && group < a.rot_groups
     });
+    // Partial heads (`PARTIAL`): the features past the rotation belong to the groups after the
+    // rotation's (see `passed_features`); they are normalised and stored as the others, not
+    // rotated.
+    let passed = if PARTIAL {
+        passed_features::<T>(f, group, pairs)
+    } else {
+        None
+    };
+    if passed.is_some() {
+        unrolled(U, |u| live[u] = working && i0 + (u as u32) < heads);
+    }
     // The first head is live whenever any is.
     let active = live[0];
     let rotates = kind != Kind::V;
     let (b, s) = a.seq.div_rem_u32(token);
-    let (j0, half_z) = (group as usize * pairs, half as usize);
+    // This thread's features of each head: pairs `j0..j0 + pairs` of `half_z` from element
+    // `skip` on.
+    let (skip, j0, half_z) = match passed {
+        Some(at) => at,
+        None => (0, group as usize * pairs, half as usize),
+    };
     let (x, x_strides) = input_of(f, kind);
     let (first, head_stride) = (offset_u32(x_strides, (b, s), i0), x_strides[2] as u32);
+    let first = first + skip as u32;
     // Every global access comes after this: the set-up above overlaps the previous grid in a
     // programmatic dependent launch (sm_90 builds; nothing before sm_90).
     wait_for_prior_grids();
@@ -1171,6 +1194,7 @@ unsafe fn token_heads_body<
             raw[u] = unsafe { load_head::<T, P, L>(x.add(at as usize), j0, half_z) };
         }
     });
+    // (Partial heads have two-heads kernels alone.)
     if U == FOUR_HEADS_U && working && group < a.rot_groups {
         prefetch_ahead::<T, U>(f, (x, x_strides), token, (i0, heads), group, half);
     }
@@ -1194,7 +1218,7 @@ unsafe fn token_heads_body<
         let mut raw = [[T::ZERO; L]; 2];
         if normed && active {
             // SAFETY: the weights hold head_dim elements aligned like a head.
-            raw = unsafe { load_weights::<T, P, L>(f, kind, (j0, half_z)) };
+            raw = unsafe { load_weights::<T, P, L>(f, kind, (skip, j0, half_z)) };
         }
         raw
     };
@@ -1205,7 +1229,7 @@ unsafe fn token_heads_body<
         unsafe { share_cos_sin::<T, S>(a, (b, s), pairs) };
         sync_threads_count(meeting);
     }
-    let (cos, sin) = if !(rotates && active) {
+    let (cos, sin) = if !(rotates && active) || passed.is_some() {
         ([0.0; L], [0.0; L])
     } else if shared {
         // SAFETY: j0 + pairs <= half, j0 and half multiples of pairs; the buffer was written
@@ -1248,7 +1272,7 @@ unsafe fn token_heads_body<
         return;
     }
     let y = |u: usize| {
-        if rotates {
+        if rotates && passed.is_none() {
             rotate_values_with::<P, L>(|p, k| v[u][p][k], &cos, &sin, rotate_fma)
         } else {
             v[u]
@@ -1261,7 +1285,7 @@ unsafe fn token_heads_body<
     unsafe {
         match kind {
             Kind::Q => {
-                let first = offset_u32(a.q.out_strides, (b, s), i0);
+                let first = offset_u32(a.q.out_strides, (b, s), i0) + skip as u32;
                 let heads = (u64::from(first), u64::from(a.q.out_strides[2] as u32));
                 let scales = (f.q_scale, f.q_scale_step);
                 let dest = Fp8Dest::of::<FI>(f.q_format, scales, f.q_multiplier);
@@ -1272,7 +1296,7 @@ unsafe fn token_heads_body<
                 // promise).
                 let slot = cache_slot_u32::<T, FI>(f, u64::from(token));
                 if kind == Kind::K && !a.k.out.is_null() {
-                    let first = offset_u32(a.k.out_strides, (b, s), i0);
+                    let first = offset_u32(a.k.out_strides, (b, s), i0) + skip as u32;
                     let heads = (u64::from(first), u64::from(a.k.out_strides[2] as u32));
                     // An FP8 k output is one of FlashInfer's forms (two-heads kernels only).
                     let dest = if FI {
@@ -1289,13 +1313,32 @@ unsafe fn token_heads_body<
                         _ => (f.v_cache, (f.v_scale, f.v_scale_step), f.v_multiplier),
                     };
                     let stride = f.cache_strides[2];
-                    let heads = (slot + u64::from(i0) * stride, stride);
+                    let heads = (slot + u64::from(i0) * stride + skip as u64, stride);
                     let dest = Fp8Dest::of::<FI>(f.cache_format, scale, multiplier);
                     store_heads::<T, P, L, U, FI>(cache, heads, (live, i0), dest, at, &y);
                 }
             }
         }
     }
+}
+
+/// A partial head's features past the rotation (the `_partial` kernels): the `head_dim - 2
+/// half` of them belong to the groups after the rotation's `rot_groups`, `2 pairs` features
+/// each, laid out as the rotation's from element `2 half` on (NeoX: each group's two vectors
+/// `(head_dim - 2 half) / 2` apart). For such a group, `(skip, j0, half)` of its features:
+/// pairs `j0..j0 + pairs` of `half` from element `skip` on; `None` for the other groups.
+#[inline(always)]
+fn passed_features<T>(f: &Fused<T>, group: u32, pairs: usize) -> Option<(usize, usize, usize)> {
+    let (half, rot_groups) = (f.rope.half, f.rope.rot_groups);
+    let pass = f.head_dim.saturating_sub(2 * half);
+    let passed = group
+        .checked_sub(rot_groups)
+        .filter(|g| *g < pass / (2 * pairs as u32))?;
+    Some((
+        2 * half as usize,
+        passed as usize * pairs,
+        pass as usize / 2,
+    ))
 }
 
 /// FlashInfer's non-rotary parts, in the blocks of token `token`'s row from `rope_blocks` on:
@@ -1650,12 +1693,22 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(f: &Fused<T>) {
 
 /// Picks the monomorphized body for the `lanes` argument, as [`crate::rope`]'s dispatch; `FI`:
 /// the two-heads body with FlashInfer's forms (the entry points of
-/// [`crate::fused_forms_kernel_params!`]).
+/// [`crate::fused_forms_kernel_params!`]); `PARTIAL`: the token-heads bodies of partial heads
+/// (the `_partial` entry points).
 ///
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8, const FI: bool>(f: &Fused<T>) {
+unsafe fn dispatch<
+    T: Elem,
+    P: Pairing,
+    S: Source,
+    const ACCESS: u8,
+    const FI: bool,
+    const PARTIAL: bool,
+>(
+    f: &Fused<T>,
+) {
     const WIDE: u8 = Mapping::WIDE.code();
     const NARROW: u8 = Mapping::NARROW.code();
     const TWO_HEADS: u8 = Mapping::TWO_HEADS.code();
@@ -1669,12 +1722,18 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8, const FI: b
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
             // Token-heads kernels take the preferred width only: no `lanes` to read. Four-heads
             // kernels have no FlashInfer forms.
-            (TWO_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI>(f),
-            (TWO_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI>(f),
-            (TWO_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI>(f),
-            (FOUR_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false>(f),
-            (FOUR_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, FOUR_HEADS_U, false>(f),
-            (FOUR_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false>(f),
+            (TWO_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL>(f),
+            (TWO_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI, PARTIAL>(f),
+            (TWO_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL>(f),
+            (FOUR_HEADS, 4, _, _) => {
+                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL>(f)
+            }
+            (FOUR_HEADS, 2, _, false) => {
+                token_heads_body::<T, P, S, 8, FOUR_HEADS_U, false, PARTIAL>(f)
+            }
+            (FOUR_HEADS, 2, _, true) => {
+                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL>(f)
+            }
             (ROWS, 2, _, true) => rows_body::<T, P, S>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(f),
@@ -1827,29 +1886,35 @@ macro_rules! fused_kernel {
             $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
         @four_heads $($four:ident: $fpairing:ident, $fsource:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
+        @partial $($ptwo:ident: $ppairing:ident, $psource:ident, $pdt:ident, $pt:ty;)*
     ) => {
         $(
             crate::fused_kernel_params!(fused_entry {
-                $wide, WIDE: $pairing, $source, $t, FusedParams => new, false
+                $wide, WIDE: $pairing, $source, $t, FusedParams => new, false, false
             });
             crate::fused_kernel_params!(fused_entry {
-                $narrow, NARROW: $pairing, $source, $t, FusedParams => new, false
+                $narrow, NARROW: $pairing, $source, $t, FusedParams => new, false, false
             });
             crate::fused_kernel_params!(fused_entry {
-                $two_heads, TWO_HEADS: $pairing, $source, $t, FusedParams => new, false
+                $two_heads, TWO_HEADS: $pairing, $source, $t, FusedParams => new, false, false
             });
             crate::fused_forms_kernel_params!(fused_entry {
-                $forms, TWO_HEADS: $pairing, $source, $t, FusedFormsParams => new_forms, true
+                $forms, TWO_HEADS: $pairing, $source, $t, FusedFormsParams => new_forms, true, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $four, FOUR_HEADS: $fpairing, $fsource, $ft, FusedParams => new, false
+                $four, FOUR_HEADS: $fpairing, $fsource, $ft, FusedParams => new, false, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $rows, Rows: Neox, $rsource, $rt, FusedParams => new, false
+                $rows, Rows: Neox, $rsource, $rt, FusedParams => new, false, false
+            });
+        )*
+        $(
+            crate::fused_kernel_params!(fused_entry {
+                $ptwo, TWO_HEADS: $ppairing, $psource, $pt, FusedParams => new, false, true
             });
         )*
     };
@@ -1857,12 +1922,13 @@ macro_rules! fused_kernel {
 
 /// One entry point: its parameter list (`crate::fused_kernel_params!`, or for FlashInfer's
 /// forms `crate::fused_forms_kernel_params!`) as the struct `$params`, gathered by `Fused::$new`
-/// for the generic body of `$mapping`; `$forms` says whether it stores FlashInfer's forms.
+/// for the generic body of `$mapping`; `$forms` says whether it stores FlashInfer's forms,
+/// `$partial` whether its heads hold features past the rotation.
 macro_rules! fused_entry {
     (
         {
             $name:ident, $mapping:ident: $pairing:ident, $source:ident, $t:ty,
-            $params:ident => $new:ident, $forms:literal
+            $params:ident => $new:ident, $forms:literal, $partial:literal
         }
         $($param:ident: $kind:ident,)*
     ) => {
@@ -1871,7 +1937,9 @@ macro_rules! fused_entry {
         /// and `_four_heads`: a thread per two, or four, heads and access, on the grid of
         /// `token_heads_body`; `_rows`: the rows kernels; `_two_heads_flashinfer`: the
         /// two-heads kernels of FlashInfer's forms, with page-table caches, E5M2, multipliers by
-        /// value, an FP8 k output and non-rotary parts). See the module documentation, and
+        /// value, an FP8 k output and non-rotary parts; `_two_heads_partial`: the two-heads
+        /// kernels of heads longer than the rotation, whose features past it are normalised and
+        /// stored unrotated). See the module documentation, and
         /// `fused_kernel_params!` and `fused_forms_kernel_params!` in `abi.rs` for the
         /// parameters.
         ///
@@ -1894,7 +1962,11 @@ macro_rules! fused_entry {
         /// `kv_pages` `i32`; with `k_format` FP8, `out1` addressing k's heads in bytes and no
         /// cache written; and each non-rotary part's heads (of q's or k's FP8 output) inside
         /// its input and output at their strides, aligned to one 16-byte access, spanning
-        /// fewer than 2^32 elements.
+        /// fewer than 2^32 elements. The `_partial` kernels take heads of `head_dim` elements
+        /// (q's and k's, their outputs' and the caches') of which the first `2 half` rotate:
+        /// `head_dim - 2 half` a multiple of a group's `2 pairs` features (`pairs`: `lanes`
+        /// for NeoX, `lanes / 2` interleaved), and `groups` at least `rot_groups` and the
+        /// `(head_dim - 2 half) / (2 pairs)` groups of the features past the rotation.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
@@ -1903,7 +1975,9 @@ macro_rules! fused_entry {
             let args = Fused::$new($params::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
             unsafe {
-                dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }, $forms>(&args)
+                dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }, $forms, $partial>(
+                    &args,
+                )
             }
         }
     };

@@ -496,12 +496,16 @@ impl Rope {
         // every tensor, output, weight, scale, slot array, page table and cache holds what its
         // layout and the kernel address (the cache for every slot below `cache_slots`), written
         // regions overlap nothing else, pointers and strides are aligned to `lanes`, the whole
-        // head is rotated, and `groups` is a power of two of at most 32 with a norm; positions
-        // and sin/cos as for `Rope::run`. The function was loaded in this context. With
-        // programmatic overlap the function comes from `PTX_SM90` (`overlap_for`).
+        // head is rotated (or, for the partial kernels, its first `2 half` features, the rest
+        // whole accesses of the groups `groups` covers), and `groups` is a power of two of at
+        // most 32 with a norm; positions and sin/cos as for `Rope::run`. The function was
+        // loaded in this context. With programmatic overlap the function comes from
+        // `PTX_SM90` (`overlap_for`).
         unsafe {
             match plan.kernel.forms {
-                FusedForms::Plain => args.launch(context, &function, config, stream, overlap),
+                FusedForms::Plain | FusedForms::Partial => {
+                    args.launch(context, &function, config, stream, overlap)
+                }
                 FusedForms::FlashInfer => encode::encode_forms(req, plan, args, &scales)
                     .launch(context, &function, config, stream, overlap),
             }

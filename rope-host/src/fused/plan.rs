@@ -117,13 +117,29 @@ pub(crate) fn plan_fused(
         RopeStyle::Interleaved => lanes / 2,
     };
     let rot_groups = cfg.half() / pairs;
+    // A partial head's features past the rotation: groups of `2 pairs` after the rotation's
+    // (the `_partial` kernels).
+    let passed = cfg.head_dim() - cfg.rotary_dim();
+    let partial = passed > 0;
+    if !passed.is_multiple_of(2 * pairs) {
+        return Err(invalid(
+            "config",
+            format!(
+                "the {passed} features past rotary_dim {} are not whole accesses of {} (the \
+                 rotated features' access at this alignment)",
+                cfg.rotary_dim(),
+                2 * pairs
+            ),
+        ));
+    }
+    let all_groups = rot_groups + passed / (2 * pairs);
     let groups = if req.norm.is_some() {
-        let groups = rot_groups.next_power_of_two();
+        let groups = all_groups.next_power_of_two();
         if groups > MAX_NORM_GROUPS {
             return Err(invalid(
                 "norm",
                 format!(
-                    "head_dim {} takes {rot_groups} accesses of {lanes} elements per head; the \
+                    "head_dim {} takes {all_groups} accesses of {lanes} elements per head; the \
                      normalisation sums over at most {MAX_NORM_GROUPS}",
                     cfg.head_dim()
                 ),
@@ -131,7 +147,7 @@ pub(crate) fn plan_fused(
         }
         groups
     } else {
-        rot_groups
+        all_groups
     };
     let kernel = FusedKernelName {
         style: cfg.style(),
@@ -160,7 +176,8 @@ pub(crate) fn plan_fused(
     // loop and the four-heads kernels their stores made ptxas spill, and their parameters made
     // every other launch slower at decode), even where other kernels are pinned.
     let flashinfer = flashinfer_form(req);
-    let token_heads = (choice != FusedKernels::ItemLoop || flashinfer.is_some())
+    // Partial heads, like FlashInfer's forms, have two-heads kernels alone.
+    let token_heads = (choice != FusedKernels::ItemLoop || flashinfer.is_some() || partial)
         && kernel.mapping == Mapping::WIDE
         && spans_below_2_32(&req.rope)
         && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
@@ -175,6 +192,20 @@ pub(crate) fn plan_fused(
              slots, and tables within 2^32 elements aligned to their reads",
         ));
     }
+    if partial && (!token_heads || flashinfer.is_some()) {
+        return Err(invalid(
+            "config",
+            format!(
+                "rotary_dim {} of head_dim {} (a partial rotation) is fused by the two-heads \
+                 kernels alone, which this launch cannot take: no page table, E5M2, multiplier, \
+                 FP8 k output or non-rotary part, each tensor below 2^32 elements at the widest \
+                 access, a cache of at most 2^32 slots, and tables within 2^32 elements aligned \
+                 to their reads",
+                cfg.rotary_dim(),
+                cfg.head_dim()
+            ),
+        ));
+    }
     let kernel = FusedKernelName {
         mapping: if token_heads {
             Mapping::TWO_HEADS
@@ -183,6 +214,8 @@ pub(crate) fn plan_fused(
         },
         forms: if flashinfer.is_some() {
             FusedForms::FlashInfer
+        } else if partial {
+            FusedForms::Partial
         } else {
             FusedForms::Plain
         },
@@ -318,7 +351,8 @@ pub(super) fn flashinfer_form(req: &FusedRequest) -> Option<&'static str> {
     matches!(c.address, RawCacheAddress::PageTable(_)).then_some("cache.kv_indices")
 }
 
-/// The fused kernels rotate the whole head, forward, or backward where they normalise,
+/// The fused kernels rotate the whole head or its first `rotary_dim` features (the features
+/// past them normalised and stored unrotated), forward, or backward where they normalise,
 /// quantise and cache nothing (a plain rotation).
 fn check_config(req: &FusedRequest) -> Result<()> {
     let cfg = &req.rope.config;
@@ -330,11 +364,12 @@ fn check_config(req: &FusedRequest) -> Result<()> {
             "fused kernels rotate backward only where nothing is normalised, quantised or cached",
         ));
     }
-    if cfg.rotary_dim() != cfg.head_dim() || cfg.rotary_offset() != 0 {
+    if cfg.rotary_offset() != 0 {
         return Err(invalid(
             "config",
             format!(
-                "fused kernels rotate the whole head: rotary_dim {} at offset {} of head_dim {}",
+                "fused kernels rotate each head's first features: rotary_dim {} at offset {} of \
+                 head_dim {}",
                 cfg.rotary_dim(),
                 cfg.rotary_offset(),
                 cfg.head_dim()

@@ -44,6 +44,59 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
     ));
 }
 
+/// Partial rotations on the fused kernels (GLM-4's and Phi's half-head rotary with a q/k norm):
+/// random cases of every mode but FlashInfer's forms, heads of 64, 96, 128, 256 or 512
+/// features of which the first half or quarter rotate, through both entries and every kernel
+/// choice (partial heads take the two-heads kernels whatever is pinned), every fifth case
+/// prefill-sized. Every output and cache element matches the f64 reference: the rotated
+/// features rotated, those past them normalised with the norm, else as they were.
+fn run_partial<T: TestElem>(name: &str, cases: u64) {
+    let Some((stream, _)) = gpu_or_skip(name) else {
+        return;
+    };
+    let handles = pinned_handles(&stream);
+    let mut worst = Worst::default();
+    for j in 0..cases.min(case_cap()) {
+        let size = if j % 5 == 4 { Size::Large } else { Size::Small };
+        let seed = 0x9a_0000 + j * 151 + size_of::<T>() as u64;
+        let mut c = Case::random_sized(seed, size_of::<T>(), size);
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        // Heads of whole 16-byte accesses, a multiple of 32 features: their half and quarter
+        // rotate in whole accesses, and the rest is whole groups.
+        c.d = [64, 96, 128, 256, 512][rng.random_range(0..5)];
+        if !c.norm_fits(size_of::<T>()) {
+            c.norm = None;
+        }
+        c.rotary = c.d / [2, 4][rng.random_range(0..2)];
+        c.plain_fp8();
+        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
+        let (kernels, rope) = &handles[pinned_for(j)];
+        match check_case_on::<T>(&c, &stream, rope, entry) {
+            Ok(w) => worst.merge(w),
+            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
+        }
+    }
+    report(&format!(
+        "{name}: partial rotations, {} values checked, largest error {:.3} of its bound",
+        worst.checked, worst.ratio
+    ));
+}
+
+#[test]
+fn fused_partial_rotations_match_reference_bf16() {
+    run_partial::<rope_host::half::bf16>("fused_partial_rotations_match_reference_bf16", 60);
+}
+
+#[test]
+fn fused_partial_rotations_match_reference_f16() {
+    run_partial::<rope_host::half::f16>("fused_partial_rotations_match_reference_f16", 30);
+}
+
+#[test]
+fn fused_partial_rotations_match_reference_f32() {
+    run_partial::<f32>("fused_partial_rotations_match_reference_f32", 30);
+}
+
 /// [`Rope::run_fused_raw`], the entry front ends call with their own memory, on random cases
 /// of every mode (outputs, FP8, caches, norms, tables): every output and cache byte matches
 /// the f64 reference as through the views' entry.

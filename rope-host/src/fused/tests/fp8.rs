@@ -389,6 +389,18 @@ fn cached_non_rotary_parts_take_blocks_for_k_and_v() {
     assert_eq!(a.strides, [16 * 512, 512, 512]);
 }
 
+/// A partial rotation with FlashInfer's forms (here k's non-rotary part into the cache) is
+/// refused naming `config`: those forms have kernels of whole heads alone.
+#[test]
+fn partial_rotations_with_flashinfer_forms_are_refused() {
+    let mut r = with_cached_nope(64);
+    r.rope.config = RopeConfig::builder(D as u32, RopeStyle::Neox)
+        .rotary_dim(64)
+        .build()
+        .expect("valid");
+    assert_eq!(invalid_arg(&r), "config");
+}
+
 /// k's part into the cache is checked against k, the caches and v, naming the argument; into
 /// caches of the tensors' type as into FP8 ones, a latent cache then aligned to a 16-byte store.
 #[test]

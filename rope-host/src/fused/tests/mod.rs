@@ -336,14 +336,54 @@ fn norm_groups_are_a_power_of_two_of_at_most_32() {
     assert!(plan_of(&r).is_ok());
 }
 
+/// A partial rotation with a norm and a cache (the first `rotary_dim` of 128 features) plans on
+/// the two-heads kernels of partial heads, whatever kernels are pinned: `rot_groups` for the
+/// rotated features' accesses, and `groups` the next power of two of those and the accesses of
+/// the features past them (two vectors of 4 a group for NeoX bf16, one of 8 interleaved).
 #[test]
-fn rejects_partial_rotation_and_backward_with_a_norm_or_cache() {
+fn partial_rotations_take_the_two_heads_kernels_of_partial_heads() {
+    for (style, rotary_dim, rot_groups, groups) in [
+        (RopeStyle::Neox, 64, 8, 16),
+        (RopeStyle::Neox, 96, 12, 16),
+        (RopeStyle::Neox, 32, 4, 16),
+        (RopeStyle::Interleaved, 64, 8, 16),
+        (RopeStyle::Interleaved, 120, 15, 16),
+    ] {
+        for choice in [
+            FusedKernels::Auto,
+            FusedKernels::FourHeads,
+            FusedKernels::ItemLoop,
+        ] {
+            let mut r = with_tokens(style, 8192);
+            r.rope.config = RopeConfig::builder(D as u32, style)
+                .rotary_dim(rotary_dim)
+                .build()
+                .expect("valid");
+            let p = plan_with(&r, choice).expect("valid").expect("non-empty");
+            let case = (style, rotary_dim, choice);
+            assert_eq!(p.kernel.mapping, Mapping::TWO_HEADS, "{case:?}");
+            assert_eq!(
+                p.kernel.forms,
+                rope_kernels::abi::FusedForms::Partial,
+                "{case:?}"
+            );
+            let planned = (p.rot_groups, p.grid.groups.divisor.get());
+            assert_eq!(planned, (rot_groups, groups), "{case:?}");
+        }
+    }
+}
+
+/// An offset rotation, and a backward one with a norm or cache, are refused naming `config`.
+#[test]
+fn rejects_offset_rotation_and_backward_with_a_norm_or_cache() {
     let mut r = request(RopeStyle::Neox);
     r.rope.config = RopeConfig::builder(D as u32, RopeStyle::Neox)
         .rotary_dim(64)
+        .rotary_offset(32)
         .build()
         .expect("valid");
     assert_eq!(invalid_arg(&r), "config");
+    let mut r = request(RopeStyle::Neox);
     r.rope.config = RopeConfig::builder(D as u32, RopeStyle::Neox)
         .direction(Direction::Backward)
         .build()
