@@ -214,6 +214,19 @@ pub const SINCOS_VAR: &str = "ROPE_BENCH_FUSED_SINCOS";
 /// NeoX's, for A/B runs of the interleaved kernels.
 pub const STYLE_VAR: &str = "ROPE_BENCH_FUSED_STYLE";
 
+/// Environment variable: a number below 128 rotates only the first that many features of each
+/// head (partial rotary: the fused kernels of partial heads), the rest normalised and stored.
+pub const ROTARY_VAR: &str = "ROPE_BENCH_FUSED_ROTARY";
+
+/// The rotated features [`ROTARY_VAR`] asks for (the whole head by default).
+fn rotary_from_env() -> u32 {
+    std::env::var(ROTARY_VAR)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&r: &u32| r > 0 && r <= D as u32)
+        .unwrap_or(D as u32)
+}
+
 /// The pairing [`STYLE_VAR`] asks for.
 fn style_from_env() -> RopeStyle {
     match std::env::var(STYLE_VAR).as_deref() {
@@ -300,7 +313,9 @@ impl Buffers {
     ) -> anyhow::Result<()> {
         let t = self.tokens;
         let (lq, lk) = (Layout::thd(t, HQ, D), Layout::thd(t, HK, D));
-        let config = RopeConfig::builder(D as u32, style_from_env()).build()?;
+        let config = RopeConfig::builder(D as u32, style_from_env())
+            .rotary_dim(rotary_from_env())
+            .build()?;
         let rope_op = || RopeOp {
             config,
             positions: Positions::Ids {
@@ -475,8 +490,14 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     // SAFETY: this context object is used by this function alone, on one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    let handles = Handles::new(&stream, THETA, D as u32)?;
+    let handles = Handles::new(&stream, THETA, rotary_from_env())?;
     let mut rows = Vec::new();
+    // FlashInfer's forms rotate whole heads only: a partial rotation (`ROTARY_VAR`) skips them.
+    let partial = rotary_from_env() < D as u32;
+    let variants: Vec<_> = VARIANTS
+        .into_iter()
+        .filter(|(v, ..)| !partial || *v != Variant::RopeFp8PageTable)
+        .collect();
     for (shape, tokens) in [("decode", 64), ("prefill", 8192)] {
         if !shapes.contains(&shape) {
             continue;
@@ -486,7 +507,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             .then(|| {
                 handles.get(StreamOverlap::None).build_tables::<bf16>(
                     THETA,
-                    D as u32,
+                    rotary_from_env(),
                     (FIRST_POSITION + POSITION_SPAN) as usize,
                     TableFormat::Combined,
                 )
@@ -495,7 +516,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         let mut bufs = Buffers::new(&stream, tokens, table)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
-        for (v, _, _, overlap) in VARIANTS {
+        for &(v, _, _, overlap) in &variants {
             let rope = handles.get(overlap);
             bufs.run(rope, &stream, v)?; // warm-up
             stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
@@ -505,10 +526,10 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             graphs.push(graph?.ok_or_else(|| anyhow::anyhow!("the capture recorded nothing"))?);
         }
         // Rotating order per region, so clock drift falls on every variant alike.
-        let mut times = vec![(Vec::new(), Vec::new()); VARIANTS.len()];
+        let mut times = vec![(Vec::new(), Vec::new()); variants.len()];
         for i in 0..=REGIONS {
-            for j in (0..VARIANTS.len()).map(|j| (i + j) % VARIANTS.len()) {
-                let (v, _, _, overlap) = VARIANTS[j];
+            for j in (0..variants.len()).map(|j| (i + j) % variants.len()) {
+                let (v, _, _, overlap) = variants[j];
                 let rope = handles.get(overlap);
                 let eager = per_launch(&ctx, &stream, &mut || {
                     (0..LAUNCHES).try_for_each(|_| bufs.run(rope, &stream, v))
@@ -521,7 +542,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             }
         }
         rows.extend(
-            VARIANTS
+            variants
                 .iter()
                 .zip(times)
                 .map(|((_, name, own_copy, _), (eager, graph))| FusedRow {
