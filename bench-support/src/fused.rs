@@ -204,6 +204,9 @@ struct Buffers {
     page_table: [CudaSlice<i32>; 4],
     /// vLLM's `cos_sin_cache` when [`SINCOS_VAR`] asks for it, else sin/cos are computed.
     table: Option<SinCosTables<bf16>>,
+    /// Every launch's configuration: the pairing [`STYLE_VAR`] and the rotated features
+    /// [`ROTARY_VAR`] ask for, read once (not in the timed launches).
+    config: RopeConfig,
 }
 
 /// Environment variable: `table` makes every fused launch read sin/cos from a bf16
@@ -261,6 +264,7 @@ impl Buffers {
         stream: &Arc<CudaStream>,
         tokens: usize,
         table: Option<SinCosTables<bf16>>,
+        config: RopeConfig,
     ) -> anyhow::Result<Self> {
         let fill = |n: usize, k: f32| -> Vec<bf16> {
             (0..n)
@@ -301,6 +305,7 @@ impl Buffers {
                 stream.clone_htod(&(0..blocks as i32).rev().collect::<Vec<_>>())?,
             ],
             table,
+            config,
         })
     }
 
@@ -313,9 +318,7 @@ impl Buffers {
     ) -> anyhow::Result<()> {
         let t = self.tokens;
         let (lq, lk) = (Layout::thd(t, HQ, D), Layout::thd(t, HK, D));
-        let config = RopeConfig::builder(D as u32, style_from_env())
-            .rotary_dim(rotary_from_env())
-            .build()?;
+        let config = self.config;
         let rope_op = || RopeOp {
             config,
             positions: Positions::Ids {
@@ -490,10 +493,14 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     // SAFETY: this context object is used by this function alone, on one stream.
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
-    let handles = Handles::new(&stream, THETA, rotary_from_env())?;
+    let rotary = rotary_from_env();
+    let config = RopeConfig::builder(D as u32, style_from_env())
+        .rotary_dim(rotary)
+        .build()?;
+    let handles = Handles::new(&stream, THETA, rotary)?;
     let mut rows = Vec::new();
     // FlashInfer's forms rotate whole heads only: a partial rotation (`ROTARY_VAR`) skips them.
-    let partial = rotary_from_env() < D as u32;
+    let partial = rotary < D as u32;
     let variants: Vec<_> = VARIANTS
         .into_iter()
         .filter(|(v, ..)| !partial || *v != Variant::RopeFp8PageTable)
@@ -507,13 +514,13 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             .then(|| {
                 handles.get(StreamOverlap::None).build_tables::<bf16>(
                     THETA,
-                    rotary_from_env(),
+                    rotary,
                     (FIRST_POSITION + POSITION_SPAN) as usize,
                     TableFormat::Combined,
                 )
             })
             .transpose()?;
-        let mut bufs = Buffers::new(&stream, tokens, table)?;
+        let mut bufs = Buffers::new(&stream, tokens, table, config)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
         for &(v, _, _, overlap) in &variants {
