@@ -1,6 +1,6 @@
 """Times rope_rs from Python against a same-run ``copy_`` of the same bytes (needs torch and CUDA).
 
-    python python/bench.py [--reps 200] [--json bench.json]
+    python python/bench.py [--reps 200] [--json bench.json] [--only TEXT ...]
     python python/bench.py --host-rounds 7 [--calls 3000]
 
 GPU time: CUDA events around each launch, the L2 cache flushed before each (a write of twice its
@@ -318,6 +318,9 @@ def main():
         "--host-rounds", type=int, metavar="N", help="only the decode rows' host time, in N interleaved rounds"
     )
     parser.add_argument("--calls", type=int, default=3000, help="calls per function and round (--host-rounds)")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="TEXT", help="only the rows whose name holds TEXT (repeatable)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -331,6 +334,8 @@ def main():
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     rows = []
     for name, tensors, call, native in cases():
+        if args.only and not any(text in name for text in args.only):
+            continue
         numel = sum(t.numel() for t in tensors)
         src = torch.randn(numel, device="cuda").to(tensors[0].dtype)
         dst = torch.empty_like(src)

@@ -380,14 +380,14 @@ impl Case {
         self.d.is_multiple_of(8)
     }
 
-    /// Drops the case's FlashInfer forms: E4M3 of scale arrays, k not to an FP8 output, and a
-    /// page table's slots as a slot mapping (the same slots).
     /// Whether the norm's sum spans this case's heads of `dtype_size`-byte elements: at most 32
     /// accesses of a head at the widest access its pairing allows.
     pub fn norm_fits(&self, dtype_size: usize) -> bool {
         norm_accesses(self.style, dtype_size, self.d) <= 32
     }
 
+    /// Drops the case's FlashInfer forms: E4M3 of scale arrays, k not to an FP8 output, and a
+    /// page table's slots as a slot mapping (the same slots).
     pub fn plain_fp8(&mut self) {
         (self.fp8, self.multipliers) = (Fp8Format::E4m3, false);
         if matches!(self.k, KMode::Fp8 { .. }) {

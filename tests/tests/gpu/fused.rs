@@ -236,8 +236,9 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
         let mut c = Case::random_sized(seed, size_of::<T>(), size);
         let mut rng = StdRng::seed_from_u64(seed ^ 0xbeef);
         if !c.takes_flashinfer_forms() {
-            // Heads the token-heads kernels take (the norm sums 32 accesses of them at most).
-            c.d = 128;
+            // Whole heads the token-heads kernels take (the norm sums 32 accesses of them at
+            // most).
+            (c.d, c.rotary) = (128, 128);
         }
         c.fp8 = if j % 2 == 0 {
             rope_host::Fp8Format::E5m2
