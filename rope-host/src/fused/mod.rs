@@ -31,6 +31,7 @@
 //! As [`Rope::run`]: bind (`bind.rs`), plan (`plan.rs`: validation, access width, grid),
 //! encode (`encode.rs`), launch.
 
+mod apart;
 mod bind;
 mod cache_checks;
 mod encode;
@@ -444,6 +445,16 @@ impl Rope {
         let Some(plan) = self.plan_fused(req)? else {
             return Ok(());
         };
+        if let Some([(q, q_plan), (rest, rest_plan)]) =
+            apart::q_apart(req, &plan, &|r| self.plan_fused(r))
+        {
+            // SAFETY: the two requests hold `req`'s addresses (each a part of its tensors and
+            // nothing else), planned above; their written regions are `req`'s, which its plan
+            // proved apart from everything either launch reads.
+            unsafe { self.launch_fused_plan(&q, &q_plan, stream, on) }?;
+            // SAFETY: as above.
+            return unsafe { self.launch_fused_plan(&rest, &rest_plan, stream, on) };
+        }
         // SAFETY: the caller's promises, for the plan of `req`.
         unsafe { self.launch_fused_plan(req, &plan, stream, on) }
     }

@@ -7,6 +7,7 @@ use rope_kernels::abi::{
     FusedForms, FusedKernelName, Mapping, SinCosSource, ThreadHeads, preferred_lanes,
 };
 
+use super::apart::empty_at;
 use super::plan::FusedPlan;
 use super::request::FusedRequest;
 use crate::config::RopeConfig;
@@ -55,14 +56,7 @@ impl FusedRequest {
             narrowed_in_place(rope)?
         };
         let rope = &rope;
-        let k = rope.k.unwrap_or(TensorReq {
-            x: rope.q.x,
-            x_layout: Layout {
-                heads: 0,
-                ..rope.q.x_layout
-            },
-            out: None,
-        });
+        let k = rope.k.unwrap_or(empty_at(rope.q));
         Some(Self {
             rope: Request {
                 k: Some(k),

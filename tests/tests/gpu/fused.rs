@@ -11,7 +11,7 @@ use rope_harness::case::TestElem;
 use rope_harness::fused::*;
 use rope_host::cudarc::driver::CudaContext;
 use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use rope_host::{Rope, RopeStyle};
+use rope_host::{Fp8Format, FusedKernels, Rope, RopeStyle};
 use rope_tests::gpu::{case_cap, gpu_or_skip, pinned_for, pinned_handles};
 
 use super::super::report;
@@ -241,9 +241,9 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
             (c.d, c.rotary) = (128, 128);
         }
         c.fp8 = if j % 2 == 0 {
-            rope_host::Fp8Format::E5m2
+            Fp8Format::E5m2
         } else {
-            rope_host::Fp8Format::E4m3
+            Fp8Format::E4m3
         };
         c.multipliers = j % 3 != 2;
         c.q = QMode::Fp8 {
@@ -315,6 +315,100 @@ fn fused_flashinfer_forms_match_reference_f16() {
 #[test]
 fn fused_flashinfer_forms_match_reference_f32() {
     run_flashinfer_forms::<f32>("fused_flashinfer_forms_match_reference_f32", 60);
+}
+
+/// FlashInfer's forms on k's side alone at prefill (k's part into the cache after the rotated
+/// features or into a latent cache, page tables, E5M2 caches, multipliers), with q in place or
+/// into its output: 4096 tokens of 32 q heads, which the
+/// planner launches as two (q's heads alone on the four-heads or rows kernels, then the rest on
+/// the forms' kernels with q empty). Handles of the planner's choice and pinned to four heads,
+/// both entries; every written byte matches the reference as in
+/// [`run_flashinfer_forms`].
+fn run_q_apart<T: TestElem>(name: &str, cases: u64) {
+    let Some((stream, _)) = gpu_or_skip(name) else {
+        return;
+    };
+    let handles = pinned_handles(&stream);
+    let splitting = [FusedKernels::Auto, FusedKernels::FourHeads];
+    let mut worst = Worst::default();
+    let cases = cases.min(case_cap());
+    for j in 0..cases {
+        let seed = 0xa9_0000 + j * 137 + size_of::<T>() as u64;
+        let mut c = Case::random_sized(seed, size_of::<T>(), Size::Large);
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xa9a9);
+        // Heads of 128 at 4096 tokens: many waves of q's threads in every pairing and type.
+        (c.batch, c.seq, c.hq, c.d, c.rotary) = (1, 4096, 32, 128, 128);
+        if !c.norm_fits(size_of::<T>()) {
+            c.norm = None;
+        }
+        c.ids = Some(
+            (0..c.tokens())
+                .map(|_| rng.random_range(0..MAX_POSITION as i64))
+                .collect(),
+        );
+        c.q = if j % 2 == 0 {
+            QMode::InPlace
+        } else {
+            QMode::Out
+        };
+        c.fp8 = if j % 2 == 0 {
+            Fp8Format::E5m2
+        } else {
+            Fp8Format::E4m3
+        };
+        c.multipliers = j % 3 != 2;
+        if matches!(c.k, KMode::Fp8 { .. }) {
+            c.k = KMode::CacheOnly;
+        }
+        let mut cache = CacheCase::random(&mut rng, c.tokens());
+        cache.fp8 = true;
+        if j % 2 == 1 {
+            let (table, slots) =
+                PageTableCase::random(&mut rng, c.tokens(), (cache.num_blocks, cache.block_size));
+            (cache.page_table, cache.slots) = (Some(table), slots);
+        }
+        if j % 4 < 3 {
+            c.nope = [16, 136][j as usize % 2];
+            cache.nope = if j % 2 == 0 {
+                CacheNope::AfterRotated
+            } else {
+                CacheNope::Latent
+            };
+            cache.fp8 = j % 3 != 1;
+        }
+        c.cache = Some(cache);
+        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
+        let choice = splitting[j as usize % splitting.len()];
+        let (kernels, rope) = handles
+            .iter()
+            .find(|(k, _)| *k == choice)
+            .expect("a handle of every choice");
+        match check_case_on::<T>(&c, &stream, rope, entry) {
+            Ok(w) => worst.merge(w),
+            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
+        }
+    }
+    report(&format!(
+        "{name}: {cases} prefill cases with q apart from k's FlashInfer forms, {} values \
+         checked, largest error {:.3} of its bound",
+        worst.checked, worst.ratio
+    ));
+}
+
+#[test]
+fn fused_q_apart_from_flashinfer_forms_matches_reference_bf16() {
+    run_q_apart::<rope_host::half::bf16>(
+        "fused_q_apart_from_flashinfer_forms_matches_reference_bf16",
+        8,
+    );
+}
+
+#[test]
+fn fused_q_apart_from_flashinfer_forms_matches_reference_f32() {
+    run_q_apart::<f32>(
+        "fused_q_apart_from_flashinfer_forms_matches_reference_f32",
+        6,
+    );
 }
 
 /// k only cached (`KOut::CacheOnly`) without a `KvCache` is refused naming `k`, whatever q's

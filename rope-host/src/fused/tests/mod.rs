@@ -1,5 +1,6 @@
 //! Tests of the fused planner, without a GPU.
 
+mod apart;
 mod fp8;
 mod prefetch;
 mod properties;
