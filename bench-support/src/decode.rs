@@ -209,6 +209,14 @@ impl Handles {
         })
     }
 
+    /// Prepares `theta`'s frequencies for `rotary_dim` rotated features on every handle too.
+    pub(crate) fn prepare(&self, theta: f64, rotary_dim: u32) -> anyhow::Result<()> {
+        for rope in [&self.serial, &self.programmatic, &self.read_ahead] {
+            rope.prepare(theta, rotary_dim)?;
+        }
+        Ok(())
+    }
+
     /// The handle whose launches overlap as `overlap` says.
     pub(crate) fn get(&self, overlap: StreamOverlap) -> &Rope {
         match overlap {

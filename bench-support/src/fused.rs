@@ -10,6 +10,9 @@
 //!   (`StreamOverlap::Programmatic`, rows marked `PDL`; the same launches as the others where
 //!   the device has no sm_90 kernels).
 //!
+//! - MLA at the same token counts (128 q heads whose last 64 features rotate, one k head of
+//!   64 and 512 latent features into FP8 or bf16 caches), next to a copy of its bytes.
+//!
 //! Sin/cos are computed in the kernels unless [`SINCOS_VAR`] is `table` (a bf16
 //! `cos_sin_cache`, vLLM's format).
 
@@ -19,10 +22,10 @@ use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMo
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use rope_host::half::bf16;
 use rope_host::{
-    CacheAddress, CacheData, CacheLayout, DeviceInts, Fp8Format, Fp8Scale, FusedIo, FusedOp,
-    IdsShape, Io, KOut, KvCache, Layout, NormWeight, PageTable, Positions, QOut, QkIo, QkNorm,
-    Rope, RopeConfig, RopeOp, RopeStyle, SinCos, SinCosTables, StreamOverlap, TableFormat, Tensor,
-    TensorMut,
+    CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceInts, Fp8Format, Fp8Scale, FusedIo,
+    FusedOp, IdsShape, Io, KOut, KvCache, Layout, NonRotaryCache, NormWeight, PageTable, Positions,
+    QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, SinCosTables, StreamOverlap,
+    TableFormat, Tensor, TensorMut,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -73,6 +76,11 @@ enum Variant {
     RopeFp8PageTable,
     /// rope-rs's rotation plus copies of the bytes of a separate norm and cache write.
     Unfused,
+    /// MLA (DeepSeek-V3's shapes, vLLM's `concat_and_cache_mla_rope_fused`): `q_pe`, the last
+    /// 64 of each of 128 q heads' 192 features, and `k_pe`, one head of 64, rotated in place;
+    /// `k_pe` into the k cache and the 512 latent features into the latent cache (FlashInfer's
+    /// `kpe_cache` and `ckv_cache`), E4M3 with a scale or bf16.
+    Mla { fp8: bool },
 }
 
 /// How many bytes a copy variant moves: exactly what a fused variant reads (and writes as
@@ -86,15 +94,25 @@ enum Bytes {
     /// Three quarters of q, k and v: read as bf16 (2 bytes), written as FP8 (1 byte), so
     /// 3 bytes per element, as a copy of 1.5 bytes per element.
     Qkv3of4,
+    /// MLA's `q_pe`, `k_pe` and latent features (each read and written once, as bf16).
+    Mla,
 }
 
 const COPY_QK: &str = "copy of q, k";
 const COPY_QKV: &str = "copy of q, k, v";
 const COPY_FP8: &str = "copy of 3/4 of q, k, v";
+const COPY_MLA: &str = "copy of MLA q_pe, k_pe, latent";
+
+/// MLA's q heads, their features (the rotated `q_pe` last), the rotated features and the
+/// latent features of its one k head.
+const MLA_HEADS: usize = 128;
+const MLA_Q_DIM: usize = 192;
+const MLA_ROPE: usize = 64;
+const MLA_LATENT: usize = 512;
 
 /// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
 /// before (the rotation's, for the unfused sequence).
-const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 15] = [
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 20] = [
     (Variant::Copy(Bytes::Qk), COPY_QK, None, StreamOverlap::None),
     (
         Variant::Copy(Bytes::Qkv),
@@ -180,6 +198,36 @@ const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 15] = [
         Some(COPY_QKV),
         StreamOverlap::Programmatic,
     ),
+    (
+        Variant::Copy(Bytes::Mla),
+        COPY_MLA,
+        None,
+        StreamOverlap::None,
+    ),
+    (
+        Variant::Mla { fp8: true },
+        "MLA rope + FP8 caches",
+        Some(COPY_MLA),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::Mla { fp8: false },
+        "MLA rope + bf16 caches",
+        Some(COPY_MLA),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::Mla { fp8: true },
+        "MLA rope + FP8 caches, PDL",
+        Some(COPY_MLA),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::Mla { fp8: false },
+        "MLA rope + bf16 caches, PDL",
+        Some(COPY_MLA),
+        StreamOverlap::Programmatic,
+    ),
 ];
 
 /// Device buffers of one shape.
@@ -202,8 +250,20 @@ struct Buffers {
     /// FlashInfer's page table of the same slots: `batch_indices` (one request), `positions`,
     /// `kv_indptr`, `kv_indices` (the blocks in reverse order).
     page_table: [CudaSlice<i32>; 4],
+    /// MLA's q (`[tokens, 128, 192]`, `q_pe` the last 64 of each head), `k_pe`
+    /// (`[tokens, 1, 64]`), the latent features (`[tokens, 1, 512]`) and the caches: k's
+    /// (`[blocks, 16, 64]`) and the latent one (`[blocks, 16, 512]`), bf16 and FP8.
+    mla_q: CudaSlice<bf16>,
+    mla_kpe: CudaSlice<bf16>,
+    mla_latent: CudaSlice<bf16>,
+    mla_caches: (CudaSlice<bf16>, CudaSlice<bf16>),
+    mla_caches8: (CudaSlice<u8>, CudaSlice<u8>),
+    /// The destination of MLA's copy row.
+    mla_copy: CudaSlice<bf16>,
     /// vLLM's `cos_sin_cache` when [`SINCOS_VAR`] asks for it, else sin/cos are computed.
     table: Option<SinCosTables<bf16>>,
+    /// MLA's `cos_sin_cache` of 64 rotated features when [`SINCOS_VAR`] asks for one.
+    mla_table: Option<SinCosTables<bf16>>,
     /// Every launch's configuration: the pairing [`STYLE_VAR`] and the rotated features
     /// [`ROTARY_VAR`] ask for, read once (not in the timed launches).
     config: RopeConfig,
@@ -263,7 +323,7 @@ impl Buffers {
     fn new(
         stream: &Arc<CudaStream>,
         tokens: usize,
-        table: Option<SinCosTables<bf16>>,
+        (table, mla_table): (Option<SinCosTables<bf16>>, Option<SinCosTables<bf16>>),
         config: RopeConfig,
     ) -> anyhow::Result<Self> {
         let fill = |n: usize, k: f32| -> Vec<bf16> {
@@ -304,9 +364,95 @@ impl Buffers {
                 stream.clone_htod(&[0, blocks as i32])?,
                 stream.clone_htod(&(0..blocks as i32).rev().collect::<Vec<_>>())?,
             ],
+            mla_q: stream.clone_htod(&fill(tokens * MLA_HEADS * MLA_Q_DIM, 0.41))?,
+            mla_kpe: stream.clone_htod(&fill(tokens * MLA_ROPE, 0.23))?,
+            mla_latent: stream.clone_htod(&fill(tokens * MLA_LATENT, 0.31))?,
+            mla_caches: (
+                stream.alloc_zeros(blocks * BLOCK * MLA_ROPE)?,
+                stream.alloc_zeros(blocks * BLOCK * MLA_LATENT)?,
+            ),
+            mla_caches8: (
+                stream.alloc_zeros(blocks * BLOCK * MLA_ROPE)?,
+                stream.alloc_zeros(blocks * BLOCK * MLA_LATENT)?,
+            ),
+            mla_copy: stream
+                .alloc_zeros(tokens * (MLA_HEADS * MLA_ROPE + MLA_ROPE + MLA_LATENT))?,
             table,
+            mla_table,
             config,
         })
+    }
+
+    /// Launches MLA's row once ([`Variant::Mla`]): `q_pe` and `k_pe` rotated in place at the
+    /// run's pairing, `k_pe` and the latent features into their caches by slot (FlashInfer's
+    /// form of the launch: `k_pe` and the latent features in tensors of their own).
+    fn run_mla(&mut self, rope: &Rope, fp8: bool) -> anyhow::Result<()> {
+        let t = self.tokens;
+        let q_pe = Layout::strided(
+            [1, t, MLA_HEADS, MLA_ROPE],
+            [
+                t * MLA_HEADS * MLA_Q_DIM,
+                MLA_HEADS * MLA_Q_DIM,
+                MLA_Q_DIM,
+                1,
+            ],
+            MLA_Q_DIM - MLA_ROPE,
+        )?;
+        let blocks = self.mla_caches.0.len() / (BLOCK * MLA_ROPE);
+        let op = FusedOp {
+            rope: RopeOp {
+                config: RopeConfig::builder(MLA_ROPE as u32, self.config.style()).build()?,
+                positions: Positions::Ids {
+                    ids: DeviceInts::I64(self.ids.as_view()),
+                    shape: IdsShape::PerRow,
+                },
+                sincos: match &self.mla_table {
+                    Some(t) => t.sincos(),
+                    None => SinCos::Computed { theta: THETA },
+                },
+            },
+            norm: None,
+        };
+        let io = FusedIo::Separate {
+            q: QOut::InPlace(TensorMut {
+                data: self.mla_q.as_view_mut(),
+                layout: q_pe,
+            }),
+            k: KOut::InPlace(TensorMut {
+                data: self.mla_kpe.as_view_mut(),
+                layout: Layout::thd(t, 1, MLA_ROPE),
+            }),
+            v: None,
+        };
+        let data = if fp8 {
+            CacheData::Fp8 {
+                k: self.mla_caches8.0.as_view_mut(),
+                v: self.mla_caches8.1.as_view_mut(),
+                k_scale: Fp8Scale::PerTensor(self.scale.as_view()),
+                v_scale: Fp8Scale::PerTensor(self.scale.as_view()),
+                format: Fp8Format::E4m3,
+            }
+        } else {
+            CacheData::Elem {
+                k: self.mla_caches.0.as_view_mut(),
+                v: self.mla_caches.1.as_view_mut(),
+            }
+        };
+        let cache = KvCache {
+            non_rotary: Some(CacheNonRotary {
+                input: Tensor {
+                    data: self.mla_latent.as_view(),
+                    layout: Layout::thd(t, 1, MLA_LATENT),
+                },
+                into: NonRotaryCache::Latent(CacheLayout::blocks_rows_heads(
+                    blocks, BLOCK, 1, MLA_LATENT,
+                )),
+            }),
+            address: CacheAddress::Slots(DeviceInts::I64(self.slots.as_view())),
+            layout: CacheLayout::blocks_rows_heads(blocks, BLOCK, 1, MLA_ROPE),
+            data,
+        };
+        Ok(rope.run_fused(&op, io, Some(cache))?)
     }
 
     /// Launches `variant` once.
@@ -347,7 +493,13 @@ impl Buffers {
                     Bytes::Qk => qn + kn,
                     Bytes::Qkv => qn + 2 * kn,
                     Bytes::Qkv3of4 => (qn + 2 * kn) * 3 / 4,
+                    Bytes::Mla => t * (MLA_HEADS * MLA_ROPE + MLA_ROPE + MLA_LATENT),
                 };
+                if bytes == Bytes::Mla {
+                    let src = self.mla_q.slice(0..n);
+                    let mut dst = self.mla_copy.slice_mut(0..n);
+                    return Ok(stream.memcpy_dtod(&src, &mut dst)?);
+                }
                 let src = self.qkv_src.slice(0..n);
                 let mut dst = self.qkv_dst.slice_mut(0..n);
                 Ok(stream.memcpy_dtod(&src, &mut dst)?)
@@ -439,6 +591,7 @@ impl Buffers {
                 };
                 Ok(rope.run_fused(&op, io, Some(cache))?)
             }
+            Variant::Mla { fp8 } => self.run_mla(rope, fp8),
             Variant::RopeFp8PageTable => {
                 let op = FusedOp {
                     rope: rope_op(),
@@ -498,12 +651,20 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         .rotary_dim(rotary)
         .build()?;
     let handles = Handles::new(&stream, THETA, rotary)?;
+    handles.prepare(THETA, MLA_ROPE as u32)?;
     let mut rows = Vec::new();
-    // FlashInfer's forms rotate whole heads only: a partial rotation (`ROTARY_VAR`) skips them.
+    // FlashInfer's forms rotate whole heads only: a partial rotation (`ROTARY_VAR`) skips them,
+    // and MLA's rows, which rotate whole heads of their own.
     let partial = rotary < D as u32;
     let variants: Vec<_> = VARIANTS
         .into_iter()
-        .filter(|(v, ..)| !partial || *v != Variant::RopeFp8PageTable)
+        .filter(|(v, ..)| {
+            !partial
+                || !matches!(
+                    v,
+                    Variant::RopeFp8PageTable | Variant::Mla { .. } | Variant::Copy(Bytes::Mla)
+                )
+        })
         .collect();
     for (shape, tokens) in [("decode", 64), ("prefill", 8192)] {
         if !shapes.contains(&shape) {
@@ -520,7 +681,17 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
                 )
             })
             .transpose()?;
-        let mut bufs = Buffers::new(&stream, tokens, table, config)?;
+        let mla_table = (std::env::var(SINCOS_VAR).as_deref() == Ok("table"))
+            .then(|| {
+                handles.get(StreamOverlap::None).build_tables::<bf16>(
+                    THETA,
+                    MLA_ROPE as u32,
+                    (FIRST_POSITION + POSITION_SPAN) as usize,
+                    TableFormat::Combined,
+                )
+            })
+            .transpose()?;
+        let mut bufs = Buffers::new(&stream, tokens, (table, mla_table), config)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
         for &(v, _, _, overlap) in &variants {
