@@ -884,11 +884,10 @@ class TestServing:
                 c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, c.positions,
                 key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots[:3],
             )
-        # A partial rotation of 120 features: its halves of 60 bf16 features are not whole
-        # 16-byte accesses, which the partial fused kernels need.
-        partial = vllm_cache(10000.0, c.d - 8, 4096)
+        # A table of neither float32 nor the tensors' type.
+        half = vllm_cache(10000.0, c.d, 4096).to(torch.float16)
         with pytest.raises(ValueError, match="^cos_sin_cache"):
-            rope_rs.fused_qk_norm_rope(c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, partial, True, c.positions)
+            rope_rs.fused_qk_norm_rope(c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, half, True, c.positions)
         torch.cuda.synchronize()
         assert torch.equal(c.qkv, before)
         assert (key_cache == -7.0).all() and (value_cache == -7.0).all()
