@@ -23,7 +23,7 @@ sin/cos from.
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 from rope_rs import _native
 from rope_rs._native import __version__, frequencies
@@ -96,6 +96,8 @@ def apply_rope(
     cp_size: int = 1,
     cp_rank: int = 0,
     pdl: bool = False,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
 ) -> Any:
     """Rotates q (and k) by rotary position embedding (RoPE) on the GPU.
 
@@ -123,7 +125,13 @@ def apply_rope(
         bounds the *whole* sequences (each length divisible by ``2 * cp_size``); q holds this
         rank's ``L / cp_size`` tokens of each sequence of whole length ``L``, chunks ``cp_rank``
         and ``2 * cp_size - 1 - cp_rank`` of its ``2 * cp_size`` equal chunks, and their
-        positions are derived in the kernel (no ``positions`` or ``position_ids``).
+        positions are derived in the kernel (no ``positions`` or ``position_ids``);
+      - ``position_ids`` with ``mrope_section``: mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+        ``position_ids`` is ``[3, batch, seq]`` (or ``[3, tokens]`` for 3-D tensors), a row of
+        temporal, height and width positions; ``mrope_section`` gives the pairs of each axis
+        (summing to ``rotary_dim / 2``, as in the model's ``rope_scaling``), in blocks in that
+        order, or with ``mrope_interleaved=True`` in Qwen3-VL's ``T H W T H W ...`` order.
+        Each pair rotates at its axis's position.
 
     sin/cos (one of):
       - ``theta`` (default 10000): ``inv_freq[i] = theta ** (-2i / rotary_dim)``, cos and sin
@@ -205,6 +213,8 @@ def apply_rope(
             cp_size=cp_size,
             cp_rank=cp_rank,
             pdl=pdl,
+            mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved,
         )
         return _torch_eager.apply_rope(q, k, opts, inplace=inplace, out=out, k_out=k_out, stream=stream)
     if inplace:
@@ -221,6 +231,7 @@ def apply_rope(
     _native.apply_rope(
         q, k, out, k_out, positions, position_ids, cu_seqlens, layout, style, theta, cos_sin_cache, cos, sin,
         inv_freq, attention_factor, angle, scaling, rotary_dim, backward, launch_stream, sync, cp_size, cp_rank, pdl,
+        None if mrope_section is None else [int(n) for n in mrope_section], mrope_interleaved,
     )
     q_res, k_res = (q, k) if inplace else (out, k_out)
     return q_res if k is None else (q_res, k_res)

@@ -31,6 +31,8 @@ def apply_rope(
     cp_size: int = 1,
     cp_rank: int = 0,
     pdl: bool = False,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
 ) -> None:
     """Rotates q (and k) by RoPE on ``stream``: into ``out``/``k_out`` when given, else in place.
 
@@ -45,6 +47,8 @@ def apply_rope(
     ``producer_sync=False`` passes ``stream=-1`` to ``__dlpack__`` (the caller ordered the writes).
     ``cp_size``/``cp_rank``: context-parallel split of ``cu_seqlens`` sequences. ``pdl``:
     programmatic dependent launch (sm_90+, decode-sized launches; same results).
+    ``mrope_section`` (three pair counts) makes ``position_ids`` mRoPE's ``[3, batch, seq]`` or
+    ``[3, tokens]``, in blocks or (``mrope_interleaved``) Qwen3-VL's interleaved order.
     Raises TypeError, ValueError naming the argument, RuntimeError (CUDA driver).
     """
 

@@ -46,6 +46,8 @@ class Options(NamedTuple):
     cp_size: int
     cp_rank: int
     pdl: bool
+    mrope_section: Optional[List[int]]
+    mrope_interleaved: bool
 
     def flipped(self) -> "Options":
         """The same launch in the other direction (the gradient's)."""
@@ -103,7 +105,17 @@ def options(q: Tensor, **given: Any) -> Options:
         inv_freq, host_inv_freq = None, [float(f) for f in inv_freq]
     elif inv_freq is not None and (inv_freq.dtype != torch.float64 or inv_freq.device != q.device):
         inv_freq = inv_freq.to(device=q.device, dtype=torch.float64)
-    numbers = {"theta": float, "attention_factor": float, "backward": bool, "cp_size": int, "cp_rank": int, "pdl": bool}
+    if a["mrope_section"] is not None:
+        a["mrope_section"] = [int(n) for n in a["mrope_section"]]
+    numbers = {
+        "theta": float,
+        "attention_factor": float,
+        "backward": bool,
+        "cp_size": int,
+        "cp_rank": int,
+        "pdl": bool,
+        "mrope_interleaved": bool,
+    }
     for name, kind in numbers.items():
         if a[name] is not None:
             a[name] = kind(a[name])

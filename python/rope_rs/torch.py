@@ -69,6 +69,7 @@ _SCHEMA_TYPES = {
     Optional[float]: "float?",
     Optional[int]: "int?",
     Optional[List[float]]: "float[]?",
+    Optional[List[int]]: "int[]?",
 }
 
 # The custom operators. Their schemas list the tensors to rotate, then the `Options` fields.

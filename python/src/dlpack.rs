@@ -484,16 +484,7 @@ fn is_contiguous(d: &Dense) -> bool {
 /// # Errors
 /// [`ArgError::Value`] for another type, rank or a non-contiguous tensor.
 pub fn ints(d: &Dense, arg: &str) -> Result<RawInts, ArgError> {
-    let ty = match d.elem {
-        Elem::I32 => rope_host::IntType::I32,
-        Elem::I64 => rope_host::IntType::I64,
-        other => {
-            return Err(ArgError::Value(format!(
-                "{arg} must be int32 or int64, got {}",
-                other.name()
-            )));
-        }
-    };
+    let ty = int_type(d, arg)?;
     if !matches!(d.shape.len(), 1 | 2) {
         return Err(ArgError::Value(format!(
             "{arg} must be [seq] or [batch, seq], got shape {:?}",
@@ -508,6 +499,43 @@ pub fn ints(d: &Dense, arg: &str) -> Result<RawInts, ArgError> {
         },
         ty,
     })
+}
+
+/// Per-axis positions (mRoPE's `position_ids`): `[n_axes, batch, seq]` or `[n_axes, tokens]`,
+/// contiguous, `int32` or `int64`, read as `n_axes` rows of the tokens in order.
+///
+/// # Errors
+/// [`ArgError::Value`] naming `arg` for another type, rank or first dimension, or a
+/// non-contiguous array.
+pub fn axis_ints(d: &Dense, arg: &str, n_axes: usize) -> Result<RawInts, ArgError> {
+    if !matches!(d.shape.len(), 2 | 3) || d.shape[0] != n_axes {
+        return Err(ArgError::Value(format!(
+            "{arg} must be [{n_axes}, batch, seq] or [{n_axes}, tokens] (a row of positions per \
+             axis), got shape {:?}",
+            d.shape
+        )));
+    }
+    let ty = int_type(d, arg)?;
+    require_contiguous(d, arg)?;
+    Ok(RawInts {
+        buf: RawBuf {
+            ptr: d.ptr,
+            len: d.shape.iter().product(),
+        },
+        ty,
+    })
+}
+
+/// `d`'s integer type, `int32` or `int64`.
+fn int_type(d: &Dense, arg: &str) -> Result<rope_host::IntType, ArgError> {
+    match d.elem {
+        Elem::I32 => Ok(rope_host::IntType::I32),
+        Elem::I64 => Ok(rope_host::IntType::I64),
+        other => Err(ArgError::Value(format!(
+            "{arg} must be int32 or int64, got {}",
+            other.name()
+        ))),
+    }
 }
 
 /// A one-dimensional integer array (row offsets, `cu_seqlens`, per-sequence offsets):

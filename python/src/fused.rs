@@ -581,6 +581,7 @@ pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> 
         (dtype, elem.name(), head_dim, None),
         (&names, stream),
     )?;
+    let positions = positions.finish(device, &names, (rotary_dim, stream))?;
     let config = RopeConfig::builder(head_dim, l.style)
         .rotary_dim(rotary_dim)
         .build()

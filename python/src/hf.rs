@@ -110,6 +110,8 @@ fn _apply_rotary_pos_emb_eager<'py>(
         1,
         0,
         false,
+        None,
+        false,
     )?;
     let k_out = match k_out {
         Some(k) => k,

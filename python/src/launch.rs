@@ -14,13 +14,14 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
-    AngleMode, ConfigBase, ConfigValue, ContextParallel, DType, Direction, Error, Frequencies,
-    FrequencySpec, IdsShape, Layout, RawBuf, RawIo, RawOp, RawPositions, RawSinCos, RawTensor,
-    RawTensors, Rope, RopeConfig, RopeStyle, StreamOverlap, shared,
+    AngleMode, AxisMap, ConfigBase, ConfigValue, ContextParallel, DType, Direction, Error,
+    Frequencies, FrequencySpec, IdsShape, Layout, RawBuf, RawInts, RawIo, RawOp, RawPositions,
+    RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle, StreamOverlap, shared,
 };
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
 use crate::exchange;
+use crate::options::Mrope;
 
 /// The process's [`Rope`] for CUDA device `device` with `overlap` ([`shared::primary`]).
 pub(crate) fn rope_for(device: i32, overlap: StreamOverlap) -> PyResult<Arc<Rope>> {
@@ -275,6 +276,14 @@ pub(crate) enum PositionsArg<'a, 'py> {
     RowOffsets(&'a Bound<'py, PyAny>),
     /// `p = ids[s]` (`[seq]`) or `ids[b, s]` (`[batch, seq]`).
     Ids(&'a Bound<'py, PyAny>),
+    /// mRoPE: pair `i` of token `t` at `ids[axis(i), t]` (`[3, batch, seq]` or `[3, tokens]`),
+    /// the axes from the sections.
+    MultiAxis {
+        /// The positions of each axis.
+        ids: &'a Bound<'py, PyAny>,
+        /// Which axis each pair takes.
+        mrope: Mrope,
+    },
     /// Packed sequences: `cu_seqlens [num_seqs + 1]` and optional offsets `[num_seqs]`.
     Varlen {
         /// Cumulative sequence lengths.
@@ -552,6 +561,7 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
         (dtype, elem.name(), head_dim, l.rotary_dim),
         (&names, stream),
     )?;
+    let positions = positions.finish(device, &names, (rotary_dim, stream))?;
     let config = RopeConfig::builder(head_dim, l.style)
         .direction(l.direction)
         .rotary_dim(rotary_dim)
@@ -608,14 +618,62 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     Ok(())
 }
 
-/// Borrows the position tensors and reduces them to rope-host's raw form.
+/// Positions borrowed and reduced to rope-host's raw form ([`raw_positions`]), but for mRoPE's
+/// axis map, which waits for the launch's rotary width ([`BorrowedPositions::finish`]).
+pub(crate) enum BorrowedPositions {
+    Ready(RawPositions),
+    /// mRoPE's `[3, tokens]` positions and its sections.
+    Axes {
+        ids: RawInts,
+        mrope: Mrope,
+    },
+}
+
+impl BorrowedPositions {
+    /// The raw positions of a launch of `rotary_dim` rotated features on `stream` of `device`:
+    /// mRoPE's axis map built for that width and pinned on the device (`shared::axis_map`).
+    pub(crate) fn finish(
+        self,
+        device: i32,
+        names: &Names,
+        (rotary_dim, stream): (u32, CUstream),
+    ) -> PyResult<RawPositions> {
+        let (ids, mrope) = match self {
+            Self::Ready(p) => return Ok(p),
+            Self::Axes { ids, mrope } => (ids, mrope),
+        };
+        let map = if mrope.interleaved {
+            AxisMap::mrope_interleaved(mrope.sections, rotary_dim)
+        } else {
+            AxisMap::mrope(mrope.sections, rotary_dim)
+        }
+        .map_err(|e| names.host_error(e))?;
+        let rope = rope_for(device, StreamOverlap::None)?;
+        // SAFETY: `stream` is a stream of `rope`'s context, the Python caller's promise
+        // (documented on every function taking `stream=`).
+        let axes = unsafe { shared::axis_map(&rope, &map, stream, "mrope_section") }
+            .map_err(|e| names.host_error(e))?;
+        Ok(RawPositions::MultiAxis {
+            positions: ids,
+            axes: axes.raw(),
+        })
+    }
+}
+
+/// Borrows the position tensors and reduces them to rope-host's raw form (mRoPE's map to
+/// follow).
 pub(crate) fn raw_positions<'py>(
     p: &PositionsArg<'_, 'py>,
     held: &mut Held<'py>,
     names: &Names,
-) -> PyResult<RawPositions> {
+) -> PyResult<BorrowedPositions> {
     let name = names.positions;
-    Ok(match p {
+    Ok(BorrowedPositions::Ready(match p {
+        PositionsArg::MultiAxis { ids, mrope } => {
+            let d = held.borrow(ids, name)?;
+            let ids = dlpack::axis_ints(d, name, 3).map_err(arg_error)?;
+            return Ok(BorrowedPositions::Axes { ids, mrope: *mrope });
+        }
         PositionsArg::Offset(offset) => RawPositions::Offset(*offset),
         PositionsArg::RowOffsets(obj) => {
             let d = held.borrow(obj, name)?;
@@ -657,7 +715,7 @@ pub(crate) fn raw_positions<'py>(
                 split: *split,
             }
         }
-    })
+    }))
 }
 
 /// Borrows or uploads the sin/cos source and reduces it to rope-host's raw form, with the

@@ -246,6 +246,10 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
 /// (`p = position_ids[s]` or `position_ids[b, s]`); `cu_seqlens` `[num_seqs + 1]` for packed
 /// 3-D tensors (token `t` of sequence `i` at `t - cu_seqlens[i] + positions[i]`, `positions`
 /// then an optional tensor `[num_seqs]`). Integer tensors are contiguous int32 or int64.
+/// With `mrope_section` (three pair counts, temporal, height and width, summing to
+/// `rotary_dim / 2`), `position_ids` is mRoPE's `[3, batch, seq]` or `[3, tokens]`: pair `i`
+/// of each head rotates at the row of its section (blocks in that order, Qwen2-VL and
+/// Qwen2.5-VL; with `mrope_interleaved=True` the `T H W T H W ...` order of Qwen3-VL).
 ///
 /// sin/cos, one of: `theta` (default 10000; `inv_freq[i] = theta^(-2i / rotary_dim)`, cos and
 /// sin computed in the kernel); `scaling`, a Hugging Face `rope_scaling` dict (`rope_type`
@@ -290,7 +294,8 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
     q, k=None, out=None, k_out=None, positions=None, position_ids=None, cu_seqlens=None,
     layout=None, style="neox", theta=None, cos_sin_cache=None, cos=None, sin=None,
     inv_freq=None, attention_factor=None, angle=None, scaling=None, rotary_dim=None,
-    backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0, pdl=false
+    backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0, pdl=false,
+    mrope_section=None, mrope_interleaved=false
 ))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn apply_rope(
@@ -318,6 +323,8 @@ pub(crate) fn apply_rope(
     cp_size: u32,
     cp_rank: u32,
     pdl: bool,
+    mrope_section: Option<Vec<u32>>,
+    mrope_interleaved: bool,
 ) -> PyResult<()> {
     let style = parse_style(style)?;
     let layout = TensorLayout::parse(layout).map_err(arg_error)?;
@@ -328,11 +335,16 @@ pub(crate) fn apply_rope(
         (cp_size, cp_rank),
     )
     .map_err(arg_error)?;
+    let mrope =
+        options::mrope(mrope_section.as_deref(), mrope_interleaved, kind).map_err(arg_error)?;
     let positions_tensor = positions.filter(|p| !p.is_instance_of::<PyInt>());
     let (positions_arg, positions_name) = match (kind, positions_tensor, position_ids, cu_seqlens) {
         (PositionsKind::Offset(o), ..) => (PositionsArg::Offset(o), "positions"),
         (PositionsKind::RowOffsets, Some(p), ..) => (PositionsArg::RowOffsets(p), "positions"),
-        (PositionsKind::Ids, _, Some(ids), _) => (PositionsArg::Ids(ids), "position_ids"),
+        (PositionsKind::Ids, _, Some(ids), _) => match mrope {
+            Some(mrope) => (PositionsArg::MultiAxis { ids, mrope }, "position_ids"),
+            None => (PositionsArg::Ids(ids), "position_ids"),
+        },
         (PositionsKind::Varlen { offsets }, p, _, Some(cu)) => {
             let arg = PositionsArg::Varlen {
                 cu_seqlens: cu,

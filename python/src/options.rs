@@ -1,6 +1,7 @@
 //! Which of `apply_rope`'s mutually exclusive arguments a call gave, and what they select:
-//! where positions come from ([`positions`]) and where sin/cos come from ([`sincos`]). Pure,
-//! so every combination is tested without Python; `native.rs` fills the inputs in.
+//! where positions come from ([`positions`]), whether they are mRoPE's per-axis positions
+//! ([`mrope`]) and where sin/cos come from ([`sincos`]). Pure, so every combination is tested
+//! without Python; `native.rs` fills the inputs in.
 
 use crate::dlpack::ArgError;
 
@@ -93,6 +94,56 @@ pub fn positions(
             })
         }
     }
+}
+
+/// mRoPE's axes as `mrope_section=` and `mrope_interleaved=` give them: the pairs of each
+/// head split into temporal, height and width sections, in blocks in that order (Qwen2-VL,
+/// Qwen2.5-VL) or interleaved `T H W T H W ...` (Qwen3-VL), each pair rotated at its axis's
+/// row of `position_ids` (`[3, batch, seq]` or `[3, tokens]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mrope {
+    /// Pairs of each section; they sum to `rotary_dim / 2` (rope-host checks).
+    pub sections: [u32; 3],
+    /// Qwen3-VL's interleaved assignment.
+    pub interleaved: bool,
+}
+
+/// The mRoPE axes of a call (`None` without `mrope_section`), whose positions come from `kind`.
+///
+/// # Errors
+/// [`ArgError::Value`] naming `mrope_section` when it has other than three entries or the
+/// positions are not `position_ids`, and `mrope_interleaved` when given without sections.
+pub fn mrope(
+    section: Option<&[u32]>,
+    interleaved: bool,
+    kind: PositionsKind,
+) -> Result<Option<Mrope>, ArgError> {
+    let Some(section) = section else {
+        return if interleaved {
+            Err(ArgError::Value(
+                "mrope_interleaved: given without mrope_section".into(),
+            ))
+        } else {
+            Ok(None)
+        };
+    };
+    let sections: [u32; 3] = section.try_into().map_err(|_| {
+        ArgError::Value(format!(
+            "mrope_section must have three entries (temporal, height, width pairs), got {}",
+            section.len()
+        ))
+    })?;
+    if kind != PositionsKind::Ids {
+        return Err(ArgError::Value(
+            "mrope_section: mRoPE positions come from position_ids, [3, batch, seq] or [3, tokens] \
+             (one row per axis)"
+                .into(),
+        ));
+    }
+    Ok(Some(Mrope {
+        sections,
+        interleaved,
+    }))
 }
 
 /// Which sin/cos arguments a call gave (`angle` only when it differs from the default).
@@ -209,6 +260,32 @@ mod tests {
             Err(ArgError::Value(m)) => assert!(m.contains(needle), "{m:?} lacks {needle:?}"),
             other => panic!("expected a ValueError with {needle:?}, got {other:?}"),
         }
+    }
+
+    /// Sections of three entries with position_ids select mRoPE, in blocks or interleaved;
+    /// other counts, other position sources and interleaving alone name their argument.
+    #[test]
+    fn mrope_takes_three_sections_with_position_ids() {
+        assert_eq!(mrope(None, false, PositionsKind::Ids), Ok(None));
+        assert_eq!(
+            mrope(Some(&[16, 24, 24]), true, PositionsKind::Ids),
+            Ok(Some(Mrope {
+                sections: [16, 24, 24],
+                interleaved: true
+            }))
+        );
+        is_value(
+            mrope(Some(&[16, 24]), false, PositionsKind::Ids),
+            "mrope_section must have three entries",
+        );
+        is_value(
+            mrope(Some(&[16, 24, 24]), false, PositionsKind::Offset(0)),
+            "mrope_section: mRoPE positions come from position_ids",
+        );
+        is_value(
+            mrope(None, true, PositionsKind::Ids),
+            "mrope_interleaved: given without mrope_section",
+        );
     }
 
     #[test]

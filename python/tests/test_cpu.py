@@ -457,6 +457,24 @@ class TestPositions:
         with pytest.raises(ValueError, match="cp_size: must lie in 1..=65536, got 0"):
             rope_rs.apply_rope(packed, cu_seqlens=ints(3), cp_size=0, inplace=True)
 
+    def test_mrope_arguments_are_checked(self):
+        q, axes = q4(), FakeCuda((3, 2, 16), "int64")
+        with pytest.raises(ValueError, match="mrope_section must have three entries"):
+            rope_rs.apply_rope(q, position_ids=axes, mrope_section=[16, 16], inplace=True)
+        with pytest.raises(ValueError, match="mrope_section: mRoPE positions come from position_ids"):
+            rope_rs.apply_rope(q, positions=3, mrope_section=[8, 12, 12], inplace=True)
+        with pytest.raises(ValueError, match="mrope_interleaved: given without mrope_section"):
+            rope_rs.apply_rope(q, position_ids=ints(16), mrope_interleaved=True, inplace=True)
+        with pytest.raises(ValueError, match=r"position_ids must be \[3, batch, seq\] or \[3, tokens\]"):
+            rope_rs.apply_rope(q, position_ids=FakeCuda((2, 16), "int64"), mrope_section=[8, 12, 12], inplace=True)
+        with pytest.raises(ValueError, match=r"position_ids must be int32 or int64, got float32"):
+            rope_rs.apply_rope(q, position_ids=FakeCuda((3, 2, 16)), mrope_section=[8, 12, 12], inplace=True)
+        # Heads of 64: 32 pairs, which the sections must sum to.
+        with pytest.raises(ValueError, match=r"mrope_section: \[8, 8, 8\] sums to 24, rotary_dim / 2 is 32"):
+            rope_rs.apply_rope(q, position_ids=axes, mrope_section=[8, 8, 8], inplace=True)
+        with pytest.raises(ValueError, match=r"mrope_section: \[8, 8, 8\] sums to 24"):
+            rope_rs.apply_rope(q, position_ids=axes, mrope_section=[8, 8, 8], mrope_interleaved=True, inplace=True)
+
     def test_wrong_types(self):
         q = q4()
         with pytest.raises(TypeError, match="positions must be an int"):

@@ -244,6 +244,81 @@ class TestPositions:
             check(out, reference(q[None], *cos_sin(pos, inv_freq64(10000.0, d)), "neox")[0])
 
 
+def mrope_axes(sections, interleaved):
+    """Each pair's axis (0 temporal, 1 height, 2 width) as transformers assigns them: Qwen2-VL's
+    ``apply_multimodal_rotary_pos_emb`` in blocks of ``mrope_section``, Qwen3-VL's
+    ``apply_interleaved_mrope`` as ``T H W T H W ...`` with the pairs past ``3 * section`` of an
+    axis temporal."""
+    if not interleaved:
+        return [axis for axis, n in enumerate(sections) for _ in range(n)]
+    return [
+        1 if j % 3 == 1 and j < 3 * sections[1] else 2 if j % 3 == 2 and j < 3 * sections[2] else 0
+        for j in range(sum(sections))
+    ]
+
+
+class TestMrope:
+    """mRoPE (``mrope_section``): every pair of each token rotated at its axis's row of
+    ``position_ids`` [3, batch, seq] (or [3, tokens]), against an f64 reference that picks each
+    pair's position by :func:`mrope_axes`."""
+
+    @staticmethod
+    def pair_cos_sin(pos, sections, interleaved, theta, d, cache=None):
+        """cos, sin [b, s, d/2] in f64: pair j at pos[axis(j)], from theta or a vLLM cache."""
+        axes = torch.tensor(mrope_axes(sections, interleaved), device=DEV)
+        pp = pos.permute(*range(1, pos.dim()), 0)[..., axes]
+        half = d // 2
+        if cache is None:
+            angle = pp.to(torch.float64) * inv_freq64(theta, d)
+            return angle.cos(), angle.sin()
+        j = torch.arange(half, device=DEV)
+        c = cache.to(torch.float64)
+        return c[pp.long(), j], c[pp.long(), half + j]
+
+    @pytest.mark.parametrize("source", ["theta", "cache"])
+    @pytest.mark.parametrize("style", ["neox", "interleaved"])
+    @pytest.mark.parametrize("interleaved", [False, True])
+    def test_mrope_matches_reference(self, interleaved, style, source):
+        b, s, hq, hk, d, theta = 2, 40, 4, 2, 128, 1000000.0
+        sections = [16, 24, 24]
+        # Text tokens (all axes equal) and image tokens (a 5 x 8 grid at one time step).
+        pos = torch.randint(0, 4096, (3, b, s), device=DEV)
+        pos[:, :, :10] = torch.arange(10, device=DEV)
+        q, k = randn(b, s, hq, d, dtype=torch.bfloat16), randn(b, s, hk, d, dtype=torch.bfloat16)
+        cache = vllm_cache(theta, d, 4096) if source == "cache" else None
+        kwargs = {"cos_sin_cache": cache} if cache is not None else {"theta": theta}
+        q_out, k_out = rope_rs.apply_rope(
+            q, k, position_ids=pos, mrope_section=sections, mrope_interleaved=interleaved, style=style, **kwargs
+        )
+        cos, sin = self.pair_cos_sin(pos, sections, interleaved, theta, d, cache)
+        check(q_out, reference(q, cos, sin, style))
+        check(k_out, reference(k, cos, sin, style))
+
+    def test_packed_tokens_and_gradients(self):
+        """[3, tokens] with 3-D q and k, in f32, and the gradient under autograd (the backward
+        rotation at the same positions)."""
+        t, h, d, theta, sections = 50, 3, 64, 10000.0, [8, 12, 12]
+        pos = torch.randint(0, 1000, (3, t), device=DEV)
+        q = randn(t, h, d).requires_grad_()
+        out = rope_rs.apply_rope(q, position_ids=pos, mrope_section=sections, mrope_interleaved=True, theta=theta)
+        cos, sin = self.pair_cos_sin(pos, sections, True, theta, d)
+        ref = reference(q.detach()[None], cos[None], sin[None], "neox")[0]
+        check(out, ref)
+        grad = randn(t, h, d)
+        out.backward(grad)
+        check(q.grad, reference(grad[None], cos[None], sin[None], "neox", backward=True)[0])
+
+    def test_compiled_matches_eager(self):
+        b, s, h, d, sections = 1, 24, 2, 128, [16, 24, 24]
+        pos = torch.randint(0, 4096, (3, b, s), device=DEV)
+        q = randn(b, s, h, d, dtype=torch.bfloat16)
+
+        def step(x, p):
+            return rope_rs.apply_rope(x, position_ids=p, mrope_section=sections, theta=1000000.0)
+
+        torch.testing.assert_close(torch.compile(step, fullgraph=True)(q, pos), step(q, pos), rtol=0, atol=0)
+
+
 SOURCES = ["theta", "cache_f32", "cache_same", "tables_f32", "tables_same", "inv_freq_f64", "inv_freq_f32", "inv_freq_list"]
 
 

@@ -1,5 +1,6 @@
 //! What a process keeps for front ends that own no [`Rope`] (the Python bindings, candle's
-//! ops): one handle per device or stream, and frequency vectors pinned on the device.
+//! ops): one handle per device or stream, and frequency vectors and axis maps pinned on the
+//! device.
 //!
 //! Front ends launch with [`Rope::run_raw`] on their caller's stream, so every vector such a
 //! launch reads is pinned: uploaded once, complete before any launch reads it, and never freed
@@ -21,6 +22,7 @@ use crate::error::{Result, invalid};
 use crate::freq::{AngleMode, Frequencies, InvFreq, check_default_frequencies};
 use crate::handle::Rope;
 use crate::module::open_device;
+use crate::positions::{AxisMap, DeviceAxisMap};
 
 /// A context and a stream of it, by their driver handles (each entry holds an `Arc` of its
 /// stream, and so of its context, so neither handle is reused while the entry lives).
@@ -38,6 +40,12 @@ static ON_STREAM: Mutex<Vec<(StreamKey, Arc<Rope>)>> = Mutex::new(Vec::new());
 
 /// The vectors of [`frequencies`].
 static PINNED: Mutex<BTreeMap<FreqKey, Arc<Frequencies>>> = Mutex::new(BTreeMap::new());
+
+/// A pinned axis map's identity: its context, its number of axes and each pair's axis.
+type MapKey = (usize, u32, Vec<u8>);
+
+/// The maps of [`axis_map`].
+static MAPS: Mutex<BTreeMap<MapKey, Arc<DeviceAxisMap>>> = Mutex::new(BTreeMap::new());
 
 /// `m` locked, whatever a panicking holder left (every map stays consistent between
 /// statements).
@@ -148,6 +156,35 @@ pub unsafe fn frequencies(
     Ok(f)
 }
 
+/// The pinned device copy of `map` on `rope`'s context, uploaded at first use
+/// ([`Rope::axis_map`]) for a launch on `stream` (the axes of
+/// [`crate::RawPositions::MultiAxis`]).
+///
+/// # Safety
+/// `stream` is a live stream of `rope`'s context (it is queried for a capture).
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `arg` when the map is not pinned yet and `stream` is
+/// capturing a graph; [`crate::Error::Driver`] when the upload fails.
+pub unsafe fn axis_map(
+    rope: &Rope,
+    map: &AxisMap,
+    stream: CUstream,
+    arg: &'static str,
+) -> Result<Arc<DeviceAxisMap>> {
+    let ctx = rope.stream().context();
+    let key: MapKey = (ctx.cu_ctx() as usize, map.n_axes(), map.axes().to_vec());
+    let mut maps = lock(&MAPS);
+    if let Some(m) = maps.get(&key) {
+        return Ok(m.clone());
+    }
+    // SAFETY: the caller's promise.
+    unsafe { check_not_capturing(ctx, stream, arg) }?;
+    let m = Arc::new(rope.axis_map(map)?);
+    maps.insert(key, m.clone());
+    Ok(m)
+}
+
 /// `Ok` when `stream` of `ctx` may see an upload now; else [`crate::Error::Invalid`] naming `arg`.
 ///
 /// # Safety
@@ -161,9 +198,9 @@ unsafe fn check_not_capturing(
     if unsafe { capturing(ctx, stream) } {
         return Err(invalid(
             arg,
-            "these frequencies are uploaded to the GPU on first use, which cannot happen while \
-             the stream is capturing a CUDA graph; make the same call once before capturing (a \
-             warm-up run)",
+            "these frequencies (or this axis map) are uploaded to the GPU on first use, which \
+             cannot happen while the stream is capturing a CUDA graph; make the same call once \
+             before capturing (a warm-up run)",
         ));
     }
     Ok(())
