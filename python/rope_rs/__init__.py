@@ -496,6 +496,8 @@ def fused_qk_norm_rope(
     v_scale: Any = None,
     stream: Optional[int] = None,
     pdl: bool = False,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
 ) -> None:
     """vLLM's ``fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
     q_weight, k_weight, cos_sin_cache, is_neox, position_ids)``: in place on the packed ``qkv``
@@ -510,10 +512,15 @@ def fused_qk_norm_rope(
     ``k_scale``, ``v_scale``), the normalised, rotated k and the v heads also go into vLLM's
     paged KV cache in the same launch, as :func:`rotary_embedding` describes.
 
+    With ``mrope_section`` (and ``mrope_interleaved``), as ``apply_rope``'s, ``position_ids`` is
+    mRoPE's ``[3, num_tokens]``: Qwen3-VL's QK-norm with interleaved mRoPE in one launch (a
+    rope-rs extension; vLLM's kernel takes one position per token).
+
     Launched on ``stream``, by default PyTorch's current stream; ``pdl`` as in ``apply_rope``.
     Under ``torch.compile`` it is ``torch.ops.rope_rs.fused_qk_norm_rope_``. Raises as
     ``apply_rope``.
     """
+    section = None if mrope_section is None else [int(n) for n in mrope_section]
     launch = _eager_stream(qkv, stream)
     if launch is None:
         import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
@@ -521,12 +528,14 @@ def fused_qk_norm_rope(
         ops.fused_qk_norm_rope_op(
             qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
             is_neox, position_ids, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, pdl,
+            section, bool(mrope_interleaved),
         )
         return
     stream, sync = launch
     _native.fused_qk_norm_rope(
         qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
         position_ids, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, stream, sync, pdl,
+        section, mrope_interleaved,
     )
 
 

@@ -150,9 +150,12 @@ def fused_qk_norm_rope(
     stream: int = 0,
     producer_sync: bool = True,
     pdl: bool = False,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
 ) -> None:
     """vLLM's ``fused_qk_norm_rope``: RMS-normalises and rotates the q and k heads of the packed
-    ``qkv`` in place; with a cache, also writes k and v into it."""
+    ``qkv`` in place; with a cache, also writes k and v into it. ``mrope_section`` makes
+    ``position_ids`` mRoPE's ``[3, num_tokens]``."""
 
 def rope_quantize_fp8(
     q_rope: Any,

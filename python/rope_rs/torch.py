@@ -191,13 +191,14 @@ def _fused_qk_norm_rope_impl(
     q_weight: Tensor, k_weight: Tensor, cos_sin_cache: Tensor, is_neox: bool, position_ids: Tensor,
     key_cache: Optional[Tensor], value_cache: Optional[Tensor], slot_mapping: Optional[Tensor],
     kv_cache_dtype: str, k_scale: Optional[Tensor], v_scale: Optional[Tensor], pdl: bool,
+    mrope_section: Optional[List[int]], mrope_interleaved: bool,
 ) -> None:
     with torch.cuda.device(qkv.device):
         _native.fused_qk_norm_rope(
             qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
             position_ids, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
             kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, stream=_stream(qkv),
-            producer_sync=False, pdl=pdl,
+            producer_sync=False, pdl=pdl, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
         )
 
 
@@ -237,7 +238,7 @@ fused_qk_norm_rope_op = torch.library.custom_op(
     schema=(
         "(Tensor(a!) qkv, int num_heads_q, int num_heads_k, int num_heads_v, int head_dim, float eps, "
         "Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, bool is_neox, Tensor position_ids, "
-        f"{_CACHE_SCHEMA}) -> ()"
+        f"{_CACHE_SCHEMA}, int[]? mrope_section, bool mrope_interleaved) -> ()"
     ),
 )
 

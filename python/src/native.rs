@@ -592,6 +592,7 @@ fn rotary_embedding(
         head_size,
         norm: None,
         positions,
+        mrope: None,
         cos_sin_cache,
         style,
         cache: Some(cache),
@@ -690,6 +691,7 @@ fn concat_and_cache_mla_rope_fused(
         head_size: rot_dim,
         norm: None,
         positions,
+        mrope: None,
         cos_sin_cache,
         style: pairing(is_neox),
         cache: Some(CacheArg {
@@ -809,6 +811,7 @@ fn apply_rope_with_cos_sin_cache_inplace<'py>(
         head_size,
         norm: None,
         positions,
+        mrope: None,
         cos_sin_cache,
         style: pairing(is_neox),
         cache: Some(CacheArg {
@@ -879,7 +882,9 @@ fn _apply_rope_with_cos_sin_cache_inplace_eager(
 ///
 /// With `key_cache`, `value_cache` and `slot_mapping` (and `kv_cache_dtype`, `k_scale`,
 /// `v_scale`), the rotated k and v also go into vLLM's paged KV cache in the same launch, as
-/// `rotary_embedding` describes.
+/// `rotary_embedding` describes. With `mrope_section` (and `mrope_interleaved`), as
+/// `apply_rope`'s, `position_ids` is mRoPE's `[3, num_tokens]` (Qwen3-VL's QK-norm with
+/// interleaved mRoPE).
 ///
 /// Launched as `rotary_embedding`; raises as `apply_rope` does.
 #[pyfunction]
@@ -887,7 +892,7 @@ fn _apply_rope_with_cos_sin_cache_inplace_eager(
     qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight,
     cos_sin_cache, is_neox, position_ids, key_cache=None, value_cache=None,
     slot_mapping=None, kv_cache_dtype="auto", k_scale=None, v_scale=None, stream=0,
-    producer_sync=true, pdl=false
+    producer_sync=true, pdl=false, mrope_section=None, mrope_interleaved=false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn fused_qk_norm_rope(
@@ -911,12 +916,20 @@ fn fused_qk_norm_rope(
     stream: u64,
     producer_sync: bool,
     pdl: bool,
+    mrope_section: Option<Vec<u32>>,
+    mrope_interleaved: bool,
 ) -> PyResult<()> {
     let cache = cache_arg(
         (key_cache, value_cache, slot_mapping),
         kv_cache_dtype,
         (k_scale, v_scale),
     )?;
+    let mrope = options::mrope(
+        mrope_section.as_deref(),
+        mrope_interleaved,
+        PositionsKind::Ids,
+    )
+    .map_err(arg_error)?;
     const OTHER: [(&str, &str); 14] = [
         ("v", "qkv"),
         ("layout", "qkv"),
@@ -941,6 +954,7 @@ fn fused_qk_norm_rope(
         head_size: head_dim,
         norm: Some((q_weight, k_weight, eps)),
         positions: position_ids,
+        mrope,
         cos_sin_cache,
         style: pairing(is_neox),
         cache,

@@ -185,6 +185,16 @@ class TestServingArguments:
         with pytest.raises(ValueError, match="qkv rows of 512 elements are not whole heads of head_size 48"):
             Serving().fused(head_dim=48)
 
+    def test_mrope_positions_are_checked(self):
+        s = Serving()
+        with pytest.raises(ValueError, match="mrope_section must have three entries"):
+            s.fused(mrope_section=[16, 16])
+        with pytest.raises(ValueError, match=r"position_ids must be \[3, batch, seq\] or \[3, tokens\]"):
+            s.fused(mrope_section=[8, 12, 12])
+        s.ids = FakeCuda((3, s.t), "int64")
+        with pytest.raises(ValueError, match=r"mrope_section: \[8, 8, 8\] sums to 24, rotary_dim / 2 is 32"):
+            s.fused(mrope_section=[8, 8, 8], mrope_interleaved=True)
+
     def test_norm_weights_are_checked(self):
         s = Serving()
         with pytest.raises(ValueError, match=r"q_weight must be bfloat16 \(the tensors' type\), got float32"):

@@ -800,6 +800,34 @@ class TestServing:
         check(k.reshape(c.t, c.hk, c.d), want_k, extra_atol=0.0 if dtype == torch.float32 else 2e-2)
         assert torch.equal(v, v0), "v is untouched"
 
+    @pytest.mark.parametrize("interleaved", [False, True])
+    @pytest.mark.parametrize("with_cache", [False, True])
+    def test_fused_qk_norm_rope_with_mrope(self, interleaved, with_cache):
+        """Qwen3-VL's step: QK-norm, then mRoPE at position_ids [3, num_tokens] (text tokens with
+        equal axes, image tokens on a grid), and the cache write, in one launch."""
+        c = ServingCase(seed=11)
+        sections = [16, 24, 24]
+        pos = torch.randint(0, 4096, (3, c.t), device=DEV)
+        pos[:, :8] = torch.arange(8, device=DEV)
+        q, k, v = (x.reshape(c.t, -1, c.d) for x in c.split())
+        want_q, want_k = rms_normed(q, c.q_weight, 1e-6), rms_normed(k, c.k_weight, 1e-6)
+        cos, sin = TestMrope.pair_cos_sin(pos, sections, interleaved, 10000.0, c.d, c.cache)
+        rot = lambda x: reference(x[None], cos[None], sin[None], "neox")[0]  # noqa: E731
+        want_q, want_k = rot(want_q), rot(want_k)
+        v0 = v.clone()
+        key_cache, value_cache = c.paged(), c.paged()
+        cached = dict(key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots) if with_cache else {}
+        rope_rs.fused_qk_norm_rope(
+            c.qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, pos,
+            mrope_section=sections, mrope_interleaved=interleaved, **cached,
+        )
+        q, k, v = c.split()
+        check(q.reshape(c.t, c.hq, c.d), want_q, extra_atol=2e-2)
+        check(k.reshape(c.t, c.hk, c.d), want_k, extra_atol=2e-2)
+        assert torch.equal(v, v0), "v is untouched"
+        if with_cache:
+            c.check_paged(key_cache, value_cache, k, v)
+
     @pytest.mark.parametrize("fp8", [False, True])
     def test_vllm_fused_qk_norm_rope_with_its_cache_write(self, fp8):
         c = ServingCase(seed=3)
@@ -973,7 +1001,7 @@ class TestServing:
         torch.library.opcheck(
             rope_torch.fused_qk_norm_rope_op,
             (c.qkv.clone(), c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, c.positions,
-             c.paged(), c.paged(), c.slots, "auto", None, None, False),
+             c.paged(), c.paged(), c.slots, "auto", None, None, False, None, False),
         )
         torch.library.opcheck(
             rope_torch.rotary_embedding_op,
