@@ -545,3 +545,36 @@ fn launches_that_store_no_head_are_a_no_op() {
     k.x.len = 0;
     assert!(plan_of(&r).expect("valid").is_none());
 }
+
+/// mRoPE's positions (Qwen3-VL: QK-norm, interleaved mRoPE, the cache write) plan as any other
+/// positions: the token-heads kernels, the multi-axis code with its map, and the positions
+/// array checked as `n_axes` rows of the tokens.
+#[test]
+fn multi_axis_positions_plan_with_norm_and_cache() {
+    use crate::positions::{AxisMap, RawAxisMap};
+    let map = AxisMap::mrope_interleaved([16, 24, 24], D as u32).expect("valid");
+    // `rows` rows of `i64` positions, read through the map.
+    let positions = |rows: usize| RawPositions::MultiAxis {
+        positions: RawInts {
+            buf: buf(29 << 24, rows * TOKENS),
+            ty: IntType::I64,
+        },
+        axes: RawAxisMap {
+            axes: buf(30 << 24, map.axes().len()),
+            n_axes: map.n_axes(),
+            item_axes: map.item_axes(),
+        },
+    };
+    let mut r = request(RopeStyle::Neox);
+    r.rope.positions = positions(3);
+    let p = plan_of(&r).expect("valid").expect("non-empty");
+    assert_eq!(p.kernel.mapping, Mapping::TWO_HEADS);
+    assert!(matches!(
+        p.positions.code,
+        rope_kernels::abi::PositionCode::MultiAxisI64
+            | rope_kernels::abi::PositionCode::GroupAxesI64
+    ));
+    // Two rows where the map has three.
+    r.rope.positions = positions(2);
+    assert_eq!(invalid_arg(&r), "positions");
+}
