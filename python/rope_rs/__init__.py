@@ -32,6 +32,7 @@ __all__ = [
     "__version__",
     "DualChunkRotaryEmbedding",
     "FusedSetKVBufferArg",
+    "MRotaryEmbedding",
     "apply_rope",
     "apply_rope_with_cos_sin_cache_inplace",
     "apply_rotary_pos_emb",
@@ -807,3 +808,4 @@ def _hf_eager() -> Any:
 
 # Last: the module reads rope_rs.apply_rope when called.
 from rope_rs.dual_chunk import DualChunkRotaryEmbedding  # noqa: E402
+from rope_rs.mrope import MRotaryEmbedding  # noqa: E402

@@ -361,6 +361,28 @@ class TestDualChunk:
             rope(ints(7), FakeCuda((7, 4 * 64), "bfloat16"), FakeCuda((7, 64), "bfloat16"))
 
 
+class TestMRotaryEmbedding:
+    """vLLM's ``MRotaryEmbedding``: what vLLM's class asserts is refused when made, and it takes
+    ``torch.Tensor``s only."""
+
+    def test_sections_vllm_asserts_are_checked(self):
+        make = rope_rs.MRotaryEmbedding
+        assert make(128, 128, 32768, 1e6, True, None, [16, 24, 24], True).mrope_section == [16, 24, 24]
+        with pytest.raises(ValueError, match=r"mrope_section must be three pair counts summing to rotary_dim / 2 = 64"):
+            make(128, 128, 32768, 1e6, True, None, [16, 24, 16])
+        with pytest.raises(ValueError, match="mrope_section must be three pair counts"):
+            make(128, 128, 32768, 1e6, True, None, [32, 32])
+        with pytest.raises(ValueError, match="rotary_dim must be even"):
+            make(128, 129, 32768, 1e6, True, None)
+        with pytest.raises(ValueError, match="max_position_embeddings must be positive"):
+            make(128, 128, 0, 1e6, True, None)
+
+    def test_other_tensors_are_type_errors(self):
+        rope = rope_rs.MRotaryEmbedding(64, 64, 4096, 1e4, True, None, [8, 12, 12])
+        with pytest.raises(TypeError, match="must be torch.Tensors"):
+            rope(FakeCuda((3, 7), "int64"), FakeCuda((7, 4 * 64), "bfloat16"), FakeCuda((7, 64), "bfloat16"))
+
+
 class TestImport:
     def test_imports_without_torch(self):
         code = "import sys, rope_rs; assert 'torch' not in sys.modules, 'rope_rs imported torch'"

@@ -2197,6 +2197,44 @@ class TestDualChunk:
         check(k_out.view(t, hk, d), rotated(key, within))
 
 
+class TestVllmMRotaryEmbedding:
+    """vLLM's ``MRotaryEmbedding`` (vllm/model_executor/layers/rotary_embedding/mrope.py,
+    Qwen2-VL to Qwen3-VL) against a float64 reference written from its ``forward_native``:
+    cos/sin of ``f32(t) * f32(inv_freq)`` gathered at each row of ``positions`` [3, num_tokens],
+    then per pair from the temporal, height or width row (``mrope_section`` blocks, or
+    ``apply_interleaved_rope``'s ``T H W T H W ...``); ``[num_tokens]`` positions rotate every
+    pair there. Pass-through features copied, inputs unchanged."""
+
+    @pytest.mark.parametrize("interleaved", [False, True])
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("rotary_dim", [128, 64])
+    def test_matches_vllms_definition(self, interleaved, is_neox, rotary_dim):
+        t, hq, hk, d, base, dtype = 45, 4, 2, 128, 1e6, torch.bfloat16
+        sections = [rotary_dim // 8, 3 * rotary_dim // 16, 3 * rotary_dim // 16]
+        g = torch.Generator(device=DEV).manual_seed(70 + int(is_neox) + rotary_dim + int(interleaved))
+        query = torch.randn(t, hq * d, device=DEV, generator=g).to(dtype)
+        key = torch.randn(t, hk * d, device=DEV, generator=g).to(dtype)
+        positions = torch.randint(0, 3000, (3, t), device=DEV, generator=g)
+        q0, k0 = query.clone(), key.clone()
+        rope = rope_rs.MRotaryEmbedding(d, rotary_dim, 32768, base, is_neox, dtype, sections, interleaved)
+        q_out, k_out = rope(positions, query, key)
+        assert torch.equal(query, q0) and torch.equal(key, k0), "the inputs are unchanged"
+        assert q_out.shape == query.shape and k_out.shape == key.shape
+        inv_freq = (1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))).to(DEV)
+        angle = (positions.to(torch.float32)[..., None] * inv_freq).to(torch.float64)  # [3, t, r/2]
+        axes = torch.tensor(mrope_axes(sections, interleaved), device=DEV)
+        angle = angle.gather(0, axes.expand(t, -1)[None])[0]
+        style = "neox" if is_neox else "interleaved"
+        for x, got in ((query, q_out), (key, k_out)):
+            want = reference(x.view(1, t, -1, d), angle.cos()[None], angle.sin()[None], style, rotary_dim)[0]
+            check(got.view(t, -1, d), want)
+        # Text alone: [num_tokens] positions, every pair at the token's position.
+        text = positions[0]
+        q_out, _ = rope(text, query, key)
+        angle = (text.to(torch.float32)[:, None] * inv_freq).to(torch.float64)
+        check(q_out.view(t, hq, d), reference(query.view(1, t, hq, d), angle.cos()[None], angle.sin()[None], style, rotary_dim)[0])
+
+
 class TestErrors:
     def test_invalid_cuda_arguments_are_value_errors(self):
         q = randn(4, 2, 64)
