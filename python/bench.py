@@ -131,6 +131,18 @@ def cases():
             q, k, out=q_out, k_out=k_out, theta=500000.0, stream=stream, producer_sync=False
         ),
     )
+    # mRoPE at Qwen2.5-VL-7B's shapes (28 q + 4 k heads of 128, sections 16/24/24, in place),
+    # blocks and Qwen3-VL's interleaved order, positions [3, batch, seq].
+    qv, kv = torch.randn(1, 4096, 28, 128, device=dev, dtype=bf16), torch.randn(1, 4096, 4, 128, device=dev, dtype=bf16)
+    axes = torch.randint(0, 4096, (3, 1, 4096), device=dev)
+    for interleaved in (False, True):
+        mrope = dict(position_ids=axes, theta=1000000.0, mrope_section=[16, 24, 24], mrope_interleaved=interleaved)
+        yield (
+            f"prefill 4096 tok 28q+4k bf16, mRoPE{' interleaved' if interleaved else ''}, theta",
+            (qv, kv),
+            lambda m=mrope: rope_rs.apply_rope(qv, kv, inplace=True, **m),
+            lambda m=mrope: _native.apply_rope(qv, kv, stream=stream, producer_sync=False, **m),
+        )
     # Hugging Face's drop-in: [b, h, s, d] views and cos/sin as its rotary embedding returns them.
     qh, kh = q.transpose(1, 2), k.transpose(1, 2)
     freqs = torch.arange(4096, device=dev)[:, None].float() * (500000.0 ** (-torch.arange(0, 128, 2, device=dev) / 128))
