@@ -68,6 +68,8 @@ pub struct Case {
     pub hk: usize,
     /// Per-token ids, or an offset.
     pub ids: Option<Vec<i64>>,
+    /// Multi-axis positions instead (mRoPE): they replace `ids` and `offset`.
+    pub axes: Option<AxesCase>,
     pub offset: i64,
     pub table: bool,
     pub norm: Option<NormWeight>,
@@ -84,6 +86,47 @@ pub struct Case {
     /// output heads are [`NOPE_PAD`] bytes apart.
     pub nope: usize,
     pub seed: u64,
+}
+
+/// Multi-axis positions of a case: pair `i` of token `t` rotates at `ids[map[i] * tokens + t]`.
+#[derive(Clone, Debug)]
+pub struct AxesCase {
+    /// Rows of `ids` (1 to 4).
+    pub n_axes: u32,
+    /// Each rotated pair's axis (`rotary / 2` entries).
+    pub map: Vec<u8>,
+    /// `n_axes` rows of the tokens' positions.
+    pub ids: Vec<i64>,
+}
+
+impl AxesCase {
+    /// mRoPE of `half` pairs at `tokens` tokens: sections of about a quarter, three eighths and
+    /// three eighths of the pairs, in blocks or interleaved, and random positions below
+    /// [`MAX_POSITION`] (the first token of each five a text token: every axis at one
+    /// position).
+    pub fn mrope(rng: &mut StdRng, half: usize, tokens: usize, interleaved: bool) -> Self {
+        let s1 = 3 * half / 8;
+        let sections = [(half - 2 * s1) as u32, s1 as u32, s1 as u32];
+        let map = if interleaved {
+            rope_host::AxisMap::mrope_interleaved(sections, 2 * half as u32)
+        } else {
+            rope_host::AxisMap::mrope(sections, 2 * half as u32)
+        }
+        .expect("sections that sum to the pairs")
+        .axes()
+        .to_vec();
+        let mut ids: Vec<i64> = (0..3 * tokens)
+            .map(|_| rng.random_range(0..MAX_POSITION as i64))
+            .collect();
+        for t in (0..tokens).step_by(5) {
+            (ids[tokens + t], ids[2 * tokens + t]) = (ids[t], ids[t]);
+        }
+        Self {
+            n_axes: 3,
+            map,
+            ids,
+        }
+    }
 }
 
 /// Bytes between the heads of a non-rotary part's FP8 output (poisoned, never written).
@@ -355,6 +398,7 @@ impl Case {
             },
             hk: rng.random_range(1..=3),
             ids,
+            axes: None,
             offset: rng.random_range(0..32),
             table: rng.random_bool(0.5),
             norm,
@@ -406,6 +450,15 @@ impl Case {
         match &self.ids {
             Some(ids) => ids[t],
             None => self.offset + (t % self.seq) as i64,
+        }
+    }
+
+    /// The position of rotated pair `i` of token `t`: its axis's with multi-axis positions,
+    /// else the token's.
+    pub fn pair_position(&self, t: usize, i: usize) -> i64 {
+        match &self.axes {
+            Some(a) => a.ids[a.map[i] as usize * self.tokens() + t],
+            None => self.position(t),
         }
     }
 
@@ -545,7 +598,10 @@ pub struct Device<T> {
     pub q_scale: CudaSlice<f32>,
     pub k_scale: CudaSlice<f32>,
     pub v_scale: CudaSlice<f32>,
+    /// The token ids, or the rows of multi-axis positions.
     pub ids: CudaSlice<i64>,
+    /// The multi-axis map on the device.
+    pub axis_map: Option<rope_host::DeviceAxisMap>,
     pub slots: CudaSlice<i64>,
     pub k_cache: CudaSlice<T>,
     pub v_cache: CudaSlice<T>,
@@ -586,7 +642,16 @@ pub fn upload<T: TestElem>(
         stream.clone_htod(&vec![T::poison(); n.max(1)]).map_err(e)
     };
     let poison_u8 = |n: usize| stream.clone_htod(&vec![POISON; n.max(1)]).map_err(e);
-    let ids: Vec<i64> = (0..c.tokens()).map(|t| c.position(t)).collect();
+    let ids: Vec<i64> = match &c.axes {
+        Some(a) => a.ids.clone(),
+        None => (0..c.tokens()).map(|t| c.position(t)).collect(),
+    };
+    let axis_map = c
+        .axes
+        .as_ref()
+        .map(|a| rope.axis_map(&rope_host::AxisMap::new(a.n_axes, a.map.clone())?))
+        .transpose()
+        .map_err(|e| e.to_string())?;
     let slots = c.cache.as_ref().map_or(vec![0], |cc| cc.slots.clone());
     let tables = if c.table {
         Some(
@@ -617,6 +682,7 @@ pub fn upload<T: TestElem>(
         k_scale: stream.clone_htod(&data.k_scale).map_err(e)?,
         v_scale: stream.clone_htod(&data.v_scale).map_err(e)?,
         ids: stream.clone_htod(&ids).map_err(e)?,
+        axis_map,
         slots: stream.clone_htod(&slots).map_err(e)?,
         k_cache: poison_t(cache_lens(c)[0])?,
         v_cache: poison_t(cache_lens(c)[1])?,
@@ -723,12 +789,16 @@ pub fn launch<T: TestElem>(
     let config = RopeConfig::builder(c.d as u32, c.style)
         .rotary_dim(c.rotary as u32)
         .build()?;
-    let positions = match &c.ids {
-        Some(_) => Positions::Ids {
+    let positions = match (&dev.axis_map, &c.ids) {
+        (Some(axes), _) => Positions::MultiAxis {
+            positions: DeviceInts::I64(dev.ids.as_view()),
+            axes,
+        },
+        (None, Some(_)) => Positions::Ids {
             ids: DeviceInts::I64(dev.ids.as_view()),
             shape: IdsShape::PerRow,
         },
-        None => Positions::Offset(c.offset as u32),
+        (None, None) => Positions::Offset(c.offset as u32),
     };
     let sincos = match &dev.tables {
         Some(t) => t.sincos(),
@@ -900,15 +970,20 @@ pub fn launch_raw<T: TestElem>(
     let config = RopeConfig::builder(c.d as u32, c.style)
         .rotary_dim(c.rotary as u32)
         .build()?;
-    let positions = match &c.ids {
-        Some(_) => RawPositions::Ids {
-            ids: RawInts {
-                buf: buf(&dev.ids, stream),
-                ty: IntType::I64,
-            },
+    let ids = RawInts {
+        buf: buf(&dev.ids, stream),
+        ty: IntType::I64,
+    };
+    let positions = match (&dev.axis_map, &c.ids) {
+        (Some(axes), _) => RawPositions::MultiAxis {
+            positions: ids,
+            axes: axes.raw(),
+        },
+        (None, Some(_)) => RawPositions::Ids {
+            ids,
             shape: IdsShape::PerRow,
         },
-        None => RawPositions::Offset(c.offset as u32),
+        (None, None) => RawPositions::Offset(c.offset as u32),
     };
     let sincos = match dev.tables.as_ref().map(|t| t.data()) {
         Some(TableData::Separate { cos, sin }) => RawSinCos::Table {
@@ -1039,19 +1114,20 @@ pub fn launch_raw<T: TestElem>(
     unsafe { rope.run_fused_raw(&op, io, cache, stream.cu_stream()) }
 }
 
-/// The cos/sin of every pair at position `p`: from the downloaded table, or exact.
-pub fn cos_sin(c: &Case, table: Option<&(Vec<f64>, Vec<f64>)>, p: i64) -> (Vec<f64>, Vec<f64>) {
+/// The cos/sin of every pair of token `t`, each at its position ([`Case::pair_position`]):
+/// from the downloaded table, or exact.
+pub fn cos_sin(c: &Case, table: Option<&(Vec<f64>, Vec<f64>)>, t: usize) -> (Vec<f64>, Vec<f64>) {
     let half = c.rotary / 2;
-    match table {
-        Some((cos, sin)) => {
-            let row = p as usize * half;
-            (cos[row..row + half].to_vec(), sin[row..row + half].to_vec())
-        }
-        None => inv_freq(THETA, c.rotary)
-            .iter()
-            .map(|f| ((p as f64 * f).cos(), (p as f64 * f).sin()))
-            .unzip(),
-    }
+    let freqs = inv_freq(THETA, c.rotary);
+    (0..half)
+        .map(|i| {
+            let p = c.pair_position(t, i);
+            match table {
+                Some((cos, sin)) => (cos[p as usize * half + i], sin[p as usize * half + i]),
+                None => ((p as f64 * freqs[i]).cos(), (p as f64 * freqs[i]).sin()),
+            }
+        })
+        .unzip()
 }
 
 /// Checks an output of the tensors' type against the reference by the one rule
@@ -1107,7 +1183,7 @@ pub fn reference_head<T: TestElem>(
         let w: Vec<f64> = w.iter().map(|v| v.to_f64()).collect();
         head = rms_norm(&head, &w, 1e-6, weight == NormWeight::OnePlus);
     }
-    let (cos, sin) = cos_sin(c, table, c.position(t));
+    let (cos, sin) = cos_sin(c, table, t);
     // The first `rotary` features rotated; the rest as they are (normalised with the norm).
     let (mut y, mut scale) = rotate_head(&head[..c.rotary], c.style, &cos, &sin);
     for &x in &head[c.rotary..] {

@@ -82,6 +82,51 @@ fn run_partial<T: TestElem>(name: &str, cases: u64) {
     ));
 }
 
+/// Multi-axis positions on the fused kernels (Qwen3-VL: QK-norm with interleaved mRoPE):
+/// random cases of every mode, FlashInfer's forms included, with mRoPE positions (sections in
+/// blocks or interleaved, text tokens with every axis at one position), every kernel choice,
+/// both entries, every fifth case prefill-sized. Every output and cache element matches the
+/// f64 reference, each pair at its axis's position.
+fn run_multi_axis<T: TestElem>(name: &str, cases: u64) {
+    let Some((stream, _)) = gpu_or_skip(name) else {
+        return;
+    };
+    let handles = pinned_handles(&stream);
+    let mut worst = Worst::default();
+    for j in 0..cases.min(case_cap()) {
+        let size = if j % 5 == 4 { Size::Large } else { Size::Small };
+        let seed = 0xa5_0000 + j * 173 + size_of::<T>() as u64;
+        let mut c = Case::random_sized(seed, size_of::<T>(), size);
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xa5a5);
+        c.axes = Some(AxesCase::mrope(
+            &mut rng,
+            c.rotary / 2,
+            c.tokens(),
+            j % 2 == 1,
+        ));
+        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
+        let (kernels, rope) = &handles[pinned_for(j)];
+        match check_case_on::<T>(&c, &stream, rope, entry) {
+            Ok(w) => worst.merge(w),
+            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
+        }
+    }
+    report(&format!(
+        "{name}: mRoPE positions, {} values checked, largest error {:.3} of its bound",
+        worst.checked, worst.ratio
+    ));
+}
+
+#[test]
+fn fused_multi_axis_positions_match_reference_bf16() {
+    run_multi_axis::<rope_host::half::bf16>("fused_multi_axis_positions_match_reference_bf16", 40);
+}
+
+#[test]
+fn fused_multi_axis_positions_match_reference_f32() {
+    run_multi_axis::<f32>("fused_multi_axis_positions_match_reference_f32", 20);
+}
+
 #[test]
 fn fused_partial_rotations_match_reference_bf16() {
     run_partial::<rope_host::half::bf16>("fused_partial_rotations_match_reference_bf16", 60);
