@@ -9,6 +9,15 @@ from typing import Any, Optional, Tuple
 import rope_rs
 
 
+def check_sizes(head_size: int, rotary_dim: int, max_position_embeddings: int) -> None:
+    """What vLLM's rotary embedding classes assert of their sizes: ``rotary_dim`` even, positive
+    and at most ``head_size``, ``max_position_embeddings`` positive (ValueError otherwise)."""
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
+        raise ValueError(f"rotary_dim must be even, positive and at most head_size {head_size}, got {rotary_dim}")
+    if max_position_embeddings <= 0:
+        raise ValueError(f"max_position_embeddings must be positive, got {max_position_embeddings}")
+
+
 class DualChunkRotaryEmbedding:
     """vLLM's ``DualChunkRotaryEmbedding(head_size, rotary_dim, max_position_embeddings, base,
     is_neox_style, dtype, chunk_size, local_size)`` as a callable with its ``forward``.
@@ -51,10 +60,7 @@ class DualChunkRotaryEmbedding:
             raise ValueError(
                 f"local_size must lie in [0, chunk_size): chunk_size {chunk_size}, local_size {local_size}"
             )
-        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
-            raise ValueError(f"rotary_dim must be even, positive and at most head_size {head_size}, got {rotary_dim}")
-        if max_position_embeddings <= 0:
-            raise ValueError(f"max_position_embeddings must be positive, got {max_position_embeddings}")
+        check_sizes(head_size, rotary_dim, max_position_embeddings)
         self.head_size, self.rotary_dim, self.base = head_size, rotary_dim, float(base)
         self.max_position_embeddings, self.is_neox_style, self.dtype = max_position_embeddings, is_neox_style, dtype
         self.chunk_size, self.local_size = chunk_size, local_size

@@ -5,6 +5,7 @@ import sys
 from typing import Any, Optional, Sequence, Tuple
 
 import rope_rs
+from rope_rs.dual_chunk import check_sizes
 
 
 class MRotaryEmbedding:
@@ -44,8 +45,7 @@ class MRotaryEmbedding:
         mrope_section: Optional[Sequence[int]] = None,
         mrope_interleaved: bool = False,
     ) -> None:
-        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
-            raise ValueError(f"rotary_dim must be even, positive and at most head_size {head_size}, got {rotary_dim}")
+        check_sizes(head_size, rotary_dim, max_position_embeddings)
         if mrope_section is not None:
             section = [int(n) for n in mrope_section]
             if len(section) != 3 or sum(section) != rotary_dim // 2:
@@ -54,8 +54,6 @@ class MRotaryEmbedding:
                     f"got {section}"
                 )
             mrope_section = section
-        if max_position_embeddings <= 0:
-            raise ValueError(f"max_position_embeddings must be positive, got {max_position_embeddings}")
         self.head_size, self.rotary_dim, self.base = head_size, rotary_dim, float(base)
         self.max_position_embeddings, self.is_neox_style, self.dtype = max_position_embeddings, is_neox_style, dtype
         self.mrope_section, self.mrope_interleaved = mrope_section, bool(mrope_interleaved)

@@ -491,14 +491,7 @@ pub fn ints(d: &Dense, arg: &str) -> Result<RawInts, ArgError> {
             d.shape
         )));
     }
-    require_contiguous(d, arg)?;
-    Ok(RawInts {
-        buf: RawBuf {
-            ptr: d.ptr,
-            len: d.shape.iter().product(),
-        },
-        ty,
-    })
+    contiguous_ints(d, arg, ty)
 }
 
 /// Per-axis positions (mRoPE's `position_ids`): `[n_axes, batch, seq]` or `[n_axes, tokens]`,
@@ -516,6 +509,11 @@ pub fn axis_ints(d: &Dense, arg: &str, n_axes: usize) -> Result<RawInts, ArgErro
         )));
     }
     let ty = int_type(d, arg)?;
+    contiguous_ints(d, arg, ty)
+}
+
+/// `d`'s elements in order as `ty` integers: a contiguous array.
+fn contiguous_ints(d: &Dense, arg: &str, ty: rope_host::IntType) -> Result<RawInts, ArgError> {
     require_contiguous(d, arg)?;
     Ok(RawInts {
         buf: RawBuf {

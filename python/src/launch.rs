@@ -621,12 +621,10 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
 /// Positions borrowed and reduced to rope-host's raw form ([`raw_positions`]), but for mRoPE's
 /// axis map, which waits for the launch's rotary width ([`BorrowedPositions::finish`]).
 pub(crate) enum BorrowedPositions {
+    /// Every kind of positions but mRoPE's.
     Ready(RawPositions),
     /// mRoPE's `[3, tokens]` positions and its sections.
-    Axes {
-        ids: RawInts,
-        mrope: Mrope,
-    },
+    Axes { ids: RawInts, mrope: Mrope },
 }
 
 impl BorrowedPositions {

@@ -44,13 +44,24 @@ fn run_cases<T: TestElem>(name: &str, cases: u64) {
     ));
 }
 
-/// Partial rotations on the fused kernels (GLM-4's and Phi's half-head rotary with a q/k norm):
-/// random cases of every mode but FlashInfer's forms, heads of 64, 96, 128, 256 or 512
-/// features of which the first half or quarter rotate, through both entries and every kernel
-/// choice (partial heads take the two-heads kernels whatever is pinned), every fifth case
-/// prefill-sized. Every output and cache element matches the f64 reference: the rotated
-/// features rotated, those past them normalised with the norm, else as they were.
-fn run_partial<T: TestElem>(name: &str, cases: u64) {
+/// How a test draws its random cases: case `j` is [`Case::random_sized`] of seed `base + j *
+/// stride` (plus the element size), changed by `change` with a generator of that seed `^ xor`.
+struct Draws<F> {
+    base: u64,
+    stride: u64,
+    xor: u64,
+    change: F,
+}
+
+/// Random fused cases drawn by `draws`, through both entries and every kernel choice, every
+/// fifth case prefill-sized; panics naming the case on the first mismatch with the f64
+/// reference and reports the worst error, the cases described by `what`.
+fn run_drawn<T: TestElem, F: Fn(u64, &mut Case, &mut StdRng)>(
+    name: &str,
+    cases: u64,
+    what: &str,
+    draws: Draws<F>,
+) {
     let Some((stream, _)) = gpu_or_skip(name) else {
         return;
     };
@@ -58,9 +69,31 @@ fn run_partial<T: TestElem>(name: &str, cases: u64) {
     let mut worst = Worst::default();
     for j in 0..cases.min(case_cap()) {
         let size = if j % 5 == 4 { Size::Large } else { Size::Small };
-        let seed = 0x9a_0000 + j * 151 + size_of::<T>() as u64;
+        let seed = draws.base + j * draws.stride + size_of::<T>() as u64;
         let mut c = Case::random_sized(seed, size_of::<T>(), size);
-        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        let mut rng = StdRng::seed_from_u64(seed ^ draws.xor);
+        (draws.change)(j, &mut c, &mut rng);
+        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
+        let (kernels, rope) = &handles[pinned_for(j)];
+        match check_case_on::<T>(&c, &stream, rope, entry) {
+            Ok(w) => worst.merge(w),
+            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
+        }
+    }
+    report(&format!(
+        "{name}: {what}, {} values checked, largest error {:.3} of its bound",
+        worst.checked, worst.ratio
+    ));
+}
+
+/// Partial rotations on the fused kernels (GLM-4's and Phi's half-head rotary with a q/k norm):
+/// random cases of every mode but FlashInfer's forms, heads of 64, 96, 128, 256 or 512
+/// features of which the first half or quarter rotate, through both entries and every kernel
+/// choice (partial heads take the two-heads kernels whatever is pinned), every fifth case
+/// prefill-sized. Every output and cache element matches the f64 reference: the rotated
+/// features rotated, those past them normalised with the norm, else as they were.
+fn run_partial<T: TestElem>(name: &str, cases: u64) {
+    let change = |_: u64, c: &mut Case, rng: &mut StdRng| {
         // Heads of whole 16-byte accesses, a multiple of 32 features: their half and quarter
         // rotate in whole accesses, and the rest is whole groups.
         c.d = [64, 96, 128, 256, 512][rng.random_range(0..5)];
@@ -69,17 +102,14 @@ fn run_partial<T: TestElem>(name: &str, cases: u64) {
         }
         c.rotary = c.d / [2, 4][rng.random_range(0..2)];
         c.plain_fp8();
-        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
-        let (kernels, rope) = &handles[pinned_for(j)];
-        match check_case_on::<T>(&c, &stream, rope, entry) {
-            Ok(w) => worst.merge(w),
-            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
-        }
-    }
-    report(&format!(
-        "{name}: partial rotations, {} values checked, largest error {:.3} of its bound",
-        worst.checked, worst.ratio
-    ));
+    };
+    let draws = Draws {
+        base: 0x9a_0000,
+        stride: 151,
+        xor: 0x5eed,
+        change,
+    };
+    run_drawn::<T, _>(name, cases, "partial rotations", draws);
 }
 
 /// Multi-axis positions on the fused kernels (Qwen3-VL: QK-norm with interleaved mRoPE):
@@ -88,33 +118,16 @@ fn run_partial<T: TestElem>(name: &str, cases: u64) {
 /// both entries, every fifth case prefill-sized. Every output and cache element matches the
 /// f64 reference, each pair at its axis's position.
 fn run_multi_axis<T: TestElem>(name: &str, cases: u64) {
-    let Some((stream, _)) = gpu_or_skip(name) else {
-        return;
+    let change = |j: u64, c: &mut Case, rng: &mut StdRng| {
+        c.axes = Some(AxesCase::mrope(rng, c.rotary / 2, c.tokens(), j % 2 == 1));
     };
-    let handles = pinned_handles(&stream);
-    let mut worst = Worst::default();
-    for j in 0..cases.min(case_cap()) {
-        let size = if j % 5 == 4 { Size::Large } else { Size::Small };
-        let seed = 0xa5_0000 + j * 173 + size_of::<T>() as u64;
-        let mut c = Case::random_sized(seed, size_of::<T>(), size);
-        let mut rng = StdRng::seed_from_u64(seed ^ 0xa5a5);
-        c.axes = Some(AxesCase::mrope(
-            &mut rng,
-            c.rotary / 2,
-            c.tokens(),
-            j % 2 == 1,
-        ));
-        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
-        let (kernels, rope) = &handles[pinned_for(j)];
-        match check_case_on::<T>(&c, &stream, rope, entry) {
-            Ok(w) => worst.merge(w),
-            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
-        }
-    }
-    report(&format!(
-        "{name}: mRoPE positions, {} values checked, largest error {:.3} of its bound",
-        worst.checked, worst.ratio
-    ));
+    let draws = Draws {
+        base: 0xa5_0000,
+        stride: 173,
+        xor: 0xa5a5,
+        change,
+    };
+    run_drawn::<T, _>(name, cases, "mRoPE positions", draws);
 }
 
 #[test]
