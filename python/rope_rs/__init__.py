@@ -31,6 +31,7 @@ from rope_rs._native import __version__, frequencies
 __all__ = [
     "__version__",
     "DualChunkRotaryEmbedding",
+    "FourierRotaryEmbedding",
     "FusedSetKVBufferArg",
     "MRotaryEmbedding",
     "apply_rope",
@@ -809,3 +810,4 @@ def _hf_eager() -> Any:
 # Last: the module reads rope_rs.apply_rope when called.
 from rope_rs.dual_chunk import DualChunkRotaryEmbedding  # noqa: E402
 from rope_rs.mrope import MRotaryEmbedding  # noqa: E402
+from rope_rs.fope import FourierRotaryEmbedding  # noqa: E402

@@ -383,6 +383,28 @@ class TestMRotaryEmbedding:
             rope(FakeCuda((3, 7), "int64"), FakeCuda((7, 4 * 64), "bfloat16"), FakeCuda((7, 64), "bfloat16"))
 
 
+class TestFourierRotaryEmbedding:
+    """vLLM's ``FourierRotaryEmbedding``: sizes vLLM's class could not serve are refused when
+    made, and it takes ``torch.Tensor``s only."""
+
+    def test_sizes_are_checked(self):
+        make = rope_rs.FourierRotaryEmbedding
+        assert make(128, 128, 4096, 1e4, True, None, True, 8, None, True, 0.0).num_key_value_heads == 8
+        with pytest.raises(ValueError, match="rotary_dim must be even"):
+            make(128, 127, 4096, 1e4, True, None, True, 8, None, True, 0.0)
+        with pytest.raises(ValueError, match="num_key_value_heads must be positive"):
+            make(128, 128, 4096, 1e4, True, None, True, 0, None, True, 0.0)
+        with pytest.raises(ValueError, match=r"num_inv_freq must lie in 1..=64, got 65"):
+            make(128, 128, 4096, 1e4, True, None, True, 8, 65, True, 0.0)
+
+    def test_other_tensors_are_type_errors(self):
+        rope = rope_rs.FourierRotaryEmbedding(64, 64, 4096, 1e4, True, None, True, 2, None, True, 0.0)
+        with pytest.raises(TypeError, match="must be torch.Tensors"):
+            rope.set_coefficients(FakeCuda((2, 16, 16)), FakeCuda((2, 16, 16)))
+        with pytest.raises(TypeError, match="must be torch.Tensors"):
+            rope(ints(7), FakeCuda((7, 4 * 64), "bfloat16"), FakeCuda((7, 2 * 64), "bfloat16"))
+
+
 class TestImport:
     def test_imports_without_torch(self):
         code = "import sys, rope_rs; assert 'torch' not in sys.modules, 'rope_rs imported torch'"

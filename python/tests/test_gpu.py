@@ -2235,6 +2235,66 @@ class TestVllmMRotaryEmbedding:
         check(q_out.view(t, hq, d), reference(query.view(1, t, hq, d), angle.cos()[None], angle.sin()[None], style, rotary_dim)[0])
 
 
+def vllm_fope(rope, cos_coef, sin_coef, positions, query, key):
+    """vLLM's ``FourierRotaryEmbedding`` (vllm/model_executor/layers/rotary_embedding/fope.py):
+    its ``_compute_cos_sin_cache`` (float32 frequencies and einsums, padded with cos 1 and sin 0,
+    rounded to the model's dtype) and ``forward_native`` (cos/sin gathered per token and kv
+    head, q heads grouped by reshape, ``x cos + rotate_neox(x) sin``) in float64."""
+    r, d, kvh = rope.rotary_dim, rope.head_size, rope.num_key_value_heads
+    inv_freq = 1.0 / (rope.base ** (torch.arange(0, r, 2, dtype=torch.float32, device=DEV) / r))
+    if rope.num_inv_freq is not None:
+        inv_freq = inv_freq[: rope.num_inv_freq]
+    else:
+        inv_freq = inv_freq[inv_freq > 2.0 * torch.pi / rope.max_position_embeddings]
+    t = torch.arange(rope.max_position_embeddings, dtype=torch.float32, device=DEV)
+    freqs = torch.einsum("j,i -> ji", t, inv_freq)
+    if rope.fope_sep_head:
+        sin = torch.einsum("htD, hDd -> thd", freqs.sin().expand(kvh, -1, -1), sin_coef.float())
+        cos = torch.einsum("htD, hDd -> thd", freqs.cos().expand(kvh, -1, -1), cos_coef.float())
+    else:
+        sin = torch.einsum("tD, Dd -> td", freqs.sin(), sin_coef[0].float())
+        cos = torch.einsum("tD, Dd -> td", freqs.cos(), cos_coef[0].float())
+    sin = torch.nn.functional.pad(sin, (0, d // 2 - sin.size(-1)), value=0)
+    cos = torch.nn.functional.pad(cos, (0, d // 2 - cos.size(-1)), value=1)
+    cache = torch.cat((torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)), -1).to(rope.dtype)
+    c, s = cache.index_select(0, positions.flatten()).to(torch.float64).chunk(2, dim=-1)
+    q, k = query.unflatten(-1, (-1, d)).to(torch.float64), key.unflatten(-1, (-1, d)).to(torch.float64)
+    if c.dim() == 3:
+        c, s = c.flatten(0, 1), s.flatten(0, 1)
+        q, k = q.reshape(c.size(0), -1, d), k.reshape(c.size(0), -1, d)
+    c, s = c.unsqueeze(1), s.unsqueeze(1)
+    half = d // 2
+    neox = lambda x: torch.cat((-x[..., half:], x[..., :half]), -1)  # noqa: E731
+    return (q * c + neox(q) * s).reshape(query.shape), (k * c + neox(k) * s).reshape(key.shape)
+
+
+class TestVllmFourierRotaryEmbedding:
+    """vLLM's ``FourierRotaryEmbedding`` (FoPE) against :func:`vllm_fope`: per-kv-head tables,
+    kept frequencies by count or by ``2 pi / max_position_embeddings``, separate or shared heads,
+    query and key as views of one packed projection."""
+
+    @pytest.mark.parametrize("sep_head", [True, False])
+    @pytest.mark.parametrize("num_inv_freq", [None, 24])
+    def test_matches_vllms_definition(self, sep_head, num_inv_freq):
+        d, kvh, hq, t, max_pos, dtype = 128, 4, 16, 37, 2048, torch.bfloat16
+        g = torch.Generator(device=DEV).manual_seed(90 + int(sep_head) + (num_inv_freq or 0))
+        rope = rope_rs.FourierRotaryEmbedding(d, d, max_pos, 10000.0, True, dtype, True, kvh, num_inv_freq, sep_head, 0.1)
+        n = rope.kept_inv_freq(torch, DEV).shape[0]
+        cos_coef = (0.2 * torch.randn(kvh, n, n, device=DEV, generator=g)).to(dtype)
+        sin_coef = (0.2 * torch.randn(kvh, n, n, device=DEV, generator=g)).to(dtype)
+        rope.set_coefficients(cos_coef, sin_coef)
+        qkv = torch.randn(t, (hq + 2 * kvh) * d, device=DEV, generator=g).to(dtype)
+        query, key = qkv[:, : hq * d], qkv[:, hq * d : (hq + kvh) * d]
+        positions = torch.randint(0, max_pos, (t,), device=DEV, generator=g)
+        q0, k0 = query.clone(), key.clone()
+        q_out, k_out = rope(positions, query, key)
+        assert torch.equal(query, q0) and torch.equal(key, k0), "the inputs are unchanged"
+        want_q, want_k = vllm_fope(rope, cos_coef, sin_coef, positions, query, key)
+        # The learned cos and sin reach a few units: bf16 outputs round at that magnitude.
+        check(q_out.view(t, hq, d), want_q.view(t, hq, d), extra_atol=5e-2)
+        check(k_out.view(t, kvh, d), want_k.view(t, kvh, d), extra_atol=5e-2)
+
+
 class TestErrors:
     def test_invalid_cuda_arguments_are_value_errors(self):
         q = randn(4, 2, 64)
