@@ -100,6 +100,7 @@ def apply_rope(
     pdl: bool = False,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    axes_dim: Optional[Sequence[int]] = None,
 ) -> Any:
     """Rotates q (and k) by rotary position embedding (RoPE) on the GPU.
 
@@ -133,7 +134,12 @@ def apply_rope(
         temporal, height and width positions; ``mrope_section`` gives the pairs of each axis
         (summing to ``rotary_dim / 2``, as in the model's ``rope_scaling``), in blocks in that
         order, or with ``mrope_interleaved=True`` in Qwen3-VL's ``T H W T H W ...`` order.
-        Each pair rotates at its axis's position.
+        Each pair rotates at its axis's position;
+      - ``position_ids`` with ``axes_dim``: N-D axial RoPE (FLUX's ``EmbedND``, video DiTs).
+        ``position_ids`` is ``[n_axes, batch, seq]`` (or ``[n_axes, tokens]``), ``axes_dim`` one
+        to four even widths summing to ``rotary_dim``: axis ``a`` owns ``axes_dim[a] / 2``
+        consecutive pairs, rotated at that axis's position with ``theta ** (-2i /
+        axes_dim[a])`` (from ``theta``; a table or ``inv_freq`` must hold the axes' own).
 
     sin/cos (one of):
       - ``theta`` (default 10000): ``inv_freq[i] = theta ** (-2i / rotary_dim)``, cos and sin
@@ -217,6 +223,7 @@ def apply_rope(
             pdl=pdl,
             mrope_section=mrope_section,
             mrope_interleaved=mrope_interleaved,
+            axes_dim=axes_dim,
         )
         return _torch_eager.apply_rope(q, k, opts, inplace=inplace, out=out, k_out=k_out, stream=stream)
     if inplace:
@@ -234,6 +241,7 @@ def apply_rope(
         q, k, out, k_out, positions, position_ids, cu_seqlens, layout, style, theta, cos_sin_cache, cos, sin,
         inv_freq, attention_factor, angle, scaling, rotary_dim, backward, launch_stream, sync, cp_size, cp_rank, pdl,
         None if mrope_section is None else [int(n) for n in mrope_section], mrope_interleaved,
+        None if axes_dim is None else [int(n) for n in axes_dim],
     )
     q_res, k_res = (q, k) if inplace else (out, k_out)
     return q_res if k is None else (q_res, k_res)

@@ -33,6 +33,7 @@ def apply_rope(
     pdl: bool = False,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    axes_dim: Optional[Sequence[int]] = None,
 ) -> None:
     """Rotates q (and k) by RoPE on ``stream``: into ``out``/``k_out`` when given, else in place.
 
@@ -48,7 +49,8 @@ def apply_rope(
     ``cp_size``/``cp_rank``: context-parallel split of ``cu_seqlens`` sequences. ``pdl``:
     programmatic dependent launch (sm_90+, decode-sized launches; same results).
     ``mrope_section`` (three pair counts) makes ``position_ids`` mRoPE's ``[3, batch, seq]`` or
-    ``[3, tokens]``, in blocks or (``mrope_interleaved``) Qwen3-VL's interleaved order.
+    ``[3, tokens]``, in blocks or (``mrope_interleaved``) Qwen3-VL's interleaved order;
+    ``axes_dim`` (FLUX's) makes it ``[n_axes, ...]`` with axial frequencies from ``theta``.
     Raises TypeError, ValueError naming the argument, RuntimeError (CUDA driver).
     """
 

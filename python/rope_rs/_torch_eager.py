@@ -48,6 +48,7 @@ class Options(NamedTuple):
     pdl: bool
     mrope_section: Optional[List[int]]
     mrope_interleaved: bool
+    axes_dim: Optional[List[int]]
 
     def flipped(self) -> "Options":
         """The same launch in the other direction (the gradient's)."""
@@ -105,8 +106,9 @@ def options(q: Tensor, **given: Any) -> Options:
         inv_freq, host_inv_freq = None, [float(f) for f in inv_freq]
     elif inv_freq is not None and (inv_freq.dtype != torch.float64 or inv_freq.device != q.device):
         inv_freq = inv_freq.to(device=q.device, dtype=torch.float64)
-    if a["mrope_section"] is not None:
-        a["mrope_section"] = [int(n) for n in a["mrope_section"]]
+    for name in ("mrope_section", "axes_dim"):
+        if a[name] is not None:
+            a[name] = [int(n) for n in a[name]]
     numbers = {
         "theta": float,
         "attention_factor": float,

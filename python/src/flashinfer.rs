@@ -253,7 +253,7 @@ impl<'py> Call<'_, 'py> {
             head_size: self.rope_dim,
             norm: None,
             positions: self.pos_ids,
-            mrope: None,
+            axes: None,
             cos_sin_cache: self.cos_sin_cache,
             style: pairing(self.is_neox),
             cache,

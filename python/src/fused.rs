@@ -21,7 +21,7 @@ use crate::launch::{
     Held, Names, PositionsArg, SinCosArg, View, arg_error, dlpack_stream, one_buffer,
     raw_positions, raw_sincos, rope_for,
 };
-use crate::options::Mrope;
+use crate::options::Axes;
 
 /// The element type of a KV cache (vLLM's `kv_cache_dtype`; FlashInfer's cache tensors').
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,11 +161,11 @@ pub(crate) struct FusedLaunch<'a, 'py> {
     pub head_size: usize,
     /// `(q_weight, k_weight, eps)` of the RMS normalisation before the rotation.
     pub norm: Option<(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>, f64)>,
-    /// One position per token, int32 or int64 (`[tokens]`); with `mrope`, a row per axis
-    /// (`[3, tokens]`).
+    /// One position per token, int32 or int64 (`[tokens]`); with `axes`, a row per axis
+    /// (`[n_axes, tokens]`).
     pub positions: &'a Bound<'py, PyAny>,
-    /// mRoPE's sections, when the positions are per axis.
-    pub mrope: Option<Mrope>,
+    /// The axes, when the positions are per axis.
+    pub axes: Option<Axes>,
     /// `[max_position, head_size]`, cos half then sin half.
     pub cos_sin_cache: &'a Bound<'py, PyAny>,
     /// The pairing.
@@ -577,10 +577,10 @@ pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> 
         Some(c) => Some(raw_cache(c, &mut held, (elem, l.head_size), &names)?),
         None => None,
     };
-    let positions = match l.mrope {
-        Some(mrope) => PositionsArg::MultiAxis {
+    let positions = match &l.axes {
+        Some(axes) => PositionsArg::MultiAxis {
             ids: l.positions,
-            mrope,
+            axes: axes.clone(),
         },
         None => PositionsArg::Ids(l.positions),
     };

@@ -112,6 +112,7 @@ fn _apply_rotary_pos_emb_eager<'py>(
         false,
         None,
         false,
+        None,
     )?;
     let k_out = match k_out {
         Some(k) => k,

@@ -21,7 +21,7 @@ use rope_host::{
 
 use crate::dlpack::{self, ArgError, DL_CUDA, DLManagedTensor, Dense, Elem, TensorLayout};
 use crate::exchange;
-use crate::options::Mrope;
+use crate::options::Axes;
 
 /// The process's [`Rope`] for CUDA device `device` with `overlap` ([`shared::primary`]).
 pub(crate) fn rope_for(device: i32, overlap: StreamOverlap) -> PyResult<Arc<Rope>> {
@@ -276,13 +276,13 @@ pub(crate) enum PositionsArg<'a, 'py> {
     RowOffsets(&'a Bound<'py, PyAny>),
     /// `p = ids[s]` (`[seq]`) or `ids[b, s]` (`[batch, seq]`).
     Ids(&'a Bound<'py, PyAny>),
-    /// mRoPE: pair `i` of token `t` at `ids[axis(i), t]` (`[3, batch, seq]` or `[3, tokens]`),
-    /// the axes from the sections.
+    /// Per-axis positions: pair `i` of token `t` at `ids[axis(i), t]` (`[n_axes, batch, seq]`
+    /// or `[n_axes, tokens]`).
     MultiAxis {
         /// The positions of each axis.
         ids: &'a Bound<'py, PyAny>,
         /// Which axis each pair takes.
-        mrope: Mrope,
+        axes: Axes,
     },
     /// Packed sequences: `cu_seqlens [num_seqs + 1]` and optional offsets `[num_seqs]`.
     Varlen {
@@ -618,38 +618,47 @@ pub(crate) fn launch(l: Launch<'_, '_>) -> PyResult<()> {
     Ok(())
 }
 
-/// Positions borrowed and reduced to rope-host's raw form ([`raw_positions`]), but for mRoPE's
-/// axis map, which waits for the launch's rotary width ([`BorrowedPositions::finish`]).
+/// Positions borrowed and reduced to rope-host's raw form ([`raw_positions`]), but for the axis
+/// map of per-axis positions, which waits for the launch's rotary width
+/// ([`BorrowedPositions::finish`]).
 pub(crate) enum BorrowedPositions {
-    /// Every kind of positions but mRoPE's.
+    /// Every kind of positions but per-axis ones.
     Ready(RawPositions),
-    /// mRoPE's `[3, tokens]` positions and its sections.
-    Axes { ids: RawInts, mrope: Mrope },
+    /// Per-axis positions (`[n_axes, tokens]`) and their axes.
+    Axes { ids: RawInts, axes: Axes },
 }
 
 impl BorrowedPositions {
     /// The raw positions of a launch of `rotary_dim` rotated features on `stream` of `device`:
-    /// mRoPE's axis map built for that width and pinned on the device (`shared::axis_map`).
+    /// the axis map built for that width and pinned on the device (`shared::axis_map`).
     pub(crate) fn finish(
         self,
         device: i32,
         names: &Names,
         (rotary_dim, stream): (u32, CUstream),
     ) -> PyResult<RawPositions> {
-        let (ids, mrope) = match self {
+        let (ids, axes) = match self {
             Self::Ready(p) => return Ok(p),
-            Self::Axes { ids, mrope } => (ids, mrope),
+            Self::Axes { ids, axes } => (ids, axes),
         };
-        let map = if mrope.interleaved {
-            AxisMap::mrope_interleaved(mrope.sections, rotary_dim)
-        } else {
-            AxisMap::mrope(mrope.sections, rotary_dim)
-        }
-        .map_err(|e| names.host_error(e))?;
+        let (map, arg) = match &axes {
+            Axes::Mrope {
+                sections,
+                interleaved: true,
+            } => (
+                AxisMap::mrope_interleaved(*sections, rotary_dim),
+                "mrope_section",
+            ),
+            Axes::Mrope { sections, .. } => {
+                (AxisMap::mrope(*sections, rotary_dim), "mrope_section")
+            }
+            Axes::Axial { axes_dim } => (AxisMap::axial(axes_dim, rotary_dim), "axes_dim"),
+        };
+        let map = map.map_err(|e| names.host_error(e))?;
         let rope = rope_for(device, StreamOverlap::None)?;
         // SAFETY: `stream` is a stream of `rope`'s context, the Python caller's promise
         // (documented on every function taking `stream=`).
-        let axes = unsafe { shared::axis_map(&rope, &map, stream, "mrope_section") }
+        let axes = unsafe { shared::axis_map(&rope, &map, stream, arg) }
             .map_err(|e| names.host_error(e))?;
         Ok(RawPositions::MultiAxis {
             positions: ids,
@@ -667,10 +676,13 @@ pub(crate) fn raw_positions<'py>(
 ) -> PyResult<BorrowedPositions> {
     let name = names.positions;
     Ok(BorrowedPositions::Ready(match p {
-        PositionsArg::MultiAxis { ids, mrope } => {
+        PositionsArg::MultiAxis { ids, axes } => {
             let d = held.borrow(ids, name)?;
-            let ids = dlpack::axis_ints(d, name, 3).map_err(arg_error)?;
-            return Ok(BorrowedPositions::Axes { ids, mrope: *mrope });
+            let ids = dlpack::axis_ints(d, name, axes.n_axes()).map_err(arg_error)?;
+            return Ok(BorrowedPositions::Axes {
+                ids,
+                axes: axes.clone(),
+            });
         }
         PositionsArg::Offset(offset) => RawPositions::Offset(*offset),
         PositionsArg::RowOffsets(obj) => {

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use rope_host::{
     AngleMode, ConfigBase, ConfigValue, ContextParallel, DEFAULT_THETA, Direction, FrequencySpec,
-    ROPE_SCALING_KEYS, RopeStyle, StreamOverlap,
+    ROPE_SCALING_KEYS, RopeScaling, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
@@ -24,7 +24,7 @@ use crate::fused::{
 use crate::launch::{
     self, Held, Launch, Names, PositionsArg, Scaling, SinCosArg, View, arg_error, same_name_error,
 };
-use crate::options::{self, PositionsGiven, PositionsKind, SinCosGiven, SinCosKind};
+use crate::options::{self, Axes, PositionsGiven, PositionsKind, SinCosGiven, SinCosKind};
 
 /// The range `attention_factor=` must lie in (rope-host's bound on every attention factor).
 const ATTENTION_RANGE: (f64, f64) = (1e-3, 1e3);
@@ -249,7 +249,10 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
 /// With `mrope_section` (three pair counts, temporal, height and width, summing to
 /// `rotary_dim / 2`), `position_ids` is mRoPE's `[3, batch, seq]` or `[3, tokens]`: pair `i`
 /// of each head rotates at the row of its section (blocks in that order, Qwen2-VL and
-/// Qwen2.5-VL; with `mrope_interleaved=True` the `T H W T H W ...` order of Qwen3-VL).
+/// Qwen2.5-VL; with `mrope_interleaved=True` the `T H W T H W ...` order of Qwen3-VL). With
+/// `axes_dim` (one to four even widths summing to `rotary_dim`, FLUX's `EmbedND`),
+/// `position_ids` is `[n_axes, batch, seq]` or `[n_axes, tokens]`: axis `a` owns
+/// `axes_dim[a] / 2` consecutive pairs, and `theta` gives them `theta^(-2i / axes_dim[a])`.
 ///
 /// sin/cos, one of: `theta` (default 10000; `inv_freq[i] = theta^(-2i / rotary_dim)`, cos and
 /// sin computed in the kernel); `scaling`, a Hugging Face `rope_scaling` dict (`rope_type`
@@ -295,7 +298,7 @@ impl<'a, 'py> SinCosArgs<'a, 'py> {
     layout=None, style="neox", theta=None, cos_sin_cache=None, cos=None, sin=None,
     inv_freq=None, attention_factor=None, angle=None, scaling=None, rotary_dim=None,
     backward=false, stream=0, producer_sync=true, cp_size=1, cp_rank=0, pdl=false,
-    mrope_section=None, mrope_interleaved=false
+    mrope_section=None, mrope_interleaved=false, axes_dim=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn apply_rope(
@@ -325,6 +328,7 @@ pub(crate) fn apply_rope(
     pdl: bool,
     mrope_section: Option<Vec<u32>>,
     mrope_interleaved: bool,
+    axes_dim: Option<Vec<u32>>,
 ) -> PyResult<()> {
     let style = parse_style(style)?;
     let layout = TensorLayout::parse(layout).map_err(arg_error)?;
@@ -335,14 +339,19 @@ pub(crate) fn apply_rope(
         (cp_size, cp_rank),
     )
     .map_err(arg_error)?;
-    let mrope =
-        options::mrope(mrope_section.as_deref(), mrope_interleaved, kind).map_err(arg_error)?;
+    let axes = options::axes(
+        mrope_section.as_deref(),
+        mrope_interleaved,
+        axes_dim.as_deref(),
+        kind,
+    )
+    .map_err(arg_error)?;
     let positions_tensor = positions.filter(|p| !p.is_instance_of::<PyInt>());
     let (positions_arg, positions_name) = match (kind, positions_tensor, position_ids, cu_seqlens) {
         (PositionsKind::Offset(o), ..) => (PositionsArg::Offset(o), "positions"),
         (PositionsKind::RowOffsets, Some(p), ..) => (PositionsArg::RowOffsets(p), "positions"),
-        (PositionsKind::Ids, _, Some(ids), _) => match mrope {
-            Some(mrope) => (PositionsArg::MultiAxis { ids, mrope }, "position_ids"),
+        (PositionsKind::Ids, _, Some(ids), _) => match axes.clone() {
+            Some(axes) => (PositionsArg::MultiAxis { ids, axes }, "position_ids"),
             None => (PositionsArg::Ids(ids), "position_ids"),
         },
         (PositionsKind::Varlen { offsets }, p, _, Some(cu)) => {
@@ -378,6 +387,7 @@ pub(crate) fn apply_rope(
         scaling,
     }
     .resolve()?;
+    let sincos = axial_frequencies(sincos, axes.as_ref())?;
     launch::launch(Launch {
         q,
         k,
@@ -402,6 +412,44 @@ pub(crate) fn apply_rope(
         producer_sync,
         overlap: overlap(pdl),
     })
+}
+
+/// N-D axial positions' frequencies: from `theta`, each axis's `theta^(-2i / axes_dim[a])`
+/// (computed on the host, pinned at launch); a table or given frequencies stay as they are
+/// (they hold the axes' own), and a `scaling` family is refused.
+fn axial_frequencies<'a, 'py>(
+    sincos: SinCosArg<'a, 'py>,
+    axes: Option<&Axes>,
+) -> PyResult<SinCosArg<'a, 'py>> {
+    let Some(Axes::Axial { axes_dim }) = axes else {
+        return Ok(sincos);
+    };
+    match sincos {
+        SinCosArg::Theta(theta, angle) => {
+            let rotary_dim = axes_dim.iter().map(|&d| u64::from(d)).sum::<u64>();
+            let rotary_dim = u32::try_from(rotary_dim)
+                .map_err(|_| PyValueError::new_err("axes_dim: the widths sum past u32::MAX"))?;
+            let spec =
+                FrequencySpec::new(theta, rotary_dim)
+                    .angle(angle)
+                    .scaling(RopeScaling::Axial {
+                        axes_dim: axes_dim.clone(),
+                    });
+            // rope-host names the scaling family; here the widths are `axes_dim` itself.
+            let (f, a) = spec.build().map_err(|e| match e {
+                rope_host::Error::Invalid { problem, .. } => PyValueError::new_err(format!(
+                    "axes_dim: {}",
+                    problem.strip_prefix("axes_dim ").unwrap_or(&problem)
+                )),
+                other => Names::APPLY_ROPE.host_error(other),
+            })?;
+            Ok(SinCosArg::HostInvFreq(f, a, angle))
+        }
+        SinCosArg::Scaling { .. } => Err(PyValueError::new_err(
+            "scaling: not with axes_dim (the axes give the frequencies: theta^(-2i / axes_dim[a]))",
+        )),
+        other => Ok(other),
+    }
 }
 
 /// The cache-write arguments as given: all of `key_cache`, `value_cache` and `slot_mapping`
@@ -592,7 +640,7 @@ fn rotary_embedding(
         head_size,
         norm: None,
         positions,
-        mrope: None,
+        axes: None,
         cos_sin_cache,
         style,
         cache: Some(cache),
@@ -691,7 +739,7 @@ fn concat_and_cache_mla_rope_fused(
         head_size: rot_dim,
         norm: None,
         positions,
-        mrope: None,
+        axes: None,
         cos_sin_cache,
         style: pairing(is_neox),
         cache: Some(CacheArg {
@@ -811,7 +859,7 @@ fn apply_rope_with_cos_sin_cache_inplace<'py>(
         head_size,
         norm: None,
         positions,
-        mrope: None,
+        axes: None,
         cos_sin_cache,
         style: pairing(is_neox),
         cache: Some(CacheArg {
@@ -924,9 +972,10 @@ fn fused_qk_norm_rope(
         kv_cache_dtype,
         (k_scale, v_scale),
     )?;
-    let mrope = options::mrope(
+    let axes = options::axes(
         mrope_section.as_deref(),
         mrope_interleaved,
+        None,
         PositionsKind::Ids,
     )
     .map_err(arg_error)?;
@@ -954,7 +1003,7 @@ fn fused_qk_norm_rope(
         head_size: head_dim,
         norm: Some((q_weight, k_weight, eps)),
         positions: position_ids,
-        mrope,
+        axes,
         cos_sin_cache,
         style: pairing(is_neox),
         cache,

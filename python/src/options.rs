@@ -1,6 +1,6 @@
 //! Which of `apply_rope`'s mutually exclusive arguments a call gave, and what they select:
-//! where positions come from ([`positions`]), whether they are mRoPE's per-axis positions
-//! ([`mrope`]) and where sin/cos come from ([`sincos`]). Pure, so every combination is tested
+//! where positions come from ([`positions`]), whether they are per-axis positions
+//! ([`axes`]) and where sin/cos come from ([`sincos`]). Pure, so every combination is tested
 //! without Python; `native.rs` fills the inputs in.
 
 use crate::dlpack::ArgError;
@@ -96,54 +96,92 @@ pub fn positions(
     }
 }
 
-/// mRoPE's axes as `mrope_section=` and `mrope_interleaved=` give them: the pairs of each
-/// head split into temporal, height and width sections, in blocks in that order (Qwen2-VL,
-/// Qwen2.5-VL) or interleaved `T H W T H W ...` (Qwen3-VL), each pair rotated at its axis's
-/// row of `position_ids` (`[3, batch, seq]` or `[3, tokens]`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Mrope {
-    /// Pairs of each section; they sum to `rotary_dim / 2` (rope-host checks).
-    pub sections: [u32; 3],
-    /// Qwen3-VL's interleaved assignment.
-    pub interleaved: bool,
+/// Per-axis positions as `mrope_section=`/`mrope_interleaved=` or `axes_dim=` ask for them:
+/// `position_ids` holds a row of positions per axis (`[n_axes, batch, seq]` or `[n_axes,
+/// tokens]`) and each rotated pair rotates at its axis's row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Axes {
+    /// mRoPE: the pairs of each head split into temporal, height and width sections, in blocks
+    /// in that order (Qwen2-VL, Qwen2.5-VL) or interleaved `T H W T H W ...` (Qwen3-VL); the
+    /// sections sum to `rotary_dim / 2` (rope-host checks).
+    Mrope {
+        sections: [u32; 3],
+        interleaved: bool,
+    },
+    /// N-D axial RoPE (FLUX's `EmbedND`): axis `a` owns `axes_dim[a] / 2` consecutive pairs,
+    /// rotated with `theta^(-2i / axes_dim[a])` when sin/cos come from `theta`; the widths sum
+    /// to `rotary_dim` (rope-host checks).
+    Axial { axes_dim: Vec<u32> },
 }
 
-/// The mRoPE axes of a call (`None` without `mrope_section`), whose positions come from `kind`.
+impl Axes {
+    /// Rows of `position_ids`.
+    pub fn n_axes(&self) -> usize {
+        match self {
+            Self::Mrope { .. } => 3,
+            Self::Axial { axes_dim } => axes_dim.len(),
+        }
+    }
+}
+
+/// The per-axis positions of a call (`None` without `mrope_section` and `axes_dim`), whose
+/// positions come from `kind`.
 ///
 /// # Errors
-/// [`ArgError::Value`] naming `mrope_section` when it has other than three entries or the
+/// [`ArgError::Value`] naming `mrope_section` when it has other than three entries,
+/// `axes_dim` for other than one to four entries or with `mrope_section`, either when the
 /// positions are not `position_ids`, and `mrope_interleaved` when given without sections.
-pub fn mrope(
+pub fn axes(
     section: Option<&[u32]>,
     interleaved: bool,
+    axes_dim: Option<&[u32]>,
     kind: PositionsKind,
-) -> Result<Option<Mrope>, ArgError> {
-    let Some(section) = section else {
-        return if interleaved {
-            Err(ArgError::Value(
-                "mrope_interleaved: given without mrope_section".into(),
-            ))
-        } else {
-            Ok(None)
-        };
-    };
-    let sections: [u32; 3] = section.try_into().map_err(|_| {
-        ArgError::Value(format!(
-            "mrope_section must have three entries (temporal, height, width pairs), got {}",
-            section.len()
-        ))
-    })?;
-    if kind != PositionsKind::Ids {
-        return Err(ArgError::Value(
-            "mrope_section: mRoPE positions come from position_ids, [3, batch, seq] or [3, tokens] \
-             (one row per axis)"
-                .into(),
-        ));
+) -> Result<Option<Axes>, ArgError> {
+    let value = |m: &str| Err(ArgError::Value(m.into()));
+    if interleaved && section.is_none() {
+        return value("mrope_interleaved: given without mrope_section");
     }
-    Ok(Some(Mrope {
-        sections,
-        interleaved,
-    }))
+    let (axes, name) = match (section, axes_dim) {
+        (None, None) => return Ok(None),
+        (Some(_), Some(_)) => return value("axes_dim: give mrope_section or axes_dim, not both"),
+        (Some(section), None) => {
+            let sections: [u32; 3] = section.try_into().map_err(|_| {
+                ArgError::Value(format!(
+                    "mrope_section must have three entries (temporal, height, width pairs), got {}",
+                    section.len()
+                ))
+            })?;
+            (
+                Axes::Mrope {
+                    sections,
+                    interleaved,
+                },
+                "mrope_section",
+            )
+        }
+        (None, Some(dims)) => {
+            if !(1..=4).contains(&dims.len()) {
+                return Err(ArgError::Value(format!(
+                    "axes_dim must have 1 to 4 entries (one per axis), got {}",
+                    dims.len()
+                )));
+            }
+            (
+                Axes::Axial {
+                    axes_dim: dims.to_vec(),
+                },
+                "axes_dim",
+            )
+        }
+    };
+    if kind != PositionsKind::Ids {
+        return Err(ArgError::Value(format!(
+            "{name}: per-axis positions come from position_ids, [{n}, batch, seq] or [{n}, \
+             tokens] (one row per axis)",
+            n = axes.n_axes()
+        )));
+    }
+    Ok(Some(axes))
 }
 
 /// Which sin/cos arguments a call gave (`angle` only when it differs from the default).
@@ -262,28 +300,47 @@ mod tests {
         }
     }
 
-    /// Sections of three entries with position_ids select mRoPE, in blocks or interleaved;
-    /// other counts, other position sources and interleaving alone name their argument.
+    /// Sections of three entries or one to four axis widths with position_ids select
+    /// per-axis positions; other counts, both, other position sources and interleaving alone
+    /// name their argument.
     #[test]
-    fn mrope_takes_three_sections_with_position_ids() {
-        assert_eq!(mrope(None, false, PositionsKind::Ids), Ok(None));
+    fn per_axis_positions_take_position_ids() {
+        assert_eq!(axes(None, false, None, PositionsKind::Ids), Ok(None));
         assert_eq!(
-            mrope(Some(&[16, 24, 24]), true, PositionsKind::Ids),
-            Ok(Some(Mrope {
+            axes(Some(&[16, 24, 24]), true, None, PositionsKind::Ids),
+            Ok(Some(Axes::Mrope {
                 sections: [16, 24, 24],
                 interleaved: true
             }))
         );
+        let flux = axes(None, false, Some(&[16, 56, 56]), PositionsKind::Ids);
+        assert_eq!(
+            flux.clone().map(|a| a.map(|a| a.n_axes())),
+            Ok(Some(3)),
+            "{flux:?}"
+        );
         is_value(
-            mrope(Some(&[16, 24]), false, PositionsKind::Ids),
+            axes(Some(&[16, 24]), false, None, PositionsKind::Ids),
             "mrope_section must have three entries",
         );
         is_value(
-            mrope(Some(&[16, 24, 24]), false, PositionsKind::Offset(0)),
-            "mrope_section: mRoPE positions come from position_ids",
+            axes(None, false, Some(&[8, 8, 8, 8, 8]), PositionsKind::Ids),
+            "axes_dim must have 1 to 4 entries",
         );
         is_value(
-            mrope(None, true, PositionsKind::Ids),
+            axes(Some(&[16, 24, 24]), false, Some(&[128]), PositionsKind::Ids),
+            "axes_dim: give mrope_section or axes_dim, not both",
+        );
+        is_value(
+            axes(Some(&[16, 24, 24]), false, None, PositionsKind::Offset(0)),
+            "mrope_section: per-axis positions come from position_ids, [3, batch, seq]",
+        );
+        is_value(
+            axes(None, false, Some(&[32, 32]), PositionsKind::Offset(0)),
+            "axes_dim: per-axis positions come from position_ids, [2, batch, seq]",
+        );
+        is_value(
+            axes(None, true, None, PositionsKind::Ids),
             "mrope_interleaved: given without mrope_section",
         );
     }

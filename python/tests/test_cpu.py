@@ -515,7 +515,7 @@ class TestPositions:
         q, axes = q4(), FakeCuda((3, 2, 16), "int64")
         with pytest.raises(ValueError, match="mrope_section must have three entries"):
             rope_rs.apply_rope(q, position_ids=axes, mrope_section=[16, 16], inplace=True)
-        with pytest.raises(ValueError, match="mrope_section: mRoPE positions come from position_ids"):
+        with pytest.raises(ValueError, match="mrope_section: per-axis positions come from position_ids"):
             rope_rs.apply_rope(q, positions=3, mrope_section=[8, 12, 12], inplace=True)
         with pytest.raises(ValueError, match="mrope_interleaved: given without mrope_section"):
             rope_rs.apply_rope(q, position_ids=ints(16), mrope_interleaved=True, inplace=True)
@@ -528,6 +528,22 @@ class TestPositions:
             rope_rs.apply_rope(q, position_ids=axes, mrope_section=[8, 8, 8], inplace=True)
         with pytest.raises(ValueError, match=r"mrope_section: \[8, 8, 8\] sums to 24"):
             rope_rs.apply_rope(q, position_ids=axes, mrope_section=[8, 8, 8], mrope_interleaved=True, inplace=True)
+
+    def test_axial_arguments_are_checked(self):
+        q, axes = q4(), FakeCuda((3, 2, 16), "int64")
+        with pytest.raises(ValueError, match="axes_dim: give mrope_section or axes_dim, not both"):
+            rope_rs.apply_rope(q, position_ids=axes, mrope_section=[8, 12, 12], axes_dim=[16, 24, 24], inplace=True)
+        with pytest.raises(ValueError, match="axes_dim must have 1 to 4 entries"):
+            rope_rs.apply_rope(q, position_ids=axes, axes_dim=[8] * 8, inplace=True)
+        with pytest.raises(ValueError, match=r"axes_dim: per-axis positions come from position_ids, \[2, batch, seq\]"):
+            rope_rs.apply_rope(q, positions=4, axes_dim=[32, 32], inplace=True)
+        with pytest.raises(ValueError, match=r"position_ids must be \[2, batch, seq\] or \[2, tokens\]"):
+            rope_rs.apply_rope(q, position_ids=axes, axes_dim=[32, 32], inplace=True)
+        with pytest.raises(ValueError, match="scaling: not with axes_dim"):
+            rope_rs.apply_rope(q, position_ids=axes, axes_dim=[16, 24, 24], scaling={"rope_type": "linear", "factor": 2.0}, inplace=True)
+        # Widths that are not even name axes_dim.
+        with pytest.raises(ValueError, match="^axes_dim: every axis needs an even, nonzero width"):
+            rope_rs.apply_rope(q, position_ids=axes, axes_dim=[15, 25, 24], inplace=True)
 
     def test_wrong_types(self):
         q = q4()

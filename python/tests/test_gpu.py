@@ -308,6 +308,23 @@ class TestMrope:
         out.backward(grad)
         check(q.grad, reference(grad[None], cos[None], sin[None], "neox", backward=True)[0])
 
+    @pytest.mark.parametrize("style", ["interleaved", "neox"])
+    def test_axial_matches_reference(self, style):
+        """FLUX's ``EmbedND`` (``axes_dim`` [16, 56, 56], theta 10000, float64 frequencies):
+        axis ``a`` owns ``axes_dim[a] / 2`` consecutive pairs at ``theta ** (-2i / axes_dim[a])``,
+        rotated at that axis's row of ``position_ids`` [3, batch, seq]."""
+        b, s, h, d, theta, axes_dim = 2, 30, 3, 128, 10000.0, [16, 56, 56]
+        pos = torch.randint(0, 64, (3, b, s), device=DEV)
+        q, k = randn(b, s, h, d, dtype=torch.bfloat16), randn(b, s, h, d, dtype=torch.bfloat16)
+        q_out, k_out = rope_rs.apply_rope(q, k, position_ids=pos, axes_dim=axes_dim, theta=theta, style=style)
+        angles = []
+        for a, width in enumerate(axes_dim):
+            freqs = theta ** (-torch.arange(0, width, 2, dtype=torch.float64, device=DEV) / width)
+            angles.append(pos[a].to(torch.float64)[..., None] * freqs)
+        angle = torch.cat(angles, -1)
+        check(q_out, reference(q, angle.cos(), angle.sin(), style))
+        check(k_out, reference(k, angle.cos(), angle.sin(), style))
+
     def test_compiled_matches_eager(self):
         b, s, h, d, sections = 1, 24, 2, 128, [16, 24, 24]
         pos = torch.randint(0, 4096, (3, b, s), device=DEV)
