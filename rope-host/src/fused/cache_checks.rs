@@ -163,7 +163,7 @@ pub(super) fn check_cache(
     block_size(l)?;
     cache_slots(l)?;
     let layout = cache_as_layout(l)?;
-    let ces = if c.fp8.is_some() { 1 } else { es };
+    let ces = c.element_size(es);
     let width = head_width(cfg, nope);
     let k_region = wide_region(("cache.k", Of::Cache), c.k, &layout, width, (ces, true))?;
     match nope.latent() {

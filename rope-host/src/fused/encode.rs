@@ -92,7 +92,7 @@ pub(super) fn cached_nope_args(req: &FusedRequest, es: usize) -> Option<CachedNo
         NonRotaryCache::AfterRotated => {
             let v = if req.v.is_some() { NopeCached::V } else { 0 };
             // The part's first element, `head_dim` elements of the cache's format into k's head.
-            let ces = if cache.fp8.is_some() { 1 } else { es as u64 };
+            let ces = cache.element_size(es) as u64;
             let head_dim = u64::from(req.rope.config.head_dim()) * ces;
             (cache.k.ptr + head_dim, cache.layout, NopeCached::K | v)
         }

@@ -112,7 +112,7 @@ fn check_cached(req: &FusedRequest, c: CachedNope, k: &Layout, es: usize) -> Res
                 ),
             ));
         }
-        let ces = if cache.fp8.is_some() { 1 } else { es };
+        let ces = cache.element_size(es);
         let aligned = cache.v.ptr.is_multiple_of((lanes * ces) as u64)
             && l.strides.iter().all(|s| s.is_multiple_of(lanes));
         if !aligned {

@@ -558,7 +558,7 @@ fn aligned(req: &FusedRequest, k: &TensorReq, lanes: usize) -> bool {
     // A latent cache (v's buffer) is written by the non-rotary blocks alone, whose checks
     // (`check_nope`) take its alignment.
     let cache = req.cache.as_ref().and_then(|c| {
-        let ces = if c.fp8.is_some() { 1 } else { es };
+        let ces = c.element_size(es);
         let l = cache_as_layout(&c.layout).ok()?;
         let v = req.nope.latent().is_none().then_some((c.v.ptr, l, ces));
         Some([Some((c.k.ptr, l, ces)), v])

@@ -105,6 +105,13 @@ pub(crate) struct RawCache {
     pub(crate) fp8: Option<CacheFp8>,
 }
 
+impl RawCache {
+    /// Bytes of one cache element: one for FP8 caches, else the tensors' `es`.
+    pub(crate) fn element_size(&self, es: usize) -> usize {
+        if self.fp8.is_some() { 1 } else { es }
+    }
+}
+
 /// Everything validation of a fused launch needs, in plain values.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct FusedRequest {
