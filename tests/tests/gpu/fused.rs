@@ -282,23 +282,13 @@ fn fused_fp8_scales_of_each_granularity_match_reference_f32() {
 /// every byte outside the table's slots, and between the non-rotary heads) keep their poison;
 /// through both entries and every kernel choice, every fifth case prefill-sized.
 fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
-    let Some((stream, _)) = gpu_or_skip(name) else {
-        return;
-    };
-    let handles = pinned_handles(&stream);
-    let mut worst = Worst::default();
-    let cases = cases.min(case_cap());
-    for j in 0..cases {
-        let size = if j % 5 == 4 { Size::Large } else { Size::Small };
-        let seed = 0xf1_0000 + j * 131 + size_of::<T>() as u64;
-        let mut c = Case::random_sized(seed, size_of::<T>(), size);
-        let mut rng = StdRng::seed_from_u64(seed ^ 0xbeef);
+    let change = |j: u64, c: &mut Case, rng: &mut StdRng| {
         if !c.takes_flashinfer_forms() {
             // Whole heads the token-heads kernels take (the norm sums 32 accesses of them at
             // most).
             (c.d, c.rotary) = (128, 128);
         }
-        c.fp8 = if j % 2 == 0 {
+        c.fp8 = if j.is_multiple_of(2) {
             Fp8Format::E5m2
         } else {
             Fp8Format::E4m3
@@ -319,9 +309,9 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
             let mut cache = c
                 .cache
                 .take()
-                .unwrap_or_else(|| CacheCase::random(&mut rng, c.tokens()));
+                .unwrap_or_else(|| CacheCase::random(rng, c.tokens()));
             let (table, slots) =
-                PageTableCase::random(&mut rng, c.tokens(), (cache.num_blocks, cache.block_size));
+                PageTableCase::random(rng, c.tokens(), (cache.num_blocks, cache.block_size));
             (cache.page_table, cache.slots, cache.fp8) = (Some(table), slots, true);
             c.cache = Some(cache);
             if matches!(c.k, KMode::Fp8 { .. }) {
@@ -342,19 +332,16 @@ fn run_flashinfer_forms<T: TestElem>(name: &str, cases: u64) {
                 cache.fp8 = j % 3 != 1;
             }
         }
-        let entry = if j % 2 == 0 { Entry::Views } else { Entry::Raw };
-        let (kernels, rope) = &handles[pinned_for(j)];
-        match check_case_on::<T>(&c, &stream, rope, entry) {
-            Ok(w) => worst.merge(w),
-            Err(e) => panic!("{name}: case {j}, fused kernels {kernels:?}: {e}"),
-        }
-    }
-    report(&format!(
-        "{name}: {cases} cases (page tables, E4M3 and E5M2, multipliers, FP8 k, non-rotary \
-         parts beside the outputs and into the caches), {} values checked, largest error {:.3} \
-         of its bound",
-        worst.checked, worst.ratio
-    ));
+    };
+    let draws = Draws {
+        base: 0xf1_0000,
+        stride: 131,
+        xor: 0xbeef,
+        change,
+    };
+    let what = "page tables, E4M3 and E5M2, multipliers, FP8 k, non-rotary parts beside the \
+                outputs and into the caches";
+    run_drawn::<T, _>(name, cases, what, draws);
 }
 
 #[test]
@@ -409,7 +396,7 @@ fn run_q_apart<T: TestElem>(name: &str, cases: u64) {
         } else {
             QMode::Out
         };
-        c.fp8 = if j % 2 == 0 {
+        c.fp8 = if j.is_multiple_of(2) {
             Fp8Format::E5m2
         } else {
             Fp8Format::E4m3
