@@ -831,7 +831,7 @@ class TestServing:
         cos, sin = TestMrope.pair_cos_sin(pos, sections, interleaved, 10000.0, c.d, c.cache)
         rot = lambda x: reference(x[None], cos[None], sin[None], "neox")[0]  # noqa: E731
         want_q, want_k = rot(want_q), rot(want_k)
-        v0 = v.clone()
+        v0 = c.split()[2].clone()
         key_cache, value_cache = c.paged(), c.paged()
         cached = dict(key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots) if with_cache else {}
         rope_rs.fused_qk_norm_rope(
