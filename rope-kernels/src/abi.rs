@@ -787,8 +787,8 @@ for_each_kernel!(kernel_table);
 /// element type (its `dtype` argument, [`crate::table_kernel_params!`]).
 pub const TABLE_KERNEL: &str = "rope_table";
 
-/// Every exported symbol of the PTX module: the RoPE kernels, the table builder, then the
-/// fused kernels.
+/// Every exported symbol of the PTX module: the RoPE kernels, the table builder, the fused
+/// kernels, then the QK-norm + RoPE backward's.
 pub fn all_symbols() -> impl Iterator<Item = &'static str> {
     KernelName::ALL
         .into_iter()
@@ -799,6 +799,12 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
                 .into_iter()
                 .map(FusedKernelName::symbol),
         )
+        .chain(
+            NormGradKernelName::ALL
+                .into_iter()
+                .map(NormGradKernelName::symbol),
+        )
+        .chain(NormGradKernelName::WEIGHTS)
 }
 
 /// The normalisation a fused kernel applies to each q and k head before rotating it, passed as
@@ -1404,6 +1410,166 @@ macro_rules! fused_forms_kernel_params {
             nope_cache_stride_block: u64,
             nope_cache_stride_slot: u64,
             nope_cache_stride_head: u64,
+        }
+    };
+}
+
+/// One entry point of the QK-norm + RoPE backward (`rope-kernels/src/fused/grad.rs`):
+/// `rope_norm_grad_{style}_{source}_{dtype}`, with the parameter list of
+/// [`crate::norm_grad_kernel_params!`]; every combination exists. Its launch is followed by the
+/// weights entry point of its element type ([`NormGradKernelName::weights_symbol`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NormGradKernelName {
+    /// Pairing.
+    pub style: RopeStyle,
+    /// Sin/cos source.
+    pub source: SinCosSource,
+    /// Element type of the tensors and the weights.
+    pub dtype: DType,
+}
+
+/// Threads per block of the backward's weights kernels: 32 warps that each sum every 32nd
+/// `partials` row of 32 features.
+pub const NORM_GRAD_WEIGHTS_THREADS: u32 = 1024;
+
+/// Features of one weights block (one per lane of a warp).
+pub const NORM_GRAD_WEIGHTS_FEATURES: u32 = 32;
+
+/// Threads one block of a gradient entry point may hold (its `.maxntid`).
+pub const NORM_GRAD_MAX_THREADS: u32 = 256;
+
+/// Blocks of [`NORM_GRAD_MAX_THREADS`] threads one multiprocessor must hold (the gradient
+/// entry points' `.minnctapersm`): 768 threads of at most 80 registers, which the
+/// 16-byte-access bodies fit without spilling on sm_90.
+pub const NORM_GRAD_MIN_BLOCKS_PER_SM: u32 = 3;
+
+/// `f32` values of the block's shared buffer the gradient kernel's final sums may take:
+/// `head_dim * warps <= NORM_GRAD_SHARED_F32` (the kernels' 4 KiB buffer).
+pub const NORM_GRAD_SHARED_F32: u32 = 1024;
+
+/// Calls `$m!` with every gradient entry point of the QK-norm + RoPE backward as `symbol:
+/// Style, Source, DType, storage type;`, then `@weights` and every weights entry point as
+/// `symbol: DType, storage type;`: the one list from which the kernel crate defines them and
+/// [`NormGradKernelName`] its table.
+macro_rules! for_each_norm_grad_kernel {
+    ($m:ident) => {
+        $m! {
+            rope_norm_grad_interleaved_table_f32: Interleaved, Table, F32, f32;
+            rope_norm_grad_interleaved_theta_f32: Interleaved, Theta, F32, f32;
+            rope_norm_grad_neox_table_f32: Neox, Table, F32, f32;
+            rope_norm_grad_neox_theta_f32: Neox, Theta, F32, f32;
+            rope_norm_grad_interleaved_table_f16: Interleaved, Table, F16, Half;
+            rope_norm_grad_interleaved_theta_f16: Interleaved, Theta, F16, Half;
+            rope_norm_grad_neox_table_f16: Neox, Table, F16, Half;
+            rope_norm_grad_neox_theta_f16: Neox, Theta, F16, Half;
+            rope_norm_grad_interleaved_table_bf16: Interleaved, Table, BF16, Bf16;
+            rope_norm_grad_interleaved_theta_bf16: Interleaved, Theta, BF16, Bf16;
+            rope_norm_grad_neox_table_bf16: Neox, Table, BF16, Bf16;
+            rope_norm_grad_neox_theta_bf16: Neox, Theta, BF16, Bf16;
+            @weights
+            rope_norm_grad_weights_f32: F32, f32;
+            rope_norm_grad_weights_f16: F16, Half;
+            rope_norm_grad_weights_bf16: BF16, Bf16;
+        }
+    };
+}
+#[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
+pub(crate) use for_each_norm_grad_kernel;
+
+/// Defines [`NormGradKernelName::ALL`], [`NormGradKernelName::symbol`] and
+/// [`NormGradKernelName::weights_symbol`] from the kernel list.
+macro_rules! norm_grad_kernel_table {
+    (
+        $($sym:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*
+        @weights $($weights:ident: $wdt:ident, $wt:ty;)*
+    ) => {
+        impl NormGradKernelName {
+            /// Every gradient entry point.
+            pub const ALL: [NormGradKernelName; [$(stringify!($sym)),*].len()] = [$(
+                NormGradKernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    dtype: DType::$dt,
+                },
+            )*];
+
+            /// Every weights entry point, one per element type.
+            pub const WEIGHTS: [&'static str; [$(stringify!($weights)),*].len()] =
+                [$(stringify!($weights)),*];
+
+            /// The exported PTX symbol.
+            #[inline]
+            pub const fn symbol(self) -> &'static str {
+                match (self.style, self.source, self.dtype) {
+                    $((RopeStyle::$style, SinCosSource::$src, DType::$dt) => stringify!($sym),)*
+                }
+            }
+
+            /// The exported symbol of the weights entry point of this kernel's element type.
+            #[inline]
+            pub const fn weights_symbol(self) -> &'static str {
+                match self.dtype {
+                    $(DType::$wdt => stringify!($weights),)*
+                }
+            }
+        }
+    };
+}
+for_each_norm_grad_kernel!(norm_grad_kernel_table);
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of every gradient entry point of the
+/// QK-norm + RoPE backward (`rope-kernels/src/fused/grad.rs`): those of
+/// [`crate::rope_kernel_params!`], then its own.
+///
+/// The RoPE parameters describe the output gradients `gy` (`x0`, `x1`: q's and k's, `heads1 =
+/// 0` without k) and the input gradients written (`out0`, `out1`, equal to `x0`, `x1` in place),
+/// with the whole head rotated (`rotary_dim = head_dim`, `rotary_offset = 0`), `rot_groups =
+/// half / pairs` threads holding a head's pairs in a segment of `groups` lanes (the power of
+/// two at or above it, at most 32), `heads_per_chunk` the heads of one block row. Then: `q_in`, `k_in`, the forward step's inputs (before the norm), with their
+/// element strides; `norm` (a [`NormCode`], not `None`), `q_norm_weight`, `k_norm_weight`
+/// (`head_dim` elements each) and `norm_eps`, the forward step's; `q_chunks`, the grid rows of q's
+/// heads (the rest are k's); `partials`, `f32` rows of `head_dim`, one per block (see the
+/// module); `sin_sign`, that of the rotation `R^T` the gradient applies: `-1.0` for a forward
+/// step rotated forward.
+#[macro_export]
+macro_rules! norm_grad_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $crate::rope_kernel_params! {
+            $m { $($pass)* }
+            q_in: elem_ptr,
+            q_in_stride_batch: u64,
+            q_in_stride_seq: u64,
+            q_in_stride_head: u64,
+            k_in: elem_ptr,
+            k_in_stride_batch: u64,
+            k_in_stride_seq: u64,
+            k_in_stride_head: u64,
+            norm: u32,
+            q_norm_weight: elem_ptr,
+            k_norm_weight: elem_ptr,
+            norm_eps: f32,
+            q_chunks: u32,
+            partials: byte_ptr_mut,
+            sin_sign: f32,
+        }
+    };
+}
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of the backward's weights entry
+/// points: `partials` (`(q_rows + k_rows) * head_dim` `f32`: q's rows, then k's), `q_rows`,
+/// `k_rows`, `head_dim`, and the gradients written, `q_grad` and `k_grad` (`head_dim` elements
+/// of the kernel's type; null: not written).
+#[macro_export]
+macro_rules! norm_grad_weights_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $m! {
+            { $($pass)* }
+            partials: byte_ptr,
+            q_rows: u32,
+            k_rows: u32,
+            head_dim: u32,
+            q_grad: elem_ptr_mut,
+            k_grad: elem_ptr_mut,
         }
     };
 }

@@ -89,6 +89,7 @@ use crate::rope::{
     position_read, preload_frequencies, rotate_values_with, vector_offsets, widen,
 };
 
+mod grad;
 #[cfg(target_feature = "sm_90")]
 mod rows;
 

@@ -1,0 +1,465 @@
+//! The gradient of the fused normalisation and rotation (QK-norm + RoPE backward): for the
+//! training steps of Qwen3, OLMo 2 and Gemma 3, whose q and k heads are RMS-normalised per head
+//! and then rotated.
+//!
+//! # Formula
+//! The forward step of each q and k head `x` of `d = head_dim` features (the whole head
+//! rotated) is `r = 1 / sqrt(sum_e x_e^2 / d + eps)`, `n = x r`, `z = n * w'` (`w' = w`, or
+//! `1 + w` for [`NormCode::RmsOnePlus`]), `y = R z` (the rotation of [`crate::rope`] at the
+//! token's position). Given the gradient `gy` of `y`, each head's gradient of `x` is
+//! - `gz = R^T gy` (the rotation with `sin` times `sin_sign`, `-1` for a forward `R`),
+//! - `gx_e = r (gz_e w'_e - n_e c)` with `c = r (sum_e gz_e w'_e x_e) / d`,
+//!
+//! and the weights' gradient `gw_e = sum over tokens and heads of gz_e n_e` (q's heads for q's
+//! weights, k's for k's). Everything is computed in `f32`, `r` as the forward kernels find it
+//! (`super::norm_factor`), and each output is rounded once.
+//!
+//! # Layout
+//! `gy` is read from `x0`/`x1` and `gx` written to `out0`/`out1` (equal: in place) at the RoPE
+//! parameters' strides; the forward inputs `x` of q and k at their own strides (`q_in`, `k_in`).
+//! `partials` receives `f32` rows of `d` features, one per block: block `(bx, by)` writes row
+//! `by * gridDim.x + bx`, the sum over its heads and tokens of `gz_e n_e`; block rows `by <
+//! q_chunks` hold q's heads, the others k's. The weights kernel ([`weights_body`]) sums them.
+//!
+//! # Thread mapping
+//! Block row `by` takes `heads_per_chunk` heads of one tensor; thread `i` of a block takes head
+//! `i / groups` of them and the pairs `(i % groups) * pairs ..` of that head (as a fused work
+//! item: `groups = half / pairs`, a power of two of at most 32, so a head's threads are
+//! consecutive lanes of one warp and its two sums take butterfly shuffles). The block walks the
+//! tokens `bx, bx + gridDim.x, ..`, every thread the same count, so the shuffles and the final
+//! barrier always meet whole warps; threads past the block row's heads compute zeros. At the end
+//! the lanes of a warp holding the same features add their weight sums with shuffles, and one
+//! warp at a time's sums go through the block's shared buffer into its `partials` row, in a
+//! fixed order: the same launch gives the same gradients every time.
+
+use super::{mul_add, norm_factor, rotate_fma, segment_sums};
+use crate::abi::NormCode;
+use crate::elem::{Bf16, Elem, Half, unrolled};
+use crate::intrinsics::{
+    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, shared_load_f32s, shared_store_f32,
+    shuffle_xor, sync_threads_count, thread_idx_x, trap,
+};
+use crate::rope::{
+    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, cos_sin, load_head, position,
+    rotate_values_with, vector_offsets, widen,
+};
+
+/// The gradient kernel's arguments: the RoPE arguments (`gy` in, `gx` out, positions, sin/cos)
+/// and the rest.
+struct Grad<T> {
+    rope: Args<T>,
+    /// The forward inputs of q and k and their `[batch, seq, head]` strides.
+    q_in: (*const T, [u64; 3]),
+    k_in: (*const T, [u64; 3]),
+    norm: u32,
+    q_norm_weight: *const T,
+    k_norm_weight: *const T,
+    norm_eps: f32,
+    q_chunks: u32,
+    partials: *mut f32,
+}
+
+/// One head's loaded elements in `f32`, as [`load_head`] lays them out, or zeros for a thread
+/// past its block row's heads.
+///
+/// # Safety
+/// With `active`, as [`load_head`].
+#[inline(always)]
+unsafe fn load_f32<T: Elem, P: Pairing, const L: usize>(
+    active: bool,
+    head: *const T,
+    j0: usize,
+    half: usize,
+) -> [[f32; L]; 2] {
+    if active {
+        // SAFETY: the caller's promise.
+        widen(unsafe { load_head::<T, P, L>(head, j0, half) })
+    } else {
+        [[0.0; L]; 2]
+    }
+}
+
+/// The element offset of head `h` of token `(b, s)` at `strides`.
+#[inline(always)]
+fn offset(strides: [u64; 3], (b, s): (u64, u64), h: u32) -> usize {
+    (b * strides[0] + s * strides[1] + h as u64 * strides[2]) as usize
+}
+
+/// The gradient body for accesses of `L` elements.
+///
+/// # Safety
+/// The promises of the entry points.
+#[inline(always)]
+unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
+    let a = &g.rope;
+    let pairs = if P::NEOX { L } else { L / 2 };
+    // Each head's threads: a segment of `groups` lanes (a power of two), of which the first
+    // `rot_groups` hold pairs and the rest only join the sums.
+    let groups = a.groups.divisor.get();
+    if groups > 32 || !groups.is_power_of_two() {
+        trap()
+    }
+    let shift = groups.trailing_zeros();
+    let tid = thread_idx_x();
+    let (slot, group) = (tid >> shift, tid & (groups - 1));
+    let row = block_idx_y();
+    let is_q = row < g.q_chunks;
+    let (tensor, (input, in_strides), weight, chunk) = if is_q {
+        (a.q, g.q_in, g.q_norm_weight, row)
+    } else {
+        (a.k, g.k_in, g.k_norm_weight, row - g.q_chunks)
+    };
+    let head = chunk * a.heads_per_chunk + slot;
+    let active = slot < a.heads_per_chunk && head < tensor.heads && group < a.rot_groups;
+    let (j0, half) = (group as usize * pairs, a.half as usize);
+    let one_plus = g.norm == NormCode::RmsOnePlus as u32;
+    let inv_dim = 1.0 / a.rotary_dim as f32;
+    let mut acc = [[0.0f32; L]; 2];
+    // A token's forward input and output gradient as loaded (zeros past the tokens, and for
+    // threads that hold no pairs).
+    let load = |t: u64| -> [[[T; L]; 2]; 2] {
+        if !active || t >= a.tokens {
+            return [[[T::ZERO; L]; 2]; 2];
+        }
+        let (b, s) = a.seq.div_rem(t);
+        let at = |strides, h| offset(strides, (b, s), h);
+        // SAFETY: (b, s) is a token and `head` a head of the tensor; the entry points'
+        // promises for the tensors' addresses.
+        unsafe {
+            [
+                load_head::<T, P, L>(input.add(at(in_strides, head)), j0, half),
+                load_head::<T, P, L>(tensor.x.add(at(tensor.x_strides, head)), j0, half),
+            ]
+        }
+    };
+    let step = grid_dim_x() as u64;
+    let mut t = block_idx_x() as u64;
+    let mut loaded = load(t);
+    while t < a.tokens {
+        // The next token's loads are issued before this token's arithmetic: one token's
+        // loads at a time left the launch waiting on each token's latency in turn. (Its
+        // position too took more registers than it saved time.)
+        let next = load(t + step);
+        let (b, s) = a.seq.div_rem(t);
+        let (cos, sin) = if active {
+            // SAFETY: the entry points' promises for the positions and the tables.
+            unsafe {
+                let pos = position(a, b, s, group);
+                cos_sin::<T, S, L>(a, pos, j0, pairs)
+            }
+        } else {
+            ([0.0; L], [0.0; L])
+        };
+        let (x, gy) = (widen(loaded[0]), widen(loaded[1]));
+        // The weights are read again at every token (from L1): held through the loop, their
+        // registers made ptxas spill.
+        // SAFETY: the weights hold `head_dim` elements; j0 is this thread's first pair.
+        let mut w = unsafe { load_f32::<T, P, L>(active, weight, j0, half) };
+        if one_plus {
+            unrolled(L, |k| {
+                w[0][k] += 1.0;
+                w[1][k] += 1.0;
+            });
+        }
+        // `sin` carries `sin_sign`: the transposed rotation of a forward step.
+        let gz = rotate_values_with::<P, L>(|i, k| gy[i][k], &cos, &sin, rotate_fma);
+        let mut gzw = [[0.0f32; L]; 2];
+        let (mut squares, mut dot) = (0.0f32, 0.0f32);
+        unrolled(L, |k| {
+            for i in 0..2 {
+                gzw[i][k] = gz[i][k] * w[i][k];
+                squares = mul_add(x[i][k], x[i][k], squares);
+                dot = mul_add(gzw[i][k], x[i][k], dot);
+            }
+        });
+        let [squares, dot] = segment_sums([squares, dot], groups);
+        let r = norm_factor(squares, inv_dim, g.norm_eps);
+        let c = r * dot * inv_dim;
+        let mut gx = [[0.0f32; L]; 2];
+        unrolled(L, |k| {
+            for i in 0..2 {
+                let n = x[i][k] * r;
+                gx[i][k] = r * mul_add(-n, c, gzw[i][k]);
+                acc[i][k] = mul_add(gz[i][k], n, acc[i][k]);
+            }
+        });
+        if active {
+            let (first, second) = vector_offsets::<P>(j0, half);
+            // SAFETY: the elements `load_head` read, in the output head (in place: the same
+            // elements this thread read).
+            unsafe {
+                let out = tensor.out.add(offset(tensor.out_strides, (b, s), head));
+                T::store_rounded(out.add(first), gx[0]);
+                if P::NEOX {
+                    T::store_rounded(out.add(second), gx[1]);
+                }
+            }
+        }
+        loaded = next;
+        t += step;
+    }
+    // SAFETY: the entry points' promises for `partials` and the block's shape.
+    unsafe { store_partials::<P, L>(g, acc, (groups, j0)) };
+}
+
+/// Adds each thread's weight sums over the lanes of its warp holding the same features
+/// (butterfly shuffles across the heads of the warp), then, one warp at a time in warp order,
+/// through the shared buffer, and writes the block's `partials` row.
+///
+/// # Safety
+/// `partials` holds the grid's rows of `head_dim` `f32`; the block holds whole warps, and
+/// `head_dim * blockDim.x / 32 <= SHARED_F32`.
+#[inline(always)]
+unsafe fn store_partials<P: Pairing, const L: usize>(
+    g: &Grad<impl Sized>,
+    mut acc: [[f32; L]; 2],
+    (groups, j0): (u32, usize),
+) {
+    let a = &g.rope;
+    let mut step = groups;
+    while step < 32 {
+        unrolled(L, |k| {
+            acc[0][k] += shuffle_xor(acc[0][k], step, u32::MAX);
+            acc[1][k] += shuffle_xor(acc[1][k], step, u32::MAX);
+        });
+        step <<= 1;
+    }
+    let d = a.rotary_dim;
+    let (threads, tid) = (block_dim_x(), thread_idx_x());
+    let warp = tid / 32;
+    // The first `rot_groups` lanes of each warp hold its sums: warp `w`'s go to shared row `w`.
+    if tid % 32 < a.rot_groups {
+        let (first, second) = vector_offsets::<P>(j0, a.half as usize);
+        let base = warp * d;
+        unrolled(L, |k| {
+            // SAFETY: base + feature < (threads / 32) * d <= SHARED_F32.
+            unsafe {
+                shared_store_f32(base + (first + k) as u32, acc[0][k]);
+                if P::NEOX {
+                    shared_store_f32(base + (second + k) as u32, acc[1][k]);
+                }
+            }
+        });
+    }
+    sync_threads_count(threads);
+    let row =
+        (block_idx_y() as usize * grid_dim_x() as usize + block_idx_x() as usize) * d as usize;
+    let mut e = tid;
+    while e < d {
+        let mut sum = 0.0f32;
+        let mut w = 0;
+        while w < threads / 32 {
+            // SAFETY: w * d + e < (threads / 32) * d <= SHARED_F32.
+            sum += unsafe { shared_load_f32s::<1>(w * d + e) }[0];
+            w += 1;
+        }
+        // SAFETY: the block's row of `d` values (the caller's promise).
+        unsafe { *g.partials.add(row + e as usize) = sum };
+        e += threads;
+    }
+}
+
+/// Selects the body for the launch's access width.
+///
+/// # Safety
+/// The promises of the entry points.
+#[inline(always)]
+unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(g: &Grad<T>) {
+    // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
+    unsafe {
+        match (T::SIZE, g.rope.lanes, P::NEOX) {
+            (2, 8, false) => body::<T, P, S, 8>(g),
+            (2, 4, true) | (4, 4, _) => body::<T, P, S, 4>(g),
+            (_, 2, _) => body::<T, P, S, 2>(g),
+            _ => trap(),
+        }
+    }
+}
+
+/// The parameters of the gradient entry points, one field per entry of
+/// [`crate::norm_grad_kernel_params!`].
+macro_rules! grad_params_struct {
+    ({} $($param:ident: $kind:ident,)*) => {
+        /// The parameters of every gradient entry point.
+        struct GradParams<T> {
+            $($param: crate::device_param_type!($kind, T),)*
+        }
+    };
+}
+crate::norm_grad_kernel_params!(grad_params_struct {});
+
+/// The RoPE parameters among a gradient entry point's parameters `$p` (`read_ahead` is the
+/// one-head RoPE kernels' alone).
+macro_rules! rope_params_of {
+    ({ $p:ident } $($param:ident: $kind:ident,)*) => {
+        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign, read_ahead: 0 }
+    };
+}
+
+impl<T> Grad<T> {
+    /// Gathers the entry point's parameters for the generic body.
+    #[inline(always)]
+    fn new(p: GradParams<T>) -> Self {
+        Grad {
+            rope: Args::new(crate::rope_kernel_params!(rope_params_of { p })),
+            q_in: (
+                p.q_in,
+                [p.q_in_stride_batch, p.q_in_stride_seq, p.q_in_stride_head],
+            ),
+            k_in: (
+                p.k_in,
+                [p.k_in_stride_batch, p.k_in_stride_seq, p.k_in_stride_head],
+            ),
+            norm: p.norm,
+            q_norm_weight: p.q_norm_weight,
+            k_norm_weight: p.k_norm_weight,
+            norm_eps: p.norm_eps,
+            q_chunks: p.q_chunks,
+            partials: p.partials.cast(),
+        }
+    }
+}
+
+/// Defines one exported gradient entry point per (pairing, source, dtype), then one weights
+/// entry point per dtype.
+macro_rules! grad_kernel {
+    (
+        $($name:ident: $pairing:ident, $source:ident, $dt:ident, $t:ty;)*
+        @weights $($weights:ident: $wdt:ident, $wt:ty;)*
+    ) => {
+        $(crate::norm_grad_kernel_params!(grad_entry { $name: $pairing, $source, $t });)*
+        $(crate::norm_grad_weights_kernel_params!(weights_entry { $weights: $wt });)*
+    };
+}
+
+/// One gradient entry point with the parameter list of [`crate::norm_grad_kernel_params!`].
+macro_rules! grad_entry {
+    (
+        { $name:ident: $pairing:ident, $source:ident, $t:ty }
+        $($param:ident: $kind:ident,)*
+    ) => {
+        /// One gradient entry point of the QK-norm + RoPE backward; its name says the pairing,
+        /// the sin/cos source and the element type. See the module documentation, and
+        /// `norm_grad_kernel_params!` in `abi.rs` for the parameters.
+        ///
+        /// # Safety
+        /// The promises of the RoPE entry points (`crate::rope`) for `gy` (`x0`, `x1`) and `gx`
+        /// (`out0`, `out1`), with the whole head rotated (`rotary_dim = head_dim`,
+        /// `rotary_offset = 0`, `rot_groups = half / pairs` and `groups` the power of two at or
+        /// above it, at most 32), and:
+        /// `q_in` and `k_in` address q's and k's heads at their strides, aligned to `lanes`
+        /// elements and overlapping no output; the norm weights hold `head_dim` elements
+        /// each; the block holds whole warps, `heads_per_chunk * groups` threads, with
+        /// `head_dim * blockDim.x / 32` at most `SHARED_F32`; the grid's rows `gridDim.y`
+        /// are q's `q_chunks` chunks of `heads_per_chunk` heads then k's; `partials` holds
+        /// `gridDim.x * gridDim.y * head_dim` `f32` overlapping nothing else.
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            $($param: crate::device_param_type!($kind, $t),)*
+        ) {
+            let args = Grad::new(GradParams::<$t> { $($param,)* });
+            // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
+            unsafe { dispatch::<$t, $pairing, $source<$t>>(&args) }
+        }
+    };
+}
+
+/// The weights kernel's body: `q_grad[e]` (`k_grad[e]`) is the sum of column `e` of q's (k's)
+/// `partials` rows, in row order within each of the block's warps, then the warps in order, rounded once to `T`.
+///
+/// Block `(bx, by)` of [`crate::abi::NORM_GRAD_WEIGHTS_THREADS`] threads takes features `bx *
+/// 32 ..` of q's weights (`by = 0`) or k's (`by = 1`); thread `i` sums rows `i / 32, i / 32 +
+/// parts, ..` of column `bx * 32 + i % 32` (`parts` the block's warps), four at a time into
+/// four sums.
+///
+/// # Safety
+/// The promises of the weights entry points.
+#[inline(always)]
+unsafe fn weights_body<T: Elem>(p: &WeightsParams<T>) {
+    let tid = thread_idx_x();
+    let (lane, part) = (tid % 32, tid / 32);
+    let parts = block_dim_x() / 32;
+    let e = block_idx_x() * 32 + lane;
+    let d = p.head_dim;
+    let (first, rows, out) = if block_idx_y() == 0 {
+        (0, p.q_rows, p.q_grad)
+    } else {
+        (p.q_rows, p.k_rows, p.k_grad)
+    };
+    // Four rows in flight per step, each summed into its own accumulator, then the four in
+    // order: one row at a time left each thread waiting on each load in turn.
+    let mut sums = [0.0f32; 4];
+    if e < d {
+        let at = |r: u32| ((first + r) * d + e) as usize;
+        let mut r = part;
+        while r + 3 * parts < rows {
+            // SAFETY: rows first + r .. first + r + 3 parts of `partials`, column e < head_dim.
+            unsafe {
+                let p = p.partials.cast::<f32>();
+                unrolled(4, |i| sums[i] += *p.add(at(r + i as u32 * parts)));
+            }
+            r += 4 * parts;
+        }
+        while r < rows {
+            // SAFETY: as above, one row.
+            sums[0] += unsafe { *p.partials.cast::<f32>().add(at(r)) };
+            r += parts;
+        }
+    }
+    let sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    // SAFETY: tid < blockDim.x <= SHARED_F32.
+    unsafe { shared_store_f32(tid, sum) };
+    sync_threads_count(block_dim_x());
+    if part == 0 && e < d && !out.is_null() {
+        let mut total = 0.0f32;
+        let mut i = 0;
+        while i < parts {
+            // SAFETY: i * 32 + lane < blockDim.x <= SHARED_F32.
+            total += unsafe { shared_load_f32s::<1>(i * 32 + lane) }[0];
+            i += 1;
+        }
+        // SAFETY: e < head_dim, inside the weights' gradient.
+        unsafe { *out.add(e as usize) = T::from_f32(total) };
+    }
+}
+
+/// The parameters of the weights entry points, one field per entry of
+/// [`crate::norm_grad_weights_kernel_params!`].
+macro_rules! weights_params_struct {
+    ({} $($param:ident: $kind:ident,)*) => {
+        /// The parameters of every weights entry point.
+        struct WeightsParams<T> {
+            $($param: crate::device_param_type!($kind, T),)*
+        }
+    };
+}
+crate::norm_grad_weights_kernel_params!(weights_params_struct {});
+
+/// One weights entry point with the parameter list of
+/// [`crate::norm_grad_weights_kernel_params!`].
+macro_rules! weights_entry {
+    (
+        { $name:ident: $t:ty }
+        $($param:ident: $kind:ident,)*
+    ) => {
+        /// One weights entry point of the QK-norm + RoPE backward: the norm weights' gradients
+        /// from the gradient kernel's `partials` (see [`weights_body`]).
+        ///
+        /// # Safety
+        /// `partials` holds `(q_rows + k_rows) * head_dim` `f32`; `q_grad` and `k_grad` hold
+        /// `head_dim` elements each (or are null: not written) and overlap nothing read; the
+        /// grid is `(ceil(head_dim / 32), 2)` blocks of at most `SHARED_F32` threads, whole
+        /// warps.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            $($param: crate::device_param_type!($kind, $t),)*
+        ) {
+            let p = WeightsParams::<$t> { $($param,)* };
+            // SAFETY: the caller's promises, listed above.
+            unsafe { weights_body(&p) }
+        }
+    };
+}
+
+crate::abi::for_each_norm_grad_kernel!(grad_kernel);
