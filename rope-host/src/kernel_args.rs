@@ -184,6 +184,17 @@ rope_kernels::fused_forms_kernel_params!(host_args {
     FusedFormsArgs
 });
 
+rope_kernels::norm_grad_kernel_params!(host_args {
+    /// The arguments of the QK-norm + RoPE backward's gradient entry points
+    /// (`rope-kernels/src/fused/grad.rs`): the RoPE arguments, then the backward's.
+    NormGradArgs
+});
+
+rope_kernels::norm_grad_weights_kernel_params!(host_args {
+    /// The arguments of the backward's weights entry points.
+    NormGradWeightsArgs
+});
+
 rope_kernels::table_kernel_params!(host_args {
     /// The arguments of the table-building entry point (`rope-kernels/src/table.rs`).
     TableArgs
@@ -201,6 +212,8 @@ mod tests {
         assert!(FusedArgs::has_parameter_layout());
         assert!(FusedFormsArgs::has_parameter_layout());
         assert!(TableArgs::has_parameter_layout());
+        assert!(NormGradArgs::has_parameter_layout());
+        assert!(NormGradWeightsArgs::has_parameter_layout());
         const { assert!(FusedArgs::PARAM_BYTES > RopeArgs::PARAM_BYTES) };
         const { assert!(FusedFormsArgs::PARAM_BYTES > FusedArgs::PARAM_BYTES) };
     }

@@ -83,10 +83,10 @@ pub use freq::{
     inv_freq,
 };
 pub use fused::{
-    CacheAddress, CacheData, CacheLayout, CacheNonRotary, Fp8Format, Fp8Scale, FusedIo, FusedOp,
-    KOut, KvCache, NonRotary, NonRotaryCache, NormWeight, PageTable, QOut, QkNorm, RawCacheAddress,
-    RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut, RawKvCache,
-    RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
+    CacheAddress, CacheData, CacheLayout, CacheNonRotary, Fp8Format, Fp8Scale, FusedGrads, FusedIo,
+    FusedOp, KOut, KvCache, NonRotary, NonRotaryCache, NormWeight, PageTable, QOut, QkNorm,
+    RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedGrads, RawFusedIo,
+    RawFusedOp, RawKOut, RawKvCache, RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
 };
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};

@@ -278,7 +278,7 @@ impl Rope {
 
 /// Binds one [`Io`]: its buffers checked to belong to the binder's context, reduced to
 /// addresses (`names`: the argument names of its input and output).
-fn bind_io<'s, T>(
+pub(crate) fn bind_io<'s, T>(
     binder: &mut Binder<'s>,
     (x_name, out_name): (&'static str, &'static str),
     io: &'s mut Io<'_, T>,

@@ -921,6 +921,7 @@ mod gpu {
     pub mod accuracy;
     pub mod finite_outputs;
     pub mod fused;
+    pub mod fused_backward;
     pub mod kernel_code;
     pub mod matches_reference;
     pub mod multi_axis;

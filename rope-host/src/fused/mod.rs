@@ -35,6 +35,7 @@ mod apart;
 mod bind;
 mod cache_checks;
 mod encode;
+mod grad;
 mod non_rotary;
 mod plan;
 mod raw;
@@ -56,6 +57,7 @@ use crate::layout::Layout;
 use crate::op::{RopeOp, Tensor, TensorMut};
 use crate::positions::DeviceInts;
 use crate::rope::{Work, encode_work};
+pub use grad::{FusedGrads, RawFusedGrads};
 pub(crate) use plan::FusedPlan;
 use plan::plan_fused;
 pub use raw::{

@@ -80,7 +80,7 @@ pub(crate) fn plan_fused(
     let Some(k_req) = req.rope.k else {
         return Err(invalid("k", "a fused launch needs k"));
     };
-    let regions = check_tensors(req, &k_req)?;
+    let regions = check_fused_tensors(req, &k_req)?;
     check_overlaps(&regions, req.rope.packed)?;
     let q = &req.rope.q.x_layout;
     let k = &k_req.x_layout;
@@ -381,7 +381,7 @@ fn check_config(req: &FusedRequest) -> Result<()> {
 
 /// Checks every tensor, weight, scale and cache, and returns the regions the launch reads and
 /// writes.
-fn check_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
+pub(super) fn check_fused_tensors(req: &FusedRequest, k: &TensorReq) -> Result<Vec<Region>> {
     let (cfg, es) = (&req.rope.config, req.rope.dtype.size());
     let q = &req.rope.q;
     // Room for every region a launch has (tensors, outputs, caches, slots, weights, scales,
@@ -534,7 +534,7 @@ fn one_k_region(req: &FusedRequest, k: &TensorReq, es: usize, regions: &mut Vec<
 }
 
 /// A tensor's batch and seq equal q's.
-fn same_tokens(arg: &'static str, l: &Layout, q: &Layout) -> Result<()> {
+pub(super) fn same_tokens(arg: &'static str, l: &Layout, q: &Layout) -> Result<()> {
     if (l.batch, l.seq) != (q.batch, q.seq) {
         return Err(invalid(
             arg,

@@ -2,6 +2,7 @@
 
 mod apart;
 mod fp8;
+mod grad;
 mod prefetch;
 mod properties;
 mod rotation;

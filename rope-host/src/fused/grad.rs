@@ -1,0 +1,619 @@
+//! The QK-norm + RoPE backward: [`Rope::run_fused_backward`] (views) and
+//! [`Rope::run_fused_backward_raw`] (addresses). Mirrors `rope-kernels/src/fused/grad.rs`.
+//!
+//! # Formula
+//! The forward step is the fused launch of a [`super::FusedOp`] with a [`super::QkNorm`]: for
+//! each q and k head `x` of `d = head_dim` features, `r = 1 / sqrt(sum_e x_e^2 / d + eps)`,
+//! `n = x r`, `y = R (n * w')` (`w' = w`, or `1 + w` for [`super::NormWeight::OnePlus`]; `R`
+//! the rotation at the token's position). From the gradient `gy` of its outputs and its inputs
+//! `x`, the backward writes, per head, `gx_e = r (gz_e w'_e - n_e c)` with `gz = R^T gy` and
+//! `c = r (sum_e gz_e w'_e x_e) / d`, and per weight vector `gw_e = sum over tokens and heads of
+//! gz_e n_e` (q's heads for q's weights, k's for k's), all in `f32`, each output rounded once.
+//!
+//! # A launch
+//! Two kernels on the stream: the gradient kernel writes `gx` and one row of `f32` partial
+//! weight sums per block into the workspace, then the weights kernel sums the rows in a fixed
+//! order into the weights' gradients (the same launch gives the same bits every time). As
+//! [`Rope::run_fused`]: bind, plan (validation, access width, grid), encode, launch.
+
+use std::num::NonZeroU32;
+
+use cudarc::driver::sys::CUstream;
+use cudarc::driver::{CudaViewMut, LaunchConfig};
+use rope_kernels::abi::{
+    DType, Direction, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NORM_GRAD_WEIGHTS_FEATURES,
+    NORM_GRAD_WEIGHTS_THREADS, NormGradKernelName,
+};
+use rope_kernels::divide::Divisor;
+
+use super::plan::{check_fused_tensors, same_tokens};
+use super::raw::{RawFusedOp, RawQkNorm};
+use super::request::{FusedRequest, NopeParts, RawNorm};
+use super::{FusedOp, QkNorm};
+use crate::bind::{Binder, RawBuf};
+use crate::check::{Of, Region, check_overlaps, layout_aligned, region, same_dims};
+use crate::config::{RopeElem, RopeStyle};
+use crate::device::{DeviceFacts, StreamOverlap};
+use crate::error::{Result, invalid};
+use crate::handle::{FreqUse, Rope};
+use crate::kernel_args::{NormGradArgs, NormGradWeightsArgs, RopeArgs};
+use crate::layout::Layout;
+use crate::op::{Io, Tensor};
+use crate::plan::{Grid, Request, TensorReq};
+use crate::positions::PositionsPlan;
+use crate::rope::{RawIo, RawTensor, Work, bind_io, encode_work};
+use crate::sincos::SinCosPlan;
+
+/// The tensors of a QK-norm + RoPE backward ([`Rope::run_fused_backward`]).
+#[derive(Debug)]
+pub struct FusedGrads<'a, T> {
+    /// The forward step's q input, before its norm (`[batch, seq, heads, head_dim]`).
+    pub q_input: Tensor<'a, T>,
+    /// The forward step's k input, before its norm.
+    pub k_input: Tensor<'a, T>,
+    /// q's gradients: the forward output's read, the input's written (over it in place, or
+    /// into an output of its dimensions).
+    pub q: Io<'a, T>,
+    /// k's gradients, as q's.
+    pub k: Io<'a, T>,
+    /// The gradient of q's norm weights, `head_dim` elements, written.
+    pub q_weight: CudaViewMut<'a, T>,
+    /// The gradient of k's norm weights, `head_dim` elements, written.
+    pub k_weight: CudaViewMut<'a, T>,
+    /// Scratch for the weights' partial sums: at least
+    /// [`Rope::fused_backward_workspace`] `f32`.
+    pub workspace: CudaViewMut<'a, f32>,
+}
+
+/// [`FusedGrads`] by address, for [`Rope::run_fused_backward_raw`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawFusedGrads {
+    /// The forward step's q input, before its norm.
+    pub q_input: RawTensor,
+    /// The forward step's k input, before its norm.
+    pub k_input: RawTensor,
+    /// q's gradients (the output's read, the input's written).
+    pub q: RawIo,
+    /// k's gradients.
+    pub k: RawIo,
+    /// The gradient of q's norm weights, `head_dim` elements of the tensors' type.
+    pub q_weight: RawBuf,
+    /// The gradient of k's norm weights.
+    pub k_weight: RawBuf,
+    /// Scratch, `f32`: at least [`Rope::fused_backward_workspace`] elements.
+    pub workspace: RawBuf,
+}
+
+/// A backward launch by address: the fused request of the gradients (q and k's gradients as
+/// the rotated tensors, the norm) and the rest.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GradRequest {
+    pub(crate) fused: FusedRequest,
+    /// The forward step's norm (also `fused.norm`, for its checks).
+    pub(crate) norm: RawNorm,
+    pub(crate) q_input: (RawBuf, Layout),
+    pub(crate) k_input: (RawBuf, Layout),
+    pub(crate) q_weight: RawBuf,
+    pub(crate) k_weight: RawBuf,
+    pub(crate) workspace: RawBuf,
+}
+
+/// Everything a backward launch needs except the device pointers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GradPlan {
+    pub(crate) kernel: NormGradKernelName,
+    pub(crate) grid: Grid,
+    pub(crate) lanes: u32,
+    /// Threads holding one head's pairs, `half / pairs` (in a segment of the grid's `groups`,
+    /// the power of two at or above it).
+    pub(crate) groups: u32,
+    pub(crate) tokens: u64,
+    pub(crate) positions: PositionsPlan,
+    pub(crate) sincos: SinCosPlan,
+    /// Grid rows of q's heads, then of k's.
+    pub(crate) chunks: (u32, u32),
+}
+
+/// The fused request of a backward: its gradients as the rotated tensors.
+fn fused_request(rope: Request, norm: RawNorm) -> FusedRequest {
+    FusedRequest {
+        rope,
+        q_fp8: None,
+        k_fp8: None,
+        k_written: true,
+        v: None,
+        norm: Some(norm),
+        cache: None,
+        nope: NopeParts::default(),
+    }
+}
+
+/// The norm by address.
+fn raw_norm(n: &RawQkNorm) -> RawNorm {
+    RawNorm {
+        q_weight: n.q_weight,
+        k_weight: n.k_weight,
+        eps: n.eps,
+        code: n.weight.code(),
+    }
+}
+
+/// The error of a backward without a norm.
+fn no_norm() -> crate::Error {
+    invalid(
+        "norm",
+        "the fused backward is the QK-norm's and the rotation's; a rotation alone runs backward \
+         through Rope::run with Direction::Backward",
+    )
+}
+
+impl Rope {
+    /// The `f32` scratch [`Rope::run_fused_backward`] needs for `heads` q and k heads (both
+    /// together) of `head_dim` features: one row of `head_dim` partial sums per block of its
+    /// grid, at most a full complement of blocks on every multiprocessor of the device or one
+    /// per head.
+    pub fn fused_backward_workspace(&self, heads: usize, head_dim: usize) -> usize {
+        max_grad_blocks(&self.facts, heads).saturating_mul(head_dim)
+    }
+
+    /// Validates and launches the backward of a fused QK-norm + RoPE step (`op`, the forward
+    /// step's, with its norm): the gradients of q's and k's inputs and of both norm weights
+    /// (see the module documentation for the formula). Asynchronous on the stream, allocating
+    /// and synchronizing nothing (with computed sin/cos, call [`Rope::prepare`] first to
+    /// capture it in a CUDA graph).
+    ///
+    /// # Errors
+    /// [`crate::Error::Invalid`] naming the offending argument (nothing is launched and no
+    /// output is touched): as [`Rope::run_fused`] for `op` and the gradients, and `norm`
+    /// without a norm, `config` for a partial or backward rotation, `q_input`/`k_input` for
+    /// inputs whose dimensions differ from the gradients' or that meet a written tensor,
+    /// `q_weight`/`k_weight` for weight gradients of the wrong length, `workspace` when it is
+    /// too small; [`crate::Error::Driver`] when a launch fails.
+    pub fn run_fused_backward<T: RopeElem>(
+        &self,
+        op: &FusedOp<'_, T>,
+        mut grads: FusedGrads<'_, T>,
+    ) -> Result<()> {
+        let mut binder = Binder::new(&self.stream);
+        let norm = op.norm.as_ref().ok_or_else(no_norm)?;
+        let req = bind(&mut binder, op, norm, &mut grads)?;
+        // SAFETY: the stream is the `Rope`'s; the binder checked every view's context and
+        // holds its length; the guards, dropped after the launch, order later uses after it.
+        unsafe { self.launch_grad(&req, self.stream.cu_stream(), FreqUse::OwnStream) }?;
+        drop(binder);
+        Ok(())
+    }
+
+    /// [`Rope::run_fused_backward`] by address, on `stream`, for memory and streams other
+    /// frameworks own; everything is validated as there, on the addresses and lengths given.
+    ///
+    /// # Safety
+    /// The promises of [`Rope::run_fused_raw`] for `op` and the gradients, and: the inputs
+    /// and weight gradients hold `len` elements of `op.rope.dtype`, the workspace `len` `f32`,
+    /// at `ptr` in the context of `stream`, alive until both kernels have finished on it, and
+    /// nothing else touches what the launch writes meanwhile.
+    ///
+    /// # Errors
+    /// As [`Rope::run_fused_backward`], except that nothing checks contexts.
+    pub unsafe fn run_fused_backward_raw(
+        &self,
+        op: &RawFusedOp,
+        grads: &RawFusedGrads,
+        stream: CUstream,
+    ) -> Result<()> {
+        let norm = op.norm.as_ref().ok_or_else(no_norm)?;
+        let rope = Request {
+            config: op.rope.config,
+            dtype: op.rope.dtype,
+            q: grads.q.into(),
+            k: Some(grads.k.into()),
+            packed: false,
+            positions: op.rope.positions,
+            sincos: op.rope.sincos,
+        };
+        let norm = raw_norm(norm);
+        let req = GradRequest {
+            fused: fused_request(rope, norm),
+            norm,
+            q_input: (grads.q_input.buf, grads.q_input.layout),
+            k_input: (grads.k_input.buf, grads.k_input.layout),
+            q_weight: grads.q_weight,
+            k_weight: grads.k_weight,
+            workspace: grads.workspace,
+        };
+        // SAFETY: the caller's promises are `launch_grad`'s.
+        unsafe { self.launch_grad(&req, stream, FreqUse::OtherStream) }
+    }
+
+    /// Plans, encodes and launches a backward request on `stream`.
+    ///
+    /// # Safety
+    /// Every address of `req` is device memory of this context holding the length given,
+    /// alive and not used by others until both kernels have finished on `stream`, a live
+    /// stream of this context.
+    unsafe fn launch_grad(&self, req: &GradRequest, stream: CUstream, on: FreqUse) -> Result<()> {
+        let blocks = |k: NormGradKernelName, threads: u32| {
+            self.module
+                .blocks_per_sm_at(k.symbol(), threads, 0)
+                .unwrap_or(1)
+        };
+        let Some(plan) = plan_grad(req, &self.facts, &blocks)? else {
+            return Ok(());
+        };
+        let rope = &req.fused.rope;
+        let positions = rope.positions.encode(&plan.positions);
+        let inv_freq = self.launch_inv_freq(&rope.sincos, &rope.config, on)?;
+        let sincos = rope.sincos.encode(&plan.sincos, &rope.config, inv_freq);
+        let work = Work {
+            grid: &plan.grid,
+            tokens: plan.tokens,
+            rot_groups: plan.groups,
+            lanes: plan.lanes,
+        };
+        let (args, weights) = encode(req, &plan, encode_work(rope, &work, &positions, &sincos));
+        let context = self.stream.context();
+        let function = self.module.function(plan.kernel.symbol())?;
+        let weights_function = self.module.function(plan.kernel.weights_symbol())?;
+        // SAFETY: `NormGradArgs` comes from `norm_grad_kernel_params!`, the entry points' list,
+        // and `NormGradWeightsArgs` from `norm_grad_weights_kernel_params!`. The plan proved what
+        // their `# Safety` asks: every tensor, input, weight and gradient holds what its layout
+        // addresses, aligned to `lanes`; written regions overlap nothing else; the whole head
+        // rotates with `rot_groups = half / pairs` threads in segments of the power of two at
+        // or above it, at most 32; blocks of whole warps, `heads_per_chunk * groups` threads with `head_dim` times their warps within
+        // the shared buffer; the workspace holds a row per block (the weights kernel reads
+        // those rows, after the gradient kernel on the same stream); positions and sin/cos as
+        // for `Rope::run`. Both functions were loaded in this context and wait for nothing.
+        unsafe {
+            args.launch(
+                context,
+                &function,
+                plan.grid.config,
+                stream,
+                StreamOverlap::None,
+            )?;
+            weights.launch(
+                context,
+                &weights_function,
+                weights_config(rope.config.head_dim()),
+                stream,
+                StreamOverlap::None,
+            )
+        }
+    }
+}
+
+/// Reduces the views to a [`GradRequest`] of addresses, each checked to belong to the
+/// binder's context.
+fn bind<'s, T: RopeElem>(
+    binder: &mut Binder<'s>,
+    op: &'s FusedOp<'_, T>,
+    norm: &'s QkNorm<'_, T>,
+    grads: &'s mut FusedGrads<'_, T>,
+) -> Result<GradRequest> {
+    let q = bind_io(binder, ("q", "q.output"), &mut grads.q)?;
+    let k = bind_io(binder, ("k", "k.output"), &mut grads.k)?;
+    let rope = Request {
+        config: op.rope.config,
+        dtype: T::DTYPE,
+        q,
+        k: Some(k),
+        packed: false,
+        positions: op.rope.positions.bind(binder)?,
+        sincos: op.rope.sincos.bind(binder)?,
+    };
+    let norm = RawNorm {
+        q_weight: binder.read("norm.q_weight", &norm.q_weight)?,
+        k_weight: binder.read("norm.k_weight", &norm.k_weight)?,
+        eps: norm.eps,
+        code: norm.weight.code(),
+    };
+    Ok(GradRequest {
+        fused: fused_request(rope, norm),
+        norm,
+        q_input: (
+            binder.read("q_input", &grads.q_input.data)?,
+            grads.q_input.layout,
+        ),
+        k_input: (
+            binder.read("k_input", &grads.k_input.data)?,
+            grads.k_input.layout,
+        ),
+        q_weight: binder.write("q_weight", &mut grads.q_weight)?,
+        k_weight: binder.write("k_weight", &mut grads.k_weight)?,
+        workspace: binder.write("workspace", &mut grads.workspace)?,
+    })
+}
+
+/// The most blocks a backward grid of `heads` q and k heads takes: a full complement of the
+/// smallest blocks (one warp) on every multiprocessor, or one per head where that is more.
+fn max_grad_blocks(facts: &DeviceFacts, heads: usize) -> usize {
+    let full = facts.sm_count as usize * (facts.threads_per_sm / 32) as usize;
+    full.max(heads)
+}
+
+/// The access widths a backward tries, widest first: 16 bytes per vector where the pairs'
+/// threads keep a head within a warp segment with registers to spare (NeoX pairs of 16-bit
+/// elements take two 8-byte vectors: at 16 bytes their kernels took too many registers), then
+/// two elements.
+fn candidate_lanes(style: RopeStyle, dtype: DType) -> [u32; 2] {
+    match (style, dtype.size()) {
+        (RopeStyle::Interleaved, 2) => [8, 2],
+        _ => [4, 2],
+    }
+}
+
+/// Validates a backward request and computes its launch: `None` when there is nothing to do.
+/// `blocks_per_sm(kernel, threads)` is the driver's occupancy for blocks of `threads`.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the first offending argument.
+pub(super) fn plan_grad(
+    req: &GradRequest,
+    facts: &DeviceFacts,
+    blocks_per_sm: &dyn Fn(NormGradKernelName, u32) -> u32,
+) -> Result<Option<GradPlan>> {
+    let fused = &req.fused;
+    let (cfg, dtype) = (&fused.rope.config, fused.rope.dtype);
+    let es = dtype.size();
+    if cfg.direction() != Direction::Forward
+        || cfg.rotary_dim() != cfg.head_dim()
+        || cfg.rotary_offset() != 0
+    {
+        return Err(invalid(
+            "config",
+            format!(
+                "the fused backward takes the forward step of a whole-head rotation \
+                 (rotary_dim {} of head_dim {} at offset {}, {:?})",
+                cfg.rotary_dim(),
+                cfg.head_dim(),
+                cfg.rotary_offset(),
+                cfg.direction()
+            ),
+        ));
+    }
+    let Some(k_req) = fused.rope.k else {
+        return Err(invalid("k", "the fused backward needs k"));
+    };
+    let mut regions = check_fused_tensors(fused, &k_req)?;
+    let (q, k) = (&fused.rope.q.x_layout, &k_req.x_layout);
+    for (name, (buf, l), grad) in [("q_input", req.q_input, q), ("k_input", req.k_input, k)] {
+        same_dims(name, &l, grad)?;
+        regions.push(region((name, Of::Read), buf, &l, cfg, (es, false))?);
+    }
+    for (name, w) in [("q_weight", req.q_weight), ("k_weight", req.k_weight)] {
+        if w.len != cfg.head_dim() as usize {
+            return Err(invalid(
+                name,
+                format!(
+                    "holds {} elements, needs head_dim {}",
+                    w.len,
+                    cfg.head_dim()
+                ),
+            ));
+        }
+        regions.push(written(name, (w.ptr, (w.len * es) as u64)));
+    }
+    same_tokens("k", k, q)?;
+    let tokens = (q.batch as u64)
+        .checked_mul(q.seq as u64)
+        .ok_or_else(|| invalid("q", "batch * seq overflows u64"))?;
+    let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
+    let heads = q.heads + k.heads;
+    let empty = tokens == 0 || heads == 0;
+    let positions = fused.rope.positions.check(q.batch, q.seq, cfg.half())?;
+    let sincos = fused
+        .rope
+        .sincos
+        .check(cfg, dtype, positions.max_implicit.filter(|_| !empty))?;
+    let (lanes, groups) = access(req, &k_req)?;
+    // A head's threads: a warp segment of a power of two, the lanes past `groups` idle.
+    let threads_per_head = groups.next_power_of_two();
+    // Heads of one block: whole warps of at most `NORM_GRAD_MAX_THREADS` threads, whose warps
+    // times `head_dim` fit the shared buffer.
+    let head_dim = cfg.head_dim();
+    let max_warps = (NORM_GRAD_MAX_THREADS / 32).min(NORM_GRAD_SHARED_F32 / head_dim);
+    if max_warps == 0 {
+        return Err(invalid(
+            "config",
+            format!("head_dim {head_dim} is wider than the fused backward's sums take"),
+        ));
+    }
+    let per_warp = 32 / threads_per_head;
+    let per_chunk = chunk_heads((q.heads as u32, k.heads as u32), per_warp, max_warps);
+    let chunks = (
+        (q.heads as u32).div_ceil(per_chunk),
+        (k.heads as u32).div_ceil(per_chunk),
+    );
+    let rows = chunks.0 + chunks.1;
+    let kernel = NormGradKernelName {
+        style: cfg.style(),
+        source: sincos.source,
+        dtype,
+    };
+    let threads = per_chunk * threads_per_head;
+    let resident = facts
+        .sm_count
+        .saturating_mul(blocks_per_sm(kernel, threads).max(1));
+    let columns = u64::from((resident / rows.max(1)).max(1)).min(tokens.max(1)) as u32;
+    let need = u64::from(columns) * u64::from(rows) * u64::from(head_dim);
+    if (req.workspace.len as u64) < need {
+        return Err(invalid(
+            "workspace",
+            format!(
+                "holds {} f32, this launch needs {need} (Rope::fused_backward_workspace)",
+                req.workspace.len
+            ),
+        ));
+    }
+    regions.push(written("workspace", (req.workspace.ptr, need * 4)));
+    check_overlaps(&regions, false)?;
+    if empty {
+        return Ok(None);
+    }
+    let (Some(seq), Some(segment)) = (NonZeroU32::new(seq), NonZeroU32::new(threads_per_head))
+    else {
+        return Ok(None);
+    };
+    Ok(Some(GradPlan {
+        kernel,
+        grid: Grid {
+            config: LaunchConfig {
+                grid_dim: (columns, rows, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            heads_per_chunk: per_chunk,
+            seq: Divisor::new(seq),
+            groups: Divisor::new(segment),
+        },
+        lanes,
+        groups,
+        tokens,
+        positions,
+        sincos,
+        chunks,
+    }))
+}
+
+/// A written array of `bytes` at `ptr`.
+fn written(name: &'static str, (ptr, bytes): (u64, u64)) -> Region {
+    Region {
+        start: ptr as u128,
+        end: ptr as u128 + bytes as u128,
+        written: true,
+        name,
+        of: Of::Read,
+    }
+}
+
+/// The access width and the threads holding one head's pairs (`half / pairs`): the widest of
+/// [`candidate_lanes`] that splits the pairs evenly over threads whose power of two is at most
+/// 32 and to which every tensor, input and weight vector is aligned.
+fn access(req: &GradRequest, k: &TensorReq) -> Result<(u32, u32)> {
+    let fused = &req.fused;
+    let (cfg, es) = (&fused.rope.config, fused.rope.dtype.size());
+    let q = &fused.rope.q;
+    let half = cfg.half();
+    let mut too_wide = false;
+    for lanes in candidate_lanes(cfg.style(), fused.rope.dtype) {
+        let pairs = match cfg.style() {
+            RopeStyle::Neox => lanes,
+            RopeStyle::Interleaved => lanes / 2,
+        };
+        if !half.is_multiple_of(pairs) {
+            continue;
+        }
+        let groups = half / pairs;
+        if groups.next_power_of_two() > 32 {
+            too_wide = true;
+            continue;
+        }
+        let layouts = [
+            Some((q.x.ptr, q.x_layout)),
+            Some((k.x.ptr, k.x_layout)),
+            q.out.map(|(b, l)| (b.ptr, l)),
+            k.out.map(|(b, l)| (b.ptr, l)),
+            Some((req.q_input.0.ptr, req.q_input.1)),
+            Some((req.k_input.0.ptr, req.k_input.1)),
+        ];
+        let weights = fused.norm.iter().all(|n| {
+            [n.q_weight.ptr, n.k_weight.ptr]
+                .iter()
+                .all(|p| p.is_multiple_of(u64::from(lanes) * es as u64))
+        });
+        let aligned = layouts
+            .iter()
+            .flatten()
+            .filter(|(_, l)| !l.is_empty())
+            .all(|(addr, l)| layout_aligned(*addr, l, es, lanes as usize));
+        if weights && aligned {
+            return Ok((lanes, groups));
+        }
+    }
+    Err(if too_wide {
+        invalid(
+            "config",
+            format!(
+                "head_dim {} takes more than a warp's 32 threads per head in the fused backward \
+                 at this alignment",
+                cfg.head_dim()
+            ),
+        )
+    } else {
+        invalid(
+            "q",
+            "the fused backward needs every tensor, input and weight address and stride aligned \
+             to two elements",
+        )
+    })
+}
+
+/// Heads per block row: a multiple of the heads a warp holds (`per_warp`), at most
+/// `max_warps` warps' worth, that leaves the fewest idle heads over q's and k's rows (the
+/// most heads on a tie).
+pub(super) fn chunk_heads((q, k): (u32, u32), per_warp: u32, max_warps: u32) -> u32 {
+    (1..=max_warps)
+        .map(|w| w * per_warp)
+        .min_by_key(|&h| {
+            let slots = (q.div_ceil(h) + k.div_ceil(h)) * h;
+            (slots, std::cmp::Reverse(h))
+        })
+        .unwrap_or(per_warp)
+}
+
+/// The weights kernel's grid: a block per 32 features of q's and of k's weights.
+fn weights_config(head_dim: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (head_dim.div_ceil(NORM_GRAD_WEIGHTS_FEATURES), 2, 1),
+        block_dim: (NORM_GRAD_WEIGHTS_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The two kernels' arguments from a validated request, its plan and its RoPE arguments.
+fn encode(
+    req: &GradRequest,
+    plan: &GradPlan,
+    rope: RopeArgs,
+) -> (NormGradArgs, NormGradWeightsArgs) {
+    let es = req.fused.rope.dtype.size() as u64;
+    let input =
+        |(buf, l): (RawBuf, Layout)| (buf.ptr + l.offset as u64 * es, l.strides.map(|s| s as u64));
+    let (q_in, q_strides) = input(req.q_input);
+    let (k_in, k_strides) = input(req.k_input);
+    let norm = req.norm;
+    macro_rules! with_rope {
+        ({ $r:ident } $($param:ident: $kind:ident,)*) => {
+            NormGradArgs {
+                $($param: $r.$param,)*
+                q_in,
+                q_in_stride_batch: q_strides[0],
+                q_in_stride_seq: q_strides[1],
+                q_in_stride_head: q_strides[2],
+                k_in,
+                k_in_stride_batch: k_strides[0],
+                k_in_stride_seq: k_strides[1],
+                k_in_stride_head: k_strides[2],
+                norm: norm.code as u32,
+                q_norm_weight: norm.q_weight.ptr,
+                k_norm_weight: norm.k_weight.ptr,
+                norm_eps: norm.eps,
+                q_chunks: plan.chunks.0,
+                partials: req.workspace.ptr,
+                // The transposed rotation of the forward step's.
+                sin_sign: -req.fused.rope.config.direction().sin_sign(),
+            }
+        };
+    }
+    let args = rope_kernels::rope_kernel_params!(with_rope { rope });
+    let columns = plan.grid.config.grid_dim.0;
+    let weights = NormGradWeightsArgs {
+        partials: req.workspace.ptr,
+        q_rows: plan.chunks.0 * columns,
+        k_rows: plan.chunks.1 * columns,
+        head_dim: req.fused.rope.config.head_dim(),
+        q_grad: req.q_weight.ptr,
+        k_grad: req.k_weight.ptr,
+    };
+    (args, weights)
+}
