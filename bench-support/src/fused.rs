@@ -22,10 +22,10 @@ use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMo
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use rope_host::half::bf16;
 use rope_host::{
-    CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceInts, Fp8Format, Fp8Scale, FusedIo,
-    FusedOp, IdsShape, Io, KOut, KvCache, Layout, NonRotaryCache, NormWeight, PageTable, Positions,
-    QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, SinCosTables, StreamOverlap,
-    TableFormat, Tensor, TensorMut,
+    CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceInts, Fp8Format, Fp8Scale,
+    FusedGrads, FusedIo, FusedOp, IdsShape, Io, KOut, KvCache, Layout, NonRotaryCache, NormWeight,
+    PageTable, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
+    SinCosTables, StreamOverlap, TableFormat, Tensor, TensorMut,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -76,6 +76,9 @@ enum Variant {
     RopeFp8PageTable,
     /// rope-rs's rotation plus copies of the bytes of a separate norm and cache write.
     Unfused,
+    /// The QK-norm + RoPE backward (`Rope::run_fused_backward`) of `NormRope`'s step: the input
+    /// and weight gradients from the forward inputs and the output gradients, out of place.
+    NormRopeBackward,
     /// MLA (DeepSeek-V3's shapes, vLLM's `concat_and_cache_mla_rope_fused`): `q_pe`, the last
     /// 64 of each of 128 q heads' 192 features, and `k_pe`, one head of 64, rotated in place;
     /// `k_pe` into the k cache and the 512 latent features into the latent cache (FlashInfer's
@@ -96,12 +99,17 @@ enum Bytes {
     Qkv3of4,
     /// MLA's `q_pe`, `k_pe` and latent features (each read and written once, as bf16).
     Mla,
+    /// One and a half times q's and k's: the QK-norm + RoPE backward reads the forward inputs
+    /// and the output gradients and writes the input gradients (three passes over q and k, as
+    /// a copy's read and write of 1.5 times their bytes).
+    QkBackward,
 }
 
 const COPY_QK: &str = "copy of q, k";
 const COPY_QKV: &str = "copy of q, k, v";
 const COPY_FP8: &str = "copy of 3/4 of q, k, v";
 const COPY_MLA: &str = "copy of MLA q_pe, k_pe, latent";
+const COPY_BACKWARD: &str = "copy of 1.5 x q, k";
 
 /// MLA's q heads, their features (the rotated `q_pe` last), the rotated features and the
 /// latent features of its one k head.
@@ -112,7 +120,19 @@ const MLA_LATENT: usize = 512;
 
 /// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
 /// before (the rotation's, for the unfused sequence).
-const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 20] = [
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 22] = [
+    (
+        Variant::Copy(Bytes::QkBackward),
+        COPY_BACKWARD,
+        None,
+        StreamOverlap::None,
+    ),
+    (
+        Variant::NormRopeBackward,
+        "norm + rope backward",
+        Some(COPY_BACKWARD),
+        StreamOverlap::None,
+    ),
     (Variant::Copy(Bytes::Qk), COPY_QK, None, StreamOverlap::None),
     (
         Variant::Copy(Bytes::Qkv),
@@ -260,6 +280,12 @@ struct Buffers {
     mla_caches8: (CudaSlice<u8>, CudaSlice<u8>),
     /// The destination of MLA's copy row.
     mla_copy: CudaSlice<bf16>,
+    /// The backward's forward inputs of q and k, its input gradients, its weight gradients
+    /// and its workspace.
+    backward_x: (CudaSlice<bf16>, CudaSlice<bf16>),
+    backward_out: (CudaSlice<bf16>, CudaSlice<bf16>),
+    backward_w: (CudaSlice<bf16>, CudaSlice<bf16>),
+    workspace: CudaSlice<f32>,
     /// vLLM's `cos_sin_cache` when [`SINCOS_VAR`] asks for it, else sin/cos are computed.
     table: Option<SinCosTables<bf16>>,
     /// MLA's `cos_sin_cache` of 64 rotated features when [`SINCOS_VAR`] asks for one.
@@ -325,6 +351,7 @@ impl Buffers {
         tokens: usize,
         (table, mla_table): (Option<SinCosTables<bf16>>, Option<SinCosTables<bf16>>),
         config: RopeConfig,
+        workspace: usize,
     ) -> anyhow::Result<Self> {
         let fill = |n: usize, k: f32| -> Vec<bf16> {
             (0..n)
@@ -334,6 +361,8 @@ impl Buffers {
         let (qn, kn) = (tokens * HQ * D, tokens * HK * D);
         let blocks = tokens.div_ceil(BLOCK) + 1;
         let cache = blocks * BLOCK * HK * D;
+        // The largest copy row: q, k and v, or one and a half times q and k.
+        let copied = (qn + 2 * kn).max(3 * (qn + kn) / 2);
         // Slots in reverse order of the blocks, as a paged allocator hands them out.
         let slots: Vec<i64> = (0..tokens as i64)
             .map(|t| (tokens as i64 - 1 - t) + BLOCK as i64)
@@ -344,8 +373,8 @@ impl Buffers {
             k: stream.clone_htod(&fill(kn, 0.53))?,
             v: stream.clone_htod(&fill(kn, 0.29))?,
             q8: stream.alloc_zeros(qn)?,
-            qkv_src: stream.clone_htod(&fill(qn + 2 * kn, 0.11))?,
-            qkv_dst: stream.alloc_zeros(qn + 2 * kn)?,
+            qkv_src: stream.clone_htod(&fill(copied, 0.11))?,
+            qkv_dst: stream.alloc_zeros(copied)?,
             w: stream.clone_htod(&fill(D, 0.7))?,
             scale: stream.clone_htod(&[0.05f32])?,
             ids: stream.clone_htod(
@@ -377,6 +406,13 @@ impl Buffers {
             ),
             mla_copy: stream
                 .alloc_zeros(tokens * (MLA_HEADS * MLA_ROPE + MLA_ROPE + MLA_LATENT))?,
+            backward_x: (
+                stream.clone_htod(&fill(qn, 0.19))?,
+                stream.clone_htod(&fill(kn, 0.43))?,
+            ),
+            backward_out: (stream.alloc_zeros(qn)?, stream.alloc_zeros(kn)?),
+            backward_w: (stream.alloc_zeros(D)?, stream.alloc_zeros(D)?),
+            workspace: stream.alloc_zeros(workspace)?,
             table,
             mla_table,
             config,
@@ -494,6 +530,7 @@ impl Buffers {
                     Bytes::Qkv => qn + 2 * kn,
                     Bytes::Qkv3of4 => (qn + 2 * kn) * 3 / 4,
                     Bytes::Mla => t * (MLA_HEADS * MLA_ROPE + MLA_ROPE + MLA_LATENT),
+                    Bytes::QkBackward => 3 * (qn + kn) / 2,
                 };
                 if bytes == Bytes::Mla {
                     let src = self.mla_q.slice(0..n);
@@ -542,6 +579,46 @@ impl Buffers {
                     v: None,
                 };
                 Ok(rope.run_fused(&op, io, None)?)
+            }
+            Variant::NormRopeBackward => {
+                let op = FusedOp {
+                    rope: rope_op(),
+                    norm: norm(true),
+                };
+                let grads = FusedGrads {
+                    q_input: Tensor {
+                        data: self.backward_x.0.as_view(),
+                        layout: lq,
+                    },
+                    k_input: Tensor {
+                        data: self.backward_x.1.as_view(),
+                        layout: lk,
+                    },
+                    q: Io::OutOfPlace {
+                        input: Tensor {
+                            data: self.q.as_view(),
+                            layout: lq,
+                        },
+                        output: TensorMut {
+                            data: self.backward_out.0.as_view_mut(),
+                            layout: lq,
+                        },
+                    },
+                    k: Io::OutOfPlace {
+                        input: Tensor {
+                            data: self.k.as_view(),
+                            layout: lk,
+                        },
+                        output: TensorMut {
+                            data: self.backward_out.1.as_view_mut(),
+                            layout: lk,
+                        },
+                    },
+                    q_weight: self.backward_w.0.as_view_mut(),
+                    k_weight: self.backward_w.1.as_view_mut(),
+                    workspace: self.workspace.as_view_mut(),
+                };
+                Ok(rope.run_fused_backward(&op, grads)?)
             }
             Variant::RopeCache | Variant::NormRopeCache | Variant::NormRopeCacheFp8 => {
                 let fp8 = variant == Variant::NormRopeCacheFp8;
@@ -653,8 +730,8 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     let handles = Handles::new(&stream, THETA, rotary)?;
     handles.prepare(THETA, MLA_ROPE as u32)?;
     let mut rows = Vec::new();
-    // FlashInfer's forms rotate whole heads only: a partial rotation (`ROTARY_VAR`) skips them,
-    // and MLA's rows, which rotate whole heads of their own.
+    // FlashInfer's forms and the backward rotate whole heads only: a partial rotation
+    // (`ROTARY_VAR`) skips them, and MLA's rows, which rotate whole heads of their own.
     let partial = rotary < D as u32;
     let variants: Vec<_> = VARIANTS
         .into_iter()
@@ -662,7 +739,11 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             !partial
                 || !matches!(
                     v,
-                    Variant::RopeFp8PageTable | Variant::Mla { .. } | Variant::Copy(Bytes::Mla)
+                    Variant::RopeFp8PageTable
+                        | Variant::Mla { .. }
+                        | Variant::Copy(Bytes::Mla)
+                        | Variant::NormRopeBackward
+                        | Variant::Copy(Bytes::QkBackward)
                 )
         })
         .collect();
@@ -691,7 +772,10 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
                 )
             })
             .transpose()?;
-        let mut bufs = Buffers::new(&stream, tokens, (table, mla_table), config)?;
+        let workspace = handles
+            .get(StreamOverlap::None)
+            .fused_backward_workspace(HQ + HK, D);
+        let mut bufs = Buffers::new(&stream, tokens, (table, mla_table), config, workspace)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
         for &(v, _, _, overlap) in &variants {
