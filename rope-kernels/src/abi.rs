@@ -1435,13 +1435,16 @@ pub const NORM_GRAD_WEIGHTS_THREADS: u32 = 1024;
 /// Features of one weights block (one per lane of a warp).
 pub const NORM_GRAD_WEIGHTS_FEATURES: u32 = 32;
 
+/// q's or k's heads each thread of a gradient entry point takes at every token (its loads
+/// issued together, one position and sin/cos for all).
+pub const NORM_GRAD_HEADS_PER_THREAD: u32 = 2;
+
 /// Threads one block of a gradient entry point may hold (its `.maxntid`).
 pub const NORM_GRAD_MAX_THREADS: u32 = 256;
 
 /// Blocks of [`NORM_GRAD_MAX_THREADS`] threads one multiprocessor must hold (the gradient
-/// entry points' `.minnctapersm`): 768 threads of at most 80 registers, which the
-/// 16-byte-access bodies fit without spilling on sm_90.
-pub const NORM_GRAD_MIN_BLOCKS_PER_SM: u32 = 3;
+/// entry points' `.minnctapersm`): 512 threads of at most 128 registers.
+pub const NORM_GRAD_MIN_BLOCKS_PER_SM: u32 = 2;
 
 /// `f32` values of the block's shared buffer the gradient kernel's final sums may take:
 /// `head_dim * warps <= NORM_GRAD_SHARED_F32` (the kernels' 4 KiB buffer).
@@ -1525,7 +1528,8 @@ for_each_norm_grad_kernel!(norm_grad_kernel_table);
 /// 0` without k) and the input gradients written (`out0`, `out1`, equal to `x0`, `x1` in place),
 /// with the whole head rotated (`rotary_dim = head_dim`, `rotary_offset = 0`), `rot_groups =
 /// half / pairs` threads holding a head's pairs in a segment of `groups` lanes (the power of
-/// two at or above it, at most 32), `heads_per_chunk` the heads of one block row. Then: `q_in`, `k_in`, the forward step's inputs (before the norm), with their
+/// two at or above it, at most 32), `heads_per_chunk` the heads of one block row: `32 / groups`
+/// segments of a warp times [`NORM_GRAD_HEADS_PER_THREAD`]. Then: `q_in`, `k_in`, the forward step's inputs (before the norm), with their
 /// element strides; `norm` (a [`NormCode`], not `None`), `q_norm_weight`, `k_norm_weight`
 /// (`head_dim` elements each) and `norm_eps`, the forward step's; `q_chunks`, the grid rows of q's
 /// heads (the rest are k's); `partials`, `f32` rows of `head_dim`, one per block (see the

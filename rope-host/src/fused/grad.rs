@@ -21,8 +21,8 @@ use std::num::NonZeroU32;
 use cudarc::driver::sys::CUstream;
 use cudarc::driver::{CudaViewMut, LaunchConfig};
 use rope_kernels::abi::{
-    DType, Direction, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NORM_GRAD_WEIGHTS_FEATURES,
-    NORM_GRAD_WEIGHTS_THREADS, NormGradKernelName,
+    DType, Direction, NORM_GRAD_HEADS_PER_THREAD, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32,
+    NORM_GRAD_WEIGHTS_FEATURES, NORM_GRAD_WEIGHTS_THREADS, NormGradKernelName,
 };
 use rope_kernels::divide::Divisor;
 
@@ -259,7 +259,8 @@ impl Rope {
         // their `# Safety` asks: every tensor, input, weight and gradient holds what its layout
         // addresses, aligned to `lanes`; written regions overlap nothing else; the whole head
         // rotates with `rot_groups = half / pairs` threads in segments of the power of two at
-        // or above it, at most 32; blocks of whole warps, `heads_per_chunk * groups` threads with `head_dim` times their warps within
+        // or above it, at most 32, `heads_per_chunk` their slots per warp times
+        // `NORM_GRAD_HEADS_PER_THREAD`; blocks of whole warps whose count times `head_dim` fits
         // the shared buffer; the workspace holds a row per block (the weights kernel reads
         // those rows, after the gradient kernel on the same stream); positions and sin/cos as
         // for `Rope::run`. Both functions were loaded in this context and wait for nothing.
@@ -408,18 +409,18 @@ pub(super) fn plan_grad(
     let (lanes, groups) = access(req, &k_req)?;
     // A head's threads: a warp segment of a power of two, the lanes past `groups` idle.
     let threads_per_head = groups.next_power_of_two();
-    // Heads of one block: whole warps of at most `NORM_GRAD_MAX_THREADS` threads, whose warps
-    // times `head_dim` fit the shared buffer.
+    // A block row: a warp's slots of `threads_per_head` lanes, each taking
+    // `NORM_GRAD_HEADS_PER_THREAD` heads; its warps walk their own tokens, as many warps as fit
+    // `NORM_GRAD_MAX_THREADS` and, times `head_dim`, the shared buffer.
     let head_dim = cfg.head_dim();
-    let max_warps = (NORM_GRAD_MAX_THREADS / 32).min(NORM_GRAD_SHARED_F32 / head_dim);
-    if max_warps == 0 {
+    let warps = (NORM_GRAD_MAX_THREADS / 32).min(NORM_GRAD_SHARED_F32 / head_dim);
+    if warps == 0 {
         return Err(invalid(
             "config",
             format!("head_dim {head_dim} is wider than the fused backward's sums take"),
         ));
     }
-    let per_warp = 32 / threads_per_head;
-    let per_chunk = chunk_heads((q.heads as u32, k.heads as u32), per_warp, max_warps);
+    let per_chunk = 32 / threads_per_head * NORM_GRAD_HEADS_PER_THREAD;
     let chunks = (
         (q.heads as u32).div_ceil(per_chunk),
         (k.heads as u32).div_ceil(per_chunk),
@@ -430,11 +431,13 @@ pub(super) fn plan_grad(
         source: sincos.source,
         dtype,
     };
-    let threads = per_chunk * threads_per_head;
+    let threads = warps * 32;
     let resident = facts
         .sm_count
         .saturating_mul(blocks_per_sm(kernel, threads).max(1));
-    let columns = u64::from((resident / rows.max(1)).max(1)).min(tokens.max(1)) as u32;
+    // One wave of blocks, but no block without a token for each warp.
+    let columns = u64::from((resident / rows.max(1)).max(1))
+        .min(tokens.div_ceil(u64::from(warps)).max(1)) as u32;
     let need = u64::from(columns) * u64::from(rows) * u64::from(head_dim);
     if (req.workspace.len as u64) < need {
         return Err(invalid(
@@ -546,19 +549,6 @@ fn access(req: &GradRequest, k: &TensorReq) -> Result<(u32, u32)> {
              to two elements",
         )
     })
-}
-
-/// Heads per block row: a multiple of the heads a warp holds (`per_warp`), at most
-/// `max_warps` warps' worth, that leaves the fewest idle heads over q's and k's rows (the
-/// most heads on a tie).
-pub(super) fn chunk_heads((q, k): (u32, u32), per_warp: u32, max_warps: u32) -> u32 {
-    (1..=max_warps)
-        .map(|w| w * per_warp)
-        .min_by_key(|&h| {
-            let slots = (q.div_ceil(h) + k.div_ceil(h)) * h;
-            (slots, std::cmp::Reverse(h))
-        })
-        .unwrap_or(per_warp)
 }
 
 /// The weights kernel's grid: a block per 32 features of q's and of k's weights.

@@ -22,18 +22,19 @@
 //! q_chunks` hold q's heads, the others k's. The weights kernel ([`weights_body`]) sums them.
 //!
 //! # Thread mapping
-//! Block row `by` takes `heads_per_chunk` heads of one tensor; thread `i` of a block takes head
-//! `i / groups` of them and the pairs `(i % groups) * pairs ..` of that head (as a fused work
-//! item: `groups = half / pairs`, a power of two of at most 32, so a head's threads are
-//! consecutive lanes of one warp and its two sums take butterfly shuffles). The block walks the
-//! tokens `bx, bx + gridDim.x, ..`, every thread the same count, so the shuffles and the final
-//! barrier always meet whole warps; threads past the block row's heads compute zeros. At the end
-//! the lanes of a warp holding the same features add their weight sums with shuffles, and one
-//! warp at a time's sums go through the block's shared buffer into its `partials` row, in a
-//! fixed order: the same launch gives the same gradients every time.
+//! Block row `by` takes `heads_per_chunk` heads of one tensor. A warp holds `32 / groups` slots
+//! of `groups` lanes (a power of two of at most 32; the first `rot_groups = half / pairs` hold
+//! a head's pairs, the rest only join its sums, which are butterfly shuffles over the slot),
+//! and each slot takes [`NORM_GRAD_HEADS_PER_THREAD`] heads: the thread issues all their loads,
+//! then finds the token's position and sin/cos once for them. Each warp of block `bx` walks its
+//! own tokens (`bx * warps + warp`, then a grid's worth of tokens further each), every warp of
+//! the block row the same heads, so the shuffles always meet whole warps; threads past the
+//! block row's heads compute zeros. At the end the lanes of a warp holding the same features add
+//! their weight sums with shuffles, and the block's warps, in warp order, through the block's
+//! shared buffer into its `partials` row: the same launch gives the same gradients every time.
 
 use super::{mul_add, norm_factor, rotate_fma, segment_sums};
-use crate::abi::NormCode;
+use crate::abi::{NORM_GRAD_HEADS_PER_THREAD, NormCode};
 use crate::elem::{Bf16, Elem, Half, unrolled};
 use crate::intrinsics::{
     block_dim_x, block_idx_x, block_idx_y, grid_dim_x, shared_load_f32s, shared_store_f32,
@@ -85,6 +86,59 @@ fn offset(strides: [u64; 3], (b, s): (u64, u64), h: u32) -> usize {
     (b * strides[0] + s * strides[1] + h as u64 * strides[2]) as usize
 }
 
+/// Heads of one tensor each thread takes at every token: their loads are issued together, and
+/// the token's position and sin/cos serve them all.
+const HEADS: usize = NORM_GRAD_HEADS_PER_THREAD as usize;
+
+/// One head's gradient at one token from its loaded forward input `x` and output gradient
+/// `gy` (both as [`load_head`] lays them out): stores the input gradient at `out` (unless
+/// null) and adds the head's weight terms `gz_e n_e` to `acc`. Every lane of the warp calls it
+/// (the norm's sums are warp shuffles over segments of `groups` lanes).
+///
+/// # Safety
+/// A non-null `out` addresses this thread's elements of the head's input gradient.
+#[inline(always)]
+unsafe fn head_gradient<T: Elem, P: Pairing, const L: usize>(
+    (x, gy): ([[f32; L]; 2], [[f32; L]; 2]),
+    (cos, sin, w): (&[f32; L], &[f32; L], &[[f32; L]; 2]),
+    (groups, inv_dim, eps): (u32, f32, f32),
+    (out, j0, half): (*mut T, usize, usize),
+    acc: &mut [[f32; L]; 2],
+) {
+    // `sin` carries `sin_sign`: the transposed rotation of a forward step.
+    let gz = rotate_values_with::<P, L>(|i, k| gy[i][k], cos, sin, rotate_fma);
+    let mut gzw = [[0.0f32; L]; 2];
+    let (mut squares, mut dot) = (0.0f32, 0.0f32);
+    unrolled(L, |k| {
+        for i in 0..2 {
+            gzw[i][k] = gz[i][k] * w[i][k];
+            squares = mul_add(x[i][k], x[i][k], squares);
+            dot = mul_add(gzw[i][k], x[i][k], dot);
+        }
+    });
+    let [squares, dot] = segment_sums([squares, dot], groups);
+    let r = norm_factor(squares, inv_dim, eps);
+    let c = r * dot * inv_dim;
+    let mut gx = [[0.0f32; L]; 2];
+    unrolled(L, |k| {
+        for i in 0..2 {
+            let n = x[i][k] * r;
+            gx[i][k] = r * mul_add(-n, c, gzw[i][k]);
+            acc[i][k] = mul_add(gz[i][k], n, acc[i][k]);
+        }
+    });
+    if !out.is_null() {
+        let (first, second) = vector_offsets::<P>(j0, half);
+        // SAFETY: this thread's elements of the head (the caller's promise).
+        unsafe {
+            T::store_rounded(out.add(first), gx[0]);
+            if P::NEOX {
+                T::store_rounded(out.add(second), gx[1]);
+            }
+        }
+    }
+}
+
 /// The gradient body for accesses of `L` elements.
 ///
 /// # Safety
@@ -101,7 +155,9 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
     }
     let shift = groups.trailing_zeros();
     let tid = thread_idx_x();
-    let (slot, group) = (tid >> shift, tid & (groups - 1));
+    let (lane, warp, warps) = (tid % 32, tid / 32, block_dim_x() / 32);
+    // A warp holds `32 / groups` slots; slot `i` takes heads `i, i + slots, ..` of the chunk.
+    let (slot, group, slots) = (lane >> shift, lane & (groups - 1), 32 >> shift);
     let row = block_idx_y();
     let is_q = row < g.q_chunks;
     let (tensor, (input, in_strides), weight, chunk) = if is_q {
@@ -109,39 +165,48 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
     } else {
         (a.k, g.k_in, g.k_norm_weight, row - g.q_chunks)
     };
-    let head = chunk * a.heads_per_chunk + slot;
-    let active = slot < a.heads_per_chunk && head < tensor.heads && group < a.rot_groups;
+    let first = chunk * a.heads_per_chunk + slot;
+    let head_of = |u: usize| first + u as u32 * slots;
+    let pairs_here = group < a.rot_groups;
+    let active = |u: usize| {
+        pairs_here && slot + (u as u32) * slots < a.heads_per_chunk && head_of(u) < tensor.heads
+    };
     let (j0, half) = (group as usize * pairs, a.half as usize);
-    let one_plus = g.norm == NormCode::RmsOnePlus as u32;
-    let inv_dim = 1.0 / a.rotary_dim as f32;
+    // SAFETY: the weights hold `head_dim` elements; j0 is this thread's first pair.
+    let mut w = unsafe { load_f32::<T, P, L>(pairs_here, weight, j0, half) };
+    if g.norm == NormCode::RmsOnePlus as u32 {
+        unrolled(L, |k| {
+            w[0][k] += 1.0;
+            w[1][k] += 1.0;
+        });
+    }
+    let consts = (groups, 1.0 / a.rotary_dim as f32, g.norm_eps);
     let mut acc = [[0.0f32; L]; 2];
-    // A token's forward input and output gradient as loaded (zeros past the tokens, and for
-    // threads that hold no pairs).
-    let load = |t: u64| -> [[[T; L]; 2]; 2] {
-        if !active || t >= a.tokens {
-            return [[[T::ZERO; L]; 2]; 2];
-        }
+    // Warp `w` of block `bx` takes tokens `bx * warps + w`, then a grid's worth further each.
+    let step = grid_dim_x() as u64 * warps as u64;
+    let mut t = block_idx_x() as u64 * warps as u64 + warp as u64;
+    while t < a.tokens {
         let (b, s) = a.seq.div_rem(t);
         let at = |strides, h| offset(strides, (b, s), h);
-        // SAFETY: (b, s) is a token and `head` a head of the tensor; the entry points'
-        // promises for the tensors' addresses.
-        unsafe {
-            [
-                load_head::<T, P, L>(input.add(at(in_strides, head)), j0, half),
-                load_head::<T, P, L>(tensor.x.add(at(tensor.x_strides, head)), j0, half),
-            ]
-        }
-    };
-    let step = grid_dim_x() as u64;
-    let mut t = block_idx_x() as u64;
-    let mut loaded = load(t);
-    while t < a.tokens {
-        // The next token's loads are issued before this token's arithmetic: one token's
-        // loads at a time left the launch waiting on each token's latency in turn. (Its
-        // position too took more registers than it saved time.)
-        let next = load(t + step);
-        let (b, s) = a.seq.div_rem(t);
-        let (cos, sin) = if active {
+        // Every head's loads first, then the token's position and sin/cos.
+        let mut loaded = [[[[T::ZERO; L]; 2]; 2]; HEADS];
+        unrolled(HEADS, |u| {
+            if active(u) {
+                // SAFETY: (b, s) is a token and `head_of(u)` a head of the tensor; the entry
+                // points' promises for the tensors' addresses.
+                loaded[u] = unsafe {
+                    [
+                        load_head::<T, P, L>(input.add(at(in_strides, head_of(u))), j0, half),
+                        load_head::<T, P, L>(
+                            tensor.x.add(at(tensor.x_strides, head_of(u))),
+                            j0,
+                            half,
+                        ),
+                    ]
+                };
+            }
+        });
+        let (cos, sin) = if pairs_here {
             // SAFETY: the entry points' promises for the positions and the tables.
             unsafe {
                 let pos = position(a, b, s, group);
@@ -150,52 +215,19 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
         } else {
             ([0.0; L], [0.0; L])
         };
-        let (x, gy) = (widen(loaded[0]), widen(loaded[1]));
-        // The weights are read again at every token (from L1): held through the loop, their
-        // registers made ptxas spill.
-        // SAFETY: the weights hold `head_dim` elements; j0 is this thread's first pair.
-        let mut w = unsafe { load_f32::<T, P, L>(active, weight, j0, half) };
-        if one_plus {
-            unrolled(L, |k| {
-                w[0][k] += 1.0;
-                w[1][k] += 1.0;
-            });
-        }
-        // `sin` carries `sin_sign`: the transposed rotation of a forward step.
-        let gz = rotate_values_with::<P, L>(|i, k| gy[i][k], &cos, &sin, rotate_fma);
-        let mut gzw = [[0.0f32; L]; 2];
-        let (mut squares, mut dot) = (0.0f32, 0.0f32);
-        unrolled(L, |k| {
-            for i in 0..2 {
-                gzw[i][k] = gz[i][k] * w[i][k];
-                squares = mul_add(x[i][k], x[i][k], squares);
-                dot = mul_add(gzw[i][k], x[i][k], dot);
-            }
-        });
-        let [squares, dot] = segment_sums([squares, dot], groups);
-        let r = norm_factor(squares, inv_dim, g.norm_eps);
-        let c = r * dot * inv_dim;
-        let mut gx = [[0.0f32; L]; 2];
-        unrolled(L, |k| {
-            for i in 0..2 {
-                let n = x[i][k] * r;
-                gx[i][k] = r * mul_add(-n, c, gzw[i][k]);
-                acc[i][k] = mul_add(gz[i][k], n, acc[i][k]);
-            }
-        });
-        if active {
-            let (first, second) = vector_offsets::<P>(j0, half);
-            // SAFETY: the elements `load_head` read, in the output head (in place: the same
-            // elements this thread read).
+        unrolled(HEADS, |u| {
+            let out = if active(u) {
+                // SAFETY: the head's output, as its input above.
+                unsafe { tensor.out.add(at(tensor.out_strides, head_of(u))) }
+            } else {
+                core::ptr::null_mut()
+            };
+            let io = (widen(loaded[u][0]), widen(loaded[u][1]));
+            // SAFETY: `out` is null or this thread's head of the output.
             unsafe {
-                let out = tensor.out.add(offset(tensor.out_strides, (b, s), head));
-                T::store_rounded(out.add(first), gx[0]);
-                if P::NEOX {
-                    T::store_rounded(out.add(second), gx[1]);
-                }
-            }
-        }
-        loaded = next;
+                head_gradient::<T, P, L>(io, (&cos, &sin, &w), consts, (out, j0, half), &mut acc)
+            };
+        });
         t += step;
     }
     // SAFETY: the entry points' promises for `partials` and the block's shape.
@@ -346,11 +378,12 @@ macro_rules! grad_entry {
         /// The promises of the RoPE entry points (`crate::rope`) for `gy` (`x0`, `x1`) and `gx`
         /// (`out0`, `out1`), with the whole head rotated (`rotary_dim = head_dim`,
         /// `rotary_offset = 0`, `rot_groups = half / pairs` and `groups` the power of two at or
-        /// above it, at most 32), and:
+        /// above it, at most 32, `heads_per_chunk = (32 / groups) * NORM_GRAD_HEADS_PER_THREAD`),
+        /// and:
         /// `q_in` and `k_in` address q's and k's heads at their strides, aligned to `lanes`
         /// elements and overlapping no output; the norm weights hold `head_dim` elements
-        /// each; the block holds whole warps, `heads_per_chunk * groups` threads, with
-        /// `head_dim * blockDim.x / 32` at most `SHARED_F32`; the grid's rows `gridDim.y`
+        /// each; the block holds whole warps, with `head_dim * blockDim.x / 32` at most
+        /// `SHARED_F32`; the grid's rows `gridDim.y`
         /// are q's `q_chunks` chunks of `heads_per_chunk` heads then k's; `partials` holds
         /// `gridDim.x * gridDim.y * head_dim` `f32` overlapping nothing else.
         #[unsafe(no_mangle)]

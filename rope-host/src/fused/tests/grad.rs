@@ -1,8 +1,10 @@
 //! The backward planner (`grad.rs`): its validation, its access width and its grid.
 
-use rope_kernels::abi::{NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName};
+use rope_kernels::abi::{
+    NORM_GRAD_HEADS_PER_THREAD, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName,
+};
 
-use super::super::grad::{GradPlan, GradRequest, chunk_heads, plan_grad};
+use super::super::grad::{GradPlan, GradRequest, plan_grad};
 use super::super::request::FusedRequest;
 use super::{D, H200, TOKENS, buf, request};
 use crate::config::{RopeConfig, RopeStyle};
@@ -44,7 +46,7 @@ fn invalid_name(planned: Result<Option<GradPlan>>) -> &'static str {
 }
 
 #[test]
-fn backward_plans_whole_warps_per_head_chunk_within_the_shared_sums() {
+fn backward_plans_blocks_of_whole_warps_within_the_shared_sums() {
     for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
         let p = plan(&grad_request(style))
             .expect("valid")
@@ -54,27 +56,18 @@ fn backward_plans_whole_warps_per_head_chunk_within_the_shared_sums() {
         assert!(threads <= NORM_GRAD_MAX_THREADS);
         assert!(threads / 32 * D as u32 <= NORM_GRAD_SHARED_F32);
         assert_eq!(
-            threads,
-            p.grid.heads_per_chunk * p.groups.next_power_of_two()
-        );
-        assert_eq!(
             p.groups, 16,
             "{style:?}: 8 elements of 16-bit pairs per thread"
         );
-        // 32 q and 8 k heads in chunks of 8: no idle head.
-        assert_eq!((p.chunks, rows), ((4, 1), 5));
-        // A full wave of blocks, but no more columns than tokens.
-        assert_eq!(p.grid.config.grid_dim.0, TOKENS as u32);
+        // Two slots of 16 lanes a warp, each of NORM_GRAD_HEADS_PER_THREAD heads.
+        let per_chunk = 2 * NORM_GRAD_HEADS_PER_THREAD;
+        assert_eq!(p.grid.heads_per_chunk, per_chunk);
+        assert_eq!(p.chunks, (32 / per_chunk, 8 / per_chunk));
+        assert_eq!(rows, p.chunks.0 + p.chunks.1);
+        // At most a token per warp: 64 tokens over blocks of 8 warps.
+        assert_eq!(threads, 256);
+        assert_eq!(p.grid.config.grid_dim.0, TOKENS as u32 / 8);
     }
-}
-
-#[test]
-fn head_chunks_leave_the_fewest_idle_heads() {
-    assert_eq!(chunk_heads((32, 8), 2, 8), 8);
-    assert_eq!(chunk_heads((16, 16), 2, 8), 16);
-    // 12 and 4: chunks of 4 fill every slot.
-    assert_eq!(chunk_heads((12, 4), 2, 8), 4);
-    assert_eq!(chunk_heads((1, 1), 4, 2), 4);
 }
 
 #[test]
