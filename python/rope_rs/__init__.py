@@ -17,7 +17,8 @@ Drop-ins, a one-line change from the original: ``rotary_embedding`` and ``fused_
 ``FusedSetKVBufferArg``), ``rope_quantize_fp8``, ``mla_rope_quantize_fp8`` and
 ``rope_quantize_fp8_append_paged_kv_cache`` (FlashInfer's; the cache form for the rotated
 features) and
-``apply_rotary_pos_emb`` (Hugging Face). ``frequencies`` shows the frequencies a call computes
+``apply_rotary_pos_emb`` (Hugging Face). For training, ``qk_norm_rope`` fuses the QK-norm and
+the rotation forward and backward. ``frequencies`` shows the frequencies a call computes
 sin/cos from.
 """
 
@@ -41,6 +42,7 @@ __all__ = [
     "frequencies",
     "fused_qk_norm_rope",
     "mla_rope_quantize_fp8",
+    "qk_norm_rope",
     "rope_quantize_fp8",
     "rope_quantize_fp8_append_paged_kv_cache",
     "rotary_embedding",
@@ -819,3 +821,4 @@ def _hf_eager() -> Any:
 from rope_rs.dual_chunk import DualChunkRotaryEmbedding  # noqa: E402
 from rope_rs.mrope import MRotaryEmbedding  # noqa: E402
 from rope_rs.fope import FourierRotaryEmbedding  # noqa: E402
+from rope_rs.training import qk_norm_rope  # noqa: E402

@@ -302,3 +302,43 @@ def _dlpack_view(
 ) -> Tuple[int, str, list[int], list[int], int]:
     """``(address, dtype, shape, strides, device)`` as a launch with ``producer_sync`` reads
     ``tensor``."""
+
+def _qk_norm_rope(
+    q: Any,
+    k: Any,
+    q_weight: Any,
+    k_weight: Any,
+    cos_sin_cache: Any,
+    positions: Any,
+    head_size: int,
+    eps: float,
+    is_neox: bool,
+    gemma: bool,
+    stream: int,
+) -> None:
+    """The forward step of ``rope_rs.qk_norm_rope``: q and k normalised and rotated in place."""
+
+def _qk_norm_rope_workspace(tensor: Any, heads: int, head_size: int) -> int:
+    """The float32 workspace ``_qk_norm_rope_backward`` needs on ``tensor``'s device."""
+
+def _qk_norm_rope_backward(
+    q: Any,
+    k: Any,
+    grad_q: Any,
+    grad_k: Any,
+    grad_q_input: Any,
+    grad_k_input: Any,
+    q_weight: Any,
+    k_weight: Any,
+    grad_q_weight: Any,
+    grad_k_weight: Any,
+    workspace: Any,
+    cos_sin_cache: Any,
+    positions: Any,
+    head_size: int,
+    eps: float,
+    is_neox: bool,
+    gemma: bool,
+    stream: int,
+) -> None:
+    """The backward of ``rope_rs.qk_norm_rope``: the input and weight gradients."""

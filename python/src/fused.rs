@@ -159,8 +159,13 @@ pub(crate) struct FusedLaunch<'a, 'py> {
     pub tensors: FusedTensors<'a, 'py>,
     /// Elements per head.
     pub head_size: usize,
-    /// `(q_weight, k_weight, eps)` of the RMS normalisation before the rotation.
-    pub norm: Option<(&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>, f64)>,
+    /// `(q_weight, k_weight, eps, weighting)` of the RMS normalisation before the rotation.
+    pub norm: Option<(
+        &'a Bound<'py, PyAny>,
+        &'a Bound<'py, PyAny>,
+        f64,
+        NormWeight,
+    )>,
     /// One position per token, int32 or int64 (`[tokens]`); with `axes`, a row per axis
     /// (`[n_axes, tokens]`).
     pub positions: &'a Bound<'py, PyAny>,
@@ -558,7 +563,7 @@ pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> 
     let head_dim = u32::try_from(l.head_size)
         .map_err(|_| PyValueError::new_err(format!("head_size {} is too large", l.head_size)))?;
     let norm = match l.norm {
-        Some((qw, kw, eps)) => {
+        Some((qw, kw, eps, weighting)) => {
             let mut weight = |obj, arg| -> PyResult<_> {
                 let name = names.python_name(arg);
                 let d = held.borrow(obj, name)?;
@@ -568,7 +573,7 @@ pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> 
                 q_weight: weight(qw, "norm.q_weight")?,
                 k_weight: weight(kw, "norm.k_weight")?,
                 eps: eps as f32,
-                weight: NormWeight::Plain,
+                weight: weighting,
             })
         }
         None => None,

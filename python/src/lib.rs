@@ -34,6 +34,8 @@ mod launch;
 #[cfg(feature = "python")]
 mod native;
 pub mod options;
+#[cfg(feature = "python")]
+mod training;
 
 /// rope-rs: rotary position embedding on NVIDIA GPUs, kernels written in Rust; tensors by
 /// DLPack.
@@ -43,5 +45,6 @@ pub mod options;
 fn native_module(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
     native::register(m)?;
     flashinfer::register(m)?;
+    training::register(m)?;
     hf::register(m)
 }

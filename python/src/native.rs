@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use rope_host::{
     AngleMode, ConfigBase, ConfigValue, ContextParallel, DEFAULT_THETA, Direction, FrequencySpec,
-    ROPE_SCALING_KEYS, RopeScaling, RopeStyle, StreamOverlap,
+    NormWeight, ROPE_SCALING_KEYS, RopeScaling, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{DL_CUDA, TensorLayout};
@@ -1001,7 +1001,7 @@ fn fused_qk_norm_rope(
             heads: [num_heads_q, num_heads_k, num_heads_v],
         },
         head_size: head_dim,
-        norm: Some((q_weight, k_weight, eps)),
+        norm: Some((q_weight, k_weight, eps, NormWeight::Plain)),
         positions: position_ids,
         axes,
         cos_sin_cache,

@@ -2336,3 +2336,78 @@ class TestErrors:
     def test_tensors_on_two_devices(self):
         with pytest.raises(ValueError, match=r"k is on (cuda:1, q on cuda:0|CUDA device 1)"):
             rope_rs.apply_rope(randn(4, 2, 64), torch.randn(4, 2, 64, device="cuda:1"))
+
+
+class TestQkNormRopeTraining:
+    """``rope_rs.qk_norm_rope``: forward and the fused backward against PyTorch's autograd of
+    the same step written in float64 (QK-norm, then the rotation by the cos_sin_cache rows)."""
+
+    @staticmethod
+    def step64(x, w, cache, positions, eps, is_neox, gemma):
+        """The step in float64: x [t, h, d], w [d]."""
+        x = x.to(torch.float64)
+        n = x / (x.square().mean(-1, keepdim=True) + eps).sqrt() * (w.to(torch.float64) + (1.0 if gemma else 0.0))
+        half = x.shape[-1] // 2
+        rows = cache.to(torch.float64)[positions.long()]
+        cos, sin = rows[:, None, :half], rows[:, None, half:]
+        if is_neox:
+            a, b = n[..., :half], n[..., half:]
+            return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+        a, b = n[..., 0::2], n[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("gemma", [False, True])
+    def test_forward_and_gradients_match_float64_autograd(self, dtype, is_neox, gemma):
+        torch.manual_seed(int(is_neox) + 2 * int(gemma))
+        t, hq, hk, d, eps = 300, 8, 2, 128, 1e-6
+        q = torch.randn(t, hq, d, device=DEV, dtype=dtype, requires_grad=True)
+        k = torch.randn(t, hk, d, device=DEV, dtype=dtype, requires_grad=True)
+        scale = 0.3 if gemma else 1.0
+        qw = (torch.randn(d, device=DEV) * scale + (0.0 if gemma else 1.0)).to(dtype).requires_grad_()
+        kw = (torch.randn(d, device=DEV) * scale + (0.0 if gemma else 1.0)).to(dtype).requires_grad_()
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=DEV, dtype=torch.float64) / d))
+        angles = torch.arange(4096, device=DEV, dtype=torch.float64)[:, None] * inv
+        cache = torch.cat([angles.cos(), angles.sin()], -1).to(torch.float32)
+        positions = torch.randint(0, 4096, (t,), device=DEV)
+        q_out, k_out = rope_rs.qk_norm_rope(q, k, qw, kw, cache, positions, eps=eps, is_neox=is_neox, gemma=gemma)
+        gq_out, gk_out = torch.randn_like(q_out), torch.randn_like(k_out)
+        (q_out.float() * gq_out.float()).sum().add((k_out.float() * gk_out.float()).sum()).backward()
+
+        leaves = [x.detach().to(torch.float64).requires_grad_() for x in (q, k, qw, kw)]
+        want_q = self.step64(leaves[0], leaves[2], cache, positions, eps, is_neox, gemma)
+        want_k = self.step64(leaves[1], leaves[3], cache, positions, eps, is_neox, gemma)
+        (want_q * gq_out.double()).sum().add((want_k * gk_out.double()).sum()).backward()
+        extra = 0.0 if dtype == torch.float32 else 2e-2
+        check(q_out, want_q.detach(), extra_atol=extra)
+        check(k_out, want_k.detach(), extra_atol=extra)
+        for got, leaf in zip((q, k), leaves[:2]):
+            check(got.grad, leaf.grad, extra_atol=1e-4 if dtype == torch.float32 else 3e-2)
+        for got, leaf in zip((qw, kw), leaves[2:]):
+            # Sums over 300 tokens and the heads: the bound grows with the terms summed.
+            bound = 1e-4 * leaf.grad.abs().max().item() + (1e-3 if dtype == torch.float32 else 0.0)
+            torch.testing.assert_close(
+                got.grad.double(), leaf.grad, atol=bound, rtol=1e-4 if dtype == torch.float32 else 8e-3
+            )
+
+    def test_backward_is_deterministic_and_leaves_inputs_alone(self):
+        torch.manual_seed(7)
+        t, d = 1000, 64
+        q = torch.randn(t, 4, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(t, 2, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        qw = torch.ones(d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        kw = torch.ones(d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        cache = torch.randn(2048, d, device=DEV, dtype=torch.float32)
+        positions = torch.randint(0, 2048, (t,), device=DEV, dtype=torch.int32)
+        q0 = q.detach().clone()
+        grads = []
+        for _ in range(2):
+            for x in (q, k, qw, kw):
+                x.grad = None
+            q_out, k_out = rope_rs.qk_norm_rope(q, k, qw, kw, cache, positions)
+            (q_out.float().square().sum() + k_out.float().sum()).backward()
+            grads.append([x.grad.clone() for x in (q, k, qw, kw)])
+        assert torch.equal(q.detach(), q0)
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
