@@ -306,6 +306,8 @@ def _dlpack_view(
 def _qk_norm_rope(
     q: Any,
     k: Any,
+    q_out: Any,
+    k_out: Any,
     q_weight: Any,
     k_weight: Any,
     cos_sin_cache: Any,
@@ -316,7 +318,8 @@ def _qk_norm_rope(
     gemma: bool,
     stream: int,
 ) -> None:
-    """The forward step of ``rope_rs.qk_norm_rope``: q and k normalised and rotated in place."""
+    """The forward step of ``rope_rs.qk_norm_rope``: q and k normalised and rotated into
+    ``q_out`` and ``k_out``."""
 
 def _qk_norm_rope_workspace(tensor: Any, heads: int, head_size: int) -> int:
     """The float32 workspace ``_qk_norm_rope_backward`` needs on ``tensor``'s device."""

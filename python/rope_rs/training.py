@@ -23,10 +23,10 @@ def _function() -> Any:
         @staticmethod
         def forward(ctx, q, k, q_weight, k_weight, cos_sin_cache, positions, eps, is_neox, gemma):
             d = q.shape[-1]
-            q_out, k_out = q.contiguous().clone(), k.contiguous().clone()
+            q_out, k_out = torch.empty_like(q), torch.empty_like(k)
             _native._qk_norm_rope(
-                q_out, k_out, q_weight, k_weight, cos_sin_cache, positions, d, eps, is_neox,
-                gemma, stream(q),
+                q, k, q_out, k_out, q_weight, k_weight, cos_sin_cache, positions, d, eps,
+                is_neox, gemma, stream(q),
             )
             ctx.save_for_backward(q, k, q_weight, k_weight, cos_sin_cache, positions)
             ctx.options = (d, eps, is_neox, gemma)

@@ -75,6 +75,18 @@ pub(crate) enum FusedTensors<'a, 'py> {
         /// Copied into the cache.
         value: Option<&'a Bound<'py, PyAny>>,
     },
+    /// query and key read, normalised and rotated into outputs of their shapes (the training
+    /// form's forward step); no cache.
+    OutOfPlace {
+        /// Read only.
+        query: &'a Bound<'py, PyAny>,
+        /// Read only.
+        key: &'a Bound<'py, PyAny>,
+        /// query's result.
+        query_out: &'a Bound<'py, PyAny>,
+        /// key's result.
+        key_out: &'a Bound<'py, PyAny>,
+    },
     /// FlashInfer's rotated parts, read only, rotated into FP8 outputs of `x * multiplier`:
     /// q to `q_out`, k to `k_out` (or only to the cache, without one).
     Quantized {
@@ -461,6 +473,32 @@ fn raw_io<'py>(
             };
             Ok((io, elem, dtype))
         }
+        FusedTensors::OutOfPlace {
+            key,
+            query_out,
+            key_out,
+            ..
+        } => {
+            let spec = (elem, arg, view);
+            let mut tensor = |obj, name| -> PyResult<RawTensor> {
+                Ok(held.tensor(Some(obj), name, spec)?.expect("given"))
+            };
+            let k = tensor(key, names.python_name("k"))?;
+            let q_output = tensor(query_out, names.python_name("q.output"))?;
+            let k_output = tensor(key_out, names.python_name("k.output"))?;
+            let io = RawFusedIo::Separate {
+                q: RawQOut::Elem(RawIo::OutOfPlace {
+                    input: first,
+                    output: q_output,
+                }),
+                k: RawKOut::Elem(RawIo::OutOfPlace {
+                    input: k,
+                    output: k_output,
+                }),
+                v: None,
+            };
+            Ok((io, elem, dtype))
+        }
         FusedTensors::Quantized {
             k,
             value,
@@ -541,7 +579,7 @@ pub(crate) fn launch(l: FusedLaunch<'_, '_>) -> PyResult<()> {
     // The first tensor sets the device every other must be on.
     let first = match &l.tensors {
         FusedTensors::Packed { qkv, .. } => *qkv,
-        FusedTensors::Separate { query, .. } => *query,
+        FusedTensors::Separate { query, .. } | FusedTensors::OutOfPlace { query, .. } => *query,
         FusedTensors::Quantized { q, .. } => *q,
     };
     let dlpack_stream = dlpack_stream(l.stream, l.producer_sync);

@@ -1,6 +1,6 @@
 //! The training form of the fused QK-norm + RoPE from Python objects (`rope_rs.qk_norm_rope`
-//! and its autograd): the forward step on separate q and k, normalised and rotated in place
-//! (one launch of [`rope_host::Rope::run_fused_raw`]), and its backward (one call of
+//! and its autograd): the forward step on separate q and k, normalised and rotated into new
+//! tensors (one launch of [`rope_host::Rope::run_fused_raw`]), and its backward (one call of
 //! [`rope_host::Rope::run_fused_backward_raw`]: the gradients of q's and k's inputs and of both
 //! norm weights), each on the caller's stream. sin/cos come from a `cos_sin_cache`
 //! `[max_position, rotary_dim]` (cos half, then sin half) at per-token `positions`.
@@ -37,8 +37,8 @@ const OTHER: [(&str, &str); 9] = [
 const FORWARD: Names = Names {
     q: "q",
     k: "k",
-    out: "q",
-    k_out: "k",
+    out: "q_out",
+    k_out: "k_out",
     positions: "positions",
     sincos: "cos_sin_cache",
     other: &OTHER,
@@ -65,15 +65,19 @@ fn weighting(gemma: bool) -> NormWeight {
 }
 
 /// The forward step: `q` and `k` (`[tokens, heads, head_size]` or `[tokens, heads *
-/// head_size]`) normalised per head by `q_weight`, `k_weight` and rotated, in place.
+/// head_size]`) normalised per head by `q_weight`, `k_weight` and rotated into `q_out` and
+/// `k_out` (of their shapes).
 #[pyfunction]
 #[pyo3(signature = (
-    q, k, q_weight, k_weight, cos_sin_cache, positions, head_size, eps, is_neox, gemma, stream
+    q, k, q_out, k_out, q_weight, k_weight, cos_sin_cache, positions, head_size, eps, is_neox,
+    gemma, stream
 ))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn _qk_norm_rope(
     q: &Bound<'_, PyAny>,
     k: &Bound<'_, PyAny>,
+    q_out: &Bound<'_, PyAny>,
+    k_out: &Bound<'_, PyAny>,
     q_weight: &Bound<'_, PyAny>,
     k_weight: &Bound<'_, PyAny>,
     cos_sin_cache: &Bound<'_, PyAny>,
@@ -85,10 +89,11 @@ pub(crate) fn _qk_norm_rope(
     stream: u64,
 ) -> PyResult<()> {
     fused::launch(FusedLaunch {
-        tensors: FusedTensors::Separate {
+        tensors: FusedTensors::OutOfPlace {
             query: q,
             key: k,
-            value: None,
+            query_out: q_out,
+            key_out: k_out,
         },
         head_size,
         norm: Some((q_weight, k_weight, eps, weighting(gemma))),
