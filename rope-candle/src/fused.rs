@@ -106,7 +106,7 @@ pub fn fused_inplace(
 }
 
 /// A tensor's storage guard and layout, named for errors.
-struct Held<'t> {
+pub(crate) struct Held<'t> {
     arg: &'static str,
     storage: candle_core::StorageRef<'t>,
     layout: &'t Layout,
@@ -114,7 +114,7 @@ struct Held<'t> {
 
 impl<'t> Held<'t> {
     /// `tensor`'s storage, which must be on `device` (q's CUDA device).
-    fn new(
+    pub(crate) fn new(
         arg: &'static str,
         tensor: &'t Tensor,
         device: &candle_core::Device,
@@ -139,9 +139,9 @@ impl<'t> Held<'t> {
 }
 
 /// The storage guards of one launch, held until it is queued.
-struct Guards<'a> {
-    stream: &'a Arc<CudaStream>,
-    held: Vec<SyncOnDrop<'a>>,
+pub(crate) struct Guards<'a> {
+    pub(crate) stream: &'a Arc<CudaStream>,
+    pub(crate) held: Vec<SyncOnDrop<'a>>,
 }
 
 impl<'a> Guards<'a> {
@@ -188,7 +188,7 @@ impl<'a> Guards<'a> {
 
 /// The element types a fused launch binds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Elem {
+pub(crate) enum Elem {
     Float(DType),
     Byte,
     Int(IntType),
@@ -207,7 +207,7 @@ impl Elem {
 
 /// A float tensor of `dtype` (its whole allocation; the layout addresses it), as rope-host's
 /// view with `axes`.
-fn float_tensor<'a>(
+pub(crate) fn float_tensor<'a>(
     g: &mut Guards<'a>,
     h: &'a Held<'_>,
     dtype: DType,
@@ -341,7 +341,58 @@ fn launch(
         }),
         _ => None,
     };
-    let sincos = match (&spec.sincos, &tables_h) {
+    let sincos = raw_sincos(
+        &mut g,
+        &rope,
+        (&spec.sincos, tables_h.as_ref()),
+        dtype,
+        head_dim,
+    )?;
+    let positions = raw_positions(&mut g, positions, ids_h.as_ref(), (batch, seq))?;
+    let cache = match &cache_h {
+        Some((kc, vc, slots, scales)) => Some(RawKvCache {
+            non_rotary: None,
+            address: RawCacheAddress::Slots(ints_buf(&mut g, slots)?),
+            layout: cache_layout(kc, vc)?,
+            data: cache_data(&mut g, kc, vc, scales.as_ref(), dtype)?,
+        }),
+        None => None,
+    };
+    let op = RawFusedOp {
+        rope: RawOp {
+            config,
+            dtype,
+            positions,
+            sincos,
+        },
+        norm,
+    };
+    let io = tensors_io(q_t, k_t, v_t)?;
+    // SAFETY: `stream` is candle's stream of q's device and `rope` was made on it, so the
+    // context matches; every address comes from a `CudaSlice` of that device (each tensor was
+    // checked to be on it) with its length in elements of the type rope-host is told (start
+    // offsets added only within the slice, by `Guards::contiguous`); the storage guards and
+    // the slices' guards live until the launch is queued, and candle's one stream orders every
+    // other use of these buffers before or after it; frequencies and computed sin/cos were
+    // prepared on this stream. rope-host validates that what the launch writes (q, k, the
+    // caches' slots) overlaps nothing it reads or writes elsewhere.
+    unsafe { rope.run_fused_raw(&op, io, cache, stream.cu_stream()) }?;
+    drop(g);
+    Ok(())
+}
+
+/// The launch's sin/cos as rope-host takes them: computed (its frequencies prepared on `rope`'s
+/// stream), frequencies, or tables `[rows, head_dim / 2]` (held in `tables`) of `dtype` or f32.
+pub(crate) fn raw_sincos<'a>(
+    g: &mut Guards<'a>,
+    rope: &rope_host::Rope,
+    (sincos, tables): (&SinCos, Option<&'a (Held<'_>, Held<'_>)>),
+    dtype: DType,
+    head_dim: usize,
+) -> Result<RawSinCos, Error> {
+    let head_dim_u32 = u32::try_from(head_dim)
+        .map_err(|_| invalid("q", format!("head_dim {head_dim} exceeds u32")))?;
+    Ok(match (sincos, tables) {
         (SinCos::Computed { theta }, _) => {
             rope.prepare(*theta, head_dim_u32)?;
             RawSinCos::Computed { theta: *theta }
@@ -378,49 +429,33 @@ fn launch(
                 },
             }
         }
-    };
-    let positions = match (positions, &ids_h) {
+    })
+}
+
+/// The launch's positions as rope-host takes them: an offset, or ids (held in `ids`) of
+/// `[seq]` or `[batch, seq]`.
+pub(crate) fn raw_positions<'a>(
+    g: &mut Guards<'a>,
+    positions: Positions<'_>,
+    ids: Option<&'a Held<'_>>,
+    (batch, seq): (usize, usize),
+) -> Result<RawPositions, Error> {
+    Ok(match (positions, ids) {
         (Positions::Offset(o), _) => RawPositions::Offset(o),
         (Positions::Ids(_), None) => return Err(invalid("ids", "ids not held")),
         (Positions::Ids(_), Some(ids)) => RawPositions::Ids {
-            ids: ints_buf(&mut g, ids)?,
+            ids: ints_buf(g, ids)?,
             shape: ids_shape(ids.layout.dims(), batch, seq)?,
         },
-    };
-    let cache = match &cache_h {
-        Some((kc, vc, slots, scales)) => Some(RawKvCache {
-            non_rotary: None,
-            address: RawCacheAddress::Slots(ints_buf(&mut g, slots)?),
-            layout: cache_layout(kc, vc)?,
-            data: cache_data(&mut g, kc, vc, scales.as_ref(), dtype)?,
-        }),
-        None => None,
-    };
-    let op = RawFusedOp {
-        rope: RawOp {
-            config,
-            dtype,
-            positions,
-            sincos,
-        },
-        norm,
-    };
-    let io = tensors_io(q_t, k_t, v_t)?;
-    // SAFETY: `stream` is candle's stream of q's device and `rope` was made on it, so the
-    // context matches; every address comes from a `CudaSlice` of that device (each tensor was
-    // checked to be on it) with its length in elements of the type rope-host is told (start
-    // offsets added only within the slice, by `Guards::contiguous`); the storage guards and
-    // the slices' guards live until the launch is queued, and candle's one stream orders every
-    // other use of these buffers before or after it; frequencies and computed sin/cos were
-    // prepared on this stream. rope-host validates that what the launch writes (q, k, the
-    // caches' slots) overlaps nothing it reads or writes elsewhere.
-    unsafe { rope.run_fused_raw(&op, io, cache, stream.cu_stream()) }?;
-    drop(g);
-    Ok(())
+    })
 }
 
 /// Normalisation weights: `[head_dim]` of q's dtype, contiguous.
-fn weight_buf<'a>(g: &mut Guards<'a>, h: &'a Held<'_>, dtype: DType) -> Result<RawBuf, Error> {
+pub(crate) fn weight_buf<'a>(
+    g: &mut Guards<'a>,
+    h: &'a Held<'_>,
+    dtype: DType,
+) -> Result<RawBuf, Error> {
     match g.contiguous(h)? {
         (buf, Elem::Float(d)) if d == dtype => Ok(buf),
         _ => Err(invalid(h.arg, format!("must have q's dtype {dtype:?}"))),
@@ -428,7 +463,7 @@ fn weight_buf<'a>(g: &mut Guards<'a>, h: &'a Held<'_>, dtype: DType) -> Result<R
 }
 
 /// Position ids or slots: i32 or i64, contiguous.
-fn ints_buf<'a>(g: &mut Guards<'a>, h: &'a Held<'_>) -> Result<RawInts, Error> {
+pub(crate) fn ints_buf<'a>(g: &mut Guards<'a>, h: &'a Held<'_>) -> Result<RawInts, Error> {
     match g.contiguous(h)? {
         (buf, Elem::Int(ty)) => Ok(RawInts { buf, ty }),
         _ => Err(invalid(h.arg, "must be i32 or i64")),

@@ -39,6 +39,7 @@ mod fused;
 mod layout;
 mod op;
 mod rich;
+mod training;
 
 pub use drop_in::{rope, rope_i, rope_thd};
 pub use error::Error;
@@ -50,3 +51,4 @@ pub use rich::{
 pub use rope_host::{
     AngleMode, ConfigBase, ConfigValue, FrequencySpec, NormWeight, RopeScaling, RopeStyle,
 };
+pub use training::{NormRopeSpec, norm_rope};
