@@ -1435,7 +1435,7 @@ pub const NORM_GRAD_WEIGHTS_THREADS: u32 = 1024;
 /// Features of one weights block (one per lane of a warp).
 pub const NORM_GRAD_WEIGHTS_FEATURES: u32 = 32;
 
-/// q's or k's heads each thread of a gradient entry point takes at every token (its loads
+/// q's or k's heads each thread of a gradient entry point takes at every token (their loads
 /// issued together, one position and sin/cos for all).
 pub const NORM_GRAD_HEADS_PER_THREAD: u32 = 2;
 

@@ -31,7 +31,9 @@ use super::raw::{RawFusedOp, RawQkNorm};
 use super::request::{FusedRequest, NopeParts, RawNorm};
 use super::{FusedOp, QkNorm};
 use crate::bind::{Binder, RawBuf};
-use crate::check::{Of, Region, check_overlaps, layout_aligned, region, same_dims};
+use crate::check::{
+    Of, Region, check_overlaps, layout_aligned, region, same_dims, span_below_2_32,
+};
 use crate::config::{RopeElem, RopeStyle};
 use crate::device::{DeviceFacts, StreamOverlap};
 use crate::error::{Result, invalid};
@@ -398,6 +400,32 @@ pub(super) fn plan_grad(
     let tokens = (q.batch as u64)
         .checked_mul(q.seq as u64)
         .ok_or_else(|| invalid("q", "batch * seq overflows u64"))?;
+    // The kernels index tokens and elements in 32 bits.
+    if tokens > u64::from(u32::MAX) {
+        return Err(invalid(
+            "q",
+            format!("{tokens} tokens: the fused backward takes fewer than 2^32"),
+        ));
+    }
+    let q_req = &fused.rope.q;
+    let spans = [
+        ("q", Some(q_req.x_layout)),
+        ("q.output", q_req.out.map(|(_, l)| l)),
+        ("k", Some(k_req.x_layout)),
+        ("k.output", k_req.out.map(|(_, l)| l)),
+        ("q_input", Some(req.q_input.1)),
+        ("k_input", Some(req.k_input.1)),
+    ];
+    for (name, l) in spans {
+        if let Some(l) = l
+            && !span_below_2_32(&l)
+        {
+            return Err(invalid(
+                name,
+                "spans 2^32 elements or more; the fused backward addresses tensors below that",
+            ));
+        }
+    }
     let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
     let heads = q.heads + k.heads;
     let empty = tokens == 0 || heads == 0;

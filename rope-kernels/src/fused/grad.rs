@@ -41,8 +41,8 @@ use crate::intrinsics::{
     shuffle_xor, sync_threads_count, thread_idx_x, trap,
 };
 use crate::rope::{
-    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, cos_sin, load_head, position,
-    rotate_values_with, vector_offsets, widen,
+    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, cos_sin, load_head, offset_u32,
+    position, rotate_values_with, vector_offsets, widen,
 };
 
 /// The gradient kernel's arguments: the RoPE arguments (`gy` in, `gx` out, positions, sin/cos)
@@ -79,16 +79,6 @@ unsafe fn load_f32<T: Elem, P: Pairing, const L: usize>(
         [[0.0; L]; 2]
     }
 }
-
-/// The element offset of head `h` of token `(b, s)` at `strides`.
-#[inline(always)]
-fn offset(strides: [u64; 3], (b, s): (u64, u64), h: u32) -> usize {
-    (b * strides[0] + s * strides[1] + h as u64 * strides[2]) as usize
-}
-
-/// Heads of one tensor each thread takes at every token: their loads are issued together, and
-/// the token's position and sin/cos serve them all.
-const HEADS: usize = NORM_GRAD_HEADS_PER_THREAD as usize;
 
 /// One head's gradient at one token from its loaded forward input `x` and output gradient
 /// `gy` (both as [`load_head`] lays them out): stores the input gradient at `out` (unless
@@ -144,7 +134,7 @@ unsafe fn head_gradient<T: Elem, P: Pairing, const L: usize>(
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
+unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const HEADS: usize>(g: &Grad<T>) {
     let a = &g.rope;
     let pairs = if P::NEOX { L } else { L / 2 };
     // Each head's threads: a segment of `groups` lanes (a power of two), of which the first
@@ -183,11 +173,13 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
     let consts = (groups, 1.0 / a.rotary_dim as f32, g.norm_eps);
     let mut acc = [[0.0f32; L]; 2];
     // Warp `w` of block `bx` takes tokens `bx * warps + w`, then a grid's worth further each.
-    let step = grid_dim_x() as u64 * warps as u64;
-    let mut t = block_idx_x() as u64 * warps as u64 + warp as u64;
-    while t < a.tokens {
-        let (b, s) = a.seq.div_rem(t);
-        let at = |strides, h| offset(strides, (b, s), h);
+    // Tokens and element offsets fit in 32 bits (every tensor spans fewer than 2^32 elements).
+    let tokens = a.tokens as u32;
+    let step = grid_dim_x() * warps;
+    let mut t = block_idx_x() * warps + warp;
+    while t < tokens {
+        let (b, s) = a.seq.div_rem_u32(t);
+        let at = |strides, h| offset_u32(strides, (b, s), h) as usize;
         // Every head's loads first, then the token's position and sin/cos.
         let mut loaded = [[[[T::ZERO; L]; 2]; 2]; HEADS];
         unrolled(HEADS, |u| {
@@ -209,7 +201,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
         let (cos, sin) = if pairs_here {
             // SAFETY: the entry points' promises for the positions and the tables.
             unsafe {
-                let pos = position(a, b, s, group);
+                let pos = position(a, u64::from(b), u64::from(s), group);
                 cos_sin::<T, S, L>(a, pos, j0, pairs)
             }
         } else {
@@ -228,7 +220,10 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize>(g: &Grad<T>) {
                 head_gradient::<T, P, L>(io, (&cos, &sin, &w), consts, (out, j0, half), &mut acc)
             };
         });
-        t += step;
+        t = t.wrapping_add(step);
+        if t < step {
+            break;
+        }
     }
     // SAFETY: the entry points' promises for `partials` and the block's shape.
     unsafe { store_partials::<P, L>(g, acc, (groups, j0)) };
@@ -291,6 +286,10 @@ unsafe fn store_partials<P: Pairing, const L: usize>(
     }
 }
 
+/// Heads of one tensor each thread takes at every token: their loads are issued together, and
+/// the token's position and sin/cos serve them all.
+const HEADS: usize = NORM_GRAD_HEADS_PER_THREAD as usize;
+
 /// Selects the body for the launch's access width.
 ///
 /// # Safety
@@ -300,9 +299,9 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(g: &Grad<T>) {
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (T::SIZE, g.rope.lanes, P::NEOX) {
-            (2, 8, false) => body::<T, P, S, 8>(g),
-            (2, 4, true) | (4, 4, _) => body::<T, P, S, 4>(g),
-            (_, 2, _) => body::<T, P, S, 2>(g),
+            (2, 8, false) => body::<T, P, S, 8, HEADS>(g),
+            (2, 4, true) | (4, 4, _) => body::<T, P, S, 4, HEADS>(g),
+            (_, 2, _) => body::<T, P, S, 2, HEADS>(g),
             _ => trap(),
         }
     }
@@ -376,7 +375,8 @@ macro_rules! grad_entry {
         ///
         /// # Safety
         /// The promises of the RoPE entry points (`crate::rope`) for `gy` (`x0`, `x1`) and `gx`
-        /// (`out0`, `out1`), with the whole head rotated (`rotary_dim = head_dim`,
+        /// (`out0`, `out1`), every tensor spanning fewer than 2^32 elements and `tokens` below
+        /// 2^32, with the whole head rotated (`rotary_dim = head_dim`,
         /// `rotary_offset = 0`, `rot_groups = half / pairs` and `groups` the power of two at or
         /// above it, at most 32, `heads_per_chunk = (32 / groups) * NORM_GRAD_HEADS_PER_THREAD`),
         /// and:
