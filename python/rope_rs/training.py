@@ -80,6 +80,14 @@ def qk_norm_rope(
     row (``[max_position, head_size]``: cos half, then sin half, vLLM's form) at each token's
     ``positions`` (int32 or int64, ``[num_tokens]``). Whole heads rotate. The weight gradients
     are summed in a fixed order: the same inputs give the same bits every run.
+
+    Raises TypeError for arguments that are not torch tensors, and ValueError naming the
+    argument for tensors that do not fit (shapes, types, devices, a head wider than the kernels
+    take).
     """
+    torch = sys.modules.get("torch")
+    for name, x in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
+        if torch is None or not isinstance(x, torch.Tensor):
+            raise TypeError(f"qk_norm_rope: {name} must be a torch.Tensor, got {type(x).__name__}")
     fn = _function()
     return fn.apply(q, k, q_weight, k_weight, cos_sin_cache, positions, eps, is_neox, gemma)

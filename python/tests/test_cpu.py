@@ -421,6 +421,13 @@ class TestImport:
 
 
 class TestTensors:
+    def test_qk_norm_rope_takes_torch_tensors_only(self):
+        np = numpy()
+        x = np.zeros((4, 2, 64), dtype=np.float32)
+        w = np.ones(64, dtype=np.float32)
+        with pytest.raises(TypeError, match=r"qk_norm_rope: q must be a torch.Tensor, got ndarray"):
+            rope_rs.qk_norm_rope(x, x, w, w, np.zeros((8, 64), dtype=np.float32), np.zeros(4, dtype=np.int64))
+
     def test_cpu_tensor_is_a_value_error_naming_q(self):
         np = numpy()
         q = np.zeros((2, 8, 4, 16), dtype=np.float32)
