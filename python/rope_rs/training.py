@@ -17,7 +17,8 @@ def _function() -> Any:
     torch = sys.modules["torch"]
 
     def stream(x: Any) -> int:
-        return torch.cuda.current_stream(x.device).cuda_stream
+        # A CPU tensor gets stream 0: the native call then names it (q must be a CUDA tensor).
+        return torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
 
     class QkNormRope(torch.autograd.Function):
         @staticmethod
