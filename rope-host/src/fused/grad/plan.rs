@@ -1,0 +1,293 @@
+//! The plan step of a backward launch, pure so that it is tested without a GPU: validation of
+//! the gradients, the forward inputs, the weight gradients and the workspace (beside the fused
+//! launches' own checks of the tensors, the norm and the options), the access width and the
+//! grid.
+
+use std::num::NonZeroU32;
+
+use cudarc::driver::LaunchConfig;
+use rope_kernels::abi::{
+    DType, Direction, NORM_GRAD_HEADS_PER_THREAD, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32,
+    NormGradKernelName,
+};
+use rope_kernels::divide::Divisor;
+
+use super::super::plan::{check_fused_tensors, same_tokens};
+use super::GradRequest;
+use crate::check::{
+    Of, Region, check_overlaps, layout_aligned, region, same_dims, span_below_2_32,
+};
+use crate::config::RopeStyle;
+use crate::device::DeviceFacts;
+use crate::error::{Result, invalid};
+use crate::plan::{Grid, TensorReq};
+use crate::positions::PositionsPlan;
+use crate::sincos::SinCosPlan;
+
+/// Everything a backward launch needs except the device pointers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GradPlan {
+    pub(crate) kernel: NormGradKernelName,
+    pub(crate) grid: Grid,
+    pub(crate) lanes: u32,
+    /// Threads holding one head's pairs, `half / pairs` (in a segment of the grid's `groups`,
+    /// the power of two at or above it).
+    pub(crate) groups: u32,
+    pub(crate) tokens: u64,
+    pub(crate) positions: PositionsPlan,
+    pub(crate) sincos: SinCosPlan,
+    /// Grid rows of q's heads, then of k's.
+    pub(crate) chunks: (u32, u32),
+}
+
+/// The most blocks a backward grid of `heads` q and k heads takes: a full complement of the
+/// smallest blocks (one warp) on every multiprocessor, or one per head where that is more.
+pub(super) fn max_grad_blocks(facts: &DeviceFacts, heads: usize) -> usize {
+    let full = facts.sm_count as usize * (facts.threads_per_sm / 32) as usize;
+    full.max(heads)
+}
+
+/// The access widths a backward tries, widest first: 16 bytes per vector where the pairs'
+/// threads keep a head within a warp segment with registers to spare (NeoX pairs of 16-bit
+/// elements take two 8-byte vectors: at 16 bytes their kernels took too many registers), then
+/// two elements.
+fn candidate_lanes(style: RopeStyle, dtype: DType) -> [u32; 2] {
+    match (style, dtype.size()) {
+        (RopeStyle::Interleaved, 2) => [8, 2],
+        _ => [4, 2],
+    }
+}
+
+/// Validates a backward request and computes its launch: `None` when there is nothing to do.
+/// `blocks_per_sm(kernel, threads)` is the driver's occupancy for blocks of `threads`.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the first offending argument.
+pub(crate) fn plan_grad(
+    req: &GradRequest,
+    facts: &DeviceFacts,
+    blocks_per_sm: &dyn Fn(NormGradKernelName, u32) -> u32,
+) -> Result<Option<GradPlan>> {
+    let fused = &req.fused;
+    let (cfg, dtype) = (&fused.rope.config, fused.rope.dtype);
+    let es = dtype.size();
+    if cfg.direction() != Direction::Forward
+        || cfg.rotary_dim() != cfg.head_dim()
+        || cfg.rotary_offset() != 0
+    {
+        return Err(invalid(
+            "config",
+            format!(
+                "the fused backward takes the forward step of a whole-head rotation \
+                 (rotary_dim {} of head_dim {} at offset {}, {:?})",
+                cfg.rotary_dim(),
+                cfg.head_dim(),
+                cfg.rotary_offset(),
+                cfg.direction()
+            ),
+        ));
+    }
+    let Some(k_req) = fused.rope.k else {
+        return Err(invalid("k", "the fused backward needs k"));
+    };
+    let mut regions = check_fused_tensors(fused, &k_req)?;
+    let (q, k) = (&fused.rope.q.x_layout, &k_req.x_layout);
+    for (name, (buf, l), grad) in [("q_input", req.q_input, q), ("k_input", req.k_input, k)] {
+        same_dims(name, &l, grad)?;
+        regions.push(region((name, Of::Read), buf, &l, cfg, (es, false))?);
+    }
+    for (name, w) in [("q_weight", req.q_weight), ("k_weight", req.k_weight)] {
+        if w.len != cfg.head_dim() as usize {
+            return Err(invalid(
+                name,
+                format!(
+                    "holds {} elements, needs head_dim {}",
+                    w.len,
+                    cfg.head_dim()
+                ),
+            ));
+        }
+        regions.push(written(name, (w.ptr, (w.len * es) as u64)));
+    }
+    same_tokens("k", k, q)?;
+    let tokens = (q.batch as u64)
+        .checked_mul(q.seq as u64)
+        .ok_or_else(|| invalid("q", "batch * seq overflows u64"))?;
+    // The kernels index tokens and elements in 32 bits.
+    if tokens > u64::from(u32::MAX) {
+        return Err(invalid(
+            "q",
+            format!("{tokens} tokens: the fused backward takes fewer than 2^32"),
+        ));
+    }
+    let q_req = &fused.rope.q;
+    let spans = [
+        ("q", Some(q_req.x_layout)),
+        ("q.output", q_req.out.map(|(_, l)| l)),
+        ("k", Some(k_req.x_layout)),
+        ("k.output", k_req.out.map(|(_, l)| l)),
+        ("q_input", Some(req.q_input.1)),
+        ("k_input", Some(req.k_input.1)),
+    ];
+    for (name, l) in spans {
+        if let Some(l) = l
+            && !span_below_2_32(&l)
+        {
+            return Err(invalid(
+                name,
+                "spans 2^32 elements or more; the fused backward addresses tensors below that",
+            ));
+        }
+    }
+    let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
+    let heads = q.heads + k.heads;
+    let empty = tokens == 0 || heads == 0;
+    let positions = fused.rope.positions.check(q.batch, q.seq, cfg.half())?;
+    let sincos = fused
+        .rope
+        .sincos
+        .check(cfg, dtype, positions.max_implicit.filter(|_| !empty))?;
+    let (lanes, groups) = access(req, &k_req)?;
+    // A head's threads: a warp segment of a power of two, the lanes past `groups` idle.
+    let threads_per_head = groups.next_power_of_two();
+    // A block row: a warp's slots of `threads_per_head` lanes, each taking
+    // `NORM_GRAD_HEADS_PER_THREAD` heads; its warps walk their own tokens, as many warps as fit
+    // `NORM_GRAD_MAX_THREADS` and, times `head_dim`, the shared buffer.
+    let head_dim = cfg.head_dim();
+    let warps = (NORM_GRAD_MAX_THREADS / 32).min(NORM_GRAD_SHARED_F32 / head_dim);
+    if warps == 0 {
+        return Err(invalid(
+            "config",
+            format!("head_dim {head_dim} is wider than the fused backward's sums take"),
+        ));
+    }
+    let per_chunk = 32 / threads_per_head * NORM_GRAD_HEADS_PER_THREAD;
+    let chunks = (
+        (q.heads as u32).div_ceil(per_chunk),
+        (k.heads as u32).div_ceil(per_chunk),
+    );
+    let rows = chunks.0 + chunks.1;
+    let kernel = NormGradKernelName {
+        style: cfg.style(),
+        source: sincos.source,
+        dtype,
+    };
+    let threads = warps * 32;
+    let resident = facts
+        .sm_count
+        .saturating_mul(blocks_per_sm(kernel, threads).max(1));
+    // One wave of blocks, but no block without a token for each warp.
+    let columns = u64::from((resident / rows.max(1)).max(1))
+        .min(tokens.div_ceil(u64::from(warps)).max(1)) as u32;
+    let need = u64::from(columns) * u64::from(rows) * u64::from(head_dim);
+    if (req.workspace.len as u64) < need {
+        return Err(invalid(
+            "workspace",
+            format!(
+                "holds {} f32, this launch needs {need} (Rope::fused_backward_workspace)",
+                req.workspace.len
+            ),
+        ));
+    }
+    regions.push(written("workspace", (req.workspace.ptr, need * 4)));
+    check_overlaps(&regions, false)?;
+    if empty {
+        return Ok(None);
+    }
+    let (Some(seq), Some(segment)) = (NonZeroU32::new(seq), NonZeroU32::new(threads_per_head))
+    else {
+        return Ok(None);
+    };
+    Ok(Some(GradPlan {
+        kernel,
+        grid: Grid {
+            config: LaunchConfig {
+                grid_dim: (columns, rows, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            heads_per_chunk: per_chunk,
+            seq: Divisor::new(seq),
+            groups: Divisor::new(segment),
+        },
+        lanes,
+        groups,
+        tokens,
+        positions,
+        sincos,
+        chunks,
+    }))
+}
+
+/// A written array of `bytes` at `ptr`.
+fn written(name: &'static str, (ptr, bytes): (u64, u64)) -> Region {
+    Region {
+        start: ptr as u128,
+        end: ptr as u128 + bytes as u128,
+        written: true,
+        name,
+        of: Of::Read,
+    }
+}
+
+/// The access width and the threads holding one head's pairs (`half / pairs`): the widest of
+/// [`candidate_lanes`] that splits the pairs evenly over threads whose power of two is at most
+/// 32 and to which every tensor, input and weight vector is aligned.
+fn access(req: &GradRequest, k: &TensorReq) -> Result<(u32, u32)> {
+    let fused = &req.fused;
+    let (cfg, es) = (&fused.rope.config, fused.rope.dtype.size());
+    let q = &fused.rope.q;
+    let half = cfg.half();
+    let mut too_wide = false;
+    for lanes in candidate_lanes(cfg.style(), fused.rope.dtype) {
+        let pairs = match cfg.style() {
+            RopeStyle::Neox => lanes,
+            RopeStyle::Interleaved => lanes / 2,
+        };
+        if !half.is_multiple_of(pairs) {
+            continue;
+        }
+        let groups = half / pairs;
+        if groups.next_power_of_two() > 32 {
+            too_wide = true;
+            continue;
+        }
+        let layouts = [
+            Some((q.x.ptr, q.x_layout)),
+            Some((k.x.ptr, k.x_layout)),
+            q.out.map(|(b, l)| (b.ptr, l)),
+            k.out.map(|(b, l)| (b.ptr, l)),
+            Some((req.q_input.0.ptr, req.q_input.1)),
+            Some((req.k_input.0.ptr, req.k_input.1)),
+        ];
+        let weights = fused.norm.iter().all(|n| {
+            [n.q_weight.ptr, n.k_weight.ptr]
+                .iter()
+                .all(|p| p.is_multiple_of(u64::from(lanes) * es as u64))
+        });
+        let aligned = layouts
+            .iter()
+            .flatten()
+            .filter(|(_, l)| !l.is_empty())
+            .all(|(addr, l)| layout_aligned(*addr, l, es, lanes as usize));
+        if weights && aligned {
+            return Ok((lanes, groups));
+        }
+    }
+    Err(if too_wide {
+        invalid(
+            "config",
+            format!(
+                "head_dim {} takes more than a warp's 32 threads per head in the fused backward \
+                 at this alignment",
+                cfg.head_dim()
+            ),
+        )
+    } else {
+        invalid(
+            "q",
+            "the fused backward needs every tensor, input and weight address and stride aligned \
+             to two elements",
+        )
+    })
+}
