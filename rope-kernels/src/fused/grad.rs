@@ -307,17 +307,19 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(g: &Grad<T>) {
     }
 }
 
-/// The parameters of the gradient entry points, one field per entry of
-/// [`crate::norm_grad_kernel_params!`].
-macro_rules! grad_params_struct {
-    ({} $($param:ident: $kind:ident,)*) => {
-        /// The parameters of every gradient entry point.
-        struct GradParams<T> {
+/// An entry point family's parameters as a struct, one field per entry of its list.
+macro_rules! params_struct {
+    ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
+        $(#[$doc])*
+        struct $name<T> {
             $($param: crate::device_param_type!($kind, T),)*
         }
     };
 }
-crate::norm_grad_kernel_params!(grad_params_struct {});
+crate::norm_grad_kernel_params!(params_struct {
+    /// The parameters of every gradient entry point ([`crate::norm_grad_kernel_params!`]).
+    GradParams
+});
 
 /// The RoPE parameters among a gradient entry point's parameters `$p` (`read_ahead` is the
 /// one-head RoPE kernels' alone).
@@ -457,17 +459,11 @@ unsafe fn weights_body<T: Elem>(p: &WeightsParams<T>) {
     }
 }
 
-/// The parameters of the weights entry points, one field per entry of
-/// [`crate::norm_grad_weights_kernel_params!`].
-macro_rules! weights_params_struct {
-    ({} $($param:ident: $kind:ident,)*) => {
-        /// The parameters of every weights entry point.
-        struct WeightsParams<T> {
-            $($param: crate::device_param_type!($kind, T),)*
-        }
-    };
-}
-crate::norm_grad_weights_kernel_params!(weights_params_struct {});
+crate::norm_grad_weights_kernel_params!(params_struct {
+    /// The parameters of every weights entry point
+    /// ([`crate::norm_grad_weights_kernel_params!`]).
+    WeightsParams
+});
 
 /// One weights entry point with the parameter list of
 /// [`crate::norm_grad_weights_kernel_params!`].
