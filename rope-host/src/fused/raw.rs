@@ -45,6 +45,18 @@ pub struct RawQkNorm {
     pub weight: NormWeight,
 }
 
+impl RawQkNorm {
+    /// The form the planner takes.
+    pub(crate) fn raw(self) -> RawNorm {
+        RawNorm {
+            q_weight: self.q_weight,
+            k_weight: self.k_weight,
+            eps: self.eps,
+            code: self.weight.code(),
+        }
+    }
+}
+
 /// A fused operation by address: the rotation (whole head, forward; [`RawOp`]) with an
 /// optional normalisation.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -298,12 +310,7 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
             )
         }
     };
-    let norm = op.norm.map(|n| RawNorm {
-        q_weight: n.q_weight,
-        k_weight: n.k_weight,
-        eps: n.eps,
-        code: n.weight.code(),
-    });
+    let norm = op.norm.map(RawQkNorm::raw);
     let cache = cache.map(|c| {
         let (k, v, fp8) = match c.data {
             RawCacheData::Elem { k, v } => (k, v, None),

@@ -24,7 +24,7 @@ use rope_kernels::abi::{
     NORM_GRAD_WEIGHTS_FEATURES, NORM_GRAD_WEIGHTS_THREADS, NormGradKernelName,
 };
 
-use super::raw::{RawFusedOp, RawQkNorm};
+use super::raw::RawFusedOp;
 use super::request::{FusedRequest, NopeParts, RawNorm};
 use super::{FusedOp, QkNorm};
 use crate::bind::{Binder, RawBuf};
@@ -108,16 +108,6 @@ fn fused_request(rope: Request, norm: RawNorm) -> FusedRequest {
     }
 }
 
-/// The norm by address.
-fn raw_norm(n: &RawQkNorm) -> RawNorm {
-    RawNorm {
-        q_weight: n.q_weight,
-        k_weight: n.k_weight,
-        eps: n.eps,
-        code: n.weight.code(),
-    }
-}
-
 /// The error of a backward without a norm.
 fn no_norm() -> crate::Error {
     invalid(
@@ -191,7 +181,7 @@ impl Rope {
             positions: op.rope.positions,
             sincos: op.rope.sincos,
         };
-        let norm = raw_norm(norm);
+        let norm = norm.raw();
         let req = GradRequest {
             fused: fused_request(rope, norm),
             norm,
