@@ -129,6 +129,17 @@ fn norm_rope_forward_and_gradients_match_candles_ops() -> Res {
     Ok(())
 }
 
+/// NeoX pairs of `[b, s, h, d]` tensors, sin/cos computed at theta 10000, plain weights.
+fn computed_spec() -> NormRopeSpec {
+    NormRopeSpec {
+        style: RopeStyle::Neox,
+        axes: Axes::Bshd,
+        sincos: SinCos::Computed { theta: 10_000.0 },
+        eps: 1e-6,
+        weight: NormWeight::Plain,
+    }
+}
+
 #[test]
 fn norm_rope_refuses_a_weight_of_another_length() -> Res {
     let Some(dev) = gpu_or_skip("norm_rope_refuses_a_weight_of_another_length") else {
@@ -136,13 +147,7 @@ fn norm_rope_refuses_a_weight_of_another_length() -> Res {
     };
     let x = Tensor::zeros((1, 4, 2, 64), DType::F32, &dev)?;
     let w = Tensor::ones(32, DType::F32, &dev)?;
-    let spec = NormRopeSpec {
-        style: RopeStyle::Neox,
-        axes: Axes::Bshd,
-        sincos: SinCos::Computed { theta: 10_000.0 },
-        eps: 1e-6,
-        weight: NormWeight::Plain,
-    };
+    let spec = computed_spec();
     let err = norm_rope(&x, &w, &spec, Positions::Offset(0)).unwrap_err();
     assert!(err.to_string().contains("norm.q_weight"), "{err}");
     Ok(())
@@ -152,13 +157,7 @@ fn norm_rope_refuses_a_weight_of_another_length() -> Res {
 fn norm_rope_on_the_cpu_is_refused_not_a_panic() {
     let x = Tensor::zeros((1, 4, 2, 64), DType::F32, &Device::Cpu).expect("cpu tensor");
     let w = Tensor::ones(64, DType::F32, &Device::Cpu).expect("cpu tensor");
-    let spec = NormRopeSpec {
-        style: RopeStyle::Neox,
-        axes: Axes::Bshd,
-        sincos: SinCos::Computed { theta: 10_000.0 },
-        eps: 1e-6,
-        weight: NormWeight::Plain,
-    };
+    let spec = computed_spec();
     let err = norm_rope(&x, &w, &spec, Positions::Offset(0)).unwrap_err();
     assert!(err.to_string().contains("CUDA"), "{err}");
 }
