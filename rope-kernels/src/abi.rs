@@ -1435,9 +1435,13 @@ pub const NORM_GRAD_WEIGHTS_THREADS: u32 = 1024;
 /// Features of one weights block (one per lane of a warp).
 pub const NORM_GRAD_WEIGHTS_FEATURES: u32 = 32;
 
-/// q's or k's heads each thread of a gradient entry point takes at every token (their loads
-/// issued together, one position and sin/cos for all).
-pub const NORM_GRAD_HEADS_PER_THREAD: u32 = 2;
+/// q's or k's heads each thread of a gradient entry point takes at every token, for elements
+/// of `elem_size` bytes: four of 16-bit elements, two of `f32` (the same registers for the
+/// loads). Their loads are issued together, and the token's cos/sin, found once by the block,
+/// serve them all.
+pub const fn norm_grad_heads_per_thread(elem_size: usize) -> u32 {
+    if elem_size == 4 { 2 } else { 4 }
+}
 
 /// Threads one block of a gradient entry point may hold (its `.maxntid`).
 pub const NORM_GRAD_MAX_THREADS: u32 = 256;
@@ -1446,8 +1450,9 @@ pub const NORM_GRAD_MAX_THREADS: u32 = 256;
 /// entry points' `.minnctapersm`): 512 threads of at most 128 registers.
 pub const NORM_GRAD_MIN_BLOCKS_PER_SM: u32 = 2;
 
-/// `f32` values of the block's shared buffer the gradient kernel's final sums may take:
-/// `head_dim * warps <= NORM_GRAD_SHARED_F32` (the kernels' 4 KiB buffer).
+/// `f32` values of the block's shared buffer (the kernels' 4 KiB buffer): a gradient launch
+/// takes `2 * head_dim` of them, the two cos/sin buffers of its tokens and then its q and k
+/// weight sums.
 pub const NORM_GRAD_SHARED_F32: u32 = 1024;
 
 /// Calls `$m!` with every gradient entry point of the QK-norm + RoPE backward as `symbol:
@@ -1528,11 +1533,12 @@ for_each_norm_grad_kernel!(norm_grad_kernel_table);
 /// 0` without k) and the input gradients written (`out0`, `out1`, equal to `x0`, `x1` in place),
 /// with the whole head rotated (`rotary_dim = head_dim`, `rotary_offset = 0`), `rot_groups =
 /// half / pairs` threads holding a head's pairs in a segment of `groups` lanes (the power of
-/// two at or above it, at most 32), `heads_per_chunk` the heads of one block row: `32 / groups`
-/// segments of a warp times [`NORM_GRAD_HEADS_PER_THREAD`]. Then: `q_in`, `k_in`, the forward step's inputs (before the norm), with their
-/// element strides; `norm` (a [`NormCode`], not `None`), `q_norm_weight`, `k_norm_weight`
-/// (`head_dim` elements each) and `norm_eps`, the forward step's; `q_chunks`, the grid rows of q's
-/// heads (the rest are k's); `partials`, `f32` rows of `head_dim`, one per block (see the
+/// two at or above it, at most 32), `heads_per_chunk` the heads of one warp: `32 / groups`
+/// segments times [`norm_grad_heads_per_thread`]. Then: `q_in`, `k_in`, the forward step's
+/// inputs (before the norm), with their element strides; `norm` (a [`NormCode`], not `None`),
+/// `q_norm_weight`, `k_norm_weight` (`head_dim` elements each) and `norm_eps`, the forward
+/// step's; `q_warps`, the warps of q's heads in each token's sequence of warps (k's follow);
+/// `partials`, `f32` rows of `head_dim`, two per block (see the
 /// module); `sin_sign`, that of the rotation `R^T` the gradient applies: `-1.0` for a forward
 /// step rotated forward.
 #[macro_export]
@@ -1552,7 +1558,7 @@ macro_rules! norm_grad_kernel_params {
             q_norm_weight: elem_ptr,
             k_norm_weight: elem_ptr,
             norm_eps: f32,
-            q_chunks: u32,
+            q_warps: u32,
             partials: byte_ptr_mut,
             sin_sign: f32,
         }

@@ -965,45 +965,51 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
 }
 
 /// Computes pair `e = threadIdx.x` (for `e < half`) of token `(b, s)`'s cos and sin into the
-/// block's shared array: cos at `e`, sin at `half + e`; the position of pair `e` is its
-/// rotating group's (`e / pairs`), as [`cos_sin`] finds it. One pair per thread, no loop: the
-/// position's code (a match over every position kind) inside a loop took the kernels to their
-/// register limit, or spilled under a cap.
+/// block's shared array from element `base`: cos at `base + e`, sin at `base + half + e`; the
+/// position of pair `e` is its rotating group's (`e / pairs`), as [`cos_sin`] finds it. One
+/// pair per thread, no loop: the position's code (a match over every position kind) inside a
+/// loop took the kernels to their register limit, or spilled under a cap.
 ///
 /// # Safety
-/// `2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; the position and frequency promises.
+/// `base + 2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; the position and frequency
+/// promises.
 #[inline(always)]
-unsafe fn share_cos_sin<T: Elem, S: Source>(a: &Args<T>, (b, s): (u32, u32), pairs: usize) {
+pub(crate) unsafe fn share_cos_sin<T: Elem, S: Source>(
+    a: &Args<T>,
+    (b, s): (u32, u32),
+    pairs: usize,
+    base: u32,
+) {
     let (half, e) = (a.half, thread_idx_x());
     if e < half {
         // SAFETY: e < half, the pairs the position and frequency arrays describe; the buffer
-        // holds 2 * half <= SHARED_F32 values.
+        // holds base + 2 * half <= SHARED_F32 values.
         unsafe {
             // The pair's frequency is loaded before its position, so that their latencies
             // overlap.
             let freq = preload_frequencies::<T, S, 1>(a, e as usize, 1);
             let pos = position(a, u64::from(b), u64::from(s), e / pairs as u32);
             let (c, sn) = cos_sin_preloaded::<T, S, 1>(a, pos, (e as usize, 1), &freq);
-            shared_store_f32(e, c[0]);
-            shared_store_f32(half + e, sn[0]);
+            shared_store_f32(base + e, c[0]);
+            shared_store_f32(base + half + e, sn[0]);
         }
     }
 }
 
 /// Reads cos and sin of pairs `j0..j0 + pairs` from the block's shared array (as
-/// [`share_cos_sin`] writes it), with one shared-memory access per array.
+/// [`share_cos_sin`] writes it from element `base`), with one shared-memory access per array.
 ///
 /// # Safety
-/// `2 * half <=` [`SHARED_F32`]; `j0` is a multiple of `pairs`, `j0 + pairs <= half`, and
-/// `half` a multiple of `pairs` (the pairs come in whole groups), so both reads are aligned to
-/// their width; the array was written before a barrier this thread has passed since.
+/// `base + 2 * half <=` [`SHARED_F32`]; `base`, `j0` and `half` are multiples of `pairs`,
+/// `j0 + pairs <= half` (the pairs come in whole groups), so both reads are aligned to their
+/// width; the array was written before a barrier this thread has passed since.
 #[inline(always)]
-unsafe fn read_cos_sin<const L: usize>(
-    half: u32,
+pub(crate) unsafe fn read_cos_sin<const L: usize>(
+    (base, half): (u32, u32),
     (j0, pairs): (usize, usize),
 ) -> ([f32; L], [f32; L]) {
     let mut cs = ([0.0f32; L], [0.0f32; L]);
-    let (c0, s0) = (j0 as u32, half + j0 as u32);
+    let (c0, s0) = (base + j0 as u32, base + half + j0 as u32);
     // SAFETY: the caller's promises.
     unsafe {
         match pairs {
@@ -1227,7 +1233,7 @@ unsafe fn token_heads_body<
     if shared {
         // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); every thread
         // of the block that stays is here, with the same token.
-        unsafe { share_cos_sin::<T, S>(a, (b, s), pairs) };
+        unsafe { share_cos_sin::<T, S>(a, (b, s), pairs, 0) };
         sync_threads_count(meeting);
     }
     let (cos, sin) = if !(rotates && active) || passed.is_some() {
@@ -1235,7 +1241,7 @@ unsafe fn token_heads_body<
     } else if shared {
         // SAFETY: j0 + pairs <= half, j0 and half multiples of pairs; the buffer was written
         // before the barrier above.
-        unsafe { read_cos_sin::<L>(half, (j0, pairs)) }
+        unsafe { read_cos_sin::<L>((0, half), (j0, pairs)) }
     } else {
         let (b, s) = (u64::from(b), u64::from(s));
         // SAFETY: (b, s) is a token; j0 + pairs <= half; the position, table and frequency

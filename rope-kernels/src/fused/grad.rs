@@ -33,16 +33,16 @@
 //! their weight sums with shuffles, and the block's warps, in warp order, through the block's
 //! shared buffer into its `partials` row: the same launch gives the same gradients every time.
 
-use super::{mul_add, norm_factor, rotate_fma, segment_sums};
-use crate::abi::{NORM_GRAD_HEADS_PER_THREAD, NormCode};
+use super::{mul_add, norm_factor, read_cos_sin, rotate_fma, segment_sums, share_cos_sin};
+use crate::abi::{NormCode, norm_grad_heads_per_thread};
 use crate::elem::{Bf16, Elem, Half, unrolled};
 use crate::intrinsics::{
-    block_dim_x, block_idx_x, block_idx_y, grid_dim_x, shared_load_f32s, shared_store_f32,
-    shuffle_xor, sync_threads_count, thread_idx_x, trap,
+    SHARED_F32, block_dim_x, block_idx_x, block_idx_y, grid_dim_x, grid_dim_y, shared_load_f32s,
+    shared_store_f32, shuffle_xor, sync_threads_count, thread_idx_x, trap,
 };
 use crate::rope::{
-    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, cos_sin, load_head, offset_u32,
-    position, rotate_values_with, vector_offsets, widen,
+    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, load_head, offset_u32,
+    rotate_values_with, vector_offsets, widen,
 };
 
 /// The gradient kernel's arguments: the RoPE arguments (`gy` in, `gx` out, positions, sin/cos)
@@ -56,7 +56,7 @@ struct Grad<T> {
     q_norm_weight: *const T,
     k_norm_weight: *const T,
     norm_eps: f32,
-    q_chunks: u32,
+    q_warps: u32,
     partials: *mut f32,
 }
 
@@ -129,38 +129,46 @@ unsafe fn head_gradient<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
-/// The gradient body for accesses of `L` elements.
+/// The gradient body for accesses of `L` elements, `U` heads per thread.
 ///
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const HEADS: usize>(g: &Grad<T>) {
+unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g: &Grad<T>) {
     let a = &g.rope;
     let pairs = if P::NEOX { L } else { L / 2 };
     // Each head's threads: a segment of `groups` lanes (a power of two), of which the first
     // `rot_groups` hold pairs and the rest only join the sums.
     let groups = a.groups.divisor.get();
-    if groups > 32 || !groups.is_power_of_two() {
+    let threads = block_dim_x();
+    // The block's threads find the token's `half` cos/sin pairs, one each, into one of two
+    // halves of the shared buffer.
+    if groups > 32
+        || !groups.is_power_of_two()
+        || threads % 32 != 0
+        || threads < a.half
+        || 4 * a.half as usize > SHARED_F32
+    {
         trap()
     }
     let shift = groups.trailing_zeros();
     let tid = thread_idx_x();
-    let (lane, warp, warps) = (tid % 32, tid / 32, block_dim_x() / 32);
-    // A warp holds `32 / groups` slots; slot `i` takes heads `i, i + slots, ..` of the chunk.
-    let (slot, group, slots) = (lane >> shift, lane & (groups - 1), 32 >> shift);
-    let row = block_idx_y();
-    let is_q = row < g.q_chunks;
-    let (tensor, (input, in_strides), weight, chunk) = if is_q {
-        (a.q, g.q_in, g.q_norm_weight, row)
+    let lane = tid % 32;
+    let warp = block_idx_x() * (threads / 32) + tid / 32;
+    let (slot, group) = (lane >> shift, lane & (groups - 1));
+    let is_q = warp < g.q_warps;
+    let (tensor, (input, in_strides), weight, warp_in_tensor) = if is_q {
+        (a.q, g.q_in, g.q_norm_weight, warp)
     } else {
-        (a.k, g.k_in, g.k_norm_weight, row - g.q_chunks)
+        (a.k, g.k_in, g.k_norm_weight, warp - g.q_warps)
     };
-    let first = chunk * a.heads_per_chunk + slot;
-    let head_of = |u: usize| first + u as u32 * slots;
+    // This thread's heads: `U` consecutive heads from `i0`.
+    let i0 = warp_in_tensor * a.heads_per_chunk + slot * U as u32;
     let pairs_here = group < a.rot_groups;
-    let active = |u: usize| {
-        pairs_here && slot + (u as u32) * slots < a.heads_per_chunk && head_of(u) < tensor.heads
-    };
+    let mut live = [false; U];
+    unrolled(U, |u| {
+        live[u] = pairs_here && i0 + (u as u32) < tensor.heads
+    });
     let (j0, half) = (group as usize * pairs, a.half as usize);
     // SAFETY: the weights hold `head_dim` elements; j0 is this thread's first pair.
     let mut w = unsafe { load_f32::<T, P, L>(pairs_here, weight, j0, half) };
@@ -172,25 +180,35 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const HEADS: usiz
     }
     let consts = (groups, 1.0 / a.rotary_dim as f32, g.norm_eps);
     let mut acc = [[0.0f32; L]; 2];
-    // Warp `w` of block `bx` takes tokens `bx * warps + w`, then a grid's worth further each.
-    // Tokens and element offsets fit in 32 bits (every tensor spans fewer than 2^32 elements).
+    // Block row `by` takes tokens `by`, then a grid's worth further each. Tokens and element
+    // offsets fit in 32 bits (every tensor spans fewer than 2^32 elements).
     let tokens = a.tokens as u32;
-    let step = grid_dim_x() * warps;
-    let mut t = block_idx_x() * warps + warp;
+    let step = grid_dim_y();
+    let mut t = block_idx_y();
+    // The shared half this token's cos/sin take: a thread writing the next token's has passed
+    // the barrier after which every thread has read this one's.
+    let mut base = 0;
     while t < tokens {
         let (b, s) = a.seq.div_rem_u32(t);
-        let at = |strides, h| offset_u32(strides, (b, s), h) as usize;
-        // Every head's loads first, then the token's position and sin/cos.
-        let mut loaded = [[[[T::ZERO; L]; 2]; 2]; HEADS];
-        unrolled(HEADS, |u| {
-            if active(u) {
-                // SAFETY: (b, s) is a token and `head_of(u)` a head of the tensor; the entry
-                // points' promises for the tensors' addresses.
+        let first = |strides: [u64; 3]| (offset_u32(strides, (b, s), i0), strides[2] as u32);
+        // Every head's loads first, then the token's cos/sin.
+        let (in_first, in_step) = first(in_strides);
+        let (gy_first, gy_step) = first(tensor.x_strides);
+        let mut loaded = [[[[T::ZERO; L]; 2]; 2]; U];
+        unrolled(U, |u| {
+            if live[u] {
+                let u32_ = u as u32;
+                // SAFETY: (b, s) is a token and `i0 + u` a head of the tensor (offsets below
+                // 2^32); the entry points' promises for the tensors' addresses.
                 loaded[u] = unsafe {
                     [
-                        load_head::<T, P, L>(input.add(at(in_strides, head_of(u))), j0, half),
                         load_head::<T, P, L>(
-                            tensor.x.add(at(tensor.x_strides, head_of(u))),
+                            input.add((in_first + u32_ * in_step) as usize),
+                            j0,
+                            half,
+                        ),
+                        load_head::<T, P, L>(
+                            tensor.x.add((gy_first + u32_ * gy_step) as usize),
                             j0,
                             half,
                         ),
@@ -198,19 +216,22 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const HEADS: usiz
                 };
             }
         });
+        // SAFETY: base + 2 half <= 4 half <= SHARED_F32; (b, s) is a token; the position,
+        // table and frequency promises.
+        unsafe { share_cos_sin::<T, S>(a, (b, s), pairs, base) };
+        sync_threads_count(threads);
         let (cos, sin) = if pairs_here {
-            // SAFETY: the entry points' promises for the positions and the tables.
-            unsafe {
-                let pos = position(a, u64::from(b), u64::from(s), group);
-                cos_sin::<T, S, L>(a, pos, j0, pairs)
-            }
+            // SAFETY: j0 + pairs <= half, j0, half and base multiples of pairs; written before
+            // the barrier above.
+            unsafe { read_cos_sin::<L>((base, a.half), (j0, pairs)) }
         } else {
             ([0.0; L], [0.0; L])
         };
-        unrolled(HEADS, |u| {
-            let out = if active(u) {
+        let (out_first, out_step) = first(tensor.out_strides);
+        unrolled(U, |u| {
+            let out = if live[u] {
                 // SAFETY: the head's output, as its input above.
-                unsafe { tensor.out.add(at(tensor.out_strides, head_of(u))) }
+                unsafe { tensor.out.add((out_first + u as u32 * out_step) as usize) }
             } else {
                 core::ptr::null_mut()
             };
@@ -220,27 +241,30 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const HEADS: usiz
                 head_gradient::<T, P, L>(io, (&cos, &sin, &w), consts, (out, j0, half), &mut acc)
             };
         });
+        base ^= 2 * a.half;
         t = t.wrapping_add(step);
         if t < step {
             break;
         }
     }
     // SAFETY: the entry points' promises for `partials` and the block's shape.
-    unsafe { store_partials::<P, L>(g, acc, (groups, j0)) };
+    unsafe { store_partials::<P, L>(g, acc, (groups, j0), is_q) };
 }
 
 /// Adds each thread's weight sums over the lanes of its warp holding the same features
-/// (butterfly shuffles across the heads of the warp), then, one warp at a time in warp order,
-/// through the shared buffer, and writes the block's `partials` row.
+/// (butterfly shuffles across the heads of the warp), then the block's warps' sums, one warp
+/// at a time in warp order, into q's and k's rows of the shared buffer, and writes them to the
+/// block's two `partials` rows.
 ///
 /// # Safety
-/// `partials` holds the grid's rows of `head_dim` `f32`; the block holds whole warps, and
-/// `head_dim * blockDim.x / 32 <= SHARED_F32`.
+/// `partials` holds the grid's rows of `head_dim` `f32`; the block holds whole warps, every
+/// thread of the block calls it, and `2 * head_dim <= SHARED_F32`.
 #[inline(always)]
 unsafe fn store_partials<P: Pairing, const L: usize>(
     g: &Grad<impl Sized>,
     mut acc: [[f32; L]; 2],
     (groups, j0): (u32, usize),
+    is_q: bool,
 ) {
     let a = &g.rope;
     let mut step = groups;
@@ -253,42 +277,48 @@ unsafe fn store_partials<P: Pairing, const L: usize>(
     }
     let d = a.rotary_dim;
     let (threads, tid) = (block_dim_x(), thread_idx_x());
-    let warp = tid / 32;
-    // The first `rot_groups` lanes of each warp hold its sums: warp `w`'s go to shared row `w`.
-    if tid % 32 < a.rot_groups {
-        let (first, second) = vector_offsets::<P>(j0, a.half as usize);
-        let base = warp * d;
-        unrolled(L, |k| {
-            // SAFETY: base + feature < (threads / 32) * d <= SHARED_F32.
-            unsafe {
-                shared_store_f32(base + (first + k) as u32, acc[0][k]);
-                if P::NEOX {
-                    shared_store_f32(base + (second + k) as u32, acc[1][k]);
+    // Every thread has read its last cos/sin: the buffer takes the rows.
+    sync_threads_count(threads);
+    let mut e = tid;
+    while e < 2 * d {
+        // SAFETY: e < 2 d <= SHARED_F32.
+        unsafe { shared_store_f32(e, 0.0) };
+        e += threads;
+    }
+    // The first `rot_groups` lanes of each warp hold its sums: warp `w` adds them to its
+    // tensor's row in turn.
+    let (first, second) = vector_offsets::<P>(j0, a.half as usize);
+    let row = if is_q { 0 } else { d };
+    let mut w = 0;
+    while w < threads / 32 {
+        sync_threads_count(threads);
+        if tid / 32 == w && tid % 32 < a.rot_groups {
+            unrolled(L, |k| {
+                // SAFETY: row + feature < 2 d <= SHARED_F32.
+                unsafe {
+                    let at = row + (first + k) as u32;
+                    shared_store_f32(at, shared_load_f32s::<1>(at)[0] + acc[0][k]);
+                    if P::NEOX {
+                        let at = row + (second + k) as u32;
+                        shared_store_f32(at, shared_load_f32s::<1>(at)[0] + acc[1][k]);
+                    }
                 }
-            }
-        });
+            });
+        }
+        w += 1;
     }
     sync_threads_count(threads);
-    let row =
-        (block_idx_y() as usize * grid_dim_x() as usize + block_idx_x() as usize) * d as usize;
+    // Block (bx, by): q's row `by * gridDim.x + bx`, k's the grid's blocks further.
+    let blocks = grid_dim_x() * grid_dim_y();
+    let block = block_idx_y() * grid_dim_x() + block_idx_x();
     let mut e = tid;
-    while e < d {
-        let mut sum = 0.0f32;
-        let mut w = 0;
-        while w < threads / 32 {
-            // SAFETY: w * d + e < (threads / 32) * d <= SHARED_F32.
-            sum += unsafe { shared_load_f32s::<1>(w * d + e) }[0];
-            w += 1;
-        }
-        // SAFETY: the block's row of `d` values (the caller's promise).
-        unsafe { *g.partials.add(row + e as usize) = sum };
+    while e < 2 * d {
+        let r = if e < d { block } else { blocks + block };
+        // SAFETY: the block's rows of `d` values (the caller's promise); e < 2 d <= SHARED_F32.
+        unsafe { *g.partials.add((r * d + e % d) as usize) = shared_load_f32s::<1>(e)[0] };
         e += threads;
     }
 }
-
-/// Heads of one tensor each thread takes at every token: their loads are issued together, and
-/// the token's position and sin/cos serve them all.
-const HEADS: usize = NORM_GRAD_HEADS_PER_THREAD as usize;
 
 /// Selects the body for the launch's access width.
 ///
@@ -299,9 +329,11 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(g: &Grad<T>) {
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (T::SIZE, g.rope.lanes, P::NEOX) {
-            (2, 8, false) => body::<T, P, S, 8, HEADS>(g),
-            (2, 4, true) | (4, 4, _) => body::<T, P, S, 4, HEADS>(g),
-            (_, 2, _) => body::<T, P, S, 2, HEADS>(g),
+            (2, 8, false) => body::<T, P, S, 8, { norm_grad_heads_per_thread(2) as usize }>(g),
+            (2, 4, true) => body::<T, P, S, 4, { norm_grad_heads_per_thread(2) as usize }>(g),
+            (2, 2, _) => body::<T, P, S, 2, { norm_grad_heads_per_thread(2) as usize }>(g),
+            (4, 4, _) => body::<T, P, S, 4, { norm_grad_heads_per_thread(4) as usize }>(g),
+            (4, 2, _) => body::<T, P, S, 2, { norm_grad_heads_per_thread(4) as usize }>(g),
             _ => trap(),
         }
     }
@@ -347,7 +379,7 @@ impl<T> Grad<T> {
             q_norm_weight: p.q_norm_weight,
             k_norm_weight: p.k_norm_weight,
             norm_eps: p.norm_eps,
-            q_chunks: p.q_chunks,
+            q_warps: p.q_warps,
             partials: p.partials.cast(),
         }
     }

@@ -119,11 +119,11 @@ fn no_norm() -> crate::Error {
 
 impl Rope {
     /// The `f32` scratch [`Rope::run_fused_backward`] needs for `heads` q and k heads (both
-    /// together) of `head_dim` features: one row of `head_dim` partial sums per block of its
-    /// grid, at most a full complement of blocks on every multiprocessor of the device or one
-    /// per head.
+    /// together) of `head_dim` features: two rows of `head_dim` partial sums (q's and k's) per
+    /// block of its grid, at most a full complement of blocks on every multiprocessor of the
+    /// device or one per head.
     pub fn fused_backward_workspace(&self, heads: usize, head_dim: usize) -> usize {
-        max_grad_blocks(&self.facts, heads).saturating_mul(head_dim)
+        max_grad_blocks(&self.facts, heads).saturating_mul(2 * head_dim)
     }
 
     /// Validates and launches the backward of a fused QK-norm + RoPE step (`op`, the forward
@@ -230,10 +230,10 @@ impl Rope {
         // addresses, aligned to `lanes`; written regions overlap nothing else; the whole head
         // rotates with `rot_groups = half / pairs` threads in segments of the power of two at
         // or above it, at most 32, `heads_per_chunk` their slots per warp times
-        // `NORM_GRAD_HEADS_PER_THREAD`; blocks of whole warps whose count times `head_dim` fits
-        // the shared buffer; the workspace holds a row per block (the weights kernel reads
-        // those rows, after the gradient kernel on the same stream); positions and sin/cos as
-        // for `Rope::run`. Both functions were loaded in this context and wait for nothing.
+        // `norm_grad_heads_per_thread`; blocks of whole warps, at least `half` threads, with
+        // `2 * head_dim` within the shared buffer; the workspace holds two rows per block (the
+        // weights kernel reads those rows, after the gradient kernel on the same stream);
+        // positions and sin/cos as for `Rope::run`. Both functions were loaded in this context and wait for nothing.
         unsafe {
             args.launch(
                 context,
@@ -332,7 +332,7 @@ fn encode(
                 q_norm_weight: norm.q_weight.ptr,
                 k_norm_weight: norm.k_weight.ptr,
                 norm_eps: norm.eps,
-                q_chunks: plan.chunks.0,
+                q_warps: plan.q_warps,
                 partials: req.workspace.ptr,
                 // The transposed rotation of the forward step's.
                 sin_sign: -req.fused.rope.config.direction().sin_sign(),
@@ -340,11 +340,10 @@ fn encode(
         };
     }
     let args = rope_kernels::rope_kernel_params!(with_rope { rope });
-    let columns = plan.grid.config.grid_dim.0;
     let weights = NormGradWeightsArgs {
         partials: req.workspace.ptr,
-        q_rows: plan.chunks.0 * columns,
-        k_rows: plan.chunks.1 * columns,
+        q_rows: plan.blocks,
+        k_rows: plan.blocks,
         head_dim: req.fused.rope.config.head_dim(),
         q_grad: req.q_weight.ptr,
         k_grad: req.k_weight.ptr,

@@ -7,8 +7,8 @@ use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{
-    DType, Direction, NORM_GRAD_HEADS_PER_THREAD, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32,
-    NormGradKernelName,
+    DType, Direction, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName,
+    norm_grad_heads_per_thread,
 };
 use rope_kernels::divide::Divisor;
 
@@ -36,12 +36,15 @@ pub(crate) struct GradPlan {
     pub(crate) tokens: u64,
     pub(crate) positions: PositionsPlan,
     pub(crate) sincos: SinCosPlan,
-    /// Grid rows of q's heads, then of k's.
-    pub(crate) chunks: (u32, u32),
+    /// Warps of q's heads in each token's sequence of warps (k's follow).
+    pub(crate) q_warps: u32,
+    /// Blocks of the grid: each writes a row of q's weight sums and one of k's.
+    pub(crate) blocks: u32,
 }
 
 /// The most blocks a backward grid of `heads` q and k heads takes: a full complement of the
-/// smallest blocks (one warp) on every multiprocessor, or one per head where that is more.
+/// smallest blocks (one warp) on every multiprocessor, or one per head where that is more (a
+/// token's sequence of warps has at most one warp per head).
 pub(super) fn max_grad_blocks(facts: &DeviceFacts, heads: usize) -> usize {
     let full = facts.sm_count as usize * (facts.threads_per_sm / 32) as usize;
     full.max(heads)
@@ -150,23 +153,27 @@ pub(crate) fn plan_grad(
     let (lanes, groups) = access(req, &k_req)?;
     // A head's threads: a warp segment of a power of two, the lanes past `groups` idle.
     let threads_per_head = groups.next_power_of_two();
-    // A block row: a warp's slots of `threads_per_head` lanes, each taking
-    // `NORM_GRAD_HEADS_PER_THREAD` heads; its warps walk their own tokens, as many warps as fit
-    // `NORM_GRAD_MAX_THREADS` and, times `head_dim`, the shared buffer.
+    // Each token's threads form a sequence of warps, q's then k's: a warp's slots of
+    // `threads_per_head` lanes, each taking `norm_grad_heads_per_thread` consecutive heads.
+    // Block `(bx, by)` takes warps `bx * warps ..` of the sequence of tokens `by`, then a
+    // grid's worth further each; its threads find each token's `half` cos/sin pairs, one each,
+    // so it holds at least `half` threads; the shared buffer takes two tokens' pairs and then
+    // q's and k's weight sums.
     let head_dim = cfg.head_dim();
-    let warps = (NORM_GRAD_MAX_THREADS / 32).min(NORM_GRAD_SHARED_F32 / head_dim);
-    if warps == 0 {
+    let half = cfg.half();
+    if 2 * head_dim > NORM_GRAD_SHARED_F32 || half > NORM_GRAD_MAX_THREADS {
         return Err(invalid(
             "config",
             format!("head_dim {head_dim} is wider than the fused backward's sums take"),
         ));
     }
-    let per_chunk = 32 / threads_per_head * NORM_GRAD_HEADS_PER_THREAD;
-    let chunks = (
-        (q.heads as u32).div_ceil(per_chunk),
-        (k.heads as u32).div_ceil(per_chunk),
-    );
-    let rows = chunks.0 + chunks.1;
+    let per_warp = 32 / threads_per_head * norm_grad_heads_per_thread(es);
+    let q_warps = (q.heads as u32).div_ceil(per_warp);
+    let sequence = q_warps + (k.heads as u32).div_ceil(per_warp);
+    let warps = sequence
+        .clamp(1, NORM_GRAD_MAX_THREADS / 32)
+        .max(half.div_ceil(32));
+    let columns = sequence.div_ceil(warps).max(1);
     let kernel = NormGradKernelName {
         style: cfg.style(),
         source: sincos.source,
@@ -176,10 +183,10 @@ pub(crate) fn plan_grad(
     let resident = facts
         .sm_count
         .saturating_mul(blocks_per_sm(kernel, threads).max(1));
-    // One wave of blocks, but no block without a token for each warp.
-    let columns = u64::from((resident / rows.max(1)).max(1))
-        .min(tokens.div_ceil(u64::from(warps)).max(1)) as u32;
-    let need = u64::from(columns) * u64::from(rows) * u64::from(head_dim);
+    // One wave of blocks, but no block row without a token.
+    let rows = u64::from((resident / columns).max(1)).min(tokens.max(1)) as u32;
+    let blocks = columns * rows;
+    let need = 2 * u64::from(blocks) * u64::from(head_dim);
     if (req.workspace.len as u64) < need {
         return Err(invalid(
             "workspace",
@@ -206,7 +213,7 @@ pub(crate) fn plan_grad(
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: 0,
             },
-            heads_per_chunk: per_chunk,
+            heads_per_chunk: per_warp,
             seq: Divisor::new(seq),
             groups: Divisor::new(segment),
         },
@@ -215,7 +222,8 @@ pub(crate) fn plan_grad(
         tokens,
         positions,
         sincos,
-        chunks,
+        q_warps,
+        blocks,
     }))
 }
 

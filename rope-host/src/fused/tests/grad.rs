@@ -1,7 +1,7 @@
 //! The backward planner (`grad.rs`): its validation, its access width and its grid.
 
 use rope_kernels::abi::{
-    NORM_GRAD_HEADS_PER_THREAD, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName,
+    NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName, norm_grad_heads_per_thread,
 };
 
 use super::super::grad::{GradPlan, GradRequest, plan_grad};
@@ -46,28 +46,59 @@ fn invalid_name(planned: Result<Option<GradPlan>>) -> &'static str {
 }
 
 #[test]
-fn backward_plans_blocks_of_whole_warps_within_the_shared_sums() {
+fn backward_plans_each_tokens_warps_in_one_block_and_a_wave_of_block_rows() {
     for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
         let p = plan(&grad_request(style))
             .expect("valid")
             .expect("non-empty");
-        let (threads, rows) = (p.grid.config.block_dim.0, p.grid.config.grid_dim.1);
+        let (threads, (columns, rows, _)) = (p.grid.config.block_dim.0, p.grid.config.grid_dim);
         assert_eq!(threads % 32, 0);
         assert!(threads <= NORM_GRAD_MAX_THREADS);
-        assert!(threads / 32 * D as u32 <= NORM_GRAD_SHARED_F32);
+        assert!(threads >= D as u32 / 2, "a thread per cos/sin pair");
+        assert!(2 * D as u32 <= NORM_GRAD_SHARED_F32);
         assert_eq!(
             p.groups, 16,
             "{style:?}: 8 elements of 16-bit pairs per thread"
         );
-        // Two slots of 16 lanes a warp, each of NORM_GRAD_HEADS_PER_THREAD heads.
-        let per_chunk = 2 * NORM_GRAD_HEADS_PER_THREAD;
-        assert_eq!(p.grid.heads_per_chunk, per_chunk);
-        assert_eq!(p.chunks, (32 / per_chunk, 8 / per_chunk));
-        assert_eq!(rows, p.chunks.0 + p.chunks.1);
-        // At most a token per warp: 64 tokens over blocks of 8 warps.
-        assert_eq!(threads, 256);
-        assert_eq!(p.grid.config.grid_dim.0, TOKENS as u32 / 8);
+        // Two slots of 16 lanes a warp, each of four 16-bit heads: q's 32 heads take 4 warps,
+        // k's 8 one, all in one block.
+        let per_warp = 2 * norm_grad_heads_per_thread(2);
+        assert_eq!(per_warp, 8);
+        assert_eq!(p.grid.heads_per_chunk, per_warp);
+        assert_eq!(p.q_warps, 4);
+        assert_eq!((threads, columns), (5 * 32, 1));
+        // A block row per token: 64 tokens, fewer than the 132 x 3 blocks resident.
+        assert_eq!(rows, TOKENS as u32);
+        assert_eq!(p.blocks, columns * rows);
     }
+}
+
+#[test]
+fn backward_grid_rows_stop_at_one_wave_with_their_workspace_rows() {
+    // 1024 tokens (8 MiB of q, within the buffers' 16 MiB apart).
+    let mut r = grad_request(RopeStyle::Neox);
+    let tokens = 1024;
+    let k = r.fused.rope.k.as_mut().expect("k");
+    for (t, heads) in [(k, 8), (&mut r.fused.rope.q, 32)] {
+        t.x_layout = Layout::thd(tokens, heads, D);
+        t.x.len = t.x_layout.end().expect("small");
+    }
+    r.q_input = (
+        buf(r.q_input.0.ptr, tokens * 32 * D),
+        Layout::thd(tokens, 32, D),
+    );
+    r.k_input = (
+        buf(r.k_input.0.ptr, tokens * 8 * D),
+        Layout::thd(tokens, 8, D),
+    );
+    let p = plan(&r).expect("valid").expect("non-empty");
+    assert_eq!(p.grid.config.grid_dim, (1, 132 * 3, 1));
+    assert_eq!(p.blocks, 132 * 3);
+    // Two rows of head_dim per block: one fewer f32 is refused.
+    r.workspace.len = 2 * 132 * 3 * D - 1;
+    assert_eq!(invalid_name(plan(&r)), "workspace");
+    r.workspace.len += 1;
+    assert!(plan(&r).is_ok());
 }
 
 #[test]
