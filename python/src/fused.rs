@@ -587,6 +587,36 @@ pub(crate) fn launch(l: FusedLaunch<'_, '_>) -> PyResult<()> {
     launch_held(l, held)
 }
 
+/// The rotation of a launch given as vLLM gives it: `positions` (ids, or ids with axes), the
+/// `cos_sin_cache` (`[max_position, rotary_dim]`, its halves cos and sin: the cache's width
+/// sets `rotary_dim`), `head_dim` features per head paired by `style`, of `dtype` (`elem`).
+pub(crate) fn cache_rotation<'py>(
+    held: &mut Held<'py>,
+    (positions, cos_sin_cache): (&PositionsArg<'_, 'py>, &Bound<'py, PyAny>),
+    (head_dim, style, dtype, elem): (u32, RopeStyle, DType, Elem),
+    (names, stream): (&Names, CUstream),
+) -> PyResult<RawOp> {
+    let device = held.device;
+    let positions = raw_positions(positions, held, names)?;
+    let (sincos, rotary_dim, _frequencies) = raw_sincos(
+        SinCosArg::Cache(cos_sin_cache),
+        held,
+        (dtype, elem.name(), head_dim, None),
+        (names, stream),
+    )?;
+    let positions = positions.finish(device, names, (rotary_dim, stream))?;
+    let config = RopeConfig::builder(head_dim, style)
+        .rotary_dim(rotary_dim)
+        .build()
+        .map_err(|e| names.host_error(e))?;
+    Ok(RawOp {
+        config,
+        dtype,
+        positions,
+        sincos,
+    })
+}
+
 /// [`launch`] with tensors already borrowed: `held` began with `l`'s first tensor (`qkv`,
 /// `query` or `q`) and borrowed as `l.stream` and `l.producer_sync` ask ([`dlpack_stream`]).
 pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> PyResult<()> {
@@ -627,27 +657,16 @@ pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> 
         },
         None => PositionsArg::Ids(l.positions),
     };
-    let positions = raw_positions(&positions, &mut held, &names)?;
     let stream = l.stream as usize as CUstream;
-    let (sincos, rotary_dim, _frequencies) = raw_sincos(
-        SinCosArg::Cache(l.cos_sin_cache),
+    let rotation = cache_rotation(
         &mut held,
-        (dtype, elem.name(), head_dim, None),
+        (&positions, l.cos_sin_cache),
+        (head_dim, l.style, dtype, elem),
         (&names, stream),
     )?;
-    let positions = positions.finish(device, &names, (rotary_dim, stream))?;
-    let config = RopeConfig::builder(head_dim, l.style)
-        .rotary_dim(rotary_dim)
-        .build()
-        .map_err(|e| names.host_error(e))?;
     let rope = rope_for(device, l.overlap)?;
     let op = RawFusedOp {
-        rope: RawOp {
-            config,
-            dtype,
-            positions,
-            sincos,
-        },
+        rope: rotation,
         norm,
     };
     // SAFETY: `run_fused_raw`'s promises are `run_raw`'s, kept as in `launch::launch`:

@@ -191,27 +191,14 @@ pub(crate) fn _qk_norm_rope_backward(
     };
     let head_dim = u32::try_from(head_size)
         .map_err(|_| PyValueError::new_err(format!("head_size {head_size} is too large")))?;
-    let positions = raw_positions(&PositionsArg::Ids(positions), &mut held, &names)?;
-    let cu_stream = stream as usize as CUstream;
-    let (sincos, rotary_dim, _) = raw_sincos(
-        SinCosArg::Cache(cos_sin_cache),
-        &mut held,
-        (dtype, elem.name(), head_dim, None),
-        (&names, cu_stream),
-    )?;
-    let positions = positions.finish(device, &names, (rotary_dim, cu_stream))?;
-    let config = RopeConfig::builder(head_dim, pairing(is_neox))
-        .rotary_dim(rotary_dim)
-        .build()
-        .map_err(|e| names.host_error(e))?;
     let rope = rope_for(device, overlap(false))?;
     let op = RawFusedOp {
-        rope: RawOp {
-            config,
-            dtype,
-            positions,
-            sincos,
-        },
+        rope: fused::cache_rotation(
+            &mut held,
+            (&PositionsArg::Ids(positions), cos_sin_cache),
+            (head_dim, pairing(is_neox), dtype, elem),
+            (&names, stream as usize as CUstream),
+        )?,
         norm: Some(norm),
     };
     let grads = RawFusedGrads {
@@ -235,7 +222,7 @@ pub(crate) fn _qk_norm_rope_backward(
     // the tensors alive until the launch is enqueued and the caller keeps them until it has run
     // on `stream`, a stream of the device's primary context on which their writers are ordered
     // (the Python wrapper passes PyTorch's current stream), touching nothing the launch writes.
-    unsafe { rope.run_fused_backward_raw(&op, &grads, cu_stream) }
+    unsafe { rope.run_fused_backward_raw(&op, &grads, stream as usize as CUstream) }
         .map_err(|e| names.host_error(e))?;
     drop(held);
     Ok(())

@@ -17,21 +17,24 @@
 //! # Layout
 //! `gy` is read from `x0`/`x1` and `gx` written to `out0`/`out1` (equal: in place) at the RoPE
 //! parameters' strides; the forward inputs `x` of q and k at their own strides (`q_in`, `k_in`).
-//! `partials` receives `f32` rows of `d` features, one per block: block `(bx, by)` writes row
-//! `by * gridDim.x + bx`, the sum over its heads and tokens of `gz_e n_e`; block rows `by <
-//! q_chunks` hold q's heads, the others k's. The weights kernel ([`weights_body`]) sums them.
+//! `partials` receives `f32` rows of `d` features, two per block: block `(bx, by)` of a grid
+//! of `G = gridDim.x * gridDim.y` blocks writes row `by * gridDim.x + bx` (the sum over its q
+//! heads and tokens of `gz_e n_e`) and row `G + by * gridDim.x + bx` (its k heads'). The weights
+//! kernel ([`weights_body`]) sums them.
 //!
 //! # Thread mapping
-//! Block row `by` takes `heads_per_chunk` heads of one tensor. A warp holds `32 / groups` slots
-//! of `groups` lanes (a power of two of at most 32; the first `rot_groups = half / pairs` hold
-//! a head's pairs, the rest only join its sums, which are butterfly shuffles over the slot),
-//! and each slot takes [`NORM_GRAD_HEADS_PER_THREAD`] heads: the thread issues all their loads,
-//! then finds the token's position and sin/cos once for them. Each warp of block `bx` walks its
-//! own tokens (`bx * warps + warp`, then a grid's worth of tokens further each), every warp of
-//! the block row the same heads, so the shuffles always meet whole warps; threads past the
-//! block row's heads compute zeros. At the end the lanes of a warp holding the same features add
-//! their weight sums with shuffles, and the block's warps, in warp order, through the block's
-//! shared buffer into its `partials` row: the same launch gives the same gradients every time.
+//! Each token's threads form a sequence of warps, q's `q_warps` then k's. A warp holds `32 /
+//! groups` slots of `groups` lanes (a power of two of at most 32; the first `rot_groups = half /
+//! pairs` hold a head's pairs, the rest only join its sums, which are butterfly shuffles over
+//! the slot), and each slot takes `U` ([`norm_grad_heads_per_thread`]) consecutive heads.
+//! Block `(bx, by)` holds warps `bx * blockDim.x / 32 ..` of the sequence and walks tokens `by`,
+//! then a grid's worth further each. At each token a thread issues its heads' loads, the
+//! block's first `half` threads find the token's cos/sin, one pair each, into one of two halves
+//! of the shared buffer, and after one barrier every thread reads its pairs: one cos/sin
+//! computation serves the token's heads in the block. At
+//! the end the lanes of a warp holding the same features add their weight sums with shuffles,
+//! then the block's warps, one at a time in warp order, into q's and k's rows in the shared
+//! buffer: the same launch gives the same gradients every time.
 
 use super::{mul_add, norm_factor, read_cos_sin, rotate_fma, segment_sums, share_cos_sin};
 use crate::abi::{NormCode, norm_grad_heads_per_thread};
