@@ -8,16 +8,11 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use rope_host::cudarc::driver::sys::CUstream;
-use rope_host::{
-    NormWeight, RawBuf, RawFusedGrads, RawFusedOp, RawIo, RawOp, RawQkNorm, RopeConfig,
-};
+use rope_host::{NormWeight, RawBuf, RawFusedGrads, RawFusedOp, RawIo, RawQkNorm};
 
 use crate::dlpack::{self, Elem};
 use crate::fused::{self, FusedLaunch, FusedTensors};
-use crate::launch::{
-    Held, Names, PositionsArg, SinCosArg, View, arg_error, dlpack_stream, raw_positions,
-    raw_sincos, rope_for,
-};
+use crate::launch::{Held, Names, PositionsArg, View, arg_error, dlpack_stream, rope_for};
 use crate::native::{overlap, pairing};
 
 /// rope-host's argument names as `qk_norm_rope` calls them.
