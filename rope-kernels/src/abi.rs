@@ -1443,12 +1443,14 @@ pub const fn norm_grad_heads_per_thread(elem_size: usize) -> u32 {
     if elem_size == 4 { 2 } else { 4 }
 }
 
-/// Threads one block of a gradient entry point may hold (its `.maxntid`).
-pub const NORM_GRAD_MAX_THREADS: u32 = 256;
+/// Threads one block of a gradient entry point may hold (its `.maxntid`): a token's five warps
+/// of 32 q and 8 k heads of 128, within the static shared memory of its staging buffer
+/// (`intrinsics::stage`).
+pub const NORM_GRAD_MAX_THREADS: u32 = 160;
 
-/// Blocks of [`NORM_GRAD_MAX_THREADS`] threads one multiprocessor must hold (the gradient
-/// entry points' `.minnctapersm`): 512 threads of at most 128 registers.
-pub const NORM_GRAD_MIN_BLOCKS_PER_SM: u32 = 2;
+/// Registers a thread of a gradient entry point may take (its `.maxnreg`): three blocks of
+/// [`NORM_GRAD_MAX_THREADS`] on a multiprocessor.
+pub const NORM_GRAD_MAX_REGISTERS: u32 = 128;
 
 /// `f32` values of the block's shared buffer (the kernels' 4 KiB buffer): a gradient launch
 /// takes `2 * head_dim` of them, the two cos/sin buffers of its tokens and then its q and k

@@ -117,6 +117,113 @@ pub unsafe fn shared_load_f32s<const N: usize>(i: u32) -> [f32; N] {
     v
 }
 
+/// The QK-norm + RoPE backward's staging buffer in shared memory: two stages of
+/// [`crate::abi::NORM_GRAD_MAX_THREADS`] threads' [`STAGE_THREAD_BYTES`] each, which
+/// `cp.async` fills from global memory a token ahead (sm_80 and newer).
+pub mod stage {
+    use core::arch::{asm, global_asm};
+
+    use crate::abi::NORM_GRAD_MAX_THREADS;
+
+    /// Bytes of one thread's part of one stage.
+    pub const STAGE_THREAD_BYTES: u32 = 128;
+    /// Bytes of one stage.
+    pub const STAGE_BYTES: u32 = NORM_GRAD_MAX_THREADS * STAGE_THREAD_BYTES;
+
+    // Declared in PTX as the fused buffer is; allocated only in the kernels that take its
+    // address.
+    global_asm!(".shared .align 16 .b8 rope_grad_stage[{n}];", n = const 2 * STAGE_BYTES);
+
+    /// Starts copying `B` (4, 8 or 16) bytes from `src` to byte `at` of the staging buffer,
+    /// or `B` zero bytes where `copied` is false (nothing is read from `src` then), in this
+    /// thread's current group of asynchronous copies ([`commit`]).
+    ///
+    /// # Safety
+    /// `at + B <= 2 * STAGE_BYTES`, `at` a multiple of `B`; with `copied`, `src` points at `B`
+    /// readable bytes of global memory aligned to `B`; nothing reads the destination before
+    /// [`wait_all_but_last`] has passed the copy's group.
+    #[inline(always)]
+    pub unsafe fn copy_async<const B: u32>(at: u32, src: *const u8, copied: bool) {
+        let n: u32 = if copied { B } else { 0 };
+        // SAFETY: the caller's promises; the copy writes shared memory only, and reads `src`
+        // only with `copied`.
+        unsafe {
+            match B {
+                16 => asm!(
+                    "{{ .reg .u32 rope_st; mov.u32 rope_st, rope_grad_stage; add.u32 rope_st, rope_st, {at}; cp.async.cg.shared.global [rope_st], [{src}], 16, {n}; }}",
+                    at = in(reg32) at, src = in(reg64) src, n = in(reg32) n,
+                    options(nostack, preserves_flags),
+                ),
+                8 => asm!(
+                    "{{ .reg .u32 rope_st; mov.u32 rope_st, rope_grad_stage; add.u32 rope_st, rope_st, {at}; cp.async.ca.shared.global [rope_st], [{src}], 8, {n}; }}",
+                    at = in(reg32) at, src = in(reg64) src, n = in(reg32) n,
+                    options(nostack, preserves_flags),
+                ),
+                4 => asm!(
+                    "{{ .reg .u32 rope_st; mov.u32 rope_st, rope_grad_stage; add.u32 rope_st, rope_st, {at}; cp.async.ca.shared.global [rope_st], [{src}], 4, {n}; }}",
+                    at = in(reg32) at, src = in(reg64) src, n = in(reg32) n,
+                    options(nostack, preserves_flags),
+                ),
+                _ => super::trap(),
+            }
+        }
+    }
+
+    /// Closes this thread's current group of asynchronous copies (`cp.async.commit_group`);
+    /// a group with no copies completes at once.
+    #[inline(always)]
+    pub fn commit() {
+        // SAFETY: no operands; marks a group boundary only.
+        unsafe { asm!("cp.async.commit_group;", options(nostack, preserves_flags)) };
+    }
+
+    /// Waits until every group of this thread's asynchronous copies but the last committed
+    /// has completed (`cp.async.wait_group 1`): their bytes are then in the staging buffer.
+    /// The `asm` may read and write memory, so no access moves across it.
+    #[inline(always)]
+    pub fn wait_all_but_last() {
+        // SAFETY: no operands; waits only.
+        unsafe { asm!("cp.async.wait_group 1;", options(nostack, preserves_flags)) };
+    }
+
+    /// Loads `W` (1, 2 or 4) 32-bit words from byte `at` of the staging buffer with one
+    /// `ld.shared`.
+    ///
+    /// # Safety
+    /// `at + 4 W <= 2 * STAGE_BYTES`, `at` a multiple of `4 W`; written by this thread's copies
+    /// of a group [`wait_all_but_last`] has passed since.
+    #[inline(always)]
+    pub unsafe fn load<const W: usize>(at: u32) -> [u32; W] {
+        let mut v = [0u32; W];
+        // SAFETY: inside the buffer, aligned (the caller's promises); reads shared memory only,
+        // ordered after the wait (a memory-clobbering `asm`).
+        unsafe {
+            match W {
+                4 => asm!(
+                    "{{ .reg .u32 rope_st; mov.u32 rope_st, rope_grad_stage; add.u32 rope_st, rope_st, {at}; ld.shared.v4.b32 {{{a}, {b}, {c}, {d}}}, [rope_st]; }}",
+                    at = in(reg32) at,
+                    a = out(reg32) v[0], b = out(reg32) v[1 % W], c = out(reg32) v[2 % W], d = out(reg32) v[3 % W],
+                    options(nostack, preserves_flags, readonly),
+                ),
+                2 => asm!(
+                    "{{ .reg .u32 rope_st; mov.u32 rope_st, rope_grad_stage; add.u32 rope_st, rope_st, {at}; ld.shared.v2.b32 {{{a}, {b}}}, [rope_st]; }}",
+                    at = in(reg32) at,
+                    a = out(reg32) v[0], b = out(reg32) v[1 % W],
+                    options(nostack, preserves_flags, readonly),
+                ),
+                1 => asm!(
+                    "{{ .reg .u32 rope_st; mov.u32 rope_st, rope_grad_stage; add.u32 rope_st, rope_st, {at}; ld.shared.b32 {a}, [rope_st]; }}",
+                    at = in(reg32) at,
+                    a = out(reg32) v[0],
+                    options(nostack, preserves_flags, readonly),
+                ),
+                _ => super::trap(),
+            }
+        }
+        v
+    }
+}
+
 /// The rows kernels' shared memory, bulk copies and mbarriers (sm_90 and newer: PTX ISA 8.0).
 #[cfg(target_feature = "sm_90")]
 pub mod bulk {

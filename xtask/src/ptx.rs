@@ -203,12 +203,12 @@ fn with_launch_bounds(ptx: &str) -> String {
 /// The launch-bound directives of the entry point `symbol`: for the fused token-heads kernels,
 /// whose blocks hold up to `TOKEN_HEADS_MAX_WARPS` warps of a token, `.maxntid` of that many
 /// threads and `.maxnreg` (their `token_heads_registers`); for the QK-norm + RoPE backward's
-/// gradient kernels `.maxntid NORM_GRAD_MAX_THREADS` and `.minnctapersm
-/// NORM_GRAD_MIN_BLOCKS_PER_SM`, and for its weights kernels `.maxntid
+/// gradient kernels `.maxntid NORM_GRAD_MAX_THREADS` and `.maxnreg NORM_GRAD_MAX_REGISTERS`,
+/// and for its weights kernels `.maxntid
 /// NORM_GRAD_WEIGHTS_THREADS`; for the others `.maxntid BLOCK_THREADS` and `.minnctapersm`.
 fn launch_bounds(symbol: &str) -> String {
     use rope_kernels::abi::{
-        BLOCK_THREADS, FusedKernelName, NORM_GRAD_MAX_THREADS, NORM_GRAD_MIN_BLOCKS_PER_SM,
+        BLOCK_THREADS, FusedKernelName, NORM_GRAD_MAX_REGISTERS, NORM_GRAD_MAX_THREADS,
         NORM_GRAD_WEIGHTS_THREADS, NormGradKernelName,
     };
     if let Some(k) = FusedKernelName::from_symbol(symbol)
@@ -222,7 +222,7 @@ fn launch_bounds(symbol: &str) -> String {
     }
     if NormGradKernelName::ALL.iter().any(|k| k.symbol() == symbol) {
         return format!(
-            ".maxntid {NORM_GRAD_MAX_THREADS}, 1, 1\n.minnctapersm {NORM_GRAD_MIN_BLOCKS_PER_SM}\n"
+            ".maxntid {NORM_GRAD_MAX_THREADS}, 1, 1\n.maxnreg {NORM_GRAD_MAX_REGISTERS}\n"
         );
     }
     format!(

@@ -28,17 +28,22 @@
 //! pairs` hold a head's pairs, the rest only join its sums, which are butterfly shuffles over
 //! the slot), and each slot takes `U` ([`norm_grad_heads_per_thread`]) consecutive heads.
 //! Block `(bx, by)` holds warps `bx * blockDim.x / 32 ..` of the sequence and walks tokens `by`,
-//! then a grid's worth further each. At each token a thread issues its heads' loads, the
-//! block's first `half` threads find the token's cos/sin, one pair each, into one of two halves
-//! of the shared buffer, and after one barrier every thread reads its pairs: one cos/sin
-//! computation serves the token's heads in the block. At
+//! then a grid's worth further each. With tables and with interleaved pairs each thread starts
+//! copying a token's heads into its part of a shared staging buffer (`cp.async`, two stages)
+//! while it computes the token before; NeoX pairs with sin/cos computed load each token's heads
+//! into registers at its step. At each token the block's first `half` threads find its cos/sin,
+//! one pair each, into one of two halves of the shared buffer, and after one barrier every
+//! thread reads its pairs: one cos/sin computation serves the token's heads in the block. At
 //! the end the lanes of a warp holding the same features add their weight sums with shuffles,
 //! then the block's warps, one at a time in warp order, into q's and k's rows in the shared
 //! buffer: the same launch gives the same gradients every time.
 
 use super::{mul_add, norm_factor, read_cos_sin, rotate_fma, segment_sums, share_cos_sin};
-use crate::abi::{NormCode, norm_grad_heads_per_thread};
+use crate::abi::{NORM_GRAD_MAX_THREADS, NormCode, norm_grad_heads_per_thread};
 use crate::elem::{Bf16, Elem, Half, unrolled};
+use crate::intrinsics::stage::{
+    STAGE_BYTES, STAGE_THREAD_BYTES, commit, copy_async, load as stage_load, wait_all_but_last,
+};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, grid_dim_x, grid_dim_y, shared_load_f32s,
     shared_store_f32, shuffle_xor, sync_threads_count, thread_idx_x, trap,
@@ -138,6 +143,10 @@ unsafe fn head_gradient<T: Elem, P: Pairing, const L: usize>(
 /// The promises of the entry points.
 #[inline(always)]
 unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g: &Grad<T>) {
+    // The heads are staged through shared memory a token ahead (see the loop) with tables and
+    // interleaved pairs; NeoX pairs with sin/cos computed load each token's heads where they
+    // are used (docs/perf/decisions.md, the backward's entry).
+    let staged = S::TABLE || !P::NEOX;
     let a = &g.rope;
     let pairs = if P::NEOX { L } else { L / 2 };
     // Each head's threads: a segment of `groups` lanes (a power of two), of which the first
@@ -191,33 +200,116 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     // The shared half this token's cos/sin take: a thread writing the next token's has passed
     // the barrier after which every thread has read this one's.
     let mut base = 0;
-    while t < tokens {
-        let (b, s) = a.seq.div_rem_u32(t);
-        let first = |strides: [u64; 3]| (offset_u32(strides, (b, s), i0), strides[2] as u32);
-        // Every head's loads first, then the token's cos/sin.
-        let (in_first, in_step) = first(in_strides);
-        let (gy_first, gy_step) = first(tensor.x_strides);
-        let mut loaded = [[[[T::ZERO; L]; 2]; 2]; U];
-        unrolled(U, |u| {
-            if live[u] {
+    // Staged, each token's heads reach the staging buffer by `cp.async` a token ahead: in flight
+    // while the previous token's gradients are computed, in no register. A thread's vectors of one
+    // stage (`U` heads, the forward input then the output gradient, the NeoX pair's two
+    // vectors) lie `NORM_GRAD_MAX_THREADS` vectors apart, so that a warp's lanes read
+    // consecutive vectors.
+    let (bytes, vectors) = ((L * T::SIZE) as u32, if P::NEOX { 2 } else { 1 });
+    let stage_at = |stage: u32, (u, i, v): (usize, usize, usize)| {
+        let chunk = ((u * 2 + i) * vectors + v) as u32;
+        stage * STAGE_BYTES + (chunk * NORM_GRAD_MAX_THREADS + tid) * bytes
+    };
+    if threads > NORM_GRAD_MAX_THREADS || U as u32 * 2 * vectors as u32 * bytes > STAGE_THREAD_BYTES
+    {
+        trap()
+    }
+    let (first_v, second_v) = vector_offsets::<P>(j0, half);
+    let issue = |t: u32, stage: u32| {
+        if staged && t < tokens {
+            let (b, s) = a.seq.div_rem_u32(t);
+            let (in_first, in_step) = (offset_u32(in_strides, (b, s), i0), in_strides[2] as u32);
+            let strides = tensor.x_strides;
+            let (gy_first, gy_step) = (offset_u32(strides, (b, s), i0), strides[2] as u32);
+            unrolled(U, |u| {
                 let u32_ = u as u32;
-                // SAFETY: (b, s) is a token and `i0 + u` a head of the tensor (offsets below
-                // 2^32); the entry points' promises for the tensors' addresses.
-                loaded[u] = unsafe {
-                    [
-                        load_head::<T, P, L>(
-                            input.add((in_first + u32_ * in_step) as usize),
-                            j0,
-                            half,
-                        ),
-                        load_head::<T, P, L>(
-                            tensor.x.add((gy_first + u32_ * gy_step) as usize),
-                            j0,
-                            half,
-                        ),
-                    ]
-                };
+                let heads = [
+                    input.wrapping_add((in_first + u32_ * in_step) as usize),
+                    tensor.x.wrapping_add((gy_first + u32_ * gy_step) as usize),
+                ];
+                unrolled(2, |i| {
+                    unrolled(vectors, |v| {
+                        let e = if v == 0 { first_v } else { second_v };
+                        let src = heads[i].wrapping_add(e).cast::<u8>();
+                        let at = stage_at(stage, (u, i, v));
+                        // SAFETY: for a live head, (b, s) is a token and `i0 + u` a head of
+                        // the tensor (offsets below 2^32), `e` this thread's vector in it,
+                        // aligned to its `bytes` (the entry points' promises); a dead head's
+                        // copy reads nothing and writes zeros. The stage holds every thread's
+                        // vectors (checked above).
+                        unsafe {
+                            match bytes {
+                                16 => copy_async::<16>(at, src, live[u]),
+                                8 => copy_async::<8>(at, src, live[u]),
+                                _ => copy_async::<4>(at, src, live[u]),
+                            }
+                        }
+                    });
+                });
+            });
+        }
+        if staged {
+            commit();
+        }
+    };
+    // Each step starts the copy of token `ahead` into `stage` and computes token `now` (none at
+    // the first step) from the other stage; one call site, so the copies' code is inlined once.
+    let (mut now, mut ahead, mut stage) = (tokens, t, 0);
+    loop {
+        issue(ahead, stage);
+        if now >= tokens {
+            if ahead >= tokens {
+                break;
             }
+            now = ahead;
+            ahead = ahead.wrapping_add(step);
+            ahead = if ahead < step { tokens } else { ahead };
+            stage ^= 1;
+            continue;
+        }
+        let (b, s) = a.seq.div_rem_u32(now);
+        let computed = stage ^ 1;
+        if staged {
+            wait_all_but_last();
+        }
+        let mut loaded = [[[[T::ZERO; L]; 2]; 2]; U];
+        if !staged {
+            let first = |strides: [u64; 3]| (offset_u32(strides, (b, s), i0), strides[2] as u32);
+            let (in_first, in_step) = first(in_strides);
+            let (gy_first, gy_step) = first(tensor.x_strides);
+            unrolled(U, |u| {
+                if live[u] {
+                    let u32_ = u as u32;
+                    let (at_in, at_gy) = (in_first + u32_ * in_step, gy_first + u32_ * gy_step);
+                    // SAFETY: (b, s) is a token and `i0 + u` a head of the tensor (offsets
+                    // below 2^32); the entry points' promises for the tensors' addresses.
+                    loaded[u] = unsafe {
+                        [
+                            load_head::<T, P, L>(input.add(at_in as usize), j0, half),
+                            load_head::<T, P, L>(tensor.x.add(at_gy as usize), j0, half),
+                        ]
+                    };
+                }
+            });
+        }
+        unrolled(U, |u| {
+            if !staged {
+                return;
+            }
+            unrolled(2, |i| {
+                unrolled(vectors, |v| {
+                    let at = stage_at(computed, (u, i, v));
+                    // SAFETY: this thread's copy of this stage, complete (waited for above);
+                    // `bytes` is `L` elements of `T`.
+                    loaded[u][i][v] = unsafe {
+                        match bytes {
+                            16 => core::mem::transmute_copy(&stage_load::<4>(at)),
+                            8 => core::mem::transmute_copy(&stage_load::<2>(at)),
+                            _ => core::mem::transmute_copy(&stage_load::<1>(at)),
+                        }
+                    };
+                });
+            });
         });
         // SAFETY: base + 2 half <= 4 half <= SHARED_F32; (b, s) is a token; the position,
         // table and frequency promises.
@@ -230,7 +322,8 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
         } else {
             ([0.0; L], [0.0; L])
         };
-        let (out_first, out_step) = first(tensor.out_strides);
+        let strides = tensor.out_strides;
+        let (out_first, out_step) = (offset_u32(strides, (b, s), i0), strides[2] as u32);
         unrolled(U, |u| {
             let out = if live[u] {
                 // SAFETY: the head's output, as its input above.
@@ -245,10 +338,13 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
             };
         });
         base ^= 2 * a.half;
-        t = t.wrapping_add(step);
-        if t < step {
+        if ahead >= tokens {
             break;
         }
+        now = ahead;
+        ahead = ahead.wrapping_add(step);
+        ahead = if ahead < step { tokens } else { ahead };
+        stage ^= 1;
     }
     // SAFETY: the entry points' promises for `partials` and the block's shape.
     unsafe { store_partials::<P, L>(g, acc, (groups, j0), is_q) };
