@@ -37,8 +37,8 @@ use crate::layout::Layout;
 use crate::op::{Io, Tensor};
 use crate::plan::Request;
 use crate::rope::{RawIo, RawTensor, Work, bind_io, encode_work};
-use plan::max_grad_blocks;
-pub(super) use plan::{GradPlan, plan_grad};
+
+pub(super) use plan::{GradPlan, max_grad_blocks, plan_grad};
 
 /// The tensors of a QK-norm + RoPE backward ([`Rope::run_fused_backward`]).
 #[derive(Debug)]

@@ -45,7 +45,7 @@ pub(crate) struct GradPlan {
 /// The most blocks a backward grid of `heads` q and k heads takes: a full complement of the
 /// smallest blocks (one warp) on every multiprocessor, or one per head where that is more (a
 /// token's sequence of warps has at most one warp per head).
-pub(super) fn max_grad_blocks(facts: &DeviceFacts, heads: usize) -> usize {
+pub(crate) fn max_grad_blocks(facts: &DeviceFacts, heads: usize) -> usize {
     let full = facts.sm_count as usize * (facts.threads_per_sm / 32) as usize;
     full.max(heads)
 }

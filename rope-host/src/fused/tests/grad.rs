@@ -1,13 +1,15 @@
 //! The backward planner (`grad.rs`): its validation, its access width and its grid.
 
 use rope_kernels::abi::{
-    NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName, norm_grad_heads_per_thread,
+    DType, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName,
+    norm_grad_heads_per_thread,
 };
 
-use super::super::grad::{GradPlan, GradRequest, plan_grad};
+use super::super::grad::{GradPlan, GradRequest, max_grad_blocks, plan_grad};
 use super::super::request::FusedRequest;
 use super::{D, H200, TOKENS, buf, request};
 use crate::config::{RopeConfig, RopeStyle};
+
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 
@@ -127,4 +129,81 @@ fn backward_refuses_what_it_cannot_take_naming_the_argument() {
         .build()
         .expect("valid");
     assert_eq!(invalid_name(plan(&r)), "config");
+}
+
+/// A backward of `heads` q and k heads of `head_dim` features of `dtype` at `tokens` tokens,
+/// pairs of `style`, every buffer sized to its layout and 16 MiB from the next.
+fn shaped_request(
+    (style, dtype): (RopeStyle, DType),
+    head_dim: usize,
+    (q_heads, k_heads): (usize, usize),
+    tokens: usize,
+) -> GradRequest {
+    let mut r = grad_request(style);
+    r.fused.rope.config = RopeConfig::builder(head_dim as u32, style)
+        .build()
+        .expect("valid");
+    r.fused.rope.dtype = dtype;
+    let k = r.fused.rope.k.as_mut().expect("k");
+    for (t, heads) in [(k, k_heads), (&mut r.fused.rope.q, q_heads)] {
+        t.x_layout = Layout::thd(tokens, heads, head_dim);
+        t.x.len = t.x_layout.end().expect("small");
+    }
+    for ((buf, layout), heads) in [(&mut r.q_input, q_heads), (&mut r.k_input, k_heads)] {
+        *layout = Layout::thd(tokens, heads, head_dim);
+        buf.len = tokens * heads * head_dim;
+    }
+    for w in [&mut r.q_weight, &mut r.k_weight] {
+        w.len = head_dim;
+    }
+    let norm = r.fused.norm.as_mut().expect("norm");
+    norm.q_weight.len = head_dim;
+    norm.k_weight.len = head_dim;
+    r.norm = *norm;
+    r
+}
+
+#[test]
+fn backward_plans_keep_the_kernels_block_and_shared_buffer_bounds_for_every_shape() {
+    let mut planned = 0;
+    for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            for head_dim in [64, 96, 128, 256, 512] {
+                for heads in [(1, 0), (1, 1), (8, 1), (32, 8), (40, 8), (64, 8), (3, 5)] {
+                    for tokens in [1, 7, 64] {
+                        let r = shaped_request((style, dtype), head_dim, heads, tokens);
+                        let p = match plan(&r) {
+                            Ok(Some(p)) => p,
+                            Ok(None) => panic!("{style:?} {dtype:?} {head_dim} {heads:?}: empty"),
+                            // Heads the access widths cannot split into at most a warp.
+                            Err(Error::Invalid { arg: "config", .. }) => continue,
+                            Err(e) => panic!("{style:?} {dtype:?} {head_dim} {heads:?}: {e}"),
+                        };
+                        planned += 1;
+                        let half = head_dim as u32 / 2;
+                        let threads = p.grid.config.block_dim.0;
+                        let (columns, rows, _) = p.grid.config.grid_dim;
+                        // The kernel traps otherwise: whole warps, no more than its `.maxntid`,
+                        // a thread per cos/sin pair, two tokens' pairs and then both weight
+                        // rows within the shared buffer, a head's lanes within a warp.
+                        assert_eq!(threads % 32, 0);
+                        assert!(threads <= NORM_GRAD_MAX_THREADS && threads >= half);
+                        assert!(4 * half <= NORM_GRAD_SHARED_F32);
+                        assert!(p.groups.next_power_of_two() <= 32);
+                        // Every head has its warp: q's warps, then k's, over the columns.
+                        let per_warp = p.grid.heads_per_chunk;
+                        assert!(p.q_warps * per_warp >= heads.0 as u32);
+                        let k_warps = (heads.1 as u32).div_ceil(per_warp);
+                        assert!(columns * (threads / 32) >= p.q_warps + k_warps);
+                        assert!(rows as usize <= tokens);
+                        assert_eq!(p.blocks, columns * rows);
+                        // The workspace the planner needs is within what Rope promises.
+                        let bound = max_grad_blocks(&H200, heads.0 + heads.1) * 2 * head_dim;
+                        assert!(2 * p.blocks as usize * head_dim <= bound);
+                    }
+                }
+            }
+        }
+    }
+    assert!(planned > 300, "{planned} shapes planned");
 }
