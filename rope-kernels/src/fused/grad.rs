@@ -511,14 +511,15 @@ macro_rules! grad_entry {
         /// (`out0`, `out1`), every tensor spanning fewer than 2^32 elements and `tokens` below
         /// 2^32, with the whole head rotated (`rotary_dim = head_dim`,
         /// `rotary_offset = 0`, `rot_groups = half / pairs` and `groups` the power of two at or
-        /// above it, at most 32, `heads_per_chunk = (32 / groups) * NORM_GRAD_HEADS_PER_THREAD`),
-        /// and:
+        /// above it, at most 32, `heads_per_chunk = (32 / groups) *
+        /// norm_grad_heads_per_thread(size of the element)`), and:
         /// `q_in` and `k_in` address q's and k's heads at their strides, aligned to `lanes`
         /// elements and overlapping no output; the norm weights hold `head_dim` elements
-        /// each; the block holds whole warps, with `head_dim * blockDim.x / 32` at most
-        /// `SHARED_F32`; the grid's rows `gridDim.y`
-        /// are q's `q_chunks` chunks of `heads_per_chunk` heads then k's; `partials` holds
-        /// `gridDim.x * gridDim.y * head_dim` `f32` overlapping nothing else.
+        /// each; the block holds whole warps, at least `half` and at most
+        /// `NORM_GRAD_MAX_THREADS` threads, with `4 half` and `2 head_dim` at most
+        /// `SHARED_F32`; block `(bx, by)` takes warps `bx * blockDim.x / 32 ..` of each token's
+        /// sequence of q's `q_warps` warps then k's; `partials` holds
+        /// `2 * gridDim.x * gridDim.y * head_dim` `f32` overlapping nothing else.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(

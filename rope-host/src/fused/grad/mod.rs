@@ -230,10 +230,11 @@ impl Rope {
         // addresses, aligned to `lanes`; written regions overlap nothing else; the whole head
         // rotates with `rot_groups = half / pairs` threads in segments of the power of two at
         // or above it, at most 32, `heads_per_chunk` their slots per warp times
-        // `norm_grad_heads_per_thread`; blocks of whole warps, at least `half` threads, with
-        // `2 * head_dim` within the shared buffer; the workspace holds two rows per block (the
-        // weights kernel reads those rows, after the gradient kernel on the same stream);
-        // positions and sin/cos as for `Rope::run`. Both functions were loaded in this context and wait for nothing.
+        // `norm_grad_heads_per_thread`; blocks of whole warps, at least `half` and at most
+        // `NORM_GRAD_MAX_THREADS` threads, with `4 half` and `2 head_dim` within the shared
+        // buffer; the workspace holds two rows per block (the weights kernel reads those rows,
+        // after the gradient kernel on the same stream); positions and sin/cos as for
+        // `Rope::run`. Both functions were loaded in this context and wait for nothing.
         unsafe {
             args.launch(
                 context,
