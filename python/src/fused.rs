@@ -451,9 +451,7 @@ fn raw_io<'py>(
         FusedTensors::Separate { key, value, .. } => {
             let q = first;
             let spec = (elem, arg, view);
-            let k = held
-                .tensor(Some(key), names.python_name("k"), spec)?
-                .expect("given");
+            let k = held.required_tensor(key, names.python_name("k"), spec)?;
             let v = held.tensor(value, names.python_name("v"), spec)?;
             let es = dtype.size() as u64;
             let mut all = vec![q, k];
@@ -480,9 +478,7 @@ fn raw_io<'py>(
             ..
         } => {
             let spec = (elem, arg, view);
-            let mut tensor = |obj, name| -> PyResult<RawTensor> {
-                Ok(held.tensor(Some(obj), name, spec)?.expect("given"))
-            };
+            let mut tensor = |obj, name| held.required_tensor(obj, name, spec);
             let k = tensor(key, names.python_name("k"))?;
             let q_output = tensor(query_out, names.python_name("q.output"))?;
             let k_output = tensor(key_out, names.python_name("k.output"))?;
@@ -511,9 +507,7 @@ fn raw_io<'py>(
         } => {
             let q = first;
             let spec = (elem, arg, view);
-            let k_in = held
-                .tensor(Some(k), names.python_name("k"), spec)?
-                .expect("given");
+            let k_in = held.required_tensor(k, names.python_name("k"), spec)?;
             // v's heads may hold non-rotary features after the rotated ones (FlashInfer's
             // `rope_dim + no_rope_dim`): its width is its own, checked by rope-host against the
             // cache's.

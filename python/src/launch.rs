@@ -450,15 +450,25 @@ impl<'py> Held<'py> {
         Ok(&self.borrowed.last().expect("just pushed").dense)
     }
 
-    /// Borrows a tensor to rotate or write, if given: on q's device, of q's element type
-    /// (`elem`, q named `q_name`), read by `view`.
+    /// Borrows a tensor to rotate or write, if given ([`Held::required_tensor`]).
     pub(crate) fn tensor(
         &mut self,
         obj: Option<&Bound<'py, PyAny>>,
         name: &'static str,
-        (elem, q_name, view): (Elem, &str, View),
+        spec: (Elem, &str, View),
     ) -> PyResult<Option<RawTensor>> {
-        let Some(obj) = obj else { return Ok(None) };
+        obj.map(|obj| self.required_tensor(obj, name, spec))
+            .transpose()
+    }
+
+    /// Borrows a tensor to rotate or write: on q's device, of q's element type (`elem`, q
+    /// named `q_name`), read by `view`.
+    pub(crate) fn required_tensor(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        name: &'static str,
+        (elem, q_name, view): (Elem, &str, View),
+    ) -> PyResult<RawTensor> {
         let d = self.borrow(obj, name)?;
         if d.elem != elem {
             return Err(PyValueError::new_err(format!(
@@ -467,7 +477,7 @@ impl<'py> Held<'py> {
                 elem.name()
             )));
         }
-        view.tensor(d, name).map(Some)
+        view.tensor(d, name)
     }
 }
 

@@ -154,11 +154,7 @@ pub(crate) fn _qk_norm_rope_backward(
     let elem = first.elem;
     let dtype = dlpack::float_type(first, "q").map_err(arg_error)?;
     let view = View::Heads(head_size);
-    let mut tensor = |obj, name| -> PyResult<_> {
-        Ok(held
-            .tensor(Some(obj), name, (elem, "q", view))?
-            .expect("given"))
-    };
+    let mut tensor = |obj, name| held.required_tensor(obj, name, (elem, "q", view));
     let q_input = tensor(q, "q")?;
     let k_input = tensor(k, "k")?;
     let gq = tensor(grad_q, "grad_q")?;
