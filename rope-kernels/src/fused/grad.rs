@@ -273,7 +273,24 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
             wait_all_but_last();
         }
         let mut loaded = [[[[T::ZERO; L]; 2]; 2]; U];
-        if !staged {
+        if staged {
+            unrolled(U, |u| {
+                unrolled(2, |i| {
+                    unrolled(vectors, |v| {
+                        let at = stage_at(computed, (u, i, v));
+                        // SAFETY: this thread's copy of this stage, complete (waited for
+                        // above); `bytes` is `L` elements of `T`.
+                        loaded[u][i][v] = unsafe {
+                            match bytes {
+                                16 => core::mem::transmute_copy(&stage_load::<4>(at)),
+                                8 => core::mem::transmute_copy(&stage_load::<2>(at)),
+                                _ => core::mem::transmute_copy(&stage_load::<1>(at)),
+                            }
+                        };
+                    });
+                });
+            });
+        } else {
             let first = |strides: [u64; 3]| (offset_u32(strides, (b, s), i0), strides[2] as u32);
             let (in_first, in_step) = first(in_strides);
             let (gy_first, gy_step) = first(tensor.x_strides);
@@ -292,25 +309,6 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
                 }
             });
         }
-        unrolled(U, |u| {
-            if !staged {
-                return;
-            }
-            unrolled(2, |i| {
-                unrolled(vectors, |v| {
-                    let at = stage_at(computed, (u, i, v));
-                    // SAFETY: this thread's copy of this stage, complete (waited for above);
-                    // `bytes` is `L` elements of `T`.
-                    loaded[u][i][v] = unsafe {
-                        match bytes {
-                            16 => core::mem::transmute_copy(&stage_load::<4>(at)),
-                            8 => core::mem::transmute_copy(&stage_load::<2>(at)),
-                            _ => core::mem::transmute_copy(&stage_load::<1>(at)),
-                        }
-                    };
-                });
-            });
-        });
         // SAFETY: base + 2 half <= 4 half <= SHARED_F32; (b, s) is a token; the position,
         // table and frequency promises.
         unsafe { share_cos_sin::<T, S>(a, (b, s), pairs, base) };
