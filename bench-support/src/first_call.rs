@@ -163,6 +163,7 @@ fn launch(rope: &Rope, family: Family) -> rope_host::Result<()> {
                     k_weight: weight.as_view(),
                     eps: 1e-6,
                     weight: NormWeight::Plain,
+                    scope: rope_host::NormScope::PerHead,
                 }),
             };
             let io = FusedIo::Separate {

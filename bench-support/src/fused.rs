@@ -10,6 +10,8 @@
 //!   (`StreamOverlap::Programmatic`, rows marked `PDL`; the same launches as the others where
 //!   the device has no sm_90 kernels).
 //!
+//! - a diffusion transformer's step at the same shapes: q and k normalised across all of a
+//!   token's heads, then rotated by 3-D axial positions, next to the copy of q and k;
 //! - MLA at the same token counts (128 q heads whose last 64 features rotate, one k head of
 //!   64 and 512 latent features into FP8 or bf16 caches), next to a copy of its bytes.
 //!
@@ -22,10 +24,11 @@ use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMo
 use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use rope_host::half::bf16;
 use rope_host::{
-    CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceInts, Fp8Format, Fp8Scale,
-    FusedGrads, FusedIo, FusedOp, IdsShape, Io, KOut, KvCache, Layout, NonRotaryCache, NormWeight,
-    PageTable, Positions, QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeStyle, SinCos,
-    SinCosTables, StreamOverlap, TableFormat, Tensor, TensorMut,
+    AxisMap, CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceAxisMap, DeviceInts,
+    Fp8Format, Fp8Scale, Frequencies, FrequencySpec, FusedGrads, FusedIo, FusedOp, IdsShape, Io,
+    KOut, KvCache, Layout, NonRotaryCache, NormScope, NormWeight, PageTable, Positions, QOut, QkIo,
+    QkNorm, Rope, RopeConfig, RopeOp, RopeScaling, RopeStyle, SinCos, SinCosTables, StreamOverlap,
+    TableFormat, Tensor, TensorMut,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -79,6 +82,11 @@ enum Variant {
     /// The QK-norm + RoPE backward (`Rope::run_fused_backward`) of `NormRope`'s step: the input
     /// and weight gradients from the forward inputs and the output gradients, out of place.
     NormRopeBackward,
+    /// A diffusion transformer's step (WAN-style, FlashInfer's `fused_qk_rmsnorm_rope`): q and
+    /// k normalised across all of a token's heads (weights of `heads * 128`), then rotated by
+    /// 3-D axial positions (a frames x 32 x 32 grid of tokens; axes of 44, 42 and 42 features,
+    /// each axis's frequencies `theta^(-2i / axis)`), in place.
+    AcrossHeads,
     /// MLA (DeepSeek-V3's shapes, vLLM's `concat_and_cache_mla_rope_fused`): `q_pe`, the last
     /// 64 of each of 128 q heads' 192 features, and `k_pe`, one head of 64, rotated in place;
     /// `k_pe` into the k cache and the 512 latent features into the latent cache (FlashInfer's
@@ -120,7 +128,13 @@ const MLA_LATENT: usize = 512;
 
 /// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
 /// before (the rotation's, for the unfused sequence).
-const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 22] = [
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 23] = [
+    (
+        Variant::AcrossHeads,
+        "DiT: norm across heads + 3-D axial rope",
+        Some(COPY_QK),
+        StreamOverlap::None,
+    ),
     (
         Variant::Copy(Bytes::QkBackward),
         COPY_BACKWARD,
@@ -286,6 +300,10 @@ struct Buffers {
     backward_out: (CudaSlice<bf16>, CudaSlice<bf16>),
     backward_w: (CudaSlice<bf16>, CudaSlice<bf16>),
     workspace: CudaSlice<f32>,
+    /// The DiT row's weights, positions, axes and frequencies.
+    dit: Dit,
+    /// The DiT row's A/B knobs ([`DIT_VAR`]), read once.
+    dit_knobs: DitKnobs,
     /// vLLM's `cos_sin_cache` when [`SINCOS_VAR`] asks for it, else sin/cos are computed.
     table: Option<SinCosTables<bf16>>,
     /// MLA's `cos_sin_cache` of 64 rotated features when [`SINCOS_VAR`] asks for one.
@@ -293,6 +311,77 @@ struct Buffers {
     /// Every launch's configuration: the pairing [`STYLE_VAR`] and the rotated features
     /// [`ROTARY_VAR`] ask for, read once (not in the timed launches).
     config: RopeConfig,
+}
+
+/// The DiT row's ([`Variant::AcrossHeads`]) device data: q's and k's weights (`heads * 128`
+/// each), the tokens' `[3, tokens]` positions on a grid of 32 x 32 tokens a frame, the axial
+/// pairs' axes and frequencies.
+struct Dit {
+    weights: (CudaSlice<bf16>, CudaSlice<bf16>),
+    positions: CudaSlice<i64>,
+    axes: DeviceAxisMap,
+    freqs: Frequencies,
+}
+
+/// Environment variable of the DiT row's A/B knobs, comma-separated: `ids` launches it with
+/// the fused rows' positions and computed sin/cos instead of the axial ones, `per-head`
+/// normalises each head instead of the token's heads.
+pub const DIT_VAR: &str = "ROPE_BENCH_DIT";
+
+/// The knobs [`DIT_VAR`] sets.
+#[derive(Clone, Copy, Debug, Default)]
+struct DitKnobs {
+    ids: bool,
+    per_head: bool,
+}
+
+impl DitKnobs {
+    fn from_env() -> Self {
+        let v = std::env::var(DIT_VAR).unwrap_or_default();
+        let has = |k: &str| v.split(',').any(|x| x == k);
+        DitKnobs {
+            ids: has("ids"),
+            per_head: has("per-head"),
+        }
+    }
+}
+
+/// The DiT row's features per axis (frames, height, width), as WAN splits a head of 128.
+const DIT_AXES: [u32; 3] = [44, 42, 42];
+/// The DiT row's tokens per frame row and column.
+const DIT_SIDE: i64 = 32;
+/// The DiT row's frequency base.
+const DIT_THETA: f64 = 10_000.0;
+
+impl Dit {
+    fn new(rope: &Rope, stream: &Arc<CudaStream>, tokens: usize) -> anyhow::Result<Self> {
+        let fill = |n: usize, k: f32| -> Vec<bf16> {
+            (0..n)
+                .map(|i| bf16::from_f32(1.0 + 0.2 * (i as f32 * k).sin()))
+                .collect()
+        };
+        let t = tokens as i64;
+        let grid = |axis: i64, i: i64| match axis {
+            0 => i / (DIT_SIDE * DIT_SIDE),
+            1 => i / DIT_SIDE % DIT_SIDE,
+            _ => i % DIT_SIDE,
+        };
+        let positions: Vec<i64> = (0..3)
+            .flat_map(|a| (0..t).map(move |i| grid(a, i)))
+            .collect();
+        let spec = FrequencySpec::new(DIT_THETA, D as u32).scaling(RopeScaling::Axial {
+            axes_dim: DIT_AXES.to_vec(),
+        });
+        Ok(Self {
+            weights: (
+                stream.clone_htod(&fill(HQ * D, 0.13))?,
+                stream.clone_htod(&fill(HK * D, 0.17))?,
+            ),
+            positions: stream.clone_htod(&positions)?,
+            axes: rope.axis_map(&AxisMap::axial(&DIT_AXES, D as u32)?)?,
+            freqs: rope.frequencies(&spec)?,
+        })
+    }
 }
 
 /// Environment variable: `table` makes every fused launch read sin/cos from a bf16
@@ -352,6 +441,7 @@ impl Buffers {
         (table, mla_table): (Option<SinCosTables<bf16>>, Option<SinCosTables<bf16>>),
         config: RopeConfig,
         workspace: usize,
+        dit: Dit,
     ) -> anyhow::Result<Self> {
         let fill = |n: usize, k: f32| -> Vec<bf16> {
             (0..n)
@@ -413,6 +503,8 @@ impl Buffers {
             backward_out: (stream.alloc_zeros(qn)?, stream.alloc_zeros(kn)?),
             backward_w: (stream.alloc_zeros(D)?, stream.alloc_zeros(D)?),
             workspace: stream.alloc_zeros(workspace)?,
+            dit,
+            dit_knobs: DitKnobs::from_env(),
             table,
             mla_table,
             config,
@@ -518,6 +610,7 @@ impl Buffers {
                 k_weight: self.w.as_view(),
                 eps: 1e-6,
                 weight: NormWeight::Plain,
+                scope: NormScope::PerHead,
             })
         };
         let layout =
@@ -566,6 +659,58 @@ impl Buffers {
                 let op = FusedOp {
                     rope: rope_op(),
                     norm: norm(true),
+                };
+                let io = FusedIo::Separate {
+                    q: QOut::InPlace(TensorMut {
+                        data: self.q.as_view_mut(),
+                        layout: lq,
+                    }),
+                    k: KOut::InPlace(TensorMut {
+                        data: self.k.as_view_mut(),
+                        layout: lk,
+                    }),
+                    v: None,
+                };
+                Ok(rope.run_fused(&op, io, None)?)
+            }
+            Variant::AcrossHeads => {
+                let dit = &self.dit;
+                // A/B knobs: the fused rows' positions and sin/cos, and a per-head norm.
+                let (positions, sincos) = if self.dit_knobs.ids {
+                    (
+                        Positions::Ids {
+                            ids: DeviceInts::I64(self.ids.as_view()),
+                            shape: IdsShape::PerRow,
+                        },
+                        SinCos::Computed { theta: THETA },
+                    )
+                } else {
+                    (
+                        Positions::MultiAxis {
+                            positions: DeviceInts::I64(dit.positions.as_view()),
+                            axes: &dit.axes,
+                        },
+                        SinCos::Frequencies(&dit.freqs),
+                    )
+                };
+                let norm = if self.dit_knobs.per_head {
+                    norm(true)
+                } else {
+                    Some(QkNorm {
+                        q_weight: dit.weights.0.as_view(),
+                        k_weight: dit.weights.1.as_view(),
+                        eps: 1e-6,
+                        weight: NormWeight::Plain,
+                        scope: NormScope::AcrossHeads,
+                    })
+                };
+                let op = FusedOp {
+                    rope: RopeOp {
+                        config: RopeConfig::builder(D as u32, config.style()).build()?,
+                        positions,
+                        sincos,
+                    },
+                    norm,
                 };
                 let io = FusedIo::Separate {
                     q: QOut::InPlace(TensorMut {
@@ -730,8 +875,8 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     let handles = Handles::new(&stream, THETA, rotary)?;
     handles.prepare(THETA, MLA_ROPE as u32)?;
     let mut rows = Vec::new();
-    // FlashInfer's forms and the backward rotate whole heads only: a partial rotation
-    // (`ROTARY_VAR`) skips them, and MLA's rows, which rotate whole heads of their own.
+    // FlashInfer's forms, the backward and the DiT row rotate whole heads only: a partial
+    // rotation (`ROTARY_VAR`) skips them, and MLA's rows, which rotate whole heads of their own.
     let partial = rotary < D as u32;
     let variants: Vec<_> = VARIANTS
         .into_iter()
@@ -740,6 +885,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
                 || !matches!(
                     v,
                     Variant::RopeFp8PageTable
+                        | Variant::AcrossHeads
                         | Variant::Mla { .. }
                         | Variant::Copy(Bytes::Mla)
                         | Variant::NormRopeBackward
@@ -775,7 +921,8 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         let workspace = handles
             .get(StreamOverlap::None)
             .fused_backward_workspace(HQ + HK, D);
-        let mut bufs = Buffers::new(&stream, tokens, (table, mla_table), config, workspace)?;
+        let dit = Dit::new(handles.get(StreamOverlap::None), &stream, tokens)?;
+        let mut bufs = Buffers::new(&stream, tokens, (table, mla_table), config, workspace, dit)?;
         stream.synchronize()?;
         let mut graphs = Vec::new();
         for &(v, _, _, overlap) in &variants {

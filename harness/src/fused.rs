@@ -11,11 +11,12 @@ use rand::{RngExt, SeedableRng};
 use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use rope_host::{
     CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceInts, Fp8Format, Fp8Scale, FusedIo,
-    FusedOp, IdsShape, IntType, KOut, KvCache, Layout, NonRotary, NonRotaryCache, NormWeight,
-    PageTable, Positions, QOut, QkNorm, RawBuf, RawCacheAddress, RawCacheData, RawCacheNonRotary,
-    RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawNonRotary, RawOp,
-    RawPageTable, RawPositions, RawQOut, RawQkNorm, RawSinCos, RawTensor, Rope, RopeConfig, RopeOp,
-    RopeStyle, SinCos, TableData, TableFormat, TableShape, Tensor, TensorMut,
+    FusedOp, IdsShape, IntType, KOut, KvCache, Layout, NonRotary, NonRotaryCache, NormScope,
+    NormWeight, PageTable, Positions, QOut, QkNorm, RawBuf, RawCacheAddress, RawCacheData,
+    RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache,
+    RawNonRotary, RawOp, RawPageTable, RawPositions, RawQOut, RawQkNorm, RawSinCos, RawTensor,
+    Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData, TableFormat, TableShape, Tensor,
+    TensorMut,
 };
 use rope_kernels::math::{e4m3_to_f32, e5m2_to_f32};
 use rope_reference::fused::{
@@ -73,6 +74,9 @@ pub struct Case {
     pub offset: i64,
     pub table: bool,
     pub norm: Option<NormWeight>,
+    /// Which features the norm normalises together: each head, or all of a token's heads of
+    /// q (and of k) with weights of `heads * d`.
+    pub scope: NormScope,
     pub q: QMode,
     pub k: KMode,
     pub cache: Option<CacheCase>,
@@ -402,6 +406,7 @@ impl Case {
             offset: rng.random_range(0..32),
             table: rng.random_bool(0.5),
             norm,
+            scope: NormScope::PerHead,
             q,
             k,
             cache,
@@ -444,6 +449,14 @@ impl Case {
 
     pub fn tokens(&self) -> usize {
         self.batch * self.seq
+    }
+
+    /// The norm weights of a tensor of `heads` heads: `d`, or `heads * d` across heads.
+    pub fn weights_len(&self, heads: usize) -> usize {
+        match self.scope {
+            NormScope::PerHead => self.d,
+            NormScope::AcrossHeads => heads * self.d,
+        }
     }
 
     pub fn position(&self, t: usize) -> i64 {
@@ -545,7 +558,10 @@ impl<T: TestElem> Data<T> {
             vals(rng, per_token(c.hk), -2.0, 2.0),
             vals(rng, c.tokens() * c.hk * c.cache_width(), -2.0, 2.0),
         );
-        let (q_w, k_w) = (vals(rng, c.d, wlo, whi), vals(rng, c.d, wlo, whi));
+        let (q_w, k_w) = (
+            vals(rng, c.weights_len(c.hq), wlo, whi),
+            vals(rng, c.weights_len(c.hk), wlo, whi),
+        );
         // Drawn last, so that cases without parts draw what they drew before.
         let nope = |rng: &mut StdRng, h: usize| vals(rng, c.tokens() * h * c.nope, -40.0, 40.0);
         let (q_nope, k_nope) = (nope(rng, c.hq), nope(rng, c.hk));
@@ -809,6 +825,7 @@ pub fn launch<T: TestElem>(
         k_weight: dev.k_w.as_view(),
         eps: 1e-6,
         weight,
+        scope: c.scope,
     });
     let op = FusedOp {
         rope: RopeOp {
@@ -1010,6 +1027,7 @@ pub fn launch_raw<T: TestElem>(
             k_weight: b(&dev.k_w),
             eps: 1e-6,
             weight,
+            scope: c.scope,
         }),
     };
     let scale = |per_head: bool, (host, s): (&[f32], &CudaSlice<f32>)| {
@@ -1178,10 +1196,24 @@ pub fn reference_head<T: TestElem>(
     table: Option<&(Vec<f64>, Vec<f64>)>,
 ) -> (Vec<f64>, Vec<ElementScale>) {
     let at = (t * heads + h) * c.d;
-    let mut head: Vec<f64> = x[at..at + c.d].iter().map(|v| v.to_f64()).collect();
+    let f64s = |v: &[T]| -> Vec<f64> { v.iter().map(|v| v.to_f64()).collect() };
+    let mut head = f64s(&x[at..at + c.d]);
     if let (Some(weight), Some(w)) = (c.norm, w) {
-        let w: Vec<f64> = w.iter().map(|v| v.to_f64()).collect();
-        head = rms_norm(&head, &w, 1e-6, weight == NormWeight::OnePlus);
+        let one_plus = weight == NormWeight::OnePlus;
+        head = match c.scope {
+            NormScope::PerHead => rms_norm(&head, &f64s(w), 1e-6, one_plus),
+            // The token's heads normalised as one vector, then this head's features.
+            NormScope::AcrossHeads => {
+                let token = (t * heads) * c.d;
+                let all = rms_norm(
+                    &f64s(&x[token..token + heads * c.d]),
+                    &f64s(w),
+                    1e-6,
+                    one_plus,
+                );
+                all[h * c.d..(h + 1) * c.d].to_vec()
+            }
+        };
     }
     let (cos, sin) = cos_sin(c, table, t);
     // The first `rotary` features rotated; the rest as they are (normalised with the norm).

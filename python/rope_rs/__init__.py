@@ -41,6 +41,7 @@ __all__ = [
     "concat_and_cache_mla_rope_fused",
     "frequencies",
     "fused_qk_norm_rope",
+    "fused_qk_rmsnorm_rope",
     "mla_rope_quantize_fp8",
     "qk_norm_rope",
     "rope_quantize_fp8",
@@ -821,4 +822,5 @@ def _hf_eager() -> Any:
 from rope_rs.dual_chunk import DualChunkRotaryEmbedding  # noqa: E402
 from rope_rs.mrope import MRotaryEmbedding  # noqa: E402
 from rope_rs.fope import FourierRotaryEmbedding  # noqa: E402
+from rope_rs.dit import fused_qk_rmsnorm_rope  # noqa: E402
 from rope_rs.training import qk_norm_rope  # noqa: E402

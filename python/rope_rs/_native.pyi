@@ -321,6 +321,27 @@ def _qk_norm_rope(
     """The forward step of ``rope_rs.qk_norm_rope``: q and k normalised and rotated into
     ``q_out`` and ``k_out``."""
 
+def _qk_norm_across_rope(
+    q: Any,
+    k: Any,
+    q_out: Any,
+    k_out: Any,
+    q_weight: Optional[Any],
+    k_weight: Optional[Any],
+    cos_sin_cache: Any,
+    positions: Any,
+    sections: list[int],
+    head_size: int,
+    eps: float,
+    is_neox: bool,
+    fp8_multiplier: Optional[float],
+    stream: int,
+) -> None:
+    """The launch of ``rope_rs.fused_qk_rmsnorm_rope``: q and k normalised across each token's
+    heads (no norm without weights) and rotated at ``[3, tokens]`` positions whose pairs take
+    their axis in blocks of ``sections``, into ``q_out`` and ``k_out`` (E4M3 of ``x *
+    fp8_multiplier`` with one)."""
+
 def _qk_norm_rope_workspace(tensor: Any, heads: int, head_size: int) -> int:
     """The float32 workspace ``_qk_norm_rope_backward`` needs on ``tensor``'s device."""
 

@@ -252,6 +252,7 @@ impl<'py> Call<'_, 'py> {
             },
             head_size: self.rope_dim,
             norm: None,
+            norm_scope: rope_host::NormScope::PerHead,
             positions: self.pos_ids,
             axes: None,
             cos_sin_cache: self.cos_sin_cache,

@@ -10,10 +10,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
-    CacheLayout, DType, Fp8Format, Layout, NonRotaryCache, NormWeight, RawBuf, RawCacheAddress,
-    RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawIo, RawKOut,
-    RawKvCache, RawNonRotary, RawOp, RawPageTable, RawQOut, RawQkNorm, RawTensor, RopeConfig,
-    RopeStyle, StreamOverlap,
+    CacheLayout, DType, Fp8Format, Layout, NonRotaryCache, NormScope, NormWeight, RawBuf,
+    RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawIo,
+    RawKOut, RawKvCache, RawNonRotary, RawOp, RawPageTable, RawQOut, RawQkNorm, RawTensor,
+    RopeConfig, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{self, Elem};
@@ -178,6 +178,9 @@ pub(crate) struct FusedLaunch<'a, 'py> {
         f64,
         NormWeight,
     )>,
+    /// Which features the norm normalises together: each head (weights of `head_size`), or a
+    /// token's heads of q and of k (weights of `heads * head_size`, checked by rope-host).
+    pub norm_scope: NormScope,
     /// One position per token, int32 or int64 (`[tokens]`); with `axes`, a row per axis
     /// (`[n_axes, tokens]`).
     pub positions: &'a Bound<'py, PyAny>,
@@ -629,13 +632,20 @@ pub(crate) fn launch_held<'py>(l: FusedLaunch<'_, 'py>, mut held: Held<'py>) -> 
             let mut weight = |obj, arg| -> PyResult<_> {
                 let name = names.python_name(arg);
                 let d = held.borrow(obj, name)?;
-                dlpack::vector(d, name, elem, l.head_size).map_err(arg_error)
+                // Across heads any length here: rope-host names a length other than
+                // `heads * head_size`.
+                let len = match l.norm_scope {
+                    NormScope::PerHead => l.head_size,
+                    NormScope::AcrossHeads => d.shape.iter().product(),
+                };
+                dlpack::vector(d, name, elem, len).map_err(arg_error)
             };
             Some(RawQkNorm {
                 q_weight: weight(qw, "norm.q_weight")?,
                 k_weight: weight(kw, "norm.k_weight")?,
                 eps: eps as f32,
                 weight: weighting,
+                scope: l.norm_scope,
             })
         }
         None => None,

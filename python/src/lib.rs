@@ -12,13 +12,17 @@
 //! Behind the feature `python` (the extension module `rope_rs._native`):
 //! - `native.rs`: the Python functions and their arguments (`flashinfer.rs`: FlashInfer's
 //!   `rope_quantize_fp8` forms, with the eager calls of its drop-ins; `hf.rs`: Hugging Face's
-//!   `apply_rotary_pos_emb` eager call; `eager.rs`: torch's objects those calls use);
+//!   `apply_rotary_pos_emb` eager call; `eager.rs`: torch's objects those calls use;
+//!   `training.rs`: the QK-norm + RoPE training form; `dit.rs`: the diffusion transformers'
+//!   norm across heads);
 //! - `launch.rs`: tensors borrowed by DLPack (the exchange API's fast path, else `__dlpack__`),
 //!   one launch, and what persists between calls.
 //!
 //! Build the wheel as the README's Set up does (maturin, linked by zig for manylinux2014);
 //! `cargo test` builds this crate without Python (the feature is off).
 
+#[cfg(feature = "python")]
+mod dit;
 pub mod dlpack;
 #[cfg(feature = "python")]
 mod eager;
@@ -46,5 +50,6 @@ fn native_module(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<(
     native::register(m)?;
     flashinfer::register(m)?;
     training::register(m)?;
+    dit::register(m)?;
     hf::register(m)
 }

@@ -92,6 +92,7 @@ pub(crate) fn _qk_norm_rope(
         },
         head_size,
         norm: Some((q_weight, k_weight, eps, weighting(gemma))),
+        norm_scope: rope_host::NormScope::PerHead,
         positions,
         axes: None,
         cos_sin_cache,
@@ -170,6 +171,7 @@ pub(crate) fn _qk_norm_rope_backward(
         k_weight: vector(k_weight, "k_weight", elem, head_size)?,
         eps: eps as f32,
         weight: weighting(gemma),
+        scope: rope_host::NormScope::PerHead,
     };
     let grad_weights = (
         vector(grad_q_weight, "grad_q_weight", elem, head_size)?,

@@ -2411,3 +2411,91 @@ class TestQkNormRopeTraining:
         assert torch.equal(q.detach(), q0)
         for a, b in zip(*grads):
             assert torch.equal(a, b)
+
+
+def dit_reference(qkv, q_weight, k_weight, grid, channels, heads, head_dim, eps, base, interleave, is_qk_norm):
+    """FlashInfer's ``fused_qk_rmsnorm_rope`` (flashinfer/norm: ``fused_qk_rmsnorm_rope``, its
+    kernel ``fusedQKNormRopeKernel``) in f64: q's and k's heads of a token normalised together
+    (weights of ``heads * head_dim``), then each head rotated, pair ``j`` (elements ``2j, 2j + 1``
+    interleaved, ``j, j + d/2`` NeoX) by frequency ``j`` of the frame's, height's and width's
+    ``base ** (-2i / c)`` in that order, at the axis of its first channel ``2j``; v as it is."""
+    ppf, pph, ppw = grid
+    seq = ppf * pph * ppw
+    hq, hk, hv = heads
+    x = qkv.reshape(-1, hq + hk + hv, head_dim).to(torch.float64)
+    t = torch.arange(x.shape[0], device=DEV) % seq
+    pos = torch.stack((t // (pph * ppw), t % (pph * ppw) // ppw, t % ppw))  # [3, tokens]
+    freqs, axis = [], []
+    for a, c in enumerate(channels):
+        freqs += [base ** (-2.0 * i / c) for i in range(c // 2)]
+    for j in range(head_dim // 2):
+        ch = 2 * j
+        axis.append(0 if ch < channels[0] else 1 if ch < channels[0] + channels[1] else 2)
+    freqs = torch.tensor(freqs, dtype=torch.float64, device=DEV)
+    p = pos[torch.tensor(axis, device=DEV)].T.to(torch.float64)  # [tokens, d/2]
+    cos, sin = (p * freqs).cos().unsqueeze(0), (p * freqs).sin().unsqueeze(0)
+    outs = []
+    for part, w in ((x[:, :hq], q_weight), (x[:, hq : hq + hk], k_weight)):
+        if is_qk_norm:
+            flat = part.reshape(part.shape[0], -1)
+            flat = flat / (flat.square().mean(-1, keepdim=True) + eps).sqrt() * w.to(torch.float64)
+            part = flat.reshape(part.shape)
+        outs.append(reference(part.unsqueeze(0), cos, sin, "interleaved" if interleave else "neox")[0])
+    outs.append(x[:, hq + hk :])
+    return outs
+
+
+class TestDitNormAcrossHeads:
+    """``rope_rs.fused_qk_rmsnorm_rope`` (FlashInfer's signature) against the f64 formula of
+    FlashInfer's kernel: WAN-like shapes, both pairings, 2-D and 3-D qkv, with and without the
+    norm, bf16 and FP8 outputs; given outputs are written."""
+
+    @pytest.mark.parametrize("interleave", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    @pytest.mark.parametrize("is_qk_norm", [True, False])
+    def test_matches_flashinfer_formula(self, interleave, dtype, is_qk_norm):
+        grid, channels, heads, d = (3, 4, 5), (44, 42, 42), (6, 6, 6), 128
+        qkv = randn(2, 60, sum(heads) * d, dtype=dtype)
+        qw = (1 + 0.2 * randn(heads[0] * d)).to(dtype)
+        kw = (1 + 0.2 * randn(heads[1] * d)).to(dtype)
+        q, k, v = rope_rs.fused_qk_rmsnorm_rope(
+            qkv, qw, kw, ppf=grid[0], pph=grid[1], ppw=grid[2], num_frame_channels=channels[0],
+            num_height_channels=channels[1], num_width_channels=channels[2], num_heads_q=heads[0],
+            num_heads_k=heads[1], num_heads_v=heads[2], head_dim=d, eps=1e-6, interleave=interleave,
+            is_qk_norm=is_qk_norm,
+        )
+        torch.cuda.synchronize()
+        want = dit_reference(qkv, qw, kw, grid, channels, heads, d, 1e-6, 10000.0, interleave, is_qk_norm)
+        assert q.shape == (2, 60, heads[0], d) and v.shape == (2, 60, heads[2], d)
+        for got, ref in zip((q, k, v), want):
+            check(got.reshape(ref.shape), ref)
+
+    def test_fp8_outputs_and_given_buffers(self):
+        grid, channels, heads, d = (2, 4, 4), (44, 42, 42), (8, 4, 4), 128
+        qkv = randn(64, sum(heads) * d, dtype=torch.bfloat16)
+        qw = (1 + 0.2 * randn(heads[0] * d)).to(torch.bfloat16)
+        kw = (1 + 0.2 * randn(heads[1] * d)).to(torch.bfloat16)
+        outs = [torch.empty(64, h, d, dtype=torch.float8_e4m3fn, device=DEV) for h in heads]
+        got = rope_rs.fused_qk_rmsnorm_rope(
+            qkv, qw, kw, ppf=grid[0], pph=grid[1], ppw=grid[2], num_frame_channels=channels[0],
+            num_height_channels=channels[1], num_width_channels=channels[2], num_heads_q=heads[0],
+            num_heads_k=heads[1], num_heads_v=heads[2], head_dim=d, interleave=False,
+            output_fp8=True, output_quant_scale=4.0, v_quant_scale=2.0,
+            q_out=outs[0], k_out=outs[1], v_out=outs[2],
+        )
+        torch.cuda.synchronize()
+        assert all(g is o for g, o in zip(got, outs))
+        want = dit_reference(qkv, qw, kw, grid, channels, heads, d, 1e-6, 10000.0, False, True)
+        for g, ref, m in zip(got, want, (4.0, 4.0, 2.0)):
+            fp8_near(g, ref, m, torch.float8_e4m3fn)
+
+    def test_refuses_bad_sizes(self):
+        qkv = randn(16, 3 * 128, dtype=torch.bfloat16)
+        w = torch.ones(128, dtype=torch.bfloat16, device=DEV)
+        base = dict(ppf=1, pph=4, ppw=4, num_heads_q=1, num_heads_k=1, num_heads_v=1, head_dim=128)
+        with pytest.raises(ValueError, match="sum to"):
+            rope_rs.fused_qk_rmsnorm_rope(qkv, w, w, num_frame_channels=40, num_height_channels=42,
+                                          num_width_channels=42, **base)
+        with pytest.raises(ValueError, match="q_weight"):
+            rope_rs.fused_qk_rmsnorm_rope(qkv, w[:64], w, num_frame_channels=44, num_height_channels=42,
+                                          num_width_channels=42, **base)

@@ -338,6 +338,7 @@ fn launch(
             k_weight: weight_buf(&mut g, kw, dtype)?,
             eps: n.eps,
             weight: n.weight,
+            scope: rope_host::NormScope::PerHead,
         }),
         _ => None,
     };

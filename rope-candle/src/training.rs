@@ -138,6 +138,7 @@ impl NormRopeOp {
                 k_weight: weight,
                 eps: self.spec.eps,
                 weight: self.spec.weight,
+                scope: rope_host::NormScope::PerHead,
             }),
         })
     }

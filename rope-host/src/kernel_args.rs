@@ -195,6 +195,12 @@ rope_kernels::norm_grad_weights_kernel_params!(host_args {
     NormGradWeightsArgs
 });
 
+rope_kernels::norm_across_kernel_params!(host_args {
+    /// The arguments of the across-heads normalisation + RoPE entry points
+    /// (`rope-kernels/src/fused/across.rs`): the RoPE arguments, then their own.
+    NormAcrossArgs
+});
+
 rope_kernels::table_kernel_params!(host_args {
     /// The arguments of the table-building entry point (`rope-kernels/src/table.rs`).
     TableArgs
@@ -214,6 +220,7 @@ mod tests {
         assert!(TableArgs::has_parameter_layout());
         assert!(NormGradArgs::has_parameter_layout());
         assert!(NormGradWeightsArgs::has_parameter_layout());
+        assert!(NormAcrossArgs::has_parameter_layout());
         const { assert!(FusedArgs::PARAM_BYTES > RopeArgs::PARAM_BYTES) };
         const { assert!(FusedFormsArgs::PARAM_BYTES > FusedArgs::PARAM_BYTES) };
     }

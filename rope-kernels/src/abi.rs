@@ -788,7 +788,7 @@ for_each_kernel!(kernel_table);
 pub const TABLE_KERNEL: &str = "rope_table";
 
 /// Every exported symbol of the PTX module: the RoPE kernels, the table builder, the fused
-/// kernels, then the QK-norm + RoPE backward's.
+/// kernels, the QK-norm + RoPE backward's, then the across-heads norm + RoPE kernels.
 pub fn all_symbols() -> impl Iterator<Item = &'static str> {
     KernelName::ALL
         .into_iter()
@@ -805,6 +805,11 @@ pub fn all_symbols() -> impl Iterator<Item = &'static str> {
                 .map(NormGradKernelName::symbol),
         )
         .chain(NormGradKernelName::WEIGHTS)
+        .chain(
+            NormAcrossKernelName::ALL
+                .into_iter()
+                .map(NormAcrossKernelName::symbol),
+        )
 }
 
 /// The normalisation a fused kernel applies to each q and k head before rotating it, passed as
@@ -1435,11 +1440,11 @@ pub const NORM_GRAD_WEIGHTS_THREADS: u32 = 1024;
 /// Features of one weights block (one per lane of a warp).
 pub const NORM_GRAD_WEIGHTS_FEATURES: u32 = 32;
 
-/// q's or k's heads each thread of a gradient entry point takes at every token, for elements
-/// of `elem_size` bytes: four of 16-bit elements, two of `f32` (the same registers for the
-/// loads). Their loads are issued together, and the token's cos/sin, found once by the block,
-/// serve them all.
-pub const fn norm_grad_heads_per_thread(elem_size: usize) -> u32 {
+/// q's or k's heads each thread of a gradient entry point (and of an across-heads entry point)
+/// takes at every token, for elements of `elem_size` bytes: four of 16-bit elements, two of
+/// `f32` (the same registers for the loads). Their loads are issued together, and the token's
+/// cos/sin, found once by the block, serve them all.
+pub const fn token_warps_heads_per_thread(elem_size: usize) -> u32 {
     if elem_size == 4 { 2 } else { 4 }
 }
 
@@ -1454,8 +1459,8 @@ pub const NORM_GRAD_MAX_REGISTERS: u32 = 128;
 
 /// `f32` values of the block's shared buffer (the kernels' 4 KiB buffer): a gradient launch
 /// takes `2 * head_dim` of them, the two cos/sin buffers of its tokens and then its q and k
-/// weight sums.
-pub const NORM_GRAD_SHARED_F32: u32 = 1024;
+/// weight sums; an across-heads launch `head_dim` of cos/sin and one sum per warp.
+pub const SHARED_BUFFER_F32: u32 = 1024;
 
 /// Calls `$m!` with every gradient entry point of the QK-norm + RoPE backward as `symbol:
 /// Style, Source, DType, storage type;`, then `@weights` and every weights entry point as
@@ -1536,7 +1541,7 @@ for_each_norm_grad_kernel!(norm_grad_kernel_table);
 /// with the whole head rotated (`rotary_dim = head_dim`, `rotary_offset = 0`), `rot_groups =
 /// half / pairs` threads holding a head's pairs in a segment of `groups` lanes (the power of
 /// two at or above it, at most 32), `heads_per_chunk` the heads of one warp: `32 / groups`
-/// segments times [`norm_grad_heads_per_thread`]. Then: `q_in`, `k_in`, the forward step's
+/// segments times [`token_warps_heads_per_thread`]. Then: `q_in`, `k_in`, the forward step's
 /// inputs (before the norm), with their element strides; `norm` (a [`NormCode`], not `None`),
 /// `q_norm_weight`, `k_norm_weight` (`head_dim` elements each) and `norm_eps`, the forward
 /// step's; `q_warps`, the warps of q's heads in each token's sequence of warps (k's follow);
@@ -1582,6 +1587,115 @@ macro_rules! norm_grad_weights_kernel_params {
             head_dim: u32,
             q_grad: elem_ptr_mut,
             k_grad: elem_ptr_mut,
+        }
+    };
+}
+
+/// One entry point of the normalisation across heads with RoPE
+/// (`rope-kernels/src/fused/across.rs`, diffusion transformers):
+/// `rope_norm_across_{style}_{source}_{dtype}`, with the parameter list of
+/// [`crate::norm_across_kernel_params!`]; every combination exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NormAcrossKernelName {
+    /// Pairing.
+    pub style: RopeStyle,
+    /// Sin/cos source.
+    pub source: SinCosSource,
+    /// Element type of the tensors and the weights.
+    pub dtype: DType,
+}
+
+/// Threads one block of an across-heads entry point may hold (its `.maxntid`): the warps of
+/// q's and k's heads at one token, or of one of them (and at least `half` threads).
+pub const NORM_ACROSS_MAX_THREADS: u32 = 512;
+
+/// Registers a thread of an across-heads entry point may take (its `.maxnreg`): six blocks of
+/// a token's five warps (32 q and 8 k heads of 128) on a multiprocessor. Uncapped, they took
+/// 72 to 76 and ran markedly slower (docs/perf/decisions.md).
+pub const NORM_ACROSS_MAX_REGISTERS: u32 = 64;
+
+/// Calls `$m!` with every across-heads entry point as `symbol: Style, Source, DType, storage
+/// type;`: the one list from which the kernel crate defines them and [`NormAcrossKernelName`]
+/// its table.
+macro_rules! for_each_norm_across_kernel {
+    ($m:ident) => {
+        $m! {
+            rope_norm_across_interleaved_table_f32: Interleaved, Table, F32, f32;
+            rope_norm_across_interleaved_theta_f32: Interleaved, Theta, F32, f32;
+            rope_norm_across_neox_table_f32: Neox, Table, F32, f32;
+            rope_norm_across_neox_theta_f32: Neox, Theta, F32, f32;
+            rope_norm_across_interleaved_table_f16: Interleaved, Table, F16, Half;
+            rope_norm_across_interleaved_theta_f16: Interleaved, Theta, F16, Half;
+            rope_norm_across_neox_table_f16: Neox, Table, F16, Half;
+            rope_norm_across_neox_theta_f16: Neox, Theta, F16, Half;
+            rope_norm_across_interleaved_table_bf16: Interleaved, Table, BF16, Bf16;
+            rope_norm_across_interleaved_theta_bf16: Interleaved, Theta, BF16, Bf16;
+            rope_norm_across_neox_table_bf16: Neox, Table, BF16, Bf16;
+            rope_norm_across_neox_theta_bf16: Neox, Theta, BF16, Bf16;
+        }
+    };
+}
+#[cfg_attr(not(target_arch = "nvptx64"), allow(unused_imports))]
+pub(crate) use for_each_norm_across_kernel;
+
+/// Defines [`NormAcrossKernelName::ALL`] and [`NormAcrossKernelName::symbol`] from the kernel
+/// list.
+macro_rules! norm_across_kernel_table {
+    ($($sym:ident: $style:ident, $src:ident, $dt:ident, $t:ty;)*) => {
+        impl NormAcrossKernelName {
+            /// Every across-heads entry point.
+            pub const ALL: [NormAcrossKernelName; [$(stringify!($sym)),*].len()] = [$(
+                NormAcrossKernelName {
+                    style: RopeStyle::$style,
+                    source: SinCosSource::$src,
+                    dtype: DType::$dt,
+                },
+            )*];
+
+            /// The exported PTX symbol.
+            #[inline]
+            pub const fn symbol(self) -> &'static str {
+                match (self.style, self.source, self.dtype) {
+                    $((RopeStyle::$style, SinCosSource::$src, DType::$dt) => stringify!($sym),)*
+                }
+            }
+        }
+    };
+}
+for_each_norm_across_kernel!(norm_across_kernel_table);
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of every across-heads entry point
+/// (`rope-kernels/src/fused/across.rs`): those of [`crate::rope_kernel_params!`], then its own.
+///
+/// The RoPE parameters describe q (`x0`, `out0`) and k (`x1`, `out1`; `heads1 = 0` without k),
+/// with the whole head rotated (`rotary_dim = head_dim`, `rotary_offset = 0`), `rot_groups =
+/// half / pairs` threads holding a head's pairs in a segment of `groups` lanes (the power of
+/// two at or above it, at most 32), `heads_per_chunk` the heads of one warp: `32 / groups`
+/// segments times [`token_warps_heads_per_thread`]; an output in FP8 is addressed in bytes.
+/// Then: `norm` (a [`NormCode`]), `q_norm_weight` and `k_norm_weight` (`heads * head_dim`
+/// elements each: the token's features of the tensor) and `norm_eps`; `prefetch_tokens`, how
+/// many tokens ahead each block asks L2 for its tensor's heads (0: none); `q_format`,
+/// `k_format` (a [`FormatCode`]: the tensors' type, E4M3 or E5M2) with each FP8 output's
+/// scale array (null: the multiplier by value), its step (0: one scale, 1: one per head) and
+/// multiplier.
+#[macro_export]
+macro_rules! norm_across_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $crate::rope_kernel_params! {
+            $m { $($pass)* }
+            norm: u32,
+            q_norm_weight: elem_ptr,
+            k_norm_weight: elem_ptr,
+            norm_eps: f32,
+            prefetch_tokens: u32,
+            q_format: u32,
+            q_scale: byte_ptr,
+            q_scale_step: u32,
+            q_multiplier: f32,
+            k_format: u32,
+            k_scale: byte_ptr,
+            k_scale_step: u32,
+            k_multiplier: f32,
         }
     };
 }

@@ -89,6 +89,7 @@ use crate::rope::{
     position_read, preload_frequencies, rotate_values_with, vector_offsets, widen,
 };
 
+mod across;
 mod grad;
 #[cfg(target_feature = "sm_90")]
 mod rows;
@@ -1203,7 +1204,8 @@ unsafe fn token_heads_body<
     });
     // (Partial heads have two-heads kernels alone.)
     if U == FOUR_HEADS_U && working && group < a.rot_groups {
-        prefetch_ahead::<T, U>(f, (x, x_strides), token, (i0, heads), group, half);
+        let ahead = (&f.rope, f.prefetch_tokens);
+        prefetch_ahead::<T, U>(ahead, (x, x_strides), token, (i0, heads), group, half);
     }
     // k's and v's warps ask for the token's cache slot to be brought into L2 with their
     // heads' loads, so that its load where the stores need it, after the norm, finds it there
@@ -1511,19 +1513,19 @@ unsafe fn cache_place<T>(f: &Fused<T>, t: u32) -> Option<(u32, u32)> {
 /// addresses are those of heads that exist (`i0 + group % U < heads`, a token below `tokens`).
 #[inline(always)]
 fn prefetch_ahead<T, const U: usize>(
-    f: &Fused<T>,
+    (a, prefetch_tokens): (&Args<T>, u32),
     (x, strides): (*const T, [u64; 3]),
     token: u32,
     (i0, heads): (u32, u32),
     group: u32,
     half: u32,
 ) {
-    let ahead = u64::from(token) + u64::from(f.prefetch_tokens);
-    if f.prefetch_tokens == 0 || ahead >= f.rope.tokens {
+    let ahead = u64::from(token) + u64::from(prefetch_tokens);
+    if prefetch_tokens == 0 || ahead >= a.tokens {
         return;
     }
     // Below tokens, so below 2^32 (the token-heads grid's promise).
-    let (b, s) = f.rope.seq.div_rem_u32(ahead as u32);
+    let (b, s) = a.seq.div_rem_u32(ahead as u32);
     let line = (128 / size_of::<T>()) as u32;
     let (head, first) = (i0 + group % U as u32, (group / U as u32) * line);
     if head < heads && first < 2 * half {

@@ -836,6 +836,39 @@ unsafe fn axis_position<T>(a: &Args<T>, wide: bool, axis: u32, t: u64) -> i64 {
     }
 }
 
+/// The position of pair `j` of token `t` under multi-axis positions (`t < tokens`, `j <
+/// half`): the token's positions on its first four axes are loaded together with the pair's
+/// entry of the map, one memory latency where the axis and then its position are two in a row
+/// (as [`cos_sin_axes`] reads them). For kernels with registers to spare: in the kernels
+/// capped at 64 registers the four positions made ptxas spill.
+///
+/// # Safety
+/// `t < tokens`, `j < half`; `pos_ptr` holds `pos_count >= 1` rows of `tokens` integers of the
+/// code's type and `pos_aux` `half` `u8`.
+#[inline(always)]
+pub(crate) unsafe fn pair_axis_position<T>(a: &Args<T>, t: u64, j: usize) -> i64 {
+    let wide = a.position_code == PositionCode::MultiAxisI64 as u32;
+    // (Four named values, not an array: an array indexed by the axis went to local memory.)
+    let on = |r: u32| {
+        if r < a.pos_count {
+            // SAFETY: r < pos_count and t < tokens: inside the pos_count * tokens positions.
+            unsafe { axis_position(a, wide, r, t) }
+        } else {
+            0
+        }
+    };
+    let (p0, p1, p2, p3) = (on(0), on(1), on(2), on(3));
+    // SAFETY: j < half, the map's length.
+    match clamped_axis(unsafe { *a.pos_aux.add(j) }, a.pos_count) {
+        0 => p0,
+        1 => p1,
+        2 => p2,
+        3 => p3,
+        // SAFETY: the clamped axis is below pos_count and t < tokens.
+        axis => unsafe { axis_position(a, wide, axis, t) },
+    }
+}
+
 /// [`cos_sin`] for multi-axis positions: pair `j0 + k` of token `t` rotates by the position
 /// of its axis, `positions[axis * tokens + t]` with `axis = min(axes[j0 + k], pos_count - 1)`.
 /// The map and the positions are device data: the clamp keeps any map value inside the

@@ -205,11 +205,13 @@ fn with_launch_bounds(ptx: &str) -> String {
 /// threads and `.maxnreg` (their `token_heads_registers`); for the QK-norm + RoPE backward's
 /// gradient kernels `.maxntid NORM_GRAD_MAX_THREADS` and `.maxnreg NORM_GRAD_MAX_REGISTERS`,
 /// and for its weights kernels `.maxntid
-/// NORM_GRAD_WEIGHTS_THREADS`; for the others `.maxntid BLOCK_THREADS` and `.minnctapersm`.
+/// NORM_GRAD_WEIGHTS_THREADS`; for the across-heads kernels `.maxntid NORM_ACROSS_MAX_THREADS`
+/// and `.maxnreg NORM_ACROSS_MAX_REGISTERS`; for the others `.maxntid BLOCK_THREADS` and `.minnctapersm`.
 fn launch_bounds(symbol: &str) -> String {
     use rope_kernels::abi::{
-        BLOCK_THREADS, FusedKernelName, NORM_GRAD_MAX_REGISTERS, NORM_GRAD_MAX_THREADS,
-        NORM_GRAD_WEIGHTS_THREADS, NormGradKernelName,
+        BLOCK_THREADS, FusedKernelName, NORM_ACROSS_MAX_REGISTERS, NORM_ACROSS_MAX_THREADS,
+        NORM_GRAD_MAX_REGISTERS, NORM_GRAD_MAX_THREADS, NORM_GRAD_WEIGHTS_THREADS,
+        NormAcrossKernelName, NormGradKernelName,
     };
     if let Some(k) = FusedKernelName::from_symbol(symbol)
         && let Some(regs) = k.token_heads_registers()
@@ -219,6 +221,14 @@ fn launch_bounds(symbol: &str) -> String {
     }
     if NormGradKernelName::WEIGHTS.contains(&symbol) {
         return format!(".maxntid {NORM_GRAD_WEIGHTS_THREADS}, 1, 1\n");
+    }
+    if NormAcrossKernelName::ALL
+        .iter()
+        .any(|k| k.symbol() == symbol)
+    {
+        return format!(
+            ".maxntid {NORM_ACROSS_MAX_THREADS}, 1, 1\n.maxnreg {NORM_ACROSS_MAX_REGISTERS}\n"
+        );
     }
     if NormGradKernelName::ALL.iter().any(|k| k.symbol() == symbol) {
         return format!(

@@ -101,6 +101,7 @@ pub(super) fn bind<'s, T: RopeElem>(
             k_weight: binder.read("norm.k_weight", &n.k_weight)?,
             eps: n.eps,
             code: n.weight.code(),
+            scope: n.scope,
         }),
         None => None,
     };

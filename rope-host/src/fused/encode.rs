@@ -110,8 +110,23 @@ pub(super) fn cached_nope_args(req: &FusedRequest, es: usize) -> Option<CachedNo
     })
 }
 
+/// q's and k's output addresses (`out0`, `out1`): an FP8 output's offset counts bytes, not
+/// elements of the input's type; k's is null when k is only cached.
+pub(super) fn output_addresses(req: &FusedRequest, rope: &RopeArgs) -> (u64, u64) {
+    let out0 = match (req.q_fp8, req.rope.q.out) {
+        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
+        _ => rope.out0,
+    };
+    let out1 = match (req.k_fp8, req.rope.k.and_then(|k| k.out)) {
+        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
+        _ if req.k_written => rope.out1,
+        _ => 0,
+    };
+    (out0, out1)
+}
+
 /// The kernels' code of an output stored as `fp8` (the tensors' type without).
-fn format_code(fp8: Option<Fp8Format>) -> u32 {
+pub(super) fn format_code(fp8: Option<Fp8Format>) -> u32 {
     fp8.map_or(FormatCode::Elem, Fp8Format::code) as u32
 }
 
@@ -140,16 +155,7 @@ pub(super) fn encode(
     rope: RopeArgs,
     scales: &[ScaleArg; 3],
 ) -> FusedArgs {
-    // An FP8 output's offset counts bytes, not elements of the input's type.
-    let out0 = match (req.q_fp8, req.rope.q.out) {
-        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
-        _ => rope.out0,
-    };
-    let out1 = match (req.k_fp8, req.rope.k.and_then(|k| k.out)) {
-        (Some(_), Some((buf, layout))) => buf.ptr + layout.offset as u64,
-        _ if req.k_written => rope.out1,
-        _ => 0,
-    };
+    let (out0, out1) = output_addresses(req, &rope);
     let es = req.rope.dtype.size() as u64;
     let (v, heads_v, v_strides) = match req.v {
         Some((buf, l)) => (

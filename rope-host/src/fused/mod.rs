@@ -31,6 +31,7 @@
 //! As [`Rope::run`]: bind (`bind.rs`), plan (`plan.rs`: validation, access width, grid),
 //! encode (`encode.rs`), launch.
 
+mod across;
 mod apart;
 mod bind;
 mod cache_checks;
@@ -67,18 +68,36 @@ pub use raw::{
 pub(crate) use request::FusedRequest;
 use rows::RowsLaunch;
 
-/// Per-head RMS normalisation of q and k before the rotation (the q/k norms of Qwen3, Gemma 3,
-/// OLMo 2): `x_e / sqrt(mean_e(x_e^2) + eps) * w_e`, computed in `f32`.
+/// RMS normalisation of q and k before the rotation: `x_e / sqrt(mean_e(x_e^2) + eps) * w_e`,
+/// computed in `f32`, the mean over each head (the q/k norms of Qwen3, Gemma 3, OLMo 2) or over
+/// all of a token's heads of the tensor (diffusion transformers), as [`NormScope`] says.
 #[derive(Debug)]
 pub struct QkNorm<'a, T> {
-    /// q's weights, `head_dim` elements.
+    /// q's weights: `head_dim` elements, or `heads * head_dim` across heads.
     pub q_weight: CudaView<'a, T>,
-    /// k's weights, `head_dim` elements.
+    /// k's weights, as q's.
     pub k_weight: CudaView<'a, T>,
     /// Added to the mean square; finite and not negative.
     pub eps: f32,
     /// How the weights multiply.
     pub weight: NormWeight,
+    /// Which features share one normalisation factor.
+    pub scope: NormScope,
+}
+
+/// Which of a token's features [`QkNorm`] normalises together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum NormScope {
+    /// Each head by itself (Qwen3, Gemma 3, OLMo 2): weights of `head_dim` elements, shared by
+    /// the heads.
+    #[default]
+    PerHead,
+    /// All of the token's heads of q (and, apart, of k) as one vector of `heads * head_dim`
+    /// features (WAN-style diffusion transformers; FlashInfer's `fused_qk_rmsnorm_rope`):
+    /// weights of `heads * head_dim` elements, head `h`'s from `h * head_dim`. Such a launch
+    /// rotates the whole head forward and stores q and k in their type or FP8, without a cache
+    /// or non-rotary parts (see `rope-kernels/src/fused/across.rs`).
+    AcrossHeads,
 }
 
 /// How [`QkNorm`]'s weights multiply the normalised head.
@@ -444,6 +463,10 @@ impl Rope {
         stream: CUstream,
         on: FreqUse,
     ) -> Result<()> {
+        if req.norm.is_some_and(|n| n.across_heads()) {
+            // SAFETY: the caller's promises.
+            return unsafe { self.launch_across(req, stream, on) };
+        }
         let Some(plan) = self.plan_fused(req)? else {
             return Ok(());
         };

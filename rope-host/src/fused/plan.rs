@@ -75,6 +75,13 @@ pub(crate) fn plan_fused(
     rows_occupancy: Option<RowsOccupancy>,
 ) -> Result<Option<FusedPlan>> {
     let cfg = &req.rope.config;
+    if req.norm.is_some_and(|n| n.across_heads()) {
+        return Err(invalid(
+            "norm.scope",
+            "a norm across heads takes the across-heads kernels, which Rope::run_fused plans \
+             apart (super::across)",
+        ));
+    }
     check_config(req)?;
     let es = req.rope.dtype.size();
     let Some(k_req) = req.rope.k else {
@@ -473,15 +480,21 @@ pub(super) fn check_fused_tensors(req: &FusedRequest, k: &TensorReq) -> Result<V
                 format!("must be finite and not negative, got {}", n.eps),
             ));
         }
-        for (arg, w) in [("norm.q_weight", n.q_weight), ("norm.k_weight", n.k_weight)] {
-            if w.len != cfg.head_dim() as usize {
+        let weights = [
+            ("norm.q_weight", n.q_weight, q.x_layout.heads),
+            ("norm.k_weight", n.k_weight, k.x_layout.heads),
+        ];
+        for (arg, w, heads) in weights {
+            // Across heads, one weight per feature of the token's heads of the tensor.
+            let (want, of) = if n.across_heads() {
+                (heads * cfg.head_dim() as usize, "heads * head_dim")
+            } else {
+                (cfg.head_dim() as usize, "head_dim")
+            };
+            if w.len != want {
                 return Err(invalid(
                     arg,
-                    format!(
-                        "holds {} elements, needs head_dim {}",
-                        w.len,
-                        cfg.head_dim()
-                    ),
+                    format!("holds {} elements, needs {of} = {want}", w.len),
                 ));
             }
             if !w.ptr.is_multiple_of(es as u64) {

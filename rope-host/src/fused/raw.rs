@@ -10,7 +10,7 @@ use super::request::{
     CacheFp8, CachedNope, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
     ScaleSource,
 };
-use super::{CacheLayout, Fp8Format, NonRotaryCache, NormWeight};
+use super::{CacheLayout, Fp8Format, NonRotaryCache, NormScope, NormWeight};
 use crate::bind::RawBuf;
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
@@ -43,6 +43,8 @@ pub struct RawQkNorm {
     pub eps: f32,
     /// How the weights multiply.
     pub weight: NormWeight,
+    /// Which features share one normalisation factor.
+    pub scope: NormScope,
 }
 
 impl RawQkNorm {
@@ -53,6 +55,7 @@ impl RawQkNorm {
             k_weight: self.k_weight,
             eps: self.eps,
             code: self.weight.code(),
+            scope: self.scope,
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use rope_kernels::abi::NormCode;
 
-use super::{CacheLayout, Fp8Format, NonRotaryCache, RawCacheAddress};
+use super::{CacheLayout, Fp8Format, NonRotaryCache, NormScope, RawCacheAddress};
 use crate::bind::RawBuf;
 use crate::layout::Layout;
 use crate::plan::Request;
@@ -92,6 +92,14 @@ pub(crate) struct RawNorm {
     pub(crate) k_weight: RawBuf,
     pub(crate) eps: f32,
     pub(crate) code: NormCode,
+    pub(crate) scope: NormScope,
+}
+
+impl RawNorm {
+    /// Whether one factor normalises all of a token's heads of a tensor.
+    pub(crate) fn across_heads(&self) -> bool {
+        self.scope == NormScope::AcrossHeads
+    }
 }
 
 /// The cache write by address.

@@ -26,7 +26,7 @@
 //! Each token's threads form a sequence of warps, q's `q_warps` then k's. A warp holds `32 /
 //! groups` slots of `groups` lanes (a power of two of at most 32; the first `rot_groups = half /
 //! pairs` hold a head's pairs, the rest only join its sums, which are butterfly shuffles over
-//! the slot), and each slot takes `U` ([`norm_grad_heads_per_thread`]) consecutive heads.
+//! the slot), and each slot takes `U` ([`token_warps_heads_per_thread`]) consecutive heads.
 //! Block `(bx, by)` holds warps `bx * blockDim.x / 32 ..` of the sequence and walks tokens `by`,
 //! then a grid's worth further each. With tables and with interleaved pairs each thread starts
 //! copying a token's heads into its part of a shared staging buffer (`cp.async`, two stages)
@@ -39,7 +39,7 @@
 //! buffer: the same launch gives the same gradients every time.
 
 use super::{mul_add, norm_factor, read_cos_sin, rotate_fma, segment_sums, share_cos_sin};
-use crate::abi::{NORM_GRAD_MAX_THREADS, NormCode, norm_grad_heads_per_thread};
+use crate::abi::{NORM_GRAD_MAX_THREADS, NormCode, token_warps_heads_per_thread};
 use crate::elem::{Bf16, Elem, Half, unrolled};
 use crate::intrinsics::stage::{
     STAGE_BYTES, STAGE_THREAD_BYTES, commit, copy_async, load as stage_load, wait_all_but_last,
@@ -196,7 +196,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     // offsets fit in 32 bits (every tensor spans fewer than 2^32 elements).
     let tokens = a.tokens as u32;
     let step = grid_dim_y();
-    let mut t = block_idx_y();
+    let t = block_idx_y();
     // The shared half this token's cos/sin take: a thread writing the next token's has passed
     // the barrier after which every thread has read this one's.
     let mut base = 0;
@@ -426,11 +426,11 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(g: &Grad<T>) {
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
         match (T::SIZE, g.rope.lanes, P::NEOX) {
-            (2, 8, false) => body::<T, P, S, 8, { norm_grad_heads_per_thread(2) as usize }>(g),
-            (2, 4, true) => body::<T, P, S, 4, { norm_grad_heads_per_thread(2) as usize }>(g),
-            (2, 2, _) => body::<T, P, S, 2, { norm_grad_heads_per_thread(2) as usize }>(g),
-            (4, 4, _) => body::<T, P, S, 4, { norm_grad_heads_per_thread(4) as usize }>(g),
-            (4, 2, _) => body::<T, P, S, 2, { norm_grad_heads_per_thread(4) as usize }>(g),
+            (2, 8, false) => body::<T, P, S, 8, { token_warps_heads_per_thread(2) as usize }>(g),
+            (2, 4, true) => body::<T, P, S, 4, { token_warps_heads_per_thread(2) as usize }>(g),
+            (2, 2, _) => body::<T, P, S, 2, { token_warps_heads_per_thread(2) as usize }>(g),
+            (4, 4, _) => body::<T, P, S, 4, { token_warps_heads_per_thread(4) as usize }>(g),
+            (4, 2, _) => body::<T, P, S, 2, { token_warps_heads_per_thread(4) as usize }>(g),
             _ => trap(),
         }
     }
@@ -510,7 +510,7 @@ macro_rules! grad_entry {
         /// 2^32, with the whole head rotated (`rotary_dim = head_dim`,
         /// `rotary_offset = 0`, `rot_groups = half / pairs` and `groups` the power of two at or
         /// above it, at most 32, `heads_per_chunk = (32 / groups) *
-        /// norm_grad_heads_per_thread(size of the element)`), and:
+        /// token_warps_heads_per_thread(size of the element)`), and:
         /// `q_in` and `k_in` address q's and k's heads at their strides, aligned to `lanes`
         /// elements and overlapping no output; the norm weights hold `head_dim` elements
         /// each; the block holds whole warps, at least `half` and at most

@@ -112,6 +112,69 @@ fn run_partial<T: TestElem>(name: &str, cases: u64) {
     run_drawn::<T, _>(name, cases, "partial rotations", draws);
 }
 
+/// The norm across heads (diffusion transformers: each token's q, and its k, normalised as
+/// one vector of all its heads, weights of `heads * d`) with the rotation: random cases of both
+/// weightings, heads of 64, 96, 128 or 256 features (f32 interleaved up to 128), 1 to 24 q and
+/// k heads, q and k in place, out of place or FP8 (either format, scale arrays or
+/// multipliers), positions by offset, per-token ids or multi-axis maps (video models' axes),
+/// table and computed sin/cos, through both entries, every fifth case prefill-sized. Every
+/// output matches the f64 reference: the token's heads normalised together, then each
+/// rotated.
+fn run_across<T: TestElem>(name: &str, cases: u64) {
+    let change = |j: u64, c: &mut Case, rng: &mut StdRng| {
+        c.scope = rope_host::NormScope::AcrossHeads;
+        let dims: &[usize] = if size_of::<T>() == 4 && c.style == RopeStyle::Interleaved {
+            &[64, 96, 128]
+        } else {
+            &[64, 96, 128, 256]
+        };
+        c.d = dims[rng.random_range(0..dims.len())];
+        c.rotary = c.d;
+        c.norm = Some(if rng.random_bool(0.5) {
+            rope_host::NormWeight::Plain
+        } else {
+            rope_host::NormWeight::OnePlus
+        });
+        if j % 5 != 4 {
+            c.hq = rng.random_range(1..=24);
+            c.hk = if rng.random_bool(0.5) {
+                c.hq
+            } else {
+                rng.random_range(1..=24)
+            };
+        }
+        (c.cache, c.nope) = (None, 0);
+        if matches!(c.k, KMode::CacheOnly) {
+            c.k = KMode::Out;
+        }
+        if rng.random_bool(0.4) {
+            c.axes = Some(AxesCase::mrope(rng, c.d / 2, c.tokens(), j % 2 == 1));
+        }
+    };
+    let draws = Draws {
+        base: 0xac_0000,
+        stride: 191,
+        xor: 0xacac,
+        change,
+    };
+    run_drawn::<T, _>(name, cases, "norm across heads", draws);
+}
+
+#[test]
+fn fused_norm_across_heads_matches_reference_bf16() {
+    run_across::<rope_host::half::bf16>("fused_norm_across_heads_matches_reference_bf16", 40);
+}
+
+#[test]
+fn fused_norm_across_heads_matches_reference_f16() {
+    run_across::<rope_host::half::f16>("fused_norm_across_heads_matches_reference_f16", 20);
+}
+
+#[test]
+fn fused_norm_across_heads_matches_reference_f32() {
+    run_across::<f32>("fused_norm_across_heads_matches_reference_f32", 20);
+}
+
 /// Multi-axis positions on the fused kernels (Qwen3-VL: QK-norm with interleaved mRoPE):
 /// random cases of every mode, FlashInfer's forms included, with mRoPE positions (sections in
 /// blocks or interleaved, text tokens with every axis at one position), every kernel choice,

@@ -269,6 +269,7 @@ fn launch<T: TestElem>(
                 k_weight: buf(&wk),
                 eps: 1e-6,
                 weight,
+                scope: rope_host::NormScope::PerHead,
             }),
         };
         let grads = RawFusedGrads {
@@ -303,6 +304,7 @@ fn launch<T: TestElem>(
                 k_weight: wk.as_view(),
                 eps: 1e-6,
                 weight,
+                scope: rope_host::NormScope::PerHead,
             }),
         };
         fn io<'a, T>(
@@ -525,6 +527,7 @@ fn fused_backward_refuses_bad_arguments_and_writes_nothing() {
                 k_weight: w.as_view(),
                 eps: 1e-6,
                 weight: NormWeight::Plain,
+                scope: rope_host::NormScope::PerHead,
             }),
         };
         let grads = FusedGrads {

@@ -549,6 +549,7 @@ fn programmatic_launch_chains_match_serialized_ones_bit_for_bit() {
                             k_weight: weights.as_view(),
                             eps: 1e-6,
                             weight: NormWeight::Plain,
+                            scope: rope_host::NormScope::PerHead,
                         }),
                     };
                     let io = FusedIo::Separate {

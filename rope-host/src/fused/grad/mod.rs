@@ -230,7 +230,7 @@ impl Rope {
         // addresses, aligned to `lanes`; written regions overlap nothing else; the whole head
         // rotates with `rot_groups = half / pairs` threads in segments of the power of two at
         // or above it, at most 32, `heads_per_chunk` their slots per warp times
-        // `norm_grad_heads_per_thread`; blocks of whole warps, at least `half` and at most
+        // `token_warps_heads_per_thread`; blocks of whole warps, at least `half` and at most
         // `NORM_GRAD_MAX_THREADS` threads, with `4 half` and `2 head_dim` within the shared
         // buffer; the workspace holds two rows per block (the weights kernel reads those rows,
         // after the gradient kernel on the same stream); positions and sin/cos as for
@@ -278,6 +278,7 @@ fn bind<'s, T: RopeElem>(
         k_weight: binder.read("norm.k_weight", &norm.k_weight)?,
         eps: norm.eps,
         code: norm.weight.code(),
+        scope: norm.scope,
     };
     Ok(GradRequest {
         fused: fused_request(rope, norm),

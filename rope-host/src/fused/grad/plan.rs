@@ -7,8 +7,8 @@ use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{
-    DType, Direction, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName,
-    norm_grad_heads_per_thread,
+    DType, Direction, NORM_GRAD_MAX_THREADS, NormGradKernelName, SHARED_BUFFER_F32,
+    token_warps_heads_per_thread,
 };
 use rope_kernels::divide::Divisor;
 
@@ -90,6 +90,12 @@ pub(crate) fn plan_grad(
             ),
         ));
     }
+    if req.norm.across_heads() {
+        return Err(invalid(
+            "norm.scope",
+            "the fused backward takes a per-head norm (NormScope::PerHead)",
+        ));
+    }
     let Some(k_req) = fused.rope.k else {
         return Err(invalid("k", "the fused backward needs k"));
     };
@@ -154,20 +160,20 @@ pub(crate) fn plan_grad(
     // A head's threads: a warp segment of a power of two, the lanes past `groups` idle.
     let threads_per_head = groups.next_power_of_two();
     // Each token's threads form a sequence of warps, q's then k's: a warp's slots of
-    // `threads_per_head` lanes, each taking `norm_grad_heads_per_thread` consecutive heads.
+    // `threads_per_head` lanes, each taking `token_warps_heads_per_thread` consecutive heads.
     // Block `(bx, by)` takes warps `bx * warps ..` of the sequence of tokens `by`, then a
     // grid's worth further each; its threads find each token's `half` cos/sin pairs, one each,
     // so it holds at least `half` threads; the shared buffer takes two tokens' pairs and then
     // q's and k's weight sums.
     let head_dim = cfg.head_dim();
     let half = cfg.half();
-    if 2 * head_dim > NORM_GRAD_SHARED_F32 || half > NORM_GRAD_MAX_THREADS {
+    if 2 * head_dim > SHARED_BUFFER_F32 || half > NORM_GRAD_MAX_THREADS {
         return Err(invalid(
             "config",
             format!("head_dim {head_dim} is wider than the fused backward's sums take"),
         ));
     }
-    let per_warp = 32 / threads_per_head * norm_grad_heads_per_thread(es);
+    let per_warp = 32 / threads_per_head * token_warps_heads_per_thread(es);
     let q_warps = (q.heads as u32).div_ceil(per_warp);
     let sequence = q_warps + (k.heads as u32).div_ceil(per_warp);
     let warps = sequence

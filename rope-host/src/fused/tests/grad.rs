@@ -1,8 +1,8 @@
 //! The backward planner (`grad.rs`): its validation, its access width and its grid.
 
 use rope_kernels::abi::{
-    DType, NORM_GRAD_MAX_THREADS, NORM_GRAD_SHARED_F32, NormGradKernelName,
-    norm_grad_heads_per_thread,
+    DType, NORM_GRAD_MAX_THREADS, NormGradKernelName, SHARED_BUFFER_F32,
+    token_warps_heads_per_thread,
 };
 
 use super::super::grad::{GradPlan, GradRequest, max_grad_blocks, plan_grad};
@@ -57,14 +57,14 @@ fn backward_plans_each_tokens_warps_in_one_block_and_a_wave_of_block_rows() {
         assert_eq!(threads % 32, 0);
         assert!(threads <= NORM_GRAD_MAX_THREADS);
         assert!(threads >= D as u32 / 2, "a thread per cos/sin pair");
-        assert!(2 * D as u32 <= NORM_GRAD_SHARED_F32);
+        assert!(2 * D as u32 <= SHARED_BUFFER_F32);
         assert_eq!(
             p.groups, 16,
             "{style:?}: 8 elements of 16-bit pairs per thread"
         );
         // Two slots of 16 lanes a warp, each of four 16-bit heads: q's 32 heads take 4 warps,
         // k's 8 one, all in one block.
-        let per_warp = 2 * norm_grad_heads_per_thread(2);
+        let per_warp = 2 * token_warps_heads_per_thread(2);
         assert_eq!(per_warp, 8);
         assert_eq!(p.grid.heads_per_chunk, per_warp);
         assert_eq!(p.q_warps, 4);
@@ -188,7 +188,7 @@ fn backward_plans_keep_the_kernels_block_and_shared_buffer_bounds_for_every_shap
                         // rows within the shared buffer, a head's lanes within a warp.
                         assert_eq!(threads % 32, 0);
                         assert!(threads <= NORM_GRAD_MAX_THREADS && threads >= half);
-                        assert!(4 * half <= NORM_GRAD_SHARED_F32);
+                        assert!(4 * half <= SHARED_BUFFER_F32);
                         assert!(p.groups.next_power_of_two() <= 32);
                         // Every head has its warp: q's warps, then k's, over the columns.
                         let per_warp = p.grid.heads_per_chunk;

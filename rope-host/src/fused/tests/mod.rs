@@ -1,5 +1,6 @@
 //! Tests of the fused planner, without a GPU.
 
+mod across;
 mod apart;
 mod fp8;
 mod grad;
@@ -73,6 +74,7 @@ fn request(style: RopeStyle) -> FusedRequest {
             k_weight: buf(5 << 24, D),
             eps: 1e-6,
             code: NormCode::Rms,
+            scope: crate::fused::NormScope::PerHead,
         }),
         cache: Some(RawCache {
             address: RawCacheAddress::Slots(RawInts {

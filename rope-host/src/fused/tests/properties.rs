@@ -284,6 +284,7 @@ impl Description {
             } else {
                 NormCode::Rms
             },
+            scope: crate::fused::NormScope::PerHead,
         });
         let positions = if self.ids {
             RawPositions::Ids {
