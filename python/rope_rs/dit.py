@@ -35,18 +35,25 @@ def axis_frequencies(
 def _tables(torch: Any, device: Any, grid: Tuple[int, int, int], freqs: list, attention: float, seq: int, tokens: int) -> Tuple[Any, Any]:
     """The ``[3, tokens]`` int32 positions (frame, height, width of token ``t % seq`` on the
     ``ppf x pph x ppw`` grid) and the float32 ``cos_sin_cache`` ``[max(grid), head_dim]`` of
-    ``cos(p f_j) * attention`` then ``sin(p f_j) * attention``, computed in float64."""
+    ``cos(p f_j) * attention`` then ``sin(p f_j) * attention``, computed in float64; kept per
+    device, grid and frequencies for eager calls (built in the graph under ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return _build_tables(torch, device, grid, freqs, attention, seq, tokens)
     key = (str(device), grid, tuple(freqs), attention, seq, tokens)
     hit = _TABLES.get(key)
-    if hit is not None:
-        return hit
+    if hit is None:
+        hit = _TABLES[key] = _build_tables(torch, device, grid, freqs, attention, seq, tokens)
+    return hit
+
+
+def _build_tables(torch: Any, device: Any, grid: Tuple[int, int, int], freqs: list, attention: float, seq: int, tokens: int) -> Tuple[Any, Any]:
+    """:func:`_tables`' positions and cache, built."""
     _, pph, ppw = grid
     t = torch.arange(tokens, dtype=torch.int64, device=device) % seq
     positions = torch.stack((t // (pph * ppw), t % (pph * ppw) // ppw, t % ppw)).to(torch.int32)
     rows = torch.arange(max(grid), dtype=torch.float64, device=device)[:, None]
     angles = rows * torch.tensor(freqs, dtype=torch.float64, device=device)[None, :]
     cache = (torch.cat((angles.cos(), angles.sin()), dim=1) * attention).to(torch.float32)
-    _TABLES[key] = (positions, cache)
     return positions, cache
 
 
@@ -96,7 +103,8 @@ def fused_qk_rmsnorm_rope(
 
     Returns ``(q_out, k_out, v_out)``, each ``[..., num_heads_x, head_dim]`` (given ones are
     written). q and k: one rope_rs launch on PyTorch's current stream (cos and sin from a float32
-    table of the axes' exact angles, not FlashInfer's ``__sincosf``); v: one copy. Raises
+    table of the axes' exact angles, not FlashInfer's ``__sincosf``); v: one copy. Under
+    ``torch.compile`` the launch is ``torch.ops.rope_rs.qk_norm_across_rope_``. Raises
     ValueError for sizes FlashInfer refuses and as ``apply_rope`` for the tensors.
     """
     torch = sys.modules.get("torch")
@@ -133,13 +141,18 @@ def fused_qk_rmsnorm_rope(
     freqs = axis_frequencies(channels, float(base), float(factor), float(low), float(high))
     positions, cache = _tables(torch, qkv.device, grid, freqs, float(attention_factor), seq, tokens)
     view = lambda o, h: o.view(tokens, h, head_dim)  # noqa: E731
-    stream = torch.cuda.current_stream(qkv.device).cuda_stream
-    _native._qk_norm_across_rope(
+    args = (
         q, k, view(outs[0], hq), view(outs[1], hk),
         q_weight if is_qk_norm else None, k_weight if is_qk_norm else None,
         cache, positions, [c // 2 for c in channels], head_dim, float(eps), not interleave,
-        float(output_quant_scale) if output_fp8 else None, stream,
+        float(output_quant_scale) if output_fp8 else None,
     )
+    if torch.compiler.is_compiling():
+        import rope_rs.torch as ops  # registers the operators (once; dynamo runs the import)
+
+        ops.qk_norm_across_rope_op(*args)
+    else:
+        _native._qk_norm_across_rope(*args, torch.cuda.current_stream(qkv.device).cuda_stream)
     v_view = view(outs[2], heads[2])
     if output_fp8:
         v_view.copy_((v.float() * v_quant_scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn))

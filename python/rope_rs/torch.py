@@ -243,6 +243,37 @@ fused_qk_norm_rope_op = torch.library.custom_op(
 )
 
 
+# FlashInfer's fused_qk_rmsnorm_rope under torch.compile: the norm across heads and the rotation
+# of q and k into q_out and k_out (both marked mutated; rope_rs.dit builds the rest with torch).
+def _qk_norm_across_rope_impl(
+    q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+    cos_sin_cache: Tensor, positions: Tensor, sections: List[int], head_size: int, eps: float, is_neox: bool,
+    fp8_multiplier: Optional[float],
+) -> None:
+    with torch.cuda.device(q.device):
+        _native._qk_norm_across_rope(
+            q, k, q_out, k_out, q_weight, k_weight, cos_sin_cache, positions, sections, head_size, eps, is_neox,
+            fp8_multiplier, _stream(q),
+        )
+
+
+qk_norm_across_rope_op = torch.library.custom_op(
+    "rope_rs::qk_norm_across_rope_",
+    _qk_norm_across_rope_impl,
+    mutates_args=("q_out", "k_out"),
+    schema=(
+        "(Tensor q, Tensor k, Tensor(a!) q_out, Tensor(b!) k_out, Tensor? q_weight, Tensor? k_weight, "
+        "Tensor cos_sin_cache, Tensor positions, int[] sections, int head_size, float eps, bool is_neox, "
+        "float? fp8_multiplier) -> ()"
+    ),
+)
+
+
+@qk_norm_across_rope_op.register_fake
+def _(*args: Any) -> None:
+    return None
+
+
 # FlashInfer's rope_quantize_fp8 and rope_quantize_fp8_append_paged_kv_cache under
 # torch.compile: the FP8 outputs (allocated by the caller) and the caches are marked mutated.
 def _rope_quantize_fp8_impl(

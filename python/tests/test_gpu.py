@@ -2489,6 +2489,25 @@ class TestDitNormAcrossHeads:
         for g, ref, m in zip(got, want, (4.0, 4.0, 2.0)):
             fp8_near(g, ref, m, torch.float8_e4m3fn)
 
+    def test_compiled_matches_eager(self):
+        grid, channels, heads, d = (2, 3, 4), (44, 42, 42), (4, 2, 2), 128
+        qkv = randn(48, sum(heads) * d, dtype=torch.bfloat16)
+        qw = (1 + 0.2 * randn(heads[0] * d)).to(torch.bfloat16)
+        kw = (1 + 0.2 * randn(heads[1] * d)).to(torch.bfloat16)
+
+        def step(x):
+            q, k, v = rope_rs.fused_qk_rmsnorm_rope(
+                x * 2, qw, kw, ppf=grid[0], pph=grid[1], ppw=grid[2], num_frame_channels=channels[0],
+                num_height_channels=channels[1], num_width_channels=channels[2], num_heads_q=heads[0],
+                num_heads_k=heads[1], num_heads_v=heads[2], head_dim=d, interleave=False,
+            )
+            return q + 1, k, v
+
+        got = torch.compile(step, fullgraph=True)(qkv)
+        want = step(qkv)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
+
     def test_refuses_bad_sizes(self):
         qkv = randn(16, 3 * 128, dtype=torch.bfloat16)
         w = torch.ones(128, dtype=torch.bfloat16, device=DEV)
