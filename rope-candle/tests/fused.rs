@@ -152,7 +152,6 @@ fn norm_rope_and_cache_write_match_the_reference_f32() -> Res {
                 k_weight,
                 eps: eps as f32,
                 weight: NormWeight::Plain,
-                scope: rope_host::NormScope::PerHead,
             }),
         };
         let cache = PagedKvCache {
