@@ -72,8 +72,8 @@
 //! `crate::intrinsics::wait_for_prior_grids`).
 
 use crate::abi::{
-    FormatCode, MAX_FUSED_ITEMS, Mapping, NOPE_ACCESSES_PER_THREAD, NopeCached, NormCode,
-    PositionCode, SlotCode, ThreadHeads, for_each_fused_kernel,
+    FormatCode, MAX_FUSED_ITEMS, Mapping, NOPE_ACCESSES_PER_THREAD, NopeCached, NormCode, SlotCode,
+    ThreadHeads, for_each_fused_kernel,
 };
 use crate::divide::Divisor;
 use crate::elem::{Bf16, Elem, Fp8, Fp8E5m2, Half, unrolled};
@@ -85,8 +85,8 @@ use crate::intrinsics::{
 };
 use crate::rope::{
     Args, Interleaved, KeptInL2, Neox, Pairing, Params, PlannedTable, Source, Table, TensorArgs,
-    Theta, cos_sin, cos_sin_preloaded, cos_sin_read, load_head, offset_u32, pair_axis_position,
-    position, position_read, preload_frequencies, rotate_values_with, vector_offsets, widen,
+    Theta, cos_sin, cos_sin_preloaded, cos_sin_read, load_head, offset_u32, position,
+    position_read, preload_frequencies, rotate_values_with, vector_offsets, widen,
 };
 
 mod across;
@@ -969,16 +969,13 @@ unsafe fn fused_block<T: Elem, P: Pairing, const L: usize, const U: usize>(
 /// block's shared array from element `base`: cos at `base + e`, sin at `base + half + e`; the
 /// position of pair `e` is its rotating group's (`e / pairs`), as [`cos_sin`] finds it. One
 /// pair per thread, no loop: the position's code (a match over every position kind) inside a
-/// loop took the kernels to their register limit, or spilled under a cap. With
-/// `AXES_TOGETHER`, a multi-axis pair's position comes from `pair_axis_position` (every axis's
-/// position loaded with the pair's axis): faster for the across-heads kernels, a little slower
-/// for the four-heads kernels (docs/perf/decisions.md).
+/// loop took the kernels to their register limit, or spilled under a cap.
 ///
 /// # Safety
 /// `base + 2 * half <=` [`SHARED_F32`]; `(b, s)` is a token; the position and frequency
 /// promises.
 #[inline(always)]
-pub(crate) unsafe fn share_cos_sin<T: Elem, S: Source, const AXES_TOGETHER: bool>(
+pub(crate) unsafe fn share_cos_sin<T: Elem, S: Source>(
     a: &Args<T>,
     (b, s): (u32, u32),
     pairs: usize,
@@ -993,19 +990,7 @@ pub(crate) unsafe fn share_cos_sin<T: Elem, S: Source, const AXES_TOGETHER: bool
             // overlap.
             let freq = preload_frequencies::<T, S, 1>(a, e as usize, 1);
             let pos = position(a, u64::from(b), u64::from(s), e / pairs as u32);
-            let (c, sn) = if AXES_TOGETHER && a.position_code >= PositionCode::MultiAxisI32 as u32 {
-                // `pos` is the token's index. The pair's position with the token's positions on
-                // every axis loaded together (`pair_axis_position`), then read as one position:
-                // the same arguments with a one-position code.
-                let pos = pair_axis_position(a, pos as u64, e as usize);
-                let one = Args {
-                    position_code: PositionCode::Offset as u32,
-                    ..*a
-                };
-                cos_sin::<T, S, 1>(&one, pos, e as usize, 1)
-            } else {
-                cos_sin_preloaded::<T, S, 1>(a, pos, (e as usize, 1), &freq)
-            };
+            let (c, sn) = cos_sin_preloaded::<T, S, 1>(a, pos, (e as usize, 1), &freq);
             shared_store_f32(base + e, c[0]);
             shared_store_f32(base + half + e, sn[0]);
         }
@@ -1250,7 +1235,7 @@ unsafe fn token_heads_body<
     if shared {
         // SAFETY: 2 * half fits the buffer; (b, s) is a token (token < tokens); every thread
         // of the block that stays is here, with the same token.
-        unsafe { share_cos_sin::<T, S, false>(a, (b, s), pairs, 0) };
+        unsafe { share_cos_sin::<T, S>(a, (b, s), pairs, 0) };
         sync_threads_count(meeting);
     }
     let (cos, sin) = if !(rotates && active) || passed.is_some() {

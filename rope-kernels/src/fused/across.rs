@@ -36,6 +36,7 @@ use super::{
     Fp8Dest, norm_factor, prefetch_ahead, read_cos_sin, reciprocal, rotate_fma, segment_sums,
     share_cos_sin, store_heads, sum_squares,
 };
+use crate::abi::PositionCode;
 use crate::abi::{NORM_ACROSS_MAX_THREADS, NormCode, token_warps_heads_per_thread};
 use crate::elem::{Bf16, Elem, Half, unrolled};
 use crate::intrinsics::{
@@ -43,8 +44,8 @@ use crate::intrinsics::{
     shared_store_f32, sync_threads_count, sync_warp, thread_idx_x, trap, wait_for_prior_grids,
 };
 use crate::rope::{
-    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, load_head, offset_u32,
-    rotate_values_with, widen,
+    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, cos_sin, load_head, offset_u32,
+    pair_axis_position, rotate_values_with, widen,
 };
 
 /// The across-heads kernel's arguments: the RoPE arguments (q and k in and out, positions,
@@ -166,7 +167,25 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     }
     // SAFETY: 2 half values from 0 fit the buffer (checked above); (b, s) is a token; the
     // position, table and frequency promises.
-    unsafe { share_cos_sin::<T, S, true>(a, (b, s), pairs, 0) };
+    unsafe {
+        if a.position_code >= PositionCode::MultiAxisI32 as u32 {
+            // Each pair's position with the token's positions on every axis loaded together
+            // (`pair_axis_position`): this kernel has the registers for them.
+            if tid < half {
+                let pos = pair_axis_position(a, u64::from(token), tid as usize);
+                // Read as one position: the same arguments with a one-position code.
+                let one = Args {
+                    position_code: PositionCode::Offset as u32,
+                    ..*a
+                };
+                let (c, sn) = cos_sin::<T, S, 1>(&one, pos, tid as usize, 1);
+                shared_store_f32(tid, c[0]);
+                shared_store_f32(half + tid, sn[0]);
+            }
+        } else {
+            share_cos_sin::<T, S>(a, (b, s), pairs, 0)
+        }
+    };
     if normed {
         // Widened here for the sum and again after the barrier: held across it in `f32`, the
         // heads took twice the registers of their loaded form.

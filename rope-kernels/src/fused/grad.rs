@@ -311,7 +311,7 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
         }
         // SAFETY: base + 2 half <= 4 half <= SHARED_F32; (b, s) is a token; the position,
         // table and frequency promises.
-        unsafe { share_cos_sin::<T, S, false>(a, (b, s), pairs, base) };
+        unsafe { share_cos_sin::<T, S>(a, (b, s), pairs, base) };
         sync_threads_count(threads);
         let (cos, sin) = if pairs_here {
             // SAFETY: j0 + pairs <= half, j0, half and base multiples of pairs; written before
