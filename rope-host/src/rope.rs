@@ -25,8 +25,8 @@ use crate::kernel_args::RopeArgs;
 use crate::layout::Layout;
 use crate::op::{Io, QkIo, RopeOp};
 use crate::plan::{Grid, Plan, Request, TensorReq, plan};
-use crate::positions::{PositionArgs, RawPositions};
-use crate::sincos::{RawSinCos, SinCosArgs};
+use crate::positions::{PositionArgs, PositionsPlan, RawPositions};
+use crate::sincos::{RawSinCos, SinCosArgs, SinCosPlan};
 
 /// A tensor given by address, for [`Rope::run_raw`]: `buf.len` elements at `buf.ptr` of the
 /// operation's element type, the tensor at `layout` inside them.
@@ -383,8 +383,26 @@ pub(crate) struct Work<'g> {
     pub(crate) lanes: u32,
 }
 
+impl Rope {
+    /// The RoPE arguments of a planned launch of `req` doing `work`: its positions and sin/cos
+    /// encoded by their plans, computed frequencies uploaded for the stream `on` says
+    /// ([`Rope::launch_inv_freq`]). The fused, backward and across-heads launches start here.
+    pub(crate) fn rope_args(
+        &self,
+        req: &Request,
+        work: &Work<'_>,
+        (positions, sincos): (&PositionsPlan, &SinCosPlan),
+        on: FreqUse,
+    ) -> Result<RopeArgs> {
+        let positions = req.positions.encode(positions);
+        let inv_freq = self.launch_inv_freq(&req.sincos, &req.config, on)?;
+        let sincos = req.sincos.encode(sincos, &req.config, inv_freq);
+        Ok(encode_work(req, work, &positions, &sincos))
+    }
+}
+
 /// The RoPE kernels' arguments from a validated request, its work and the options' encodings.
-pub(crate) fn encode_work(
+fn encode_work(
     req: &Request,
     work: &Work<'_>,
     positions: &PositionArgs,

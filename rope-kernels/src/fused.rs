@@ -89,6 +89,17 @@ use crate::rope::{
     position_read, preload_frequencies, rotate_values_with, vector_offsets, widen,
 };
 
+/// An entry point family's parameters as a struct, one field per entry of its list (the
+/// fused kernels', FlashInfer's forms', the backward's and the across-heads kernels').
+macro_rules! params_struct {
+    ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
+        $(#[$doc])*
+        struct $name<T> {
+            $($param: crate::device_param_type!($kind, T),)*
+        }
+    };
+}
+
 mod across;
 mod grad;
 #[cfg(target_feature = "sm_90")]
@@ -1752,20 +1763,11 @@ unsafe fn dispatch<
     }
 }
 
-/// The fused entry points' parameters, one field per entry of [`crate::fused_kernel_params!`].
-macro_rules! fused_params_struct {
-    ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
-        $(#[$doc])*
-        struct $name<T> {
-            $($param: crate::device_param_type!($kind, T),)*
-        }
-    };
-}
-crate::fused_kernel_params!(fused_params_struct {
+crate::fused_kernel_params!(params_struct {
     /// The parameters of every fused entry point but FlashInfer's forms'.
     FusedParams
 });
-crate::fused_forms_kernel_params!(fused_params_struct {
+crate::fused_forms_kernel_params!(params_struct {
     /// The parameters of the entry points of FlashInfer's forms.
     FusedFormsParams
 });

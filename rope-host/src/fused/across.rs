@@ -19,7 +19,7 @@ use std::num::NonZeroU32;
 use cudarc::driver::LaunchConfig;
 use cudarc::driver::sys::CUstream;
 use rope_kernels::abi::{
-    DType, Direction, NORM_ACROSS_MAX_THREADS, NormAcrossKernelName, SHARED_BUFFER_F32,
+    Direction, NORM_ACROSS_MAX_THREADS, NormAcrossKernelName, SHARED_BUFFER_F32,
     token_warps_heads_per_thread,
 };
 use rope_kernels::divide::Divisor;
@@ -27,15 +27,15 @@ use rope_kernels::divide::Divisor;
 use super::encode::{ScaleArg, format_code, output_addresses, scale_args};
 use super::plan::check_fused_tensors;
 use super::request::FusedRequest;
-use crate::check::{check_overlaps, layout_aligned, span_below_2_32};
-use crate::config::RopeStyle;
+use super::warps::access;
+use crate::check::{check_overlaps, span_below_2_32};
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::{NormAcrossArgs, RopeArgs};
-use crate::plan::{Grid, TensorReq};
+use crate::plan::Grid;
 use crate::positions::PositionsPlan;
-use crate::rope::{Work, encode_work};
+use crate::rope::Work;
 use crate::sincos::SinCosPlan;
 use crate::tuning::prefetch_tokens;
 
@@ -53,15 +53,6 @@ pub(crate) struct AcrossPlan {
     pub(crate) sincos: SinCosPlan,
     /// How many tokens ahead each block asks L2 for its heads.
     pub(crate) prefetch_tokens: u32,
-}
-
-/// The access widths tried, widest first: 16 bytes per vector where a head's pairs stay within a
-/// warp segment (NeoX pairs of 16-bit elements take two 8-byte vectors), then two elements.
-fn candidate_lanes(style: RopeStyle, dtype: DType) -> [u32; 2] {
-    match (style, dtype.size()) {
-        (RopeStyle::Interleaved, 2) => [8, 2],
-        _ => [4, 2],
-    }
 }
 
 /// Validates an across-heads request and computes its launch: `None` when there is nothing to
@@ -144,7 +135,26 @@ pub(crate) fn plan_across(req: &FusedRequest, facts: &DeviceFacts) -> Result<Opt
         .rope
         .sincos
         .check(cfg, dtype, positions.max_implicit.filter(|_| !empty))?;
-    let (lanes, groups) = access(req, &k_req)?;
+    // Outputs in FP8 count bytes.
+    let out_size = |fp8: bool| if fp8 { 1 } else { es };
+    let layouts: Vec<_> = [
+        Some((req.rope.q.x.ptr, *q, es)),
+        Some((k_req.x.ptr, *k, es)),
+        req.rope
+            .q
+            .out
+            .map(|(b, l)| (b.ptr, l, out_size(req.q_fp8.is_some()))),
+        k_req
+            .out
+            .map(|(b, l)| (b.ptr, l, out_size(req.k_fp8.is_some()))),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let weights = req
+        .norm
+        .map_or(Vec::new(), |n| vec![n.q_weight.ptr, n.k_weight.ptr]);
+    let (lanes, groups) = access((cfg, dtype), &layouts, &weights, "a norm across heads")?;
     let half = cfg.half();
     // A tensor's heads: warps of `32 / threads_per_head` slots, each taking
     // `token_warps_heads_per_thread` consecutive heads; a block holds them and at least the
@@ -212,68 +222,6 @@ pub(crate) fn plan_across(req: &FusedRequest, facts: &DeviceFacts) -> Result<Opt
     }))
 }
 
-/// The access width and the threads holding one head's pairs (`half / pairs`): the widest of
-/// [`candidate_lanes`] that splits the pairs evenly over threads whose power of two is at most
-/// 32 and to which every tensor, output (bytes for FP8) and weight vector is aligned.
-fn access(req: &FusedRequest, k: &TensorReq) -> Result<(u32, u32)> {
-    let (cfg, es) = (&req.rope.config, req.rope.dtype.size());
-    let q = &req.rope.q;
-    let half = cfg.half();
-    let mut too_wide = false;
-    for lanes in candidate_lanes(cfg.style(), req.rope.dtype) {
-        let pairs = match cfg.style() {
-            RopeStyle::Neox => lanes,
-            RopeStyle::Interleaved => lanes / 2,
-        };
-        if !half.is_multiple_of(pairs) {
-            continue;
-        }
-        let groups = half / pairs;
-        if groups.next_power_of_two() > 32 {
-            too_wide = true;
-            continue;
-        }
-        let out_size = |fp8: bool| if fp8 { 1 } else { es };
-        let layouts = [
-            Some((q.x.ptr, q.x_layout, es)),
-            Some((k.x.ptr, k.x_layout, es)),
-            q.out
-                .map(|(b, l)| (b.ptr, l, out_size(req.q_fp8.is_some()))),
-            k.out
-                .map(|(b, l)| (b.ptr, l, out_size(req.k_fp8.is_some()))),
-        ];
-        let weights = req.norm.iter().all(|n| {
-            [n.q_weight.ptr, n.k_weight.ptr]
-                .iter()
-                .all(|p| p.is_multiple_of(u64::from(lanes) * es as u64))
-        });
-        let aligned = layouts
-            .iter()
-            .flatten()
-            .filter(|(_, l, _)| !l.is_empty())
-            .all(|(addr, l, size)| layout_aligned(*addr, l, *size, lanes as usize));
-        if weights && aligned {
-            return Ok((lanes, groups));
-        }
-    }
-    Err(if too_wide {
-        invalid(
-            "config",
-            format!(
-                "head_dim {} takes more than a warp's 32 threads per head in a norm across \
-                 heads at this alignment",
-                cfg.head_dim()
-            ),
-        )
-    } else {
-        invalid(
-            "q",
-            "a norm across heads needs every tensor, output and weight address and stride \
-             aligned to two elements",
-        )
-    })
-}
-
 /// The kernel's arguments from a validated request, its plan and its RoPE arguments.
 fn encode(req: &FusedRequest, plan: &AcrossPlan, rope: RopeArgs) -> NormAcrossArgs {
     let (out0, out1) = output_addresses(req, &rope);
@@ -323,17 +271,14 @@ impl Rope {
         let Some(plan) = plan_across(req, &self.facts)? else {
             return Ok(());
         };
-        let rope = &req.rope;
-        let positions = rope.positions.encode(&plan.positions);
-        let inv_freq = self.launch_inv_freq(&rope.sincos, &rope.config, on)?;
-        let sincos = rope.sincos.encode(&plan.sincos, &rope.config, inv_freq);
         let work = Work {
             grid: &plan.grid,
             tokens: plan.tokens,
             rot_groups: plan.groups,
             lanes: plan.lanes,
         };
-        let args = encode(req, &plan, encode_work(rope, &work, &positions, &sincos));
+        let plans = (&plan.positions, &plan.sincos);
+        let args = encode(req, &plan, self.rope_args(&req.rope, &work, plans, on)?);
         let function = self.module.function(plan.kernel.symbol())?;
         let (context, overlap) = (
             self.stream.context(),

@@ -45,6 +45,7 @@ mod rotation;
 mod rows;
 #[cfg(test)]
 mod tests;
+mod warps;
 
 use cudarc::driver::sys::CUstream;
 use cudarc::driver::{CudaView, CudaViewMut};
@@ -57,7 +58,7 @@ use crate::handle::{FreqUse, Rope};
 use crate::layout::Layout;
 use crate::op::{RopeOp, Tensor, TensorMut};
 use crate::positions::DeviceInts;
-use crate::rope::{Work, encode_work};
+use crate::rope::Work;
 pub use grad::{FusedGrads, RawFusedGrads};
 pub(crate) use plan::FusedPlan;
 use plan::plan_fused;
@@ -507,17 +508,13 @@ impl Rope {
         stream: CUstream,
         on: FreqUse,
     ) -> Result<()> {
-        let positions = req.rope.positions.encode(&plan.positions);
-        let (raw, config) = (&req.rope.sincos, &req.rope.config);
-        let inv_freq = self.launch_inv_freq(raw, config, on)?;
-        let sincos = raw.encode(&plan.sincos, config, inv_freq);
         let work = Work {
             grid: &plan.grid,
             tokens: plan.tokens,
             rot_groups: plan.rot_groups,
             lanes: plan.lanes,
         };
-        let rope = encode_work(&req.rope, &work, &positions, &sincos);
+        let rope = self.rope_args(&req.rope, &work, (&plan.positions, &plan.sincos), on)?;
         let scales = encode::scale_args(req);
         let args = encode::encode(req, plan, rope, &scales);
         let function = self.module.function(plan.kernel.symbol())?;

@@ -284,15 +284,6 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(g: &Across<T>) {
     }
 }
 
-/// An entry point family's parameters as a struct, one field per entry of its list.
-macro_rules! params_struct {
-    ({ $(#[$doc:meta])* $name:ident } $($param:ident: $kind:ident,)*) => {
-        $(#[$doc])*
-        struct $name<T> {
-            $($param: crate::device_param_type!($kind, T),)*
-        }
-    };
-}
 crate::norm_across_kernel_params!(params_struct {
     /// The parameters of every across-heads entry point
     /// ([`crate::norm_across_kernel_params!`]).

@@ -36,7 +36,7 @@ use crate::kernel_args::{NormGradArgs, NormGradWeightsArgs, RopeArgs};
 use crate::layout::Layout;
 use crate::op::{Io, Tensor};
 use crate::plan::Request;
-use crate::rope::{RawIo, RawTensor, Work, bind_io, encode_work};
+use crate::rope::{RawIo, RawTensor, Work, bind_io};
 
 pub(super) use plan::{GradPlan, max_grad_blocks, plan_grad};
 
@@ -211,16 +211,14 @@ impl Rope {
             return Ok(());
         };
         let rope = &req.fused.rope;
-        let positions = rope.positions.encode(&plan.positions);
-        let inv_freq = self.launch_inv_freq(&rope.sincos, &rope.config, on)?;
-        let sincos = rope.sincos.encode(&plan.sincos, &rope.config, inv_freq);
         let work = Work {
             grid: &plan.grid,
             tokens: plan.tokens,
             rot_groups: plan.groups,
             lanes: plan.lanes,
         };
-        let (args, weights) = encode(req, &plan, encode_work(rope, &work, &positions, &sincos));
+        let plans = (&plan.positions, &plan.sincos);
+        let (args, weights) = encode(req, &plan, self.rope_args(rope, &work, plans, on)?);
         let context = self.stream.context();
         let function = self.module.function(plan.kernel.symbol())?;
         let weights_function = self.module.function(plan.kernel.weights_symbol())?;

@@ -7,20 +7,18 @@ use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{
-    DType, Direction, NORM_GRAD_MAX_THREADS, NormGradKernelName, SHARED_BUFFER_F32,
+    Direction, NORM_GRAD_MAX_THREADS, NormGradKernelName, SHARED_BUFFER_F32,
     token_warps_heads_per_thread,
 };
 use rope_kernels::divide::Divisor;
 
 use super::super::plan::{check_fused_tensors, same_tokens};
+use super::super::warps::access;
 use super::GradRequest;
-use crate::check::{
-    Of, Region, check_overlaps, layout_aligned, region, same_dims, span_below_2_32,
-};
-use crate::config::RopeStyle;
+use crate::check::{Of, Region, check_overlaps, region, same_dims, span_below_2_32};
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
-use crate::plan::{Grid, TensorReq};
+use crate::plan::Grid;
 use crate::positions::PositionsPlan;
 use crate::sincos::SinCosPlan;
 
@@ -48,17 +46,6 @@ pub(crate) struct GradPlan {
 pub(crate) fn max_grad_blocks(facts: &DeviceFacts, heads: usize) -> usize {
     let full = facts.sm_count as usize * (facts.threads_per_sm / 32) as usize;
     full.max(heads)
-}
-
-/// The access widths a backward tries, widest first: 16 bytes per vector where the pairs'
-/// threads keep a head within a warp segment with registers to spare (NeoX pairs of 16-bit
-/// elements take two 8-byte vectors: at 16 bytes their kernels took too many registers), then
-/// two elements.
-fn candidate_lanes(style: RopeStyle, dtype: DType) -> [u32; 2] {
-    match (style, dtype.size()) {
-        (RopeStyle::Interleaved, 2) => [8, 2],
-        _ => [4, 2],
-    }
 }
 
 /// Validates a backward request and computes its launch: `None` when there is nothing to do.
@@ -156,7 +143,23 @@ pub(crate) fn plan_grad(
         .rope
         .sincos
         .check(cfg, dtype, positions.max_implicit.filter(|_| !empty))?;
-    let (lanes, groups) = access(req, &k_req)?;
+    let es_of = |(buf, l): (crate::bind::RawBuf, crate::layout::Layout)| (buf.ptr, l, es);
+    let layouts: Vec<_> = [
+        Some((fused.rope.q.x, fused.rope.q.x_layout)),
+        Some((k_req.x, k_req.x_layout)),
+        fused.rope.q.out,
+        k_req.out,
+        Some(req.q_input),
+        Some(req.k_input),
+    ]
+    .into_iter()
+    .flatten()
+    .map(es_of)
+    .collect();
+    let weights = fused
+        .norm
+        .map_or(Vec::new(), |n| vec![n.q_weight.ptr, n.k_weight.ptr]);
+    let (lanes, groups) = access((cfg, dtype), &layouts, &weights, "the fused backward")?;
     // A head's threads: a warp segment of a power of two, the lanes past `groups` idle.
     let threads_per_head = groups.next_power_of_two();
     // Each token's threads form a sequence of warps, q's then k's: a warp's slots of
@@ -242,66 +245,4 @@ fn written(name: &'static str, (ptr, bytes): (u64, u64)) -> Region {
         name,
         of: Of::Read,
     }
-}
-
-/// The access width and the threads holding one head's pairs (`half / pairs`): the widest of
-/// [`candidate_lanes`] that splits the pairs evenly over threads whose power of two is at most
-/// 32 and to which every tensor, input and weight vector is aligned.
-fn access(req: &GradRequest, k: &TensorReq) -> Result<(u32, u32)> {
-    let fused = &req.fused;
-    let (cfg, es) = (&fused.rope.config, fused.rope.dtype.size());
-    let q = &fused.rope.q;
-    let half = cfg.half();
-    let mut too_wide = false;
-    for lanes in candidate_lanes(cfg.style(), fused.rope.dtype) {
-        let pairs = match cfg.style() {
-            RopeStyle::Neox => lanes,
-            RopeStyle::Interleaved => lanes / 2,
-        };
-        if !half.is_multiple_of(pairs) {
-            continue;
-        }
-        let groups = half / pairs;
-        if groups.next_power_of_two() > 32 {
-            too_wide = true;
-            continue;
-        }
-        let layouts = [
-            Some((q.x.ptr, q.x_layout)),
-            Some((k.x.ptr, k.x_layout)),
-            q.out.map(|(b, l)| (b.ptr, l)),
-            k.out.map(|(b, l)| (b.ptr, l)),
-            Some((req.q_input.0.ptr, req.q_input.1)),
-            Some((req.k_input.0.ptr, req.k_input.1)),
-        ];
-        let weights = fused.norm.iter().all(|n| {
-            [n.q_weight.ptr, n.k_weight.ptr]
-                .iter()
-                .all(|p| p.is_multiple_of(u64::from(lanes) * es as u64))
-        });
-        let aligned = layouts
-            .iter()
-            .flatten()
-            .filter(|(_, l)| !l.is_empty())
-            .all(|(addr, l)| layout_aligned(*addr, l, es, lanes as usize));
-        if weights && aligned {
-            return Ok((lanes, groups));
-        }
-    }
-    Err(if too_wide {
-        invalid(
-            "config",
-            format!(
-                "head_dim {} takes more than a warp's 32 threads per head in the fused backward \
-                 at this alignment",
-                cfg.head_dim()
-            ),
-        )
-    } else {
-        invalid(
-            "q",
-            "the fused backward needs every tensor, input and weight address and stride aligned \
-             to two elements",
-        )
-    })
 }

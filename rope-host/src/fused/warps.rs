@@ -1,0 +1,80 @@
+//! What the plans of the kernels whose block holds a token's warps (the QK-norm + RoPE
+//! backward's, `grad/plan.rs`, and the across-heads kernels', `across.rs`) share: the access
+//! width, and with it the threads holding one head's pairs.
+
+use rope_kernels::abi::DType;
+
+use crate::check::layout_aligned;
+use crate::config::{RopeConfig, RopeStyle};
+use crate::error::{Result, invalid};
+use crate::layout::Layout;
+
+/// The access widths tried, widest first: 16 bytes per vector where the pairs' threads keep a
+/// head within a warp segment with registers to spare (NeoX pairs of 16-bit elements take two
+/// 8-byte vectors: at 16 bytes the backward's kernels took too many registers), then two
+/// elements.
+fn candidate_lanes(style: RopeStyle, dtype: DType) -> [u32; 2] {
+    match (style, dtype.size()) {
+        (RopeStyle::Interleaved, 2) => [8, 2],
+        _ => [4, 2],
+    }
+}
+
+/// The access width and the threads holding one head's pairs (`half / pairs`): the widest of
+/// [`candidate_lanes`] that splits `cfg`'s pairs evenly over threads whose power of two is at
+/// most 32 and to which every layout (its address, and its element size: bytes for FP8) and
+/// every weight vector (`dtype` elements) is aligned. `launch` names the launch in errors.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming `config` when a head takes more than a warp at every width
+/// that divides it, else `q` when nothing is aligned to two elements.
+pub(super) fn access(
+    (cfg, dtype): (&RopeConfig, DType),
+    layouts: &[(u64, Layout, usize)],
+    weights: &[u64],
+    launch: &str,
+) -> Result<(u32, u32)> {
+    let half = cfg.half();
+    let mut too_wide = false;
+    for lanes in candidate_lanes(cfg.style(), dtype) {
+        let pairs = match cfg.style() {
+            RopeStyle::Neox => lanes,
+            RopeStyle::Interleaved => lanes / 2,
+        };
+        if !half.is_multiple_of(pairs) {
+            continue;
+        }
+        let groups = half / pairs;
+        if groups.next_power_of_two() > 32 {
+            too_wide = true;
+            continue;
+        }
+        let vector = u64::from(lanes) * dtype.size() as u64;
+        let weights_aligned = weights.iter().all(|p| p.is_multiple_of(vector));
+        let aligned = layouts
+            .iter()
+            .filter(|(_, l, _)| !l.is_empty())
+            .all(|(addr, l, size)| layout_aligned(*addr, l, *size, lanes as usize));
+        if weights_aligned && aligned {
+            return Ok((lanes, groups));
+        }
+    }
+    Err(if too_wide {
+        invalid(
+            "config",
+            format!(
+                "head_dim {} takes more than a warp's 32 threads per head in {launch} at this \
+                 alignment",
+                cfg.head_dim()
+            ),
+        )
+    } else {
+        invalid(
+            "q",
+            format!(
+                "{launch} needs every tensor, input, output and weight address and stride aligned \
+                 to two elements"
+            ),
+        )
+    })
+}
