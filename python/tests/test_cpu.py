@@ -968,3 +968,27 @@ class TestExchangeApi:
         code = "import rope_rs, test_cpu; assert not rope_rs._native._exchange_api_used(test_cpu.FastCuda((4, 8)))"
         env = dict(os.environ, ROPE_RS_NO_DLPACK_C_API="1")
         subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.path.dirname(__file__))
+
+
+class TestDitFrequencies:
+    """``rope_rs.fused_qk_rmsnorm_rope``'s frequency table, as FlashInfer's host code builds it
+    (``compute_adjusted_freq_host``): each axis's ``base ** (-2i / channels)``, frames then
+    height then width, YaRN's blend with ``factor``; and its refusal of non-torch tensors."""
+
+    def test_axes_in_order_each_of_its_own_width(self):
+        from rope_rs.dit import axis_frequencies
+
+        close(axis_frequencies((4, 2, 2), 10000.0, 1.0, 0.0, 0.0), [1.0, 0.01, 1.0, 1.0], 1e-15)
+
+    def test_yarn_blend_divides_the_frequencies_past_low(self):
+        from rope_rs.dit import axis_frequencies
+
+        # i = 0 below the ramp keeps its frequency, i = 1 at its top is divided by the factor.
+        close(axis_frequencies((4, 2, 2), 10000.0, 2.0, 0.0, 1.0), [1.0, 0.005, 1.0, 1.0], 1e-15)
+
+    def test_refuses_other_than_torch_tensors(self):
+        with pytest.raises(TypeError, match="qkv"):
+            rope_rs.fused_qk_rmsnorm_rope(
+                object(), None, None, ppf=1, pph=1, ppw=1, num_frame_channels=2, num_height_channels=2,
+                num_width_channels=2, num_heads_q=1, num_heads_k=1, num_heads_v=1, head_dim=6,
+            )
