@@ -313,6 +313,24 @@ struct Buffers {
     config: RopeConfig,
 }
 
+/// q and k rotated in place: the fused launches of the norm + rope and DiT rows.
+fn qk_in_place<'a>(
+    (q, k): (&'a mut CudaSlice<bf16>, &'a mut CudaSlice<bf16>),
+    (lq, lk): (Layout, Layout),
+) -> FusedIo<'a, bf16> {
+    FusedIo::Separate {
+        q: QOut::InPlace(TensorMut {
+            data: q.as_view_mut(),
+            layout: lq,
+        }),
+        k: KOut::InPlace(TensorMut {
+            data: k.as_view_mut(),
+            layout: lk,
+        }),
+        v: None,
+    }
+}
+
 /// The DiT row's ([`Variant::AcrossHeads`]) device data: q's and k's weights (`heads * 128`
 /// each), the tokens' `[3, tokens]` positions on a grid of 32 x 32 tokens a frame, the axial
 /// pairs' axes and frequencies.
@@ -660,17 +678,7 @@ impl Buffers {
                     rope: rope_op(),
                     norm: norm(true),
                 };
-                let io = FusedIo::Separate {
-                    q: QOut::InPlace(TensorMut {
-                        data: self.q.as_view_mut(),
-                        layout: lq,
-                    }),
-                    k: KOut::InPlace(TensorMut {
-                        data: self.k.as_view_mut(),
-                        layout: lk,
-                    }),
-                    v: None,
-                };
+                let io = qk_in_place((&mut self.q, &mut self.k), (lq, lk));
                 Ok(rope.run_fused(&op, io, None)?)
             }
             Variant::AcrossHeads => {
@@ -705,24 +713,15 @@ impl Buffers {
                     })
                 };
                 let op = FusedOp {
+                    // Whole heads: partial runs (`ROTARY_VAR`) leave this row out.
                     rope: RopeOp {
-                        config: RopeConfig::builder(D as u32, config.style()).build()?,
+                        config,
                         positions,
                         sincos,
                     },
                     norm,
                 };
-                let io = FusedIo::Separate {
-                    q: QOut::InPlace(TensorMut {
-                        data: self.q.as_view_mut(),
-                        layout: lq,
-                    }),
-                    k: KOut::InPlace(TensorMut {
-                        data: self.k.as_view_mut(),
-                        layout: lk,
-                    }),
-                    v: None,
-                };
+                let io = qk_in_place((&mut self.q, &mut self.k), (lq, lk));
                 Ok(rope.run_fused(&op, io, None)?)
             }
             Variant::NormRopeBackward => {

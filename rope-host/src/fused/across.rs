@@ -27,8 +27,8 @@ use rope_kernels::divide::Divisor;
 use super::encode::{ScaleArg, format_code, output_addresses, scale_args};
 use super::plan::check_fused_tensors;
 use super::request::FusedRequest;
-use super::warps::access;
-use crate::check::{check_overlaps, span_below_2_32};
+use super::warps::{access, spans_below_2_32};
+use crate::check::check_overlaps;
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::handle::{FreqUse, Rope};
@@ -118,16 +118,7 @@ pub(crate) fn plan_across(req: &FusedRequest, facts: &DeviceFacts) -> Result<Opt
         ("k", Some(*k)),
         ("k.output", k_req.out.map(|(_, l)| l)),
     ];
-    for (name, l) in spans {
-        if let Some(l) = l
-            && !span_below_2_32(&l)
-        {
-            return Err(invalid(
-                name,
-                "spans 2^32 elements or more; a norm across heads addresses tensors below that",
-            ));
-        }
-    }
+    spans_below_2_32(&spans, "a norm across heads")?;
     let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
     let empty = tokens == 0 || q.heads + k.heads == 0;
     let positions = req.rope.positions.check(q.batch, q.seq, cfg.half())?;
@@ -171,12 +162,8 @@ pub(crate) fn plan_across(req: &FusedRequest, facts: &DeviceFacts) -> Result<Opt
         (threads <= NORM_ACROSS_MAX_THREADS && 2 * half + threads / 32 <= SHARED_BUFFER_F32)
             .then_some(threads)
     };
-    let (rows, threads) = match (fits(q_warps + k_warps), fits(q_warps.max(k_warps))) {
-        (Some(threads), _) => (1, threads),
-        (None, Some(threads)) => (2, threads),
-        (None, None) => (2, u32::MAX),
-    };
-    if threads == u32::MAX {
+    let both = fits(q_warps + k_warps).map(|threads| (1, threads));
+    let Some((rows, threads)) = both.or_else(|| fits(q_warps.max(k_warps)).map(|t| (2, t))) else {
         return Err(invalid(
             "q",
             format!(
@@ -187,7 +174,7 @@ pub(crate) fn plan_across(req: &FusedRequest, facts: &DeviceFacts) -> Result<Opt
                 cfg.head_dim()
             ),
         ));
-    }
+    };
     if empty {
         return Ok(None);
     }

@@ -1,13 +1,36 @@
 //! What the plans of the kernels whose block holds a token's warps (the QK-norm + RoPE
-//! backward's, `grad/plan.rs`, and the across-heads kernels', `across.rs`) share: the access
-//! width, and with it the threads holding one head's pairs.
+//! backward's, `grad/plan.rs`, and the across-heads kernels', `across.rs`) share: the 32-bit
+//! spans their kernels address, and the access width, with it the threads holding one head's
+//! pairs.
 
 use rope_kernels::abi::DType;
 
-use crate::check::layout_aligned;
+use crate::check::{layout_aligned, span_below_2_32};
 use crate::config::{RopeConfig, RopeStyle};
 use crate::error::{Result, invalid};
 use crate::layout::Layout;
+
+/// Checks that every named layout given spans fewer than 2^32 elements: the kernels index
+/// them in 32 bits. `launch` names the launch in errors.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the first layout that spans more.
+pub(super) fn spans_below_2_32(
+    spans: &[(&'static str, Option<Layout>)],
+    launch: &str,
+) -> Result<()> {
+    for &(name, l) in spans {
+        if let Some(l) = l
+            && !span_below_2_32(&l)
+        {
+            return Err(invalid(
+                name,
+                format!("spans 2^32 elements or more; {launch} addresses tensors below that"),
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// The access widths tried, widest first: 16 bytes per vector where the pairs' threads keep a
 /// head within a warp segment with registers to spare (NeoX pairs of 16-bit elements take two

@@ -12,10 +12,10 @@ use rope_kernels::abi::{
 };
 use rope_kernels::divide::Divisor;
 
-use super::super::plan::{check_fused_tensors, same_tokens};
-use super::super::warps::access;
+use super::super::plan::check_fused_tensors;
+use super::super::warps::{access, spans_below_2_32};
 use super::GradRequest;
-use crate::check::{Of, Region, check_overlaps, region, same_dims, span_below_2_32};
+use crate::check::{Of, Region, check_overlaps, region, same_dims};
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::plan::Grid;
@@ -105,7 +105,6 @@ pub(crate) fn plan_grad(
         }
         regions.push(written(name, (w.ptr, (w.len * es) as u64)));
     }
-    same_tokens("k", k, q)?;
     let tokens = (q.batch as u64)
         .checked_mul(q.seq as u64)
         .ok_or_else(|| invalid("q", "batch * seq overflows u64"))?;
@@ -125,16 +124,7 @@ pub(crate) fn plan_grad(
         ("q_input", Some(req.q_input.1)),
         ("k_input", Some(req.k_input.1)),
     ];
-    for (name, l) in spans {
-        if let Some(l) = l
-            && !span_below_2_32(&l)
-        {
-            return Err(invalid(
-                name,
-                "spans 2^32 elements or more; the fused backward addresses tensors below that",
-            ));
-        }
-    }
+    spans_below_2_32(&spans, "the fused backward")?;
     let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;
     let heads = q.heads + k.heads;
     let empty = tokens == 0 || heads == 0;
