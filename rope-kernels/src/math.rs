@@ -46,6 +46,19 @@ fn fma(a: f64, b: f64, c: f64) -> f64 {
     }
 }
 
+/// `a * b + c` with one rounding in `f32` (`fma.rn.f32` on the GPU).
+#[inline(always)]
+fn fma_f32(a: f32, b: f32, c: f32) -> f32 {
+    #[cfg(target_arch = "nvptx64")]
+    {
+        core::f32::math::mul_add(a, b, c)
+    }
+    #[cfg(not(target_arch = "nvptx64"))]
+    {
+        std::primitive::f32::mul_add(a, b, c)
+    }
+}
+
 /// `sin(r)` and `cos(r)` for `|r| <= pi/4` (a little beyond is fine), by Taylor series to
 /// degree 11 and 10: truncation error below `(pi/4)^13 / 13! < 2^-36` and
 /// `(pi/4)^12 / 12! < 2^-32` against values of at least `|r| * 2/pi` and `0.7`, far below the
@@ -216,6 +229,16 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     sign * magnitude
 }
 
+/// The value of a non-negative finite FP8 E4M3 code (`0..=0x7e`) as an `f32` (exact), in two
+/// instructions: the code's exponent and mantissa bits placed at an `f32`'s make `value *
+/// 2^-120` (a subnormal `f32` for E4M3's subnormals, so the product needs subnormals kept, as
+/// PTX's `mul.rn.f32` without `.ftz` keeps them).
+#[inline(always)]
+pub fn e4m3_magnitude(code: u8) -> f32 {
+    const TWO_120: f32 = f32::from_bits((127 + 120) << 23);
+    f32::from_bits(u32::from(code) << 20) * TWO_120
+}
+
 /// The largest finite FP8 E5M2 value (5 exponent bits of bias 15, 2 mantissa
 /// bits, infinities and NaNs as in IEEE 754): `1.75 * 2^15`.
 pub const E5M2_MAX: f32 = 57_344.0;
@@ -251,25 +274,32 @@ pub const E2M1_MAX: f32 = 6.0;
 
 /// Rounds an `f32` to FP4 E2M1 bits (the low 4 bits; bit 3 the sign), to nearest with ties to
 /// even, saturating: a magnitude at or above [`E2M1_MAX`] (infinity included) gives `±6`. E2M1
-/// holds no NaN: a NaN gives `±6` too, with the input's sign. The eight magnitudes are `0, 0.5,
-/// 1, 1.5, 2, 3, 4, 6` (codes 0 to 7), so the code is the number of rounding boundaries at or
-/// below the magnitude: a tie at a boundary goes to the even code, so boundaries whose lower
-/// code is even are passed only above them.
-///
-/// Branch-free, as [`f32_to_e4m3`].
+/// holds no NaN: a NaN gives `±6` too, with the input's sign. See [`e2m1_code`].
 #[inline(always)]
 pub fn f32_to_e2m1(v: f32) -> u8 {
-    let sign = ((v.to_bits() >> 28) & 0x8) as u8;
-    let a = v.abs();
-    let code = u8::from(a > 0.25)
-        + u8::from(a >= 0.75)
-        + u8::from(a > 1.25)
-        + u8::from(a >= 1.75)
-        + u8::from(a > 2.5)
-        + u8::from(a >= 3.5)
-        + u8::from(a > 5.0);
-    let code = if v.is_nan() { 7 } else { code };
-    sign | code
+    e2m1_code(v) as u8
+}
+
+/// [`f32_to_e2m1`] in the low 4 bits of a `u32` (the rest zero), in a dozen integer and float
+/// instructions. The eight magnitudes are `0, 0.5, 1, 1.5, 2, 3, 4, 6` (codes 0 to 7): from 1
+/// on, an exponent (bias 1) and one mantissa bit; below, multiples of 0.5.
+#[inline(always)]
+pub fn e2m1_code(v: f32) -> u32 {
+    const TWO_23: f32 = 8_388_608.0;
+    // The magnitude at most 6 (the minimum of NaN and 6 is 6).
+    let a = v.abs().min(E2M1_MAX);
+    let bits = a.to_bits();
+    // At or above 1: keep 1 of the 23 mantissa bits, rounding to nearest even; bits 22.. of the
+    // rounded value are then the exponent (bias 127) and the kept bit, `code + 252`, and 6
+    // stays 6. Adding 4 more makes the low three bits the code.
+    let normal = bits.wrapping_add((0x1f_ffff + (4 << 22)) + ((bits >> 22) & 1)) >> 22;
+    // Below 1: a multiple of 0.5. `a * 2` is exact and below 2, and adding 2^23 rounds it to an
+    // integer, ties to even, which the sum's low mantissa bits then hold (2 is the code of 1, so
+    // a carry lands on it); one fused multiply-add, the product being exact.
+    let subnormal = fma_f32(a, 2.0, TWO_23).to_bits();
+    let code = if a < 1.0 { subnormal } else { normal };
+    // The code's three bits, and the sign (bit 31) as bit 3.
+    (code & 7) | ((v.to_bits() >> 28) & 8)
 }
 
 /// The value of FP4 E2M1 bits (the low 4 bits of `b`) as an `f32` (exact).
@@ -523,6 +553,14 @@ mod tests {
     #[test]
     fn e4m3_rounds_to_nearest_even_and_saturates() {
         check_rounding(f32_to_e4m3, &format_values(e4m3_to_f32, 0x7f), (0x7f, 0x80));
+    }
+
+    /// The two-instruction decoding gives every non-negative finite code's value.
+    #[test]
+    fn e4m3_magnitude_matches_the_decoding() {
+        for code in 0u8..0x7f {
+            assert_eq!(e4m3_magnitude(code), e4m3_to_f32(code), "{code:#04x}");
+        }
     }
 
     #[test]
