@@ -184,6 +184,12 @@ rope_kernels::fused_forms_kernel_params!(host_args {
     FusedFormsArgs
 });
 
+rope_kernels::nvfp4_kernel_params!(host_args {
+    /// The arguments of the fused entry points of NVFP4 caches: the fused arguments, then the
+    /// block scales' addresses.
+    Nvfp4Args
+});
+
 rope_kernels::norm_grad_kernel_params!(host_args {
     /// The arguments of the QK-norm + RoPE backward's gradient entry points
     /// (`rope-kernels/src/fused/grad.rs`): the RoPE arguments, then the backward's.
@@ -217,6 +223,7 @@ mod tests {
         assert!(RopeArgs::has_parameter_layout());
         assert!(FusedArgs::has_parameter_layout());
         assert!(FusedFormsArgs::has_parameter_layout());
+        assert!(Nvfp4Args::has_parameter_layout());
         assert!(TableArgs::has_parameter_layout());
         assert!(NormGradArgs::has_parameter_layout());
         assert!(NormGradWeightsArgs::has_parameter_layout());

@@ -84,9 +84,10 @@ pub use freq::{
 };
 pub use fused::{
     CacheAddress, CacheData, CacheLayout, CacheNonRotary, Fp8Format, Fp8Scale, FusedGrads, FusedIo,
-    FusedOp, KOut, KvCache, NonRotary, NonRotaryCache, NormScope, NormWeight, PageTable, QOut,
-    QkNorm, RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedGrads,
-    RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
+    FusedOp, KOut, KvCache, NonRotary, NonRotaryCache, NormScope, NormWeight, Nvfp4Cache,
+    PageTable, QOut, QkNorm, RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale,
+    RawFusedGrads, RawFusedIo, RawFusedOp, RawKOut, RawKvCache, RawNonRotary, RawNvfp4Cache,
+    RawPageTable, RawQOut, RawQkNorm,
 };
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};

@@ -850,16 +850,9 @@ pub enum FormatCode {
     E4m3 = 1,
     /// FP8 E5M2, saturated at ±57344 ([`crate::math::f32_to_e5m2`]).
     E5m2 = 2,
-}
-
-impl FormatCode {
-    /// Bytes per element of this format for elements of `elem_bytes`.
-    pub const fn bytes(self, elem_bytes: usize) -> usize {
-        match self {
-            Self::Elem => elem_bytes,
-            Self::E4m3 | Self::E5m2 => 1,
-        }
-    }
+    /// NVFP4 (a cache's format, in the entry points of [`FusedForms::Nvfp4`] alone, which store
+    /// their cache so whatever the code; see [`crate::nvfp4_kernel_params!`]).
+    Nvfp4 = 3,
 }
 
 /// Where a fused kernel finds each token's cache slot, passed as its `slot_mode` argument.
@@ -961,7 +954,16 @@ pub enum FusedForms {
     /// two-heads mapping only (`_two_heads_partial`: with four heads per thread these kernels
     /// spilled).
     Partial,
+    /// An NVFP4 cache ([`NVFP4_BLOCK`]-element blocks of FP4 E2M1 values, each block with an
+    /// FP8 E4M3 scale, under a global scale): the four-heads mapping only (`_four_heads_nvfp4`,
+    /// with [`crate::nvfp4_kernel_params!`]'s parameters), so that the blocks' maxima and the
+    /// conversions weigh on no other launch.
+    Nvfp4,
 }
+
+/// Elements under one NVFP4 block scale: a cache head's elements `16 b .. 16 b + 16` share
+/// scale `b`.
+pub const NVFP4_BLOCK: u32 = 16;
 
 impl FusedKernelName {
     /// The registers per thread the token-heads and rows kernels ([`Mapping::TokenHeads`],
@@ -972,13 +974,16 @@ impl FusedKernelName {
     /// kernels (the interleaved 16-bit ones spilled at 48) and for the four-heads kernels (no
     /// spills on sm_90 but a few bytes in the `f32`-table ones once a warp barrier precedes the
     /// norm's shuffles; at 72, five blocks of five warps per multiprocessor instead of six,
-    /// norm + rope was slower at prefill); 72 for the rows kernels ([`Mapping::Rows`], `.maxntid`
+    /// norm + rope was slower at prefill); 80 for the four-heads kernels of NVFP4 caches, whose
+    /// blocks' maxima (held from the warp's shuffles to the stores), scales and codes of all
+    /// four heads at once spilled below (sm_90); 72 for the rows kernels ([`Mapping::Rows`], `.maxntid`
     /// of [`ROWS_MAX_WARPS`] warps), which spill nothing there, where at 64 they spilled and ran
     /// the FP8 prefill slower, and four blocks of up to seven warps still fit an sm_90
     /// multiprocessor's 64 Ki registers (docs/perf/decisions.md).
     pub const fn token_heads_registers(self) -> Option<u32> {
         match self.mapping {
             Mapping::TWO_HEADS if self.neox_16_bit() => Some(48),
+            Mapping::FOUR_HEADS if matches!(self.forms, FusedForms::Nvfp4) => Some(80),
             Mapping::TWO_HEADS | Mapping::FOUR_HEADS => Some(64),
             Mapping::Rows => Some(72),
             _ => None,
@@ -1033,7 +1038,8 @@ impl FusedKernelName {
 /// two-heads symbol of FlashInfer's forms: Style, Source, DType, storage type;`, then `@four_heads` and every four-heads kernel as
 /// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) as
 /// `symbol: Source, DType, storage type;`, then `@partial` and every two-heads kernel of partial
-/// heads ([`FusedForms::Partial`]) as `symbol: Style, Source, DType, storage type;`.
+/// heads ([`FusedForms::Partial`]) as `symbol: Style, Source, DType, storage type;`, then
+/// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`]) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -1080,6 +1086,19 @@ macro_rules! for_each_fused_kernel {
             rope_fused_interleaved_theta_bf16_two_heads_partial: Interleaved, Theta, BF16, Bf16;
             rope_fused_neox_table_bf16_two_heads_partial: Neox, Table, BF16, Bf16;
             rope_fused_neox_theta_bf16_two_heads_partial: Neox, Theta, BF16, Bf16;
+            @nvfp4
+            rope_fused_interleaved_table_f32_four_heads_nvfp4: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32_four_heads_nvfp4: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32_four_heads_nvfp4: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32_four_heads_nvfp4: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16_four_heads_nvfp4: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_theta_f16_four_heads_nvfp4: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16_four_heads_nvfp4: Neox, Table, F16, Half;
+            rope_fused_neox_theta_f16_four_heads_nvfp4: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16_four_heads_nvfp4: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16_four_heads_nvfp4: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16_four_heads_nvfp4: Neox, Table, BF16, Bf16;
+            rope_fused_neox_theta_bf16_four_heads_nvfp4: Neox, Theta, BF16, Bf16;
         }
     };
 }
@@ -1093,12 +1112,13 @@ macro_rules! fused_kernel_table {
         @four_heads $($four:ident: $fstyle:ident, $fsrc:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
         @partial $($ptwo:ident: $pstyle:ident, $psrc:ident, $pdt:ident, $pt:ty;)*
+        @nvfp4 $($nfour:ident: $nstyle:ident, $nsrc:ident, $ndt:ident, $nt:ty;)*
     ) => {
         impl FusedKernelName {
             /// Every fused kernel.
             pub const ALL: [FusedKernelName; 4 * [$(stringify!($sym)),*].len()
                 + [$(stringify!($four)),*].len() + [$(stringify!($rows)),*].len()
-                + [$(stringify!($ptwo)),*].len()] = [$(
+                + [$(stringify!($ptwo)),*].len() + [$(stringify!($nfour)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -1151,6 +1171,14 @@ macro_rules! fused_kernel_table {
                     mapping: Mapping::TWO_HEADS,
                     forms: FusedForms::Partial,
                 },
+            )* $(
+                FusedKernelName {
+                    style: RopeStyle::$nstyle,
+                    source: SinCosSource::$nsrc,
+                    dtype: DType::$ndt,
+                    mapping: Mapping::FOUR_HEADS,
+                    forms: FusedForms::Nvfp4,
+                },
             )*];
 
             /// The exported PTX symbol.
@@ -1159,6 +1187,7 @@ macro_rules! fused_kernel_table {
                 const P: FusedForms = FusedForms::Plain;
                 const FI: FusedForms = FusedForms::FlashInfer;
                 const PART: FusedForms = FusedForms::Partial;
+                const NV: FusedForms = FusedForms::Nvfp4;
                 match (self.style, self.source, self.dtype, self.mapping, self.forms) {
                     $(
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE, P) =>
@@ -1182,6 +1211,16 @@ macro_rules! fused_kernel_table {
                         (RopeStyle::$pstyle, SinCosSource::$psrc, DType::$pdt, Mapping::TWO_HEADS, PART) =>
                             stringify!($ptwo),
                     )*
+                    $(
+                        (RopeStyle::$nstyle, SinCosSource::$nsrc, DType::$ndt, Mapping::FOUR_HEADS, NV) =>
+                            stringify!($nfour),
+                    )*
+                    // NVFP4 caches have four-heads kernels alone.
+                    (_, _, _, _, NV) => FusedKernelName {
+                        mapping: Mapping::FOUR_HEADS,
+                        ..self
+                    }
+                    .symbol(),
                     // Partial heads have two-heads kernels alone: the others are named as
                     // their two-heads kernel's.
                     (_, _, _, _, PART) => FusedKernelName {
@@ -1415,6 +1454,30 @@ macro_rules! fused_forms_kernel_params {
             nope_cache_stride_block: u64,
             nope_cache_stride_slot: u64,
             nope_cache_stride_head: u64,
+        }
+    };
+}
+
+/// Calls `$m!` with `{ $($pass)* }` and the parameter list of the fused entry points of NVFP4
+/// caches ([`FusedForms::Nvfp4`]): those of [`crate::fused_kernel_params!`], with the cache
+/// as NVFP4 (`cache_format` not read): element `e` of the cache (the offset the cache strides
+/// give, in elements) is the FP4 E2M1 code in byte `e / 2` of `k_cache` (`v_cache`), the low
+/// four bits for even `e`; the block scales (FP8 E4M3) of head `h` in slot `(block, row)` are
+/// bytes `block * scale_stride_block + row * scale_stride_slot + h * scale_stride_head + b` of
+/// `k_block_scales` (`v_block_scales`), `b` the head's block of [`NVFP4_BLOCK`] elements; `k_scale`
+/// and `v_scale` (at their steps) are the global scales `s`. A block `x` of a head (k's
+/// rotated, v's as read) is stored with `m = 1 / s` as `b = e4m3(max_e |x_e| * m / 6)` and
+/// `e2m1(x_e * m / b)` (zeros where `b` is 0), so that `x_e ~ e2m1 * b * s`.
+#[macro_export]
+macro_rules! nvfp4_kernel_params {
+    ($m:ident { $($pass:tt)* }) => {
+        $crate::fused_kernel_params! {
+            $m { $($pass)* }
+            k_block_scales: byte_ptr_mut,
+            v_block_scales: byte_ptr_mut,
+            scale_stride_block: u64,
+            scale_stride_slot: u64,
+            scale_stride_head: u64,
         }
     };
 }

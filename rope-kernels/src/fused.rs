@@ -159,6 +159,11 @@ struct Fused<T> {
     prefetch_tokens: u32,
     /// FlashInfer's non-rotary parts (none outside its forms' entry points).
     nope: NonRotary<T>,
+    /// The NVFP4 caches' block scales (null outside their entry points) and their block, row
+    /// and head strides, in bytes.
+    k_block_scales: *mut u8,
+    v_block_scales: *mut u8,
+    block_scale_strides: [u64; 3],
 }
 
 /// FlashInfer's non-rotary parts by address (see `crate::fused_forms_kernel_params!`): the
@@ -911,6 +916,9 @@ macro_rules! each_head {
     };
 }
 
+// After `each_head!`, which it uses.
+mod nvfp4;
+
 /// Heads `h..h + U` of tensor `kind` (indices in that tensor): every load, then the norm (q and
 /// k, with their weights' elements of this item), then the rotations and stores.
 ///
@@ -1115,6 +1123,7 @@ unsafe fn token_heads_body<
     const U: usize,
     const FI: bool,
     const PARTIAL: bool,
+    const FP4: bool,
 >(
     f: &Fused<T>,
 ) {
@@ -1288,9 +1297,6 @@ unsafe fn token_heads_body<
         let factors = norm_factors(squares, groups, inv_dim, f.norm_eps);
         unrolled(U, |u| normalise(&mut v[u], &w, factors[u]));
     }
-    if !active {
-        return;
-    }
     let y = |u: usize| {
         if rotates && passed.is_none() {
             rotate_values_with::<P, L>(|p, k| v[u][p][k], &cos, &sin, rotate_fma)
@@ -1298,6 +1304,17 @@ unsafe fn token_heads_body<
             v[u]
         }
     };
+    // NVFP4 caches: each block's largest magnitude, exchanged while the whole warp is here, so
+    // that the shuffles name all 32 lanes (among the storing lanes alone they would name a
+    // block's lanes and carry convergence code). Uniform in the warp.
+    let tops = if FP4 && kind != Kind::Q {
+        nvfp4::block_maxima::<P, L, U>(&y, live)
+    } else {
+        [[0.0; 2]; U]
+    };
+    if !active {
+        return;
+    }
     let at = (j0, half_z);
     // SAFETY (every store below): head i0 + u of the tensor and token (b, s) exists when
     // `live[u]`, and the entry points promise its destinations (spanning fewer than 2^32
@@ -1312,9 +1329,18 @@ unsafe fn token_heads_body<
                 store_heads::<T, P, L, U, FI>(a.q.out.cast(), heads, (live, i0), dest, at, &y);
             }
             _ => {
+                // NVFP4 caches find the slot's block and row, which address both its codes and
+                // its block scales.
                 // SAFETY: token < tokens; the cache holds at most 2^32 slots (the token-heads
                 // promise).
-                let slot = cache_slot_u32::<T, FI>(f, u64::from(token));
+                let place = if FP4 { cache_place(f, token) } else { None };
+                let slot = if FP4 {
+                    place.map(|(b, r)| {
+                        u64::from(b) * f.cache_strides[0] + u64::from(r) * f.cache_strides[1]
+                    })
+                } else {
+                    cache_slot_u32::<T, FI>(f, u64::from(token))
+                };
                 if kind == Kind::K && !a.k.out.is_null() {
                     let first = offset_u32(a.k.out_strides, (b, s), i0) + skip as u32;
                     let heads = (u64::from(first), u64::from(a.k.out_strides[2] as u32));
@@ -1334,8 +1360,29 @@ unsafe fn token_heads_body<
                     };
                     let stride = f.cache_strides[2];
                     let heads = (slot + u64::from(i0) * stride + skip as u64, stride);
-                    let dest = Fp8Dest::of::<FI>(f.cache_format, scale, multiplier);
-                    store_heads::<T, P, L, U, FI>(cache, heads, (live, i0), dest, at, &y);
+                    if FP4 {
+                        let block_scales = match kind {
+                            Kind::K => f.k_block_scales,
+                            _ => f.v_block_scales,
+                        };
+                        let cache = nvfp4::Nvfp4Cache {
+                            codes: cache,
+                            block_scales,
+                            global: scale,
+                        };
+                        let ss = f.block_scale_strides;
+                        let (b, r) = place.unwrap_or((0, 0));
+                        let scales = (
+                            u64::from(b) * ss[0] + u64::from(r) * ss[1] + u64::from(i0) * ss[2],
+                            ss[2],
+                        );
+                        let at_heads = (heads, scales);
+                        let heads = (live, i0);
+                        nvfp4::store_heads::<P, L, U>(&cache, at_heads, heads, (at, &tops), &y);
+                    } else {
+                        let dest = Fp8Dest::of::<FI>(f.cache_format, scale, multiplier);
+                        store_heads::<T, P, L, U, FI>(cache, heads, (live, i0), dest, at, &y);
+                    }
                 }
             }
         }
@@ -1726,6 +1773,7 @@ unsafe fn dispatch<
     const ACCESS: u8,
     const FI: bool,
     const PARTIAL: bool,
+    const FP4: bool,
 >(
     f: &Fused<T>,
 ) {
@@ -1742,17 +1790,23 @@ unsafe fn dispatch<
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(f),
             // Token-heads kernels take the preferred width only: no `lanes` to read. Four-heads
             // kernels have no FlashInfer forms.
-            (TWO_HEADS, 4, _, _) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL>(f),
-            (TWO_HEADS, 2, _, false) => token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI, PARTIAL>(f),
-            (TWO_HEADS, 2, _, true) => token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL>(f),
+            (TWO_HEADS, 4, _, _) => {
+                token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL, false>(f)
+            }
+            (TWO_HEADS, 2, _, false) => {
+                token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI, PARTIAL, false>(f)
+            }
+            (TWO_HEADS, 2, _, true) => {
+                token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL, false>(f)
+            }
             (FOUR_HEADS, 4, _, _) => {
-                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL>(f)
+                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL, FP4>(f)
             }
             (FOUR_HEADS, 2, _, false) => {
-                token_heads_body::<T, P, S, 8, FOUR_HEADS_U, false, PARTIAL>(f)
+                token_heads_body::<T, P, S, 8, FOUR_HEADS_U, false, PARTIAL, FP4>(f)
             }
             (FOUR_HEADS, 2, _, true) => {
-                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL>(f)
+                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL, FP4>(f)
             }
             (ROWS, 2, _, true) => rows_body::<T, P, S>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
@@ -1770,6 +1824,10 @@ crate::fused_kernel_params!(params_struct {
 crate::fused_forms_kernel_params!(params_struct {
     /// The parameters of the entry points of FlashInfer's forms.
     FusedFormsParams
+});
+crate::nvfp4_kernel_params!(params_struct {
+    /// The parameters of the entry points of NVFP4 caches.
+    Nvfp4Params
 });
 
 /// The parameters of [`crate::fused_kernel_params!`] among `$p`'s (FlashInfer's forms' entry
@@ -1844,6 +1902,24 @@ impl<T> Fused<T> {
             v_warps: p.v_warps,
             prefetch_tokens: p.prefetch_tokens,
             nope: NonRotary::NONE,
+            k_block_scales: core::ptr::null_mut(),
+            v_block_scales: core::ptr::null_mut(),
+            block_scale_strides: [0; 3],
+        }
+    }
+
+    /// Gathers the parameters of an entry point of NVFP4 caches.
+    #[inline(always)]
+    fn new_nvfp4(p: Nvfp4Params<T>) -> Self {
+        Fused {
+            k_block_scales: p.k_block_scales,
+            v_block_scales: p.v_block_scales,
+            block_scale_strides: [
+                p.scale_stride_block,
+                p.scale_stride_slot,
+                p.scale_stride_head,
+            ],
+            ..Self::new(crate::fused_kernel_params!(fused_params_of { p }))
         }
     }
 
@@ -1890,7 +1966,7 @@ impl<T> Fused<T> {
 }
 
 /// Defines one exported entry point per (pairing, source, dtype) and mapping: wide, narrow and
-/// two heads per thread, then the four-heads and the rows entry points.
+/// two heads per thread, then the four-heads, rows, partial and NVFP4 entry points.
 macro_rules! fused_kernel {
     (
         $($wide:ident, $narrow:ident, $two_heads:ident, $forms:ident:
@@ -1898,34 +1974,40 @@ macro_rules! fused_kernel {
         @four_heads $($four:ident: $fpairing:ident, $fsource:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
         @partial $($ptwo:ident: $ppairing:ident, $psource:ident, $pdt:ident, $pt:ty;)*
+        @nvfp4 $($nfour:ident: $npairing:ident, $nsource:ident, $ndt:ident, $nt:ty;)*
     ) => {
         $(
             crate::fused_kernel_params!(fused_entry {
-                $wide, WIDE: $pairing, $source, $t, FusedParams => new, false, false
+                $wide, WIDE: $pairing, $source, $t, FusedParams => new, false, false, false
             });
             crate::fused_kernel_params!(fused_entry {
-                $narrow, NARROW: $pairing, $source, $t, FusedParams => new, false, false
+                $narrow, NARROW: $pairing, $source, $t, FusedParams => new, false, false, false
             });
             crate::fused_kernel_params!(fused_entry {
-                $two_heads, TWO_HEADS: $pairing, $source, $t, FusedParams => new, false, false
+                $two_heads, TWO_HEADS: $pairing, $source, $t, FusedParams => new, false, false, false
             });
             crate::fused_forms_kernel_params!(fused_entry {
-                $forms, TWO_HEADS: $pairing, $source, $t, FusedFormsParams => new_forms, true, false
+                $forms, TWO_HEADS: $pairing, $source, $t, FusedFormsParams => new_forms, true, false, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $four, FOUR_HEADS: $fpairing, $fsource, $ft, FusedParams => new, false, false
+                $four, FOUR_HEADS: $fpairing, $fsource, $ft, FusedParams => new, false, false, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $rows, Rows: Neox, $rsource, $rt, FusedParams => new, false, false
+                $rows, Rows: Neox, $rsource, $rt, FusedParams => new, false, false, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $ptwo, TWO_HEADS: $ppairing, $psource, $pt, FusedParams => new, false, true
+                $ptwo, TWO_HEADS: $ppairing, $psource, $pt, FusedParams => new, false, true, false
+            });
+        )*
+        $(
+            crate::nvfp4_kernel_params!(fused_entry {
+                $nfour, FOUR_HEADS: $npairing, $nsource, $nt, Nvfp4Params => new_nvfp4, false, false, true
             });
         )*
     };
@@ -1934,12 +2016,13 @@ macro_rules! fused_kernel {
 /// One entry point: its parameter list (`crate::fused_kernel_params!`, or for FlashInfer's
 /// forms `crate::fused_forms_kernel_params!`) as the struct `$params`, gathered by `Fused::$new`
 /// for the generic body of `$mapping`; `$forms` says whether it stores FlashInfer's forms,
-/// `$partial` whether its heads hold features past the rotation.
+/// `$partial` whether its heads hold features past the rotation, `$fp4` whether its cache is
+/// NVFP4 (`crate::nvfp4_kernel_params!`).
 macro_rules! fused_entry {
     (
         {
             $name:ident, $mapping:ident: $pairing:ident, $source:ident, $t:ty,
-            $params:ident => $new:ident, $forms:literal, $partial:literal
+            $params:ident => $new:ident, $forms:literal, $partial:literal, $fp4:literal
         }
         $($param:ident: $kind:ident,)*
     ) => {
@@ -1950,9 +2033,10 @@ macro_rules! fused_entry {
         /// two-heads kernels of FlashInfer's forms, with page-table caches, E5M2, multipliers by
         /// value, an FP8 k output and non-rotary parts; `_two_heads_partial`: the two-heads
         /// kernels of heads longer than the rotation, whose features past it are normalised and
-        /// stored unrotated). See the module documentation, and
-        /// `fused_kernel_params!` and `fused_forms_kernel_params!` in `abi.rs` for the
-        /// parameters.
+        /// stored unrotated; `_four_heads_nvfp4`: the four-heads kernels of NVFP4 caches). See
+        /// the module documentation, and
+        /// `fused_kernel_params!`, `fused_forms_kernel_params!` and `nvfp4_kernel_params!` in
+        /// `abi.rs` for the parameters.
         ///
         /// # Safety
         /// The promises of the RoPE entry points (`crate::rope`) for q and k (with `out1` null
@@ -1977,7 +2061,12 @@ macro_rules! fused_entry {
         /// (q's and k's, their outputs' and the caches') of which the first `2 half` rotate:
         /// `head_dim - 2 half` a multiple of a group's `2 pairs` features (`pairs`: `lanes`
         /// for NeoX, `lanes / 2` interleaved), and `groups` at least `rot_groups` and the
-        /// `(head_dim - 2 half) / (2 pairs)` groups of the features past the rotation.
+        /// `(head_dim - 2 half) / (2 pairs)` groups of the features past the rotation. The
+        /// `_nvfp4` kernels take the cache as NVFP4: every slot below `cache_slots` addresses,
+        /// at the cache strides (multiples of 16, as `head_dim` and, for NeoX, `half`), `k.heads`
+        /// heads whose element `e` is byte `e / 2` of `k_cache` (`v_cache`, aligned to 4 bytes)
+        /// and whose `head_dim / 16` block scales lie at the scale strides in `k_block_scales`
+        /// (`v_block_scales`), apart from every code; the global scales as FP8 scales above.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
@@ -1986,9 +2075,15 @@ macro_rules! fused_entry {
             let args = Fused::$new($params::<$t> { $($param,)* });
             // SAFETY: the caller's promises, listed above, are those `dispatch` needs.
             unsafe {
-                dispatch::<$t, $pairing, $source<$t>, { Mapping::$mapping.code() }, $forms, $partial>(
-                    &args,
-                )
+                dispatch::<
+                    $t,
+                    $pairing,
+                    $source<$t>,
+                    { Mapping::$mapping.code() },
+                    $forms,
+                    $partial,
+                    $fp4,
+                >(&args)
             }
         }
     };

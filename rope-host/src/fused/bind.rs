@@ -5,7 +5,8 @@
 use super::non_rotary::{CACHE_NOPE_NAME, K_NOPE_NAMES, Q_NOPE_NAMES};
 use super::raw::{RawCacheAddress, RawFp8Scale, RawPageTable};
 use super::request::{
-    CacheFp8, CachedNope, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
+    CacheFp8, CacheNvfp4, CacheStore, CachedNope, FusedRequest, NopePart, NopeParts, RawCache,
+    RawFp8, RawNorm, RawScale,
 };
 use super::{
     CacheAddress, CacheData, Fp8Format, Fp8Scale, FusedIo, FusedOp, KOut, KvCache, NonRotary, QOut,
@@ -118,11 +119,28 @@ pub(super) fn bind<'s, T: RopeElem>(
                     kv_indices: binder.read("cache.kv_indices", &t.kv_indices)?,
                 }),
             };
-            let (k, v, fp8) = match &mut c.data {
+            let (k, v, store) = match &mut c.data {
                 CacheData::Elem { k, v } => (
                     binder.write("cache.k", k)?,
                     binder.write("cache.v", v)?,
-                    None,
+                    CacheStore::Elem,
+                ),
+                CacheData::Nvfp4 {
+                    k,
+                    v,
+                    scale_strides,
+                } => (
+                    binder.write("cache.k", &mut k.codes)?,
+                    binder.write("cache.v", &mut v.codes)?,
+                    CacheStore::Nvfp4(CacheNvfp4 {
+                        scale_strides: *scale_strides,
+                        k_block_scales: binder
+                            .write("cache.k_block_scales", &mut k.block_scales)?,
+                        v_block_scales: binder
+                            .write("cache.v_block_scales", &mut v.block_scales)?,
+                        k: bind_scale(binder, "cache.k_scale", &k.scale)?,
+                        v: bind_scale(binder, "cache.v_scale", &v.scale)?,
+                    }),
                 ),
                 CacheData::Fp8 {
                     k,
@@ -133,7 +151,7 @@ pub(super) fn bind<'s, T: RopeElem>(
                 } => (
                     binder.write("cache.k", k)?,
                     binder.write("cache.v", v)?,
-                    Some(CacheFp8 {
+                    CacheStore::Fp8(CacheFp8 {
                         format: *format,
                         k: bind_scale(binder, "cache.k_scale", k_scale)?,
                         v: bind_scale(binder, "cache.v_scale", v_scale)?,
@@ -151,7 +169,7 @@ pub(super) fn bind<'s, T: RopeElem>(
                 layout: c.layout,
                 k,
                 v,
-                fp8,
+                store,
             })
         }
         None => None,

@@ -6,14 +6,15 @@
 use std::num::NonZeroU32;
 
 use super::non_rotary::head_width;
-use super::request::{NopeParts, RawCache, RawScale, ScaleSource};
+use super::request::{CacheNvfp4, CacheStore, NopeParts, RawCache, RawScale, ScaleSource};
 use super::{CacheLayout, RawCacheAddress, RawPageTable};
 use crate::bind::RawBuf;
 use crate::check::{Of, Region, check_in_buffer, layout_region, read_region, wide_region};
-use crate::config::RopeConfig;
+use crate::config::{RopeConfig, RopeStyle};
 use crate::error::{Result, invalid};
 use crate::layout::{Layout, apart_in_one_buffer};
 use crate::positions::RawInts;
+use rope_kernels::abi::NVFP4_BLOCK;
 
 /// An FP8 scale array holds one `f32`, or one per head, aligned (its region returned); a
 /// multiplier is finite.
@@ -165,6 +166,10 @@ pub(super) fn check_cache(
     let layout = cache_as_layout(l)?;
     let ces = c.element_size(es);
     let width = head_width(cfg, nope);
+    if let CacheStore::Nvfp4(n) = &c.store {
+        check_nvfp4(c, n, cfg, regions)?;
+        return check_address_regions(&c.address, regions);
+    }
     let k_region = wide_region(("cache.k", Of::Cache), c.k, &layout, width, (ces, true))?;
     match nope.latent() {
         // Its dimensions are checked with k's part (`check_nope`).
@@ -198,11 +203,16 @@ pub(super) fn check_cache(
             )?);
         }
     }
-    if let Some(f) = &c.fp8 {
+    if let Some(f) = c.fp8() {
         regions.extend(check_scale(&f.k, k_heads)?);
         regions.extend(check_scale(&f.v, k_heads)?);
     }
-    match &c.address {
+    check_address_regions(&c.address, regions)
+}
+
+/// Adds the regions the cache's addressing arrays are read from.
+fn check_address_regions(address: &RawCacheAddress, regions: &mut Vec<Region>) -> Result<()> {
+    match address {
         RawCacheAddress::Slots(slots) => {
             let bytes = (slots.buf.len as u64).saturating_mul(slots.ty.size());
             regions.push(read_region("cache.slot_mapping", (slots.buf.ptr, bytes)));
@@ -214,4 +224,140 @@ pub(super) fn check_cache(
         }
     }
     Ok(())
+}
+
+/// Checks an NVFP4 cache (see [`super::Nvfp4Cache`]): `head_dim` (the config's) a multiple of
+/// [`NVFP4_BLOCK`], and for NeoX pairs of twice that (no block spans both halves); the element
+/// strides multiples of 8 (codes at 4-byte steps); each cache's codes (the layout at half the
+/// strides, in bytes, aligned to 4) and block scales (`head_dim / 16` bytes a head at the
+/// scale strides) inside their buffers, apart from each other (the scales may sit between the
+/// codes of one buffer: [`nvfp4_regions`]); global scales in device memory, one or one per kv
+/// head. Adds their regions.
+fn check_nvfp4(
+    c: &RawCache,
+    n: &CacheNvfp4,
+    cfg: &RopeConfig,
+    regions: &mut Vec<Region>,
+) -> Result<()> {
+    let l = &c.layout;
+    let block = NVFP4_BLOCK as usize;
+    if !l.head_dim.is_multiple_of(block) || l.strides.iter().any(|s| !s.is_multiple_of(8)) {
+        return Err(invalid(
+            "cache.layout",
+            format!(
+                "an NVFP4 cache's head_dim is a multiple of {block} (a block scale's elements) \
+                 and its element strides multiples of 8 (4 bytes of codes), got head_dim {} and \
+                 strides {:?}",
+                l.head_dim, l.strides
+            ),
+        ));
+    }
+    if cfg.style() == RopeStyle::Neox && !l.head_dim.is_multiple_of(2 * block) {
+        return Err(invalid(
+            "cache.layout",
+            format!(
+                "NVFP4 blocks of NeoX heads lie in one half of the head: head_dim {} is not a \
+                 multiple of {}",
+                l.head_dim,
+                2 * block
+            ),
+        ));
+    }
+    let codes = cache_as_layout(&CacheLayout {
+        head_dim: l.head_dim / 2,
+        strides: l.strides.map(|s| s / 2),
+        ..*l
+    })?;
+    let scales = cache_as_layout(&CacheLayout {
+        head_dim: l.head_dim / block,
+        strides: n.scale_strides,
+        ..*l
+    })?;
+    let head_dim = cfg.head_dim() as usize;
+    let caches = [
+        ("cache.k", c.k, "cache.k_block_scales", n.k_block_scales),
+        ("cache.v", c.v, "cache.v_block_scales", n.v_block_scales),
+    ];
+    for (arg, code_buf, scales_arg, scale_buf) in caches {
+        let whose = (
+            head_dim / 2,
+            "half the config's head_dim (two codes a byte)",
+        );
+        let code_region = wide_region((arg, Of::Cache), code_buf, &codes, whose, (1, true))?;
+        if !code_buf.ptr.is_multiple_of(4) {
+            return Err(invalid(
+                arg,
+                "an NVFP4 cache's codes are aligned to 4 bytes",
+            ));
+        }
+        let whose = (
+            head_dim / block,
+            "the config's head_dim / 16 (a scale a block)",
+        );
+        let scale_region = wide_region(
+            (scales_arg, Of::Cache),
+            scale_buf,
+            &scales,
+            whose,
+            (1, true),
+        )?;
+        let apart = (code_buf.ptr, &codes);
+        regions.extend(nvfp4_regions(
+            apart,
+            (scale_buf.ptr, &scales),
+            code_region,
+            scale_region,
+        ));
+    }
+    for s in [&n.k, &n.v] {
+        if matches!(s.source, ScaleSource::Multiplier(_)) {
+            return Err(invalid(
+                s.arg,
+                "an NVFP4 cache's global scale is an f32 in device memory, one or one per kv \
+                 head (a multiplier is FlashInfer's FP8 form)",
+            ));
+        }
+        regions.extend(check_scale(s, l.kv_heads)?);
+    }
+    Ok(())
+}
+
+/// The regions of one NVFP4 cache's codes and block scales: two, or one spanning both where
+/// the scales sit between the codes of one buffer and no scale byte is a code byte (vLLM's
+/// packed rows: each head's codes, then its scales, at the same block, row and head strides).
+/// That holds when both layouts share those strides and dimensions, each head's scales lie
+/// before or after its codes, and the layout of the head's codes and scales together (from the
+/// first byte of either to the last) maps no two bytes to one.
+fn nvfp4_regions(
+    (code_ptr, codes): (u64, &Layout),
+    (scale_ptr, scales): (u64, &Layout),
+    code_region: Region,
+    scale_region: Region,
+) -> Vec<Region> {
+    let meet = code_region.start < scale_region.end && scale_region.start < code_region.end;
+    let record = || -> Option<Layout> {
+        let same = codes.strides == scales.strides
+            && (codes.batch, codes.seq, codes.heads) == (scales.batch, scales.seq, scales.heads);
+        let (c0, s0) = (
+            i128::from(code_ptr) + codes.offset as i128,
+            i128::from(scale_ptr) + scales.offset as i128,
+        );
+        let (c1, s1) = (c0 + codes.head_dim as i128, s0 + scales.head_dim as i128);
+        let low = c0.min(s0);
+        let width = usize::try_from(c1.max(s1) - low).ok()?;
+        let together = Layout {
+            head_dim: width,
+            ..*codes
+        };
+        (same && (s1 <= c0 || c1 <= s0) && together.is_non_overlapping()).then_some(together)
+    };
+    if meet && record().is_some() {
+        vec![Region {
+            start: code_region.start.min(scale_region.start),
+            end: code_region.end.max(scale_region.end),
+            ..code_region
+        }]
+    } else {
+        vec![code_region, scale_region]
+    }
 }

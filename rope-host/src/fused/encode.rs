@@ -7,10 +7,10 @@ use rope_kernels::abi::{FormatCode, NopeCached, NormCode, SlotCode};
 use rope_kernels::divide::Divisor;
 
 use super::plan::FusedPlan;
-use super::request::{self, FusedRequest, NopePart, RawScale, ScaleSource};
+use super::request::{self, CacheStore, FusedRequest, NopePart, RawScale, ScaleSource};
 use super::{Fp8Format, NonRotaryCache, RawCacheAddress};
 use crate::bind::RawBuf;
-use crate::kernel_args::{FusedArgs, FusedFormsArgs, RopeArgs};
+use crate::kernel_args::{FusedArgs, FusedFormsArgs, Nvfp4Args, RopeArgs};
 use crate::layout::Layout;
 use crate::positions::IntType;
 
@@ -29,12 +29,17 @@ pub(super) fn scale_args(req: &FusedRequest) -> [ScaleArg; 3] {
         Some(ScaleSource::Multiplier(m)) => (0, 0, m),
         None => (0, 0, 0.0),
     };
-    let cache = req.cache.and_then(|c| c.fp8);
-    let k = req.k_fp8.map(|f| f.scale).or(cache.map(|c| c.k));
+    // The cache's scales: FP8's, or NVFP4's global ones.
+    let cache = req.cache.and_then(|c| match c.store {
+        CacheStore::Elem => None,
+        CacheStore::Fp8(f) => Some((f.k, f.v)),
+        CacheStore::Nvfp4(n) => Some((n.k, n.v)),
+    });
+    let k = req.k_fp8.map(|f| f.scale).or(cache.map(|c| c.0));
     [
         arg(req.q_fp8.map(|f| f.scale)),
         arg(k),
-        arg(cache.map(|c| c.v)),
+        arg(cache.map(|c| c.1)),
     ]
 }
 
@@ -210,7 +215,13 @@ pub(super) fn encode(
                 block_magic: block.magic,
                 block_shift: block.shift,
                 cache_slots: plan.cache_slots,
-                cache_format: format_code(c.and_then(|c| c.fp8).map(|f| f.format)),
+                cache_format: match c.map(|c| c.store) {
+                    Some(CacheStore::Nvfp4(_)) => FormatCode::Nvfp4 as u32,
+                    store => format_code(store.and_then(|s| match s {
+                        CacheStore::Fp8(f) => Some(f.format),
+                        _ => None,
+                    })),
+                },
                 k_scale,
                 v_scale,
                 k_scale_step,
@@ -293,6 +304,32 @@ pub(super) fn encode_forms(
                 nope_cache_stride_block: cached.strides[0],
                 nope_cache_stride_slot: cached.strides[1],
                 nope_cache_stride_head: cached.strides[2],
+            }
+        };
+    }
+    rope_kernels::fused_kernel_params!(with_base { base })
+}
+
+/// The arguments of a kernel of NVFP4 caches: `base` ([`encode`]'s: the codes' buffers as the
+/// caches, the global scales as the cache scales), the block scales' addresses and strides.
+pub(super) fn encode_nvfp4(req: &FusedRequest, base: FusedArgs) -> Nvfp4Args {
+    let (k_block_scales, v_block_scales, strides) = match req.cache.map(|c| c.store) {
+        Some(CacheStore::Nvfp4(n)) => (
+            n.k_block_scales.ptr,
+            n.v_block_scales.ptr,
+            n.scale_strides.map(|s| s as u64),
+        ),
+        _ => (0, 0, [0; 3]),
+    };
+    macro_rules! with_base {
+        ({ $b:ident } $($param:ident: $kind:ident,)*) => {
+            Nvfp4Args {
+                $($param: $b.$param,)*
+                k_block_scales,
+                v_block_scales,
+                scale_stride_block: strides[0],
+                scale_stride_slot: strides[1],
+                scale_stride_head: strides[2],
             }
         };
     }

@@ -64,7 +64,7 @@ pub(crate) use plan::FusedPlan;
 use plan::plan_fused;
 pub use raw::{
     RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut,
-    RawKvCache, RawNonRotary, RawPageTable, RawQOut, RawQkNorm,
+    RawKvCache, RawNonRotary, RawNvfp4Cache, RawPageTable, RawQOut, RawQkNorm,
 };
 pub(crate) use request::FusedRequest;
 use rows::RowsLaunch;
@@ -290,6 +290,12 @@ impl CacheLayout {
         }
     }
 
+    /// The byte strides of NVFP4 block scales laid out as this layout's elements, one byte per
+    /// 16 elements (a scale pool mirroring the codes', as TensorRT-LLM's): the strides over 16.
+    pub fn nvfp4_scale_strides(&self) -> [usize; 3] {
+        self.strides.map(|s| s / 16)
+    }
+
     /// `[num_blocks, kv_heads, block_size, head_dim]` (FlashInfer's HND), contiguous.
     pub fn blocks_heads_rows(
         num_blocks: usize,
@@ -311,7 +317,7 @@ impl CacheLayout {
     }
 }
 
-/// The caches k and v are written into, in the tensors' type or as FP8 E4M3.
+/// The caches k and v are written into: in the tensors' type, as FP8, or as NVFP4.
 #[derive(Debug)]
 pub enum CacheData<'a, T> {
     /// Elements of the tensors' type.
@@ -334,6 +340,43 @@ pub enum CacheData<'a, T> {
         /// E4M3 or E5M2, both caches.
         format: Fp8Format,
     },
+    /// NVFP4 ([`Nvfp4Cache`]): FP4 E2M1 codes with an FP8 E4M3 scale per 16 elements and a
+    /// global scale. Stored by four-heads kernels of their own: whole-head rotations, slot
+    /// mappings, no non-rotary part, tensors below 2^32 elements at the widest access.
+    Nvfp4 {
+        /// k's cache.
+        k: Nvfp4Cache<'a>,
+        /// v's cache.
+        v: Nvfp4Cache<'a>,
+        /// Byte strides of a block, a row and a head in both caches' block scales (each head's
+        /// `head_dim / 16` scales consecutive bytes); [`CacheLayout::nvfp4_scale_strides`] for
+        /// scales laid out as the codes.
+        scale_strides: [usize; 3],
+    },
+}
+
+/// One NVFP4 cache (k's or v's), two-level as TensorRT-LLM's: each block of 16 consecutive
+/// elements `x` of a head (k rotated and normalised as stored elsewhere, v as read) is stored
+/// with `m = 1 / scale` as the block scale `b = e4m3(max |x_e| * m / 6)` (nearest even,
+/// saturating at 448) and the codes `e2m1(x_e * m / b)` (nearest even, saturating at 6;
+/// zeros where `b` is 0), so that `x_e ~ e2m1_e * b * scale`.
+///
+/// Layout: the [`CacheLayout`] gives each element's offset `e` in elements (so its strides
+/// are twice the codes' byte strides: multiples of 8; `head_dim` a multiple of 16, and of 32
+/// for NeoX pairs so that no block spans the two halves' vectors). Its code is byte `e / 2` of
+/// `codes` (the low four bits for even `e`, bit 3 the sign; torch's `float4_e2m1fn_x2` order),
+/// `codes` aligned to 4 bytes. Block `b` (elements `16 b .. 16 b + 16`) of head `h` in slot
+/// `(block, row)` has its scale at byte `block * s[0] + row * s[1] + h * s[2] + b` of
+/// `block_scales`, `s` the [`CacheData::Nvfp4`]'s `scale_strides`. (Scales inside the codes'
+/// rows, as vLLM's packed NVFP4 cache keeps them, are one buffer: [`RawNvfp4Cache`].)
+#[derive(Debug)]
+pub struct Nvfp4Cache<'a> {
+    /// The E2M1 codes, two a byte.
+    pub codes: CudaViewMut<'a, u8>,
+    /// The E4M3 block scales, one per 16 elements.
+    pub block_scales: CudaViewMut<'a, u8>,
+    /// The global scale (per tensor or per kv head, in device memory).
+    pub scale: Fp8Scale<'a>,
 }
 
 /// Which cache slot each token's k and v go to. Device data: a slot outside the cache (or a
@@ -540,6 +583,8 @@ impl Rope {
                     args.launch(context, &function, config, stream, overlap)
                 }
                 FusedForms::FlashInfer => encode::encode_forms(req, plan, args, &scales)
+                    .launch(context, &function, config, stream, overlap),
+                FusedForms::Nvfp4 => encode::encode_nvfp4(req, args)
                     .launch(context, &function, config, stream, overlap),
             }
         }

@@ -15,7 +15,7 @@ use super::cache_checks::{
     block_size, cache_as_layout, cache_slots, check_address, check_cache, check_scale,
 };
 use super::non_rotary::{CACHE_NOPE_NAME, NopePlan, check_nope, head_width, plan_nope};
-use super::request::{FusedRequest, RawFp8, ScaleSource};
+use super::request::{CacheStore, FusedRequest, RawFp8, ScaleSource};
 use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
 use super::{Fp8Format, RawCacheAddress};
 use crate::check::{
@@ -183,13 +183,19 @@ pub(crate) fn plan_fused(
     // loop and the four-heads kernels their stores made ptxas spill, and their parameters made
     // every other launch slower at decode), even where other kernels are pinned.
     let flashinfer = flashinfer_form(req);
+    // NVFP4 caches are stored by four-heads kernels of their own (`_four_heads_nvfp4`): their
+    // block maxima and conversions weigh on no other launch.
+    let nvfp4 = req
+        .cache
+        .is_some_and(|c| matches!(c.store, CacheStore::Nvfp4(_)));
     // Partial heads, like FlashInfer's forms, have two-heads kernels alone.
-    let token_heads = (choice != FusedKernels::ItemLoop || flashinfer.is_some() || partial)
-        && kernel.mapping == Mapping::WIDE
-        && spans_below_2_32(&req.rope)
-        && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
-        && cache_slots <= 1 << 32
-        && req.rope.sincos.planned_table_fits(&sincos, cfg, pairs);
+    let token_heads =
+        (choice != FusedKernels::ItemLoop || flashinfer.is_some() || partial || nvfp4)
+            && kernel.mapping == Mapping::WIDE
+            && spans_below_2_32(&req.rope)
+            && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
+            && cache_slots <= 1 << 32
+            && req.rope.sincos.planned_table_fits(&sincos, cfg, pairs);
     if let Some(arg) = flashinfer.filter(|_| !token_heads) {
         return Err(invalid(
             arg,
@@ -198,6 +204,35 @@ pub(crate) fn plan_fused(
              widest access (addresses and strides aligned to 16 bytes), a cache of at most 2^32 \
              slots, and tables within 2^32 elements aligned to their reads",
         ));
+    }
+    if nvfp4 {
+        if let Some(arg) = flashinfer {
+            return Err(invalid(
+                arg,
+                "an NVFP4 cache is stored by kernels without FlashInfer's forms: no page table, \
+                 E5M2, multiplier, FP8 k output or non-rotary part",
+            ));
+        }
+        if partial {
+            return Err(invalid(
+                "config",
+                format!(
+                    "an NVFP4 cache is stored with whole-head rotations: rotary_dim {} of \
+                     head_dim {}",
+                    cfg.rotary_dim(),
+                    cfg.head_dim()
+                ),
+            ));
+        }
+        if !token_heads {
+            return Err(invalid(
+                "cache",
+                "an NVFP4 cache is stored by the four-heads kernels alone, which this launch \
+                 cannot take: each tensor below 2^32 elements at the widest access (addresses \
+                 and strides aligned to 16 bytes), a cache of at most 2^32 slots, and tables \
+                 within 2^32 elements aligned to their reads",
+            ));
+        }
     }
     if partial && (!token_heads || flashinfer.is_some()) {
         return Err(invalid(
@@ -221,6 +256,8 @@ pub(crate) fn plan_fused(
         },
         forms: if flashinfer.is_some() {
             FusedForms::FlashInfer
+        } else if nvfp4 {
+            FusedForms::Nvfp4
         } else if partial {
             FusedForms::Partial
         } else {
@@ -240,6 +277,10 @@ pub(crate) fn plan_fused(
     let warps_at = |heads: u32| stored_heads.map(|h| token_heads_warps(h, groups, heads));
     // Only a two-heads kernel without FlashInfer's forms has a four-heads kernel, so the item
     // loop never takes one.
+    let nvfp4_kernel = FusedKernelName {
+        mapping: Mapping::FOUR_HEADS,
+        ..kernel
+    };
     let four_heads = kernel.four_heads().filter(|_| match choice {
         FusedKernels::FourHeads => true,
         FusedKernels::TwoHeads => false,
@@ -251,6 +292,11 @@ pub(crate) fn plan_fused(
         ),
         FusedKernels::ItemLoop => false,
     });
+    let four_heads = if nvfp4 {
+        Some(nvfp4_kernel)
+    } else {
+        four_heads
+    };
     let rows = rows_occupancy.and_then(|occupancy| {
         let launch = rows_kernel(
             req,
@@ -347,7 +393,7 @@ pub(super) fn flashinfer_form(req: &FusedRequest) -> Option<&'static str> {
         return Some(CACHE_NOPE_NAME);
     }
     let c = req.cache?;
-    if let Some(f) = c.fp8
+    if let Some(f) = c.fp8()
         && (extended(RawFp8 {
             format: f.format,
             scale: f.k,

@@ -7,8 +7,8 @@
 use cudarc::driver::sys::CUstream;
 
 use super::request::{
-    CacheFp8, CachedNope, FusedRequest, NopePart, NopeParts, RawCache, RawFp8, RawNorm, RawScale,
-    ScaleSource,
+    CacheFp8, CacheNvfp4, CacheStore, CachedNope, FusedRequest, NopePart, NopeParts, RawCache,
+    RawFp8, RawNorm, RawScale, ScaleSource,
 };
 use super::{CacheLayout, Fp8Format, NonRotaryCache, NormScope, NormWeight};
 use crate::bind::RawBuf;
@@ -182,6 +182,30 @@ pub enum RawCacheData {
         /// E4M3 or E5M2, both caches.
         format: Fp8Format,
     },
+    /// NVFP4 (as [`super::CacheData::Nvfp4`]).
+    Nvfp4 {
+        /// k's cache.
+        k: RawNvfp4Cache,
+        /// v's cache.
+        v: RawNvfp4Cache,
+        /// Byte strides of a block, a row and a head in both caches' block scales.
+        scale_strides: [usize; 3],
+    },
+}
+
+/// One NVFP4 cache by address (as [`super::Nvfp4Cache`]): bytes of codes and of block scales.
+/// The scales may lie in the codes' buffer, beside each head's codes (vLLM's packed NVFP4
+/// rows: a head's `head_dim / 2` bytes of codes, then its `head_dim / 16` scales): then
+/// `block_scales` is that buffer from the first head's first scale, the scale strides the
+/// codes' byte strides, and no scale byte may be a code byte of any head.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RawNvfp4Cache {
+    /// The E2M1 codes, two a byte.
+    pub codes: RawBuf,
+    /// The E4M3 block scales, one per 16 elements.
+    pub block_scales: RawBuf,
+    /// The global scale (per tensor or per kv head).
+    pub scale: RawFp8Scale,
 }
 
 /// Which slot each token's k and v go to, by address (as [`super::CacheAddress`]).
@@ -315,8 +339,8 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
     };
     let norm = op.norm.map(RawQkNorm::raw);
     let cache = cache.map(|c| {
-        let (k, v, fp8) = match c.data {
-            RawCacheData::Elem { k, v } => (k, v, None),
+        let (k, v, store) = match c.data {
+            RawCacheData::Elem { k, v } => (k, v, CacheStore::Elem),
             RawCacheData::Fp8 {
                 k,
                 v,
@@ -326,10 +350,25 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
             } => (
                 k,
                 v,
-                Some(CacheFp8 {
+                CacheStore::Fp8(CacheFp8 {
                     format,
                     k: k_scale.raw("cache.k_scale"),
                     v: v_scale.raw("cache.v_scale"),
+                }),
+            ),
+            RawCacheData::Nvfp4 {
+                k,
+                v,
+                scale_strides,
+            } => (
+                k.codes,
+                v.codes,
+                CacheStore::Nvfp4(CacheNvfp4 {
+                    k_block_scales: k.block_scales,
+                    v_block_scales: v.block_scales,
+                    scale_strides,
+                    k: k.scale.raw("cache.k_scale"),
+                    v: v.scale.raw("cache.v_scale"),
                 }),
             ),
         };
@@ -342,7 +381,7 @@ fn request(op: &RawFusedOp, io: RawFusedIo, cache: Option<RawKvCache>) -> FusedR
             layout: c.layout,
             k,
             v,
-            fp8,
+            store,
         }
     });
     FusedRequest {

@@ -41,6 +41,28 @@ pub(crate) struct CacheFp8 {
     pub(crate) v: RawScale,
 }
 
+/// An NVFP4 cache's block-scale buffers, their byte strides (block, row, head) and its k and v
+/// global scales (the codes' buffers are [`RawCache`]'s `k` and `v`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CacheNvfp4 {
+    pub(crate) k_block_scales: RawBuf,
+    pub(crate) v_block_scales: RawBuf,
+    pub(crate) scale_strides: [usize; 3],
+    pub(crate) k: RawScale,
+    pub(crate) v: RawScale,
+}
+
+/// How a cache stores its elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum CacheStore {
+    /// In the tensors' type.
+    Elem,
+    /// FP8, one byte each.
+    Fp8(CacheFp8),
+    /// NVFP4: half a byte each, and a scale per block.
+    Nvfp4(CacheNvfp4),
+}
+
 /// A head's features outside the rotation by address (see [`super::NonRotary`]): the input
 /// and its FP8 output (bytes), each with its layout.
 #[derive(Clone, Copy, Debug)]
@@ -107,16 +129,26 @@ impl RawNorm {
 pub(crate) struct RawCache {
     pub(crate) address: RawCacheAddress,
     pub(crate) layout: CacheLayout,
+    /// The caches (NVFP4's values).
     pub(crate) k: RawBuf,
     pub(crate) v: RawBuf,
-    /// FP8 caches' format and scales; `None` for caches of the tensors' type.
-    pub(crate) fp8: Option<CacheFp8>,
+    /// How they store their elements.
+    pub(crate) store: CacheStore,
 }
 
 impl RawCache {
-    /// Bytes of one cache element: one for FP8 caches, else the tensors' `es`.
+    /// FP8 caches' format and scales.
+    pub(crate) fn fp8(&self) -> Option<CacheFp8> {
+        match self.store {
+            CacheStore::Fp8(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one cache element of the tensors' type or FP8: one for FP8 caches, else the
+    /// tensors' `es` (NVFP4 caches are checked and addressed by `cache_checks::check_nvfp4`).
     pub(crate) fn element_size(&self, es: usize) -> usize {
-        if self.fp8.is_some() { 1 } else { es }
+        if self.fp8().is_some() { 1 } else { es }
     }
 }
 

@@ -108,7 +108,7 @@ pub(crate) fn rows_kernel(
     groups: (u32, u32),
     stored: [u32; 3],
 ) -> Option<(FusedKernelName, RowsLaunch)> {
-    let stores_fp8 = req.q_fp8.is_some() || req.cache.is_some_and(|c| c.fp8.is_some());
+    let stores_fp8 = req.q_fp8.is_some() || req.cache.is_some_and(|c| c.fp8().is_some());
     let stages = match choice {
         FusedKernels::Rows { stages } => stages,
         FusedKernels::Auto

@@ -58,7 +58,7 @@ fn mla(tokens: usize) -> FusedRequest {
             layout: k_cache,
             k: buf(1 << 44, blocks * 16 * 64),
             v: buf(1 << 45, blocks * 16 * 512),
-            fp8: None,
+            store: CacheStore::Elem,
         }),
         nope: NopeParts {
             cached: Some(CachedNope {

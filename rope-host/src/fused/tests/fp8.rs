@@ -12,7 +12,7 @@ fn rejects_fp8_scales_of_the_wrong_length() {
         (32, true, false),
     ] {
         let mut r = request(RopeStyle::Neox);
-        r.cache.as_mut().expect("cache").fp8 = Some(CacheFp8 {
+        r.cache.as_mut().expect("cache").store = CacheStore::Fp8(CacheFp8 {
             format: Fp8Format::E4m3,
             k: array_scale("cache.k_scale", 9 << 24, len, per_head),
             v: array_scale("cache.v_scale", 10 << 24, 1, false),
@@ -67,7 +67,7 @@ fn k_and_v_scales_keep_their_own_granularity() {
             format: Fp8Format::E4m3,
             scale: array_scale("q.scale", 12 << 24, if q_head { 32 } else { 1 }, q_head),
         });
-        r.cache.as_mut().expect("cache").fp8 = Some(CacheFp8 {
+        r.cache.as_mut().expect("cache").store = CacheStore::Fp8(CacheFp8 {
             format: Fp8Format::E4m3,
             k: scale("cache.k_scale", 9 << 24, k_head),
             v: scale("cache.v_scale", 10 << 24, v_head),
@@ -373,7 +373,7 @@ fn cached_non_rotary_parts_take_blocks_for_k_and_v() {
     assert_eq!(a.cached, NopeCached(NopeCached::K | NopeCached::V));
     // Into caches of the tensors' type the part starts `D` elements of 2 bytes into each head.
     let mut elem = with_cached_nope(64);
-    elem.cache.as_mut().expect("cache").fp8 = None;
+    elem.cache.as_mut().expect("cache").store = CacheStore::Elem;
     let a = cached_nope_args(&elem, 2).expect("cached");
     assert_eq!(a.part.out, (7 << 24) + 2 * D as u64);
     let width = (D + 64) as u64;
@@ -409,10 +409,10 @@ fn cached_non_rotary_parts_are_checked_naming_their_argument() {
     assert!(plan_of(&with_latent()).is_ok());
     // Caches of the tensors' type.
     let mut r = with_cached_nope(64);
-    r.cache.as_mut().expect("cache").fp8 = None;
+    r.cache.as_mut().expect("cache").store = CacheStore::Elem;
     assert!(plan_of(&r).is_ok());
     let mut r = with_latent();
-    r.cache.as_mut().expect("cache").fp8 = None;
+    r.cache.as_mut().expect("cache").store = CacheStore::Elem;
     assert!(plan_of(&r).is_ok());
     // 8 bytes off: one FP8 store's alignment, half of a 16-bit one's.
     let c = r.cache.as_mut().expect("cache");

@@ -4,6 +4,7 @@ mod across;
 mod apart;
 mod fp8;
 mod grad;
+mod nvfp4;
 mod prefetch;
 mod properties;
 mod rotation;
@@ -14,7 +15,8 @@ use rope_kernels::abi::{DType, FusedKernelName, MAX_FUSED_ITEMS, Mapping, NopeCa
 use super::encode::{cached_nope_args, scale_args};
 use super::plan::{FusedPlan, plan_fused};
 use super::request::{
-    CacheFp8, CachedNope, FusedRequest, NopePart, RawCache, RawFp8, RawNorm, RawScale, ScaleSource,
+    CacheFp8, CacheNvfp4, CacheStore, CachedNope, FusedRequest, NopePart, RawCache, RawFp8,
+    RawNorm, RawScale, ScaleSource,
 };
 use super::rows::{RowsLaunch, RowsOccupancy};
 use super::{CacheLayout, Fp8Format, NonRotaryCache, RawCacheAddress, RawPageTable};
@@ -84,7 +86,7 @@ fn request(style: RopeStyle) -> FusedRequest {
             layout,
             k: buf(7 << 24, cache_len),
             v: buf(8 << 24, cache_len),
-            fp8: None,
+            store: CacheStore::Elem,
         }),
         nope: Default::default(),
     }
@@ -165,7 +167,7 @@ fn array_scale(arg: &'static str, ptr: u64, len: usize, per_head: bool) -> RawSc
 
 /// Makes `r`'s cache FP8 E4M3, with one scale each for k and v.
 fn fp8_cache(r: &mut FusedRequest) {
-    r.cache.as_mut().expect("cache").fp8 = Some(CacheFp8 {
+    r.cache.as_mut().expect("cache").store = CacheStore::Fp8(CacheFp8 {
         format: Fp8Format::E4m3,
         k: array_scale("k_scale", 1 << 47, 1, false),
         v: array_scale("v_scale", 1 << 48, 1, false),

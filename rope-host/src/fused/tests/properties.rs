@@ -270,7 +270,7 @@ impl Description {
                     layout,
                     k: cache_buf(7),
                     v: cache_buf(8),
-                    fp8,
+                    store: fp8.map_or(CacheStore::Elem, CacheStore::Fp8),
                 };
                 (Some((buf_for(6, &lv, short(6)), lv)), Some(raw))
             }
