@@ -26,9 +26,9 @@ use rope_host::half::bf16;
 use rope_host::{
     AxisMap, CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceAxisMap, DeviceInts,
     Fp8Format, Fp8Scale, Frequencies, FrequencySpec, FusedGrads, FusedIo, FusedOp, IdsShape, Io,
-    KOut, KvCache, Layout, NonRotaryCache, NormScope, NormWeight, PageTable, Positions, QOut, QkIo,
-    QkNorm, Rope, RopeConfig, RopeOp, RopeScaling, RopeStyle, SinCos, SinCosTables, StreamOverlap,
-    TableFormat, Tensor, TensorMut,
+    KOut, KvCache, Layout, NonRotaryCache, NormScope, NormWeight, Nvfp4Cache, PageTable, Positions,
+    QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeScaling, RopeStyle, SinCos, SinCosTables,
+    StreamOverlap, TableFormat, Tensor, TensorMut,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -73,6 +73,9 @@ enum Variant {
     NormRopeCache,
     /// As `NormRopeCache` with FP8 q output and FP8 cache.
     NormRopeCacheFp8,
+    /// As `NormRopeCacheFp8` with an NVFP4 cache (E2M1 codes, an E4M3 scale per 16 elements,
+    /// one global scale each for k and v).
+    NormRopeCacheNvfp4,
     /// FlashInfer's `rope_quantize_fp8_append_paged_kv_cache` form: rotation (no norm) into an
     /// FP8 q output and an FP8 cache of `x * multiplier` by value, the cache addressed by a page
     /// table.
@@ -105,6 +108,10 @@ enum Bytes {
     /// Three quarters of q, k and v: read as bf16 (2 bytes), written as FP8 (1 byte), so
     /// 3 bytes per element, as a copy of 1.5 bytes per element.
     Qkv3of4,
+    /// q read as bf16 and written as FP8 (3 bytes an element), k and v read as bf16 and
+    /// written as NVFP4 (2 + 9/16 bytes: half a byte and a sixteenth of a scale byte): as a
+    /// copy of `(48 q + 82 (k + v) / 2) / 64` elements of 4 bytes read and written.
+    Nvfp4,
     /// MLA's `q_pe`, `k_pe` and latent features (each read and written once, as bf16).
     Mla,
     /// One and a half times q's and k's: the QK-norm + RoPE backward reads the forward inputs
@@ -116,6 +123,7 @@ enum Bytes {
 const COPY_QK: &str = "copy of q, k";
 const COPY_QKV: &str = "copy of q, k, v";
 const COPY_FP8: &str = "copy of 3/4 of q, k, v";
+const COPY_NVFP4: &str = "copy of FP8 q, NVFP4 k, v bytes";
 const COPY_MLA: &str = "copy of MLA q_pe, k_pe, latent";
 const COPY_BACKWARD: &str = "copy of 1.5 x q, k";
 
@@ -128,7 +136,7 @@ const MLA_LATENT: usize = 512;
 
 /// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
 /// before (the rotation's, for the unfused sequence).
-const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 23] = [
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 26] = [
     (
         Variant::AcrossHeads,
         "DiT: norm across heads + 3-D axial rope",
@@ -191,6 +199,18 @@ const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 23] = [
         StreamOverlap::None,
     ),
     (
+        Variant::Copy(Bytes::Nvfp4),
+        COPY_NVFP4,
+        None,
+        StreamOverlap::None,
+    ),
+    (
+        Variant::NormRopeCacheNvfp4,
+        "norm + rope + FP8 q, NVFP4 cache",
+        Some(COPY_NVFP4),
+        StreamOverlap::None,
+    ),
+    (
         Variant::Unfused,
         "unfused: rope + copies",
         Some(COPY_QKV),
@@ -224,6 +244,12 @@ const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 23] = [
         Variant::RopeFp8PageTable,
         "rope + FP8 q, page-table cache, PDL",
         Some(COPY_FP8),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::NormRopeCacheNvfp4,
+        "norm + rope + FP8 q, NVFP4 cache, PDL",
+        Some(COPY_NVFP4),
         StreamOverlap::Programmatic,
     ),
     (
@@ -281,6 +307,8 @@ struct Buffers {
     v_cache: CudaSlice<bf16>,
     k_cache8: CudaSlice<u8>,
     v_cache8: CudaSlice<u8>,
+    /// The NVFP4 caches' block scales (their codes in `k_cache8` and `v_cache8`).
+    block_scales: (CudaSlice<u8>, CudaSlice<u8>),
     /// FlashInfer's page table of the same slots: `batch_indices` (one request), `positions`,
     /// `kv_indptr`, `kv_indices` (the blocks in reverse order).
     page_table: [CudaSlice<i32>; 4],
@@ -452,6 +480,18 @@ fn q_fp8<'a>(
     }
 }
 
+/// An NVFP4 cache of codes and block scales with one global scale.
+fn nvfp4_cache<'a>(
+    (values, block_scales): (&'a mut CudaSlice<u8>, &'a mut CudaSlice<u8>),
+    scale: &'a CudaSlice<f32>,
+) -> Nvfp4Cache<'a> {
+    Nvfp4Cache {
+        codes: values.as_view_mut(),
+        block_scales: block_scales.as_view_mut(),
+        scale: Fp8Scale::PerTensor(scale.as_view()),
+    }
+}
+
 impl Buffers {
     fn new(
         stream: &Arc<CudaStream>,
@@ -495,6 +535,10 @@ impl Buffers {
             v_cache: stream.alloc_zeros(cache)?,
             k_cache8: stream.alloc_zeros(cache)?,
             v_cache8: stream.alloc_zeros(cache)?,
+            block_scales: (
+                stream.alloc_zeros(cache / 16)?,
+                stream.alloc_zeros(cache / 16)?,
+            ),
             page_table: [
                 stream.alloc_zeros(tokens)?,
                 stream.clone_htod(&(0..tokens as i32).collect::<Vec<_>>())?,
@@ -640,6 +684,7 @@ impl Buffers {
                     Bytes::Qk => qn + kn,
                     Bytes::Qkv => qn + 2 * kn,
                     Bytes::Qkv3of4 => (qn + 2 * kn) * 3 / 4,
+                    Bytes::Nvfp4 => (48 * qn + 82 * kn) / 64,
                     Bytes::Mla => t * (MLA_HEADS * MLA_ROPE + MLA_ROPE + MLA_LATENT),
                     Bytes::QkBackward => 3 * (qn + kn) / 2,
                 };
@@ -764,8 +809,12 @@ impl Buffers {
                 };
                 Ok(rope.run_fused_backward(&op, grads)?)
             }
-            Variant::RopeCache | Variant::NormRopeCache | Variant::NormRopeCacheFp8 => {
-                let fp8 = variant == Variant::NormRopeCacheFp8;
+            Variant::RopeCache
+            | Variant::NormRopeCache
+            | Variant::NormRopeCacheFp8
+            | Variant::NormRopeCacheNvfp4 => {
+                let nvfp4 = variant == Variant::NormRopeCacheNvfp4;
+                let fp8 = variant == Variant::NormRopeCacheFp8 || nvfp4;
                 let op = FusedOp {
                     rope: rope_op(),
                     norm: norm(variant != Variant::RopeCache),
@@ -790,7 +839,13 @@ impl Buffers {
                         layout: lk,
                     }),
                 };
-                let data = if fp8 {
+                let data = if nvfp4 {
+                    CacheData::Nvfp4 {
+                        k: nvfp4_cache((&mut self.k_cache8, &mut self.block_scales.0), &self.scale),
+                        v: nvfp4_cache((&mut self.v_cache8, &mut self.block_scales.1), &self.scale),
+                        scale_strides: layout.nvfp4_scale_strides(),
+                    }
+                } else if fp8 {
                     CacheData::Fp8 {
                         k: self.k_cache8.as_view_mut(),
                         v: self.v_cache8.as_view_mut(),
@@ -874,7 +929,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     let handles = Handles::new(&stream, THETA, rotary)?;
     handles.prepare(THETA, MLA_ROPE as u32)?;
     let mut rows = Vec::new();
-    // FlashInfer's forms, the backward and the DiT row rotate whole heads only: a partial
+    // FlashInfer's forms, NVFP4 caches, the backward and the DiT row rotate whole heads only: a partial
     // rotation (`ROTARY_VAR`) skips them, and MLA's rows, which rotate whole heads of their own.
     let partial = rotary < D as u32;
     let variants: Vec<_> = VARIANTS
@@ -884,6 +939,8 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
                 || !matches!(
                     v,
                     Variant::RopeFp8PageTable
+                        | Variant::NormRopeCacheNvfp4
+                        | Variant::Copy(Bytes::Nvfp4)
                         | Variant::AcrossHeads
                         | Variant::Mla { .. }
                         | Variant::Copy(Bytes::Mla)

@@ -12,15 +12,15 @@ use rope_host::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use rope_host::{
     CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceInts, Fp8Format, Fp8Scale, FusedIo,
     FusedOp, IdsShape, IntType, KOut, KvCache, Layout, NonRotary, NonRotaryCache, NormScope,
-    NormWeight, PageTable, Positions, QOut, QkNorm, RawBuf, RawCacheAddress, RawCacheData,
-    RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache,
-    RawNonRotary, RawOp, RawPageTable, RawPositions, RawQOut, RawQkNorm, RawSinCos, RawTensor,
-    Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData, TableFormat, TableShape, Tensor,
-    TensorMut,
+    NormWeight, Nvfp4Cache, PageTable, Positions, QOut, QkNorm, RawBuf, RawCacheAddress,
+    RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut,
+    RawKvCache, RawNonRotary, RawNvfp4Cache, RawOp, RawPageTable, RawPositions, RawQOut, RawQkNorm,
+    RawSinCos, RawTensor, Rope, RopeConfig, RopeOp, RopeStyle, SinCos, TableData, TableFormat,
+    TableShape, Tensor, TensorMut,
 };
-use rope_kernels::math::{e4m3_to_f32, e5m2_to_f32};
+use rope_kernels::math::{e2m1_to_f32, e4m3_to_f32, e5m2_to_f32};
 use rope_reference::fused::{
-    ElementScale, e4m3_bracket, e5m2_bracket, page_table_slot, rms_norm, rotate_head,
+    ElementScale, e2m1_bracket, e4m3_bracket, e5m2_bracket, page_table_slot, rms_norm, rotate_head,
 };
 use rope_reference::reference::inv_freq;
 
@@ -153,6 +153,11 @@ pub enum CacheNope {
 #[derive(Clone, Debug)]
 pub struct CacheCase {
     pub fp8: bool,
+    /// NVFP4 instead ([`Case::nvfp4_cache`]; `fp8` then false): codes in the FP8 caches'
+    /// buffers, block scales in buffers of their own or, with `nvfp4_inline`, after each head's
+    /// codes in the same rows (vLLM's packed form; launched by address).
+    pub nvfp4: bool,
+    pub nvfp4_inline: bool,
     pub heads_first: bool,
     pub block_size: usize,
     pub num_blocks: usize,
@@ -277,6 +282,8 @@ impl CacheCase {
             .collect();
         let mut c = CacheCase {
             fp8: rng.random_bool(0.5),
+            nvfp4: false,
+            nvfp4_inline: false,
             heads_first: rng.random_bool(0.5),
             block_size,
             num_blocks,
@@ -451,6 +458,24 @@ impl Case {
         self.batch * self.seq
     }
 
+    /// Makes the case's cache NVFP4 (drawing one where it has none): the whole head rotated,
+    /// slot mappings, global scale arrays, no FlashInfer form.
+    pub fn nvfp4_cache(&mut self, rng: &mut StdRng) {
+        let tokens = self.tokens();
+        let cc = self
+            .cache
+            .get_or_insert_with(|| CacheCase::random(rng, tokens));
+        (cc.fp8, cc.nvfp4, cc.nope) = (false, true, CacheNope::None);
+        // Inline scales where a head's row (codes and scales) keeps the codes 4-byte aligned.
+        cc.nvfp4_inline = (self.d / 2 + self.d / 16).is_multiple_of(4) && rng.random_bool(0.4);
+        self.rotary = self.d;
+        self.nope = 0;
+        if matches!(self.k, KMode::Fp8 { .. }) {
+            self.k = KMode::CacheOnly;
+        }
+        self.plain_fp8();
+    }
+
     /// The norm weights of a tensor of `heads` heads: `d`, or `heads * d` across heads.
     pub fn weights_len(&self, heads: usize) -> usize {
         match self.scope {
@@ -473,6 +498,28 @@ impl Case {
             Some(a) => a.ids[a.map[i] as usize * self.tokens() + t],
             None => self.position(t),
         }
+    }
+
+    /// An NVFP4 case's codes layout (elements), its block scales' byte strides, and where the
+    /// scales start in their buffer: a scale pool laid out as the codes (bytes over 16), or
+    /// inline, each head's `d / 16` scales after its `d / 2` bytes of codes in rows of
+    /// `d / 2 + d / 16` bytes (block, row, head order; the scales from byte `d / 2` of the codes'
+    /// buffer).
+    pub fn nvfp4_layout(&self, cc: &CacheCase) -> (CacheLayout, [usize; 3], usize) {
+        if !cc.nvfp4_inline {
+            let l = self.cache_layout(cc);
+            return (l, l.nvfp4_scale_strides(), 0);
+        }
+        let row = self.d / 2 + self.d / 16;
+        let bytes = [cc.block_size * self.hk * row, self.hk * row, row];
+        let codes = CacheLayout {
+            num_blocks: cc.num_blocks,
+            block_size: cc.block_size,
+            kv_heads: self.hk,
+            head_dim: self.d,
+            strides: bytes.map(|b| 2 * b),
+        };
+        (codes, bytes, self.d / 2)
     }
 
     /// Where k's non-rotary part goes in the case's cache.
@@ -623,6 +670,9 @@ pub struct Device<T> {
     pub v_cache: CudaSlice<T>,
     pub k_cache8: CudaSlice<u8>,
     pub v_cache8: CudaSlice<u8>,
+    /// NVFP4 caches' block scales (poisoned; a byte per 16 cache elements).
+    pub k_block_scales: CudaSlice<u8>,
+    pub v_block_scales: CudaSlice<u8>,
     /// The page table's `batch_indices`, `positions`, `kv_indptr`, `kv_indices`.
     pub page_table: Option<[CudaSlice<i32>; 4]>,
     /// The non-rotary parts and their FP8 outputs (poisoned; [`nope_layouts`]).
@@ -704,6 +754,8 @@ pub fn upload<T: TestElem>(
         v_cache: poison_t(cache_lens(c)[1])?,
         k_cache8: poison_u8(cache_lens(c)[0])?,
         v_cache8: poison_u8(cache_lens(c)[1])?,
+        k_block_scales: poison_u8(cache_lens(c)[0] / 16)?,
+        v_block_scales: poison_u8(cache_lens(c)[1] / 16)?,
         page_table: match c.cache.as_ref().and_then(|cc| cc.page_table.as_ref()) {
             Some(t) => {
                 let up = |v: &Vec<i32>| stream.clone_htod(v).map_err(e);
@@ -946,7 +998,21 @@ pub fn launch<T: TestElem>(
         }),
         address,
         layout: c.cache_layout(cc),
-        data: if cc.fp8 {
+        data: if cc.nvfp4 {
+            CacheData::Nvfp4 {
+                k: Nvfp4Cache {
+                    codes: dev.k_cache8.as_view_mut(),
+                    block_scales: dev.k_block_scales.as_view_mut(),
+                    scale: scale_of(c, cc.k_per_head, (&data.k_scale, &dev.k_scale)),
+                },
+                v: Nvfp4Cache {
+                    codes: dev.v_cache8.as_view_mut(),
+                    block_scales: dev.v_block_scales.as_view_mut(),
+                    scale: scale_of(c, cc.v_per_head, (&data.v_scale, &dev.v_scale)),
+                },
+                scale_strides: c.nvfp4_layout(cc).1,
+            }
+        } else if cc.fp8 {
             CacheData::Fp8 {
                 k: dev.k_cache8.as_view_mut(),
                 v: dev.v_cache8.as_view_mut(),
@@ -1108,8 +1174,39 @@ pub fn launch_raw<T: TestElem>(
             into,
         }),
         address,
-        layout: c.cache_layout(cc),
-        data: if cc.fp8 {
+        layout: if cc.nvfp4 {
+            c.nvfp4_layout(cc).0
+        } else {
+            c.cache_layout(cc)
+        },
+        data: if cc.nvfp4 {
+            let (_, scale_strides, at) = c.nvfp4_layout(cc);
+            // Inline scales: the codes' buffer from the first scale on.
+            let scales = |codes: &CudaSlice<u8>, own: &CudaSlice<u8>| {
+                if cc.nvfp4_inline {
+                    let b = buf(codes, stream);
+                    RawBuf {
+                        ptr: b.ptr + at as u64,
+                        len: b.len - at,
+                    }
+                } else {
+                    buf(own, stream)
+                }
+            };
+            RawCacheData::Nvfp4 {
+                k: RawNvfp4Cache {
+                    codes: buf(&dev.k_cache8, stream),
+                    block_scales: scales(&dev.k_cache8, &dev.k_block_scales),
+                    scale: scale(cc.k_per_head, (&data.k_scale, &dev.k_scale)),
+                },
+                v: RawNvfp4Cache {
+                    codes: buf(&dev.v_cache8, stream),
+                    block_scales: scales(&dev.v_cache8, &dev.v_block_scales),
+                    scale: scale(cc.v_per_head, (&data.v_scale, &dev.v_scale)),
+                },
+                scale_strides,
+            }
+        } else if cc.fp8 {
             RawCacheData::Fp8 {
                 k: buf(&dev.k_cache8, stream),
                 v: buf(&dev.v_cache8, stream),
@@ -1256,6 +1353,9 @@ pub fn check_case_on<T: TestElem>(
     let mut rng = StdRng::seed_from_u64(c.seed ^ 0x5eed);
     let data = Data::<T>::random(c, &mut rng);
     let mut dev = upload(c, &data, stream, rope)?;
+    // Scales between the codes of one buffer are two views of it: by address only.
+    let inline = c.cache.as_ref().is_some_and(|cc| cc.nvfp4_inline);
+    let entry = if inline { Entry::Raw } else { entry };
     match entry {
         Entry::Views => launch(c, &data, &mut dev, rope),
         Entry::Raw => launch_raw(c, &data, &mut dev, rope, stream),
@@ -1351,6 +1451,10 @@ pub fn verify<T: TestElem>(
     let Some(cc) = &c.cache else {
         return Ok(worst);
     };
+    if cc.nvfp4 {
+        verify_nvfp4(c, data, dev, stream, table, &mut worst)?;
+        return Ok(worst);
+    }
     let layout = c.cache_layout(cc);
     let latent = c.latent_layout(cc);
     let capacity = (cc.num_blocks * cc.block_size) as i64;
@@ -1451,6 +1555,129 @@ pub fn verify<T: TestElem>(
         }
     }
     Ok(worst)
+}
+
+/// An NVFP4 cache's codes and block scales against the reference (see
+/// [`rope_host::Nvfp4Cache`]): for each written head's block of 16 elements `x` (k's reference
+/// rotation, v's input), with `m = 1 / scale`, the block's scale one of the two E4M3 values
+/// around `max |x| * m / 6`, and, with `b` that scale as stored, each code one of the two E2M1
+/// values around `x * m / b` (zero where `b` is 0); every byte outside the written slots keeps
+/// its poison.
+fn verify_nvfp4<T: TestElem>(
+    c: &Case,
+    data: &Data<T>,
+    dev: &Device<T>,
+    stream: &Arc<CudaStream>,
+    table: Option<&(Vec<f64>, Vec<f64>)>,
+    worst: &mut Worst,
+) -> Result<(), String> {
+    let e = |e: rope_host::cudarc::driver::DriverError| e.to_string();
+    let cc = c.cache.as_ref().ok_or("an NVFP4 case has a cache")?;
+    let (layout, scale_strides, scales_at) = c.nvfp4_layout(cc);
+    let capacity = (cc.num_blocks * cc.block_size) as i64;
+    // Inline scales are read from the codes' buffer.
+    let scales_of = |codes: &CudaSlice<u8>, own: &CudaSlice<u8>| {
+        stream
+            .clone_dtoh(if cc.nvfp4_inline { codes } else { own })
+            .map_err(e)
+    };
+    let caches = [
+        (
+            "k",
+            stream.clone_dtoh(&dev.k_cache8).map_err(e)?,
+            scales_of(&dev.k_cache8, &dev.k_block_scales)?,
+            &data.k_scale,
+            cc.k_per_head,
+        ),
+        (
+            "v",
+            stream.clone_dtoh(&dev.v_cache8).map_err(e)?,
+            scales_of(&dev.v_cache8, &dev.v_block_scales)?,
+            &data.v_scale,
+            cc.v_per_head,
+        ),
+    ];
+    for (what, codes, scales, global, per_head) in &caches {
+        let (mut code_written, mut scale_written) =
+            (vec![false; codes.len()], vec![false; scales.len()]);
+        for t in 0..c.tokens() {
+            let slot = cc.slots[t];
+            if slot < 0 || slot >= capacity {
+                continue;
+            }
+            let (block, row) = (slot as usize / cc.block_size, slot as usize % cc.block_size);
+            for h in 0..c.hk {
+                let want: Vec<f64> = if *what == "k" {
+                    reference_head(c, &data.k, c.hk, (t, h), Some(&data.k_w), table).0
+                } else {
+                    let at = (t * c.hk + h) * c.d;
+                    data.v[at..at + c.d].iter().map(|x| x.to_f64()).collect()
+                };
+                let m = 1.0 / f64::from(global[if *per_head { h } else { 0 }]);
+                let head =
+                    block * layout.strides[0] + row * layout.strides[1] + h * layout.strides[2];
+                let scale_head = scales_at
+                    + block * scale_strides[0]
+                    + row * scale_strides[1]
+                    + h * scale_strides[2];
+                for (b, x) in want.chunks(16).enumerate() {
+                    let at = scale_head + b;
+                    scale_written[at] = true;
+                    let top = x.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+                    let (lo, hi) = e4m3_bracket(top * m / 6.0);
+                    let got = f64::from(e4m3_to_f32(scales[at]));
+                    let ok = got >= lo && got <= hi;
+                    worst.add(if ok { 0.0 } else { 2.0 }, 1.0);
+                    if !ok {
+                        return Err(format!(
+                            "{what} NVFP4 block scale token {t} head {h} block {b}: got {got}, \
+                             want {} ({c:?})",
+                            top * m / 6.0
+                        ));
+                    }
+                    for (i, x) in x.iter().enumerate() {
+                        let e = head + 16 * b + i;
+                        code_written[e / 2] = true;
+                        let code = (codes[e / 2] >> (4 * (e % 2))) & 0xf;
+                        let g = f64::from(e2m1_to_f32(code));
+                        let (lo, hi) = if got == 0.0 {
+                            (0.0, 0.0)
+                        } else {
+                            e2m1_bracket(x * m / got)
+                        };
+                        let ok = g >= lo && g <= hi;
+                        worst.add(if ok { 0.0 } else { 2.0 }, 1.0);
+                        if !ok {
+                            return Err(format!(
+                                "{what} NVFP4 code token {t} head {h} element {}: got {g}, want \
+                                 {} (block scale {got}) ({c:?})",
+                                16 * b + i,
+                                x * m / got
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        if cc.nvfp4_inline {
+            // One buffer: a byte is written as a code or as a scale.
+            for (w, s) in code_written.iter_mut().zip(&scale_written) {
+                *w |= *s;
+            }
+            scale_written.clone_from(&code_written);
+        }
+        for (bytes, written, kind) in [
+            (codes, &code_written, "code"),
+            (scales, &scale_written, "block scale"),
+        ] {
+            if let Some(at) = (0..bytes.len()).find(|&at| !written[at] && bytes[at] != POISON) {
+                return Err(format!(
+                    "{what} NVFP4 {kind} byte {at} written outside the slots ({c:?})"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The non-rotary parts' FP8 outputs (of q's and of k's FP8 outputs, when the case has parts):

@@ -160,6 +160,57 @@ fn run_across<T: TestElem>(name: &str, cases: u64) {
     run_drawn::<T, _>(name, cases, "norm across heads", draws);
 }
 
+/// NVFP4 caches (FP4 E2M1 codes with an E4M3 scale per 16 elements and a global scale):
+/// random cases of both pairings, heads of 64, 96, 128, 256 or 512 features (interleaved also
+/// 48 and 80, whole blocks that NeoX would split across its halves), with and without the norm,
+/// every q output and k in place, out of place or only cached, positions by offset, ids or
+/// multi-axis maps, global scales per tensor or per kv head, padded and out-of-range slots,
+/// both cache orders, through both entries and every kernel choice (NVFP4 caches take their
+/// four-heads kernels whatever is pinned), every fifth case prefill-sized. Each block scale is
+/// one of the two E4M3 values around its block's reference maximum times `1 / (6 scale)`, each
+/// code one of the two E2M1 values around its reference value over the stored block scale and
+/// the global scale, and no byte outside the written slots changes.
+fn run_nvfp4<T: TestElem>(name: &str, cases: u64) {
+    let change = |j: u64, c: &mut Case, rng: &mut StdRng| {
+        let dims: &[usize] = match c.style {
+            RopeStyle::Neox => &[64, 96, 128, 256, 512],
+            RopeStyle::Interleaved => &[48, 64, 80, 96, 128, 256, 512],
+        };
+        if j % 5 != 4 {
+            c.d = dims[rng.random_range(0..dims.len())];
+        }
+        if !c.norm_fits(size_of::<T>()) {
+            c.norm = None;
+        }
+        c.nvfp4_cache(rng);
+        if rng.random_bool(0.3) {
+            c.axes = Some(AxesCase::mrope(rng, c.d / 2, c.tokens(), j % 2 == 1));
+        }
+    };
+    let draws = Draws {
+        base: 0xf4_0000,
+        stride: 211,
+        xor: 0xf4f4,
+        change,
+    };
+    run_drawn::<T, _>(name, cases, "NVFP4 caches", draws);
+}
+
+#[test]
+fn fused_nvfp4_cache_matches_reference_bf16() {
+    run_nvfp4::<rope_host::half::bf16>("fused_nvfp4_cache_matches_reference_bf16", 40);
+}
+
+#[test]
+fn fused_nvfp4_cache_matches_reference_f16() {
+    run_nvfp4::<rope_host::half::f16>("fused_nvfp4_cache_matches_reference_f16", 20);
+}
+
+#[test]
+fn fused_nvfp4_cache_matches_reference_f32() {
+    run_nvfp4::<f32>("fused_nvfp4_cache_matches_reference_f32", 20);
+}
+
 #[test]
 fn fused_norm_across_heads_matches_reference_bf16() {
     run_across::<rope_host::half::bf16>("fused_norm_across_heads_matches_reference_bf16", 40);
