@@ -329,8 +329,14 @@ def rotary_embedding(
     ``slot_mapping[t] // block_size``, a negative slot writes nothing. ``kv_cache_dtype``
     ``"auto"`` stores query's dtype, ``"fp8"``/``"fp8_e4m3"`` FP8 E4M3 of ``x / k_scale`` and
     ``x / v_scale`` (float32 tensors, one element or one per kv head) into uint8 or
-    float8_e4m3fn caches, ``"fp8_e5m2"`` FP8 E5M2 into uint8 or float8_e5m2 caches. With a
-    cache too, the features past ``rotary_dim`` are stored as they are.
+    float8_e4m3fn caches, ``"fp8_e5m2"`` FP8 E5M2 into uint8 or float8_e5m2 caches,
+    ``"nvfp4"`` NVFP4 into vLLM's packed uint8 caches ``[num_blocks, block_size, num_kv_heads,
+    head_size // 2 + head_size // 16]``: each head's row its E2M1 codes, two a byte (the even
+    element in the low four bits), then one E4M3 scale per 16 elements, ``b = e4m3(max|x| /
+    (6 * scale))`` and codes ``e2m1(x / (b * scale))`` with ``scale`` k's or v's global scale
+    (``k_scale``, ``v_scale``), so ``x ~ code * b * scale`` (whole-head rotations; ``head_size`` a
+    multiple of 16, of 32 with ``is_neox``, rows of a multiple of 4 bytes). With a cache too, the
+    features past ``rotary_dim`` are stored as they are.
 
     Launched on ``stream``, by default PyTorch's current stream (as vLLM's op); ``pdl`` as in
     ``apply_rope``. Under ``torch.compile`` it is the custom operator

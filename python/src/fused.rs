@@ -12,8 +12,8 @@ use rope_host::cudarc::driver::sys::CUstream;
 use rope_host::{
     CacheLayout, DType, Fp8Format, Layout, NonRotaryCache, NormScope, NormWeight, RawBuf,
     RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawIo,
-    RawKOut, RawKvCache, RawNonRotary, RawOp, RawPageTable, RawQOut, RawQkNorm, RawTensor,
-    RopeConfig, RopeStyle, StreamOverlap,
+    RawKOut, RawKvCache, RawNonRotary, RawNvfp4Cache, RawOp, RawPageTable, RawQOut, RawQkNorm,
+    RawTensor, RopeConfig, RopeStyle, StreamOverlap,
 };
 
 use crate::dlpack::{self, Elem};
@@ -30,6 +30,9 @@ pub(crate) enum CacheType {
     Auto,
     /// FP8 bytes (`"fp8"`, `"fp8_e4m3"`: E4M3; `"fp8_e5m2"`: E5M2).
     Fp8(Fp8Format),
+    /// NVFP4 (`"nvfp4"`): vLLM's packed rows in uint8, each head's `head_size / 2` bytes of
+    /// E2M1 codes and then its `head_size / 16` E4M3 block scales (see [`nvfp4_cache`]).
+    Nvfp4,
 }
 
 impl CacheType {
@@ -39,9 +42,10 @@ impl CacheType {
             "auto" => Ok(Self::Auto),
             "fp8" | "fp8_e4m3" => Ok(Self::Fp8(Fp8Format::E4m3)),
             "fp8_e5m2" => Ok(Self::Fp8(Fp8Format::E5m2)),
+            "nvfp4" => Ok(Self::Nvfp4),
             other => Err(PyValueError::new_err(format!(
-                "kv_cache_dtype must be \"auto\", \"fp8\", \"fp8_e4m3\" or \"fp8_e5m2\", got \
-                 {other:?}"
+                "kv_cache_dtype must be \"auto\", \"fp8\", \"fp8_e4m3\", \"fp8_e5m2\" or \
+                 \"nvfp4\", got {other:?}"
             ))),
         }
     }
@@ -249,11 +253,13 @@ fn raw_cache<'py>(
         let want_ok = match c.dtype {
             CacheType::Auto => d.elem == elem,
             CacheType::Fp8(format) => d.elem.holds(format),
+            CacheType::Nvfp4 => d.elem == Elem::U8,
         };
         if !want_ok {
             let want = match c.dtype {
                 CacheType::Auto => format!("{} (kv_cache_dtype=\"auto\")", elem.name()),
                 CacheType::Fp8(format) => format!("{} (the FP8 format asked)", fp8_names(format)),
+                CacheType::Nvfp4 => "uint8 (kv_cache_dtype=\"nvfp4\")".into(),
             };
             return Err(PyValueError::new_err(format!(
                 "{} must be {want}, got {}",
@@ -283,7 +289,20 @@ fn raw_cache<'py>(
             return dlpack::latent_cache(d, name(arg)).map_err(arg_error);
         }
         let four_d = d.shape.len() == 4;
-        let (buf, mut layout) = dlpack::cache(d, head_size, name(arg)).map_err(arg_error)?;
+        // NVFP4 rows: each head's codes and block scales, in bytes.
+        let row = match c.dtype {
+            CacheType::Nvfp4 => nvfp4_row(head_size, name(arg))?,
+            _ => head_size,
+        };
+        let (buf, mut layout) = dlpack::cache(d, row, name(arg)).map_err(arg_error)?;
+        if c.dtype == CacheType::Nvfp4 && layout.head_dim != row {
+            return Err(PyValueError::new_err(format!(
+                "{} holds {} bytes a head; an NVFP4 cache holds head_size // 2 + head_size // \
+                 16 = {row} (vLLM's packed rows)",
+                name(arg),
+                layout.head_dim
+            )));
+        }
         if c.heads_first && four_d {
             // [pages, kv_heads, page_size, head_size]: dlpack::cache read the second and third
             // dimensions as rows and heads.
@@ -338,40 +357,58 @@ fn raw_cache<'py>(
             })
         }
     };
-    let data = match (c.dtype, &c.scales) {
-        (CacheType::Auto, None) => RawCacheData::Elem { k, v },
+    let scale = |held: &mut Held<'py>, obj, arg| {
+        let d = held.borrow(obj, name(arg))?;
+        dlpack::fp8_scale(d, name(arg)).map_err(arg_error)
+    };
+    let (layout, data) = match (c.dtype, &c.scales) {
+        (CacheType::Auto, None) => (layout, RawCacheData::Elem { k, v }),
         (CacheType::Auto, Some(_)) => {
             return Err(PyValueError::new_err(format!(
-                "{}: scales apply to FP8 caches only (kv_cache_dtype=\"fp8\")",
+                "{}: scales apply to FP8 and NVFP4 caches only (kv_cache_dtype=\"fp8\" or \
+                 \"nvfp4\")",
                 name("cache.k_scale")
             )));
         }
-        (CacheType::Fp8(_), None) => {
+        (CacheType::Fp8(_) | CacheType::Nvfp4, None) => {
             return Err(PyValueError::new_err(format!(
-                "{}: an FP8 cache needs k_scale and v_scale (float32 tensors)",
+                "{}: an FP8 or NVFP4 cache needs k_scale and v_scale (float32 tensors)",
                 name("cache.k_scale")
             )));
         }
-        (CacheType::Fp8(format), Some(ScalesArg::Tensors(ks, vs))) => {
-            let scale = |held: &mut Held<'py>, obj, arg| {
-                let d = held.borrow(obj, name(arg))?;
-                dlpack::fp8_scale(d, name(arg)).map_err(arg_error)
-            };
+        (CacheType::Fp8(format), Some(ScalesArg::Tensors(ks, vs))) => (
+            layout,
             RawCacheData::Fp8 {
                 k,
                 v,
                 k_scale: scale(held, ks, "cache.k_scale")?,
                 v_scale: scale(held, vs, "cache.v_scale")?,
                 format,
-            }
+            },
+        ),
+        (CacheType::Fp8(format), Some(ScalesArg::Multiplier(m))) => (
+            layout,
+            RawCacheData::Fp8 {
+                k,
+                v,
+                k_scale: RawFp8Scale::Multiplier(*m),
+                v_scale: RawFp8Scale::Multiplier(*m),
+                format,
+            },
+        ),
+        (CacheType::Nvfp4, Some(ScalesArg::Tensors(ks, vs))) => {
+            let scales = (
+                scale(held, ks, "cache.k_scale")?,
+                scale(held, vs, "cache.v_scale")?,
+            );
+            nvfp4_cache((k, v, layout), scales, head_size)
         }
-        (CacheType::Fp8(format), Some(ScalesArg::Multiplier(m))) => RawCacheData::Fp8 {
-            k,
-            v,
-            k_scale: RawFp8Scale::Multiplier(*m),
-            v_scale: RawFp8Scale::Multiplier(*m),
-            format,
-        },
+        (CacheType::Nvfp4, Some(ScalesArg::Multiplier(_))) => {
+            return Err(PyValueError::new_err(format!(
+                "{}: an NVFP4 cache's global scales are float32 tensors, not a multiplier",
+                name("cache.k_scale")
+            )));
+        }
     };
     let part_name = name("cache.non_rotary.input");
     let non_rotary = match c.non_rotary {
@@ -393,6 +430,52 @@ fn raw_cache<'py>(
         data,
         non_rotary,
     })
+}
+
+/// Bytes of one head's row in vLLM's packed NVFP4 cache: `head_size / 2` bytes of codes, then
+/// `head_size / 16` block scales; `head_size` a multiple of 16.
+fn nvfp4_row(head_size: usize, arg: &str) -> PyResult<usize> {
+    if head_size == 0 || !head_size.is_multiple_of(16) {
+        return Err(PyValueError::new_err(format!(
+            "{arg}: an NVFP4 cache holds heads of a multiple of 16 elements (a block scale's), \
+             got head_size {head_size}"
+        )));
+    }
+    Ok(head_size / 2 + head_size / 16)
+}
+
+/// The NVFP4 caches of vLLM's packed rows (`layout` their bytes, each head's row
+/// [`nvfp4_row`] bytes): the codes at the head's first byte, addressed in elements (twice the
+/// byte strides), and the block scales `head_size / 2` bytes into each row, at the byte strides.
+fn nvfp4_cache(
+    (k, v, bytes): (RawBuf, RawBuf, CacheLayout),
+    (k_scale, v_scale): (RawFp8Scale, RawFp8Scale),
+    head_size: usize,
+) -> (CacheLayout, RawCacheData) {
+    let codes = CacheLayout {
+        head_dim: head_size,
+        strides: bytes.strides.map(|s| 2 * s),
+        ..bytes
+    };
+    // The scales start half a head into the row; the planner checks they fit the buffer.
+    let at = head_size / 2;
+    let scales = |b: RawBuf| RawBuf {
+        ptr: b.ptr + at as u64,
+        len: b.len.saturating_sub(at),
+    };
+    let cache = |codes: RawBuf, scale| RawNvfp4Cache {
+        codes,
+        block_scales: scales(codes),
+        scale,
+    };
+    (
+        codes,
+        RawCacheData::Nvfp4 {
+            k: cache(k, k_scale),
+            v: cache(v, v_scale),
+            scale_strides: bytes.strides,
+        },
+    )
 }
 
 /// What a tensor of heads must hold: elements of the tensors' type, or FP8 bytes of a format.

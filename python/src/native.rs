@@ -553,9 +553,13 @@ const VLLM_CACHE_NAMES: [(&str, &str); 6] = [
 /// writes nothing). `kv_cache_dtype` "auto" stores query's dtype; "fp8" (or "fp8_e4m3") stores
 /// FP8 E4M3 of `x / k_scale` and `x / v_scale` (float32 tensors of one element or one per kv
 /// head) into uint8 or float8_e4m3fn caches, rounded to nearest even and saturated at ±448;
-/// "fp8_e5m2" stores E5M2 (uint8 or float8_e5m2 caches, saturated at ±57344). With the cache
-/// write the features past `rotary_dim` are stored as they are (a partial rotation in the
-/// fused kernels: `head_size - rotary_dim` whole accesses, no offset).
+/// "fp8_e5m2" stores E5M2 (uint8 or float8_e5m2 caches, saturated at ±57344); "nvfp4" stores
+/// NVFP4 into vLLM's packed uint8 caches `[num_blocks, block_size, num_kv_heads, head_size / 2 +
+/// head_size / 16]`, each head's row its E2M1 codes (two a byte, the even element low) and then
+/// its E4M3 block scales, one per 16 elements, `b = e4m3(max|x| / (6 scale))`, codes
+/// `e2m1(x / (b scale))`, `scale` the global `k_scale` or `v_scale` (whole-head rotations). With
+/// the cache write the features past `rotary_dim` are stored as they are (a partial rotation in
+/// the fused kernels: `head_size - rotary_dim` whole accesses, no offset).
 ///
 /// Launched asynchronously on `stream` (a `CUstream` handle as an int; 0, the default, is the
 /// legacy default stream), with the caller's guarantees of `apply_rope` (`producer_sync` and
@@ -722,6 +726,12 @@ fn concat_and_cache_mla_rope_fused(
     let scales = match dtype {
         CacheType::Auto => None,
         CacheType::Fp8(_) => Some(ScalesArg::Tensors(kv_cache_scale, kv_cache_scale)),
+        CacheType::Nvfp4 => {
+            return Err(PyValueError::new_err(
+                "kv_cache_dtype: MLA's latent cache is bf16, float16 or FP8 here; NVFP4 caches \
+                 are GQA/MHA caches (rotary_embedding, fused_qk_norm_rope)",
+            ));
+        }
     };
     // kv_c's features: the latent part's width, its columns first in each kv_cache row.
     let kv_lora_rank = kv_c

@@ -223,12 +223,29 @@ class TestServingArguments:
         with pytest.raises(ValueError, match="key_cache must be uint8 or float8_e4m3fn"):
             s.fused(key_cache=k, value_cache=v, slot_mapping=ints(7), kv_cache_dtype="fp8",
                     k_scale=FakeCuda((1,)), v_scale=FakeCuda((1,)))
-        with pytest.raises(ValueError, match="an FP8 cache needs k_scale and v_scale"):
+        with pytest.raises(ValueError, match="an FP8 or NVFP4 cache needs k_scale and v_scale"):
             s.fused(key_cache=k8, value_cache=v8, slot_mapping=ints(7), kv_cache_dtype="fp8")
         e4m3 = s.caches("float8_e4m3fn")
         with pytest.raises(ValueError, match="k_scale must be float32, got float16"):
             s.fused(key_cache=e4m3[0], value_cache=e4m3[1], slot_mapping=ints(7), kv_cache_dtype="fp8_e4m3",
                     k_scale=FakeCuda((1,), "float16"), v_scale=FakeCuda((1,)))
+
+    def test_nvfp4_caches_are_packed_uint8_rows_with_global_scales(self):
+        """``kv_cache_dtype="nvfp4"``: uint8 caches of vLLM's packed rows (``head_size // 2 +
+        head_size // 16`` bytes a head) and float32 global scales, each refused by name."""
+        s = Serving()
+        scales = dict(k_scale=FakeCuda((1,)), v_scale=FakeCuda((1,)))
+        k, v = s.caches()
+        with pytest.raises(ValueError, match=r'key_cache must be uint8 \(kv_cache_dtype="nvfp4"\), got bfloat16'):
+            s.fused(key_cache=k, value_cache=v, slot_mapping=ints(7), kv_cache_dtype="nvfp4", **scales)
+        k8, v8 = s.caches("uint8")
+        with pytest.raises(ValueError, match=r"key_cache holds 64 bytes a head; an NVFP4 cache holds .* = 36"):
+            s.fused(key_cache=k8, value_cache=v8, slot_mapping=ints(7), kv_cache_dtype="nvfp4", **scales)
+        packed = s.caches("uint8", shape=(3, 16, s.hk, s.d // 2 + s.d // 16))
+        with pytest.raises(ValueError, match="an FP8 or NVFP4 cache needs k_scale and v_scale"):
+            s.fused(key_cache=packed[0], value_cache=packed[1], slot_mapping=ints(7), kv_cache_dtype="nvfp4")
+        with pytest.raises(ValueError, match='or "nvfp4", got "fp4"'):
+            s.fused(key_cache=packed[0], value_cache=packed[1], slot_mapping=ints(7), kv_cache_dtype="fp4")
 
     def test_caches_share_a_layout_and_have_a_known_rank(self):
         s = Serving()

@@ -872,6 +872,56 @@ class TestServing:
         assert (key_cache.view(-1, c.hk, c.d)[others] == 0x7E).all()
 
     @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("d", [128, 64])
+    def test_vllm_fused_qk_norm_rope_into_an_nvfp4_cache(self, d, is_neox):
+        """``kv_cache_dtype="nvfp4"``: vLLM's packed uint8 rows ``[blocks, block_size, hk, d/2 +
+        d/16]``, each head's E2M1 codes (two a byte, the even element low) then its E4M3 scales,
+        one per 16 elements: every block scale is ``max|x| / (6 s)`` rounded to E4M3, and every
+        code ``x / (b s)`` rounded to E2M1 (within half a step, saturated at 6), for k (normalised
+        and rotated) and v; rows without a slot keep their sentinel."""
+        c = ServingCase(d=d, seed=70 + d + int(is_neox))
+        _, want_k = c.reference("neox" if is_neox else "interleaved", norm=True)
+        _, _, v = c.split()
+        v0 = v.clone().reshape(c.t, c.hk, d).to(torch.float64)
+        row = d // 2 + d // 16
+        shape = (c.blocks, c.block_size, c.hk, row)
+        key_cache = torch.full(shape, 0x7E, device=DEV, dtype=torch.uint8)
+        value_cache = torch.full(shape, 0x7E, device=DEV, dtype=torch.uint8)
+        k_scale, v_scale = torch.tensor([0.05], device=DEV), torch.tensor([0.02], device=DEV)
+        rope_rs.fused_qk_norm_rope(
+            c.qkv, c.hq, c.hk, c.hk, d, 1e-6, c.q_weight, c.k_weight, c.cache, is_neox, c.positions,
+            key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots, kv_cache_dtype="nvfp4",
+            k_scale=k_scale, v_scale=v_scale,
+        )
+        e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64, device=DEV)
+        kept = c.slots >= 0
+        rows = c.slots[kept]
+        for cache, want, s in ((key_cache, want_k, 0.05), (value_cache, v0, 0.02)):
+            flat = cache.view(-1, c.hk, row)
+            got = flat[rows]
+            codes = got[..., : d // 2]
+            nibbles = torch.stack((codes & 0xF, codes >> 4), -1).reshape(-1, c.hk, d).long()
+            values = e2m1[nibbles & 7] * torch.where(nibbles >= 8, -1.0, 1.0)
+            b = got[..., d // 2 :].view(torch.float8_e4m3fn).to(torch.float64)
+            x = want[kept].reshape(-1, c.hk, d // 16, 16)
+            t = x.abs().amax(-1) / (6 * s)
+            nearest = t.to(torch.float32).to(torch.float8_e4m3fn).to(torch.float64)
+            assert (b == nearest).double().mean().item() > 0.99
+            torch.testing.assert_close(b, t, rtol=2.0**-4, atol=2.0**-10)
+            z = (x / (b[..., None] * s)).clamp(-6, 6)
+            step = torch.where(z.abs() < 2, 0.5, torch.where(z.abs() < 4, 1.0, 2.0))
+            err = (values.reshape(z.shape) - z).abs()
+            assert (err <= step / 2 + 1e-6).all(), f"codes off by {(err - step / 2).max().item()}"
+            others = torch.ones(flat.shape[0], dtype=torch.bool, device=DEV)
+            others[rows] = False
+            assert (flat[others] == 0x7E).all()
+        with pytest.raises(ValueError, match="k_scale"):
+            rope_rs.fused_qk_norm_rope(
+                c.qkv, c.hq, c.hk, c.hk, d, 1e-6, c.q_weight, c.k_weight, c.cache, is_neox, c.positions,
+                key_cache=key_cache, value_cache=value_cache, slot_mapping=c.slots, kv_cache_dtype="nvfp4",
+            )
+
+    @pytest.mark.parametrize("is_neox", [True, False])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("d, rotary_dim", [(128, 64), (128, 32), (96, 64), (256, 128), (64, 48)])
     def test_vllm_fused_qk_norm_rope_partial_rotary(self, d, rotary_dim, dtype, is_neox):
