@@ -1261,7 +1261,8 @@ pub enum PtxBuild {
     /// Every kernel, for sm_80 (Ampere) and newer.
     Sm80,
     /// The fused token-heads and rows kernels again, for sm_89 (Ada): their FP8 stores use the
-    /// paired hardware conversion.
+    /// paired hardware conversion. Not the kernels of NVFP4 caches, which Ada devices take from
+    /// sm_80's build: the published crate embeds every build, and crates.io takes at most 10 MB.
     Sm89,
     /// The fused token-heads and rows kernels and the one-head kernels again, for sm_90
     /// (Hopper) and newer: the paired FP8 conversion, and programmatic dependent launch
@@ -1287,7 +1288,11 @@ impl PtxBuild {
     pub fn holds(self, symbol: &str) -> bool {
         match self {
             PtxBuild::Sm80 => true,
-            PtxBuild::Sm89 => rebuilt_fused(symbol),
+            PtxBuild::Sm89 => {
+                rebuilt_fused(symbol)
+                    && FusedKernelName::from_symbol(symbol)
+                        .is_none_or(|k| !matches!(k.forms, FusedForms::Nvfp4))
+            }
             PtxBuild::Sm90 => takes_dependent_launch(symbol),
         }
     }

@@ -46,6 +46,27 @@ const FUSED: [(&str, &str); 5] = [
     ("unfused: rope + copies", "unfused: rope, then copies"),
 ];
 
+/// The fused variants added to `rope-bench` after the rows above, shown where the report has
+/// them (older reports lack them), each with whether it has a `, PDL` twin.
+const LATER_FUSED: [(&str, &str, bool); 4] = [
+    (
+        "norm + rope + FP8 q, NVFP4 cache",
+        "norm + rope + FP8 q, NVFP4 cache",
+        true,
+    ),
+    (
+        "MLA rope + FP8 caches",
+        "MLA (DeepSeek): rope + FP8 latent cache",
+        true,
+    ),
+    ("norm + rope backward", "QK-norm + rope backward", false),
+    (
+        "DiT: norm across heads + 3-D axial rope",
+        "DiT: norm across heads + 3-D axial rope",
+        false,
+    ),
+];
+
 /// The plain rotation rows shown: case, dtype, style and direction as `rope-bench` writes them
 /// (`src/bin/rope-bench.rs`), each with its table and computed row.
 const PLAIN: [(&str, &str, &str, &str); 5] = [
@@ -239,13 +260,21 @@ fn render(json: &Value, report: &str) -> Result<String> {
 }
 
 /// The fused launches: per variant, the prefill share of its own copy and the decode µs per
-/// launch, both in a graph, PDL in brackets.
+/// launch, both in a graph, PDL in brackets (for variants that have a PDL twin).
 fn fused_table(rows: &mut Rows) -> String {
     let mut out = String::from(
         "| fused launch | prefill, share of copy | decode, µs per launch |\n|---|---|---|\n",
     );
-    for (variant, label) in FUSED {
-        let pdl = format!("{variant}, PDL");
+    let later = LATER_FUSED
+        .into_iter()
+        .filter(|(variant, ..)| rows.fused.iter().any(|(_, v, ..)| v == variant));
+    let lines: Vec<_> = FUSED
+        .into_iter()
+        .map(|(variant, label)| (variant, label, true))
+        .chain(later)
+        .collect();
+    for (variant, label, twin) in lines {
+        let pdl = twin.then(|| format!("{variant}, PDL"));
         let prefill = rows.has_fused_shape("prefill").then(|| {
             let share = |rows: &mut Rows, v: &str| -> f64 {
                 let Some((us, copy)) = rows.fused_row("prefill", v) else {
@@ -259,13 +288,19 @@ fn fused_table(rows: &mut Rows) -> String {
                 rows.fused_row("prefill", &copy)
                     .map_or(f64::NAN, |(c, _)| 100.0 * c / us)
             };
-            let (a, b) = (share(rows, variant), share(rows, &pdl));
-            format!("{a:.1}% ({b:.1}%)")
+            let a = share(rows, variant);
+            match &pdl {
+                Some(pdl) => format!("{a:.1}% ({:.1}%)", share(rows, pdl)),
+                None => format!("{a:.1}%"),
+            }
         });
         let decode = rows.has_fused_shape("decode").then(|| {
             let mut us = |v: &str| rows.fused_row("decode", v).map_or(f64::NAN, |(us, _)| us);
-            let (a, b) = (us(variant), us(&pdl));
-            format!("{a:.2} µs ({b:.2})")
+            let a = us(variant);
+            match &pdl {
+                Some(pdl) => format!("{a:.2} µs ({:.2})", us(pdl)),
+                None => format!("{a:.2} µs"),
+            }
         });
         let cell = |c: Option<String>| c.unwrap_or_else(|| "-".into());
         out += &format!("| {label} | {} | {} |\n", cell(prefill), cell(decode));
@@ -543,6 +578,7 @@ mod tests {
             ("copy of q, k", 40.0, 1.1),
             ("copy of q, k, v", 48.0, 1.2),
             ("copy of 3/4 of q, k, v", 36.0, 1.0),
+            ("copy of 1.5 x q, k", 60.0, 1.5),
         ];
         let variants = [
             ("norm + rope", "copy of q, k", 50.0, 2.5, 40.0, 2.0),
@@ -578,6 +614,9 @@ mod tests {
                 fused.push(json!({"shape": shape, "variant": v, "eager_us": 9.0,
                     "graph_us": pick(p, d), "own_copy": null}));
             }
+            // A later variant without a PDL twin.
+            fused.push(json!({"shape": shape, "variant": "norm + rope backward",
+                "eager_us": 9.0, "graph_us": pick(75.0, 3.25), "own_copy": "copy of 1.5 x q, k"}));
             for (v, copy, p, d, pp, pd) in variants {
                 fused.push(json!({"shape": shape, "variant": v, "eager_us": 9.0,
                     "graph_us": pick(p, d), "own_copy": copy}));
@@ -611,6 +650,7 @@ NVIDIA H200, CUDA driver API 12.8, from [docs/bench/sample.json](docs/bench/samp
 | norm + rope + KV-cache write | 75.0% (100.0%) | 3.00 µs (2.50) |
 | norm + rope + FP8 q and cache | 80.0% (90.0%) | 3.50 µs (3.00) |
 | unfused: rope, then copies | 50.0% (48.0%) | 4.50 µs (4.00) |
+| QK-norm + rope backward | 80.0% | 3.25 µs |
 
 | rotation | table | computed | best existing kernel |
 |---|---|---|---|
@@ -657,7 +697,13 @@ NVIDIA H200, CUDA driver API 12.8, from [docs/bench/sample.json](docs/bench/samp
 
         // A newer report with other numbers makes the committed table stale.
         let mut newer = sample();
-        newer["fused"][3]["graph_us"] = json!(2.6);
+        let row = newer["fused"]
+            .as_array_mut()
+            .expect("an array")
+            .iter_mut()
+            .find(|r| r["shape"] == "decode" && r["variant"] == "norm + rope")
+            .expect("the row");
+        row["graph_us"] = json!(2.6);
         let regenerated = regenerate(&fresh, &newer.to_string(), PATH).expect("regenerates");
         assert!(current(&fresh, &regenerated, PATH).is_err());
     }
@@ -766,5 +812,21 @@ NVIDIA H200, CUDA driver API 12.8, from [docs/bench/sample.json](docs/bench/samp
             got.contains("| norm + rope | 89.9% (90.7%) | 2.76 µs (2.35) |"),
             "{got}"
         );
+        assert!(
+            !got.contains("NVFP4"),
+            "a report without the later rows: {got}"
+        );
+        let later: Value = serde_json::from_str(include_str!(
+            "../../docs/bench/2026-11-30-h200-v76-nvfp4-computed-neox.json"
+        ))
+        .expect("JSON");
+        let got = render(&later, PATH).expect("a report of the later rows renders");
+        for line in [
+            "| norm + rope + FP8 q, NVFP4 cache | 53.4% (53.7%) | 4.06 µs (3.64) |",
+            "| QK-norm + rope backward | 79.0% | 6.84 µs |",
+            "| DiT: norm across heads + 3-D axial rope | 81.5% | 3.61 µs |",
+        ] {
+            assert!(got.contains(line), "{line} not in: {got}");
+        }
     }
 }

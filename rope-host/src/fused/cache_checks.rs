@@ -301,13 +301,8 @@ fn check_nvfp4(
             whose,
             (1, true),
         )?;
-        let apart = (code_buf.ptr, &codes);
-        regions.extend(nvfp4_regions(
-            apart,
-            (scale_buf.ptr, &scales),
-            code_region,
-            scale_region,
-        ));
+        let (code_at, scale_at) = ((code_buf.ptr, &codes), (scale_buf.ptr, &scales));
+        regions.extend(nvfp4_regions(code_at, scale_at, code_region, scale_region));
     }
     for s in [&n.k, &n.v] {
         if matches!(s.source, ScaleSource::Multiplier(_)) {
@@ -335,7 +330,7 @@ fn nvfp4_regions(
     scale_region: Region,
 ) -> Vec<Region> {
     let meet = code_region.start < scale_region.end && scale_region.start < code_region.end;
-    let record = || -> Option<Layout> {
+    let interleaved_apart = || {
         let same = codes.strides == scales.strides
             && (codes.batch, codes.seq, codes.heads) == (scales.batch, scales.seq, scales.heads);
         let (c0, s0) = (
@@ -343,15 +338,14 @@ fn nvfp4_regions(
             i128::from(scale_ptr) + scales.offset as i128,
         );
         let (c1, s1) = (c0 + codes.head_dim as i128, s0 + scales.head_dim as i128);
-        let low = c0.min(s0);
-        let width = usize::try_from(c1.max(s1) - low).ok()?;
-        let together = Layout {
+        // A head's codes and scales together, from the first byte of either to the last.
+        let together = usize::try_from(c1.max(s1) - c0.min(s0)).map(|width| Layout {
             head_dim: width,
             ..*codes
-        };
-        (same && (s1 <= c0 || c1 <= s0) && together.is_non_overlapping()).then_some(together)
+        });
+        same && (s1 <= c0 || c1 <= s0) && together.is_ok_and(|l| l.is_non_overlapping())
     };
-    if meet && record().is_some() {
+    if meet && interleaved_apart() {
         vec![Region {
             start: code_region.start.min(scale_region.start),
             end: code_region.end.max(scale_region.end),
