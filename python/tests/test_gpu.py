@@ -1101,6 +1101,34 @@ class TestServing:
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(compiled_caches[0], eager_caches[0]) and torch.equal(compiled_caches[1], eager_caches[1])
 
+    def test_compiled_nvfp4_cache_write_equals_eager(self):
+        """``kv_cache_dtype="nvfp4"`` through the custom operator under ``torch.compile(fullgraph=
+        True)``: the same packed NVFP4 rows, bit for bit, as the eager call."""
+        c = ServingCase(seed=12)
+        row = c.d // 2 + c.d // 16
+        scales = dict(k_scale=torch.tensor([0.05], device=DEV), v_scale=torch.tensor([0.02], device=DEV))
+
+        def packed():
+            shape = (c.blocks, c.block_size, c.hk, row)
+            return torch.full(shape, 0x7E, device=DEV, dtype=torch.uint8)
+
+        def step(qkv, key_cache, value_cache, positions, slots):
+            qkv = qkv * 1.5
+            rope_rs.fused_qk_norm_rope(
+                qkv, c.hq, c.hk, c.hk, c.d, 1e-6, c.q_weight, c.k_weight, c.cache, True, positions,
+                key_cache=key_cache, value_cache=value_cache, slot_mapping=slots, kv_cache_dtype="nvfp4",
+                **scales,
+            )
+            return qkv + 1
+
+        eager = (packed(), packed())
+        want = step(c.qkv, *eager, c.positions, c.slots)
+        compiled = (packed(), packed())
+        got = torch.compile(step, fullgraph=True)(c.qkv, *compiled, c.positions, c.slots)
+        assert torch.equal(got, want)
+        assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+        assert (eager[0] != 0x7E).any(), "the step wrote the cache"
+
     def test_graph_replays_with_new_positions_and_slots(self):
         c = ServingCase(t=64, seed=9)
         qkv, key_cache, value_cache = c.qkv.clone(), c.paged(), c.paged()

@@ -955,11 +955,16 @@ pub enum FusedForms {
     /// spilled).
     Partial,
     /// An NVFP4 cache ([`NVFP4_BLOCK`]-element blocks of FP4 E2M1 values, each block with an
-    /// FP8 E4M3 scale, under a global scale): the four-heads mapping only (`_four_heads_nvfp4`,
-    /// with [`crate::nvfp4_kernel_params!`]'s parameters), so that the blocks' maxima and the
-    /// conversions weigh on no other launch.
+    /// FP8 E4M3 scale, under a global scale): the four-heads mapping of bf16 tensors only
+    /// (`_four_heads_nvfp4`, with [`crate::nvfp4_kernel_params!`]'s parameters), so that the
+    /// blocks' maxima and the conversions weigh on no other launch. (f16 and f32 kernels would
+    /// take the published crate and wheel past their 10 MB.)
     Nvfp4,
 }
+
+/// The symbol [`FusedKernelName::symbol`] gives NVFP4 kernels that do not exist (other mappings
+/// or element types than the four-heads kernels of bf16): no build holds it.
+pub const NVFP4_UNAVAILABLE: &str = "rope_fused_nvfp4_unavailable";
 
 /// Elements under one NVFP4 block scale: a cache head's elements `16 b .. 16 b + 16` share
 /// scale `b`.
@@ -1039,7 +1044,7 @@ impl FusedKernelName {
 /// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) as
 /// `symbol: Source, DType, storage type;`, then `@partial` and every two-heads kernel of partial
 /// heads ([`FusedForms::Partial`]) as `symbol: Style, Source, DType, storage type;`, then
-/// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`]) alike.
+/// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`], bf16) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -1087,14 +1092,6 @@ macro_rules! for_each_fused_kernel {
             rope_fused_neox_table_bf16_two_heads_partial: Neox, Table, BF16, Bf16;
             rope_fused_neox_theta_bf16_two_heads_partial: Neox, Theta, BF16, Bf16;
             @nvfp4
-            rope_fused_interleaved_table_f32_four_heads_nvfp4: Interleaved, Table, F32, f32;
-            rope_fused_interleaved_theta_f32_four_heads_nvfp4: Interleaved, Theta, F32, f32;
-            rope_fused_neox_table_f32_four_heads_nvfp4: Neox, Table, F32, f32;
-            rope_fused_neox_theta_f32_four_heads_nvfp4: Neox, Theta, F32, f32;
-            rope_fused_interleaved_table_f16_four_heads_nvfp4: Interleaved, Table, F16, Half;
-            rope_fused_interleaved_theta_f16_four_heads_nvfp4: Interleaved, Theta, F16, Half;
-            rope_fused_neox_table_f16_four_heads_nvfp4: Neox, Table, F16, Half;
-            rope_fused_neox_theta_f16_four_heads_nvfp4: Neox, Theta, F16, Half;
             rope_fused_interleaved_table_bf16_four_heads_nvfp4: Interleaved, Table, BF16, Bf16;
             rope_fused_interleaved_theta_bf16_four_heads_nvfp4: Interleaved, Theta, BF16, Bf16;
             rope_fused_neox_table_bf16_four_heads_nvfp4: Neox, Table, BF16, Bf16;
@@ -1215,12 +1212,10 @@ macro_rules! fused_kernel_table {
                         (RopeStyle::$nstyle, SinCosSource::$nsrc, DType::$ndt, Mapping::FOUR_HEADS, NV) =>
                             stringify!($nfour),
                     )*
-                    // NVFP4 caches have four-heads kernels alone.
-                    (_, _, _, _, NV) => FusedKernelName {
-                        mapping: Mapping::FOUR_HEADS,
-                        ..self
-                    }
-                    .symbol(),
+                    // NVFP4 caches have four-heads kernels of bf16 alone: the name of any other
+                    // is one no build holds (the planner refuses such launches; loading it
+                    // would fail naming it).
+                    (_, _, _, _, NV) => NVFP4_UNAVAILABLE,
                     // Partial heads have two-heads kernels alone: the others are named as
                     // their two-heads kernel's.
                     (_, _, _, _, PART) => FusedKernelName {

@@ -136,6 +136,17 @@ fn nvfp4_blocks_need_heads_and_strides_of_whole_blocks() {
     }
 }
 
+/// The NVFP4 kernels are bf16's alone: f16 and f32 launches are refused naming the cache.
+#[test]
+fn nvfp4_caches_are_written_from_bf16_alone() {
+    for dtype in [DType::F16, DType::F32] {
+        let mut r = request(RopeStyle::Neox);
+        nvfp4_cache(&mut r);
+        r.rope.dtype = dtype;
+        assert_eq!(invalid_arg(&r), "cache", "{dtype:?}");
+    }
+}
+
 #[test]
 fn nvfp4_refuses_multipliers_page_tables_partial_heads_and_narrow_accesses() {
     let mut r = request(RopeStyle::Neox);
