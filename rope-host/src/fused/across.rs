@@ -25,8 +25,8 @@ use rope_kernels::abi::{
 use rope_kernels::divide::Divisor;
 
 use super::encode::{ScaleArg, format_code, output_addresses, scale_args};
-use super::plan::check_fused_tensors;
 use super::request::FusedRequest;
+use super::tensors::check_fused_tensors;
 use super::warps::{access, spans_below_2_32};
 use crate::check::check_overlaps;
 use crate::device::DeviceFacts;

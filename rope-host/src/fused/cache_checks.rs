@@ -164,12 +164,12 @@ pub(super) fn check_cache(
     block_size(l)?;
     cache_slots(l)?;
     let layout = cache_as_layout(l)?;
-    let ces = c.element_size(es);
-    let width = head_width(cfg, nope);
     if let CacheStore::Nvfp4(n) = &c.store {
         check_nvfp4(c, n, cfg, regions)?;
         return check_address_regions(&c.address, regions);
     }
+    let ces = c.element_size(es);
+    let width = head_width(cfg, nope);
     let k_region = wide_region(("cache.k", Of::Cache), c.k, &layout, width, (ces, true))?;
     match nope.latent() {
         // Its dimensions are checked with k's part (`check_nope`).

@@ -215,13 +215,7 @@ pub(super) fn encode(
                 block_magic: block.magic,
                 block_shift: block.shift,
                 cache_slots: plan.cache_slots,
-                cache_format: match c.map(|c| c.store) {
-                    Some(CacheStore::Nvfp4(_)) => FormatCode::Nvfp4 as u32,
-                    store => format_code(store.and_then(|s| match s {
-                        CacheStore::Fp8(f) => Some(f.format),
-                        _ => None,
-                    })),
-                },
+                cache_format: c.map_or(FormatCode::Elem, |c| c.format_code()) as u32,
                 k_scale,
                 v_scale,
                 k_scale_step,

@@ -1,7 +1,7 @@
 //! A fused launch by address ([`FusedRequest`]): what `bind` makes of the views, and what the
 //! planner (`plan.rs`, `rows.rs`) validates and plans, in plain values.
 
-use rope_kernels::abi::NormCode;
+use rope_kernels::abi::{FormatCode, NormCode};
 
 use super::{CacheLayout, Fp8Format, NonRotaryCache, NormScope, RawCacheAddress};
 use crate::bind::RawBuf;
@@ -142,6 +142,15 @@ impl RawCache {
         match self.store {
             CacheStore::Fp8(f) => Some(f),
             _ => None,
+        }
+    }
+
+    /// The kernels' code of the caches' format.
+    pub(crate) fn format_code(&self) -> FormatCode {
+        match self.store {
+            CacheStore::Elem => FormatCode::Elem,
+            CacheStore::Fp8(f) => f.format.code(),
+            CacheStore::Nvfp4(_) => FormatCode::Nvfp4,
         }
     }
 

@@ -12,7 +12,7 @@ use rope_kernels::abi::{
 };
 use rope_kernels::divide::Divisor;
 
-use super::super::plan::check_fused_tensors;
+use super::super::tensors::check_fused_tensors;
 use super::super::warps::{access, spans_below_2_32};
 use super::GradRequest;
 use crate::check::{Of, Region, check_overlaps, region, same_dims};
