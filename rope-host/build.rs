@@ -1,7 +1,7 @@
 //! Embeds the compiled kernels of `sass/`, written by `cargo xtask sass` and packaged with the
 //! crate (a git checkout has none: its kernels are JIT-compiled from the PTX). A module is
-//! embedded only when the PTX it was compiled from is, byte for byte (the manifest's FNV-1a
-//! hash), the PTX this crate embeds; stale ones are left out with a warning.
+//! embedded only when the compressed PTX it was compiled from is, byte for byte (the manifest's
+//! FNV-1a hash), the `ptx/*.ptx.zst` this crate embeds; stale ones are left out with a warning.
 //!
 //! Writes `$OUT_DIR/sass.rs`: an array expression of `crate::sass::Compiled`.
 
@@ -34,9 +34,9 @@ fn main() -> Result<(), Box<dyn Error>> {
                 continue;
             };
             let build = match ptx {
-                "kernels.ptx" => "Sm80",
-                "kernels_sm89.ptx" => "Sm89",
-                "kernels_sm90.ptx" => "Sm90",
+                "kernels.ptx.zst" => "Sm80",
+                "kernels_sm89.ptx.zst" => "Sm89",
+                "kernels_sm90.ptx.zst" => "Sm90",
                 _ => {
                     println!("cargo:warning=sass/manifest.txt: unknown PTX {ptx}");
                     continue;

@@ -57,11 +57,11 @@ impl DeviceFacts {
 /// completed and its writes are visible before they read or write any memory. Results are the
 /// same either way; what overlaps is one kernel's launch with the end of the one before (at
 /// decode inside a CUDA graph, a sizeable share of each launch's time: docs/perf/decisions.md).
-/// It applies to the kernels built for it ([`PTX_SM90`](crate::PTX_SM90): the one-head kernels
-/// decode steps take, and the fused kernels but the item-loop fallbacks); every other launch,
-/// and every launch on older devices, is ordered as with [`StreamOverlap::None`]. The kernels
-/// do not trigger their dependents early, so a launch after them starts no sooner than it would
-/// after any kernel, unless the handle reads ahead ([`crate::Rope::with_read_ahead`]).
+/// It applies to the kernels built for it ([`PtxBuild::Sm90`](crate::PtxBuild): the one-head
+/// kernels decode steps take, and the fused kernels but the item-loop fallbacks); every other
+/// launch, and every launch on older devices, is ordered as with [`StreamOverlap::None`]. The
+/// kernels do not trigger their dependents early, so a launch after them starts no sooner than
+/// it would after any kernel, unless the handle reads ahead ([`crate::Rope::with_read_ahead`]).
 /// Captured in a CUDA graph, such launches become programmatic edges (a driver of CUDA 12.3 or
 /// newer).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -22,6 +22,10 @@ pub enum Error {
     /// not decompress to what the build recorded: a corrupted build of the library.
     #[error("the embedded cubin for sm_{0} is corrupt")]
     CorruptKernels(u32),
+    /// The embedded PTX of the build named here does not decompress to text: a corrupted build
+    /// of the library.
+    #[error("the embedded PTX of the {0:?} build is corrupt")]
+    CorruptPtx(rope_kernels::abi::PtxBuild),
     /// An argument, or an entry of it, has the wrong type (a model config's value that is not
     /// what its key holds); `arg` names it and `problem` says what is wrong.
     #[error("{arg}: {problem}")]

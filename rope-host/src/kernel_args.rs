@@ -62,7 +62,7 @@ macro_rules! host_args {
             /// `function` is an entry point of this family loaded in `ctx`, `stream` a stream
             /// of `ctx`, and the arguments satisfy the entry point's `# Safety` section for
             /// `config`; with [`StreamOverlap::Programmatic`], the function waits for the
-            /// previous grid before its first global access (it comes from `PTX_SM90`).
+            /// previous grid before its first global access (it comes from the sm_90 build).
             pub(crate) unsafe fn launch(
                 self,
                 ctx: &CudaContext,

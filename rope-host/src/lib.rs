@@ -1,8 +1,9 @@
 //! Rotary position embedding (RoPE) on NVIDIA GPUs, with kernels written in Rust.
 //!
 //! The kernels (crate `rope-kernels`) are compiled to PTX by rustc's NVPTX backend and embedded
-//! here ([`PTX`]; [`PTX_SM89`] and [`PTX_SM90`] for the kernels with newer code on sm_89 and on
-//! sm_90 and newer); at run time only the CUDA driver is needed, loaded dynamically, so this
+//! here, zstd-compressed ([`ptx`]: one build for sm_80 and two for the kernels with newer code
+//! on sm_89 and on sm_90 and newer), with their cubins in the published packages; at run time
+//! only the CUDA driver is needed, loaded dynamically, so this
 //! crate builds on stable Rust on machines with no CUDA installed.
 //!
 //! Both pairings ([`RopeStyle::Interleaved`], GPT-J; [`RopeStyle::Neox`], rotate-half),
@@ -92,13 +93,14 @@ pub use fused::{
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
-pub use module::{KernelCode, PTX, PTX_ARCH_VAR, PTX_SM89, PTX_SM90, open_device};
+pub use module::{KernelCode, PTX_ARCH_VAR, open_device, ptx};
 pub use op::{Io, QkIo, RopeOp, Tensor, TensorMut};
 pub use positions::{
     AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, ItemAxes, Positions,
     RawAxisMap, RawInts, RawPositions,
 };
 pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
+pub use rope_kernels::abi::PtxBuild;
 pub use sass::{KERNEL_CODE_VAR, compiled_architectures};
 pub use sincos::{RawSinCos, SinCos, TableShape};
 pub use table::{SinCosTables, TableData, TableFormat};

@@ -263,7 +263,7 @@ impl Rope {
         // head_dim` and `lanes` divides the offset; the grid keeps blockIdx.y *
         // heads_per_chunk below q.heads + k.heads.
         // The function was loaded in the context the stream belongs to.
-        // With programmatic overlap the function comes from `PTX_SM90` (`overlap_for`).
+        // With programmatic overlap the function comes from the sm_90 build (`overlap_for`).
         unsafe {
             args.launch(
                 self.stream.context(),

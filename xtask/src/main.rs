@@ -4,7 +4,9 @@
 //! - `ptx` builds `rope-kernels` for `nvptx64-nvidia-cuda` with the pinned nightly
 //!   (`-Zbuild-std=core`, `--emit=asm`, immediate-abort panics, `sm_80`), checks the result,
 //!   adds the launch bounds rustc cannot express (`.maxntid`, `.minnctapersm`) and writes
-//!   `rope-host/ptx/kernels.ptx`; `--check` fails if the committed file differs.
+//!   `rope-host/ptx/kernels.ptx` (and the sm_89 and sm_90 builds' files) with the
+//!   zstd-compressed copy of each that `rope-host` embeds; `--check` fails if a committed file
+//!   differs.
 //! - `sass` compiles the committed PTX to cubins with the pinned ptxas from PyPI, checks that
 //!   each holds its entry points and writes them zstd-compressed into `rope-host/sass/`
 //!   (ignored by git, packaged with the crate and the wheel).

@@ -11,8 +11,9 @@ use crate::{cargo, root};
 
 const TARGET: &str = "nvptx64-nvidia-cuda";
 
-/// One PTX build: the GPU architecture rustc targets, the committed file `rope-host` embeds,
-/// and the target directory (one per architecture, so the builds do not rebuild each other).
+/// One PTX build: the GPU architecture rustc targets, the committed file (`rope-host` embeds
+/// its zstd-compressed copy, [`zst_path`]), and the target directory (one per architecture, so
+/// the builds do not rebuild each other).
 struct Arch {
     cpu: &'static str,
     /// Extra target features: the PTX ISA version the architecture's instructions need.
@@ -72,6 +73,7 @@ pub fn run(check: bool) -> Result<()> {
     for (arch, ptx) in ARCHS.iter().zip(built) {
         let ptx = ptx?;
         let path = root().join(arch.path);
+        let packed_path = root().join(zst_path(arch.build));
         let name = arch.path;
         if check {
             let committed =
@@ -80,13 +82,49 @@ pub fn run(check: bool) -> Result<()> {
                 committed == ptx,
                 "{name} is stale: it does not match rope-kernels's source; run `cargo xtask ptx` and commit it"
             );
-            println!("{name} is up to date ({} lines)", ptx.lines().count());
+            let packed = fs::read(&packed_path)
+                .with_context(|| format!("reading {}", packed_path.display()))?;
+            ensure!(
+                unpack(&packed)? == ptx,
+                "{}.zst is stale: it does not hold {name}; run `cargo xtask ptx` and commit it",
+                name
+            );
+            println!(
+                "{name} and its .zst are up to date ({} lines)",
+                ptx.lines().count()
+            );
         } else {
             fs::write(&path, &ptx).with_context(|| format!("writing {}", path.display()))?;
-            println!("wrote {name} ({} lines)", ptx.lines().count());
+            let packed = pack(&ptx)?;
+            fs::write(&packed_path, &packed)
+                .with_context(|| format!("writing {}", packed_path.display()))?;
+            println!(
+                "wrote {name} ({} lines; {} bytes compressed)",
+                ptx.lines().count(),
+                packed.len()
+            );
         }
     }
     Ok(())
+}
+
+/// The zstd level of the compressed PTX `rope-host` embeds (the slowest, smallest: the
+/// packages' size is what counts; decoding speed does not depend on the level).
+const ZSTD_LEVEL: i32 = 19;
+
+/// `ptx` compressed as two zstd frames: the text before the first entry point (the header a
+/// module probe needs, which `rope-host` decompresses alone, quickly) and the rest.
+fn pack(ptx: &str) -> Result<Vec<u8>> {
+    let split = ptx.find("\n.visible ").map_or(ptx.len(), |at| at + 1);
+    let mut packed = zstd::bulk::compress(&ptx.as_bytes()[..split], ZSTD_LEVEL)?;
+    packed.extend(zstd::bulk::compress(&ptx.as_bytes()[split..], ZSTD_LEVEL)?);
+    Ok(packed)
+}
+
+/// The text of a compressed PTX file (every frame).
+pub fn unpack(packed: &[u8]) -> Result<String> {
+    let bytes = zstd::stream::decode_all(packed)?;
+    String::from_utf8(bytes).context("compressed PTX that is not UTF-8")
 }
 
 /// Builds the kernel crate to PTX for `arch` and returns the checked text. The flags go to
@@ -154,6 +192,12 @@ pub fn ptx_path(build: PtxBuild) -> &'static str {
         .iter()
         .find(|a| a.build == build)
         .map_or("rope-host/ptx/kernels.ptx", |a| a.path)
+}
+
+/// The committed zstd-compressed copy of [`ptx_path`]`(build)`: what `rope-host` embeds and
+/// packages (the text is for reading and diffs).
+pub fn zst_path(build: PtxBuild) -> String {
+    format!("{}.zst", ptx_path(build))
 }
 
 /// The most recently written `rope_kernels-*.s` (cargo keeps older ones from other flags).

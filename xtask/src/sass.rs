@@ -5,8 +5,8 @@
 //! Each module is the entry points that a device of one architecture takes from one PTX build
 //! (the newest build it runs where that build holds the kernel, sm_80's otherwise: the rule of
 //! `rope-host`'s `module.rs`), compiled for that architecture. `rope-host/sass/manifest.txt`
-//! lists them with the FNV-1a hash of the PTX file each came from; `rope-host`'s build script
-//! embeds only modules whose PTX is the one it embeds. It fails unless every cubin holds its
+//! lists them with the FNV-1a hash of the compressed PTX file each came from; `rope-host`'s
+//! build script embeds only modules whose PTX is the one it embeds. It fails unless every cubin holds its
 //! entry points (CI runs it before packaging).
 
 use std::fmt::Write as _;
@@ -18,7 +18,7 @@ use anyhow::{Context, Result, bail, ensure};
 
 use rope_kernels::abi::{PtxBuild, all_symbols};
 
-use crate::ptx::{entries_where, ptx_path};
+use crate::ptx::{entries_where, ptx_path, unpack, zst_path};
 use crate::root;
 
 /// NVIDIA's PyPI package of ptxas and its pinned version: CUDA 13.0, the compiler of the R580
@@ -82,8 +82,8 @@ fn file_name(build: PtxBuild, arch: u32) -> String {
     format!("{b}-sm_{arch}.cubin.zst")
 }
 
-/// FNV-1a, 64 bits: the manifest's fingerprint of a PTX file (the build script computes the
-/// same over the file it embeds).
+/// FNV-1a, 64 bits: the manifest's fingerprint of a compressed PTX file (the build script
+/// computes the same over the file it embeds).
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
@@ -138,7 +138,7 @@ pub fn run() -> Result<()> {
             .collect()
     });
     let mut manifest = String::from(
-        "# rope-host's compiled kernels, written by `cargo xtask sass`: PTX file, its FNV-1a 64 hash, architecture, cubin bytes, file\n",
+        "# rope-host's compiled kernels, written by `cargo xtask sass`: compressed PTX file, its FNV-1a 64 hash, architecture, cubin bytes, file\n",
     );
     let mut lines: Vec<String> = results.into_iter().collect::<Result<_>>()?;
     lines.sort();
@@ -164,8 +164,10 @@ fn compile(
     scratch: &Path,
     out_dir: &Path,
 ) -> Result<String> {
-    let path = root().join(ptx_path(build));
-    let ptx = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    // The compressed file is what `rope-host` embeds: compiled from it, and named by its hash.
+    let path = root().join(zst_path(build));
+    let packed_ptx = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let ptx = unpack(&packed_ptx)?;
     let keep = |s: &str| takes(arch, build, s);
     let subset = entries_where(&ptx, keep);
     let name = file_name(build, arch);
@@ -197,13 +199,14 @@ fn compile(
     }
     let packed = zstd::bulk::compress(&bytes, ZSTD_LEVEL)?;
     fs::write(out_dir.join(&name), &packed)?;
-    let file = Path::new(ptx_path(build))
+    let file = Path::new(&zst_path(build))
         .file_name()
         .and_then(|f| f.to_str())
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .to_owned();
     Ok(format!(
         "{file} {:016x} sm_{arch} {} {name}",
-        fnv1a64(ptx.as_bytes()),
+        fnv1a64(&packed_ptx),
         bytes.len()
     ))
 }

@@ -282,7 +282,7 @@ impl Rope {
         // tensor's, whole warps, at least `half` threads and at most
         // `NORM_ACROSS_MAX_THREADS`, within the shared buffer; positions and
         // sin/cos as for `Rope::run`. The function was loaded in this context; with
-        // programmatic overlap it comes from `PTX_SM90` (`overlap_for`).
+        // programmatic overlap it comes from the sm_90 build (`overlap_for`).
         unsafe { args.launch(context, &function, plan.grid.config, stream, overlap) }
     }
 }

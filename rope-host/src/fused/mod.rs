@@ -375,7 +375,7 @@ impl Rope {
         // whole accesses of the groups `groups` covers), and `groups` is a power of two of at
         // most 32 with a norm; positions and sin/cos as for `Rope::run`. The function was
         // loaded in this context. With programmatic overlap the function comes from
-        // `PTX_SM90` (`overlap_for`).
+        // the sm_90 build (`overlap_for`).
         unsafe {
             match plan.kernel.forms {
                 FusedForms::Plain | FusedForms::Partial => {
