@@ -263,6 +263,9 @@ impl Module {
                 (f, KernelCode::Ptx)
             }
         };
+        // The occupancy query needs the context current on this thread (cudarc binds it for
+        // module loads, but another thread may have loaded the module this function came from).
+        self.ctx.bind_to_thread()?;
         let blocks_per_sm = function
             .occupancy_max_active_blocks_per_multiprocessor(BLOCK_THREADS, 0, None)?
             .max(1);
@@ -354,6 +357,8 @@ impl Module {
         if let Some(&(_, blocks)) = known.iter().find(|(s, _)| *s == shape) {
             return Ok(blocks);
         }
+        // As in `loaded`: the query needs the context current on this thread.
+        self.ctx.bind_to_thread()?;
         let blocks = loaded
             .function
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes as usize, None)?
