@@ -334,10 +334,9 @@ def rotary_embedding(
     head_size // 2 + head_size // 16]``: each head's row its E2M1 codes, two a byte (the even
     element in the low four bits), then one E4M3 scale per 16 elements, ``b = e4m3(max|x| /
     (6 * scale))`` and codes ``e2m1(x / (b * scale))`` with ``scale`` k's or v's global scale
-    (``k_scale``, ``v_scale``), so ``x ~ code * b * scale`` (bfloat16 tensors, whole-head
-    rotations; ``head_size`` a multiple of 16, of 32 with ``is_neox``, rows of a multiple of 4
-    bytes). With a cache too, the
-    features past ``rotary_dim`` are stored as they are.
+    (``k_scale``, ``v_scale``), so ``x ~ code * b * scale`` (whole-head rotations;
+    ``head_size`` a multiple of 16, of 32 with ``is_neox``, rows of a multiple of 4 bytes). With
+    a cache too, the features past ``rotary_dim`` are stored as they are.
 
     Launched on ``stream``, by default PyTorch's current stream (as vLLM's op); ``pdl`` as in
     ``apply_rope``. Under ``torch.compile`` it is the custom operator

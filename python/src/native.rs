@@ -557,10 +557,9 @@ const VLLM_CACHE_NAMES: [(&str, &str); 6] = [
 /// NVFP4 into vLLM's packed uint8 caches `[num_blocks, block_size, num_kv_heads, head_size / 2 +
 /// head_size / 16]`, each head's row its E2M1 codes (two a byte, the even element low) and then
 /// its E4M3 block scales, one per 16 elements, `b = e4m3(max|x| / (6 scale))`, codes
-/// `e2m1(x / (b scale))`, `scale` the global `k_scale` or `v_scale` (bfloat16 tensors,
-/// whole-head rotations). With
-/// the cache write the features past `rotary_dim` are stored as they are (a partial rotation in
-/// the fused kernels: `head_size - rotary_dim` whole accesses, no offset).
+/// `e2m1(x / (b scale))`, `scale` the global `k_scale` or `v_scale` (whole-head rotations).
+/// With the cache write the features past `rotary_dim` are stored as they are (a partial
+/// rotation in the fused kernels: `head_size - rotary_dim` whole accesses, no offset).
 ///
 /// Launched asynchronously on `stream` (a `CUstream` handle as an int; 0, the default, is the
 /// legacy default stream), with the caller's guarantees of `apply_rope` (`producer_sync` and

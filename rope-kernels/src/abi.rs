@@ -955,15 +955,14 @@ pub enum FusedForms {
     /// spilled).
     Partial,
     /// An NVFP4 cache ([`NVFP4_BLOCK`]-element blocks of FP4 E2M1 values, each block with an
-    /// FP8 E4M3 scale, under a global scale): the four-heads mapping of bf16 tensors only
-    /// (`_four_heads_nvfp4`, with [`crate::nvfp4_kernel_params!`]'s parameters), so that the
-    /// blocks' maxima and the conversions weigh on no other launch. (f16 and f32 kernels would
-    /// take the published crate and wheel past their 10 MB.)
+    /// FP8 E4M3 scale, under a global scale): the four-heads mapping only (`_four_heads_nvfp4`,
+    /// with [`crate::nvfp4_kernel_params!`]'s parameters), so that the blocks' maxima and the
+    /// conversions weigh on no other launch.
     Nvfp4,
 }
 
-/// The symbol [`FusedKernelName::symbol`] gives NVFP4 kernels that do not exist (other mappings
-/// or element types than the four-heads kernels of bf16): no build holds it.
+/// The symbol [`FusedKernelName::symbol`] gives NVFP4 kernels that do not exist (mappings other
+/// than four heads): no build holds it.
 pub const NVFP4_UNAVAILABLE: &str = "rope_fused_nvfp4_unavailable";
 
 /// Elements under one NVFP4 block scale: a cache head's elements `16 b .. 16 b + 16` share
@@ -1044,7 +1043,7 @@ impl FusedKernelName {
 /// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) as
 /// `symbol: Source, DType, storage type;`, then `@partial` and every two-heads kernel of partial
 /// heads ([`FusedForms::Partial`]) as `symbol: Style, Source, DType, storage type;`, then
-/// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`], bf16) alike.
+/// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`]) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -1092,6 +1091,14 @@ macro_rules! for_each_fused_kernel {
             rope_fused_neox_table_bf16_two_heads_partial: Neox, Table, BF16, Bf16;
             rope_fused_neox_theta_bf16_two_heads_partial: Neox, Theta, BF16, Bf16;
             @nvfp4
+            rope_fused_interleaved_table_f32_four_heads_nvfp4: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32_four_heads_nvfp4: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32_four_heads_nvfp4: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32_four_heads_nvfp4: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16_four_heads_nvfp4: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_theta_f16_four_heads_nvfp4: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16_four_heads_nvfp4: Neox, Table, F16, Half;
+            rope_fused_neox_theta_f16_four_heads_nvfp4: Neox, Theta, F16, Half;
             rope_fused_interleaved_table_bf16_four_heads_nvfp4: Interleaved, Table, BF16, Bf16;
             rope_fused_interleaved_theta_bf16_four_heads_nvfp4: Interleaved, Theta, BF16, Bf16;
             rope_fused_neox_table_bf16_four_heads_nvfp4: Neox, Table, BF16, Bf16;
@@ -1212,9 +1219,9 @@ macro_rules! fused_kernel_table {
                         (RopeStyle::$nstyle, SinCosSource::$nsrc, DType::$ndt, Mapping::FOUR_HEADS, NV) =>
                             stringify!($nfour),
                     )*
-                    // NVFP4 caches have four-heads kernels of bf16 alone: the name of any other
-                    // is one no build holds (the planner refuses such launches; loading it
-                    // would fail naming it).
+                    // NVFP4 caches have four-heads kernels alone: the name of any other is one
+                    // no build holds (the planner refuses such launches; loading it would fail
+                    // naming it).
                     (_, _, _, _, NV) => NVFP4_UNAVAILABLE,
                     // Partial heads have two-heads kernels alone: the others are named as
                     // their two-heads kernel's.
@@ -1256,8 +1263,7 @@ pub enum PtxBuild {
     /// Every kernel, for sm_80 (Ampere) and newer.
     Sm80,
     /// The fused token-heads and rows kernels again, for sm_89 (Ada): their FP8 stores use the
-    /// paired hardware conversion. Not the kernels of NVFP4 caches, which Ada devices take from
-    /// sm_80's build: the published crate embeds every build, and crates.io takes at most 10 MB.
+    /// paired hardware conversion (the NVFP4 kernels' block scales too).
     Sm89,
     /// The fused token-heads and rows kernels and the one-head kernels again, for sm_90
     /// (Hopper) and newer: the paired FP8 conversion, and programmatic dependent launch
@@ -1283,11 +1289,7 @@ impl PtxBuild {
     pub fn holds(self, symbol: &str) -> bool {
         match self {
             PtxBuild::Sm80 => true,
-            PtxBuild::Sm89 => {
-                rebuilt_fused(symbol)
-                    && FusedKernelName::from_symbol(symbol)
-                        .is_none_or(|k| !matches!(k.forms, FusedForms::Nvfp4))
-            }
+            PtxBuild::Sm89 => rebuilt_fused(symbol),
             PtxBuild::Sm90 => takes_dependent_launch(symbol),
         }
     }

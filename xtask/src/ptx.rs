@@ -331,7 +331,7 @@ fn validate(ptx: &str) -> Result<()> {
 mod tests {
     use super::{entries_only, launch_bounds, min_blocks_per_sm, with_launch_bounds};
     use rope_kernels::abi::{
-        BLOCK_THREADS, FusedForms, FusedKernelName, KernelName, Mapping, PtxBuild, all_symbols,
+        BLOCK_THREADS, FusedKernelName, KernelName, Mapping, PtxBuild, all_symbols,
         takes_dependent_launch,
     };
 
@@ -353,20 +353,19 @@ mod tests {
         let ptx: String = std::iter::once(header.to_string())
             .chain(all_symbols().map(entry))
             .collect();
-        // The fused kernels but the item-loop ones and those of NVFP4 caches.
+        // The fused kernels but the item-loop ones.
         let fused: String = std::iter::once(header.to_string())
             .chain(
                 FusedKernelName::ALL
                     .iter()
                     .filter(|k| !matches!(k.mapping, Mapping::ItemLoop(_)))
-                    .filter(|k| !matches!(k.forms, FusedForms::Nvfp4))
                     .map(|k| entry(k.symbol())),
             )
             .collect();
         assert_eq!(entries_only(&ptx, PtxBuild::Sm89), fused);
         assert!(fused.contains(".entry rope_fused_neox_theta_bf16_two_heads("));
         assert!(fused.contains(".entry rope_fused_neox_theta_bf16_four_heads("));
-        assert!(!fused.contains(".entry rope_fused_neox_theta_bf16_four_heads_nvfp4("));
+        assert!(fused.contains(".entry rope_fused_neox_theta_bf16_four_heads_nvfp4("));
         assert!(!fused.contains(".entry rope_fused_neox_theta_bf16("));
         assert!(!fused.contains(".entry rope_fused_neox_theta_bf16_narrow("));
         let dependent = entries_only(&ptx, PtxBuild::Sm90);

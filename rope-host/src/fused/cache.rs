@@ -99,9 +99,8 @@ pub enum CacheData<'a, T> {
         format: Fp8Format,
     },
     /// NVFP4 ([`Nvfp4Cache`]): FP4 E2M1 codes with an FP8 E4M3 scale per 16 elements and a
-    /// global scale. Stored by four-heads kernels of their own: bf16 tensors, whole-head
-    /// rotations, slot mappings, no non-rotary part, tensors below 2^32 elements at the widest
-    /// access.
+    /// global scale. Stored by four-heads kernels of their own: whole-head rotations, slot
+    /// mappings, no non-rotary part, tensors below 2^32 elements at the widest access.
     Nvfp4 {
         /// k's cache.
         k: Nvfp4Cache<'a>,

@@ -5,8 +5,8 @@
 use std::num::NonZeroU32;
 
 use rope_kernels::abi::{
-    BLOCK_THREADS, DType, Direction, FusedForms, FusedKernelName, MAX_FUSED_ITEMS, Mapping,
-    ThreadHeads, preferred_lanes,
+    BLOCK_THREADS, Direction, FusedForms, FusedKernelName, MAX_FUSED_ITEMS, Mapping, ThreadHeads,
+    preferred_lanes,
 };
 use rope_kernels::divide::Divisor;
 
@@ -198,16 +198,6 @@ pub(crate) fn plan_fused(
         ));
     }
     if nvfp4 {
-        if req.rope.dtype != DType::BF16 {
-            return Err(invalid(
-                "cache",
-                format!(
-                    "NVFP4 caches are written from bf16 tensors (their kernels' one element \
-                     type), got {:?}",
-                    req.rope.dtype
-                ),
-            ));
-        }
         if let Some(arg) = flashinfer {
             return Err(invalid(
                 arg,

@@ -160,8 +160,8 @@ fn run_across<T: TestElem>(name: &str, cases: u64) {
     run_drawn::<T, _>(name, cases, "norm across heads", draws);
 }
 
-/// NVFP4 caches (FP4 E2M1 codes with an E4M3 scale per 16 elements and a global scale; bf16
-/// tensors, the kernels' one type): random cases of both pairings, heads of 64, 96, 128, 256 or 512 features (interleaved also
+/// NVFP4 caches (FP4 E2M1 codes with an E4M3 scale per 16 elements and a global scale):
+/// random cases of both pairings, heads of 64, 96, 128, 256 or 512 features (interleaved also
 /// 48 and 80, whole blocks that NeoX would split across its halves), with and without the norm,
 /// every q output and k in place, out of place or only cached, positions by offset, ids or
 /// multi-axis maps, global scales per tensor or per kv head, padded and out-of-range slots,
@@ -199,6 +199,16 @@ fn run_nvfp4<T: TestElem>(name: &str, cases: u64) {
 #[test]
 fn fused_nvfp4_cache_matches_reference_bf16() {
     run_nvfp4::<rope_host::half::bf16>("fused_nvfp4_cache_matches_reference_bf16", 40);
+}
+
+#[test]
+fn fused_nvfp4_cache_matches_reference_f16() {
+    run_nvfp4::<rope_host::half::f16>("fused_nvfp4_cache_matches_reference_f16", 20);
+}
+
+#[test]
+fn fused_nvfp4_cache_matches_reference_f32() {
+    run_nvfp4::<f32>("fused_nvfp4_cache_matches_reference_f32", 20);
 }
 
 #[test]

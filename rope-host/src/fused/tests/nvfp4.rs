@@ -136,14 +136,23 @@ fn nvfp4_blocks_need_heads_and_strides_of_whole_blocks() {
     }
 }
 
-/// The NVFP4 kernels are bf16's alone: f16 and f32 launches are refused naming the cache.
+/// Every element type and pairing has its NVFP4 kernels, in the builds' lists.
 #[test]
-fn nvfp4_caches_are_written_from_bf16_alone() {
-    for dtype in [DType::F16, DType::F32] {
-        let mut r = request(RopeStyle::Neox);
-        nvfp4_cache(&mut r);
-        r.rope.dtype = dtype;
-        assert_eq!(invalid_arg(&r), "cache", "{dtype:?}");
+fn nvfp4_caches_are_written_from_every_element_type() {
+    for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+        for dtype in [DType::F16, DType::BF16, DType::F32] {
+            let mut r = request(style);
+            nvfp4_cache(&mut r);
+            r.rope.dtype = dtype;
+            let p = plan_of(&r).expect("planned").expect("a launch");
+            assert_eq!((p.kernel.dtype, p.kernel.forms), (dtype, FusedForms::Nvfp4));
+            let symbol = p.kernel.symbol();
+            assert!(symbol.ends_with("_four_heads_nvfp4"), "{symbol}");
+            assert!(
+                rope_kernels::abi::all_symbols().any(|s| s == symbol),
+                "{symbol}"
+            );
+        }
     }
 }
 
