@@ -872,14 +872,15 @@ class TestServing:
         assert (key_cache.view(-1, c.hk, c.d)[others] == 0x7E).all()
 
     @pytest.mark.parametrize("is_neox", [True, False])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("d", [128, 64])
-    def test_vllm_fused_qk_norm_rope_into_an_nvfp4_cache(self, d, is_neox):
+    def test_vllm_fused_qk_norm_rope_into_an_nvfp4_cache(self, d, dtype, is_neox):
         """``kv_cache_dtype="nvfp4"``: vLLM's packed uint8 rows ``[blocks, block_size, hk, d/2 +
         d/16]``, each head's E2M1 codes (two a byte, the even element low) then its E4M3 scales,
         one per 16 elements: every block scale is ``max|x| / (6 s)`` rounded to E4M3, and every
         code ``x / (b s)`` rounded to E2M1 (within half a step, saturated at 6), for k (normalised
         and rotated) and v; rows without a slot keep their sentinel."""
-        c = ServingCase(d=d, seed=70 + d + int(is_neox))
+        c = ServingCase(d=d, dtype=dtype, seed=70 + d + int(is_neox))
         _, want_k = c.reference("neox" if is_neox else "interleaved", norm=True)
         _, _, v = c.split()
         v0 = v.clone().reshape(c.t, c.hk, d).to(torch.float64)
