@@ -97,6 +97,43 @@ fn accepted_given_frequencies_write_finite_values() {
         ]
     };
     let accepted = std::sync::atomic::AtomicUsize::new(0);
+    let check =
+        |(f, attention, narrow, compat, style, seed): (Vec<f64>, f64, bool, bool, _, u64)| {
+            let narrowed: Vec<f32> = f.iter().map(|&v| v as f32).collect();
+            let given = if narrow {
+                InvFreq::F32(&narrowed)
+            } else {
+                InvFreq::F64(&f)
+            };
+            let angle = if compat {
+                AngleMode::F32Compat
+            } else {
+                AngleMode::Exact
+            };
+            if let Ok(freqs) = rope.frequencies_from(given, attention, angle) {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let shape = (8, 2, freqs.rotary_dim() as usize);
+                let (x, ids) = inputs(seed, shape, 1 << 31);
+                let sincos = SinCos::Frequencies(&freqs);
+                let out = rotate_f32_at(&rope, &stream, style, &x, shape, &ids, sincos)
+                    .map_err(|e| TestCaseError::fail(format!("{given:?}: {e}")))?;
+                prop_assert!(
+                    out.iter().all(|v| v.is_finite()),
+                    "{:?}, attention factor {}, {:?}",
+                    given,
+                    attention,
+                    angle
+                );
+            }
+            Ok(())
+        };
+    // One vector every run accepts (the draws below may accept none at a low case cap).
+    let valid = (0..32)
+        .map(|i| 10_000f64.powf(-(i as f64) / 32.0))
+        .collect();
+    check((valid, 1.0, false, false, rope_host::RopeStyle::Neox, 7))
+        .expect("a valid vector writes finite values");
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::Relaxed), 1);
     runner(200)
         .run(
             &(
@@ -110,35 +147,7 @@ fn accepted_given_frequencies_write_finite_values() {
                 strategies::style(),
                 any::<u64>(),
             ),
-            |(f, attention, narrow, compat, style, seed)| {
-                let narrowed: Vec<f32> = f.iter().map(|&v| v as f32).collect();
-                let given = if narrow {
-                    InvFreq::F32(&narrowed)
-                } else {
-                    InvFreq::F64(&f)
-                };
-                let angle = if compat {
-                    AngleMode::F32Compat
-                } else {
-                    AngleMode::Exact
-                };
-                if let Ok(freqs) = rope.frequencies_from(given, attention, angle) {
-                    accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let shape = (8, 2, freqs.rotary_dim() as usize);
-                    let (x, ids) = inputs(seed, shape, 1 << 31);
-                    let sincos = SinCos::Frequencies(&freqs);
-                    let out = rotate_f32_at(&rope, &stream, style, &x, shape, &ids, sincos)
-                        .map_err(|e| TestCaseError::fail(format!("{given:?}: {e}")))?;
-                    prop_assert!(
-                        out.iter().all(|v| v.is_finite()),
-                        "{:?}, attention factor {}, {:?}",
-                        given,
-                        attention,
-                        angle
-                    );
-                }
-                Ok(())
-            },
+            check,
         )
         .expect("accepted given frequencies write finite values");
     let accepted = accepted.into_inner();
