@@ -803,8 +803,11 @@ class TestServing:
 
     @pytest.mark.parametrize("is_neox", [True, False])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-    def test_vllm_fused_qk_norm_rope(self, is_neox, dtype):
-        c = ServingCase(dtype=dtype, seed=int(is_neox))
+    @pytest.mark.parametrize("d", [128, 256, 512])
+    def test_vllm_fused_qk_norm_rope(self, is_neox, dtype, d):
+        """Heads of 512 (Gemma 4's global layers), and float32 heads of 256 interleaved, take
+        more than a warp's accesses per head: their norm is summed across the head's warps."""
+        c = ServingCase(d=d, dtype=dtype, seed=int(is_neox) + d)
         style = "neox" if is_neox else "interleaved"
         want_q, want_k = c.reference(style, norm=True)
         v0 = c.split()[2].clone()

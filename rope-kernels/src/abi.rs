@@ -959,11 +959,20 @@ pub enum FusedForms {
     /// with [`crate::nvfp4_kernel_params!`]'s parameters), so that the blocks' maxima and the
     /// conversions weigh on no other launch.
     Nvfp4,
+    /// A per-head norm over more than a warp's accesses of a head (64 or 128 groups: heads of
+    /// 512 16-bit elements, `f32` heads of 256 interleaved or of 512), summed across the head's
+    /// warps: the four-heads mapping only (`_four_heads_long_norm`), so that the cross-warp sum
+    /// weighs on no other launch.
+    LongNorm,
 }
 
 /// The symbol [`FusedKernelName::symbol`] gives NVFP4 kernels that do not exist (mappings other
 /// than four heads): no build holds it.
 pub const NVFP4_UNAVAILABLE: &str = "rope_fused_nvfp4_unavailable";
+
+/// The symbol [`FusedKernelName::symbol`] gives kernels of norms across a head's warps that do
+/// not exist (mappings other than four heads): no build holds it.
+pub const LONG_NORM_UNAVAILABLE: &str = "rope_fused_long_norm_unavailable";
 
 /// Elements under one NVFP4 block scale: a cache head's elements `16 b .. 16 b + 16` share
 /// scale `b`.
@@ -980,7 +989,8 @@ impl FusedKernelName {
     /// norm's shuffles; at 72, five blocks of five warps per multiprocessor instead of six,
     /// norm + rope was slower at prefill); 80 for the four-heads kernels of NVFP4 caches, whose
     /// blocks' maxima (held from the warp's shuffles to the stores), scales and codes of all
-    /// four heads at once spilled below (sm_90); 72 for the rows kernels ([`Mapping::Rows`], `.maxntid`
+    /// four heads at once spilled below (sm_90); 72 for the four-heads kernels of norms across
+    /// a head's warps ([`FusedForms::LongNorm`]), which spilled at 64; 72 for the rows kernels ([`Mapping::Rows`], `.maxntid`
     /// of [`ROWS_MAX_WARPS`] warps), which spill nothing there, where at 64 they spilled and ran
     /// the FP8 prefill slower, and four blocks of up to seven warps still fit an sm_90
     /// multiprocessor's 64 Ki registers (docs/perf/decisions.md).
@@ -988,6 +998,7 @@ impl FusedKernelName {
         match self.mapping {
             Mapping::TWO_HEADS if self.neox_16_bit() => Some(48),
             Mapping::FOUR_HEADS if matches!(self.forms, FusedForms::Nvfp4) => Some(80),
+            Mapping::FOUR_HEADS if matches!(self.forms, FusedForms::LongNorm) => Some(72),
             Mapping::TWO_HEADS | Mapping::FOUR_HEADS => Some(64),
             Mapping::Rows => Some(72),
             _ => None,
@@ -1043,7 +1054,9 @@ impl FusedKernelName {
 /// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) as
 /// `symbol: Source, DType, storage type;`, then `@partial` and every two-heads kernel of partial
 /// heads ([`FusedForms::Partial`]) as `symbol: Style, Source, DType, storage type;`, then
-/// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`]) alike.
+/// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`]) alike, then
+/// `@long_norm` and every four-heads kernel of norms across a head's warps
+/// ([`FusedForms::LongNorm`]) alike.
 macro_rules! for_each_fused_kernel {
     ($m:ident) => {
         $m! {
@@ -1103,6 +1116,19 @@ macro_rules! for_each_fused_kernel {
             rope_fused_interleaved_theta_bf16_four_heads_nvfp4: Interleaved, Theta, BF16, Bf16;
             rope_fused_neox_table_bf16_four_heads_nvfp4: Neox, Table, BF16, Bf16;
             rope_fused_neox_theta_bf16_four_heads_nvfp4: Neox, Theta, BF16, Bf16;
+            @long_norm
+            rope_fused_interleaved_table_f32_four_heads_long_norm: Interleaved, Table, F32, f32;
+            rope_fused_interleaved_theta_f32_four_heads_long_norm: Interleaved, Theta, F32, f32;
+            rope_fused_neox_table_f32_four_heads_long_norm: Neox, Table, F32, f32;
+            rope_fused_neox_theta_f32_four_heads_long_norm: Neox, Theta, F32, f32;
+            rope_fused_interleaved_table_f16_four_heads_long_norm: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_theta_f16_four_heads_long_norm: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16_four_heads_long_norm: Neox, Table, F16, Half;
+            rope_fused_neox_theta_f16_four_heads_long_norm: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16_four_heads_long_norm: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16_four_heads_long_norm: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16_four_heads_long_norm: Neox, Table, BF16, Bf16;
+            rope_fused_neox_theta_bf16_four_heads_long_norm: Neox, Theta, BF16, Bf16;
         }
     };
 }
@@ -1117,12 +1143,14 @@ macro_rules! fused_kernel_table {
         @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
         @partial $($ptwo:ident: $pstyle:ident, $psrc:ident, $pdt:ident, $pt:ty;)*
         @nvfp4 $($nfour:ident: $nstyle:ident, $nsrc:ident, $ndt:ident, $nt:ty;)*
+        @long_norm $($lfour:ident: $lstyle:ident, $lsrc:ident, $ldt:ident, $lt:ty;)*
     ) => {
         impl FusedKernelName {
             /// Every fused kernel.
             pub const ALL: [FusedKernelName; 4 * [$(stringify!($sym)),*].len()
                 + [$(stringify!($four)),*].len() + [$(stringify!($rows)),*].len()
-                + [$(stringify!($ptwo)),*].len() + [$(stringify!($nfour)),*].len()] = [$(
+                + [$(stringify!($ptwo)),*].len() + [$(stringify!($nfour)),*].len()
+                + [$(stringify!($lfour)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
                     source: SinCosSource::$src,
@@ -1183,6 +1211,14 @@ macro_rules! fused_kernel_table {
                     mapping: Mapping::FOUR_HEADS,
                     forms: FusedForms::Nvfp4,
                 },
+            )* $(
+                FusedKernelName {
+                    style: RopeStyle::$lstyle,
+                    source: SinCosSource::$lsrc,
+                    dtype: DType::$ldt,
+                    mapping: Mapping::FOUR_HEADS,
+                    forms: FusedForms::LongNorm,
+                },
             )*];
 
             /// The exported PTX symbol.
@@ -1192,6 +1228,7 @@ macro_rules! fused_kernel_table {
                 const FI: FusedForms = FusedForms::FlashInfer;
                 const PART: FusedForms = FusedForms::Partial;
                 const NV: FusedForms = FusedForms::Nvfp4;
+                const LONG: FusedForms = FusedForms::LongNorm;
                 match (self.style, self.source, self.dtype, self.mapping, self.forms) {
                     $(
                         (RopeStyle::$style, SinCosSource::$src, DType::$dt, Mapping::WIDE, P) =>
@@ -1219,10 +1256,15 @@ macro_rules! fused_kernel_table {
                         (RopeStyle::$nstyle, SinCosSource::$nsrc, DType::$ndt, Mapping::FOUR_HEADS, NV) =>
                             stringify!($nfour),
                     )*
-                    // NVFP4 caches have four-heads kernels alone: the name of any other is one
-                    // no build holds (the planner refuses such launches; loading it would fail
-                    // naming it).
+                    $(
+                        (RopeStyle::$lstyle, SinCosSource::$lsrc, DType::$ldt, Mapping::FOUR_HEADS, LONG) =>
+                            stringify!($lfour),
+                    )*
+                    // NVFP4 caches and norms across a head's warps have four-heads kernels
+                    // alone: the name of any other is one no build holds (the planner refuses
+                    // such launches; loading it would fail naming it).
                     (_, _, _, _, NV) => NVFP4_UNAVAILABLE,
+                    (_, _, _, _, LONG) => LONG_NORM_UNAVAILABLE,
                     // Partial heads have two-heads kernels alone: the others are named as
                     // their two-heads kernel's.
                     (_, _, _, _, PART) => FusedKernelName {

@@ -80,7 +80,7 @@ use crate::elem::{Bf16, Elem, Fp8, Fp8E5m2, Half, unrolled};
 use crate::intrinsics::{
     SHARED_F32, block_dim_x, block_idx_x, block_idx_y, block_idx_z, grid_dim_x, grid_dim_y,
     prefetch_l2, rcp_approx, rcp_approx_ftz, rsqrt_approx, shared_load_f32s, shared_store_f32,
-    shuffle_idx, shuffle_xor, sync_threads_count, sync_warp, thread_idx_x, trap,
+    shuffle_idx, shuffle_xor, sync_named, sync_threads_count, sync_warp, thread_idx_x, trap,
     wait_for_prior_grids,
 };
 use crate::rope::{
@@ -411,7 +411,12 @@ fn norm_factor(sum: f32, inv_dim: f32, eps: f32) -> f32 {
 /// butterfly takes 16, 16 and four. Lanes holding the same head add the same values in the
 /// same order, so the factors agree across the segment.
 #[inline(always)]
-fn norm_factors<const U: usize>(squares: [f32; U], width: u32, inv_dim: f32, eps: f32) -> [f32; U] {
+fn norm_factors<const U: usize, const LONG: bool>(
+    squares: [f32; U],
+    width: u32,
+    inv_dim: f32,
+    eps: f32,
+) -> [f32; U] {
     let factor = |sum: f32| norm_factor(sum, inv_dim, eps);
     if U != 4 || width < 4 {
         let sums = segment_sums(squares, width);
@@ -447,6 +452,14 @@ fn norm_factors<const U: usize>(squares: [f32; U], width: u32, inv_dim: f32, eps
             sum += shuffle_xor(sum, 4, u32::MAX);
             sum += shuffle_xor(sum, 8, u32::MAX);
         }
+        _ if LONG => {
+            sum += shuffle_xor(sum, 4, u32::MAX);
+            sum += shuffle_xor(sum, 8, u32::MAX);
+            sum += shuffle_xor(sum, 16, u32::MAX);
+            // SAFETY: `LONG` kernels' segments are 64 or 128 lanes, the blocks whole segments
+            // (the entry points' promise).
+            sum = unsafe { warps_sum(sum, width / 32) };
+        }
         _ => {
             let mut step = 4;
             while step < width {
@@ -464,6 +477,43 @@ fn norm_factors<const U: usize>(squares: [f32; U], width: u32, inv_dim: f32, eps
         out[u] = shuffle_idx(own, base + (h >> 1) + 2 * (h & 1), u32::MAX);
     });
     out
+}
+
+/// Where [`warps_sum`] keeps the warps' sums in the block's shared buffer: a row of eight (at
+/// least [`crate::abi::TOKEN_HEADS_MAX_WARPS`]) per lane of four, past every cos/sin a block
+/// shares (`2 half` values, with `half` at most the block's threads).
+const WARP_SUMS: u32 = (SHARED_F32 as u32) - 4 * 8;
+
+/// The four-heads reduce-scatter's per-lane sum (lane `l` holds the head of `l % 4`, summed
+/// over its warp) summed over the `warps` consecutive warps of the block that hold the
+/// segment, in warp order, so that every lane of the segment gets the same total: each warp's
+/// lanes 0-3 write their sums to shared memory, the segment's warps meet at a barrier of their
+/// own (named `1 + warp / warps`), and each lane reads its head's `warps` sums with one load.
+///
+/// # Safety
+/// Every lane of the segment's `warps` warps calls it (2 or 4); the block's warps are a
+/// multiple of `warps`, at most [`crate::abi::TOKEN_HEADS_MAX_WARPS`], and its segments start
+/// at warps that are multiples of `warps`.
+#[inline(always)]
+unsafe fn warps_sum(sum: f32, warps: u32) -> f32 {
+    let (lane, warp) = (thread_idx_x() % 32, thread_idx_x() / 32);
+    // SAFETY: warp < 8 and lane % 4 < 4: every index lies in WARP_SUMS..SHARED_F32, and the
+    // loads start at a multiple of their width (`warps` divides the first warp; WARP_SUMS and
+    // the rows are multiples of 8).
+    unsafe {
+        if lane < 4 {
+            shared_store_f32(WARP_SUMS + 8 * lane + warp, sum);
+        }
+        sync_named(1 + warp / warps, 32 * warps);
+        let at = WARP_SUMS + 8 * (lane % 4) + (warp - warp % warps);
+        if warps == 2 {
+            let v = shared_load_f32s::<2>(at);
+            v[0] + v[1]
+        } else {
+            let v = shared_load_f32s::<4>(at);
+            (v[0] + v[1]) + (v[2] + v[3])
+        }
+    }
 }
 
 /// [`segment_sums`]'s steps, unrolled where `width` is a constant.
@@ -1124,6 +1174,7 @@ unsafe fn token_heads_body<
     const FI: bool,
     const PARTIAL: bool,
     const FP4: bool,
+    const LONG: bool,
 >(
     f: &Fused<T>,
 ) {
@@ -1132,7 +1183,19 @@ unsafe fn token_heads_body<
     let groups = a.groups.divisor.get();
     let norm = f.norm != NormCode::None as u32;
     let (tid, block_threads) = (thread_idx_x(), block_dim_x());
-    if NormCode::from_u32(f.norm).is_none() || (norm && groups > 32) || block_threads % 32 != 0 {
+    // `LONG`: a norm over 64 or 128 groups, summed across the head's warps (`warps_sum`: the
+    // host's blocks hold whole segments of them).
+    if LONG {
+        if NormCode::from_u32(f.norm).is_none()
+            || (norm && groups != 64 && groups != 128)
+            || block_threads % 32 != 0
+        {
+            trap()
+        }
+    } else if NormCode::from_u32(f.norm).is_none()
+        || (norm && groups > 32)
+        || block_threads % 32 != 0
+    {
         trap()
     }
     // Below 2^32: the host's grid has at most 65535 rows of 65535 tokens.
@@ -1294,7 +1357,7 @@ unsafe fn token_heads_body<
         // branch on the width LLVM copied it into), ptxas checks no divergence before each
         // shuffle, and spills none of the registers the fallback paths held.
         sync_warp();
-        let factors = norm_factors(squares, groups, inv_dim, f.norm_eps);
+        let factors = norm_factors::<U, LONG>(squares, groups, inv_dim, f.norm_eps);
         unrolled(U, |u| normalise(&mut v[u], &w, factors[u]));
     }
     let y = |u: usize| {
@@ -1774,6 +1837,7 @@ unsafe fn dispatch<
     const FI: bool,
     const PARTIAL: bool,
     const FP4: bool,
+    const LONG: bool,
 >(
     f: &Fused<T>,
 ) {
@@ -1791,22 +1855,22 @@ unsafe fn dispatch<
             // Token-heads kernels take the preferred width only: no `lanes` to read. Four-heads
             // kernels have no FlashInfer forms.
             (TWO_HEADS, 4, _, _) => {
-                token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL, false>(f)
+                token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL, false, false>(f)
             }
             (TWO_HEADS, 2, _, false) => {
-                token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI, PARTIAL, false>(f)
+                token_heads_body::<T, P, S, 8, TWO_HEADS_U, FI, PARTIAL, false, false>(f)
             }
             (TWO_HEADS, 2, _, true) => {
-                token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL, false>(f)
+                token_heads_body::<T, P, S, 4, TWO_HEADS_U, FI, PARTIAL, false, false>(f)
             }
             (FOUR_HEADS, 4, _, _) => {
-                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL, FP4>(f)
+                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL, FP4, LONG>(f)
             }
             (FOUR_HEADS, 2, _, false) => {
-                token_heads_body::<T, P, S, 8, FOUR_HEADS_U, false, PARTIAL, FP4>(f)
+                token_heads_body::<T, P, S, 8, FOUR_HEADS_U, false, PARTIAL, FP4, LONG>(f)
             }
             (FOUR_HEADS, 2, _, true) => {
-                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL, FP4>(f)
+                token_heads_body::<T, P, S, 4, FOUR_HEADS_U, false, PARTIAL, FP4, LONG>(f)
             }
             (ROWS, 2, _, true) => rows_body::<T, P, S>(f),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(f),
@@ -1975,39 +2039,45 @@ macro_rules! fused_kernel {
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
         @partial $($ptwo:ident: $ppairing:ident, $psource:ident, $pdt:ident, $pt:ty;)*
         @nvfp4 $($nfour:ident: $npairing:ident, $nsource:ident, $ndt:ident, $nt:ty;)*
+        @long_norm $($lfour:ident: $lpairing:ident, $lsource:ident, $ldt:ident, $lt:ty;)*
     ) => {
         $(
             crate::fused_kernel_params!(fused_entry {
-                $wide, WIDE: $pairing, $source, $t, FusedParams => new, false, false, false
+                $wide, WIDE: $pairing, $source, $t, FusedParams => new, false, false, false, false
             });
             crate::fused_kernel_params!(fused_entry {
-                $narrow, NARROW: $pairing, $source, $t, FusedParams => new, false, false, false
+                $narrow, NARROW: $pairing, $source, $t, FusedParams => new, false, false, false, false
             });
             crate::fused_kernel_params!(fused_entry {
-                $two_heads, TWO_HEADS: $pairing, $source, $t, FusedParams => new, false, false, false
+                $two_heads, TWO_HEADS: $pairing, $source, $t, FusedParams => new, false, false, false, false
             });
             crate::fused_forms_kernel_params!(fused_entry {
-                $forms, TWO_HEADS: $pairing, $source, $t, FusedFormsParams => new_forms, true, false, false
+                $forms, TWO_HEADS: $pairing, $source, $t, FusedFormsParams => new_forms, true, false, false, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $four, FOUR_HEADS: $fpairing, $fsource, $ft, FusedParams => new, false, false, false
+                $four, FOUR_HEADS: $fpairing, $fsource, $ft, FusedParams => new, false, false, false, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $rows, Rows: Neox, $rsource, $rt, FusedParams => new, false, false, false
+                $rows, Rows: Neox, $rsource, $rt, FusedParams => new, false, false, false, false
             });
         )*
         $(
             crate::fused_kernel_params!(fused_entry {
-                $ptwo, TWO_HEADS: $ppairing, $psource, $pt, FusedParams => new, false, true, false
+                $ptwo, TWO_HEADS: $ppairing, $psource, $pt, FusedParams => new, false, true, false, false
             });
         )*
         $(
             crate::nvfp4_kernel_params!(fused_entry {
-                $nfour, FOUR_HEADS: $npairing, $nsource, $nt, Nvfp4Params => new_nvfp4, false, false, true
+                $nfour, FOUR_HEADS: $npairing, $nsource, $nt, Nvfp4Params => new_nvfp4, false, false, true, false
+            });
+        )*
+        $(
+            crate::fused_kernel_params!(fused_entry {
+                $lfour, FOUR_HEADS: $lpairing, $lsource, $lt, FusedParams => new, false, false, false, true
             });
         )*
     };
@@ -2022,7 +2092,8 @@ macro_rules! fused_entry {
     (
         {
             $name:ident, $mapping:ident: $pairing:ident, $source:ident, $t:ty,
-            $params:ident => $new:ident, $forms:literal, $partial:literal, $fp4:literal
+            $params:ident => $new:ident, $forms:literal, $partial:literal, $fp4:literal,
+            $long:literal
         }
         $($param:ident: $kind:ident,)*
     ) => {
@@ -2033,7 +2104,9 @@ macro_rules! fused_entry {
         /// two-heads kernels of FlashInfer's forms, with page-table caches, E5M2, multipliers by
         /// value, an FP8 k output and non-rotary parts; `_two_heads_partial`: the two-heads
         /// kernels of heads longer than the rotation, whose features past it are normalised and
-        /// stored unrotated; `_four_heads_nvfp4`: the four-heads kernels of NVFP4 caches). See
+        /// stored unrotated; `_four_heads_nvfp4`: the four-heads kernels of NVFP4 caches;
+        /// `_four_heads_long_norm`: the four-heads kernels of norms summed across a head's
+        /// warps). See
         /// the module documentation, and
         /// `fused_kernel_params!`, `fused_forms_kernel_params!` and `nvfp4_kernel_params!` in
         /// `abi.rs` for the parameters.
@@ -2048,7 +2121,9 @@ macro_rules! fused_entry {
         /// `k.heads` heads of `head_dim` elements of `cache_format` inside `k_cache` and
         /// `v_cache`; every pointer and stride is aligned to `lanes` elements; written regions
         /// overlap nothing else the launch reads or writes; `groups` is a power of two of at
-        /// most 32 when `norm` is not 0. The `_two_heads` and `_four_heads` kernels also need
+        /// most 32 when `norm` is not 0 (64 or 128 in the `_four_heads_long_norm` kernels, each
+        /// block a whole number of segments of `groups / 32` warps, at most
+        /// `TOKEN_HEADS_MAX_WARPS`). The `_two_heads` and `_four_heads` kernels also need
         /// every tensor and output to span fewer than 2^32 elements, the cache to hold at most
         /// 2^32 slots and the tables to fit `crate::abi::planned_table_fits`. The
         /// `_two_heads_flashinfer` kernels also need: FP8 scales null (the multiplier is then
@@ -2083,6 +2158,7 @@ macro_rules! fused_entry {
                     $forms,
                     $partial,
                     $fp4,
+                    $long,
                 >(&args)
             }
         }

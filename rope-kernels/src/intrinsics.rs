@@ -442,6 +442,23 @@ pub fn sync_threads_count(threads: u32) {
     unsafe { asm!("bar.sync 0, {n};", n = in(reg32) threads, options(nostack, preserves_flags)) };
 }
 
+/// `bar.sync id, threads`: named barrier `id` (1 to 15; 0 is [`sync_threads_count`]'s) of
+/// `threads` threads of the block (a multiple of 32, whole warps), with the same ordering of
+/// shared-memory accesses among them. Exactly that many threads must reach barrier `id`.
+#[inline(always)]
+pub fn sync_named(id: u32, threads: u32) {
+    // SAFETY: a barrier over `threads` threads of the block; the callers reach each id with
+    // that many.
+    unsafe {
+        asm!(
+            "bar.sync {id}, {n};",
+            id = in(reg32) id,
+            n = in(reg32) threads,
+            options(nostack, preserves_flags)
+        )
+    };
+}
+
 /// Aborts the kernel (the launch then fails with an illegal-instruction error on the host).
 #[inline(always)]
 pub fn trap() -> ! {

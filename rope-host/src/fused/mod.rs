@@ -275,8 +275,9 @@ impl Rope {
     /// # Errors
     /// [`crate::Error::Invalid`] naming the offending argument (nothing is launched and no
     /// output is touched): as [`Rope::run_qk`], and `config` for a partial or backward
-    /// rotation, `norm` for bad weights or eps (or a head too wide for the normalisation's
-    /// sum), `v` and `cache` for tensors, layouts, slot mappings or scales that do not fit;
+    /// rotation, `norm` for bad weights or eps (or a head of more than 128 accesses, or of more
+    /// than 32 in a launch the four-heads kernels cannot take), `v` and `cache` for tensors,
+    /// layouts, slot mappings or scales that do not fit;
     /// [`crate::Error::Driver`] when the launch fails.
     pub fn run_fused<T: RopeElem>(
         &self,
@@ -373,12 +374,14 @@ impl Rope {
         // regions overlap nothing else, pointers and strides are aligned to `lanes`, the whole
         // head is rotated (or, for the partial kernels, its first `2 half` features, the rest
         // whole accesses of the groups `groups` covers), and `groups` is a power of two of at
-        // most 32 with a norm; positions and sin/cos as for `Rope::run`. The function was
+        // most 32 with a norm (64 or 128 for the long-norm kernels, whose blocks `fused_grid`
+        // cuts into whole segments of `groups / 32` warps); positions and sin/cos as for
+        // `Rope::run`. The function was
         // loaded in this context. With programmatic overlap the function comes from
         // the sm_90 build (`overlap_for`).
         unsafe {
             match plan.kernel.forms {
-                FusedForms::Plain | FusedForms::Partial => {
+                FusedForms::Plain | FusedForms::Partial | FusedForms::LongNorm => {
                     args.launch(context, &function, config, stream, overlap)
                 }
                 FusedForms::FlashInfer => encode::encode_forms(req, plan, args, &scales)

@@ -49,8 +49,13 @@ pub(crate) struct FusedPlan {
     pub(crate) nope: Option<NopePlan>,
 }
 
-/// Items of one token and head that the normalisation's warp-shuffle sum can span.
+/// Items of one token and head that the normalisation's warp-shuffle sum spans in every
+/// kernel.
 const MAX_NORM_GROUPS: u32 = 32;
+
+/// Items of one token and head that the four-heads kernels' normalisation spans, summed
+/// across the warps of a head (`warps_sum`, up to four).
+const MAX_LONG_NORM_GROUPS: u32 = 128;
 
 /// Validates a fused request and computes its launch: `None` when there is nothing to do.
 /// `choice` pins the kernels for tests (see [`FusedKernels`]); `rows_occupancy` is given where
@@ -134,12 +139,12 @@ pub(crate) fn plan_fused(
     let all_groups = rot_groups + passed / (2 * pairs);
     let groups = if req.norm.is_some() {
         let groups = all_groups.next_power_of_two();
-        if groups > MAX_NORM_GROUPS {
+        if groups > MAX_LONG_NORM_GROUPS {
             return Err(invalid(
                 "norm",
                 format!(
                     "head_dim {} takes {all_groups} accesses of {lanes} elements per head; the \
-                     normalisation sums over at most {MAX_NORM_GROUPS}",
+                     normalisation sums over at most {MAX_LONG_NORM_GROUPS}",
                     cfg.head_dim()
                 ),
             ));
@@ -148,6 +153,9 @@ pub(crate) fn plan_fused(
     } else {
         all_groups
     };
+    // A norm over more than a warp's accesses (heads of 512 16-bit elements, of 256 or 512
+    // `f32`) is summed across the head's warps by the four-heads kernels alone.
+    let long_norm = req.norm.is_some() && groups > MAX_NORM_GROUPS;
     let kernel = FusedKernelName {
         style: cfg.style(),
         source: sincos.source,
@@ -182,7 +190,7 @@ pub(crate) fn plan_fused(
         .is_some_and(|c| matches!(c.store, CacheStore::Nvfp4(_)));
     // Partial heads, like FlashInfer's forms, have two-heads kernels alone.
     let token_heads =
-        (choice != FusedKernels::ItemLoop || flashinfer.is_some() || partial || nvfp4)
+        (choice != FusedKernels::ItemLoop || flashinfer.is_some() || partial || nvfp4 || long_norm)
             && kernel.mapping == Mapping::WIDE
             && spans_below_2_32(&req.rope)
             && req.v.is_none_or(|(_, l)| span_below_2_32(&l))
@@ -226,6 +234,21 @@ pub(crate) fn plan_fused(
             ));
         }
     }
+    if long_norm && (!token_heads || flashinfer.is_some() || partial) {
+        return Err(invalid(
+            "norm",
+            format!(
+                "head_dim {} takes {all_groups} accesses of {lanes} elements per head: a norm \
+                 over more than {MAX_NORM_GROUPS} is summed across warps by the four-heads \
+                 kernels alone, which this launch cannot take: a whole-head rotation, no page \
+                 table, E5M2, multiplier, FP8 k output or non-rotary part, each tensor below \
+                 2^32 elements at the widest access (addresses and strides aligned to 16 bytes), \
+                 a cache of at most 2^32 slots, and tables within 2^32 elements aligned to their \
+                 reads",
+                cfg.head_dim()
+            ),
+        ));
+    }
     if partial && (!token_heads || flashinfer.is_some()) {
         return Err(invalid(
             "config",
@@ -252,6 +275,8 @@ pub(crate) fn plan_fused(
             FusedForms::Nvfp4
         } else if partial {
             FusedForms::Partial
+        } else if long_norm {
+            FusedForms::LongNorm
         } else {
             FusedForms::Plain
         },
@@ -269,8 +294,9 @@ pub(crate) fn plan_fused(
     let warps_at = |heads: u32| stored_heads.map(|h| token_heads_warps(h, groups, heads));
     // Only a two-heads kernel without FlashInfer's forms has a four-heads kernel, so the item
     // loop never takes one.
-    // NVFP4 caches take their four-heads kernel whatever the size or the choice.
-    let four_heads = if nvfp4 {
+    // NVFP4 caches and norms summed across warps take their four-heads kernel whatever the
+    // size or the choice.
+    let four_heads = if nvfp4 || long_norm {
         Some(FusedKernelName {
             mapping: Mapping::FOUR_HEADS,
             ..kernel
@@ -288,7 +314,7 @@ pub(crate) fn plan_fused(
             FusedKernels::ItemLoop => false,
         })
     };
-    let rows = rows_occupancy.and_then(|occupancy| {
+    let rows = rows_occupancy.filter(|_| !long_norm).and_then(|occupancy| {
         let launch = rows_kernel(
             req,
             kernel,
@@ -321,7 +347,8 @@ pub(crate) fn plan_fused(
         let resident = u64::from(facts.sm_count) * u64::from(occupancy(rows, &launch)?.max(1));
         rows_grid(&launch, (tokens, seq), groups, resident)
     } else if token_heads {
-        fused_grid((tokens, seq), groups, token_warps)?
+        let segment_warps = if long_norm { groups / 32 } else { 1 };
+        fused_grid((tokens, seq), groups, token_warps, segment_warps)?
     } else {
         // The fused kernels index their work items in 32 bits.
         if tokens.saturating_mul(groups as u64) > MAX_FUSED_ITEMS {

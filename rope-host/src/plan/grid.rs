@@ -102,8 +102,9 @@ pub(crate) fn token_heads_warps(heads: u32, groups: u32, thread_heads: u32) -> u
 /// block row per token (`blockIdx.z * gridDim.y + blockIdx.y`, `gridDim.y` at most 65535), and on
 /// `blockIdx.x` the token's sequence of `warps` (q's, k's, v's: see [`token_heads_warps`]) cut
 /// into the fewest equal blocks of at most [`TOKEN_HEADS_MAX_WARPS`] warps, so that a block's
-/// cos/sin arithmetic serves as many heads as it can. `heads_per_chunk` is 0 (the token-heads
-/// kernels do not read it).
+/// cos/sin arithmetic serves as many heads as it can, each block a whole number of segments of
+/// `segment_warps` warps (a norm summed across warps: each tensor's warps are a multiple of it;
+/// 1 otherwise). `heads_per_chunk` is 0 (the token-heads kernels do not read it).
 ///
 /// # Errors
 /// [`crate::Error::Invalid`] naming `q` when the tokens exceed `65535^2`, or a token's warps
@@ -112,6 +113,7 @@ pub(crate) fn fused_grid(
     (tokens, seq): (u64, u32),
     groups: u32,
     warps: [u32; 3],
+    segment_warps: u32,
 ) -> Result<Option<Grid>> {
     const MAX_GRID_YZ: u64 = 65_535;
     let (Some(seq), Some(groups_nz)) = (NonZeroU32::new(seq), NonZeroU32::new(groups)) else {
@@ -139,8 +141,10 @@ pub(crate) fn fused_grid(
             ),
         ));
     }
-    let blocks = all.div_ceil(u64::from(TOKEN_HEADS_MAX_WARPS));
-    let threads = all.div_ceil(blocks) as u32 * 32;
+    let segment = u64::from(segment_warps.clamp(1, TOKEN_HEADS_MAX_WARPS));
+    let segments = all.div_ceil(segment);
+    let blocks = segments.div_ceil(u64::from(TOKEN_HEADS_MAX_WARPS) / segment);
+    let threads = (segments.div_ceil(blocks) * segment) as u32 * 32;
     let rows = tokens.min(MAX_GRID_YZ);
     Ok(Some(Grid {
         config: LaunchConfig {
@@ -260,7 +264,7 @@ mod tests {
 
     /// The token-heads grid of `tokens` tokens and `warps`: its grid and block dimensions.
     fn token_heads(tokens: u64, warps: [u32; 3]) -> ((u32, u32, u32), u32) {
-        let g = fused_grid((tokens, 1), 16, warps)
+        let g = fused_grid((tokens, 1), 16, warps, 1)
             .expect("fits")
             .expect("non-empty");
         (g.config.grid_dim, g.config.block_dim.0)
@@ -282,6 +286,30 @@ mod tests {
         }
     }
 
+    /// A norm summed across `segment` warps: every block holds whole segments (a multiple of
+    /// `segment` warps, at most `TOKEN_HEADS_MAX_WARPS`), so no segment straddles two blocks.
+    #[test]
+    fn fused_grid_keeps_each_segment_of_warps_in_one_block() {
+        for segment in [2u32, 4] {
+            for warps in [
+                [16u32, 4, 4],
+                [4, 2, 2],
+                [2 * segment, segment, 0],
+                [64, 8, 8],
+            ] {
+                let warps = warps.map(|w| w.next_multiple_of(segment));
+                let all: u32 = warps.iter().sum();
+                let g = fused_grid((64, 1), 32 * segment, warps, segment)
+                    .expect("fits")
+                    .expect("non-empty");
+                let (x, threads) = (g.config.grid_dim.0, g.config.block_dim.0);
+                assert_eq!(threads % (32 * segment), 0, "{segment} {warps:?}");
+                assert!(threads / 32 <= TOKEN_HEADS_MAX_WARPS);
+                assert!(x * threads / 32 >= all && x * threads / 32 - all < x * segment);
+            }
+        }
+    }
+
     /// The fused grid gives every token a block row: `gridDim.y` up to 65535 rows, then rows of
     /// 65535 on `gridDim.z`.
     #[test]
@@ -294,7 +322,7 @@ mod tests {
         assert_eq!(rows(65_535), (65_535, 1));
         assert_eq!(rows(65_536), (65_535, 2));
         assert_eq!(rows(65_535 * 65_535), (65_535, 65_535));
-        assert!(fused_grid((65_535 * 65_535 + 1, 1), 16, [8, 2, 2]).is_err());
-        assert!(fused_grid((1, 1), 32, [u32::MAX / 32, 1, 0]).is_err());
+        assert!(fused_grid((65_535 * 65_535 + 1, 1), 16, [8, 2, 2], 1).is_err());
+        assert!(fused_grid((1, 1), 32, [u32::MAX / 32, 1, 0], 1).is_err());
     }
 }

@@ -112,6 +112,65 @@ fn run_partial<T: TestElem>(name: &str, cases: u64) {
     run_drawn::<T, _>(name, cases, "partial rotations", draws);
 }
 
+/// Norms over more than a warp's accesses of a head (Gemma 4's global layers: heads of 512;
+/// `f32` heads of 256 interleaved or 512: 64 or 128 accesses), which the four-heads kernels
+/// sum across the head's warps: random cases of both pairings and weightings, every q output
+/// and k mode, caches of the tensors' type or FP8, positions by offset, ids or multi-axis
+/// maps, table and computed sin/cos, through both entries and every kernel choice (these norms
+/// take the four-heads kernels whatever is pinned), every fifth case prefill-sized. Every
+/// output and cache element matches the f64 reference.
+fn run_long_norm<T: TestElem>(name: &str, cases: u64) {
+    let change = |j: u64, c: &mut Case, rng: &mut StdRng| {
+        c.d = if size_of::<T>() == 4 && j % 3 == 1 {
+            c.style = RopeStyle::Interleaved;
+            256
+        } else {
+            512
+        };
+        c.rotary = c.d;
+        c.norm = Some(if rng.random_bool(0.5) {
+            rope_host::NormWeight::Plain
+        } else {
+            rope_host::NormWeight::OnePlus
+        });
+        c.plain_fp8();
+        if rng.random_bool(0.3) {
+            c.axes = Some(AxesCase::mrope(rng, c.d / 2, c.tokens(), j % 2 == 1));
+        }
+    };
+    let draws = Draws {
+        base: 0x10_0000,
+        stride: 173,
+        xor: 0x104d,
+        change,
+    };
+    run_drawn::<T, _>(name, cases, "norms across a head's warps", draws);
+}
+
+#[test]
+fn fused_norm_of_heads_wider_than_a_warp_matches_reference_bf16() {
+    run_long_norm::<rope_host::half::bf16>(
+        "fused_norm_of_heads_wider_than_a_warp_matches_reference_bf16",
+        30,
+    );
+}
+
+#[test]
+fn fused_norm_of_heads_wider_than_a_warp_matches_reference_f16() {
+    run_long_norm::<rope_host::half::f16>(
+        "fused_norm_of_heads_wider_than_a_warp_matches_reference_f16",
+        15,
+    );
+}
+
+#[test]
+fn fused_norm_of_heads_wider_than_a_warp_matches_reference_f32() {
+    run_long_norm::<f32>(
+        "fused_norm_of_heads_wider_than_a_warp_matches_reference_f32",
+        15,
+    );
+}
+
 /// The norm across heads (diffusion transformers: each token's q, and its k, normalised as
 /// one vector of all its heads, weights of `heads * d`) with the rotation: random cases of both
 /// weightings, heads of 64, 96, 128 or 256 features (f32 interleaved up to 128), 1 to 24 q and
