@@ -66,6 +66,7 @@ mod module;
 mod op;
 mod plan;
 mod positions;
+mod ptx;
 mod rope;
 mod sass;
 pub mod shared;
@@ -93,12 +94,13 @@ pub use fused::{
 pub use half;
 pub use handle::{FREQUENCY_CACHE, KernelResources, Rope};
 pub use layout::Layout;
-pub use module::{KernelCode, PTX_ARCH_VAR, open_device, ptx};
+pub use module::{KernelCode, PTX_ARCH_VAR, open_device};
 pub use op::{Io, QkIo, RopeOp, Tensor, TensorMut};
 pub use positions::{
     AxisMap, ContextParallel, DeviceAxisMap, DeviceInts, IdsShape, IntType, ItemAxes, Positions,
     RawAxisMap, RawInts, RawPositions,
 };
+pub use ptx::ptx;
 pub use rope::{RawIo, RawOp, RawTensor, RawTensors};
 pub use rope_kernels::abi::PtxBuild;
 pub use sass::{KERNEL_CODE_VAR, compiled_architectures};
