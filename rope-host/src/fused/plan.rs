@@ -49,6 +49,12 @@ pub(crate) struct FusedPlan {
     pub(crate) nope: Option<NopePlan>,
 }
 
+/// What a launch needs to take the token-heads kernels (`token_heads` in [`plan_fused`]), as
+/// the errors of launches only they can store say it.
+const TOKEN_HEADS_FIT: &str = "each tensor below 2^32 elements at the widest access (addresses \
+                               and strides aligned to 16 bytes), a cache of at most 2^32 slots, \
+                               and tables within 2^32 elements aligned to their reads";
+
 /// Items of one token and head that the normalisation's warp-shuffle sum spans in every
 /// kernel.
 const MAX_NORM_GROUPS: u32 = 32;
@@ -199,10 +205,11 @@ pub(crate) fn plan_fused(
     if let Some(arg) = flashinfer.filter(|_| !token_heads) {
         return Err(invalid(
             arg,
-            "page tables, E5M2, multipliers, FP8 k outputs and non-rotary parts are stored by \
-             the token-heads kernels alone, which this launch cannot take: each tensor below 2^32 elements at the \
-             widest access (addresses and strides aligned to 16 bytes), a cache of at most 2^32 \
-             slots, and tables within 2^32 elements aligned to their reads",
+            format!(
+                "page tables, E5M2, multipliers, FP8 k outputs and non-rotary parts are stored \
+                 by the token-heads kernels alone, which this launch cannot take: \
+                 {TOKEN_HEADS_FIT}"
+            ),
         ));
     }
     if nvfp4 {
@@ -227,10 +234,10 @@ pub(crate) fn plan_fused(
         if !token_heads {
             return Err(invalid(
                 "cache",
-                "an NVFP4 cache is stored by the four-heads kernels alone, which this launch \
-                 cannot take: each tensor below 2^32 elements at the widest access (addresses \
-                 and strides aligned to 16 bytes), a cache of at most 2^32 slots, and tables \
-                 within 2^32 elements aligned to their reads",
+                format!(
+                    "an NVFP4 cache is stored by the four-heads kernels alone, which this launch \
+                     cannot take: {TOKEN_HEADS_FIT}"
+                ),
             ));
         }
     }
@@ -241,10 +248,7 @@ pub(crate) fn plan_fused(
                 "head_dim {} takes {all_groups} accesses of {lanes} elements per head: a norm \
                  over more than {MAX_NORM_GROUPS} is summed across warps by the four-heads \
                  kernels alone, which this launch cannot take: a whole-head rotation, no page \
-                 table, E5M2, multiplier, FP8 k output or non-rotary part, each tensor below \
-                 2^32 elements at the widest access (addresses and strides aligned to 16 bytes), \
-                 a cache of at most 2^32 slots, and tables within 2^32 elements aligned to their \
-                 reads",
+                 table, E5M2, multiplier, FP8 k output or non-rotary part, {TOKEN_HEADS_FIT}",
                 cfg.head_dim()
             ),
         ));
