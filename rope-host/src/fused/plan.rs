@@ -241,14 +241,15 @@ pub(crate) fn plan_fused(
             ));
         }
     }
-    if long_norm && (!token_heads || flashinfer.is_some() || partial) {
+    if long_norm && (!token_heads || flashinfer.is_some() || partial || nvfp4) {
         return Err(invalid(
             "norm",
             format!(
                 "head_dim {} takes {all_groups} accesses of {lanes} elements per head: a norm \
                  over more than {MAX_NORM_GROUPS} is summed across warps by the four-heads \
-                 kernels alone, which this launch cannot take: a whole-head rotation, no page \
-                 table, E5M2, multiplier, FP8 k output or non-rotary part, {TOKEN_HEADS_FIT}",
+                 kernels alone, which this launch cannot take: a whole-head rotation, no NVFP4 \
+                 cache, page table, E5M2, multiplier, FP8 k output or non-rotary part, \
+                 {TOKEN_HEADS_FIT}",
                 cfg.head_dim()
             ),
         ));

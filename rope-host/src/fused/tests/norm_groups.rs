@@ -8,7 +8,8 @@ use super::*;
 /// With a norm, a head's items are rounded up to a power of two so that they share a warp
 /// segment; without one they are not; past 32 items per head (64 or 128) the norm is summed
 /// across the head's warps by the four-heads kernels alone, whatever is pinned, in blocks of
-/// whole segments; past 128 it is refused, as are launches those kernels cannot take.
+/// whole segments; past 128 it is refused, as are launches those kernels cannot take (partial
+/// rotations, NVFP4 caches).
 #[test]
 fn norm_groups_are_a_power_of_two_and_past_32_take_the_four_heads_kernels() {
     let mut r = request(RopeStyle::Interleaved);
@@ -70,6 +71,12 @@ fn norm_groups_are_a_power_of_two_and_past_32_take_the_four_heads_kernels() {
         .build()
         .expect("valid");
     assert_eq!(invalid_arg(&partial), "norm");
+    // So has an NVFP4 cache (its four-heads kernels sum a head within a warp).
+    let mut nvfp4 = odd(512);
+    super::nvfp4::nvfp4_cache(&mut nvfp4);
+    assert_eq!(invalid_arg(&nvfp4), "norm");
+    nvfp4.norm = None;
+    assert!(plan_of(&nvfp4).is_ok());
     r.norm = None;
     assert!(plan_of(&r).is_ok());
 }

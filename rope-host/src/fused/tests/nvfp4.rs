@@ -8,7 +8,7 @@ use super::*;
 
 /// Makes `r`'s cache NVFP4 at its layout: codes of `len / 2` bytes at the cache buffers, block
 /// scales of `len / 16` bytes laid out as the codes, one global scale each.
-fn nvfp4_cache(r: &mut FusedRequest) {
+pub(super) fn nvfp4_cache(r: &mut FusedRequest) {
     let c = r.cache.as_mut().expect("cache");
     let len = c.k.len;
     (c.k.len, c.v.len) = (len / 2, len / 2);
