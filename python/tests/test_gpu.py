@@ -2441,9 +2441,10 @@ class TestQkNormRopeTraining:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("is_neox", [True, False])
     @pytest.mark.parametrize("gemma", [False, True])
-    def test_forward_and_gradients_match_float64_autograd(self, dtype, is_neox, gemma):
-        torch.manual_seed(int(is_neox) + 2 * int(gemma))
-        t, hq, hk, d, eps = 300, 8, 2, 128, 1e-6
+    @pytest.mark.parametrize("d", [128, 512])  # 512: Gemma 4's global layers
+    def test_forward_and_gradients_match_float64_autograd(self, dtype, is_neox, gemma, d):
+        torch.manual_seed(int(is_neox) + 2 * int(gemma) + d)
+        t, hq, hk, eps = 300, 8, 2, 1e-6
         q = torch.randn(t, hq, d, device=DEV, dtype=dtype, requires_grad=True)
         k = torch.randn(t, hk, d, device=DEV, dtype=dtype, requires_grad=True)
         scale = 0.3 if gemma else 1.0

@@ -58,11 +58,14 @@ fn norm_rope_forward_and_gradients_match_candles_ops() -> Res {
     let Some(dev) = gpu_or_skip("norm_rope_forward_and_gradients_match_candles_ops") else {
         return Ok(());
     };
-    let (b, s, h, d, eps) = (2, 33, 4, 64, 1e-6);
-    for (style, one_plus) in [
-        (RopeStyle::Neox, false),
-        (RopeStyle::Interleaved, true),
-        (RopeStyle::Neox, true),
+    let (b, s, h, eps) = (2, 33, 4, 1e-6);
+    // Heads of 512 (Gemma 4's global layers): a norm summed across warps.
+    for (d, style, one_plus) in [
+        (64, RopeStyle::Neox, false),
+        (64, RopeStyle::Interleaved, true),
+        (64, RopeStyle::Neox, true),
+        (512, RopeStyle::Neox, true),
+        (512, RopeStyle::Interleaved, false),
     ] {
         let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?)?;
         let w0 = (Tensor::randn(0f32, 0.3, d, &dev)? + if one_plus { 0.0 } else { 1.0 })?;
@@ -109,7 +112,7 @@ fn norm_rope_forward_and_gradients_match_candles_ops() -> Res {
         let err = max_diff(&y, &want)?;
         assert!(
             err < 2e-5 * max_abs(&want)?.max(1.0),
-            "{style:?}: forward off by {err}"
+            "{style:?} d {d}: forward off by {err}"
         );
 
         let gy = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?;
@@ -122,7 +125,7 @@ fn norm_rope_forward_and_gradients_match_candles_ops() -> Res {
             let scale = max_abs(want)?.max(1.0);
             assert!(
                 err < 1e-4 * scale,
-                "{style:?} {name}: gradient off by {err} (scale {scale})"
+                "{style:?} d {d} {name}: gradient off by {err} (scale {scale})"
             );
         }
     }

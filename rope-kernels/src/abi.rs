@@ -1555,6 +1555,11 @@ pub const fn token_warps_heads_per_thread(elem_size: usize) -> u32 {
     if elem_size == 4 { 2 } else { 4 }
 }
 
+/// Heads each thread of a gradient entry point takes at every token where a head spans
+/// segments of whole warps (64 or 128 groups): two, whose terms, held across the barrier where
+/// the segment's warps meet, stay in registers (four spilled).
+pub const NORM_GRAD_SEGMENT_HEADS_PER_THREAD: u32 = 2;
+
 /// Threads one block of a gradient entry point may hold (its `.maxntid`): a token's five warps
 /// of 32 q and 8 k heads of 128, within the static shared memory of its staging buffer
 /// (`intrinsics::stage`).

@@ -145,16 +145,22 @@ pub(crate) fn plan_across(req: &FusedRequest, facts: &DeviceFacts) -> Result<Opt
     let weights = req
         .norm
         .map_or(Vec::new(), |n| vec![n.q_weight.ptr, n.k_weight.ptr]);
-    let (lanes, groups) = access((cfg, dtype), &layouts, &weights, "a norm across heads")?;
+    let (lanes, groups) = access((cfg, dtype), (&layouts, &weights), "a norm across heads")?;
     let half = cfg.half();
-    // A tensor's heads: warps of `32 / threads_per_head` slots, each taking
-    // `token_warps_heads_per_thread` consecutive heads; a block holds them and at least the
-    // `half` threads that find the token's cos/sin, within the shared buffer.
+    // A tensor's heads: warps of `32 / threads_per_head` slots, or segments of
+    // `threads_per_head / 32` warps, each taking `token_warps_heads_per_thread` consecutive
+    // heads; a block holds them and at least the `half` threads that find the token's
+    // cos/sin, within the shared buffer.
     let threads_per_head = groups.next_power_of_two();
-    let per_warp = 32 / threads_per_head * token_warps_heads_per_thread(es);
+    let per_thread = token_warps_heads_per_thread(es);
+    let (per_warp, head_warps) = if threads_per_head <= 32 {
+        (32 / threads_per_head * per_thread, 1)
+    } else {
+        (per_thread, threads_per_head / 32)
+    };
     let (q_warps, k_warps) = (
-        (q.heads as u32).div_ceil(per_warp),
-        (k.heads as u32).div_ceil(per_warp),
+        (q.heads as u32).div_ceil(per_warp) * head_warps,
+        (k.heads as u32).div_ceil(per_warp) * head_warps,
     );
     // A block per token holding both tensors' warps where they fit, else one per tensor.
     let fits = |warps: u32| {
@@ -168,7 +174,8 @@ pub(crate) fn plan_across(req: &FusedRequest, facts: &DeviceFacts) -> Result<Opt
             "q",
             format!(
                 "{} q and {} k heads of {}: a norm across heads holds a tensor's heads in one \
-                 block of at most {NORM_ACROSS_MAX_THREADS} threads, {per_warp} heads a warp",
+                 block of at most {NORM_ACROSS_MAX_THREADS} threads, {per_warp} heads in {head_warps} \
+                 warp(s)",
                 q.heads,
                 k.heads,
                 cfg.head_dim()
@@ -277,7 +284,8 @@ impl Rope {
         // written regions overlap nothing else, pointers and strides are aligned to `lanes`
         // (outputs in FP8 in bytes), the whole head rotates forward with `rot_groups = half /
         // pairs` threads in segments of the power of two at or above it, at most 32,
-        // `heads_per_chunk` their slots per warp times `token_warps_heads_per_thread`; a grid of
+        // `heads_per_chunk` their slots per warp times `token_warps_heads_per_thread` (or 64
+        // or 128 groups in segments of whole warps, `heads_per_chunk` the heads of one); a grid of
         // `(tokens, 1)` blocks holding both tensors' warps or `(tokens, 2)` holding each
         // tensor's, whole warps, at least `half` threads and at most
         // `NORM_ACROSS_MAX_THREADS`, within the shared buffer; positions and

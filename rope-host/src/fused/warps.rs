@@ -45,21 +45,22 @@ fn candidate_lanes(style: RopeStyle, dtype: DType) -> [u32; 2] {
 
 /// The access width and the threads holding one head's pairs (`half / pairs`): the widest of
 /// [`candidate_lanes`] that splits `cfg`'s pairs evenly over threads whose power of two is at
-/// most 32 and to which every layout (its address, and its element size: bytes for FP8) and
-/// every weight vector (`dtype` elements) is aligned. `launch` names the launch in errors.
+/// most 32, or over exactly 64 or 128 threads (two or four whole warps, which the kernels sum
+/// across) at the widest access, and to which every layout (its address, and its element size:
+/// bytes for FP8) and every weight vector (`dtype` elements) is aligned. `launch` names the
+/// launch in errors.
 ///
 /// # Errors
-/// [`crate::Error::Invalid`] naming `config` when a head takes more than a warp at every width
+/// [`crate::Error::Invalid`] naming `config` when a head takes other threads at every width
 /// that divides it, else `q` when nothing is aligned to two elements.
 pub(super) fn access(
     (cfg, dtype): (&RopeConfig, DType),
-    layouts: &[(u64, Layout, usize)],
-    weights: &[u64],
+    (layouts, weights): (&[(u64, Layout, usize)], &[u64]),
     launch: &str,
 ) -> Result<(u32, u32)> {
     let half = cfg.half();
     let mut too_wide = false;
-    for lanes in candidate_lanes(cfg.style(), dtype) {
+    for (i, lanes) in candidate_lanes(cfg.style(), dtype).into_iter().enumerate() {
         let pairs = match cfg.style() {
             RopeStyle::Neox => lanes,
             RopeStyle::Interleaved => lanes / 2,
@@ -68,7 +69,8 @@ pub(super) fn access(
             continue;
         }
         let groups = half / pairs;
-        if groups.next_power_of_two() > 32 {
+        let warps = i == 0 && matches!(groups, 64 | 128);
+        if groups.next_power_of_two() > 32 && !warps {
             too_wide = true;
             continue;
         }
@@ -86,8 +88,8 @@ pub(super) fn access(
         invalid(
             "config",
             format!(
-                "head_dim {} takes more than a warp's 32 threads per head in {launch} at this \
-                 alignment",
+                "head_dim {} takes more than a warp's 32 threads per head in {launch}, other \
+                 than 64 or 128 at the widest access, at this alignment",
                 cfg.head_dim()
             ),
         )

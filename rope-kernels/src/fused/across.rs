@@ -21,8 +21,9 @@
 //! # Thread mapping
 //! A token's threads form a sequence of warps, q's then k's: a tensor's warps hold `32 /
 //! groups` slots of `groups` lanes (a power of two of at most 32; the first `rot_groups = half /
-//! pairs` hold a head's pairs), each slot taking `U` consecutive heads
-//! ([`token_warps_heads_per_thread`]), as the backward's (`super::grad`). Block `(t, 0)` of a
+//! pairs` hold a head's pairs), or for 64 or 128 groups segments of `groups / 32` whole warps,
+//! each slot or segment taking `U` consecutive heads ([`token_warps_heads_per_thread`]), as the
+//! backward's (`super::grad`). Block `(t, 0)` of a
 //! grid of one row holds token `t`'s whole sequence; of a grid of two rows (a sequence longer
 //! than a block), block `(t, 0)` holds q's warps and `(t, 1)` k's. Each thread loads its heads
 //! (and their weights), asks L2 for its share of the heads `prefetch_tokens` tokens on, sums its
@@ -76,7 +77,10 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     // The shared buffer: the token's cos (from 0) and sin (from `half`), then one sum per warp
     // (from `2 half`).
     let sums = 2 * half;
-    if groups > 32
+    // A head's threads: a segment of `groups` lanes of a warp, or of `groups / 32` whole warps
+    // (64 or 128 groups, every one holding pairs).
+    let long = groups > 32;
+    if (long && ((groups != 64 && groups != 128) || a.rot_groups != groups))
         || !groups.is_power_of_two()
         || threads % 32 != 0
         || threads < half
@@ -95,8 +99,12 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     }
     // The token's sequence of warps: q's, then k's. One grid row: a block holds it all; two:
     // block row 0 holds q's warps, row 1 k's.
-    let per_warp = a.heads_per_chunk.max(1);
-    let (q_warps, k_warps) = (a.q.heads.div_ceil(per_warp), a.k.heads.div_ceil(per_warp));
+    // `heads_per_chunk`: the heads of a warp, or of a segment of `segment` warps.
+    let (per_warp, segment) = (a.heads_per_chunk.max(1), (groups / 32).max(1));
+    let (q_warps, k_warps) = (
+        a.q.heads.div_ceil(per_warp) * segment,
+        a.k.heads.div_ceil(per_warp) * segment,
+    );
     let (first, last) = match (grid_dim_y(), block_idx_y()) {
         (1, _) => (0, q_warps + k_warps),
         (_, 0) => (0, q_warps),
@@ -127,9 +135,10 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
         (q_warps.max(first) - first, last - first)
     };
     let shift = groups.trailing_zeros();
-    let (slot, group) = (lane >> shift, lane & (groups - 1));
-    // This thread's heads: `U` consecutive heads from `i0`.
-    let i0 = warp_in_tensor * per_warp + slot * U as u32;
+    // This thread's heads: `U` consecutive heads from `i0`, its pairs from group `group` (the
+    // `32 / groups` slots of a warp, or the segments of warps, in order).
+    let at_lane = warp_in_tensor * 32 + lane;
+    let (i0, group) = ((at_lane >> shift) * U as u32, at_lane & (groups - 1));
     let pairs_here = working && group < a.rot_groups;
     let mut live = [false; U];
     unrolled(U, |u| {
@@ -346,7 +355,9 @@ macro_rules! across_entry {
         /// `tokens` below 2^31, with the whole head rotated (`rotary_dim = head_dim`,
         /// `rotary_offset = 0`, `rot_groups = half / pairs` and `groups` the power of two at
         /// or above it, at most 32, `heads_per_chunk = (32 / groups) *
-        /// token_warps_heads_per_thread(size of the element)`), and: the norm weights hold
+        /// token_warps_heads_per_thread(size of the element)`; or `rot_groups = groups` of 64
+        /// or 128 and `heads_per_chunk = token_warps_heads_per_thread(size of the element)`),
+        /// and: the norm weights hold
         /// `heads * head_dim` elements of their tensor, aligned to `lanes`, when `norm` is not
         /// 0; an FP8 output (`q_format`, `k_format` not the tensors' type) is addressed in
         /// bytes and its scale array is null or holds one `f32` (step 0) or one per head (step

@@ -27,6 +27,11 @@
 //! groups` slots of `groups` lanes (a power of two of at most 32; the first `rot_groups = half /
 //! pairs` hold a head's pairs, the rest only join its sums, which are butterfly shuffles over
 //! the slot), and each slot takes `U` ([`token_warps_heads_per_thread`]) consecutive heads.
+//! Heads of 64 or 128 groups (heads of 512; `f32` interleaved heads of 256) take segments of
+//! `groups / 32` whole warps instead, fewer heads each
+//! ([`NORM_GRAD_SEGMENT_HEADS_PER_THREAD`]; [`segment_totals`]: each warp's sums meet
+//! the segment's other warps' in shared memory at a barrier of the block), and each of their
+//! threads finds its own pairs' cos/sin, with no shared buffer or barrier for them.
 //! Block `(bx, by)` holds warps `bx * blockDim.x / 32 ..` of the sequence and walks tokens `by`,
 //! then a grid's worth further each. With tables and with interleaved pairs each thread starts
 //! copying a token's heads into its part of a shared staging buffer (`cp.async`, two stages)
@@ -39,7 +44,10 @@
 //! buffer: the same launch gives the same gradients every time.
 
 use super::{mul_add, norm_factor, read_cos_sin, rotate_fma, segment_sums, share_cos_sin};
-use crate::abi::{NORM_GRAD_MAX_THREADS, NormCode, token_warps_heads_per_thread};
+use crate::abi::{
+    NORM_GRAD_MAX_THREADS, NORM_GRAD_SEGMENT_HEADS_PER_THREAD, NormCode,
+    token_warps_heads_per_thread,
+};
 use crate::elem::{Bf16, Elem, Half, unrolled};
 use crate::intrinsics::stage::{
     STAGE_BYTES, STAGE_THREAD_BYTES, commit, copy_async, load as stage_load, wait_all_but_last,
@@ -49,8 +57,8 @@ use crate::intrinsics::{
     shared_store_f32, shuffle_xor, sync_threads_count, thread_idx_x, trap,
 };
 use crate::rope::{
-    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, load_head, offset_u32,
-    rotate_values_with, vector_offsets, widen,
+    Args, Interleaved, Neox, Pairing, Params, Source, Table, Theta, cos_sin, load_head, offset_u32,
+    position, rotate_values_with, vector_offsets, widen,
 };
 
 /// The gradient kernel's arguments: the RoPE arguments (`gy` in, `gx` out, positions, sin/cos)
@@ -103,6 +111,20 @@ unsafe fn head_gradient<T: Elem, P: Pairing, const L: usize>(
     (out, j0, half): (*mut T, usize, usize),
     acc: &mut [[f32; L]; 2],
 ) {
+    let (gz, gzw, parts) = head_terms::<P, L>((&x, &gy), (cos, sin, w));
+    let sums = segment_sums(parts, groups);
+    // SAFETY: the caller's promise.
+    unsafe { head_finish::<T, P, L>((&x, gz, gzw), sums, (inv_dim, eps), (out, j0, half), acc) };
+}
+
+/// A head's terms at one token, from this thread's elements: `gz = R^T gy`, `gz w'`, and this
+/// thread's parts of the norm's two sums, `[sum x_e^2, sum gz_e w'_e x_e]`.
+#[inline(always)]
+#[allow(clippy::type_complexity)]
+fn head_terms<P: Pairing, const L: usize>(
+    (x, gy): (&[[f32; L]; 2], &[[f32; L]; 2]),
+    (cos, sin, w): (&[f32; L], &[f32; L], &[[f32; L]; 2]),
+) -> ([[f32; L]; 2], [[f32; L]; 2], [f32; 2]) {
     // `sin` carries `sin_sign`: the transposed rotation of a forward step.
     let gz = rotate_values_with::<P, L>(|i, k| gy[i][k], cos, sin, rotate_fma);
     let mut gzw = [[0.0f32; L]; 2];
@@ -114,7 +136,23 @@ unsafe fn head_gradient<T: Elem, P: Pairing, const L: usize>(
             dot = mul_add(gzw[i][k], x[i][k], dot);
         }
     });
-    let [squares, dot] = segment_sums([squares, dot], groups);
+    (gz, gzw, [squares, dot])
+}
+
+/// A head's input gradient from its terms ([`head_terms`]) and the head's two sums over all
+/// its elements: stores it at `out` (unless null) and adds the weight terms `gz_e n_e` to
+/// `acc`.
+///
+/// # Safety
+/// A non-null `out` addresses this thread's elements of the head's input gradient.
+#[inline(always)]
+unsafe fn head_finish<T: Elem, P: Pairing, const L: usize>(
+    (x, gz, gzw): (&[[f32; L]; 2], [[f32; L]; 2], [[f32; L]; 2]),
+    [squares, dot]: [f32; 2],
+    (inv_dim, eps): (f32, f32),
+    (out, j0, half): (*mut T, usize, usize),
+    acc: &mut [[f32; L]; 2],
+) {
     let r = norm_factor(squares, inv_dim, eps);
     let c = r * dot * inv_dim;
     let mut gx = [[0.0f32; L]; 2];
@@ -137,12 +175,16 @@ unsafe fn head_gradient<T: Elem, P: Pairing, const L: usize>(
     }
 }
 
-/// The gradient body for accesses of `L` elements, `U` heads per thread.
+/// The gradient body for accesses of `L` elements, `U` heads per thread; `LONG`: heads of 64
+/// or 128 groups, each the `groups / 32` consecutive warps of a segment (see the module
+/// documentation).
 ///
 /// # Safety
 /// The promises of the entry points.
 #[inline(always)]
-unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g: &Grad<T>) {
+unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize, const LONG: bool>(
+    g: &Grad<T>,
+) {
     // The heads are staged through shared memory a token ahead (see the loop) with tables and
     // interleaved pairs; NeoX pairs with sin/cos computed load each token's heads where they
     // are used (docs/perf/decisions.md, the backward's entry).
@@ -154,8 +196,20 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     let groups = a.groups.divisor.get();
     let threads = block_dim_x();
     // The block's threads find the token's `half` cos/sin pairs, one each, into one of two
-    // halves of the shared buffer.
-    if groups > 32
+    // halves of the shared buffer. `LONG`: each thread finds its own pairs' (the block may
+    // hold fewer threads than pairs), and the shared buffer takes each warp's `2 U` sums of
+    // its heads (`rows` values), in one of two halves; the block holds whole segments.
+    let rows = 2 * U as u32 * (threads / 32);
+    if LONG {
+        if (groups != 64 && groups != 128)
+            || a.rot_groups != groups
+            || threads % groups != 0
+            || 4 * a.half as usize > SHARED_F32
+            || 2 * rows as usize > SHARED_F32
+        {
+            trap()
+        }
+    } else if groups > 32
         || !groups.is_power_of_two()
         || threads % 32 != 0
         || threads < a.half
@@ -167,15 +221,20 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     let tid = thread_idx_x();
     let lane = tid % 32;
     let warp = block_idx_x() * (threads / 32) + tid / 32;
-    let (slot, group) = (lane >> shift, lane & (groups - 1));
     let is_q = warp < g.q_warps;
     let (tensor, (input, in_strides), weight, warp_in_tensor) = if is_q {
         (a.q, g.q_in, g.q_norm_weight, warp)
     } else {
         (a.k, g.k_in, g.k_norm_weight, warp - g.q_warps)
     };
-    // This thread's heads: `U` consecutive heads from `i0`.
-    let i0 = warp_in_tensor * a.heads_per_chunk + slot * U as u32;
+    // This thread's heads: `U` consecutive heads from `i0`; its pairs from group `group`.
+    let (i0, group) = if LONG {
+        let at = warp_in_tensor * 32 + lane;
+        ((at >> shift) * U as u32, at & (groups - 1))
+    } else {
+        let (slot, group) = (lane >> shift, lane & (groups - 1));
+        (warp_in_tensor * a.heads_per_chunk + slot * U as u32, group)
+    };
     let pairs_here = group < a.rot_groups;
     let mut live = [false; U];
     unrolled(U, |u| {
@@ -309,33 +368,79 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
                 }
             });
         }
-        // SAFETY: base + 2 half <= 4 half <= SHARED_F32; (b, s) is a token; the position,
-        // table and frequency promises.
-        unsafe { share_cos_sin::<T, S>(a, (b, s), pairs, base) };
-        sync_threads_count(threads);
-        let (cos, sin) = if pairs_here {
-            // SAFETY: j0 + pairs <= half, j0, half and base multiples of pairs; written before
-            // the barrier above.
-            unsafe { read_cos_sin::<L>((base, a.half), (j0, pairs)) }
+        let (cos, sin) = if LONG {
+            if pairs_here {
+                // SAFETY: (b, s) is a token, `group` this thread's group, pairs `j0..j0 +
+                // pairs` of the rotation; the position, table and frequency promises.
+                unsafe {
+                    let pos = position(a, u64::from(b), u64::from(s), group);
+                    cos_sin::<T, S, L>(a, pos, j0, pairs)
+                }
+            } else {
+                ([0.0; L], [0.0; L])
+            }
         } else {
-            ([0.0; L], [0.0; L])
+            // SAFETY: base + 2 half <= 4 half <= SHARED_F32; (b, s) is a token; the position,
+            // table and frequency promises.
+            unsafe { share_cos_sin::<T, S>(a, (b, s), pairs, base) };
+            sync_threads_count(threads);
+            if pairs_here {
+                // SAFETY: j0 + pairs <= half, j0, half and base multiples of pairs; written
+                // before the barrier above.
+                unsafe { read_cos_sin::<L>((base, a.half), (j0, pairs)) }
+            } else {
+                ([0.0; L], [0.0; L])
+            }
         };
         let strides = tensor.out_strides;
         let (out_first, out_step) = (offset_u32(strides, (b, s), i0), strides[2] as u32);
-        unrolled(U, |u| {
-            let out = if live[u] {
+        let out_of = |u: usize| {
+            if live[u] {
                 // SAFETY: the head's output, as its input above.
                 unsafe { tensor.out.add((out_first + u as u32 * out_step) as usize) }
             } else {
                 core::ptr::null_mut()
+            }
+        };
+        if LONG {
+            // SAFETY: every thread of the block is here (it walks the block's tokens); the
+            // buffer holds two halves of the block's warps' sums (checked above), and a
+            // thread writing this half again has passed the barrier of the token between,
+            // which every thread reaches after reading this token's sums.
+            let sums = unsafe {
+                segment_totals::<T, P, L, U>(&loaded, (&cos, &sin, &w), (base, groups / 32))
             };
-            let io = (widen(loaded[u][0]), widen(loaded[u][1]));
-            // SAFETY: `out` is null or this thread's head of the output.
-            unsafe {
-                head_gradient::<T, P, L>(io, (&cos, &sin, &w), consts, (out, j0, half), &mut acc)
-            };
-        });
-        base ^= 2 * a.half;
+            unrolled(U, |u| {
+                let x = widen(loaded[u][0]);
+                let (gz, gzw, _) = head_terms::<P, L>((&x, &widen(loaded[u][1])), (&cos, &sin, &w));
+                let finish = (consts.1, consts.2);
+                // SAFETY: `out` is null or this thread's head of the output.
+                unsafe {
+                    head_finish::<T, P, L>(
+                        (&x, gz, gzw),
+                        sums[u],
+                        finish,
+                        (out_of(u), j0, half),
+                        &mut acc,
+                    )
+                };
+            });
+        } else {
+            unrolled(U, |u| {
+                let io = (widen(loaded[u][0]), widen(loaded[u][1]));
+                // SAFETY: `out` is null or this thread's head of the output.
+                unsafe {
+                    head_gradient::<T, P, L>(
+                        io,
+                        (&cos, &sin, &w),
+                        consts,
+                        (out_of(u), j0, half),
+                        &mut acc,
+                    )
+                };
+            });
+        }
+        base ^= if LONG { rows } else { 2 * a.half };
         if ahead >= tokens {
             break;
         }
@@ -346,6 +451,64 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
     }
     // SAFETY: the entry points' promises for `partials` and the block's shape.
     unsafe { store_partials::<P, L>(g, acc, (groups, j0), is_q) };
+}
+
+/// Each of this thread's `U` heads' two norm sums ([`head_terms`]) over the whole head, a
+/// segment of `groups / 32` consecutive warps: each warp's butterfly sums, written by its lane
+/// 0 from element `exchange` of the shared buffer (`2 U` values a warp: the heads' sums of
+/// squares, then their dot products), then, after a barrier of the block, the segment's
+/// warps' values added in warp order, so that every thread of a head finds the same sums.
+///
+/// # Safety
+/// Every thread of the block calls it; the block holds whole segments of `segment` warps
+/// (2 or 4); `exchange + 2 U` values per warp of the block fit the buffer, `exchange` a
+/// multiple of `U`; no thread still reads the values from `exchange` of an earlier call.
+#[inline(always)]
+unsafe fn segment_totals<T: Elem, P: Pairing, const L: usize, const U: usize>(
+    loaded: &[[[[T; L]; 2]; 2]; U],
+    cos_sin_w: (&[f32; L], &[f32; L], &[[f32; L]; 2]),
+    (exchange, segment): (u32, u32),
+) -> [[f32; 2]; U] {
+    let (mut squares, mut dots) = ([0.0f32; U], [0.0f32; U]);
+    unrolled(U, |u| {
+        let (x, gy) = (widen(loaded[u][0]), widen(loaded[u][1]));
+        let (_, _, [sq, dot]) = head_terms::<P, L>((&x, &gy), cos_sin_w);
+        (squares[u], dots[u]) = (sq, dot);
+    });
+    let (squares, dots) = (segment_sums(squares, 32), segment_sums(dots, 32));
+    let (tid, threads) = (thread_idx_x(), block_dim_x());
+    let warp = tid / 32;
+    let row = |w: u32| exchange + w * 2 * U as u32;
+    if tid % 32 == 0 {
+        unrolled(U, |u| {
+            // SAFETY: the warp's row lies in the buffer (the caller's promise).
+            unsafe {
+                shared_store_f32(row(warp) + u as u32, squares[u]);
+                shared_store_f32(row(warp) + (U + u) as u32, dots[u]);
+            }
+        });
+    }
+    sync_threads_count(threads);
+    // The segment's warps: `segment` from the first of a multiple of `segment`.
+    let first = warp - warp % segment;
+    let mut sums = [[0.0f32; 2]; U];
+    let mut w = first;
+    while w < first + segment {
+        // SAFETY: the rows of the block's warps lie in the buffer, each part of `U` values
+        // from a multiple of `U` (the caller's promise); written before the barrier above.
+        let (sq, dot) = unsafe {
+            (
+                shared_load_f32s::<U>(row(w)),
+                shared_load_f32s::<U>(row(w) + U as u32),
+            )
+        };
+        unrolled(U, |u| {
+            sums[u][0] += sq[u];
+            sums[u][1] += dot[u];
+        });
+        w += 1;
+    }
+    sums
 }
 
 /// Adds each thread's weight sums over the lanes of its warp holding the same features
@@ -425,12 +588,20 @@ unsafe fn store_partials<P: Pairing, const L: usize>(
 unsafe fn dispatch<T: Elem, P: Pairing, S: Source>(g: &Grad<T>) {
     // SAFETY: forwarded promises; `lanes` selects a body whose access width the host checked.
     unsafe {
-        match (T::SIZE, g.rope.lanes, P::NEOX) {
-            (2, 8, false) => body::<T, P, S, 8, { token_warps_heads_per_thread(2) as usize }>(g),
-            (2, 4, true) => body::<T, P, S, 4, { token_warps_heads_per_thread(2) as usize }>(g),
-            (2, 2, _) => body::<T, P, S, 2, { token_warps_heads_per_thread(2) as usize }>(g),
-            (4, 4, _) => body::<T, P, S, 4, { token_warps_heads_per_thread(4) as usize }>(g),
-            (4, 2, _) => body::<T, P, S, 2, { token_warps_heads_per_thread(4) as usize }>(g),
+        const U2: usize = token_warps_heads_per_thread(2) as usize;
+        const U4: usize = token_warps_heads_per_thread(4) as usize;
+        const U1: usize = NORM_GRAD_SEGMENT_HEADS_PER_THREAD as usize;
+        // Segments of more than a warp at the widest accesses alone (the host's rule).
+        let long = g.rope.groups.divisor.get() > 32;
+        match (T::SIZE, g.rope.lanes, P::NEOX, long) {
+            (2, 8, false, false) => body::<T, P, S, 8, U2, false>(g),
+            (2, 8, false, true) => body::<T, P, S, 8, U1, true>(g),
+            (2, 4, true, false) => body::<T, P, S, 4, U2, false>(g),
+            (2, 4, true, true) => body::<T, P, S, 4, U1, true>(g),
+            (2, 2, _, false) => body::<T, P, S, 2, U2, false>(g),
+            (4, 4, _, false) => body::<T, P, S, 4, U4, false>(g),
+            (4, 4, _, true) => body::<T, P, S, 4, U1, true>(g),
+            (4, 2, _, false) => body::<T, P, S, 2, U4, false>(g),
             _ => trap(),
         }
     }

@@ -49,7 +49,7 @@ impl Case {
         } else {
             RopeStyle::Interleaved
         };
-        // f32 interleaved heads take two pairs per thread: at most 128 features in a warp.
+        // Heads of more than a warp's accesses are `run_long`'s.
         let dims: &[usize] = if es == 4 && style == RopeStyle::Interleaved {
             &[64, 96, 128]
         } else {
@@ -460,12 +460,18 @@ fn check_case<T: TestElem>(
 }
 
 fn run<T: TestElem>(name: &str, cases: u64) {
+    run_with::<T>(name, cases, |_, _| {});
+}
+
+/// [`run`] with each drawn case changed by `change(j, case)`.
+fn run_with<T: TestElem>(name: &str, cases: u64, change: impl Fn(u64, &mut Case)) {
     let Some((stream, rope)) = gpu_or_skip(name) else {
         return;
     };
     let mut worst = Worst::default();
     for j in 0..cases.min(case_cap()) {
-        let c = Case::random(j, size_of::<T>());
+        let mut c = Case::random(j, size_of::<T>());
+        change(j, &mut c);
         if let Err(e) = check_case::<T>(&c, j ^ 0x5eed, &stream, &rope, &mut worst) {
             panic!("{name}: case {j} {c:?}: {e}");
         }
@@ -489,6 +495,44 @@ fn fused_backward_matches_reference_f16() {
 #[test]
 fn fused_backward_matches_reference_f32() {
     run::<f32>("fused_backward_matches_reference_f32", 20);
+}
+
+/// Heads whose norm sums over more than a warp's accesses (Gemma 4's global layers: heads of
+/// 512; `f32` interleaved heads of 256: 64 or 128 accesses), which the kernels sum across the
+/// head's two or four warps: [`run`]'s random cases at those widths.
+fn run_long<T: TestElem>(name: &str, cases: u64) {
+    run_with::<T>(name, cases, |j, c| {
+        c.d = if size_of::<T>() == 4 && j % 3 == 1 {
+            c.style = RopeStyle::Interleaved;
+            256
+        } else {
+            512
+        };
+    });
+}
+
+#[test]
+fn fused_backward_of_heads_wider_than_a_warp_matches_reference_bf16() {
+    run_long::<rope_host::half::bf16>(
+        "fused_backward_of_heads_wider_than_a_warp_matches_reference_bf16",
+        15,
+    );
+}
+
+#[test]
+fn fused_backward_of_heads_wider_than_a_warp_matches_reference_f16() {
+    run_long::<rope_host::half::f16>(
+        "fused_backward_of_heads_wider_than_a_warp_matches_reference_f16",
+        10,
+    );
+}
+
+#[test]
+fn fused_backward_of_heads_wider_than_a_warp_matches_reference_f32() {
+    run_long::<f32>(
+        "fused_backward_of_heads_wider_than_a_warp_matches_reference_f32",
+        10,
+    );
 }
 
 /// A backward with a workspace one row short, an input of other dimensions, or no norm, is

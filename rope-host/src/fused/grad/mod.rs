@@ -228,9 +228,11 @@ impl Rope {
         // addresses, aligned to `lanes`; written regions overlap nothing else; the whole head
         // rotates with `rot_groups = half / pairs` threads in segments of the power of two at
         // or above it, at most 32, `heads_per_chunk` their slots per warp times
-        // `token_warps_heads_per_thread`; blocks of whole warps, at least `half` and at most
-        // `NORM_GRAD_MAX_THREADS` threads, with `4 half` and `2 head_dim` within the shared
-        // buffer; the workspace holds two rows per block (the weights kernel reads those rows,
+        // `token_warps_heads_per_thread`, in blocks of whole warps of at least `half` threads;
+        // or 64 or 128 groups in segments of whole warps, `heads_per_chunk` the heads of one,
+        // in blocks of whole segments with `2 half` and each warp's sums within the shared
+        // buffer; at most `NORM_GRAD_MAX_THREADS` threads, with `4 half` and `2 head_dim`
+        // within the shared buffer; the workspace holds two rows per block (the weights kernel reads those rows,
         // after the gradient kernel on the same stream); positions and sin/cos as for
         // `Rope::run`. Both functions were loaded in this context and wait for nothing.
         unsafe {

@@ -7,8 +7,8 @@ use std::num::NonZeroU32;
 
 use cudarc::driver::LaunchConfig;
 use rope_kernels::abi::{
-    Direction, NORM_GRAD_MAX_THREADS, NormGradKernelName, SHARED_BUFFER_F32,
-    token_warps_heads_per_thread,
+    Direction, NORM_GRAD_MAX_THREADS, NORM_GRAD_SEGMENT_HEADS_PER_THREAD, NormGradKernelName,
+    SHARED_BUFFER_F32, token_warps_heads_per_thread,
 };
 use rope_kernels::divide::Divisor;
 
@@ -149,29 +149,52 @@ pub(crate) fn plan_grad(
     let weights = fused
         .norm
         .map_or(Vec::new(), |n| vec![n.q_weight.ptr, n.k_weight.ptr]);
-    let (lanes, groups) = access((cfg, dtype), &layouts, &weights, "the fused backward")?;
-    // A head's threads: a warp segment of a power of two, the lanes past `groups` idle.
+    let (lanes, groups) = access((cfg, dtype), (&layouts, &weights), "the fused backward")?;
+    // A head's threads: a warp segment of a power of two, the lanes past `groups` idle, or a
+    // segment of `segment` whole warps (64 or 128 groups).
     let threads_per_head = groups.next_power_of_two();
+    let segment = threads_per_head.div_ceil(32);
     // Each token's threads form a sequence of warps, q's then k's: a warp's slots of
-    // `threads_per_head` lanes, each taking `token_warps_heads_per_thread` consecutive heads.
-    // Block `(bx, by)` takes warps `bx * warps ..` of the sequence of tokens `by`, then a
-    // grid's worth further each; its threads find each token's `half` cos/sin pairs, one each,
-    // so it holds at least `half` threads; the shared buffer takes two tokens' pairs and then
-    // q's and k's weight sums.
+    // `threads_per_head` lanes (or a segment of warps), each taking
+    // `token_warps_heads_per_thread` consecutive heads. Block `(bx, by)` takes warps `bx *
+    // warps ..` of the sequence of tokens `by`, then a grid's worth further each. Its threads
+    // find each token's `half` cos/sin pairs: within a warp, one each, so it holds at least
+    // `half` threads, and the shared buffer takes two tokens' pairs; across warps, a segment's
+    // thread each its own pairs', one head a thread, and the buffer takes two tokens' `2 U`
+    // sums of each warp, the block holding whole segments. The buffer then takes q's and k's
+    // weight sums.
     let head_dim = cfg.head_dim();
     let half = cfg.half();
-    if 2 * head_dim > SHARED_BUFFER_F32 || half > NORM_GRAD_MAX_THREADS {
+    let per_thread = if segment == 1 {
+        token_warps_heads_per_thread(es)
+    } else {
+        NORM_GRAD_SEGMENT_HEADS_PER_THREAD
+    };
+    let most = NORM_GRAD_MAX_THREADS / 32;
+    let sums = 2 * 2 * per_thread * (most / segment * segment);
+    if 2 * head_dim > SHARED_BUFFER_F32
+        || (segment == 1 && half > NORM_GRAD_MAX_THREADS)
+        || (segment > 1 && sums > SHARED_BUFFER_F32)
+    {
         return Err(invalid(
             "config",
             format!("head_dim {head_dim} is wider than the fused backward's sums take"),
         ));
     }
-    let per_warp = 32 / threads_per_head * token_warps_heads_per_thread(es);
-    let q_warps = (q.heads as u32).div_ceil(per_warp);
-    let sequence = q_warps + (k.heads as u32).div_ceil(per_warp);
-    let warps = sequence
-        .clamp(1, NORM_GRAD_MAX_THREADS / 32)
-        .max(half.div_ceil(32));
+    let (per_warp, warps_of) = if segment == 1 {
+        let per_warp = 32 / threads_per_head * per_thread;
+        (per_warp, (per_warp, 1))
+    } else {
+        (per_thread, (per_thread, segment))
+    };
+    let tensor_warps = |heads: usize| (heads as u32).div_ceil(warps_of.0) * warps_of.1;
+    let q_warps = tensor_warps(q.heads);
+    let sequence = q_warps + tensor_warps(k.heads);
+    let warps = if segment == 1 {
+        sequence.clamp(1, most).max(half.div_ceil(32))
+    } else {
+        sequence.min(most / segment * segment)
+    };
     let columns = sequence.div_ceil(warps).max(1);
     let kernel = NormGradKernelName {
         style: cfg.style(),

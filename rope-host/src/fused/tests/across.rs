@@ -79,6 +79,44 @@ fn across_heads_plans_a_block_per_tensor_where_both_do_not_fit_one() {
 }
 
 #[test]
+fn across_heads_of_512_take_segments_of_two_whole_warps() {
+    // bf16 heads of 512 at 8-element accesses: 64 groups, two warps a head, four heads a
+    // segment: 8 q heads take 4 warps and 3 k heads 2, in one block of at least the 256
+    // cos/sin threads.
+    let d = 512;
+    for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+        let mut r = across_request(style);
+        r.rope.config = crate::config::RopeConfig::builder(d as u32, style)
+            .build()
+            .expect("valid");
+        let shaped = |at: u64, heads: usize| {
+            let mut t = tensor(at, heads);
+            t.x_layout = crate::layout::Layout::thd(TOKENS, heads, d);
+            t.x = buf(at, t.x_layout.end().expect("small"));
+            t
+        };
+        (r.rope.q, r.rope.k) = (shaped(1 << 24, 8), Some(shaped(2 << 24, 3)));
+        if let Some(n) = &mut r.norm {
+            (n.q_weight, n.k_weight) = (buf(4 << 24, 8 * d), buf(5 << 24, 3 * d));
+        }
+        let p = plan_across(&r, &H200).expect("valid").expect("non-empty");
+        assert_eq!(
+            (p.groups, p.grid.groups.divisor.get()),
+            (64, 64),
+            "{style:?}"
+        );
+        assert_eq!(p.grid.heads_per_chunk, token_warps_heads_per_thread(2));
+        assert_eq!(p.grid.config.grid_dim, (TOKENS as u32, 1, 1));
+        assert_eq!(
+            p.grid.config.block_dim.0,
+            8 * 32,
+            "{style:?}: 6 warps, 256 threads of cos/sin"
+        );
+        assert!(d as u32 + 8 <= SHARED_BUFFER_F32);
+    }
+}
+
+#[test]
 fn across_heads_refuses_what_its_kernels_do_not_store() {
     let base = across_request(RopeStyle::Neox);
     // A cache (and v) as the fused request's.

@@ -1,8 +1,8 @@
 //! The backward planner (`grad.rs`): its validation, its access width and its grid.
 
 use rope_kernels::abi::{
-    DType, NORM_GRAD_MAX_THREADS, NormGradKernelName, SHARED_BUFFER_F32,
-    token_warps_heads_per_thread,
+    DType, NORM_GRAD_MAX_THREADS, NORM_GRAD_SEGMENT_HEADS_PER_THREAD, NormGradKernelName,
+    SHARED_BUFFER_F32, token_warps_heads_per_thread,
 };
 
 use super::super::grad::{GradPlan, GradRequest, max_grad_blocks, plan_grad};
@@ -165,7 +165,7 @@ fn shaped_request(
 
 #[test]
 fn backward_plans_keep_the_kernels_block_and_shared_buffer_bounds_for_every_shape() {
-    let mut planned = 0;
+    let (mut planned, mut long) = (0, 0);
     for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
         for dtype in [DType::BF16, DType::F16, DType::F32] {
             for head_dim in [64, 96, 128, 256, 512] {
@@ -175,25 +175,39 @@ fn backward_plans_keep_the_kernels_block_and_shared_buffer_bounds_for_every_shap
                         let p = match plan(&r) {
                             Ok(Some(p)) => p,
                             Ok(None) => panic!("{style:?} {dtype:?} {head_dim} {heads:?}: empty"),
-                            // Heads the access widths cannot split into at most a warp.
-                            Err(Error::Invalid { arg: "config", .. }) => continue,
+                            // Heads the access widths cannot split into a warp or whole warps.
+                            Err(Error::Invalid { arg: "config", .. }) => {
+                                assert_ne!(head_dim, 512, "{style:?} {dtype:?}: heads of 512");
+                                continue;
+                            }
                             Err(e) => panic!("{style:?} {dtype:?} {head_dim} {heads:?}: {e}"),
                         };
                         planned += 1;
                         let half = head_dim as u32 / 2;
                         let threads = p.grid.config.block_dim.0;
                         let (columns, rows, _) = p.grid.config.grid_dim;
-                        // The kernel traps otherwise: whole warps, no more than its `.maxntid`,
-                        // a thread per cos/sin pair, two tokens' pairs and then both weight
-                        // rows within the shared buffer, a head's lanes within a warp.
-                        assert_eq!(threads % 32, 0);
-                        assert!(threads <= NORM_GRAD_MAX_THREADS && threads >= half);
+                        // The kernel traps otherwise: whole warps (whole segments of a
+                        // head's warps), no more than its `.maxntid`, within a warp a thread
+                        // per cos/sin pair and two tokens' pairs, across warps one token's
+                        // pairs and each warp's sums, then both weight rows within the shared
+                        // buffer.
+                        let segment = p.groups.next_power_of_two().div_ceil(32);
+                        assert_eq!(threads % (32 * segment), 0);
+                        assert!(threads <= NORM_GRAD_MAX_THREADS);
                         assert!(4 * half <= SHARED_BUFFER_F32);
-                        assert!(p.groups.next_power_of_two() <= 32);
-                        // Every head has its warp: q's warps, then k's, over the columns.
+                        if segment == 1 {
+                            assert!(threads >= half);
+                        } else {
+                            assert!(matches!(p.groups, 64 | 128));
+                            let per_thread = NORM_GRAD_SEGMENT_HEADS_PER_THREAD;
+                            assert_eq!(p.grid.heads_per_chunk, per_thread);
+                            assert!(2 * 2 * per_thread * threads / 32 <= SHARED_BUFFER_F32);
+                            long += 1;
+                        }
+                        // Every head has its warps: q's, then k's, over the columns.
                         let per_warp = p.grid.heads_per_chunk;
-                        assert!(p.q_warps * per_warp >= heads.0 as u32);
-                        let k_warps = (heads.1 as u32).div_ceil(per_warp);
+                        assert!(p.q_warps / segment * per_warp >= heads.0 as u32);
+                        let k_warps = (heads.1 as u32).div_ceil(per_warp) * segment;
                         assert!(columns * (threads / 32) >= p.q_warps + k_warps);
                         assert!(rows as usize <= tokens);
                         assert_eq!(p.blocks, columns * rows);
@@ -206,4 +220,52 @@ fn backward_plans_keep_the_kernels_block_and_shared_buffer_bounds_for_every_shap
         }
     }
     assert!(planned > 300, "{planned} shapes planned");
+    assert!(long >= 6 * 7 * 3, "{long} shapes of heads across warps");
+}
+
+#[test]
+fn backward_heads_wider_than_a_warp_take_segments_of_whole_warps() {
+    // bf16 NeoX heads of 512: 64 groups of four pairs, two warps a head; f32 interleaved: 128
+    // groups of two pairs, four warps. `NORM_GRAD_SEGMENT_HEADS_PER_THREAD` heads a thread.
+    let per = NORM_GRAD_SEGMENT_HEADS_PER_THREAD;
+    for (style, dtype, groups, segment) in [
+        (RopeStyle::Neox, DType::BF16, 64, 2),
+        (RopeStyle::Interleaved, DType::BF16, 64, 2),
+        (RopeStyle::Neox, DType::F32, 64, 2),
+        (RopeStyle::Interleaved, DType::F32, 128, 4),
+    ] {
+        let r = shaped_request((style, dtype), 512, (32, 8), TOKENS);
+        let p = plan(&r).expect("valid").expect("non-empty");
+        assert_eq!((p.groups, p.grid.groups.divisor.get()), (groups, groups));
+        assert_eq!(p.grid.heads_per_chunk, NORM_GRAD_SEGMENT_HEADS_PER_THREAD);
+        assert_eq!(p.q_warps, 32 / per * segment);
+        // Blocks of four warps: two segments of two, or one of four.
+        assert_eq!(p.grid.config.block_dim.0, 128, "{style:?} {dtype:?}");
+        assert_eq!(
+            p.grid.config.grid_dim.0,
+            ((32 + 8) / per * segment).div_ceil(4)
+        );
+    }
+    // f32 interleaved heads of 256: 64 groups, two warps a segment; q's 5 heads and k's 3 in
+    // whole segments, over blocks of four warps.
+    let r = shaped_request((RopeStyle::Interleaved, DType::F32), 256, (5, 3), TOKENS);
+    let p = plan(&r).expect("valid").expect("non-empty");
+    let (q_warps, k_warps) = (5u32.div_ceil(per) * 2, 3u32.div_ceil(per) * 2);
+    assert_eq!((p.groups, p.q_warps), (64, q_warps));
+    assert_eq!(p.grid.config.grid_dim.0, (q_warps + k_warps).div_ceil(4));
+    assert_eq!(p.grid.config.block_dim.0, 4 * 32);
+}
+
+#[test]
+fn backward_heads_wider_than_a_warp_at_a_narrow_access_are_refused_naming_config() {
+    // A weight aligned to one bf16 element leaves two-element accesses: 128 groups of NeoX
+    // pairs, whole warps only at the widest access.
+    let mut r = shaped_request((RopeStyle::Neox, DType::BF16), 512, (8, 2), TOKENS);
+    r.norm.q_weight.ptr += 2;
+    r.fused.norm.as_mut().expect("norm").q_weight.ptr += 2;
+    assert_eq!(invalid_name(plan(&r)), "config");
+    // Heads of 1024: 128 groups of NeoX 16-bit pairs take whole warps, but their weight rows
+    // do not fit the shared buffer.
+    let r = shaped_request((RopeStyle::Neox, DType::BF16), 1024, (8, 2), TOKENS);
+    assert_eq!(invalid_name(plan(&r)), "config");
 }
