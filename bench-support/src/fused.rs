@@ -38,7 +38,28 @@ const REGIONS: usize = 11;
 const THETA: f64 = 1_000_000.0;
 const HQ: usize = 32;
 const HK: usize = 8;
-const D: usize = 128;
+/// The heads' features by default ([`HEAD_DIM_VAR`] changes it).
+const DEFAULT_D: usize = 128;
+/// The DiT row's heads' features (its axes' widths sum to them).
+const DIT_D: usize = 128;
+
+/// Environment variable: the fused rows' head size (even, 64 to 512; 128 by default), for
+/// rows of wider heads such as Gemma 4's global layers' 512 (their norm sums across warps).
+/// Other than 128, the DiT and MLA rows, whose heads are their own, are skipped, and past
+/// 256 the NVFP4 rows (their kernels' norm sums within a warp).
+pub const HEAD_DIM_VAR: &str = "ROPE_BENCH_FUSED_HEAD_DIM";
+
+/// The heads' features of the fused rows: [`HEAD_DIM_VAR`], else [`DEFAULT_D`].
+pub fn head_dim() -> usize {
+    static CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CELL.get_or_init(|| {
+        std::env::var(HEAD_DIM_VAR)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&d: &usize| d.is_multiple_of(2) && (64..=512).contains(&d))
+            .unwrap_or(DEFAULT_D)
+    })
+}
 const BLOCK: usize = 16;
 /// Token `t`'s position is `FIRST_POSITION + t % POSITION_SPAN`.
 const FIRST_POSITION: i64 = 1000;
@@ -415,16 +436,16 @@ impl Dit {
         let positions: Vec<i64> = (0..3)
             .flat_map(|a| (0..t).map(move |i| grid(a, i)))
             .collect();
-        let spec = FrequencySpec::new(DIT_THETA, D as u32).scaling(RopeScaling::Axial {
+        let spec = FrequencySpec::new(DIT_THETA, DIT_D as u32).scaling(RopeScaling::Axial {
             axes_dim: DIT_AXES.to_vec(),
         });
         Ok(Self {
             weights: (
-                stream.clone_htod(&fill(HQ * D, 0.13))?,
-                stream.clone_htod(&fill(HK * D, 0.17))?,
+                stream.clone_htod(&fill(HQ * DIT_D, 0.13))?,
+                stream.clone_htod(&fill(HK * DIT_D, 0.17))?,
             ),
             positions: stream.clone_htod(&positions)?,
-            axes: rope.axis_map(&AxisMap::axial(&DIT_AXES, D as u32)?)?,
+            axes: rope.axis_map(&AxisMap::axial(&DIT_AXES, DIT_D as u32)?)?,
             freqs: rope.frequencies(&spec)?,
         })
     }
@@ -447,8 +468,8 @@ fn rotary_from_env() -> u32 {
     std::env::var(ROTARY_VAR)
         .ok()
         .and_then(|v| v.parse().ok())
-        .filter(|&r: &u32| r > 0 && r <= D as u32)
-        .unwrap_or(D as u32)
+        .filter(|&r: &u32| r > 0 && r <= head_dim() as u32)
+        .unwrap_or(head_dim() as u32)
 }
 
 /// The pairing [`STYLE_VAR`] asks for.
@@ -506,9 +527,9 @@ impl Buffers {
                 .map(|i| bf16::from_f32((i as f32 * k).sin()))
                 .collect()
         };
-        let (qn, kn) = (tokens * HQ * D, tokens * HK * D);
+        let (qn, kn) = (tokens * HQ * head_dim(), tokens * HK * head_dim());
         let blocks = tokens.div_ceil(BLOCK) + 1;
-        let cache = blocks * BLOCK * HK * D;
+        let cache = blocks * BLOCK * HK * head_dim();
         // The largest copy row: q, k and v, or one and a half times q and k.
         let copied = (qn + 2 * kn).max(3 * (qn + kn) / 2);
         // Slots in reverse order of the blocks, as a paged allocator hands them out.
@@ -523,7 +544,7 @@ impl Buffers {
             q8: stream.alloc_zeros(qn)?,
             qkv_src: stream.clone_htod(&fill(copied, 0.11))?,
             qkv_dst: stream.alloc_zeros(copied)?,
-            w: stream.clone_htod(&fill(D, 0.7))?,
+            w: stream.clone_htod(&fill(head_dim(), 0.7))?,
             scale: stream.clone_htod(&[0.05f32])?,
             ids: stream.clone_htod(
                 &(0..tokens as i64)
@@ -563,7 +584,10 @@ impl Buffers {
                 stream.clone_htod(&fill(kn, 0.43))?,
             ),
             backward_out: (stream.alloc_zeros(qn)?, stream.alloc_zeros(kn)?),
-            backward_w: (stream.alloc_zeros(D)?, stream.alloc_zeros(D)?),
+            backward_w: (
+                stream.alloc_zeros(head_dim())?,
+                stream.alloc_zeros(head_dim())?,
+            ),
             workspace: stream.alloc_zeros(workspace)?,
             dit,
             dit_knobs: DitKnobs::from_env(),
@@ -653,7 +677,10 @@ impl Buffers {
         variant: Variant,
     ) -> anyhow::Result<()> {
         let t = self.tokens;
-        let (lq, lk) = (Layout::thd(t, HQ, D), Layout::thd(t, HK, D));
+        let (lq, lk) = (
+            Layout::thd(t, HQ, head_dim()),
+            Layout::thd(t, HK, head_dim()),
+        );
         let config = self.config;
         let rope_op = || RopeOp {
             config,
@@ -675,11 +702,15 @@ impl Buffers {
                 scope: NormScope::PerHead,
             })
         };
-        let layout =
-            CacheLayout::blocks_rows_heads(self.k_cache.len() / (BLOCK * HK * D), BLOCK, HK, D);
+        let layout = CacheLayout::blocks_rows_heads(
+            self.k_cache.len() / (BLOCK * HK * head_dim()),
+            BLOCK,
+            HK,
+            head_dim(),
+        );
         match variant {
             Variant::Copy(bytes) => {
-                let (qn, kn) = (t * HQ * D, t * HK * D);
+                let (qn, kn) = (t * HQ * head_dim(), t * HK * head_dim());
                 let n = match bytes {
                     Bytes::Qk => qn + kn,
                     Bytes::Qkv => qn + 2 * kn,
@@ -710,7 +741,7 @@ impl Buffers {
                 };
                 rope.run_qk(&rope_op(), qk)?;
                 // The norm's bytes (q and k), then the cache write's (k and v).
-                let (qn, kn) = (t * HQ * D, t * HK * D);
+                let (qn, kn) = (t * HQ * head_dim(), t * HK * head_dim());
                 let src = self.qkv_src.slice(0..qn + kn);
                 let mut dst = self.qkv_dst.slice_mut(0..qn + kn);
                 stream.memcpy_dtod(&src, &mut dst)?;
@@ -923,7 +954,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream()?;
     let rotary = rotary_from_env();
-    let config = RopeConfig::builder(D as u32, style_from_env())
+    let config = RopeConfig::builder(head_dim() as u32, style_from_env())
         .rotary_dim(rotary)
         .build()?;
     let handles = Handles::new(&stream, THETA, rotary)?;
@@ -931,9 +962,23 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
     let mut rows = Vec::new();
     // FlashInfer's forms, NVFP4 caches, the backward and the DiT row rotate whole heads only: a partial
     // rotation (`ROTARY_VAR`) skips them, and MLA's rows, which rotate whole heads of their own.
-    let partial = rotary < D as u32;
+    let partial = rotary < head_dim() as u32;
+    let own_heads = head_dim() != DEFAULT_D;
     let variants: Vec<_> = VARIANTS
         .into_iter()
+        .filter(|(v, ..)| {
+            !(own_heads
+                && matches!(
+                    v,
+                    Variant::AcrossHeads | Variant::Mla { .. } | Variant::Copy(Bytes::Mla)
+                ))
+        })
+        // A norm of heads of more than 256 features sums across warps, which the NVFP4
+        // kernels do not.
+        .filter(|(v, ..)| {
+            head_dim() <= 256
+                || !matches!(v, Variant::NormRopeCacheNvfp4 | Variant::Copy(Bytes::Nvfp4))
+        })
         .filter(|(v, ..)| {
             !partial
                 || !matches!(
@@ -976,7 +1021,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             .transpose()?;
         let workspace = handles
             .get(StreamOverlap::None)
-            .fused_backward_workspace(HQ + HK, D);
+            .fused_backward_workspace(HQ + HK, head_dim());
         let dit = Dit::new(handles.get(StreamOverlap::None), &stream, tokens)?;
         let mut bufs = Buffers::new(&stream, tokens, (table, mla_table), config, workspace, dit)?;
         stream.synchronize()?;

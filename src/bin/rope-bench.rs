@@ -235,8 +235,9 @@ fn print_fused(rows: &[FusedRow]) {
         };
         println!();
         println!(
-            "fused {shape}, {} tokens, 32 q + 8 kv heads, d128, bf16, NeoX, computed sin/cos, i64 ids and slots:",
-            if shape == "decode" { 64 } else { 8192 }
+            "fused {shape}, {} tokens, 32 q + 8 kv heads, d{}, bf16, NeoX, computed sin/cos, i64 ids and slots:",
+            if shape == "decode" { 64 } else { 8192 },
+            rope_bench_support::fused::head_dim()
         );
         println!(
             "{:<32} {:>10} {:>10} {:>13} {:>13} {:>15}",
