@@ -49,7 +49,7 @@ const DIT_D: usize = 128;
 /// 256 the NVFP4 rows (their kernels' norm sums within a warp).
 pub const HEAD_DIM_VAR: &str = "ROPE_BENCH_FUSED_HEAD_DIM";
 
-/// The heads' features of the fused rows: [`HEAD_DIM_VAR`], else [`DEFAULT_D`].
+/// The heads' features of the fused rows: [`HEAD_DIM_VAR`], else 128.
 pub fn head_dim() -> usize {
     static CELL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *CELL.get_or_init(|| {
