@@ -413,7 +413,7 @@ fn norm_factor(sum: f32, inv_dim: f32, eps: f32) -> f32 {
 #[inline(always)]
 fn norm_factors<const U: usize, const LONG: bool>(
     squares: [f32; U],
-    width: u32,
+    (width, normed_threads): (u32, u32),
     inv_dim: f32,
     eps: f32,
 ) -> [f32; U] {
@@ -457,8 +457,9 @@ fn norm_factors<const U: usize, const LONG: bool>(
             sum += shuffle_xor(sum, 8, u32::MAX);
             sum += shuffle_xor(sum, 16, u32::MAX);
             // SAFETY: `LONG` kernels' segments are 64 or 128 lanes, the blocks whole segments
-            // (the entry points' promise).
-            sum = unsafe { warps_sum(sum, width / 32) };
+            // (the entry points' promise), and `normed_threads` those of the block's warps
+            // that normalise, each of which calls this once.
+            sum = unsafe { warps_sum(sum, width / 32, normed_threads) };
         }
         _ => {
             let mut step = 4;
@@ -487,15 +488,18 @@ const WARP_SUMS: u32 = (SHARED_F32 as u32) - 4 * 8;
 /// The four-heads reduce-scatter's per-lane sum (lane `l` holds the head of `l % 4`, summed
 /// over its warp) summed over the `warps` consecutive warps of the block that hold the
 /// segment, in warp order, so that every lane of the segment gets the same total: each warp's
-/// lanes 0-3 write their sums to shared memory, the segment's warps meet at a barrier of their
-/// own (named `1 + warp / warps`), and each lane reads its head's `warps` sums with one load.
+/// lanes 0-3 write their sums to shared memory, the block's `threads` normalising threads meet
+/// at barrier 1 (one barrier id for every segment: with an id per segment the barriers, 16 a
+/// multiprocessor, held the kernels to four blocks of four warps), and each lane reads its
+/// head's `warps` sums with one load.
 ///
 /// # Safety
-/// Every lane of the segment's `warps` warps calls it (2 or 4); the block's warps are a
-/// multiple of `warps`, at most [`crate::abi::TOKEN_HEADS_MAX_WARPS`], and its segments start
-/// at warps that are multiples of `warps`.
+/// Every lane of the block's `threads / 32` normalising warps calls it once, and those of
+/// segments of `warps` warps (2 or 4); the block's warps are a multiple of `warps`, at most
+/// [`crate::abi::TOKEN_HEADS_MAX_WARPS`], and its segments start at warps that are multiples
+/// of `warps`.
 #[inline(always)]
-unsafe fn warps_sum(sum: f32, warps: u32) -> f32 {
+unsafe fn warps_sum(sum: f32, warps: u32, threads: u32) -> f32 {
     let (lane, warp) = (thread_idx_x() % 32, thread_idx_x() / 32);
     // SAFETY: warp < 8 and lane % 4 < 4: every index lies in WARP_SUMS..SHARED_F32, and the
     // loads start at a multiple of their width (`warps` divides the first warp; WARP_SUMS and
@@ -504,7 +508,7 @@ unsafe fn warps_sum(sum: f32, warps: u32) -> f32 {
         if lane < 4 {
             shared_store_f32(WARP_SUMS + 8 * lane + warp, sum);
         }
-        sync_named(1 + warp / warps, 32 * warps);
+        sync_named(1, threads);
         let at = WARP_SUMS + 8 * (lane % 4) + (warp - warp % warps);
         if warps == 2 {
             let v = shared_load_f32s::<2>(at);
@@ -1220,6 +1224,15 @@ unsafe fn token_heads_body<
     let warp = first_warp + tid / 32;
     let qk_warps = f.q_warps + f.k_warps;
     let all_warps = qk_warps + f.v_warps;
+    // `LONG`: the block's q and k warps, which normalise, meet at one barrier for their sums.
+    let normed_threads = if LONG {
+        qk_warps
+            .min(first_warp + block_threads / 32)
+            .saturating_sub(first_warp)
+            * 32
+    } else {
+        0
+    };
     let (kind, warp_in_tensor, heads) = if warp < f.q_warps {
         (Kind::Q, warp, a.q.heads)
     } else if warp < qk_warps {
@@ -1357,7 +1370,8 @@ unsafe fn token_heads_body<
         // branch on the width LLVM copied it into), ptxas checks no divergence before each
         // shuffle, and spills none of the registers the fallback paths held.
         sync_warp();
-        let factors = norm_factors::<U, LONG>(squares, groups, inv_dim, f.norm_eps);
+        let factors =
+            norm_factors::<U, LONG>(squares, (groups, normed_threads), inv_dim, f.norm_eps);
         unrolled(U, |u| normalise(&mut v[u], &w, factors[u]));
     }
     let y = |u: usize| {
