@@ -181,13 +181,13 @@ pub(crate) fn plan_grad(
             format!("head_dim {head_dim} is wider than the fused backward's sums take"),
         ));
     }
-    let (per_warp, warps_of) = if segment == 1 {
-        let per_warp = 32 / threads_per_head * per_thread;
-        (per_warp, (per_warp, 1))
+    // The heads of a warp's slots, or of a segment of `segment` warps.
+    let per_warp = if segment == 1 {
+        32 / threads_per_head * per_thread
     } else {
-        (per_thread, (per_thread, segment))
+        per_thread
     };
-    let tensor_warps = |heads: usize| (heads as u32).div_ceil(warps_of.0) * warps_of.1;
+    let tensor_warps = |heads: usize| (heads as u32).div_ceil(per_warp) * segment;
     let q_warps = tensor_warps(q.heads);
     let sequence = q_warps + tensor_warps(k.heads);
     let warps = if segment == 1 {
