@@ -16,7 +16,7 @@ use rope_host::{
 
 use crate::error::{Error, invalid};
 use crate::layout::{Axes, to_rope};
-use crate::op::ids_shape;
+use crate::op::{ids_shape, multi_axis_shape};
 use crate::rich::{Positions, SinCos};
 
 /// Per-head RMS normalisation of q and k before the rotation:
@@ -288,6 +288,7 @@ fn launch(
     };
     let ids_h = match positions {
         Positions::Ids(ids) => Some(Held::new("ids", ids, device)?),
+        Positions::MultiAxis { positions, .. } => Some(Held::new("positions", positions, device)?),
         Positions::Offset(_) => None,
     };
     let cache_h = match cache {
@@ -433,21 +434,29 @@ pub(crate) fn raw_sincos<'a>(
     })
 }
 
-/// The launch's positions as rope-host takes them: an offset, or ids (held in `ids`) of
-/// `[seq]` or `[batch, seq]`.
+/// The launch's positions as rope-host takes them: an offset, ids of `[seq]` or
+/// `[batch, seq]`, or multi-axis positions of `[n_axes, batch, seq]` or `[n_axes, batch *
+/// seq]`, the tensor held in `held`.
 pub(crate) fn raw_positions<'a>(
     g: &mut Guards<'a>,
     positions: Positions<'_>,
-    ids: Option<&'a Held<'_>>,
+    held: Option<&'a Held<'_>>,
     (batch, seq): (usize, usize),
 ) -> Result<RawPositions, Error> {
-    Ok(match (positions, ids) {
+    Ok(match (positions, held) {
         (Positions::Offset(o), _) => RawPositions::Offset(o),
-        (Positions::Ids(_), None) => return Err(invalid("ids", "ids not held")),
         (Positions::Ids(_), Some(ids)) => RawPositions::Ids {
             ids: ints_buf(g, ids)?,
             shape: ids_shape(ids.layout.dims(), batch, seq)?,
         },
+        (Positions::MultiAxis { axes, .. }, Some(p)) => {
+            multi_axis_shape(p.layout.dims(), axes.n_axes(), batch, seq)?;
+            RawPositions::MultiAxis {
+                positions: ints_buf(g, p)?,
+                axes: axes.raw(),
+            }
+        }
+        (_, None) => return Err(invalid("positions", "positions not held")),
     })
 }
 

@@ -5,7 +5,8 @@
 //!
 //! - [`rope`], [`rope_i`], [`rope_thd`]: `candle_nn::rotary_emb`'s signatures and tables; CPU
 //!   tensors go to candle_nn's implementation.
-//! - [`apply`] and [`apply_qk`] with a [`RopeSpec`]: device position ids, in-kernel sin/cos
+//! - [`apply`] and [`apply_qk`] with a [`RopeSpec`]: device position ids or multi-axis positions
+//!   ([`Positions::MultiAxis`] with an [`AxisMap`] uploaded by [`axis_map`]), in-kernel sin/cos
 //!   ([`SinCos::Computed`], or [`SinCos::Frequencies`] for the scaling families), partial
 //!   rotary, `[b, h, s, d]` or `[b, s, h, d]`; CUDA only.
 //! - [`apply_inplace`] and [`apply_qk_inplace`]: the same, rotating the tensors where they are
@@ -46,9 +47,11 @@ pub use error::Error;
 pub use fused::{CacheValues, FusedSpec, PagedKvCache, QkNorm, fused_inplace};
 pub use layout::Axes;
 pub use rich::{
-    Positions, RopeSpec, SinCos, apply, apply_inplace, apply_qk, apply_qk_inplace, frequencies,
+    Positions, RopeSpec, SinCos, apply, apply_inplace, apply_qk, apply_qk_inplace, axis_map,
+    frequencies,
 };
 pub use rope_host::{
-    AngleMode, ConfigBase, ConfigValue, FrequencySpec, NormWeight, RopeScaling, RopeStyle,
+    AngleMode, AxisMap, ConfigBase, ConfigValue, DeviceAxisMap, FrequencySpec, NormWeight,
+    RopeScaling, RopeStyle,
 };
 pub use training::{NormRopeSpec, norm_rope};

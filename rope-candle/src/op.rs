@@ -10,8 +10,8 @@ use candle_core::{
 };
 use rope_host::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use rope_host::{
-    DType, Direction, Frequencies, IdsShape, IntType, RawBuf, RawInts, RawIo, RawOp, RawPositions,
-    RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle, TableShape,
+    DType, DeviceAxisMap, Direction, Frequencies, IdsShape, IntType, RawBuf, RawInts, RawIo, RawOp,
+    RawPositions, RawSinCos, RawTensor, RawTensors, Rope, RopeConfig, RopeStyle, TableShape,
 };
 
 use crate::error::{Error, invalid};
@@ -32,12 +32,15 @@ pub(crate) enum Source {
 }
 
 /// Where positions come from, inside an op.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) enum Pos {
     /// `p = offset + s`.
     Offset(u32),
     /// Device ids passed as the op's second tensor: `[seq]` or `[batch, seq]`.
     Ids,
+    /// Multi-axis positions passed as the op's second tensor, `[n_axes, batch, seq]` or
+    /// `[n_axes, batch * seq]`, each pair's axis from the map.
+    MultiAxis(Arc<DeviceAxisMap>),
 }
 
 /// Where a launch writes: a fresh contiguous tensor, or `xs` itself (any strides).
@@ -268,8 +271,8 @@ impl RopeCandleOp {
             _ => return Err(invalid("sincos", "tables go with Source::Tables only")),
         };
         let _offsets_guard;
-        let positions = match (self.pos, ids, &row_offsets) {
-            (Pos::Offset(o), None, None) => RawPositions::Offset(o),
+        let positions = match (&self.pos, ids, &row_offsets) {
+            (&Pos::Offset(o), None, None) => RawPositions::Offset(o),
             (Pos::Offset(0), None, Some(offsets)) => {
                 let (ptr, guard) = offsets.device_ptr(&stream);
                 _offsets_guard = guard;
@@ -280,8 +283,15 @@ impl RopeCandleOp {
             }
             (Pos::Ids, Some((ids, ids_l)), None) => {
                 let shape = ids_shape(ids_l.dims(), batch, seq)?;
-                let ids = ids_buf(ids, ids_l, &stream, &mut guards)?;
+                let ids = ids_buf("ids", ids, ids_l, &stream, &mut guards)?;
                 RawPositions::Ids { ids, shape }
+            }
+            (Pos::MultiAxis(axes), Some((p, p_l)), None) => {
+                multi_axis_shape(p_l.dims(), axes.n_axes(), batch, seq)?;
+                RawPositions::MultiAxis {
+                    positions: ids_buf("positions", p, p_l, &stream, &mut guards)?,
+                    axes: axes.raw(),
+                }
             }
             _ => return Err(invalid("positions", "unsupported combination with tables")),
         };
@@ -314,6 +324,27 @@ pub(crate) fn ids_shape(dims: &[usize], batch: usize, seq: usize) -> Result<IdsS
         d => Err(invalid(
             "ids",
             format!("expected [seq] or [batch, seq] = [{batch}, {seq}], got {d:?}"),
+        )),
+    }
+}
+
+/// Checks that multi-axis positions of dims `dims` hold `n_axes` rows of one position per
+/// token of `batch` rows of `seq`: `[n_axes, batch, seq]` or `[n_axes, batch * seq]`.
+pub(crate) fn multi_axis_shape(
+    dims: &[usize],
+    n_axes: u32,
+    batch: usize,
+    seq: usize,
+) -> Result<(), Error> {
+    let n = n_axes as usize;
+    match dims {
+        [a, b, s] if (*a, *b, *s) == (n, batch, seq) => Ok(()),
+        [a, t] if *a == n && Some(*t) == batch.checked_mul(seq) => Ok(()),
+        d => Err(invalid(
+            "positions",
+            format!(
+                "expected [n_axes, batch, seq] = [{n}, {batch}, {seq}] or [n_axes, batch * seq], got {d:?}"
+            ),
         )),
     }
 }
@@ -364,8 +395,9 @@ fn table_buf<'a>(
     Ok((buf, dtype, rows, batched))
 }
 
-/// Position ids (i32 or i64, contiguous) from their start offset.
+/// Positions (i32 or i64, contiguous) from their start offset; errors name `arg`.
 fn ids_buf<'a>(
+    arg: &'static str,
     storage: &'a CudaStorage,
     layout: &Layout,
     stream: &'a Arc<rope_host::cudarc::driver::CudaStream>,
@@ -373,7 +405,7 @@ fn ids_buf<'a>(
 ) -> Result<RawInts, Error> {
     let (start, end) = layout
         .contiguous_offsets()
-        .ok_or_else(|| invalid("ids", "position ids must be contiguous"))?;
+        .ok_or_else(|| invalid(arg, "positions must be contiguous"))?;
     let (ptr, size, guard, ty) = match &storage.slice {
         CudaStorageSlice::I32(s) => {
             let (p, g) = s.device_ptr(stream);
@@ -383,7 +415,7 @@ fn ids_buf<'a>(
             let (p, g) = s.device_ptr(stream);
             (p, 8, g, IntType::I64)
         }
-        _ => return Err(invalid("ids", "position ids are i32 or i64")),
+        _ => return Err(invalid(arg, "positions are i32 or i64")),
     };
     guards.push(guard);
     Ok(RawInts {

@@ -1,10 +1,11 @@
-//! What candle_nn's functions cannot express: device position ids, in-kernel sin/cos with the
-//! scaling families, partial rotary, both layouts, and q and k in one call.
+//! What candle_nn's functions cannot express: device position ids, multi-axis positions
+//! (mRoPE, N-D axial), in-kernel sin/cos with the scaling families, partial rotary, both
+//! layouts, and q and k in one call.
 
 use std::sync::Arc;
 
 use candle_core::{Device, Result, Tensor};
-use rope_host::{Direction, Frequencies, FrequencySpec, RopeStyle};
+use rope_host::{AxisMap, DeviceAxisMap, Direction, Frequencies, FrequencySpec, RopeStyle};
 
 use crate::error::invalid;
 use crate::layout::Axes;
@@ -38,6 +39,28 @@ pub enum Positions<'a> {
     /// Device ids (i32 or i64 on the tensors' device): `[seq]`, shared by the batch rows, or
     /// `[batch, seq]`. They survive CUDA-graph replay: write new ids into the same tensor.
     Ids(&'a Tensor),
+    /// Multi-axis positions (Qwen2-VL's mRoPE, Qwen3-VL's interleaved mRoPE, FLUX's N-D axial
+    /// RoPE): `positions` (i32 or i64, contiguous) holds `[n_axes, batch, seq]` or
+    /// `[n_axes, batch * seq]` integers, row `a` axis `a`'s position of each token
+    /// (transformers' `position_ids [3, batch, seq]` as it is), and pair `j` of the rotated
+    /// features rotates by the position of axis `axes[j]` (an [`AxisMap`] uploaded by
+    /// [`axis_map`]: `AxisMap::mrope`, `mrope_interleaved` or `axial`).
+    MultiAxis {
+        /// `[n_axes, batch, seq]` or `[n_axes, batch * seq]` positions.
+        positions: &'a Tensor,
+        /// Which axis each rotated pair takes its position from.
+        axes: &'a Arc<DeviceAxisMap>,
+    },
+}
+
+impl<'a> Positions<'a> {
+    /// The device tensor the launch reads positions from, if any.
+    pub(crate) fn tensor(self) -> Option<&'a Tensor> {
+        match self {
+            Positions::Offset(_) => None,
+            Positions::Ids(t) | Positions::MultiAxis { positions: t, .. } => Some(t),
+        }
+    }
 }
 
 /// A RoPE application: style, layout, rotated width and sin/cos.
@@ -68,6 +91,29 @@ pub fn frequencies(device: &Device, spec: &FrequencySpec) -> Result<Arc<Frequenc
     ))
 }
 
+/// `map` uploaded once to `device`, for [`Positions::MultiAxis`].
+///
+/// ```no_run
+/// # fn main() -> candle_core::Result<()> {
+/// use rope_candle::AxisMap;
+/// let dev = candle_core::Device::new_cuda(0)?;
+/// // Qwen2.5-VL-7B: head_dim 128, mrope_section [16, 24, 24].
+/// let map = AxisMap::mrope([16, 24, 24], 128).map_err(rope_candle::Error::from)?;
+/// let axes = rope_candle::axis_map(&dev, &map)?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// A wrapped [`crate::Error`] when `device` is not CUDA or the upload fails.
+pub fn axis_map(device: &Device, map: &AxisMap) -> Result<Arc<DeviceAxisMap>> {
+    let Device::Cuda(dev) = device else {
+        return Err(invalid("device", "axis maps live on a CUDA device").into());
+    };
+    let rope = rope_host::Rope::new(dev.cuda_stream()).map_err(crate::Error::from)?;
+    Ok(Arc::new(rope.axis_map(map).map_err(crate::Error::from)?))
+}
+
 /// The op for `spec` at `positions`, and the tables it takes (contiguous).
 fn op_for(
     spec: &RopeSpec,
@@ -83,6 +129,7 @@ fn op_for(
     let pos = match positions {
         Positions::Offset(o) => Pos::Offset(o),
         Positions::Ids(_) => Pos::Ids,
+        Positions::MultiAxis { axes, .. } => Pos::MultiAxis(axes.clone()),
     };
     if tables.is_some() && !matches!(positions, Positions::Offset(0)) {
         return Err(invalid(
@@ -124,10 +171,10 @@ pub fn apply(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> Result<T
         return Err(needs_cuda("apply"));
     }
     let (op, tables) = op_for(spec, positions)?;
-    match (tables, positions) {
+    match (tables, positions.tensor()) {
         (Some((cos, sin)), _) => xs.apply_op3(&cos, &sin, op),
-        (None, Positions::Offset(_)) => xs.apply_op1(op),
-        (None, Positions::Ids(ids)) => xs.apply_op2(ids, op),
+        (None, None) => xs.apply_op1(op),
+        (None, Some(ids)) => xs.apply_op2(ids, op),
     }
 }
 
@@ -143,10 +190,10 @@ pub fn apply_inplace(xs: &Tensor, spec: &RopeSpec, positions: Positions<'_>) -> 
         return Err(needs_cuda("apply_inplace"));
     }
     let (op, tables) = op_for(spec, positions)?;
-    match (tables, positions) {
+    match (tables, positions.tensor()) {
         (Some((cos, sin)), _) => xs.inplace_op3(&cos, &sin, &op),
-        (None, Positions::Offset(_)) => xs.inplace_op1(&op),
-        (None, Positions::Ids(ids)) => xs.inplace_op2(ids, &op),
+        (None, None) => xs.inplace_op1(&op),
+        (None, Some(ids)) => xs.inplace_op2(ids, &op),
     }
 }
 

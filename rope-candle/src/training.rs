@@ -4,13 +4,15 @@
 //! (`Rope::run_fused_backward_raw`: the gradients of `xs` and of the weights), so gradients flow
 //! through `candle_core::backprop`.
 
+use std::sync::Arc;
+
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 use rope_host::cudarc::driver::{DevicePtr, DevicePtrMut};
 use rope_host::{
-    DType, Layout as RopeLayout, NormWeight, RawBuf, RawFusedGrads, RawFusedIo, RawFusedOp, RawIo,
-    RawKOut, RawOp, RawQOut, RawQkNorm, RawTensor, RopeConfig, RopeStyle,
+    DType, DeviceAxisMap, Layout as RopeLayout, NormWeight, RawBuf, RawFusedGrads, RawFusedIo,
+    RawFusedOp, RawIo, RawKOut, RawOp, RawQOut, RawQkNorm, RawTensor, RopeConfig, RopeStyle,
 };
 
 use crate::error::{Error, invalid};
@@ -39,18 +41,30 @@ pub struct NormRopeSpec {
 enum OwnedPositions {
     Offset(u32),
     Ids(Tensor),
+    MultiAxis(Tensor, Arc<DeviceAxisMap>),
 }
 
 impl OwnedPositions {
+    fn new(positions: Positions<'_>) -> Self {
+        match positions {
+            Positions::Offset(o) => OwnedPositions::Offset(o),
+            Positions::Ids(t) => OwnedPositions::Ids(t.clone()),
+            Positions::MultiAxis { positions, axes } => {
+                OwnedPositions::MultiAxis(positions.clone(), axes.clone())
+            }
+        }
+    }
+
     fn get(&self) -> Positions<'_> {
         match self {
             OwnedPositions::Offset(o) => Positions::Offset(*o),
             OwnedPositions::Ids(t) => Positions::Ids(t),
+            OwnedPositions::MultiAxis(positions, axes) => Positions::MultiAxis { positions, axes },
         }
     }
 }
 
-/// The tables (cos, sin) and the ids a launch reads, held.
+/// The tables (cos, sin) and the positions a launch reads, held.
 type HeldReads<'t> = (Option<(Held<'t>, Held<'t>)>, Option<Held<'t>>);
 
 /// The custom op: the spec and the positions.
@@ -76,13 +90,9 @@ pub fn norm_rope(
     spec: &NormRopeSpec,
     positions: Positions<'_>,
 ) -> candle_core::Result<Tensor> {
-    let positions = match positions {
-        Positions::Offset(o) => OwnedPositions::Offset(o),
-        Positions::Ids(t) => OwnedPositions::Ids(t.clone()),
-    };
     let op = NormRopeOp {
         spec: spec.clone(),
-        positions,
+        positions: OwnedPositions::new(positions),
     };
     xs.apply_op2(weight, op)
 }
@@ -143,7 +153,7 @@ impl NormRopeOp {
         })
     }
 
-    /// The tables and ids the launches read, held.
+    /// The tables and positions the launches read, held.
     fn held(&self, device: &candle_core::Device) -> Result<HeldReads<'_>, Error> {
         let tables = match &self.spec.sincos {
             SinCos::Tables { cos, sin } => Some((
@@ -154,6 +164,7 @@ impl NormRopeOp {
         };
         let ids = match &self.positions {
             OwnedPositions::Ids(t) => Some(Held::new("ids", t, device)?),
+            OwnedPositions::MultiAxis(t, _) => Some(Held::new("positions", t, device)?),
             OwnedPositions::Offset(_) => None,
         };
         Ok((tables, ids))

@@ -430,6 +430,169 @@ mod gradients {
     }
 }
 
+mod multi_axis {
+    use super::*;
+    use rope_candle::AxisMap;
+
+    /// Positions `[3, b, t]` (i64): text-like tokens with one position on every axis, and
+    /// image-like tokens whose axes differ.
+    fn positions(b: usize, t: usize) -> Vec<i64> {
+        let mut p = vec![0i64; 3 * b * t];
+        for tok in 0..b * t {
+            let base = (tok * 37 % 700) as i64;
+            let image = tok % 3 == 1;
+            for a in 0..3 {
+                p[a * b * t + tok] = if image {
+                    base + (a as i64) * (tok as i64 % 11)
+                } else {
+                    base
+                };
+            }
+        }
+        p
+    }
+
+    /// mRoPE, interleaved mRoPE and axial maps: `apply` against the f64 reference (each pair
+    /// at its axis's position), in place equal to out of place, q and k in one call, and the
+    /// gradient the backward rotation of the upstream gradient.
+    #[test]
+    fn multi_axis_positions_match_reference() -> Res {
+        let Some(dev) = gpu_or_skip("multi_axis::multi_axis_positions_match_reference") else {
+            return Ok(());
+        };
+        let (b, t, h, d, theta) = (2, 9, 3, 64, 10_000.0);
+        let pos = positions(b, t);
+        let pos_t = Tensor::from_vec(pos.clone(), (3, b, t), &dev)?;
+        for (name, map) in [
+            ("mrope", AxisMap::mrope([8, 12, 12], d as u32)),
+            (
+                "mrope interleaved",
+                AxisMap::mrope_interleaved([8, 12, 12], d as u32),
+            ),
+            ("axial", AxisMap::axial(&[16, 24, 24], d as u32)),
+        ] {
+            let map = map.map_err(rope_candle::Error::from)?;
+            let axes = rope_candle::axis_map(&dev, &map)?;
+            for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+                let spec = RopeSpec {
+                    style,
+                    axes: Axes::Bshd,
+                    rotary_dim: None,
+                    sincos: SinCos::Computed { theta },
+                };
+                let positions = Positions::MultiAxis {
+                    positions: &pos_t,
+                    axes: &axes,
+                };
+                let x = Var::from_tensor(&Tensor::randn(0f32, 1., (b, t, h, d), &dev)?)?;
+                let out = rope_candle::apply(x.as_tensor(), &spec, positions)?;
+                // Token `tok`'s pair `i` at the position of axis `axes[i]`.
+                let cs = |tok: usize, i: usize| {
+                    let p = pos[map.axes()[i] as usize * b * t + tok] as f64;
+                    let a = p * theta.powf(-2.0 * i as f64 / d as f64);
+                    (a.cos(), a.sin())
+                };
+                let what = format!("{name} {style:?}");
+                let reference_of = |x: &[f64], heads: usize, backward: bool| {
+                    reference(
+                        x,
+                        [b, t, heads, d],
+                        d,
+                        style,
+                        backward,
+                        |bb, s| bb * t + s,
+                        cs,
+                    )
+                };
+                let want = reference_of(&values(x.as_tensor())?, h, false);
+                assert_close(&what, &values(&out)?, &want, 1e-5);
+
+                let inplace = x.as_tensor().copy()?;
+                rope_candle::apply_inplace(&inplace, &spec, positions)?;
+                assert_eq!(values(&inplace)?, values(&out)?, "{what}: in place");
+
+                let k = Tensor::randn(0f32, 1., (b, t, 1, d), &dev)?;
+                let (_, k2) = rope_candle::apply_qk(x.as_tensor(), &k, &spec, positions)?;
+                let want_k = reference_of(&values(&k)?, 1, false);
+                assert_close(&format!("{what}: k"), &values(&k2)?, &want_k, 1e-5);
+
+                let gy = Tensor::randn(0f32, 1., (b, t, h, d), &dev)?;
+                let grads = (out * &gy)?.sum_all()?.backward()?;
+                let g = grads.get(x.as_tensor()).expect("x takes part in the loss");
+                let want_g = reference_of(&values(&gy)?, h, true);
+                assert_close(&format!("{what}: gradient"), &values(g)?, &want_g, 1e-5);
+            }
+        }
+        // Positions as `[n_axes, batch * seq]` give the same rotation.
+        let map = AxisMap::mrope([8, 12, 12], d as u32).map_err(rope_candle::Error::from)?;
+        let axes = rope_candle::axis_map(&dev, &map)?;
+        let spec = RopeSpec {
+            style: RopeStyle::Neox,
+            axes: Axes::Bshd,
+            rotary_dim: None,
+            sincos: SinCos::Computed { theta },
+        };
+        let x = Tensor::randn(0f32, 1., (b, t, h, d), &dev)?;
+        let flat = pos_t.reshape((3, b * t))?;
+        let a = rope_candle::apply(
+            &x,
+            &spec,
+            Positions::MultiAxis {
+                positions: &pos_t,
+                axes: &axes,
+            },
+        )?;
+        let c = rope_candle::apply(
+            &x,
+            &spec,
+            Positions::MultiAxis {
+                positions: &flat,
+                axes: &axes,
+            },
+        )?;
+        assert_eq!(values(&a)?, values(&c)?, "[3, b * t] positions");
+        Ok(())
+    }
+
+    /// Positions of the wrong shape or axis count, and float positions, are refused naming
+    /// `positions`, and the output is not written.
+    #[test]
+    fn malformed_multi_axis_positions_are_refused() -> Res {
+        let Some(dev) = gpu_or_skip("multi_axis::malformed_multi_axis_positions_are_refused")
+        else {
+            return Ok(());
+        };
+        let (b, t, h, d) = (1, 5, 2, 64);
+        let map = AxisMap::mrope([8, 12, 12], d as u32).map_err(rope_candle::Error::from)?;
+        let axes = rope_candle::axis_map(&dev, &map)?;
+        let spec = RopeSpec {
+            style: RopeStyle::Neox,
+            axes: Axes::Bshd,
+            rotary_dim: None,
+            sincos: SinCos::Computed { theta: 10_000.0 },
+        };
+        let x = Tensor::randn(0f32, 1., (b, t, h, d), &dev)?;
+        let before = values(&x)?;
+        for bad in [
+            Tensor::zeros((2, b, t), DType::I64, &dev)?,
+            Tensor::zeros((3, b, t + 1), DType::I64, &dev)?,
+            Tensor::zeros((3, b * t + 1), DType::I64, &dev)?,
+            Tensor::zeros((3, b, t), DType::F32, &dev)?,
+        ] {
+            let positions = Positions::MultiAxis {
+                positions: &bad,
+                axes: &axes,
+            };
+            let err = rope_candle::apply(&x, &spec, positions).unwrap_err();
+            assert!(err.to_string().contains("positions"), "{err}");
+            let err = rope_candle::apply_inplace(&x, &spec, positions).unwrap_err();
+            assert!(err.to_string().contains("positions"), "{err}");
+            assert_eq!(values(&x)?, before, "xs untouched");
+        }
+        Ok(())
+    }
+}
+
 mod cpu_fallback {
     use super::*;
 

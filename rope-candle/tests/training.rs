@@ -3,7 +3,9 @@
 //! `SKIPPED (no GPU)` without a CUDA device, and fail instead with `ROPE_REQUIRE_GPU=1`.
 
 use candle_core::{DType, Device, Tensor, Var};
-use rope_candle::{Axes, NormRopeSpec, NormWeight, Positions, RopeStyle, SinCos, norm_rope};
+use rope_candle::{
+    Axes, AxisMap, NormRopeSpec, NormWeight, Positions, RopeStyle, SinCos, axis_map, norm_rope,
+};
 
 mod common;
 use common::gpu_or_skip;
@@ -126,6 +128,95 @@ fn norm_rope_forward_and_gradients_match_candles_ops() -> Res {
             assert!(
                 err < 1e-4 * scale,
                 "{style:?} d {d} {name}: gradient off by {err} (scale {scale})"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Qwen3-VL's pairing of a QK norm with interleaved mRoPE: `norm_rope` at multi-axis positions
+/// `[3, b, s]` against the step with candle's ops at per-token rows built in f64 (each pair at
+/// its axis's position), forward and gradients.
+#[test]
+fn norm_rope_at_multi_axis_positions_matches_candles_ops() -> Res {
+    let Some(dev) = gpu_or_skip("norm_rope_at_multi_axis_positions_matches_candles_ops") else {
+        return Ok(());
+    };
+    let (b, s, h, d, eps, theta) = (2, 17, 3, 64, 1e-6, 10_000f64);
+    let tokens = b * s;
+    let pos: Vec<i64> = (0..3 * tokens)
+        .map(|i| {
+            let (axis, tok) = (i / tokens, i % tokens);
+            let base = (tok * 29 % 400) as i64;
+            if tok % 2 == 1 {
+                base + axis as i64 * 7
+            } else {
+                base
+            }
+        })
+        .collect();
+    let pos_t = Tensor::from_vec(pos.clone(), (3, b, s), &dev)?;
+    for (map, style) in [
+        (
+            AxisMap::mrope_interleaved([8, 12, 12], d as u32),
+            RopeStyle::Neox,
+        ),
+        (
+            AxisMap::mrope([8, 12, 12], d as u32),
+            RopeStyle::Interleaved,
+        ),
+    ] {
+        let map = map.map_err(rope_candle::Error::from)?;
+        let axes = axis_map(&dev, &map)?;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for tok in 0..tokens {
+            for (i, &axis) in map.axes().iter().enumerate() {
+                let a = pos[axis as usize * tokens + tok] as f64
+                    * theta.powf(-2.0 * i as f64 / d as f64);
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        let rows = (
+            Tensor::from_vec(cos, (tokens, d / 2), &dev)?,
+            Tensor::from_vec(sin, (tokens, d / 2), &dev)?,
+        );
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?)?;
+        let w = Var::from_tensor(&(Tensor::randn(0f32, 0.3, d, &dev)? + 1.0)?)?;
+        let spec = NormRopeSpec {
+            style,
+            axes: Axes::Bshd,
+            sincos: SinCos::Computed { theta },
+            eps: eps as f32,
+            weight: NormWeight::Plain,
+        };
+        let positions = Positions::MultiAxis {
+            positions: &pos_t,
+            axes: &axes,
+        };
+        let y = norm_rope(x.as_tensor(), w.as_tensor(), &spec, positions)?;
+        let want = reference(
+            x.as_tensor(),
+            w.as_tensor(),
+            (&rows.0, &rows.1),
+            (style, false, eps),
+        )?;
+        let err = max_diff(&y, &want)?;
+        assert!(
+            err < 2e-5 * max_abs(&want)?.max(1.0),
+            "{style:?}: forward off by {err}"
+        );
+        let gy = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?;
+        let grads = (y * &gy)?.sum_all()?.backward()?;
+        let want_grads = (want * &gy)?.sum_all()?.backward()?;
+        for (name, v) in [("xs", &x), ("weight", &w)] {
+            let got = grads.get(v).expect("a gradient");
+            let want = want_grads.get(v).expect("a gradient");
+            let err = max_diff(got, want)?;
+            let scale = max_abs(want)?.max(1.0);
+            assert!(
+                err < 1e-4 * scale,
+                "{style:?} {name}: gradient off by {err} (scale {scale})"
             );
         }
     }
