@@ -1209,14 +1209,22 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
 /// it ([`wait_for_prior_grids`]) before its first global access, so that the host may launch it
 /// with the attribute and its launch overlap the end of the previous kernel.
 ///
+/// `COMMON` compiles it for decode's common launch ([`one_head`]): positions are `i64` ids per
+/// token (`PositionCode::IdsI64PerRow`) and computed angles are `f64`
+/// ([`math::AngleMode::Exact`]), so neither argument is read or branched on after the choice.
+/// `read_ahead` is the launch's `read_ahead` argument (its trigger already issued).
+///
 /// # Safety
 /// The promises of the entry points, and those of [`Mapping::ONE_HEAD`]: `gridDim.y` is
 /// `q.heads + k.heads`, there are no pass-through groups (`groups = rot_groups`),
 /// `tokens * groups < 2^32`, and every tensor and output spans fewer than 2^32 elements
 /// (`(batch - 1) * stride_batch + (seq - 1) * stride_seq + (heads - 1) * stride_head +
-/// head_dim`).
+/// head_dim`); with `COMMON`, the launch is what it assumes.
 #[inline(always)]
-unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
+unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const COMMON: bool>(
+    a: &Args<T>,
+    read_ahead: bool,
+) {
     let pairs = if P::NEOX { L } else { L / 2 };
     let idx = block_idx_x() * block_dim_x() + thread_idx_x();
     if u64::from(idx) >= a.tokens * u64::from(a.rot_groups) {
@@ -1226,20 +1234,23 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
     let (b32, s32) = a.seq.div_rem_u32(token);
     let (b, s) = (u64::from(b32), u64::from(s32));
     let (j0, half) = (group as usize * pairs, a.half as usize);
-    // Reading ahead, the next grid may start now, and this one reads what the grid before it
-    // does not write (the host's promise: positions, frequencies, tables) before waiting for
+    // Reading ahead ([`one_head`] let the next grid start), this one reads what the grid before
+    // it does not write (the host's promise: positions, frequencies, tables) before waiting for
     // it; the head, which it may write, only after. Otherwise every read follows the wait.
-    let read_ahead = a.read_ahead != 0;
-    if read_ahead {
-        allow_dependent_grids();
-    } else {
+    if !read_ahead {
         wait_for_prior_grids();
     }
     // SAFETY: j0 + pairs <= half, the promised length of inv_freq.
     let freqs = unsafe { preload_frequencies::<T, S, L>(a, j0, pairs) };
     // SAFETY: (b, s) is a token of the batch (idx < tokens * groups); the position arrays are
-    // promised.
-    let pos = unsafe { position(a, b, s, group) };
+    // promised (`COMMON`: `batch * seq` `i64` ids, entry `b * seq + s` = `token`).
+    let pos = unsafe {
+        if COMMON {
+            *a.pos_ptr.cast::<i64>().add(token as usize)
+        } else {
+            position(a, b, s, group)
+        }
+    };
     let h = block_idx_y();
     let (t, h) = if h < a.q.heads {
         (&a.q, h)
@@ -1258,12 +1269,69 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args
         } else {
             load_head::<T, P, L>(x, j0, half)
         };
-        let (cos, sin) = cos_sin_preloaded::<T, S, L>(a, pos, (j0, pairs), &freqs);
+        let (cos, sin) = match (COMMON, &freqs) {
+            (true, Some(f)) => cos_sin_exact::<T, L>(a, pos, pairs, f),
+            (true, None) if S::TABLE => {
+                // One position for the item, tables of either type (a uniform branch).
+                if a.f32_tables() {
+                    table_row::<T, f32, AnyTable, L>(a, pos, j0, pairs)
+                } else {
+                    table_row::<T, T, AnyTable, L>(a, pos, j0, pairs)
+                }
+            }
+            _ => cos_sin_preloaded::<T, S, L>(a, pos, (j0, pairs), &freqs),
+        };
         if read_ahead {
             wait_for_prior_grids();
             v = load_head::<T, P, L>(x, j0, half);
         }
         rotate_store_head::<T, P, L>(out, j0, half, v, &cos, &sin);
+    }
+}
+
+/// In-kernel cos and sin of `pos * f[k]` with `f64` angles ([`math::AngleMode::Exact`]),
+/// scaled by the attention factor and sin signed for the direction: [`cos_sin_preloaded`] for a
+/// launch known to take that mode.
+#[inline(always)]
+fn cos_sin_exact<T, const L: usize>(
+    a: &Args<T>,
+    pos: i64,
+    pairs: usize,
+    f: &[f64; L],
+) -> ([f32; L], [f32; L]) {
+    let (mut cos, mut sin) = ([0.0f32; L], [0.0f32; L]);
+    let (scale, sin_scale) = (a.cs_scale, a.cs_scale * a.sin_sign);
+    unrolled(pairs, |k| {
+        let (c, s) = math::rope_cos_sin_mode(pos, f[k], math::AngleMode::Exact);
+        cos[k] = c * scale;
+        sin[k] = s * sin_scale;
+    });
+    (cos, sin)
+}
+
+/// The one-head body for this launch: a copy compiled for decode's common launch (`i64` ids
+/// per token, `f64` angles), which reads neither choice's argument again and takes no branch
+/// on them, or the general one. The choice is one uniform branch at the kernel's start, after
+/// the trigger of a launch that reads ahead (`read_ahead`, passed on to the body).
+///
+/// # Safety
+/// The promises of `one_head_body`.
+#[inline(always)]
+unsafe fn one_head<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) {
+    // Reading ahead, the next grid may start at once: the trigger comes before anything else.
+    let read_ahead = a.read_ahead != 0;
+    if read_ahead {
+        allow_dependent_grids();
+    }
+    let common = a.position_code == PositionCode::IdsI64PerRow as u32
+        && (S::TABLE || a.angle_mode == math::AngleMode::Exact as u32);
+    // SAFETY: forwarded promises; `COMMON` only where the launch is what it assumes.
+    unsafe {
+        if common {
+            one_head_body::<T, P, S, L, true>(a, read_ahead)
+        } else {
+            one_head_body::<T, P, S, L, false>(a, read_ahead)
+        }
     }
 }
 
@@ -1297,9 +1365,9 @@ unsafe fn dispatch<T: Elem, P: Pairing, S: Source, const ACCESS: u8>(a: &Args<T>
             (WIDE, 2, 8, false) => body::<T, P, S, 8>(a, true),
             (WIDE, 2, 4, true) => body::<T, P, S, 4>(a, true),
             // One-head kernels take the preferred width only: no `lanes` to read.
-            (ONE_HEAD, 4, _, _) => one_head_body::<T, P, S, 4>(a),
-            (ONE_HEAD, 2, _, false) => one_head_body::<T, P, S, 8>(a),
-            (ONE_HEAD, 2, _, true) => one_head_body::<T, P, S, 4>(a),
+            (ONE_HEAD, 4, _, _) => one_head::<T, P, S, 4>(a),
+            (ONE_HEAD, 2, _, false) => one_head::<T, P, S, 8>(a),
+            (ONE_HEAD, 2, _, true) => one_head::<T, P, S, 4>(a),
             (NARROW, 2, 4, false) => body::<T, P, S, 4>(a, false),
             (NARROW, _, 2, _) => body::<T, P, S, 2>(a, false),
             (NARROW, _, 1, true) => body::<T, P, S, 1>(a, false),
