@@ -286,11 +286,7 @@ fn launch(
         )),
         _ => None,
     };
-    let ids_h = match positions {
-        Positions::Ids(ids) => Some(Held::new("ids", ids, device)?),
-        Positions::MultiAxis { positions, .. } => Some(Held::new("positions", positions, device)?),
-        Positions::Offset(_) => None,
-    };
+    let ids_h = held_positions(positions, device)?;
     let cache_h = match cache {
         Some(c) => {
             let scales = match c.values {
@@ -432,6 +428,21 @@ pub(crate) fn raw_sincos<'a>(
             }
         }
     })
+}
+
+/// The tensor `positions` reads (ids, named `ids` in errors, or multi-axis positions), held.
+pub(crate) fn held_positions<'t>(
+    positions: Positions<'t>,
+    device: &candle_core::Device,
+) -> Result<Option<Held<'t>>, Error> {
+    let arg = match positions {
+        Positions::Ids(_) => "ids",
+        _ => "positions",
+    };
+    positions
+        .tensor()
+        .map(|t| Held::new(arg, t, device))
+        .transpose()
 }
 
 /// The launch's positions as rope-host takes them: an offset, ids of `[seq]` or

@@ -16,7 +16,9 @@ use rope_host::{
 };
 
 use crate::error::{Error, invalid};
-use crate::fused::{Guards, Held, float_tensor, raw_positions, raw_sincos, weight_buf};
+use crate::fused::{
+    Guards, Held, float_tensor, held_positions, raw_positions, raw_sincos, weight_buf,
+};
 use crate::layout::{Axes, contiguous, to_rope};
 use crate::rich::{Positions, SinCos};
 
@@ -162,12 +164,7 @@ impl NormRopeOp {
             )),
             _ => None,
         };
-        let ids = match &self.positions {
-            OwnedPositions::Ids(t) => Some(Held::new("ids", t, device)?),
-            OwnedPositions::MultiAxis(t, _) => Some(Held::new("positions", t, device)?),
-            OwnedPositions::Offset(_) => None,
-        };
-        Ok((tables, ids))
+        Ok((tables, held_positions(self.positions.get(), device)?))
     }
 
     /// The forward step into a new contiguous tensor.

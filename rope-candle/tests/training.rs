@@ -55,6 +55,31 @@ fn max_abs(a: &Tensor) -> candle_core::Result<f32> {
     a.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
 }
 
+/// Asserts `y` (the op's output) matches `want` (the same step with candle's ops) within 2e-5
+/// of its largest element, and that the gradients of `x` and `w` under a random upstream
+/// gradient match within 1e-4 of theirs; `what` names the case in failures.
+fn assert_step_matches(y: Tensor, want: Tensor, (x, w): (&Var, &Var), what: &str) -> Res {
+    let err = max_diff(&y, &want)?;
+    assert!(
+        err < 2e-5 * max_abs(&want)?.max(1.0),
+        "{what}: forward off by {err}"
+    );
+    let gy = Tensor::randn(0f32, 1.0, y.shape(), y.device())?;
+    let grads = (y * &gy)?.sum_all()?.backward()?;
+    let want_grads = (want * &gy)?.sum_all()?.backward()?;
+    for (name, v) in [("xs", x), ("weight", w)] {
+        let got = grads.get(v).expect("a gradient");
+        let want = want_grads.get(v).expect("a gradient");
+        let err = max_diff(got, want)?;
+        let scale = max_abs(want)?.max(1.0);
+        assert!(
+            err < 1e-4 * scale,
+            "{what} {name}: gradient off by {err} (scale {scale})"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn norm_rope_forward_and_gradients_match_candles_ops() -> Res {
     let Some(dev) = gpu_or_skip("norm_rope_forward_and_gradients_match_candles_ops") else {
@@ -111,25 +136,7 @@ fn norm_rope_forward_and_gradients_match_candles_ops() -> Res {
             (&rows.0, &rows.1),
             (style, one_plus, eps),
         )?;
-        let err = max_diff(&y, &want)?;
-        assert!(
-            err < 2e-5 * max_abs(&want)?.max(1.0),
-            "{style:?} d {d}: forward off by {err}"
-        );
-
-        let gy = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?;
-        let grads = (y * &gy)?.sum_all()?.backward()?;
-        let want_grads = (want * &gy)?.sum_all()?.backward()?;
-        for (name, v) in [("xs", &x), ("weight", &w)] {
-            let got = grads.get(v).expect("a gradient");
-            let want = want_grads.get(v).expect("a gradient");
-            let err = max_diff(got, want)?;
-            let scale = max_abs(want)?.max(1.0);
-            assert!(
-                err < 1e-4 * scale,
-                "{style:?} d {d} {name}: gradient off by {err} (scale {scale})"
-            );
-        }
+        assert_step_matches(y, want, (&x, &w), &format!("{style:?} d {d}"))?;
     }
     Ok(())
 }
@@ -201,24 +208,7 @@ fn norm_rope_at_multi_axis_positions_matches_candles_ops() -> Res {
             (&rows.0, &rows.1),
             (style, false, eps),
         )?;
-        let err = max_diff(&y, &want)?;
-        assert!(
-            err < 2e-5 * max_abs(&want)?.max(1.0),
-            "{style:?}: forward off by {err}"
-        );
-        let gy = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?;
-        let grads = (y * &gy)?.sum_all()?.backward()?;
-        let want_grads = (want * &gy)?.sum_all()?.backward()?;
-        for (name, v) in [("xs", &x), ("weight", &w)] {
-            let got = grads.get(v).expect("a gradient");
-            let want = want_grads.get(v).expect("a gradient");
-            let err = max_diff(got, want)?;
-            let scale = max_abs(want)?.max(1.0);
-            assert!(
-                err < 1e-4 * scale,
-                "{style:?} {name}: gradient off by {err} (scale {scale})"
-            );
-        }
+        assert_step_matches(y, want, (&x, &w), &format!("{style:?}"))?;
     }
     Ok(())
 }
