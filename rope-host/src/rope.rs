@@ -15,10 +15,10 @@
 //! arguments, `RopeArgs`, from the plan and the options' encodings) and **launch**.
 
 use cudarc::driver::sys::CUstream;
-use rope_kernels::abi::DType;
+use rope_kernels::abi::{DType, Mapping, TableElem, common_one_head_launch};
 
 use crate::bind::{Binder, RawBuf};
-use crate::config::{RopeConfig, RopeElem};
+use crate::config::{RopeConfig, RopeElem, RopeStyle};
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::RopeArgs;
@@ -239,9 +239,11 @@ impl Rope {
         let positions = req.positions.encode(&plan.positions);
         let inv_freq = self.launch_inv_freq(&req.sincos, &req.config, on)?;
         let sincos = req.sincos.encode(&plan.sincos, &req.config, inv_freq);
+        let args = encode(req, &plan, &positions, &sincos);
         let args = RopeArgs {
             read_ahead: u32::from(self.reads_ahead(plan.kernel)),
-            ..encode(req, &plan, &positions, &sincos)
+            common_launch: u32::from(common_launch(&plan, &args)),
+            ..args
         };
         let function = self.module.function(plan.kernel.symbol())?;
         // SAFETY: `RopeArgs` and the entry points' parameters come from the one list in
@@ -363,6 +365,15 @@ pub(crate) fn encode_for_test(req: &Request, plan: &Plan) -> RopeArgs {
     encode(req, plan, &positions, &sincos)
 }
 
+/// Whether the launch of `req` (planned as `plan`, frequencies at a stand-in address) is
+/// marked as decode's common one-head launch, for the planner's tests.
+#[cfg(test)]
+pub(crate) fn common_launch_for_test(req: &Request, plan: &Plan) -> bool {
+    let positions = req.positions.encode(&plan.positions);
+    let sincos = req.sincos.encode(&plan.sincos, &req.config, 1 << 12);
+    common_launch(plan, &encode(req, plan, &positions, &sincos))
+}
+
 /// The kernel's arguments from the validated request, its plan and the options' encodings.
 fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosArgs) -> RopeArgs {
     let work = Work {
@@ -372,6 +383,32 @@ fn encode(req: &Request, plan: &Plan, positions: &PositionArgs, sincos: &SinCosA
         lanes: plan.lanes,
     };
     encode_work(req, &work, positions, sincos)
+}
+
+/// Whether a planned launch with arguments `args` is decode's common one-head launch
+/// ([`common_one_head_launch`], judged on the arguments the kernel reads), whose kernel then
+/// runs the copy of its body compiled for it.
+fn common_launch(plan: &Plan, args: &RopeArgs) -> bool {
+    let kernel = plan.kernel;
+    let elem_bytes = kernel.dtype.size() as u64;
+    // `f32` tensors read `f32` tables whatever the code.
+    let table_elem_bytes = if args.table_elem == TableElem::F32 as u32 {
+        4
+    } else {
+        elem_bytes
+    };
+    let pairs = match kernel.style {
+        RopeStyle::Neox => plan.lanes,
+        RopeStyle::Interleaved => plan.lanes / 2,
+    };
+    kernel.mapping == Mapping::ONE_HEAD
+        && common_one_head_launch(
+            args.position_code,
+            kernel.source,
+            args.angle_mode,
+            ((args.cos, args.sin), (args.table_rows, args.table_stride)),
+            (u64::from(pairs), elem_bytes, table_elem_bytes),
+        )
 }
 
 /// What a launch's arguments take from its plan: the grid, the tokens, the rotating groups
@@ -462,5 +499,6 @@ fn encode_work(
         pos_base: positions.pos_base,
         sin_sign: req.config.direction().sin_sign(),
         read_ahead: 0,
+        common_launch: 0,
     }
 }

@@ -597,8 +597,12 @@ macro_rules! rope_kernel_params {
 /// kernels ([`Mapping::ONE_HEAD`]) may read positions, frequencies and tables before they wait
 /// for the grid before them, and let the grid after them start at once
 /// (`griddepcontrol.launch_dependents`); 0 for every other launch, and the other kernels do
-/// not read it. The fused kernels take [`crate::rope_kernel_params!`]'s, and their own
-/// `sin_sign` last ([`crate::fused_kernel_params!`]).
+/// not read it. Last `common_launch`: 1 where a one-head launch is decode's common launch
+/// ([`common_one_head_launch`]), on which the one-head kernels of tables run the copy of their
+/// body compiled for it (those of computed sin/cos recognise the launch themselves); 0 for
+/// every other launch (the other kernels do not read it). The fused kernels take
+/// [`crate::rope_kernel_params!`]'s, and their own `sin_sign` last
+/// ([`crate::fused_kernel_params!`]).
 #[macro_export]
 macro_rules! plain_kernel_params {
     ($m:ident { $($pass:tt)* }) => {
@@ -606,6 +610,7 @@ macro_rules! plain_kernel_params {
             $m { $($pass)* }
             sin_sign: f32,
             read_ahead: u32,
+            common_launch: u32,
         }
     };
 }
@@ -917,6 +922,32 @@ pub const fn planned_table_fits(
 /// table in the kernels of [`planned_table_fits`]: 4, 8 or 16 bytes.
 pub const fn planned_table_vectors(pairs: u64, entry_bytes: u64) -> bool {
     matches!(pairs * entry_bytes, 4 | 8 | 16)
+}
+
+/// Whether a one-head launch ([`Mapping::ONE_HEAD`]) is decode's common launch, whose kernel
+/// runs a copy of its body that reads neither the position code nor the sin/cos source's
+/// options again: positions are `i64` ids per token ([`PositionCode::IdsI64PerRow`], which the
+/// row offsets of one-token rows also become), and either sin/cos are computed with `f64`
+/// angles ([`crate::math::AngleMode::Exact`]) or the tables hold the tensors' element type
+/// (`table_elem_bytes == elem_bytes`) and fit [`planned_table_fits`] for the item's `pairs`
+/// entries, so that their rows are read with 32-bit offsets and no alignment test.
+/// `(cos, sin)`, `(rows, stride)` and `angle_mode` are the launch's table and angle arguments
+/// ([`crate::plain_kernel_params!`]).
+pub const fn common_one_head_launch(
+    position_code: u32,
+    source: SinCosSource,
+    angle_mode: u32,
+    ((cos, sin), (rows, stride)): ((u64, u64), (u64, u64)),
+    (pairs, elem_bytes, table_elem_bytes): (u64, u64, u64),
+) -> bool {
+    position_code == PositionCode::IdsI64PerRow as u32
+        && match source {
+            SinCosSource::Table => {
+                table_elem_bytes == elem_bytes
+                    && planned_table_fits((cos, sin), (rows, stride), (pairs, elem_bytes))
+            }
+            SinCosSource::Theta => angle_mode == crate::math::AngleMode::Exact as u32,
+        }
 }
 
 /// One fused entry point (`rope-kernels/src/fused.rs`): `rope_fused_{style}_{source}_{dtype}`,

@@ -1917,10 +1917,10 @@ macro_rules! fused_params_of {
 }
 
 /// The RoPE parameters of a fused entry point's parameters `$p`, its `sin_sign` among them
-/// (`read_ahead` is the one-head RoPE kernels' alone).
+/// (`read_ahead` and `common_launch` are the one-head RoPE kernels' alone).
 macro_rules! rope_params_of {
     ({ $p:ident } $($param:ident: $kind:ident,)*) => {
-        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign, read_ahead: 0 }
+        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign, read_ahead: 0, common_launch: 0 }
     };
 }
 

@@ -141,6 +141,9 @@ pub(crate) struct Args<T> {
     /// Non-zero: the one-head kernels read positions, frequencies and tables before waiting for
     /// the grid before them, and let the next grid start first (see `one_head_body`).
     pub(crate) read_ahead: u32,
+    /// Non-zero: a one-head launch that is decode's common launch
+    /// ([`crate::abi::common_one_head_launch`]; see `one_head`).
+    pub(crate) common_launch: u32,
 }
 
 impl<T: Elem> Args<T> {
@@ -1209,10 +1212,12 @@ unsafe fn copy_heads<T: Elem, const L: usize>(
 /// it ([`wait_for_prior_grids`]) before its first global access, so that the host may launch it
 /// with the attribute and its launch overlap the end of the previous kernel.
 ///
-/// `COMMON` compiles it for decode's common launch ([`one_head`]): positions are `i64` ids per
-/// token (`PositionCode::IdsI64PerRow`) and computed angles are `f64`
-/// ([`math::AngleMode::Exact`]), so neither argument is read or branched on after the choice.
-/// `read_ahead` is the launch's `read_ahead` argument (its trigger already issued).
+/// `COMMON` compiles it for decode's common launch ([`one_head`],
+/// [`crate::abi::common_one_head_launch`]): positions are `i64` ids per token
+/// (`PositionCode::IdsI64PerRow`), computed angles are `f64` ([`math::AngleMode::Exact`]) and
+/// tables hold `T` and fit the planned reads ([`PlannedTable`]: 32-bit row offsets, no
+/// alignment test), so neither the position code nor the source's options are read or branched
+/// on. `read_ahead` is the launch's `read_ahead` argument (its trigger already issued).
 ///
 /// # Safety
 /// The promises of the entry points, and those of [`Mapping::ONE_HEAD`]: `gridDim.y` is
@@ -1227,7 +1232,15 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const CO
 ) {
     let pairs = if P::NEOX { L } else { L / 2 };
     let idx = block_idx_x() * block_dim_x() + thread_idx_x();
-    if u64::from(idx) >= a.tokens * u64::from(a.rot_groups) {
+    // The table kernels' common copy counts the items in 32 bits (fewer than 2^32: the
+    // promise); the computed copy keeps the 64-bit count, the faster schedule there
+    // (docs/perf/decisions.md).
+    let outside = if COMMON && S::TABLE {
+        idx >= (a.tokens as u32).wrapping_mul(a.rot_groups)
+    } else {
+        u64::from(idx) >= a.tokens * u64::from(a.rot_groups)
+    };
+    if outside {
         return;
     }
     let (token, group) = a.groups.div_rem_u32(idx);
@@ -1271,14 +1284,8 @@ unsafe fn one_head_body<T: Elem, P: Pairing, S: Source, const L: usize, const CO
         };
         let (cos, sin) = match (COMMON, &freqs) {
             (true, Some(f)) => cos_sin_exact::<T, L>(a, pos, pairs, f),
-            (true, None) if S::TABLE => {
-                // One position for the item, tables of either type (a uniform branch).
-                if a.f32_tables() {
-                    table_row::<T, f32, AnyTable, L>(a, pos, j0, pairs)
-                } else {
-                    table_row::<T, T, AnyTable, L>(a, pos, j0, pairs)
-                }
-            }
+            // Tables of `T` that fit the planned reads (the promise of `COMMON`).
+            (true, None) if S::TABLE => PlannedTable::read::<T, T, L>(a, pos, j0, pairs),
             _ => cos_sin_preloaded::<T, S, L>(a, pos, (j0, pairs), &freqs),
         };
         if read_ahead {
@@ -1310,9 +1317,10 @@ fn cos_sin_exact<T, const L: usize>(
 }
 
 /// The one-head body for this launch: a copy compiled for decode's common launch (`i64` ids
-/// per token, `f64` angles), which reads neither choice's argument again and takes no branch
-/// on them, or the general one. The choice is one uniform branch at the kernel's start, after
-/// the trigger of a launch that reads ahead (`read_ahead`, passed on to the body).
+/// per token, `f64` angles or planned tables of `T`), which the host marks (`common_launch`,
+/// [`crate::abi::common_one_head_launch`]) and which reads neither choice's argument again,
+/// or the general one. The choice is one uniform branch at the kernel's start, after the
+/// trigger of a launch that reads ahead (`read_ahead`, passed on to the body).
 ///
 /// # Safety
 /// The promises of `one_head_body`.
@@ -1323,9 +1331,17 @@ unsafe fn one_head<T: Elem, P: Pairing, S: Source, const L: usize>(a: &Args<T>) 
     if read_ahead {
         allow_dependent_grids();
     }
-    let common = a.position_code == PositionCode::IdsI64PerRow as u32
-        && (S::TABLE || a.angle_mode == math::AngleMode::Exact as u32);
-    // SAFETY: forwarded promises; `COMMON` only where the launch is what it assumes.
+    // Table launches are marked by the host (whether the tables fit the planned reads depends
+    // on their addresses); computed ones the kernel recognises itself, so that the copy's code
+    // knows their position code and angle mode.
+    let common = if S::TABLE {
+        a.common_launch != 0
+    } else {
+        a.position_code == PositionCode::IdsI64PerRow as u32
+            && a.angle_mode == math::AngleMode::Exact as u32
+    };
+    // SAFETY: forwarded promises; `COMMON` only where the launch is what it assumes (for tables,
+    // the entry points' promise on `common_launch`).
     unsafe {
         if common {
             one_head_body::<T, P, S, L, true>(a, read_ahead)
@@ -1443,6 +1459,7 @@ impl<T> Args<T> {
             pos_base: p.pos_base,
             sin_sign: p.sin_sign,
             read_ahead: p.read_ahead,
+            common_launch: p.common_launch,
         }
     }
 }
@@ -1486,6 +1503,8 @@ macro_rules! rope_entry {
         ///   may be anything);
         /// - `seq_magic`, `seq_shift`, `groups_magic` and `groups_shift` are those
         ///   [`Divisor::new`] computes for `seq` and `groups`.
+        /// - `common_launch` is non-zero only for a one-head launch that
+        ///   [`crate::abi::common_one_head_launch`] accepts.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(

@@ -299,11 +299,11 @@ crate::norm_across_kernel_params!(params_struct {
     AcrossParams
 });
 
-/// The RoPE parameters among an entry point's parameters `$p` (`read_ahead` is the one-head
-/// RoPE kernels' alone; the rotation is forward).
+/// The RoPE parameters among an entry point's parameters `$p` (`read_ahead` and
+/// `common_launch` are the one-head RoPE kernels' alone; the rotation is forward).
 macro_rules! rope_params_of {
     ({ $p:ident } $($param:ident: $kind:ident,)*) => {
-        Params { $($param: $p.$param,)* sin_sign: 1.0, read_ahead: 0 }
+        Params { $($param: $p.$param,)* sin_sign: 1.0, read_ahead: 0, common_launch: 0 }
     };
 }
 

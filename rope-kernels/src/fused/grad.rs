@@ -612,11 +612,11 @@ crate::norm_grad_kernel_params!(params_struct {
     GradParams
 });
 
-/// The RoPE parameters among a gradient entry point's parameters `$p` (`read_ahead` is the
-/// one-head RoPE kernels' alone).
+/// The RoPE parameters among a gradient entry point's parameters `$p` (`read_ahead` and
+/// `common_launch` are the one-head RoPE kernels' alone).
 macro_rules! rope_params_of {
     ({ $p:ident } $($param:ident: $kind:ident,)*) => {
-        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign, read_ahead: 0 }
+        Params { $($param: $p.$param,)* sin_sign: $p.sin_sign, read_ahead: 0, common_launch: 0 }
     };
 }
 

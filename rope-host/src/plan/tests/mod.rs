@@ -193,6 +193,86 @@ fn decode_sized_launches_take_the_one_head_kernel() {
     assert_eq!(valid(&r).kernel.mapping, Mapping::NARROW);
 }
 
+/// Decode's common launch (one-head kernel, `i64` ids per token or one-token row offsets,
+/// `f64` angles or tables of the tensors' type that fit 32-bit offsets and aligned vectors) is
+/// marked for the kernel's copy of its body compiled for it; every other launch is not.
+#[test]
+fn only_decodes_common_launch_is_marked_common() {
+    let config = neox(128);
+    let decode = |positions, sincos| {
+        let mut r = request(config, Layout::bshd(64, 1, 32, 128));
+        r.dtype = DType::BF16;
+        r.k = Some(tensor(Layout::bshd(64, 1, 8, 128), 1 << 30));
+        r.positions = positions;
+        r.sincos = sincos;
+        r
+    };
+    let ids = |ty| RawPositions::Ids {
+        ids: ints(1 << 36, 64, ty),
+        shape: IdsShape::PerRow,
+    };
+    let bf16_table = |addr, dtype| match table(&config, 4096, addr) {
+        RawSinCos::Table {
+            cos, sin, shape, ..
+        } => RawSinCos::Table {
+            cos,
+            sin,
+            dtype,
+            shape,
+        },
+        _ => unreachable!("table() gives separate tables"),
+    };
+    let computed = RawSinCos::Computed { theta: 10_000.0 };
+    let marked = |r: &Request| {
+        let p = valid(r);
+        crate::rope::common_launch_for_test(r, &p)
+    };
+    let aligned = 1 << 38;
+    for (what, r, want) in [
+        (
+            "i64 ids, computed",
+            decode(ids(IntType::I64), computed),
+            true,
+        ),
+        (
+            "i64 ids, bf16 tables",
+            decode(ids(IntType::I64), bf16_table(aligned, DType::BF16)),
+            true,
+        ),
+        (
+            "one-token i64 row offsets, bf16 tables",
+            decode(
+                RawPositions::RowOffsets(ints(1 << 36, 64, IntType::I64)),
+                bf16_table(aligned, DType::BF16),
+            ),
+            true,
+        ),
+        ("i32 ids", decode(ids(IntType::I32), computed), false),
+        ("offsets", decode(RawPositions::Offset(7), computed), false),
+        (
+            "f32 tables of bf16 tensors",
+            decode(ids(IntType::I64), bf16_table(aligned, DType::F32)),
+            false,
+        ),
+        (
+            "tables off the vectors' alignment",
+            decode(ids(IntType::I64), bf16_table(aligned + 2, DType::BF16)),
+            false,
+        ),
+    ] {
+        assert_eq!(valid(&r).kernel.mapping, Mapping::ONE_HEAD, "{what}");
+        assert_eq!(marked(&r), want, "{what}");
+    }
+    let mut prefill = request(config, Layout::bshd(1, 8192, 32, 128));
+    prefill.dtype = DType::BF16;
+    prefill.positions = RawPositions::Ids {
+        ids: ints(1 << 36, 8192, IntType::I64),
+        shape: IdsShape::PerRow,
+    };
+    assert_eq!(valid(&prefill).kernel.mapping, Mapping::WIDE);
+    assert!(!marked(&prefill), "the item-loop kernel");
+}
+
 /// `len` integers of `ty` at `ptr`.
 #[test]
 fn rotary_offset_shifts_the_pointers_and_limits_the_access_width() {
