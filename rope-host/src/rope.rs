@@ -18,7 +18,7 @@ use cudarc::driver::sys::CUstream;
 use rope_kernels::abi::{DType, Mapping, TableElem, common_one_head_launch};
 
 use crate::bind::{Binder, RawBuf};
-use crate::config::{RopeConfig, RopeElem, RopeStyle};
+use crate::config::{RopeConfig, RopeElem};
 use crate::error::Result;
 use crate::handle::{FreqUse, Rope};
 use crate::kernel_args::RopeArgs;
@@ -397,10 +397,7 @@ fn common_launch(plan: &Plan, args: &RopeArgs) -> bool {
     } else {
         elem_bytes
     };
-    let pairs = match kernel.style {
-        RopeStyle::Neox => plan.lanes,
-        RopeStyle::Interleaved => plan.lanes / 2,
-    };
+    let pairs = kernel.style.pairs_per_item(plan.lanes);
     kernel.mapping == Mapping::ONE_HEAD
         && common_one_head_launch(
             args.position_code,

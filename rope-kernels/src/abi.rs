@@ -39,6 +39,19 @@ pub enum RopeStyle {
     Neox,
 }
 
+impl RopeStyle {
+    /// The pairs a work item of accesses of `lanes` elements rotates: `lanes` NeoX pairs (an
+    /// access reads `lanes` first halves, another as many second halves), `lanes / 2`
+    /// interleaved ones. (Inline, host-side: the kernels name their pairing by type.)
+    #[inline]
+    pub const fn pairs_per_item(self, lanes: u32) -> u32 {
+        match self {
+            Self::Neox => lanes,
+            Self::Interleaved => lanes / 2,
+        }
+    }
+}
+
 /// Forward rotation, or its gradient.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Direction {

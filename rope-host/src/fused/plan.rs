@@ -17,7 +17,6 @@ use super::rows::{RowsOccupancy, rows_grid, rows_kernel};
 use super::tensors::check_fused_tensors;
 use super::{Fp8Format, RawCacheAddress};
 use crate::check::{check_overlaps, layout_aligned, span_below_2_32, widest_lanes};
-use crate::config::RopeStyle;
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::plan::{Grid, TensorReq, fused_grid, grid, spans_below_2_32, token_heads_warps};
@@ -122,10 +121,7 @@ pub(crate) fn plan_fused(
                 "interleaved pairs need every tensor address and stride aligned to two elements",
             )
         })?;
-    let pairs = match cfg.style() {
-        RopeStyle::Neox => lanes,
-        RopeStyle::Interleaved => lanes / 2,
-    };
+    let pairs = cfg.style().pairs_per_item(lanes);
     let rot_groups = cfg.half() / pairs;
     // A partial head's features past the rotation: groups of `2 pairs` after the rotation's
     // (the `_partial` kernels).

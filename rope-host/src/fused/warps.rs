@@ -61,10 +61,7 @@ pub(super) fn access(
     let half = cfg.half();
     let mut too_wide = false;
     for (i, lanes) in candidate_lanes(cfg.style(), dtype).into_iter().enumerate() {
-        let pairs = match cfg.style() {
-            RopeStyle::Neox => lanes,
-            RopeStyle::Interleaved => lanes / 2,
-        };
+        let pairs = cfg.style().pairs_per_item(lanes);
         if !half.is_multiple_of(pairs) {
             continue;
         }

@@ -15,7 +15,7 @@ use crate::check::{
     Of, Region, check_overlaps, layout_aligned, read_region, region, same_dims, span_below_2_32,
     widest_lanes,
 };
-use crate::config::{RopeConfig, RopeStyle};
+use crate::config::RopeConfig;
 use crate::device::DeviceFacts;
 use crate::error::{Result, invalid};
 use crate::layout::{Layout, packed_are_disjoint};
@@ -102,10 +102,7 @@ pub(crate) fn plan(
             "interleaved pairs need every tensor address and stride aligned to two elements",
         )
     })?;
-    let pairs_per_item = match cfg.style() {
-        RopeStyle::Neox => lanes,
-        RopeStyle::Interleaved => lanes / 2,
-    };
+    let pairs_per_item = cfg.style().pairs_per_item(lanes);
     let rot_groups = cfg.half() / pairs_per_item;
     let pass_groups = if pass_through {
         (cfg.head_dim() - cfg.rotary_dim()) / lanes

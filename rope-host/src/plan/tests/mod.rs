@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::Direction;
+use crate::config::RopeStyle;
 use crate::error::Error;
 use crate::positions::{IdsShape, IntType, RawInts};
 use crate::sincos::TableShape;
