@@ -924,6 +924,7 @@ mod gpu {
     pub mod fused_backward;
     pub mod kernel_code;
     pub mod matches_reference;
+    pub mod mla;
     pub mod multi_axis;
     pub mod rejects_invalid;
     pub mod serving;

@@ -210,7 +210,10 @@ pub enum NonRotaryCache {
     /// MLA (FlashInfer's `(ckv_cache, kpe_cache)`): the part goes into the cache's `v` buffer
     /// (the latent cache, `ckv_cache`), laid out by this layout (`kv_heads` k's heads, `head_dim`
     /// the part's `nope_dim`, the k cache's `num_blocks` and `block_size`), and the rotated k
-    /// into the cache's `k` buffer (`kpe_cache`). The launch has no v, and the cache's
-    /// `v_scale` is not used.
+    /// into the cache's `k` buffer (`kpe_cache`). The launch has no v; an FP8 cache stores the
+    /// part with `k_scale` (the cache's `v_scale` is not used). Where the two layouts share their
+    /// blocks, rows and block and row strides (vLLM's one MLA cache, `[num_blocks, block_size,
+    /// kv_lora_rank + rot_dim]` with `k` and `v` its columns) and the part is a whole number of
+    /// heads wide, one launch stores it with q's and k's heads.
     Latent(CacheLayout),
 }

@@ -38,6 +38,7 @@ mod cache;
 mod cache_checks;
 mod encode;
 mod grad;
+mod latent;
 mod non_rotary;
 mod plan;
 mod raw;
@@ -66,13 +67,23 @@ pub use cache::{
 };
 pub use grad::{FusedGrads, RawFusedGrads};
 pub(crate) use plan::FusedPlan;
-use plan::plan_fused;
+use plan::{plan_checked, plan_fused};
 pub use raw::{
     RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale, RawFusedIo, RawFusedOp, RawKOut,
     RawKvCache, RawNonRotary, RawNvfp4Cache, RawPageTable, RawQOut, RawQkNorm,
 };
 pub(crate) use request::FusedRequest;
-use rows::RowsLaunch;
+use rows::{RowsLaunch, RowsOccupancy};
+
+/// A fused planner (`plan_fused`, `plan_checked`): a request on a device, with its module's
+/// occupancy, the kernel choice and (sm_90 builds) the rows kernels' occupancy.
+type Planner = fn(
+    &FusedRequest,
+    &crate::device::DeviceFacts,
+    &dyn Fn(FusedKernelName) -> u32,
+    crate::tuning::FusedKernels,
+    Option<RowsOccupancy>,
+) -> Result<Option<FusedPlan>>;
 
 /// RMS normalisation of q and k before the rotation: `x_e / sqrt(mean_e(x_e^2) + eps) * w_e`,
 /// computed in `f32`, the mean over each head (the q/k norms of Qwen3, Gemma 3, OLMo 2) or over
@@ -314,6 +325,13 @@ impl Rope {
         let Some(plan) = self.plan_fused(req)? else {
             return Ok(());
         };
+        if let Some((heads, heads_plan)) =
+            latent::latent_as_v(req, &|r| self.plan_by(r, plan_checked))
+        {
+            // SAFETY: `heads` holds `req`'s addresses, validated by `plan` above, and stores
+            // `req`'s latent part where `req` stores it (v's heads of its slots' rows).
+            return unsafe { self.launch_fused_plan(&heads, &heads_plan, stream, on) };
+        }
         if let Some([(q, q_plan), (rest, rest_plan)]) =
             apart::q_apart(req, &plan, &|r| self.plan_fused(r))
         {
@@ -331,13 +349,19 @@ impl Rope {
     /// The fused plan of `req` on this handle's device, module and kernel choice (`None`: an
     /// empty launch).
     pub(crate) fn plan_fused(&self, req: &FusedRequest) -> Result<Option<FusedPlan>> {
+        self.plan_by(req, plan_fused)
+    }
+
+    /// `req` planned by `planner` (`plan_fused`, or `plan_checked` for a rewrite of a request
+    /// `plan_fused` validated) on this handle's device, module and kernel choice.
+    fn plan_by(&self, req: &FusedRequest, planner: Planner) -> Result<Option<FusedPlan>> {
         let module = &self.module;
         let blocks = |k: FusedKernelName| module.blocks_per_sm(k.symbol());
         let rows_blocks = |k: FusedKernelName, l: &RowsLaunch| {
             module.blocks_per_sm_at(k.symbol(), l.threads, l.shared_bytes)
         };
         let rows = module.bulk_rows().then_some(&rows_blocks as _);
-        plan_fused(req, &self.facts, &blocks, self.fused_kernels, rows)
+        planner(req, &self.facts, &blocks, self.fused_kernels, rows)
     }
 
     /// Encodes and launches a fused request planned by [`Rope::plan_fused`].

@@ -76,7 +76,6 @@ pub(crate) fn plan_fused(
     choice: FusedKernels,
     rows_occupancy: Option<RowsOccupancy>,
 ) -> Result<Option<FusedPlan>> {
-    let cfg = &req.rope.config;
     if req.norm.is_some_and(|n| n.across_heads()) {
         return Err(invalid(
             "norm.scope",
@@ -85,12 +84,33 @@ pub(crate) fn plan_fused(
         ));
     }
     check_config(req)?;
-    let es = req.rope.dtype.size();
     let Some(k_req) = req.rope.k else {
         return Err(invalid("k", "a fused launch needs k"));
     };
     let regions = check_fused_tensors(req, &k_req)?;
     check_overlaps(&regions, req.rope.packed)?;
+    plan_checked(req, facts, blocks_per_sm, choice, rows_occupancy)
+}
+
+/// [`plan_fused`] past its checks of the tensors, weights, scales and cache and of their
+/// overlaps: for a request those checks accepted, or one that holds such a request's addresses
+/// and writes its regions alone (MLA's latent cache as v's heads, `super::latent`), which the
+/// checks of GQA's caches would refuse for v's heads.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] naming the first offending argument.
+pub(crate) fn plan_checked(
+    req: &FusedRequest,
+    facts: &DeviceFacts,
+    blocks_per_sm: &dyn Fn(FusedKernelName) -> u32,
+    choice: FusedKernels,
+    rows_occupancy: Option<RowsOccupancy>,
+) -> Result<Option<FusedPlan>> {
+    let cfg = &req.rope.config;
+    let es = req.rope.dtype.size();
+    let Some(k_req) = req.rope.k else {
+        return Err(invalid("k", "a fused launch needs k"));
+    };
     let q = &req.rope.q.x_layout;
     let k = &k_req.x_layout;
     let seq = u32::try_from(q.seq).map_err(|_| invalid("q", "seq exceeds u32::MAX"))?;

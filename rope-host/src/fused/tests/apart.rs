@@ -12,7 +12,7 @@ use crate::positions::IdsShape;
 /// of 64 rotated features in place, one k head of 64 in place and into the k cache, k's 512
 /// latent features into the latent cache (FlashInfer's forms: k's part into the cache), FP8
 /// caches; every buffer far apart.
-fn mla(tokens: usize) -> FusedRequest {
+pub(super) fn mla(tokens: usize) -> FusedRequest {
     let blocks = tokens.div_ceil(16) + 1;
     let q = Layout::thd(tokens, 128, 64);
     let k = Layout::thd(tokens, 1, 64);

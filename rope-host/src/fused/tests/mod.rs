@@ -4,6 +4,7 @@ mod across;
 mod apart;
 mod fp8;
 mod grad;
+mod latent;
 mod norm_groups;
 mod nvfp4;
 mod prefetch;
