@@ -21,7 +21,7 @@
 use std::sync::Arc;
 
 use rope_host::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use rope_host::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use rope_host::half::bf16;
 use rope_host::{
     AxisMap, CacheAddress, CacheData, CacheLayout, CacheNonRotary, DeviceAxisMap, DeviceInts,
@@ -29,6 +29,11 @@ use rope_host::{
     KOut, KvCache, Layout, NonRotaryCache, NormScope, NormWeight, Nvfp4Cache, PageTable, Positions,
     QOut, QkIo, QkNorm, Rope, RopeConfig, RopeOp, RopeScaling, RopeStyle, SinCos, SinCosTables,
     StreamOverlap, TableFormat, Tensor, TensorMut,
+};
+use rope_host::{
+    DType, IntType, RawBuf, RawCacheAddress, RawCacheData, RawCacheNonRotary, RawFp8Scale,
+    RawFusedIo, RawFusedOp, RawInts, RawIo, RawKOut, RawKvCache, RawOp, RawPositions, RawQOut,
+    RawSinCos, RawTensor, TableData,
 };
 
 use crate::decode::{Handles, LAUNCHES, per_launch};
@@ -114,8 +119,19 @@ enum Variant {
     /// MLA (DeepSeek-V3's shapes, vLLM's `concat_and_cache_mla_rope_fused`): `q_pe`, the last
     /// 64 of each of 128 q heads' 192 features, and `k_pe`, one head of 64, rotated in place;
     /// `k_pe` into the k cache and the 512 latent features into the latent cache (FlashInfer's
-    /// `kpe_cache` and `ckv_cache`), E4M3 with a scale or bf16.
-    Mla { fp8: bool },
+    /// `kpe_cache` and `ckv_cache`), E4M3 with a scale or bf16; or into vLLM's one cache
+    /// (`[blocks, 16, 512 + 64]`, each row the latent features then the rotated `k_pe`,
+    /// launched by address as `concat_and_cache_mla_rope_fused` is).
+    Mla { fp8: bool, cache: MlaCache },
+}
+
+/// The caches of MLA's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MlaCache {
+    /// FlashInfer's `kpe_cache` and `ckv_cache`: a tensor each.
+    Two,
+    /// vLLM's one cache: the latent features and the rotated `k_pe` in each slot's row.
+    One,
 }
 
 /// How many bytes a copy variant moves: exactly what a fused variant reads (and writes as
@@ -157,7 +173,7 @@ const MLA_LATENT: usize = 512;
 
 /// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
 /// before (the rotation's, for the unfused sequence).
-const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 26] = [
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 30] = [
     (
         Variant::AcrossHeads,
         "DiT: norm across heads + 3-D axial rope",
@@ -286,26 +302,74 @@ const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 26] = [
         StreamOverlap::None,
     ),
     (
-        Variant::Mla { fp8: true },
+        Variant::Mla {
+            fp8: true,
+            cache: MlaCache::Two,
+        },
         "MLA rope + FP8 caches",
         Some(COPY_MLA),
         StreamOverlap::None,
     ),
     (
-        Variant::Mla { fp8: false },
+        Variant::Mla {
+            fp8: false,
+            cache: MlaCache::Two,
+        },
         "MLA rope + bf16 caches",
         Some(COPY_MLA),
         StreamOverlap::None,
     ),
     (
-        Variant::Mla { fp8: true },
+        Variant::Mla {
+            fp8: true,
+            cache: MlaCache::Two,
+        },
         "MLA rope + FP8 caches, PDL",
         Some(COPY_MLA),
         StreamOverlap::Programmatic,
     ),
     (
-        Variant::Mla { fp8: false },
+        Variant::Mla {
+            fp8: false,
+            cache: MlaCache::Two,
+        },
         "MLA rope + bf16 caches, PDL",
+        Some(COPY_MLA),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::Mla {
+            fp8: true,
+            cache: MlaCache::One,
+        },
+        "MLA rope + vLLM's FP8 cache",
+        Some(COPY_MLA),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::Mla {
+            fp8: false,
+            cache: MlaCache::One,
+        },
+        "MLA rope + vLLM's bf16 cache",
+        Some(COPY_MLA),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::Mla {
+            fp8: true,
+            cache: MlaCache::One,
+        },
+        "MLA rope + vLLM's FP8 cache, PDL",
+        Some(COPY_MLA),
+        StreamOverlap::Programmatic,
+    ),
+    (
+        Variant::Mla {
+            fp8: false,
+            cache: MlaCache::One,
+        },
+        "MLA rope + vLLM's bf16 cache, PDL",
         Some(COPY_MLA),
         StreamOverlap::Programmatic,
     ),
@@ -341,6 +405,9 @@ struct Buffers {
     mla_latent: CudaSlice<bf16>,
     mla_caches: (CudaSlice<bf16>, CudaSlice<bf16>),
     mla_caches8: (CudaSlice<u8>, CudaSlice<u8>),
+    /// vLLM's one MLA cache, bf16 and FP8: rows of the latent features, then `k_pe`.
+    mla_one: CudaSlice<bf16>,
+    mla_one8: CudaSlice<u8>,
     /// The destination of MLA's copy row.
     mla_copy: CudaSlice<bf16>,
     /// The backward's forward inputs of q and k, its input gradients, its weight gradients
@@ -577,6 +644,8 @@ impl Buffers {
                 stream.alloc_zeros(blocks * BLOCK * MLA_ROPE)?,
                 stream.alloc_zeros(blocks * BLOCK * MLA_LATENT)?,
             ),
+            mla_one: stream.alloc_zeros(blocks * BLOCK * (MLA_LATENT + MLA_ROPE))?,
+            mla_one8: stream.alloc_zeros(blocks * BLOCK * (MLA_LATENT + MLA_ROPE))?,
             mla_copy: stream
                 .alloc_zeros(tokens * (MLA_HEADS * MLA_ROPE + MLA_ROPE + MLA_LATENT))?,
             backward_x: (
@@ -667,6 +736,113 @@ impl Buffers {
             data,
         };
         Ok(rope.run_fused(&op, io, Some(cache))?)
+    }
+
+    /// Launches MLA's row into vLLM's one cache once ([`MlaCache::One`]): as [`Self::run_mla`],
+    /// `k_pe` into the last 64 columns of each slot's row and the latent features into the first
+    /// 512, by address (the safe API holds no two views of one buffer).
+    fn run_mla_one_cache(
+        &mut self,
+        rope: &Rope,
+        stream: &Arc<CudaStream>,
+        fp8: bool,
+    ) -> anyhow::Result<()> {
+        let t = self.tokens;
+        let raw = |ptr: u64, len: usize| RawBuf { ptr, len };
+        let q_pe = Layout::strided(
+            [1, t, MLA_HEADS, MLA_ROPE],
+            [
+                t * MLA_HEADS * MLA_Q_DIM,
+                MLA_HEADS * MLA_Q_DIM,
+                MLA_Q_DIM,
+                1,
+            ],
+            MLA_Q_DIM - MLA_ROPE,
+        )?;
+        let sincos = match self.mla_table.as_ref().map(|t| (t.data(), t.shape())) {
+            Some((TableData::Combined(cache), shape)) => RawSinCos::CosSinCache {
+                cache: raw(cache.device_ptr(stream).0, cache.len()),
+                dtype: DType::BF16,
+                shape,
+            },
+            Some((TableData::Separate { cos, sin }, shape)) => RawSinCos::Table {
+                cos: raw(cos.device_ptr(stream).0, cos.len()),
+                sin: raw(sin.device_ptr(stream).0, sin.len()),
+                dtype: DType::BF16,
+                shape,
+            },
+            None => RawSinCos::Computed { theta: THETA },
+        };
+        let op = RawFusedOp {
+            rope: RawOp {
+                config: RopeConfig::builder(MLA_ROPE as u32, self.config.style()).build()?,
+                dtype: DType::BF16,
+                positions: RawPositions::Ids {
+                    ids: RawInts {
+                        buf: raw(self.ids.device_ptr(stream).0, self.ids.len()),
+                        ty: IntType::I64,
+                    },
+                    shape: IdsShape::PerRow,
+                },
+                sincos,
+            },
+            norm: None,
+        };
+        let tensor = |s: &CudaSlice<bf16>, layout| RawTensor {
+            buf: raw(s.device_ptr(stream).0, s.len()),
+            layout,
+        };
+        let io = RawFusedIo::Separate {
+            q: RawQOut::Elem(RawIo::InPlace(tensor(&self.mla_q, q_pe))),
+            k: RawKOut::Elem(RawIo::InPlace(tensor(
+                &self.mla_kpe,
+                Layout::thd(t, 1, MLA_ROPE),
+            ))),
+            v: None,
+        };
+        let row = MLA_LATENT + MLA_ROPE;
+        let (one, len, es) = if fp8 {
+            (self.mla_one8.device_ptr(stream).0, self.mla_one8.len(), 1)
+        } else {
+            (self.mla_one.device_ptr(stream).0, self.mla_one.len(), 2)
+        };
+        let blocks = len / (BLOCK * row);
+        let columns = |width| CacheLayout {
+            strides: [BLOCK * row, row, width],
+            ..CacheLayout::blocks_rows_heads(blocks, BLOCK, 1, width)
+        };
+        let (k, v) = (
+            raw(one + (MLA_LATENT * es) as u64, len - MLA_LATENT),
+            raw(one, len),
+        );
+        let data = if fp8 {
+            let scale = RawFp8Scale::PerTensor(raw(self.scale.device_ptr(stream).0, 1));
+            RawCacheData::Fp8 {
+                k,
+                v,
+                k_scale: scale,
+                v_scale: scale,
+                format: Fp8Format::E4m3,
+            }
+        } else {
+            RawCacheData::Elem { k, v }
+        };
+        let cache = RawKvCache {
+            address: RawCacheAddress::Slots(RawInts {
+                buf: raw(self.slots.device_ptr(stream).0, self.slots.len()),
+                ty: IntType::I64,
+            }),
+            layout: columns(MLA_ROPE),
+            data,
+            non_rotary: Some(RawCacheNonRotary {
+                input: tensor(&self.mla_latent, Layout::thd(t, 1, MLA_LATENT)),
+                into: NonRotaryCache::Latent(columns(MLA_LATENT)),
+            }),
+        };
+        // SAFETY: every buffer is this struct's, on `stream`'s context, alive past the launch
+        // (the caller synchronizes before dropping them).
+        unsafe { rope.run_fused_raw(&op, io, Some(cache), stream.cu_stream()) }?;
+        Ok(())
     }
 
     /// Launches `variant` once.
@@ -898,7 +1074,14 @@ impl Buffers {
                 };
                 Ok(rope.run_fused(&op, io, Some(cache))?)
             }
-            Variant::Mla { fp8 } => self.run_mla(rope, fp8),
+            Variant::Mla {
+                fp8,
+                cache: MlaCache::Two,
+            } => self.run_mla(rope, fp8),
+            Variant::Mla {
+                fp8,
+                cache: MlaCache::One,
+            } => self.run_mla_one_cache(rope, stream, fp8),
             Variant::RopeFp8PageTable => {
                 let op = FusedOp {
                     rope: rope_op(),

@@ -48,7 +48,7 @@ const FUSED: [(&str, &str); 5] = [
 
 /// The fused variants added to `rope-bench` after the rows above, shown where the report has
 /// them (older reports lack them), each with whether it has a `, PDL` twin.
-const LATER_FUSED: [(&str, &str, bool); 4] = [
+const LATER_FUSED: [(&str, &str, bool); 5] = [
     (
         "norm + rope + FP8 q, NVFP4 cache",
         "norm + rope + FP8 q, NVFP4 cache",
@@ -57,6 +57,11 @@ const LATER_FUSED: [(&str, &str, bool); 4] = [
     (
         "MLA rope + FP8 caches",
         "MLA (DeepSeek): rope + FP8 latent cache",
+        true,
+    ),
+    (
+        "MLA rope + vLLM's FP8 cache",
+        "MLA (DeepSeek): rope + vLLM's one FP8 cache",
         true,
     ),
     ("norm + rope backward", "QK-norm + rope backward", false),
