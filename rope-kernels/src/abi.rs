@@ -995,8 +995,8 @@ pub enum FusedForms {
     FlashInfer,
     /// Heads longer than the rotation (partial rotary with a norm, a cache or FP8): the
     /// features past `rotary_dim` normalised and stored as the others, unrotated; the
-    /// two-heads mapping only (`_two_heads_partial`: with four heads per thread these kernels
-    /// spilled).
+    /// two-heads mapping (`_two_heads_partial`), and for 16-bit elements the four-heads one
+    /// (`_four_heads_partial`, at 72 registers: at 64 four heads a thread spilled).
     Partial,
     /// An NVFP4 cache ([`NVFP4_BLOCK`]-element blocks of FP4 E2M1 values, each block with an
     /// FP8 E4M3 scale, under a global scale): the four-heads mapping only (`_four_heads_nvfp4`,
@@ -1042,7 +1042,11 @@ impl FusedKernelName {
         match self.mapping {
             Mapping::TWO_HEADS if self.neox_16_bit() => Some(48),
             Mapping::FOUR_HEADS if matches!(self.forms, FusedForms::Nvfp4) => Some(80),
-            Mapping::FOUR_HEADS if matches!(self.forms, FusedForms::LongNorm) => Some(72),
+            Mapping::FOUR_HEADS
+                if matches!(self.forms, FusedForms::LongNorm | FusedForms::Partial) =>
+            {
+                Some(72)
+            }
             Mapping::TWO_HEADS | Mapping::FOUR_HEADS => Some(64),
             Mapping::Rows => Some(72),
             _ => None,
@@ -1080,14 +1084,17 @@ impl FusedKernelName {
     }
 
     /// The four-heads kernel ([`Mapping::FOUR_HEADS`]) of this two-heads kernel, if it has one:
-    /// every pairing and element type of whole heads without FlashInfer's forms
-    /// (docs/perf/decisions.md).
+    /// every pairing and element type of whole heads without FlashInfer's forms, and partial
+    /// heads of 16-bit elements (docs/perf/decisions.md).
     pub const fn four_heads(self) -> Option<Self> {
-        match (self.mapping, self.forms) {
-            (Mapping::TWO_HEADS, FusedForms::Plain) => Some(FusedKernelName {
-                mapping: Mapping::FOUR_HEADS,
-                ..self
-            }),
+        match (self.mapping, self.forms, self.dtype) {
+            (Mapping::TWO_HEADS, FusedForms::Plain, _)
+            | (Mapping::TWO_HEADS, FusedForms::Partial, DType::F16 | DType::BF16) => {
+                Some(FusedKernelName {
+                    mapping: Mapping::FOUR_HEADS,
+                    ..self
+                })
+            }
             _ => None,
         }
     }
@@ -1098,6 +1105,7 @@ impl FusedKernelName {
 /// `symbol: Style, Source, DType, storage type;`, then `@rows` and every rows kernel (NeoX) as
 /// `symbol: Source, DType, storage type;`, then `@partial` and every two-heads kernel of partial
 /// heads ([`FusedForms::Partial`]) as `symbol: Style, Source, DType, storage type;`, then
+/// `@partial_four` and every four-heads kernel of partial heads alike, then
 /// `@nvfp4` and every four-heads kernel of NVFP4 caches ([`FusedForms::Nvfp4`]) alike, then
 /// `@long_norm` and every four-heads kernel of norms across a head's warps
 /// ([`FusedForms::LongNorm`]) alike.
@@ -1147,6 +1155,15 @@ macro_rules! for_each_fused_kernel {
             rope_fused_interleaved_theta_bf16_two_heads_partial: Interleaved, Theta, BF16, Bf16;
             rope_fused_neox_table_bf16_two_heads_partial: Neox, Table, BF16, Bf16;
             rope_fused_neox_theta_bf16_two_heads_partial: Neox, Theta, BF16, Bf16;
+            @partial_four
+            rope_fused_interleaved_table_f16_four_heads_partial: Interleaved, Table, F16, Half;
+            rope_fused_interleaved_theta_f16_four_heads_partial: Interleaved, Theta, F16, Half;
+            rope_fused_neox_table_f16_four_heads_partial: Neox, Table, F16, Half;
+            rope_fused_neox_theta_f16_four_heads_partial: Neox, Theta, F16, Half;
+            rope_fused_interleaved_table_bf16_four_heads_partial: Interleaved, Table, BF16, Bf16;
+            rope_fused_interleaved_theta_bf16_four_heads_partial: Interleaved, Theta, BF16, Bf16;
+            rope_fused_neox_table_bf16_four_heads_partial: Neox, Table, BF16, Bf16;
+            rope_fused_neox_theta_bf16_four_heads_partial: Neox, Theta, BF16, Bf16;
             @nvfp4
             rope_fused_interleaved_table_f32_four_heads_nvfp4: Interleaved, Table, F32, f32;
             rope_fused_interleaved_theta_f32_four_heads_nvfp4: Interleaved, Theta, F32, f32;
@@ -1186,6 +1203,7 @@ macro_rules! fused_kernel_table {
         @four_heads $($four:ident: $fstyle:ident, $fsrc:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsrc:ident, $rdt:ident, $rt:ty;)*
         @partial $($ptwo:ident: $pstyle:ident, $psrc:ident, $pdt:ident, $pt:ty;)*
+        @partial_four $($pfour:ident: $qstyle:ident, $qsrc:ident, $qdt:ident, $qt:ty;)*
         @nvfp4 $($nfour:ident: $nstyle:ident, $nsrc:ident, $ndt:ident, $nt:ty;)*
         @long_norm $($lfour:ident: $lstyle:ident, $lsrc:ident, $ldt:ident, $lt:ty;)*
     ) => {
@@ -1193,7 +1211,8 @@ macro_rules! fused_kernel_table {
             /// Every fused kernel.
             pub const ALL: [FusedKernelName; 4 * [$(stringify!($sym)),*].len()
                 + [$(stringify!($four)),*].len() + [$(stringify!($rows)),*].len()
-                + [$(stringify!($ptwo)),*].len() + [$(stringify!($nfour)),*].len()
+                + [$(stringify!($ptwo)),*].len() + [$(stringify!($pfour)),*].len()
+                + [$(stringify!($nfour)),*].len()
                 + [$(stringify!($lfour)),*].len()] = [$(
                 FusedKernelName {
                     style: RopeStyle::$style,
@@ -1249,6 +1268,14 @@ macro_rules! fused_kernel_table {
                 },
             )* $(
                 FusedKernelName {
+                    style: RopeStyle::$qstyle,
+                    source: SinCosSource::$qsrc,
+                    dtype: DType::$qdt,
+                    mapping: Mapping::FOUR_HEADS,
+                    forms: FusedForms::Partial,
+                },
+            )* $(
+                FusedKernelName {
                     style: RopeStyle::$nstyle,
                     source: SinCosSource::$nsrc,
                     dtype: DType::$ndt,
@@ -1297,6 +1324,10 @@ macro_rules! fused_kernel_table {
                             stringify!($ptwo),
                     )*
                     $(
+                        (RopeStyle::$qstyle, SinCosSource::$qsrc, DType::$qdt, Mapping::FOUR_HEADS, PART) =>
+                            stringify!($pfour),
+                    )*
+                    $(
                         (RopeStyle::$nstyle, SinCosSource::$nsrc, DType::$ndt, Mapping::FOUR_HEADS, NV) =>
                             stringify!($nfour),
                     )*
@@ -1309,8 +1340,8 @@ macro_rules! fused_kernel_table {
                     // such launches; loading it would fail naming it).
                     (_, _, _, _, NV) => NVFP4_UNAVAILABLE,
                     (_, _, _, _, LONG) => LONG_NORM_UNAVAILABLE,
-                    // Partial heads have two-heads kernels alone: the others are named as
-                    // their two-heads kernel's.
+                    // Partial heads have two-heads kernels, and four-heads kernels of 16-bit
+                    // elements: the others are named as their two-heads kernel's.
                     (_, _, _, _, PART) => FusedKernelName {
                         mapping: Mapping::TWO_HEADS,
                         ..self

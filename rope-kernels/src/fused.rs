@@ -1298,10 +1298,18 @@ unsafe fn token_heads_body<
             raw[u] = unsafe { load_head::<T, P, L>(x.add(at as usize), j0, half_z) };
         }
     });
-    // (Partial heads have two-heads kernels alone.)
-    if U == FOUR_HEADS_U && working && group < a.rot_groups {
+    // Partial heads' groups all ask, for the rotated features and those past them.
+    if U == FOUR_HEADS_U && working && (PARTIAL || group < a.rot_groups) {
         let ahead = (&f.rope, f.prefetch_tokens);
-        prefetch_ahead::<T, U>(ahead, (x, x_strides), token, (i0, heads), group, half);
+        let head = (i0, heads);
+        prefetch_ahead::<T, U, PARTIAL>(
+            ahead,
+            (x, x_strides),
+            token,
+            head,
+            group,
+            (half, f.head_dim),
+        );
     }
     // k's and v's warps ask for the token's cache slot to be brought into L2 with their
     // heads' loads, so that its load where the stores need it, after the norm, finds it there
@@ -1633,9 +1641,10 @@ unsafe fn cache_place<T>(f: &Fused<T>, t: u32) -> Option<(u32, u32)> {
 
 /// Asks L2 for this thread's share of the heads its place (heads `i0..i0 + U` of its tensor,
 /// group `group`) takes in the token `prefetch_tokens` after `token`, if there is one: the
-/// `U * lines` 128-byte lines of those heads' `2 * half` elements (`lines` per head) are spread
-/// over the place's `groups` threads, thread `group` taking line `group / U` of head
-/// `i0 + group % U`. A head is `2 * groups` accesses of at most 16 bytes, so `groups` is at
+/// `U * lines` 128-byte lines of those heads' rotated `2 half` elements (`PARTIAL`: all
+/// `head_dim`; `lines` per head) are spread over the place's groups that ask (those of the
+/// rotation; `PARTIAL`: all), thread `group` taking line `group / U` of head `i0 + group % U`.
+/// Those elements are two accesses of at most 16 bytes per asking group, so the askers are at
 /// least `U * lines` for `U = 4`: every line is asked for.
 ///
 /// A prefetch holds no register and no scoreboard, so the requests for tokens to come stay in
@@ -1647,13 +1656,13 @@ unsafe fn cache_place<T>(f: &Fused<T>, t: u32) -> Option<(u32, u32)> {
 /// Touches no memory a thread reads or writes: a prefetch has no architectural effect, and the
 /// addresses are those of heads that exist (`i0 + group % U < heads`, a token below `tokens`).
 #[inline(always)]
-fn prefetch_ahead<T, const U: usize>(
+fn prefetch_ahead<T, const U: usize, const PARTIAL: bool>(
     (a, prefetch_tokens): (&Args<T>, u32),
     (x, strides): (*const T, [u64; 3]),
     token: u32,
     (i0, heads): (u32, u32),
     group: u32,
-    half: u32,
+    (half, head_dim): (u32, u32),
 ) {
     let ahead = u64::from(token) + u64::from(prefetch_tokens);
     if prefetch_tokens == 0 || ahead >= a.tokens {
@@ -1663,7 +1672,7 @@ fn prefetch_ahead<T, const U: usize>(
     let (b, s) = a.seq.div_rem_u32(ahead as u32);
     let line = (128 / size_of::<T>()) as u32;
     let (head, first) = (i0 + group % U as u32, (group / U as u32) * line);
-    if head < heads && first < 2 * half {
+    if head < heads && first < if PARTIAL { head_dim } else { 2 * half } {
         let at = offset_u32(strides, (b, s), head) + first;
         prefetch_l2(x.wrapping_add(at as usize));
     }
@@ -2044,7 +2053,8 @@ impl<T> Fused<T> {
 }
 
 /// Defines one exported entry point per (pairing, source, dtype) and mapping: wide, narrow and
-/// two heads per thread, then the four-heads, rows, partial and NVFP4 entry points.
+/// two heads per thread, then the four-heads, rows, partial (two and four heads) and NVFP4
+/// entry points.
 macro_rules! fused_kernel {
     (
         $($wide:ident, $narrow:ident, $two_heads:ident, $forms:ident:
@@ -2052,6 +2062,7 @@ macro_rules! fused_kernel {
         @four_heads $($four:ident: $fpairing:ident, $fsource:ident, $fdt:ident, $ft:ty;)*
         @rows $($rows:ident: $rsource:ident, $rdt:ident, $rt:ty;)*
         @partial $($ptwo:ident: $ppairing:ident, $psource:ident, $pdt:ident, $pt:ty;)*
+        @partial_four $($pfour:ident: $qpairing:ident, $qsource:ident, $qdt:ident, $qt:ty;)*
         @nvfp4 $($nfour:ident: $npairing:ident, $nsource:ident, $ndt:ident, $nt:ty;)*
         @long_norm $($lfour:ident: $lpairing:ident, $lsource:ident, $ldt:ident, $lt:ty;)*
     ) => {
@@ -2082,6 +2093,11 @@ macro_rules! fused_kernel {
         $(
             crate::fused_kernel_params!(fused_entry {
                 $ptwo, TWO_HEADS: $ppairing, $psource, $pt, FusedParams => new, false, true, false, false
+            });
+        )*
+        $(
+            crate::fused_kernel_params!(fused_entry {
+                $pfour, FOUR_HEADS: $qpairing, $qsource, $qt, FusedParams => new, false, true, false, false
             });
         )*
         $(
@@ -2118,7 +2134,8 @@ macro_rules! fused_entry {
         /// two-heads kernels of FlashInfer's forms, with page-table caches, E5M2, multipliers by
         /// value, an FP8 k output and non-rotary parts; `_two_heads_partial`: the two-heads
         /// kernels of heads longer than the rotation, whose features past it are normalised and
-        /// stored unrotated; `_four_heads_nvfp4`: the four-heads kernels of NVFP4 caches;
+        /// stored unrotated, and `_four_heads_partial` their four-heads kernels;
+        /// `_four_heads_nvfp4`: the four-heads kernels of NVFP4 caches;
         /// `_four_heads_long_norm`: the four-heads kernels of norms summed across a head's
         /// warps). See
         /// the module documentation, and

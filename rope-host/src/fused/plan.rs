@@ -210,7 +210,7 @@ pub(crate) fn plan_checked(
     let nvfp4 = req
         .cache
         .is_some_and(|c| matches!(c.store, CacheStore::Nvfp4(_)));
-    // Partial heads, like FlashInfer's forms, have two-heads kernels alone.
+    // Partial heads, like FlashInfer's forms, have token-heads kernels alone.
     let token_heads =
         (choice != FusedKernels::ItemLoop || flashinfer.is_some() || partial || nvfp4 || long_norm)
             && kernel.mapping == Mapping::WIDE
@@ -313,8 +313,8 @@ pub(crate) fn plan_checked(
             .map_or(0, |(_, l)| l.heads as u32),
     ];
     let warps_at = |heads: u32| stored_heads.map(|h| token_heads_warps(h, groups, heads));
-    // Only a two-heads kernel without FlashInfer's forms has a four-heads kernel, so the item
-    // loop never takes one.
+    // Only a two-heads kernel without FlashInfer's forms (of whole heads, or of partial heads of
+    // 16-bit elements) has a four-heads kernel, so the item loop never takes one.
     // NVFP4 caches and norms summed across warps take their four-heads kernel whatever the
     // size or the choice.
     let four_heads = if nvfp4 || long_norm {

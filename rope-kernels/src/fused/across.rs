@@ -165,13 +165,13 @@ unsafe fn body<T: Elem, P: Pairing, S: Source, const L: usize, const U: usize>(g
         }
     });
     if pairs_here {
-        prefetch_ahead::<T, U>(
+        prefetch_ahead::<T, U, false>(
             (a, g.prefetch_tokens),
             (tensor.x, tensor.x_strides),
             token,
             (i0, tensor.heads),
             group,
-            half,
+            (half, 2 * half),
         );
     }
     // SAFETY: 2 half values from 0 fit the buffer (checked above); (b, s) is a token; the

@@ -89,8 +89,8 @@ fn run_drawn<T: TestElem, F: Fn(u64, &mut Case, &mut StdRng)>(
 /// Partial rotations on the fused kernels (GLM-4's and Phi's half-head rotary with a q/k norm):
 /// random cases of every mode but FlashInfer's forms, heads of 64, 96, 128, 256 or 512
 /// features of which the first half or quarter rotate, through both entries and every kernel
-/// choice (partial heads take the two-heads kernels whatever is pinned), every fifth case
-/// prefill-sized. Every output and cache element matches the f64 reference: the rotated
+/// choice (partial heads of 16-bit elements take the four-heads kernels at prefill or pinned to
+/// four heads, the others two heads a thread), every fifth case prefill-sized. Every output and cache element matches the f64 reference: the rotated
 /// features rotated, those past them normalised with the norm, else as they were.
 fn run_partial<T: TestElem>(name: &str, cases: u64) {
     let change = |_: u64, c: &mut Case, rng: &mut StdRng| {

@@ -308,11 +308,14 @@ fn four_heads_per_thread_only_for_launches_of_many_waves() {
 }
 
 /// A partial rotation with a norm and a cache (the first `rotary_dim` of 128 features) plans on
-/// the two-heads kernels of partial heads, whatever kernels are pinned: `rot_groups` for the
-/// rotated features' accesses, and `groups` the next power of two of those and the accesses of
-/// the features past them (two vectors of 4 a group for NeoX bf16, one of 8 interleaved).
+/// the kernels of partial heads, whatever kernels are pinned: four heads a thread for 16-bit
+/// elements at prefill (as whole heads: the planner's choice or pinned to four heads), else
+/// two; `rot_groups` for the rotated features' accesses, and `groups` the next power of two of
+/// those and the accesses of the features past them (two vectors of 4 a group for NeoX bf16,
+/// one of 8 interleaved).
 #[test]
-fn partial_rotations_take_the_two_heads_kernels_of_partial_heads() {
+fn partial_rotations_take_the_token_heads_kernels_of_partial_heads() {
+    use rope_kernels::abi::FusedForms;
     for (style, rotary_dim, rot_groups, groups) in [
         (RopeStyle::Neox, 64, 8, 16),
         (RopeStyle::Neox, 96, 12, 16),
@@ -320,26 +323,49 @@ fn partial_rotations_take_the_two_heads_kernels_of_partial_heads() {
         (RopeStyle::Interleaved, 64, 8, 16),
         (RopeStyle::Interleaved, 120, 15, 16),
     ] {
-        for choice in [
-            FusedKernels::Auto,
-            FusedKernels::FourHeads,
-            FusedKernels::ItemLoop,
+        for (choice, tokens, dtype, mapping) in [
+            (FusedKernels::Auto, 8192, DType::BF16, Mapping::FOUR_HEADS),
+            (
+                FusedKernels::FourHeads,
+                8192,
+                DType::F16,
+                Mapping::FOUR_HEADS,
+            ),
+            (
+                FusedKernels::FourHeads,
+                64,
+                DType::BF16,
+                Mapping::FOUR_HEADS,
+            ),
+            (FusedKernels::Auto, 64, DType::BF16, Mapping::TWO_HEADS),
+            (
+                FusedKernels::TwoHeads,
+                8192,
+                DType::BF16,
+                Mapping::TWO_HEADS,
+            ),
+            (
+                FusedKernels::ItemLoop,
+                8192,
+                DType::BF16,
+                Mapping::TWO_HEADS,
+            ),
+            (FusedKernels::Auto, 8192, DType::F32, Mapping::TWO_HEADS),
         ] {
-            let mut r = with_tokens(style, 8192);
+            let mut r = with_tokens(style, tokens);
+            r.rope.dtype = dtype;
             r.rope.config = RopeConfig::builder(D as u32, style)
                 .rotary_dim(rotary_dim)
                 .build()
                 .expect("valid");
             let p = plan_with(&r, choice).expect("valid").expect("non-empty");
-            let case = (style, rotary_dim, choice);
-            assert_eq!(p.kernel.mapping, Mapping::TWO_HEADS, "{case:?}");
-            assert_eq!(
-                p.kernel.forms,
-                rope_kernels::abi::FusedForms::Partial,
-                "{case:?}"
-            );
-            let planned = (p.rot_groups, p.grid.groups.divisor.get());
-            assert_eq!(planned, (rot_groups, groups), "{case:?}");
+            let case = (style, rotary_dim, choice, tokens, dtype);
+            assert_eq!(p.kernel.mapping, mapping, "{case:?}");
+            assert_eq!(p.kernel.forms, FusedForms::Partial, "{case:?}");
+            if dtype != DType::F32 {
+                let planned = (p.rot_groups, p.grid.groups.divisor.get());
+                assert_eq!(planned, (rot_groups, groups), "{case:?}");
+            }
         }
     }
 }
