@@ -123,6 +123,10 @@ enum Variant {
     /// (`[blocks, 16, 512 + 64]`, each row the latent features then the rotated `k_pe`,
     /// launched by address as `concat_and_cache_mla_rope_fused` is).
     Mla { fp8: bool, cache: MlaCache },
+    /// `NormRope` (`cache` false) or `NormRopeCache` with the first half of each head rotated
+    /// (GLM-4's and Phi's partial rotary): the norm and the stores take whole heads. Sin/cos
+    /// computed: left out of runs with a table or a partial rotation of their own.
+    HalfRotary { cache: bool },
 }
 
 /// The caches of MLA's rows.
@@ -173,7 +177,7 @@ const MLA_LATENT: usize = 512;
 
 /// Each variant, its name, the copy of its own bytes, and how its launches overlap the one
 /// before (the rotation's, for the unfused sequence).
-const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 30] = [
+const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 32] = [
     (
         Variant::AcrossHeads,
         "DiT: norm across heads + 3-D axial rope",
@@ -245,6 +249,18 @@ const VARIANTS: [(Variant, &str, Option<&str>, StreamOverlap); 30] = [
         Variant::NormRopeCacheNvfp4,
         "norm + rope + FP8 q, NVFP4 cache",
         Some(COPY_NVFP4),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::HalfRotary { cache: false },
+        "norm + rope, half rotary",
+        Some(COPY_QK),
+        StreamOverlap::None,
+    ),
+    (
+        Variant::HalfRotary { cache: true },
+        "norm + rope + cache, half rotary",
+        Some(COPY_QKV),
         StreamOverlap::None,
     ),
     (
@@ -857,7 +873,19 @@ impl Buffers {
             Layout::thd(t, HQ, head_dim()),
             Layout::thd(t, HK, head_dim()),
         );
-        let config = self.config;
+        let (variant, config) = match variant {
+            Variant::HalfRotary { cache } => (
+                if cache {
+                    Variant::NormRopeCache
+                } else {
+                    Variant::NormRope
+                },
+                RopeConfig::builder(head_dim() as u32, self.config.style())
+                    .rotary_dim(head_dim() as u32 / 2)
+                    .build()?,
+            ),
+            v => (v, self.config),
+        };
         let rope_op = || RopeOp {
             config,
             positions: Positions::Ids {
@@ -885,6 +913,9 @@ impl Buffers {
             head_dim(),
         );
         match variant {
+            Variant::HalfRotary { .. } => {
+                anyhow::bail!("half-rotary rows launch as norm + rope (+ cache), mapped above")
+            }
             Variant::Copy(bytes) => {
                 let (qn, kn) = (t * HQ * head_dim(), t * HK * head_dim());
                 let n = match bytes {
@@ -1142,10 +1173,12 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
         .build()?;
     let handles = Handles::new(&stream, THETA, rotary)?;
     handles.prepare(THETA, MLA_ROPE as u32)?;
+    handles.prepare(THETA, head_dim() as u32 / 2)?;
     let mut rows = Vec::new();
     // FlashInfer's forms, NVFP4 caches, the backward and the DiT row rotate whole heads only: a partial
     // rotation (`ROTARY_VAR`) skips them, and MLA's rows, which rotate whole heads of their own.
     let partial = rotary < head_dim() as u32;
+    let table = std::env::var(SINCOS_VAR).as_deref() == Ok("table");
     let own_heads = head_dim() != DEFAULT_D;
     let variants: Vec<_> = VARIANTS
         .into_iter()
@@ -1162,6 +1195,7 @@ pub fn fused_rows(ordinal: usize, shapes: &[&str]) -> anyhow::Result<Vec<FusedRo
             head_dim() <= 256
                 || !matches!(v, Variant::NormRopeCacheNvfp4 | Variant::Copy(Bytes::Nvfp4))
         })
+        .filter(|(v, ..)| !((partial || table) && matches!(v, Variant::HalfRotary { .. })))
         .filter(|(v, ..)| {
             !partial
                 || !matches!(

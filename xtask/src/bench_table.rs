@@ -48,7 +48,17 @@ const FUSED: [(&str, &str); 5] = [
 
 /// The fused variants added to `rope-bench` after the rows above, shown where the report has
 /// them (older reports lack them), each with whether it has a `, PDL` twin.
-const LATER_FUSED: [(&str, &str, bool); 5] = [
+const LATER_FUSED: [(&str, &str, bool); 7] = [
+    (
+        "norm + rope, half rotary",
+        "norm + rope, half of each head rotated",
+        false,
+    ),
+    (
+        "norm + rope + cache, half rotary",
+        "norm + rope + KV-cache write, half of each head rotated",
+        false,
+    ),
     (
         "norm + rope + FP8 q, NVFP4 cache",
         "norm + rope + FP8 q, NVFP4 cache",
