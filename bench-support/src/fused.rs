@@ -584,6 +584,20 @@ fn q_fp8<'a>(
     }
 }
 
+/// MLA's `q_pe` in `t` tokens of q: the last `MLA_ROPE` of each head's `MLA_Q_DIM` features.
+fn mla_q_pe(t: usize) -> rope_host::Result<Layout> {
+    Layout::strided(
+        [1, t, MLA_HEADS, MLA_ROPE],
+        [
+            t * MLA_HEADS * MLA_Q_DIM,
+            MLA_HEADS * MLA_Q_DIM,
+            MLA_Q_DIM,
+            1,
+        ],
+        MLA_Q_DIM - MLA_ROPE,
+    )
+}
+
 /// An NVFP4 cache of codes and block scales with one global scale.
 fn nvfp4_cache<'a>(
     (values, block_scales): (&'a mut CudaSlice<u8>, &'a mut CudaSlice<u8>),
@@ -687,16 +701,7 @@ impl Buffers {
     /// form of the launch: `k_pe` and the latent features in tensors of their own).
     fn run_mla(&mut self, rope: &Rope, fp8: bool) -> anyhow::Result<()> {
         let t = self.tokens;
-        let q_pe = Layout::strided(
-            [1, t, MLA_HEADS, MLA_ROPE],
-            [
-                t * MLA_HEADS * MLA_Q_DIM,
-                MLA_HEADS * MLA_Q_DIM,
-                MLA_Q_DIM,
-                1,
-            ],
-            MLA_Q_DIM - MLA_ROPE,
-        )?;
+        let q_pe = mla_q_pe(t)?;
         let blocks = self.mla_caches.0.len() / (BLOCK * MLA_ROPE);
         let op = FusedOp {
             rope: RopeOp {
@@ -765,16 +770,7 @@ impl Buffers {
     ) -> anyhow::Result<()> {
         let t = self.tokens;
         let raw = |ptr: u64, len: usize| RawBuf { ptr, len };
-        let q_pe = Layout::strided(
-            [1, t, MLA_HEADS, MLA_ROPE],
-            [
-                t * MLA_HEADS * MLA_Q_DIM,
-                MLA_HEADS * MLA_Q_DIM,
-                MLA_Q_DIM,
-                1,
-            ],
-            MLA_Q_DIM - MLA_ROPE,
-        )?;
+        let q_pe = mla_q_pe(t)?;
         let sincos = match self.mla_table.as_ref().map(|t| (t.data(), t.shape())) {
             Some((TableData::Combined(cache), shape)) => RawSinCos::CosSinCache {
                 cache: raw(cache.device_ptr(stream).0, cache.len()),
