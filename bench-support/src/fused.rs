@@ -869,18 +869,13 @@ impl Buffers {
             Layout::thd(t, HQ, head_dim()),
             Layout::thd(t, HK, head_dim()),
         );
-        let (variant, config) = match variant {
-            Variant::HalfRotary { cache } => (
-                if cache {
-                    Variant::NormRopeCache
-                } else {
-                    Variant::NormRope
-                },
+        let config = match variant {
+            Variant::HalfRotary { .. } => {
                 RopeConfig::builder(head_dim() as u32, self.config.style())
                     .rotary_dim(head_dim() as u32 / 2)
-                    .build()?,
-            ),
-            v => (v, self.config),
+                    .build()?
+            }
+            _ => self.config,
         };
         let rope_op = || RopeOp {
             config,
@@ -909,9 +904,6 @@ impl Buffers {
             head_dim(),
         );
         match variant {
-            Variant::HalfRotary { .. } => {
-                anyhow::bail!("half-rotary rows launch as norm + rope (+ cache), mapped above")
-            }
             Variant::Copy(bytes) => {
                 let (qn, kn) = (t * HQ * head_dim(), t * HK * head_dim());
                 let n = match bytes {
@@ -952,7 +944,7 @@ impl Buffers {
                 let mut dst = self.qkv_dst.slice_mut(qn..qn + 2 * kn);
                 Ok(stream.memcpy_dtod(&src, &mut dst)?)
             }
-            Variant::NormRope => {
+            Variant::NormRope | Variant::HalfRotary { cache: false } => {
                 let op = FusedOp {
                     rope: rope_op(),
                     norm: norm(true),
@@ -1045,6 +1037,7 @@ impl Buffers {
             }
             Variant::RopeCache
             | Variant::NormRopeCache
+            | Variant::HalfRotary { cache: true }
             | Variant::NormRopeCacheFp8
             | Variant::NormRopeCacheNvfp4 => {
                 let nvfp4 = variant == Variant::NormRopeCacheNvfp4;
